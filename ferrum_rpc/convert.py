@@ -1,0 +1,158 @@
+"""Protobuf <-> domain objects, the one translation both sides share.
+
+The servicer and the client only call these; neither builds messages field by
+field elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from dataclasses import fields as dataclass_fields
+
+import numpy as np
+
+from ferrum_rpc import tensor_codec
+from ferrum_rpc.errors import InvalidInput
+from ferrum_rpc.types import (
+    BlockTable,
+    Capabilities,
+    ExecutorStatus,
+    KvCacheHandle,
+    Logits,
+    LogitsKind,
+    LogitsPolicy,
+    ModelInfo,
+    ServerState,
+    Timing,
+)
+from ferrum_rpc.v1 import executor_pb2 as pb
+
+_KIND_TO_PROTO = {
+    LogitsKind.FULL: pb.LOGITS_KIND_FULL,
+    LogitsKind.TOP_K: pb.LOGITS_KIND_TOP_K,
+    LogitsKind.ARGMAX: pb.LOGITS_KIND_ARGMAX,
+}
+_KIND_FROM_PROTO = {v: k for k, v in _KIND_TO_PROTO.items()}
+_KIND_FROM_PROTO[pb.LOGITS_KIND_UNSPECIFIED] = LogitsKind.FULL
+
+
+def handle_to_proto(h: KvCacheHandle) -> pb.KvCacheHandle:
+    return pb.KvCacheHandle(
+        cache_id=h.cache_id,
+        sequence_length=h.sequence_length,
+        num_layers=h.num_layers,
+        num_kv_heads=h.num_kv_heads,
+        head_dim=h.head_dim,
+        device=h.device,
+        block_table=pb.BlockTable(
+            block_size=h.block_table.block_size, block_ids=h.block_table.block_ids
+        ),
+        model=h.model,
+        server_instance_id=h.server_instance_id,
+    )
+
+
+def handle_from_proto(m: pb.KvCacheHandle) -> KvCacheHandle:
+    return KvCacheHandle(
+        cache_id=m.cache_id,
+        sequence_length=m.sequence_length,
+        num_layers=m.num_layers,
+        num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
+        device=m.device,
+        block_table=BlockTable(m.block_table.block_size, tuple(m.block_table.block_ids)),
+        model=m.model,
+        server_instance_id=m.server_instance_id,
+    )
+
+
+def policy_to_proto(p: LogitsPolicy) -> pb.LogitsPolicy:
+    return pb.LogitsPolicy(
+        kind=_KIND_TO_PROTO[p.kind],
+        dtype=tensor_codec.dtype_to_proto(p.dtype),
+        top_k=p.top_k,
+        all_positions=p.all_positions,
+    )
+
+
+def policy_from_proto(m: pb.LogitsPolicy) -> LogitsPolicy:
+    kind = _KIND_FROM_PROTO.get(m.kind)
+    if kind is None:
+        raise InvalidInput(f"unknown logits kind {m.kind}")
+    dtype = "float32" if m.dtype == pb.DTYPE_UNSPECIFIED else tensor_codec.dtype_from_proto(m.dtype)
+    return LogitsPolicy(kind=kind, dtype=dtype, top_k=m.top_k, all_positions=m.all_positions)
+
+
+def logits_to_proto(logits: Logits) -> pb.Logits:
+    msg = pb.Logits(
+        kind=_KIND_TO_PROTO[logits.kind],
+        values=tensor_codec.encode(logits.values),
+        vocab_size=logits.vocab_size,
+    )
+    if logits.token_ids is not None:
+        ids = logits.token_ids
+        msg.token_ids.extend(ids.reshape(-1).tolist())
+    return msg
+
+
+def logits_from_proto(m: pb.Logits) -> Logits:
+    kind = _KIND_FROM_PROTO[m.kind]
+    values = tensor_codec.to_numpy(m.values)
+    token_ids = None
+    if kind is not LogitsKind.FULL:
+        token_ids = np.asarray(m.token_ids, dtype=np.int64).reshape(values.shape)
+    return Logits(kind=kind, values=values, token_ids=token_ids, vocab_size=m.vocab_size)
+
+
+def timing_to_proto(t: Timing) -> pb.Timing:
+    return pb.Timing(
+        queue_ns=t.queue_ns, forward_ns=t.forward_ns, total_ns=t.total_ns, batch_size=t.batch_size
+    )
+
+
+def timing_from_proto(m: pb.Timing) -> Timing:
+    return Timing(m.queue_ns, m.forward_ns, m.total_ns, m.batch_size)
+
+
+def model_info_to_proto(info: ModelInfo) -> pb.ModelInfo:
+    fields = asdict(info)
+    fields["dtype"] = tensor_codec.dtype_to_proto(info.dtype)
+    return pb.ModelInfo(**fields)
+
+
+def model_info_from_proto(m: pb.ModelInfo) -> ModelInfo:
+    fields = _fields_of(ModelInfo, m)
+    fields["dtype"] = tensor_codec.dtype_from_proto(m.dtype)
+    fields["eos_token_ids"] = tuple(m.eos_token_ids)
+    return ModelInfo(**fields)
+
+
+def capabilities_to_proto(c: Capabilities) -> pb.Capabilities:
+    fields = asdict(c)
+    fields["logits_kinds"] = [_KIND_TO_PROTO[k] for k in c.logits_kinds]
+    fields["logits_dtypes"] = [tensor_codec.dtype_to_proto(d) for d in c.logits_dtypes]
+    return pb.Capabilities(**fields)
+
+
+def capabilities_from_proto(m: pb.Capabilities) -> Capabilities:
+    fields = _fields_of(Capabilities, m)
+    fields["logits_kinds"] = tuple(_KIND_FROM_PROTO[k] for k in m.logits_kinds)
+    fields["logits_dtypes"] = tuple(tensor_codec.dtype_from_proto(d) for d in m.logits_dtypes)
+    fields["models"] = tuple(m.models)
+    return Capabilities(**fields)
+
+
+def status_to_proto(s: ExecutorStatus) -> pb.Status:
+    fields = asdict(s)
+    fields["state"] = s.state.value
+    return pb.Status(**fields)
+
+
+def status_from_proto(m: pb.Status) -> ExecutorStatus:
+    fields = _fields_of(ExecutorStatus, m)
+    fields["state"] = ServerState(m.state)
+    return ExecutorStatus(**fields)
+
+
+def _fields_of(cls, message) -> dict:
+    return {f.name: getattr(message, f.name) for f in dataclass_fields(cls)}

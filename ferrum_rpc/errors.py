@@ -1,0 +1,157 @@
+"""The error table: every failure the executor reports, mapped in one place.
+
+Server and client share it.  The server turns an :class:`ExecutorError` into a
+gRPC status whose details carry a ``google.rpc.ErrorInfo`` with the reason;
+the client turns that status back into the same exception class, so caller
+code can ``except CacheNotFound`` whether it runs in-process or remote.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import grpc
+
+ERROR_DOMAIN = "ferrum.executor.v1"
+
+
+class Reason(str, enum.Enum):
+    """Machine-readable reasons (``ErrorInfo.reason``)."""
+
+    CACHE_NOT_FOUND = "CACHE_NOT_FOUND"
+    STALE_HANDLE = "STALE_HANDLE"
+    LENGTH_MISMATCH = "LENGTH_MISMATCH"
+    INVALID_INPUT = "INVALID_INPUT"
+    SEQUENCE_TOO_LONG = "SEQUENCE_TOO_LONG"
+    KV_CAPACITY_EXHAUSTED = "KV_CAPACITY_EXHAUSTED"
+    MODEL_NOT_FOUND = "MODEL_NOT_FOUND"
+    MODEL_LOADING = "MODEL_LOADING"
+    DRAINING = "DRAINING"
+
+
+STATUS_FOR_REASON: dict[Reason, grpc.StatusCode] = {
+    Reason.CACHE_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Reason.STALE_HANDLE: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.LENGTH_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.INVALID_INPUT: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.SEQUENCE_TOO_LONG: grpc.StatusCode.OUT_OF_RANGE,
+    Reason.KV_CAPACITY_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.MODEL_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Reason.MODEL_LOADING: grpc.StatusCode.UNAVAILABLE,
+    Reason.DRAINING: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+class ExecutorError(Exception):
+    """A failure of an executor call; ``reason`` is None for statuses outside the table.
+
+    Attributes:
+        reason: the table's reason, or None (e.g. UNIMPLEMENTED, DEADLINE_EXCEEDED).
+        code: the gRPC status code.
+        message: human-readable detail.
+    """
+
+    reason: Reason | None = None
+
+    def __init__(self, message: str, *, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.message = message
+        if code is None:
+            code = STATUS_FOR_REASON.get(self.reason, grpc.StatusCode.INTERNAL)
+        self.code = code
+
+    def __str__(self) -> str:
+        tag = self.reason.value if self.reason else self.code.name
+        return f"{tag}: {self.message}"
+
+
+class CacheNotFound(ExecutorError):
+    reason = Reason.CACHE_NOT_FOUND
+
+
+class StaleHandle(ExecutorError):
+    reason = Reason.STALE_HANDLE
+
+
+class LengthMismatch(ExecutorError):
+    reason = Reason.LENGTH_MISMATCH
+
+
+class InvalidInput(ExecutorError):
+    reason = Reason.INVALID_INPUT
+
+
+class SequenceTooLong(ExecutorError):
+    reason = Reason.SEQUENCE_TOO_LONG
+
+
+class KvCapacityExhausted(ExecutorError):
+    reason = Reason.KV_CAPACITY_EXHAUSTED
+
+
+class ModelNotFound(ExecutorError):
+    reason = Reason.MODEL_NOT_FOUND
+
+
+class ModelLoading(ExecutorError):
+    reason = Reason.MODEL_LOADING
+
+
+class Draining(ExecutorError):
+    reason = Reason.DRAINING
+
+
+ERROR_CLASSES: dict[Reason, type[ExecutorError]] = {
+    cls.reason: cls
+    for cls in (
+        CacheNotFound,
+        StaleHandle,
+        LengthMismatch,
+        InvalidInput,
+        SequenceTooLong,
+        KvCapacityExhausted,
+        ModelNotFound,
+        ModelLoading,
+        Draining,
+    )
+}
+
+
+def to_rpc_status(err: ExecutorError):
+    """Builds the ``grpc.Status`` (code, message, ErrorInfo detail) for an error."""
+    from google.protobuf import any_pb2
+    from google.rpc import error_details_pb2, status_pb2
+    from grpc_status import rpc_status
+
+    detail = any_pb2.Any()
+    detail.Pack(
+        error_details_pb2.ErrorInfo(
+            reason=err.reason.value if err.reason else err.code.name,
+            domain=ERROR_DOMAIN,
+        )
+    )
+    status = status_pb2.Status(code=err.code.value[0], message=str(err), details=[detail])
+    return rpc_status.to_status(status)
+
+
+def from_rpc_error(exc: grpc.RpcError) -> ExecutorError:
+    """Rebuilds the typed error from a failed call (sync or asyncio)."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    code = exc.code()
+    message = exc.details() or ""
+    reason = None
+    try:
+        status = rpc_status.from_call(exc)
+    except ValueError:  # details disagree with code/message; keep what we have
+        status = None
+    for detail in status.details if status else ():
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            if info.domain == ERROR_DOMAIN and info.reason in Reason.__members__:
+                reason = Reason(info.reason)
+    cls = ERROR_CLASSES.get(reason, ExecutorError)
+    prefix = f"{reason.value}: " if reason else ""
+    return cls(message.removeprefix(prefix), code=code)

@@ -1,0 +1,118 @@
+"""Tensor <-> wire ``Tensor`` (little-endian, row-major, no padding).
+
+Decoding wraps the message's bytes without copying (``np.frombuffer``); the
+resulting arrays are read-only.  bfloat16 has no numpy dtype, so it travels as
+its raw 16-bit patterns and numpy decoding widens it to float32 exactly.
+torch is imported lazily: the client needs only numpy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ferrum_rpc.errors import InvalidInput
+from ferrum_rpc.v1 import executor_pb2 as pb
+
+_NUMPY_DTYPES = {
+    pb.DTYPE_FLOAT32: np.dtype("<f4"),
+    pb.DTYPE_FLOAT16: np.dtype("<f2"),
+    pb.DTYPE_BFLOAT16: np.dtype("<u2"),  # raw bit patterns
+    pb.DTYPE_INT32: np.dtype("<i4"),
+    pb.DTYPE_INT64: np.dtype("<i8"),
+    pb.DTYPE_UINT32: np.dtype("<u4"),
+}
+_DTYPE_BY_NAME = {
+    "float32": pb.DTYPE_FLOAT32,
+    "float16": pb.DTYPE_FLOAT16,
+    "bfloat16": pb.DTYPE_BFLOAT16,
+    "int32": pb.DTYPE_INT32,
+    "int64": pb.DTYPE_INT64,
+    "uint32": pb.DTYPE_UINT32,
+}
+_NAME_BY_DTYPE = {v: k for k, v in _DTYPE_BY_NAME.items()}
+
+
+def dtype_to_proto(name: str) -> int:
+    """'float32' -> DTYPE_FLOAT32, etc."""
+    try:
+        return _DTYPE_BY_NAME[name]
+    except KeyError:
+        raise InvalidInput(f"unsupported dtype {name!r}") from None
+
+
+def dtype_from_proto(value: int) -> str:
+    try:
+        return _NAME_BY_DTYPE[value]
+    except KeyError:
+        raise InvalidInput(f"unsupported dtype enum value {value}") from None
+
+
+def encode(array: Any) -> pb.Tensor:
+    """Encodes a numpy array or a (CPU or CUDA) torch tensor."""
+    if not isinstance(array, np.ndarray):
+        return _encode_torch(array)
+    name = array.dtype.name
+    out = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+    return pb.Tensor(dtype=dtype_to_proto(name), shape=out.shape, data=out.tobytes())
+
+
+def _encode_torch(tensor: Any) -> pb.Tensor:
+    import torch
+
+    tensor = tensor.detach().contiguous().cpu()
+    if tensor.dtype == torch.bfloat16:
+        bits = tensor.view(torch.int16).numpy()
+        return pb.Tensor(dtype=pb.DTYPE_BFLOAT16, shape=tensor.shape, data=bits.tobytes())
+    return encode(tensor.numpy())
+
+
+def _checked_view(t: pb.Tensor) -> np.ndarray:
+    dtype = _NUMPY_DTYPES.get(t.dtype)
+    if dtype is None:
+        raise InvalidInput(f"unsupported tensor dtype enum value {t.dtype}")
+    if any(d < 0 for d in t.shape):
+        raise InvalidInput(f"negative dimension in tensor shape {list(t.shape)}")
+    expected = math.prod(t.shape) * dtype.itemsize
+    if len(t.data) != expected:
+        raise InvalidInput(
+            f"tensor of shape {list(t.shape)} and dtype {_NAME_BY_DTYPE[t.dtype]} needs "
+            f"{expected} bytes, got {len(t.data)}"
+        )
+    return np.frombuffer(t.data, dtype=dtype).reshape(tuple(t.shape))
+
+
+def to_numpy(t: pb.Tensor) -> np.ndarray:
+    """Decodes to numpy without copying; bfloat16 is widened to float32."""
+    array = _checked_view(t)
+    if t.dtype == pb.DTYPE_BFLOAT16:
+        return (array.astype(np.uint32) << 16).view(np.float32)
+    return array
+
+
+def to_torch(t: pb.Tensor) -> Any:
+    """Decodes to a CPU torch tensor of the wire dtype, sharing the message's bytes.
+
+    The tensor aliases immutable memory: treat it as read-only (clone to write).
+    """
+    import warnings
+
+    import torch
+
+    array = _checked_view(t)
+    torch_dtype = {
+        pb.DTYPE_FLOAT32: torch.float32,
+        pb.DTYPE_FLOAT16: torch.float16,
+        pb.DTYPE_BFLOAT16: torch.bfloat16,
+        pb.DTYPE_INT32: torch.int32,
+        pb.DTYPE_INT64: torch.int64,
+        pb.DTYPE_UINT32: torch.uint32,
+    }[t.dtype]
+    if array.size == 0:
+        return torch.empty(array.shape, dtype=torch_dtype)
+    with warnings.catch_warnings():  # "buffer is not writable": documented above
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(t.data, dtype=torch_dtype)
+    return flat.reshape(array.shape)

@@ -1,0 +1,182 @@
+"""Typed, immutable objects of the executor contract, shared by server and client.
+
+They mirror the Ferrum engine's executor types (``PrefillInput``/``DecodeInput``
+results and the ``KvCacheHandle``).  On the server ``Logits.values`` is a torch
+tensor; on the client it is a numpy array decoded from the wire.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class BlockTable:
+    block_size: int
+    block_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class KvCacheHandle:
+    """A sequence whose KV lives on a server; rebuilt from the wire on the caller side."""
+
+    cache_id: str
+    sequence_length: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    device: str
+    block_table: BlockTable
+    model: str
+    server_instance_id: str
+
+
+class LogitsKind(enum.Enum):
+    FULL = 1
+    TOP_K = 2
+    ARGMAX = 3
+
+
+LOGITS_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class LogitsPolicy:
+    """What the server sends back per position.
+
+    Args:
+        kind: full rows, the top-k entries, or the argmax only.
+        dtype: wire dtype of full rows: "float32", "float16" or "bfloat16".
+        top_k: k for ``LogitsKind.TOP_K``.
+        all_positions: prefill only; every prompt position instead of the last.
+    """
+
+    kind: LogitsKind = LogitsKind.FULL
+    dtype: str = "float32"
+    top_k: int = 0
+    all_positions: bool = False
+
+    @classmethod
+    def full(cls, dtype: str = "float32", all_positions: bool = False) -> LogitsPolicy:
+        return cls(LogitsKind.FULL, dtype=dtype, all_positions=all_positions)
+
+    @classmethod
+    def topk(cls, k: int, all_positions: bool = False) -> LogitsPolicy:
+        return cls(LogitsKind.TOP_K, top_k=k, all_positions=all_positions)
+
+    @classmethod
+    def argmax(cls, all_positions: bool = False) -> LogitsPolicy:
+        return cls(LogitsKind.ARGMAX, all_positions=all_positions)
+
+
+@dataclass(frozen=True)
+class Logits:
+    """Logits for one or more positions, shaped (positions, ...).
+
+    ``values`` is (P, vocab) for FULL, (P, k) for TOP_K and (P, 1) for ARGMAX;
+    ``token_ids`` has the same shape for TOP_K/ARGMAX and is None for FULL.
+    """
+
+    kind: LogitsKind
+    values: Any
+    token_ids: Any = None
+    vocab_size: int = 0
+
+    def argmax(self) -> list[int]:
+        """The highest-scoring token id of each position."""
+        if self.kind is LogitsKind.FULL:
+            return [int(i) for i in self.values.argmax(-1)]
+        return [int(row[0]) for row in self.token_ids]
+
+
+@dataclass(frozen=True)
+class Timing:
+    queue_ns: int = 0
+    forward_ns: int = 0
+    total_ns: int = 0
+    batch_size: int = 0
+
+
+@dataclass(frozen=True)
+class PrefillOutput:
+    logits: Logits
+    kv_cache: KvCacheHandle
+    timing: Timing = field(default_factory=Timing)
+
+
+@dataclass(frozen=True)
+class DecodeInput:
+    token_id: int
+    kv_cache: KvCacheHandle
+
+
+@dataclass(frozen=True)
+class DecodeOutput:
+    logits: Logits
+    kv_cache: KvCacheHandle
+    timing: Timing = field(default_factory=Timing)
+
+
+@dataclass(frozen=True)
+class VerifyOutput:
+    logits: Logits
+    kv_cache: KvCacheHandle
+    timing: Timing = field(default_factory=Timing)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_sequence_length: int
+    dtype: str
+    device: str
+    parameter_count: int
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int = 0
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    model: str
+    max_batch_size: int
+    max_sequence_length: int
+    kv_block_size: int
+    kv_num_blocks: int
+    kv_capacity_tokens: int
+    logits_kinds: tuple[LogitsKind, ...]
+    logits_dtypes: tuple[str, ...]
+    chunked_prefill: bool
+    forward_verify: bool
+    truncate_kv: bool
+    max_message_bytes: int
+    models: tuple[str, ...] = ()
+
+
+class ServerState(enum.Enum):
+    LOADING = 1
+    SERVING = 2
+    DRAINING = 3
+
+
+@dataclass(frozen=True)
+class ExecutorStatus:
+    state: ServerState
+    server_instance_id: str
+    model: str
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    active_sequences: int
+    queue_depth: int
+    forwards: int
+    tokens_processed: int
+    uptime_s: float

@@ -1,0 +1,366 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_INT32: _ClassVar[DType]
+    DTYPE_INT64: _ClassVar[DType]
+    DTYPE_UINT32: _ClassVar[DType]
+
+class LogitsKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LOGITS_KIND_UNSPECIFIED: _ClassVar[LogitsKind]
+    LOGITS_KIND_FULL: _ClassVar[LogitsKind]
+    LOGITS_KIND_TOP_K: _ClassVar[LogitsKind]
+    LOGITS_KIND_ARGMAX: _ClassVar[LogitsKind]
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT32: DType
+DTYPE_FLOAT16: DType
+DTYPE_BFLOAT16: DType
+DTYPE_INT32: DType
+DTYPE_INT64: DType
+DTYPE_UINT32: DType
+LOGITS_KIND_UNSPECIFIED: LogitsKind
+LOGITS_KIND_FULL: LogitsKind
+LOGITS_KIND_TOP_K: LogitsKind
+LOGITS_KIND_ARGMAX: LogitsKind
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class BlockTable(_message.Message):
+    __slots__ = ("block_size", "block_ids")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_size: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KvCacheHandle(_message.Message):
+    __slots__ = ("cache_id", "sequence_length", "num_layers", "num_kv_heads", "head_dim", "device", "block_table", "model", "server_instance_id")
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SERVER_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    cache_id: str
+    sequence_length: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    device: str
+    block_table: BlockTable
+    model: str
+    server_instance_id: str
+    def __init__(self, cache_id: _Optional[str] = ..., sequence_length: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., device: _Optional[str] = ..., block_table: _Optional[_Union[BlockTable, _Mapping]] = ..., model: _Optional[str] = ..., server_instance_id: _Optional[str] = ...) -> None: ...
+
+class LogitsPolicy(_message.Message):
+    __slots__ = ("kind", "dtype", "top_k", "all_positions")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    ALL_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    kind: LogitsKind
+    dtype: DType
+    top_k: int
+    all_positions: bool
+    def __init__(self, kind: _Optional[_Union[LogitsKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., top_k: _Optional[int] = ..., all_positions: _Optional[bool] = ...) -> None: ...
+
+class Logits(_message.Message):
+    __slots__ = ("kind", "values", "token_ids", "vocab_size")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    kind: LogitsKind
+    values: Tensor
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    vocab_size: int
+    def __init__(self, kind: _Optional[_Union[LogitsKind, str]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+
+class Timing(_message.Message):
+    __slots__ = ("queue_ns", "forward_ns", "total_ns", "batch_size")
+    QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    queue_ns: int
+    forward_ns: int
+    total_ns: int
+    batch_size: int
+    def __init__(self, queue_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., batch_size: _Optional[int] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "architecture", "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "max_sequence_length", "dtype", "device", "parameter_count", "eos_token_ids", "bos_token_id")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ATTENTION_HEADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_sequence_length: int
+    dtype: DType
+    device: str
+    parameter_count: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    bos_token_id: int
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., device: _Optional[str] = ..., parameter_count: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ...) -> None: ...
+
+class GetCapabilitiesRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class Capabilities(_message.Message):
+    __slots__ = ("model", "max_batch_size", "max_sequence_length", "kv_block_size", "kv_num_blocks", "kv_capacity_tokens", "logits_kinds", "logits_dtypes", "chunked_prefill", "forward_verify", "truncate_kv", "max_message_bytes", "models")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_KINDS_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_DTYPES_FIELD_NUMBER: _ClassVar[int]
+    CHUNKED_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_VERIFY_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_KV_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    max_batch_size: int
+    max_sequence_length: int
+    kv_block_size: int
+    kv_num_blocks: int
+    kv_capacity_tokens: int
+    logits_kinds: _containers.RepeatedScalarFieldContainer[LogitsKind]
+    logits_dtypes: _containers.RepeatedScalarFieldContainer[DType]
+    chunked_prefill: bool
+    forward_verify: bool
+    truncate_kv: bool
+    max_message_bytes: int
+    models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., logits_kinds: _Optional[_Iterable[_Union[LogitsKind, str]]] = ..., logits_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., chunked_prefill: _Optional[bool] = ..., forward_verify: _Optional[bool] = ..., truncate_kv: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class Status(_message.Message):
+    __slots__ = ("state", "server_instance_id", "model", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "active_sequences", "queue_depth", "forwards", "tokens_processed", "uptime_s")
+    class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATE_UNSPECIFIED: _ClassVar[Status.State]
+        STATE_LOADING: _ClassVar[Status.State]
+        STATE_SERVING: _ClassVar[Status.State]
+        STATE_DRAINING: _ClassVar[Status.State]
+    STATE_UNSPECIFIED: Status.State
+    STATE_LOADING: Status.State
+    STATE_SERVING: Status.State
+    STATE_DRAINING: Status.State
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SERVER_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PROCESSED_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    state: Status.State
+    server_instance_id: str
+    model: str
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    active_sequences: int
+    queue_depth: int
+    forwards: int
+    tokens_processed: int
+    uptime_s: float
+    def __init__(self, state: _Optional[_Union[Status.State, str]] = ..., server_instance_id: _Optional[str] = ..., model: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., active_sequences: _Optional[int] = ..., queue_depth: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("model", "token_ids", "kv_cache", "logits")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    kv_cache: KvCacheHandle
+    logits: LogitsPolicy
+    def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., logits: _Optional[_Union[LogitsPolicy, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("logits", "kv_cache", "timing")
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    logits: Logits
+    kv_cache: KvCacheHandle
+    timing: Timing
+    def __init__(self, logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("model", "token_id", "kv_cache", "logits")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    token_id: int
+    kv_cache: KvCacheHandle
+    logits: LogitsPolicy
+    def __init__(self, model: _Optional[str] = ..., token_id: _Optional[int] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., logits: _Optional[_Union[LogitsPolicy, _Mapping]] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("logits", "kv_cache", "timing")
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    logits: Logits
+    kv_cache: KvCacheHandle
+    timing: Timing
+    def __init__(self, logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+
+class DecodeItem(_message.Message):
+    __slots__ = ("token_id", "kv_cache")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    kv_cache: KvCacheHandle
+    def __init__(self, token_id: _Optional[int] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ...) -> None: ...
+
+class BatchDecodeRequest(_message.Message):
+    __slots__ = ("model", "items", "logits")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    items: _containers.RepeatedCompositeFieldContainer[DecodeItem]
+    logits: LogitsPolicy
+    def __init__(self, model: _Optional[str] = ..., items: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ..., logits: _Optional[_Union[LogitsPolicy, _Mapping]] = ...) -> None: ...
+
+class BatchDecodeResponse(_message.Message):
+    __slots__ = ("index", "logits", "kv_cache", "timing")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    logits: Logits
+    kv_cache: KvCacheHandle
+    timing: Timing
+    def __init__(self, index: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+
+class ForwardVerifyRequest(_message.Message):
+    __slots__ = ("model", "token_ids", "kv_cache", "logits")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    kv_cache: KvCacheHandle
+    logits: LogitsPolicy
+    def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., logits: _Optional[_Union[LogitsPolicy, _Mapping]] = ...) -> None: ...
+
+class ForwardVerifyResponse(_message.Message):
+    __slots__ = ("logits", "kv_cache", "timing")
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    logits: Logits
+    kv_cache: KvCacheHandle
+    timing: Timing
+    def __init__(self, logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+
+class TruncateKvRequest(_message.Message):
+    __slots__ = ("kv_cache", "new_length")
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    NEW_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    kv_cache: KvCacheHandle
+    new_length: int
+    def __init__(self, kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., new_length: _Optional[int] = ...) -> None: ...
+
+class TruncateKvResponse(_message.Message):
+    __slots__ = ("kv_cache",)
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    kv_cache: KvCacheHandle
+    def __init__(self, kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ...) -> None: ...
+
+class ReleaseCacheRequest(_message.Message):
+    __slots__ = ("cache_id", "model")
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    cache_id: str
+    model: str
+    def __init__(self, cache_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
+class ReleaseCacheResponse(_message.Message):
+    __slots__ = ("blocks_freed",)
+    BLOCKS_FREED_FIELD_NUMBER: _ClassVar[int]
+    blocks_freed: int
+    def __init__(self, blocks_freed: _Optional[int] = ...) -> None: ...
+
+class ForwardRequest(_message.Message):
+    __slots__ = ("model", "input")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    input: Tensor
+    def __init__(self, model: _Optional[str] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class ForwardResponse(_message.Message):
+    __slots__ = ("output",)
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    output: Tensor
+    def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""The ferrum-rpc server: torch executors behind a grpc.aio servicer."""

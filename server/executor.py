@@ -1,0 +1,323 @@
+"""The torch executor: the Ferrum executor contract, in-process.
+
+Every public method validates first and mutates last, so a failed call leaves
+every sequence exactly as it was.  It is not thread-safe by design: one model
+worker thread (``worker.py``) makes every call, so the KV pool is never
+touched from two threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ferrum_rpc.errors import InvalidInput, LengthMismatch, SequenceTooLong, StaleHandle
+from ferrum_rpc.server.config import ExecutorConfig
+from ferrum_rpc.server.kv_cache import KvPool
+from ferrum_rpc.server.kv_manager import BlockManager, SequenceState
+from ferrum_rpc.server.models import load_model
+from ferrum_rpc.types import (
+    LOGITS_DTYPES,
+    BlockTable,
+    Capabilities,
+    DecodeInput,
+    DecodeOutput,
+    ExecutorStatus,
+    KvCacheHandle,
+    Logits,
+    LogitsKind,
+    LogitsPolicy,
+    ModelInfo,
+    PrefillOutput,
+    ServerState,
+    Timing,
+    VerifyOutput,
+)
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_WIRE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass
+class _Step:
+    """One sequence's part of a forward: tokens appended after ``start``."""
+
+    seq: SequenceState
+    tokens: list[int]
+    start: int
+    created: bool
+
+
+@dataclass
+class DecodePlan:
+    """A validated BatchDecode request whose KV room is already reserved."""
+
+    steps: list[_Step]
+    policy: LogitsPolicy
+
+
+class TorchExecutor:
+    """Hosts one model and its KV pool.
+
+    Args:
+        name: the model name callers use.
+        model: a loaded model (see ``models.load_model``).
+        config: serving limits.
+        instance_id: identifies this server process in handles.
+    """
+
+    def __init__(self, name: str, model: torch.nn.Module, config: ExecutorConfig, instance_id: str):
+        self.name, self.model, self.config, self.instance_id = name, model, config, instance_id
+        mc = model.config
+        self.model_config = mc
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.max_seq_len = min(config.max_seq_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        num_blocks = -(-config.kv_tokens // config.block_size)
+        self.kv = BlockManager(num_blocks, config.block_size)
+        self.pool = KvPool(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads,
+                           mc.head_dim, self.dtype, self.device)
+        self.forwards = 0
+        self.tokens_processed = 0
+        self.started = time.monotonic()
+        log.info("%s: KV pool of %d blocks x %d tokens (%.1f MiB on %s)", name, num_blocks,
+                 config.block_size, self.pool.nbytes / 2**20, self.device)
+
+    @classmethod
+    def from_path(cls, name: str, path: str | Path, config: ExecutorConfig,
+                  instance_id: str | None = None) -> TorchExecutor:
+        device = torch.device(config.device)
+        model = load_model(path, TORCH_DTYPES[config.dtype], device)
+        return cls(name, model, config, instance_id or uuid.uuid4().hex)
+
+    # -- queries ---------------------------------------------------------------
+    def info(self) -> ModelInfo:
+        mc = self.model_config
+        return ModelInfo(
+            name=self.name, architecture=mc.architecture, vocab_size=mc.vocab_size,
+            hidden_size=mc.hidden_size, num_layers=mc.num_layers, num_attention_heads=mc.num_heads,
+            num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, max_sequence_length=self.max_seq_len,
+            dtype=self.config.dtype, device=str(self.device),
+            parameter_count=getattr(self.model, "parameter_count", 0),
+            eos_token_ids=mc.eos_token_ids, bos_token_id=mc.bos_token_id or 0,
+        )
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            model=self.name, max_batch_size=self.config.max_batch_size,
+            max_sequence_length=self.max_seq_len, kv_block_size=self.kv.block_size,
+            kv_num_blocks=self.kv.num_blocks, kv_capacity_tokens=self.kv.num_blocks * self.kv.block_size,
+            logits_kinds=tuple(LogitsKind), logits_dtypes=LOGITS_DTYPES, chunked_prefill=True,
+            forward_verify=True, truncate_kv=True, max_message_bytes=self.config.max_message_bytes,
+        )
+
+    def status(self, state: ServerState = ServerState.SERVING, queue_depth: int = 0) -> ExecutorStatus:
+        return ExecutorStatus(
+            state=state, server_instance_id=self.instance_id, model=self.name,
+            kv_blocks_total=self.kv.num_blocks, kv_blocks_used=self.kv.num_used,
+            kv_blocks_free=self.kv.num_free, active_sequences=len(self.kv), queue_depth=queue_depth,
+            forwards=self.forwards, tokens_processed=self.tokens_processed,
+            uptime_s=time.monotonic() - self.started,
+        )
+
+    # -- the contract ------------------------------------------------------------
+    def prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None = None,
+                policy: LogitsPolicy = LogitsPolicy()) -> PrefillOutput:
+        """Runs a prompt (or the next chunk of one, when ``kv_cache`` is given)."""
+        self._check_tokens(token_ids)
+        self._check_policy(policy, len(token_ids) if policy.all_positions else 1)
+        seq = self._resolve(kv_cache) if kv_cache is not None else None
+        step = self._begin(seq, token_ids)
+        logits, timing = self._run_single(step, policy, all_positions=policy.all_positions)
+        return PrefillOutput(logits, self._handle(step.seq), timing)
+
+    def decode(self, token_id: int, kv_cache: KvCacheHandle,
+               policy: LogitsPolicy = LogitsPolicy()) -> DecodeOutput:
+        return self.batch_decode([DecodeInput(token_id, kv_cache)], policy)[0]
+
+    def batch_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy = LogitsPolicy()) -> list[DecodeOutput]:
+        """One batched forward over sequences of any lengths."""
+        return self.run_decode([self.plan_decode(inputs, policy)])[0]
+
+    def forward_verify(self, token_ids: list[int], kv_cache: KvCacheHandle,
+                       policy: LogitsPolicy = LogitsPolicy()) -> VerifyOutput:
+        """Appends N+1 tokens in one forward; returns N+1 logits rows."""
+        self._check_tokens(token_ids)
+        self._check_policy(policy, len(token_ids))
+        step = self._begin(self._resolve(kv_cache), token_ids)
+        logits, timing = self._run_single(step, policy, all_positions=True)
+        return VerifyOutput(logits, self._handle(step.seq), timing)
+
+    def truncate_kv(self, kv_cache: KvCacheHandle, new_length: int) -> KvCacheHandle:
+        seq = self._resolve(kv_cache)
+        if not 0 <= new_length <= seq.length:
+            raise InvalidInput(f"new_length {new_length} is outside 0..={seq.length}")
+        self.kv.shrink(seq, new_length)
+        return self._handle(seq)
+
+    def release_cache(self, cache_id: str) -> int:
+        """Frees a sequence's blocks; returns how many went back to the pool."""
+        return self.kv.release(cache_id)
+
+    # -- batched decode, in two halves so the worker can coalesce callers --------
+    def plan_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy) -> DecodePlan:
+        """Validates a batch and reserves its KV room; raises with no state change."""
+        if not inputs:
+            raise InvalidInput("batch_decode needs at least one input")
+        if len(inputs) > self.config.max_batch_size:
+            raise InvalidInput(f"{len(inputs)} sequences exceed max batch size {self.config.max_batch_size}")
+        self._check_policy(policy, 1)
+        ids = [i.kv_cache.cache_id for i in inputs]
+        if len(set(ids)) != len(ids):
+            raise InvalidInput("a sequence appears more than once in one batch")
+        self._check_tokens([i.token_id for i in inputs])
+        seqs = [self._resolve(i.kv_cache) for i in inputs]
+        steps: list[_Step] = []
+        try:
+            for seq, item in zip(seqs, inputs):
+                steps.append(self._begin(seq, [item.token_id]))
+        except Exception:
+            for step in steps:
+                self._abort(step)
+            raise
+        return DecodePlan(steps, policy)
+
+    def abort_decode(self, plan: DecodePlan) -> None:
+        for step in plan.steps:
+            self._abort(step)
+
+    def run_decode(self, plans: list[DecodePlan]) -> list[list[DecodeOutput]]:
+        """Runs every planned sequence in ONE forward; returns outputs per plan."""
+        steps = [s for p in plans for s in p.steps]
+        try:
+            hidden, forward_ns = self._forward(steps)
+        except Exception:
+            for plan in plans:
+                self.abort_decode(plan)
+            raise
+        with torch.inference_mode():
+            rows = self.model.logits(hidden[:, -1])  # (B, V) float32
+        timing = Timing(forward_ns=forward_ns, batch_size=len(steps))
+        results, i = [], 0
+        for plan in plans:
+            outs = []
+            for step in plan.steps:
+                self._commit(step)
+                logits = self._apply_policy(rows[i:i + 1], plan.policy)
+                outs.append(DecodeOutput(logits, self._handle(step.seq), timing))
+                i += 1
+            results.append(outs)
+        return results
+
+    # -- internals -----------------------------------------------------------------
+    def _check_tokens(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidInput("no tokens given")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidInput(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
+
+    def _check_policy(self, policy: LogitsPolicy, positions: int) -> None:
+        vocab = self.model_config.vocab_size
+        if policy.kind is LogitsKind.TOP_K and not 1 <= policy.top_k <= vocab:
+            raise InvalidInput(f"top_k must be in 1..={vocab}, got {policy.top_k}")
+        if policy.dtype not in LOGITS_DTYPES:
+            raise InvalidInput(f"logits dtype must be one of {LOGITS_DTYPES}, got {policy.dtype!r}")
+        if policy.kind is LogitsKind.FULL:
+            size = positions * vocab * _WIRE_BYTES[policy.dtype]
+            if size > self.config.max_message_bytes:
+                raise InvalidInput(
+                    f"full logits for {positions} positions need {size} bytes, over the "
+                    f"{self.config.max_message_bytes}-byte message limit; ask for top-k or the last position"
+                )
+
+    def _resolve(self, handle: KvCacheHandle) -> SequenceState:
+        if handle.server_instance_id != self.instance_id:
+            raise StaleHandle(
+                f"handle {handle.cache_id!r} was issued by server instance "
+                f"{handle.server_instance_id!r}, this is {self.instance_id!r}"
+            )
+        seq = self.kv.get(handle.cache_id)
+        if handle.sequence_length != seq.length:
+            raise LengthMismatch(
+                f"handle says {handle.sequence_length} tokens, the server holds {seq.length} "
+                f"for {handle.cache_id!r}"
+            )
+        return seq
+
+    def _begin(self, seq: SequenceState | None, tokens: list[int]) -> _Step:
+        start = seq.length if seq else 0
+        if start + len(tokens) > self.max_seq_len:
+            raise SequenceTooLong(
+                f"{start} + {len(tokens)} tokens exceed the maximum sequence length {self.max_seq_len}"
+            )
+        created = seq is None
+        if created:
+            seq = self.kv.create(uuid.uuid4().hex)
+        try:
+            self.kv.grow(seq, start + len(tokens))
+        except Exception:
+            if created:
+                self.kv.release(seq.cache_id)
+            raise
+        return _Step(seq, list(tokens), start, created)
+
+    def _abort(self, step: _Step) -> None:
+        if step.created:
+            self.kv.release(step.seq.cache_id)
+        else:
+            self.kv.shrink(step.seq, step.start)
+
+    def _commit(self, step: _Step) -> None:
+        step.seq.length = step.start + len(step.tokens)
+
+    def _forward(self, steps: list[_Step]) -> tuple[torch.Tensor, int]:
+        """Either one sequence of T tokens or B sequences of one token each."""
+        num_new = len(steps[0].tokens)
+        assert len(steps) == 1 or num_new == 1, "ragged multi-token batches are not supported"
+        t0 = time.perf_counter_ns()
+        kv = self.pool.batch([s.seq.block_ids for s in steps], [s.start for s in steps], num_new)
+        ids = torch.tensor([s.tokens for s in steps], device=self.device)  # (B, T)
+        with torch.inference_mode():
+            hidden = self.model(ids, kv.positions, kv)  # (B, T, C)
+        self.forwards += 1
+        self.tokens_processed += len(steps) * num_new
+        return hidden, time.perf_counter_ns() - t0
+
+    def _run_single(self, step: _Step, policy: LogitsPolicy, all_positions: bool) -> tuple[Logits, Timing]:
+        try:
+            hidden, forward_ns = self._forward([step])
+            rows = hidden[0] if all_positions else hidden[0, -1:]  # (P, C)
+            with torch.inference_mode():
+                logits = self._apply_policy(self.model.logits(rows), policy)
+        except Exception:
+            self._abort(step)
+            raise
+        self._commit(step)
+        return logits, Timing(forward_ns=forward_ns, batch_size=1)
+
+    def _apply_policy(self, rows: torch.Tensor, policy: LogitsPolicy) -> Logits:
+        """rows: (P, V) float32 on the device -> what the caller asked for, on the CPU."""
+        vocab = rows.shape[-1]
+        if policy.kind is LogitsKind.FULL:
+            return Logits(LogitsKind.FULL, rows.to(TORCH_DTYPES[policy.dtype]).cpu(), None, vocab)
+        k = policy.top_k if policy.kind is LogitsKind.TOP_K else 1
+        values, ids = rows.topk(k, dim=-1)  # (P, k) each, sorted
+        return Logits(policy.kind, values.cpu(), ids.cpu().numpy(), vocab)
+
+    def _handle(self, seq: SequenceState) -> KvCacheHandle:
+        mc = self.model_config
+        return KvCacheHandle(
+            cache_id=seq.cache_id, sequence_length=seq.length, num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, device=str(self.device),
+            block_table=BlockTable(self.kv.block_size, tuple(seq.block_ids)),
+            model=self.name, server_instance_id=self.instance_id,
+        )

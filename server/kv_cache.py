@@ -1,0 +1,59 @@
+"""The preallocated KV pool on the executor's device, and its per-forward view.
+
+The pool is allocated once at start-up and never grows.  Each forward gets a
+``KvBatch`` that knows where the new tokens go (slot indices) and which
+blocks hold each sequence's context; attention calls ``update`` per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KvPool:
+    """K and V for every layer: (layers, blocks, block_size, kv_heads, head_dim)."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int,
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def batch(self, block_tables: list[list[int]], starts: list[int], num_new: int) -> KvBatch:
+        """A view for B sequences each appending ``num_new`` tokens after ``starts[b]``.
+
+        ``block_tables[b]`` must already cover ``starts[b] + num_new`` tokens.
+        """
+        return KvBatch(self, block_tables, starts, num_new)
+
+
+class KvBatch:
+    def __init__(self, pool: KvPool, block_tables: list[list[int]], starts: list[int], num_new: int):
+        device, bs = pool.k.device, pool.block_size
+        self.pool = pool
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], device=device)
+        self.tables = tables  # (B, nb): padded with block 0, masked below
+        start = torch.tensor(starts, device=device).unsqueeze(1)  # (B, 1)
+        pos = start + torch.arange(num_new, device=device)  # (B, T) absolute positions
+        self.positions = pos
+        block = tables.gather(1, pos // bs)
+        self.write_slots = (block * bs + pos % bs).reshape(-1)  # (B*T,)
+        keys = torch.arange(width * bs, device=device)  # (S,)
+        # Query at absolute position p sees keys 0..p of its own sequence.
+        self.mask = (keys.view(1, 1, -1) <= pos.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes k, v (B, T, Hkv, D) and returns the context (B, Hkv, S, D) each."""
+        B, _, H, D = k.shape
+        out = []
+        for pool, new in ((self.pool.k[layer], k), (self.pool.v[layer], v)):
+            pool.view(-1, H, D).index_copy_(0, self.write_slots, new.reshape(-1, H, D))
+            ctx = pool[self.tables]  # (B, nb, bs, Hkv, D)
+            out.append(ctx.view(B, -1, H, D).transpose(1, 2))
+        return out[0], out[1]

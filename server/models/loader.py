@@ -1,0 +1,53 @@
+"""Builds a model from a Hugging Face-style folder (config.json + *.safetensors).
+
+No network and no transformers: the module is built on the meta device and
+the checkpoint's tensors are assigned to it, cast to the serving dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from ferrum_rpc.server.models.config import ModelConfig
+from ferrum_rpc.server.models.llama import LlamaForCausalLM
+from ferrum_rpc.server.models.qwen3 import Qwen3ForCausalLM
+
+log = logging.getLogger(__name__)
+
+MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """Loads weights onto ``device`` in ``dtype`` and computes the RoPE tables."""
+    path = Path(path)
+    cfg = ModelConfig.from_dir(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    start = time.perf_counter()
+    state: dict[str, torch.Tensor] = {}
+    for i, f in enumerate(files, 1):
+        log.info("loading %s (%d/%d)", f.name, i, len(files))
+        for name, tensor in load_file(f, device="cpu").items():
+            if "rotary_emb" in name:  # old checkpoints carry inv_freq buffers
+                continue
+            state[name.removeprefix("_orig_mod.")] = tensor.to(device=device, dtype=dtype)
+    if cfg.tie_word_embeddings or "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    with torch.device("meta"):
+        model = MODEL_CLASSES[cfg.architecture](cfg)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.init_rope(device)
+    model.eval().requires_grad_(False)
+    params = sum(p.numel() for p in model.parameters())  # tied weights count once
+    model.parameter_count = params
+    log.info(
+        "loaded %s (%s, %.1fM params, %s on %s) in %.1fs",
+        path.name, cfg.architecture, params / 1e6, dtype, device, time.perf_counter() - start,
+    )
+    return model

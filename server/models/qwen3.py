@@ -1,0 +1,26 @@
+"""Qwen3 dense: the Llama block plus RMSNorm on each head's q and k before RoPE."""
+
+from __future__ import annotations
+
+import torch
+
+from ferrum_rpc.server.models.config import ModelConfig
+from ferrum_rpc.server.models.llama import Attention, DecoderLayer, LlamaForCausalLM, RMSNorm
+
+
+class Qwen3Attention(Attention):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__(cfg, layer)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(q), self.k_norm(k)  # over D of (B, T, H, D)
+
+
+class Qwen3DecoderLayer(DecoderLayer):
+    attention_cls = Qwen3Attention
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    layer_cls = Qwen3DecoderLayer
