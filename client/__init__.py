@@ -1,0 +1,39 @@
+"""The typed ferrum-rpc client: caller code reads like an in-process executor.
+
+    from ferrum_rpc.client import ExecutorClient
+    with ExecutorClient("127.0.0.1:50051") as ex:
+        out = ex.prefill(token_ids)
+        step = ex.decode(next_id, out.kv_cache)
+"""
+
+from ferrum_rpc.client.client import AsyncExecutorClient, ExecutorClient
+from ferrum_rpc.errors import (
+    CacheNotFound,
+    Draining,
+    ExecutorError,
+    InvalidInput,
+    KvCapacityExhausted,
+    LengthMismatch,
+    ModelNotFound,
+    SequenceTooLong,
+    StaleHandle,
+)
+from ferrum_rpc.types import DecodeInput, KvCacheHandle, LogitsKind, LogitsPolicy
+
+__all__ = [
+    "AsyncExecutorClient",
+    "CacheNotFound",
+    "DecodeInput",
+    "Draining",
+    "ExecutorClient",
+    "ExecutorError",
+    "InvalidInput",
+    "KvCacheHandle",
+    "KvCapacityExhausted",
+    "LengthMismatch",
+    "LogitsKind",
+    "LogitsPolicy",
+    "ModelNotFound",
+    "SequenceTooLong",
+    "StaleHandle",
+]

@@ -1,0 +1,224 @@
+"""Sync and asyncio clients over the same request builders and reply parsers.
+
+Both hide the stubs, return the typed objects of ``ferrum_rpc.types`` and turn
+``grpc.RpcError`` into the error table's exceptions with one helper
+(``ferrum_rpc.errors.from_rpc_error``).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence, Union
+
+import grpc
+
+from ferrum_rpc import convert
+from ferrum_rpc.errors import from_rpc_error
+from ferrum_rpc.types import (
+    Capabilities,
+    DecodeInput,
+    DecodeOutput,
+    ExecutorStatus,
+    KvCacheHandle,
+    LogitsPolicy,
+    ModelInfo,
+    PrefillOutput,
+    VerifyOutput,
+)
+from ferrum_rpc.v1 import executor_pb2 as pb
+from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
+
+DEFAULT_MAX_MESSAGE_BYTES = 512 << 20  # above the server's default 256 MiB reply limit
+DecodeItem = Union[DecodeInput, tuple[int, KvCacheHandle]]
+
+
+def _options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
+class _Codec:
+    """Request builders and reply parsers shared by both clients."""
+
+    model: str
+
+    def _prefill_req(self, token_ids, kv_cache, logits) -> pb.PrefillRequest:
+        req = pb.PrefillRequest(model=self.model, token_ids=token_ids, logits=convert.policy_to_proto(logits))
+        if kv_cache is not None:
+            req.kv_cache.CopyFrom(convert.handle_to_proto(kv_cache))
+        return req
+
+    def _decode_req(self, token_id, kv_cache, logits) -> pb.DecodeRequest:
+        return pb.DecodeRequest(model=self.model, token_id=token_id, kv_cache=convert.handle_to_proto(kv_cache),
+                                logits=convert.policy_to_proto(logits))
+
+    def _batch_req(self, items: Iterable[DecodeItem], logits) -> pb.BatchDecodeRequest:
+        req = pb.BatchDecodeRequest(model=self.model, logits=convert.policy_to_proto(logits))
+        for item in items:
+            token_id, handle = (item.token_id, item.kv_cache) if isinstance(item, DecodeInput) else item
+            req.items.add(token_id=token_id, kv_cache=convert.handle_to_proto(handle))
+        return req
+
+    def _verify_req(self, token_ids, kv_cache, logits) -> pb.ForwardVerifyRequest:
+        return pb.ForwardVerifyRequest(model=self.model, token_ids=token_ids,
+                                       kv_cache=convert.handle_to_proto(kv_cache),
+                                       logits=convert.policy_to_proto(logits))
+
+    def _release_req(self, cache) -> pb.ReleaseCacheRequest:
+        if isinstance(cache, KvCacheHandle):
+            return pb.ReleaseCacheRequest(cache_id=cache.cache_id, model=cache.model)
+        return pb.ReleaseCacheRequest(cache_id=cache, model=self.model)
+
+    @staticmethod
+    def _output(cls, reply):
+        return cls(convert.logits_from_proto(reply.logits), convert.handle_from_proto(reply.kv_cache),
+                   convert.timing_from_proto(reply.timing))
+
+    @classmethod
+    def _batch_outputs(cls, replies: Sequence[pb.BatchDecodeResponse]) -> list[DecodeOutput]:
+        ordered = sorted(replies, key=lambda r: r.index)
+        return [cls._output(DecodeOutput, r) for r in ordered]
+
+
+class ExecutorClient(_Codec):
+    """Blocking client.
+
+    Args:
+        target: "host:port" of a ferrum-rpc server.
+        model: the hosted model to address; "" means the server's default.
+        timeout: per-call deadline in seconds (None: no deadline).
+        max_message_bytes: largest reply accepted.
+    """
+
+    def __init__(self, target: str, *, model: str = "", timeout: float | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        self.model, self.timeout = model, timeout
+        self._channel = grpc.insecure_channel(target, options=_options(max_message_bytes))
+        self._stub = pb_grpc.ModelExecutorStub(self._channel)
+
+    def _call(self, method, request):
+        try:
+            return method(request, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Blocks until the channel connects."""
+        grpc.channel_ready_future(self._channel).result(timeout=timeout)
+
+    def info(self) -> ModelInfo:
+        return convert.model_info_from_proto(self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(model=self.model)))
+
+    def capabilities(self) -> Capabilities:
+        return convert.capabilities_from_proto(
+            self._call(self._stub.GetCapabilities, pb.GetCapabilitiesRequest(model=self.model)))
+
+    def status(self) -> ExecutorStatus:
+        return convert.status_from_proto(self._call(self._stub.GetStatus, pb.GetStatusRequest(model=self.model)))
+
+    def prefill(self, token_ids: Sequence[int], kv_cache: KvCacheHandle | None = None,
+                logits: LogitsPolicy = LogitsPolicy()) -> PrefillOutput:
+        """Runs a prompt, or continues ``kv_cache`` with the next chunk of one."""
+        reply = self._call(self._stub.Prefill, self._prefill_req(token_ids, kv_cache, logits))
+        return self._output(PrefillOutput, reply)
+
+    def decode(self, token_id: int, kv_cache: KvCacheHandle, logits: LogitsPolicy = LogitsPolicy()) -> DecodeOutput:
+        reply = self._call(self._stub.Decode, self._decode_req(token_id, kv_cache, logits))
+        return self._output(DecodeOutput, reply)
+
+    def batch_decode(self, items: Iterable[DecodeItem], logits: LogitsPolicy = LogitsPolicy()) -> list[DecodeOutput]:
+        """One batched forward; outputs in the order of ``items``."""
+        try:
+            replies = list(self._stub.BatchDecode(self._batch_req(items, logits), timeout=self.timeout))
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        return self._batch_outputs(replies)
+
+    def forward_verify(self, token_ids: Sequence[int], kv_cache: KvCacheHandle,
+                       logits: LogitsPolicy = LogitsPolicy()) -> VerifyOutput:
+        reply = self._call(self._stub.ForwardVerify, self._verify_req(token_ids, kv_cache, logits))
+        return self._output(VerifyOutput, reply)
+
+    def truncate_kv(self, kv_cache: KvCacheHandle, new_length: int) -> KvCacheHandle:
+        req = pb.TruncateKvRequest(kv_cache=convert.handle_to_proto(kv_cache), new_length=new_length)
+        return convert.handle_from_proto(self._call(self._stub.TruncateKv, req).kv_cache)
+
+    def release_cache(self, cache: KvCacheHandle | str) -> int:
+        """Frees a sequence (handle or cache_id); returns the blocks freed."""
+        return self._call(self._stub.ReleaseCache, self._release_req(cache)).blocks_freed
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> ExecutorClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncExecutorClient(_Codec):
+    """asyncio client with the same methods as :class:`ExecutorClient`, awaitable."""
+
+    def __init__(self, target: str, *, model: str = "", timeout: float | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        self.model, self.timeout = model, timeout
+        self._channel = grpc.aio.insecure_channel(target, options=_options(max_message_bytes))
+        self._stub = pb_grpc.ModelExecutorStub(self._channel)
+
+    async def _call(self, method, request):
+        try:
+            return await method(request, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    async def info(self) -> ModelInfo:
+        return convert.model_info_from_proto(
+            await self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(model=self.model)))
+
+    async def capabilities(self) -> Capabilities:
+        return convert.capabilities_from_proto(
+            await self._call(self._stub.GetCapabilities, pb.GetCapabilitiesRequest(model=self.model)))
+
+    async def status(self) -> ExecutorStatus:
+        return convert.status_from_proto(await self._call(self._stub.GetStatus, pb.GetStatusRequest(model=self.model)))
+
+    async def prefill(self, token_ids: Sequence[int], kv_cache: KvCacheHandle | None = None,
+                      logits: LogitsPolicy = LogitsPolicy()) -> PrefillOutput:
+        reply = await self._call(self._stub.Prefill, self._prefill_req(token_ids, kv_cache, logits))
+        return self._output(PrefillOutput, reply)
+
+    async def decode(self, token_id: int, kv_cache: KvCacheHandle,
+                     logits: LogitsPolicy = LogitsPolicy()) -> DecodeOutput:
+        reply = await self._call(self._stub.Decode, self._decode_req(token_id, kv_cache, logits))
+        return self._output(DecodeOutput, reply)
+
+    async def batch_decode(self, items: Iterable[DecodeItem],
+                           logits: LogitsPolicy = LogitsPolicy()) -> list[DecodeOutput]:
+        try:
+            replies = [r async for r in self._stub.BatchDecode(self._batch_req(items, logits), timeout=self.timeout)]
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        return self._batch_outputs(replies)
+
+    async def forward_verify(self, token_ids: Sequence[int], kv_cache: KvCacheHandle,
+                             logits: LogitsPolicy = LogitsPolicy()) -> VerifyOutput:
+        reply = await self._call(self._stub.ForwardVerify, self._verify_req(token_ids, kv_cache, logits))
+        return self._output(VerifyOutput, reply)
+
+    async def truncate_kv(self, kv_cache: KvCacheHandle, new_length: int) -> KvCacheHandle:
+        req = pb.TruncateKvRequest(kv_cache=convert.handle_to_proto(kv_cache), new_length=new_length)
+        return convert.handle_from_proto((await self._call(self._stub.TruncateKv, req)).kv_cache)
+
+    async def release_cache(self, cache: KvCacheHandle | str) -> int:
+        return (await self._call(self._stub.ReleaseCache, self._release_req(cache))).blocks_freed
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncExecutorClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,152 @@
+"""Server assembly: executors + workers + servicer, health, reflection, drain on SIGTERM.
+
+``build_server`` binds and starts the gRPC server at once (health says
+NOT_SERVING); ``App.load`` then loads and warms each model off the event loop
+and flips health to SERVING.  ``serve`` is the CLI's entry point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+import uuid
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from ferrum_rpc.server.config import ServerConfig
+from ferrum_rpc.server.executor import TorchExecutor
+from ferrum_rpc.server.servicer import ExecutorServicer
+from ferrum_rpc.server.worker import ModelWorker
+from ferrum_rpc.types import ServerState
+from ferrum_rpc.v1 import executor_pb2 as pb
+from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ModelExecutor"].full_name
+HEALTH_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+MESSAGE_SLACK = 1 << 20  # room for handles/timing around the largest logits payload
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """gRPC size limits for both ends: the largest logits reply plus slack."""
+    limit = max_message_bytes + MESSAGE_SLACK
+    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+
+
+@dataclass
+class App:
+    config: ServerConfig
+    server: grpc.aio.Server
+    port: int
+    servicer: ExecutorServicer
+    health: HealthServicer
+
+    async def load(self) -> None:
+        """Loads and warms every model, then reports SERVING."""
+        for spec in self.config.models:
+            executor = await asyncio.to_thread(
+                TorchExecutor.from_path, spec.name, spec.path, self.config.executor, self.servicer.instance_id
+            )
+            worker = ModelWorker(executor, self.config.executor.batch_wait_ms)
+            if self.config.warmup:
+                await worker.call(_warm_up, executor)
+            self.servicer.add_model(worker)
+        self.servicer.state = ServerState.SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving %s on port %d", ", ".join(self.servicer.workers), self.port)
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuses new calls (UNAVAILABLE/DRAINING), lets in-flight ones finish, stops."""
+        log.info("draining: %d call(s) in flight", self.servicer.inflight)
+        self.servicer.state = ServerState.DRAINING
+        await self.health.enter_graceful_shutdown()
+        try:
+            await asyncio.wait_for(self.servicer.wait_idle(), grace_s)
+        except asyncio.TimeoutError:
+            log.warning("grace period over with %d call(s) in flight", self.servicer.inflight)
+        await self.server.stop(grace=1.0)
+        for worker in self.servicer.workers.values():
+            worker.stop(timeout=grace_s)
+        log.info("stopped")
+
+
+def _warm_up(executor: TorchExecutor) -> None:
+    out = executor.prefill([0] * 8)
+    executor.decode(0, out.kv_cache)
+    executor.release_cache(out.kv_cache.cache_id)
+
+
+async def build_server(config: ServerConfig) -> App:
+    """Binds ``config.host:config.port`` (0 picks a free port) and starts serving health."""
+    instance_id = uuid.uuid4().hex
+    server = grpc.aio.server(options=channel_options(config.executor.max_message_bytes))
+    servicer = ExecutorServicer(instance_id)
+    health = HealthServicer()
+    pb_grpc.add_ModelExecutorServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection((SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    for name in ("", SERVICE_NAME):
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+    log.info("listening on %s:%d (instance %s)", config.host, port, instance_id)
+    return App(config, server, port, servicer, health)
+
+
+async def serve(config: ServerConfig) -> None:
+    """Runs until SIGTERM/SIGINT, then drains."""
+    app = await build_server(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loader = asyncio.create_task(app.load())
+    await asyncio.wait([loader, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if loader.done() and loader.exception():
+        await app.server.stop(None)
+        raise loader.exception()
+    await stop.wait()
+    loader.cancel()
+    await app.drain(config.grace_s)
+
+
+class BackgroundServer:
+    """A server on its own event-loop thread, for tests, benchmarks and notebooks.
+
+    Usage: ``with BackgroundServer(config) as srv: ExecutorClient(srv.target)``.
+    """
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-server", daemon=True)
+        self._thread.start()
+        self.app: App = self._run(build_server(config))
+        self._run(self.app.load())
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    @property
+    def target(self) -> str:
+        return f"{self.config.host}:{self.app.port}"
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        if self.loop.is_running():
+            self._run(self.app.drain(grace_s))
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join()
+
+    def __enter__(self) -> BackgroundServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,193 @@
+"""The gRPC servicer: protobuf -> domain call on a model worker -> protobuf.
+
+No torch here.  Every exception becomes a status in one place
+(``_abort``), using the shared error table; anything outside the table is
+logged and answered INTERNAL without taking the server down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import time
+
+import grpc
+
+from ferrum_rpc import convert
+from ferrum_rpc.errors import Draining, ExecutorError, ModelLoading, ModelNotFound, to_rpc_status
+from ferrum_rpc.server.worker import ModelWorker
+from ferrum_rpc.types import DecodeInput, ServerState, Timing
+from ferrum_rpc.v1 import executor_pb2 as pb
+from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    if not isinstance(exc, ExecutorError):
+        log.exception("internal error", exc_info=exc)
+        exc = ExecutorError(f"internal error: {type(exc).__name__}: {exc}", code=grpc.StatusCode.INTERNAL)
+    await context.abort_with_status(to_rpc_status(exc))
+
+
+def _rpc(method):
+    """Admission (draining/loading), in-flight accounting and error mapping for one RPC."""
+    if inspect.isasyncgenfunction(method):
+        @functools.wraps(method)
+        async def stream(self, request, context):
+            try:
+                with self._admit():
+                    async for reply in method(self, request, context):
+                        yield reply
+            except Exception as exc:
+                await _abort(context, exc)
+        return stream
+
+    @functools.wraps(method)
+    async def unary(self, request, context):
+        try:
+            with self._admit():
+                return await method(self, request, context)
+        except Exception as exc:
+            await _abort(context, exc)
+    return unary
+
+
+class ExecutorServicer(pb_grpc.ModelExecutorServicer):
+    """Routes each request to the worker of the model it names (empty = the default)."""
+
+    def __init__(self, instance_id: str):
+        self.instance_id = instance_id
+        self.state = ServerState.LOADING
+        self.workers: dict[str, ModelWorker] = {}
+        self.default_model = ""
+        self.inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def add_model(self, worker: ModelWorker) -> None:
+        name = worker.executor.name
+        self.workers[name] = worker
+        self.default_model = self.default_model or name
+
+    # -- plumbing --------------------------------------------------------------
+    class _Admission:
+        def __init__(self, servicer: ExecutorServicer):
+            self.servicer = servicer
+
+        def __enter__(self):
+            s = self.servicer
+            if s.state is ServerState.DRAINING:
+                raise Draining("the server is shutting down")
+            s.inflight += 1
+            s._idle.clear()
+
+        def __exit__(self, *exc):
+            s = self.servicer
+            s.inflight -= 1
+            if s.inflight == 0:
+                s._idle.set()
+
+    def _admit(self) -> ExecutorServicer._Admission:
+        return self._Admission(self)
+
+    async def wait_idle(self) -> None:
+        """Returns once no RPC is in flight."""
+        await self._idle.wait()
+
+    def _worker(self, model: str) -> ModelWorker:
+        if self.state is ServerState.LOADING and not self.workers:
+            raise ModelLoading("the model is still loading")
+        try:
+            return self.workers[model or self.default_model]
+        except KeyError:
+            raise ModelNotFound(f"no model named {model!r}; hosted: {sorted(self.workers)}") from None
+
+    @staticmethod
+    def _total(timing: Timing, received_ns: int) -> pb.Timing:
+        t = convert.timing_to_proto(timing)
+        t.total_ns = time.perf_counter_ns() - received_ns
+        return t
+
+    # -- queries -----------------------------------------------------------------
+    @_rpc
+    async def GetModelInfo(self, request, context):
+        return convert.model_info_to_proto(self._worker(request.model).executor.info())
+
+    @_rpc
+    async def GetCapabilities(self, request, context):
+        caps = convert.capabilities_to_proto(self._worker(request.model).executor.capabilities())
+        caps.models.extend(sorted(self.workers))
+        return caps
+
+    @_rpc
+    async def GetStatus(self, request, context):
+        if self.state is ServerState.LOADING and not self.workers:
+            return pb.Status(state=pb.Status.STATE_LOADING, server_instance_id=self.instance_id)
+        worker = self._worker(request.model)
+        status = await worker.call(worker.executor.status, self.state, worker.queue_depth)
+        return convert.status_to_proto(status)
+
+    # -- the contract ----------------------------------------------------------------
+    @_rpc
+    async def Prefill(self, request, context):
+        received = time.perf_counter_ns()
+        worker = self._worker(request.model or request.kv_cache.model)
+        handle = convert.handle_from_proto(request.kv_cache) if request.HasField("kv_cache") else None
+        out = await worker.call(worker.executor.prefill, list(request.token_ids), handle,
+                                convert.policy_from_proto(request.logits))
+        return pb.PrefillResponse(logits=convert.logits_to_proto(out.logits),
+                                  kv_cache=convert.handle_to_proto(out.kv_cache),
+                                  timing=self._total(out.timing, received))
+
+    @_rpc
+    async def Decode(self, request, context):
+        received = time.perf_counter_ns()
+        worker = self._worker(request.model or request.kv_cache.model)
+        item = DecodeInput(request.token_id, convert.handle_from_proto(request.kv_cache))
+        (out,) = await worker.decode([item], convert.policy_from_proto(request.logits))
+        return pb.DecodeResponse(logits=convert.logits_to_proto(out.logits),
+                                 kv_cache=convert.handle_to_proto(out.kv_cache),
+                                 timing=self._total(out.timing, received))
+
+    @_rpc
+    async def BatchDecode(self, request, context):
+        received = time.perf_counter_ns()
+        first = request.items[0].kv_cache.model if request.items else ""
+        worker = self._worker(request.model or first)
+        items = [DecodeInput(i.token_id, convert.handle_from_proto(i.kv_cache)) for i in request.items]
+        outs = await worker.decode(items, convert.policy_from_proto(request.logits))
+        for index, out in enumerate(outs):
+            yield pb.BatchDecodeResponse(index=index, logits=convert.logits_to_proto(out.logits),
+                                         kv_cache=convert.handle_to_proto(out.kv_cache),
+                                         timing=self._total(out.timing, received))
+
+    @_rpc
+    async def ForwardVerify(self, request, context):
+        received = time.perf_counter_ns()
+        worker = self._worker(request.model or request.kv_cache.model)
+        out = await worker.call(worker.executor.forward_verify, list(request.token_ids),
+                                convert.handle_from_proto(request.kv_cache),
+                                convert.policy_from_proto(request.logits))
+        return pb.ForwardVerifyResponse(logits=convert.logits_to_proto(out.logits),
+                                        kv_cache=convert.handle_to_proto(out.kv_cache),
+                                        timing=self._total(out.timing, received))
+
+    @_rpc
+    async def TruncateKv(self, request, context):
+        worker = self._worker(request.kv_cache.model)
+        handle = await worker.call(worker.executor.truncate_kv,
+                                   convert.handle_from_proto(request.kv_cache), request.new_length)
+        return pb.TruncateKvResponse(kv_cache=convert.handle_to_proto(handle))
+
+    @_rpc
+    async def ReleaseCache(self, request, context):
+        worker = self._worker(request.model)
+        freed = await worker.call(worker.executor.release_cache, request.cache_id)
+        return pb.ReleaseCacheResponse(blocks_freed=freed)
+
+    async def Forward(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "Forward is not implemented: use Prefill/Decode (the executor trait's default)")

@@ -1,0 +1,79 @@
+"""Fixtures: tiny random checkpoints written with transformers, and real
+in-process gRPC servers on port 0 hosting them."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import pytest
+import torch
+
+from ferrum_rpc.client import ExecutorClient
+from ferrum_rpc.server.app import BackgroundServer
+from ferrum_rpc.server.config import ExecutorConfig, ModelSpec, ServerConfig
+
+logging.getLogger("ferrum_rpc").setLevel(logging.INFO)
+
+TINY = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+def _save_tiny(path, config_cls, model_cls, seed: int, **extra):
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**TINY, **extra)).eval()
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _save_tiny(tmp_path_factory.mktemp("tiny-llama"), LlamaConfig, LlamaForCausalLM, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return _save_tiny(tmp_path_factory.mktemp("tiny-qwen3"), Qwen3Config, Qwen3ForCausalLM, seed=1,
+                      head_dim=16, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def hf_tiny_llama(tiny_llama_dir):
+    """The oracle: transformers' own Llama on the same weights."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+@contextlib.contextmanager
+def running_server(model_dir, name: str = "tiny", **executor_kwargs):
+    """A real gRPC server on a free loopback port hosting one model."""
+    executor_kwargs.setdefault("kv_tokens", 2048)
+    executor_kwargs.setdefault("block_size", 4)
+    config = ServerConfig(models=(ModelSpec(name, str(model_dir)),), port=0,
+                          executor=ExecutorConfig(**executor_kwargs))
+    with BackgroundServer(config) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_llama_dir):
+    with running_server(tiny_llama_dir) as server:
+        yield server
+
+
+@pytest.fixture
+def client(tiny_server):
+    with ExecutorClient(tiny_server.target, timeout=30) as c:
+        yield c
