@@ -1,0 +1,63 @@
+"""Text generation on the caller side: tokenize, prefill, sample, decode, detokenize.
+
+The server only runs forwards; everything here (chat template, sampling,
+stopping) is the caller's, as in the Ferrum engine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+from ferrum_rpc.client.client import ExecutorClient
+from ferrum_rpc.client.sampling import Sampler, SamplingParams
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
+    """Token ids of ``prompt``, wrapped in the model's chat template unless ``chat`` is False."""
+    if chat and tokenizer.chat_template:
+        return list(tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
+            return_dict=False,
+        ))
+    return tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def generate_ids(client: ExecutorClient, prompt_ids: list[int], max_tokens: int,
+                 params: SamplingParams, stop_ids: set[int] = frozenset()) -> Iterator[int]:
+    """Yields sampled token ids until a stop id or ``max_tokens``; releases the KV at the end."""
+    sample = Sampler(params)
+    policy = params.logits_policy()
+    out = client.prefill(prompt_ids, logits=policy)
+    handle = out.kv_cache
+    try:
+        token = sample(out.logits)
+        for produced in range(max_tokens):
+            yield token
+            if token in stop_ids or produced + 1 == max_tokens:
+                break
+            step = client.decode(token, handle, logits=policy)
+            handle = step.kv_cache
+            token = sample(step.logits)
+    finally:
+        client.release_cache(handle)
+
+
+def stream_text(tokenizer, ids: Iterator[int], stop_ids: set[int]) -> Iterator[str]:
+    """Turns a stream of ids into text deltas (decoding the whole tail keeps UTF-8 intact)."""
+    produced: list[int] = []
+    shown = ""
+    for token in ids:
+        if token in stop_ids:
+            break
+        produced.append(token)
+        text = tokenizer.decode(produced, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            yield text[len(shown):]
+            shown = text

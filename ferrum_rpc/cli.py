@@ -1,0 +1,144 @@
+"""``ferrum-rpc``: serve models, prepare the embedded default model, generate text."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+
+log = logging.getLogger("ferrum_rpc.cli")
+
+
+def _model_specs(values: list[str]):
+    from ferrum_rpc.server.config import ModelSpec
+    from ferrum_rpc.server.prepare import DEFAULT_MODEL_NAME, prepare_default_model
+
+    if not values:
+        return (ModelSpec(DEFAULT_MODEL_NAME, str(prepare_default_model())),)
+    specs = []
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep:
+            name, path = value.rstrip("/").rsplit("/", 1)[-1], value
+        specs.append(ModelSpec(name, path))
+    return tuple(specs)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import torch
+
+    from ferrum_rpc.server.app import serve
+    from ferrum_rpc.server.config import MIB, ExecutorConfig, ServerConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    executor = ExecutorConfig(
+        dtype=args.dtype, device=args.device, kv_tokens=args.kv_tokens, block_size=args.block_size,
+        max_batch_size=args.max_batch, max_seq_len=args.max_seq_len,
+        max_message_bytes=args.max_message_mb * MIB, batch_wait_ms=args.batch_wait_ms,
+    )
+    config = ServerConfig(models=_model_specs(args.model), executor=executor, host=args.host,
+                          port=args.port, grace_s=args.grace, warmup=not args.no_warmup)
+    asyncio.run(serve(config))
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from ferrum_rpc.server.prepare import prepare_default_model
+
+    sys.stdout.write(f"{prepare_default_model(force=args.force)}\n")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ferrum_rpc.client import ExecutorClient
+    from ferrum_rpc.client.generate import encode_prompt, generate_ids, load_tokenizer, stream_text
+    from ferrum_rpc.client.sampling import SamplingParams
+    from ferrum_rpc.server.prepare import default_model_dir
+
+    tokenizer = load_tokenizer(args.tokenizer or default_model_dir())
+    params = SamplingParams(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
+    prompt_ids = encode_prompt(tokenizer, args.prompt, chat=not args.raw)
+    with ExecutorClient(args.target, model=args.model, timeout=args.timeout) as client:
+        info = client.info()
+        stop = set(info.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+        start = time.perf_counter()
+        count = 0
+
+        def counted():
+            nonlocal count
+            for token in generate_ids(client, prompt_ids, args.max_tokens, params, stop):
+                count += 1
+                yield token
+
+        for delta in stream_text(tokenizer, counted(), stop):
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        elapsed = time.perf_counter() - start
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    log.info("%d prompt tokens, %d generated in %.2fs (%.1f tokens/s)", len(prompt_ids), count,
+             elapsed, count / elapsed if elapsed else 0.0)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ferrum-rpc", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve models over gRPC")
+    s.add_argument("--model", action="append", default=[], metavar="[NAME=]PATH",
+                   help="HF-style folder (config.json + *.safetensors); repeatable. "
+                        "Default: the embedded SmolLM2-135M-Instruct, prepared on first use")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=50051, help="0 picks a free port (logged)")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    s.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    s.add_argument("--kv-tokens", type=int, default=16384, help="KV pool capacity in tokens")
+    s.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    s.add_argument("--max-batch", type=int, default=64, help="most sequences per forward")
+    s.add_argument("--max-seq-len", type=int, default=0, help="0: the model's maximum")
+    s.add_argument("--max-message-mb", type=int, default=256, help="largest reply (MiB)")
+    s.add_argument("--batch-wait-ms", type=float, default=0.0, help="wait for more decodes to batch")
+    s.add_argument("--grace", type=float, default=30.0, help="seconds in-flight calls get on SIGTERM")
+    s.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    s.add_argument("--no-warmup", action="store_true")
+    s.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("prepare", help="convert the embedded default model once; prints its folder")
+    p.add_argument("--force", action="store_true", help="convert again even if cached")
+    p.set_defaults(func=cmd_prepare)
+
+    g = sub.add_parser("generate", help="generate text through a running server")
+    g.add_argument("prompt")
+    g.add_argument("--target", default="127.0.0.1:50051")
+    g.add_argument("--model", default="", help="hosted model name (default: the server's)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the embedded model's)")
+    g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--greedy", action="store_true")
+    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--top-k", type=int, default=50)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--timeout", type=float, default=60.0, help="per-call deadline (s)")
+    g.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
