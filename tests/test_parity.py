@@ -1,0 +1,140 @@
+"""Parity with transformers (the independent oracle) through real gRPC, float32."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ferrum_rpc.client import ExecutorClient, LogitsPolicy
+from tests.conftest import running_server
+
+ATOL = 1e-4
+
+
+def _oracle(model_dir, arch: str):
+    from transformers import LlamaForCausalLM, Qwen3ForCausalLM
+
+    cls = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}[arch]
+    return cls.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def _hf_logits(model, ids: list[int]) -> np.ndarray:
+    return model(torch.tensor([ids])).logits[0].numpy()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_prefill_and_16_greedy_steps_match_transformers(arch, tiny_llama_dir, tiny_qwen3_dir):
+    model_dir = tiny_llama_dir if arch == "llama" else tiny_qwen3_dir
+    oracle = _oracle(model_dir, arch)
+    prompt = [5, 17, 101, 3, 250, 42, 7, 9, 300, 11, 64, 2, 77]
+    with running_server(model_dir) as server, ExecutorClient(server.target, timeout=30) as ex:
+        out = ex.prefill(prompt, logits=LogitsPolicy.full(all_positions=True))
+        ref = _hf_logits(oracle, prompt)
+        assert out.logits.values.shape == ref.shape
+        np.testing.assert_allclose(out.logits.values, ref, atol=ATOL, rtol=0)
+
+        ids, handle = list(prompt), out.kv_cache
+        token = int(ref[-1].argmax())
+        for _ in range(16):
+            ids.append(token)
+            step = ex.decode(token, handle)
+            handle = step.kv_cache
+            ref_row = _hf_logits(oracle, ids)[-1]
+            np.testing.assert_allclose(step.logits.values[0], ref_row, atol=ATOL, rtol=0)
+            token = int(ref_row.argmax())
+            assert step.logits.argmax()[0] == token
+        assert handle.sequence_length == len(prompt) + 16
+        ex.release_cache(handle)
+
+
+def test_batch_decode_of_different_lengths_equals_decoding_alone(client):
+    prompts = [[1, 2, 3], list(range(10, 21)), [7], list(range(40, 70)), [300, 200, 100, 5, 6]]
+    next_tokens = [11, 22, 33, 44, 55]
+    alone = []
+    for prompt, token in zip(prompts, next_tokens):
+        step = client.decode(token, client.prefill(prompt).kv_cache)
+        alone.append(step.logits.values[0])
+        client.release_cache(step.kv_cache)
+
+    handles = [client.prefill(p).kv_cache for p in prompts]
+    outs = client.batch_decode(list(zip(next_tokens, handles)))
+    assert [o.kv_cache.cache_id for o in outs] == [h.cache_id for h in handles]
+    for out, ref, prompt in zip(outs, alone, prompts):
+        assert out.timing.batch_size == len(prompts)  # one forward served them all
+        assert out.kv_cache.sequence_length == len(prompt) + 1
+        np.testing.assert_allclose(out.logits.values[0], ref, atol=ATOL, rtol=0)
+    for out in outs:
+        client.release_cache(out.kv_cache)
+
+
+def test_chunked_prefill_equals_one_shot(client):
+    prompt = list(range(3, 40))
+    one_shot = client.prefill(prompt, logits=LogitsPolicy.full(all_positions=True))
+    first = client.prefill(prompt[:10])
+    second = client.prefill(prompt[10:25], kv_cache=first.kv_cache)
+    third = client.prefill(prompt[25:], kv_cache=second.kv_cache, logits=LogitsPolicy.full(all_positions=True))
+    assert third.kv_cache.cache_id == first.kv_cache.cache_id
+    assert third.kv_cache.sequence_length == len(prompt)
+    np.testing.assert_allclose(third.logits.values, one_shot.logits.values[25:], atol=ATOL, rtol=0)
+    a = client.decode(9, one_shot.kv_cache).logits.values
+    b = client.decode(9, third.kv_cache).logits.values
+    np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
+
+
+def test_truncate_then_redecode_equals_original_path(client):
+    prompt = [4, 8, 15, 16, 23, 42]
+    handle = client.prefill(prompt).kv_cache
+    original = []
+    for token in (100, 101, 102):
+        step = client.decode(token, handle)
+        original.append(step.logits.values[0])
+        handle = step.kv_cache
+    # Roll back the last two tokens (as after a rejected draft) and take the other path again.
+    handle = client.truncate_kv(handle, len(prompt) + 1)
+    assert handle.sequence_length == len(prompt) + 1
+    for token, ref in zip((101, 102), original[1:]):
+        step = client.decode(token, handle)
+        np.testing.assert_allclose(step.logits.values[0], ref, atol=ATOL, rtol=0)
+        handle = step.kv_cache
+    # Truncating across a block boundary frees blocks and still decodes correctly.
+    before = client.status().kv_blocks_used
+    short = client.truncate_kv(handle, 2)
+    assert client.status().kv_blocks_used < before
+    assert len(short.block_table.block_ids) == 1
+    fresh = client.prefill(prompt[:2]).kv_cache
+    np.testing.assert_allclose(client.decode(5, short).logits.values, client.decode(5, fresh).logits.values,
+                               atol=ATOL, rtol=0)
+
+
+def test_forward_verify_rows_equal_sequential_decodes(client):
+    prompt = [9, 8, 7, 6, 5]
+    draft = [31, 32, 33, 34]
+    base = client.prefill(prompt).kv_cache
+    verify = client.forward_verify(draft, base)
+    assert verify.logits.values.shape == (len(draft), 320)
+    assert verify.kv_cache.sequence_length == len(prompt) + len(draft)
+
+    handle = client.prefill(prompt).kv_cache
+    for row, token in zip(verify.logits.values, draft):
+        step = client.decode(token, handle)
+        np.testing.assert_allclose(row, step.logits.values[0], atol=ATOL, rtol=0)
+        handle = step.kv_cache
+
+
+def test_logits_policies_agree_with_full_logits(client):
+    handle = client.prefill([1, 2, 3, 4]).kv_cache
+    full = client.decode(10, handle).logits.values[0]
+    handle2 = client.prefill([1, 2, 3, 4]).kv_cache
+    top = client.decode(10, handle2, logits=LogitsPolicy.topk(5)).logits
+    assert list(top.token_ids[0]) == list(np.argsort(-full)[:5])
+    np.testing.assert_allclose(top.values[0], np.sort(full)[::-1][:5], atol=ATOL, rtol=0)
+    handle3 = client.prefill([1, 2, 3, 4]).kv_cache
+    arg = client.decode(10, handle3, logits=LogitsPolicy.argmax()).logits
+    assert arg.argmax() == [int(full.argmax())]
+    for dtype, tol in (("float16", 1e-2), ("bfloat16", 5e-2)):
+        h = client.prefill([1, 2, 3, 4]).kv_cache
+        low = client.decode(10, h, logits=LogitsPolicy.full(dtype=dtype)).logits.values[0]
+        assert low.dtype == np.float32 if dtype == "bfloat16" else low.dtype == np.float16
+        np.testing.assert_allclose(low.astype(np.float32), full, atol=tol * max(1.0, np.abs(full).max()))
