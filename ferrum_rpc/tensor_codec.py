@@ -54,9 +54,9 @@ def encode(array: Any) -> pb.Tensor:
     """Encodes a numpy array or a (CPU or CUDA) torch tensor."""
     if not isinstance(array, np.ndarray):
         return _encode_torch(array)
-    name = array.dtype.name
-    out = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
-    return pb.Tensor(dtype=dtype_to_proto(name), shape=out.shape, data=out.tobytes())
+    wire = dtype_to_proto(array.dtype.name)
+    little = array.astype(array.dtype.newbyteorder("<"), copy=False)
+    return pb.Tensor(dtype=wire, shape=array.shape, data=little.tobytes())  # tobytes: C order
 
 
 def _encode_torch(tensor: Any) -> pb.Tensor:

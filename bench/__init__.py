@@ -1,0 +1,1 @@
+"""Benchmarks that print figures and write JSON under bench/results/."""

@@ -1,0 +1,64 @@
+"""Shared benchmark plumbing: a served model in a subprocess, timing, JSON output."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("bench")
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def median_of(runs: int, fn) -> tuple[float, list[float]]:
+    """Runs ``fn`` (returning seconds) ``runs`` times; returns the median and all values."""
+    values = [fn() for _ in range(runs)]
+    return statistics.median(values), values
+
+
+@contextlib.contextmanager
+def served(model_dir: str, dtype: str, extra: tuple[str, ...] = ()):
+    """``ferrum-rpc serve`` in its own process (as deployed); yields "host:port"."""
+    cmd = [sys.executable, "-m", "ferrum_rpc.cli", "serve", "--model", f"bench={model_dir}",
+           "--port", "0", "--dtype", dtype, "--kv-tokens", "32768", *extra]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    port, ready = None, threading.Event()
+
+    def pump():
+        nonlocal port
+        for line in proc.stderr:
+            if m := re.search(r"listening on [\d.]+:(\d+)", line):
+                port = int(m.group(1))
+            if "serving" in line:
+                ready.set()
+            if "ERROR" in line or "Traceback" in line:
+                sys.stderr.write(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        if not ready.wait(300):
+            raise RuntimeError("server did not come up")
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def write_results(name: str, records: list[dict]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
+            "processor": platform.processor(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    path.write_text(json.dumps({"meta": meta, "records": records}, indent=2))
+    log.info("wrote %s", path)
+    return path
