@@ -26,6 +26,7 @@ def generate(out_root: Path) -> list[Path]:
     from grpc_tools import protoc
 
     include = Path(grpc_tools.__file__).parent / "_proto"
+    (out_root / "ferrum_rpc" / "v1").mkdir(parents=True, exist_ok=True)
     out = str(out_root)
     for proto in PROTO_FILES:
         rc = protoc.main(

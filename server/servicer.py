@@ -16,9 +16,16 @@ import time
 import grpc
 
 from ferrum_rpc import convert
-from ferrum_rpc.errors import Draining, ExecutorError, ModelLoading, ModelNotFound, to_rpc_status
+from ferrum_rpc.errors import (
+    Draining,
+    ExecutorError,
+    InvalidInput,
+    ModelLoading,
+    ModelNotFound,
+    to_rpc_status,
+)
 from ferrum_rpc.server.worker import ModelWorker
-from ferrum_rpc.types import DecodeInput, ServerState, Timing
+from ferrum_rpc.types import DecodeInput, KvCacheHandle, ServerState, Timing
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 
@@ -30,6 +37,23 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
         log.exception("internal error", exc_info=exc)
         exc = ExecutorError(f"internal error: {type(exc).__name__}: {exc}", code=grpc.StatusCode.INTERNAL)
     await context.abort_with_status(to_rpc_status(exc))
+
+
+def _required_handle(message) -> KvCacheHandle:
+    if not message.HasField("kv_cache"):
+        raise InvalidInput("kv_cache is required")
+    return convert.handle_from_proto(message.kv_cache)
+
+
+def _query(method):
+    """Error mapping only: queries are answered while draining too, so callers see the state."""
+    @functools.wraps(method)
+    async def unary(self, request, context):
+        try:
+            return await method(self, request, context)
+        except Exception as exc:
+            await _abort(context, exc)
+    return unary
 
 
 def _rpc(method):
@@ -112,17 +136,17 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         return t
 
     # -- queries -----------------------------------------------------------------
-    @_rpc
+    @_query
     async def GetModelInfo(self, request, context):
         return convert.model_info_to_proto(self._worker(request.model).executor.info())
 
-    @_rpc
+    @_query
     async def GetCapabilities(self, request, context):
         caps = convert.capabilities_to_proto(self._worker(request.model).executor.capabilities())
         caps.models.extend(sorted(self.workers))
         return caps
 
-    @_rpc
+    @_query
     async def GetStatus(self, request, context):
         if self.state is ServerState.LOADING and not self.workers:
             return pb.Status(state=pb.Status.STATE_LOADING, server_instance_id=self.instance_id)
@@ -146,7 +170,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
     async def Decode(self, request, context):
         received = time.perf_counter_ns()
         worker = self._worker(request.model or request.kv_cache.model)
-        item = DecodeInput(request.token_id, convert.handle_from_proto(request.kv_cache))
+        item = DecodeInput(request.token_id, _required_handle(request))
         (out,) = await worker.decode([item], convert.policy_from_proto(request.logits))
         return pb.DecodeResponse(logits=convert.logits_to_proto(out.logits),
                                  kv_cache=convert.handle_to_proto(out.kv_cache),
@@ -157,7 +181,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         received = time.perf_counter_ns()
         first = request.items[0].kv_cache.model if request.items else ""
         worker = self._worker(request.model or first)
-        items = [DecodeInput(i.token_id, convert.handle_from_proto(i.kv_cache)) for i in request.items]
+        items = [DecodeInput(i.token_id, _required_handle(i)) for i in request.items]
         outs = await worker.decode(items, convert.policy_from_proto(request.logits))
         for index, out in enumerate(outs):
             yield pb.BatchDecodeResponse(index=index, logits=convert.logits_to_proto(out.logits),
@@ -169,7 +193,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         received = time.perf_counter_ns()
         worker = self._worker(request.model or request.kv_cache.model)
         out = await worker.call(worker.executor.forward_verify, list(request.token_ids),
-                                convert.handle_from_proto(request.kv_cache),
+                                _required_handle(request),
                                 convert.policy_from_proto(request.logits))
         return pb.ForwardVerifyResponse(logits=convert.logits_to_proto(out.logits),
                                         kv_cache=convert.handle_to_proto(out.kv_cache),
@@ -178,8 +202,8 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
     @_rpc
     async def TruncateKv(self, request, context):
         worker = self._worker(request.kv_cache.model)
-        handle = await worker.call(worker.executor.truncate_kv,
-                                   convert.handle_from_proto(request.kv_cache), request.new_length)
+        handle = await worker.call(worker.executor.truncate_kv, _required_handle(request),
+                                   request.new_length)
         return pb.TruncateKvResponse(kv_cache=convert.handle_to_proto(handle))
 
     @_rpc

@@ -89,49 +89,44 @@ class ModelWorker:
                 job = self._jobs.popleft()
                 if job is None:
                     return
-                batch = [job] + self._take_decodes(job) if job.decode else None
+                batch = [job] if job.decode else None
+                if batch:
+                    self._collect(batch)
             if batch is None:
                 self._run(job)
             else:
-                if self.batch_wait_s and self._batch_size(batch) < self.executor.config.max_batch_size:
-                    batch += self._wait_for_more(batch)
+                if self.batch_wait_s:
+                    self._wait_for_more(batch)
                 self._run_decodes(batch)
 
-    @staticmethod
-    def _batch_size(batch: list[_Job]) -> int:
-        return sum(len(j.decode[0]) for j in batch)
+    def _fits(self, batch: list[_Job], job: _Job) -> bool:
+        """A decode job may join a forward if it adds no sequence twice and stays in the max batch."""
+        ids = [i.kv_cache.cache_id for i in job.decode[0]]
+        seen = {i.kv_cache.cache_id for j in batch for i in j.decode[0]}
+        size = sum(len(j.decode[0]) for j in batch)
+        return size + len(ids) <= self.executor.config.max_batch_size and seen.isdisjoint(ids)
 
-    def _take_decodes(self, first: _Job, ) -> list[_Job]:
-        """Pops the decodes queued right behind ``first`` that fit in its forward.
+    def _collect(self, batch: list[_Job]) -> bool:
+        """Moves the decodes queued at the head into ``batch`` while they fit (lock held).
 
-        Stops at the first non-decode job so one caller's calls stay in order.
-        Called with the lock held.
+        Stops at the first job that is not a decode, so one caller's calls stay in
+        order.  Returns True if the batch is closed (a job that does not fit, or
+        a non-decode job, is next).
         """
-        taken: list[_Job] = []
-        size = len(first.decode[0])
-        seen = {i.kv_cache.cache_id for i in first.decode[0]}
-        while self._jobs and self._jobs[0] is not None and self._jobs[0].decode:
-            nxt = self._jobs[0]
-            ids = {i.kv_cache.cache_id for i in nxt.decode[0]}
-            if size + len(ids) > self.executor.config.max_batch_size or ids & seen:
-                break
-            taken.append(self._jobs.popleft())
-            size += len(ids)
-            seen |= ids
-        return taken
+        if sum(len(j.decode[0]) for j in batch) >= self.executor.config.max_batch_size:
+            return True
+        while self._jobs:
+            head = self._jobs[0]
+            if head is None or not head.decode or not self._fits(batch, head):
+                return True
+            batch.append(self._jobs.popleft())
+        return False
 
-    def _wait_for_more(self, batch: list[_Job]) -> list[_Job]:
+    def _wait_for_more(self, batch: list[_Job]) -> None:
         deadline = time.monotonic() + self.batch_wait_s
-        more: list[_Job] = []
         with self._cond:
-            while (left := deadline - time.monotonic()) > 0:
-                if self._jobs and self._jobs[0] is not None and self._jobs[0].decode:
-                    head = self._jobs.popleft()
-                    more.append(head)
-                    more += self._take_decodes(head)
-                    break
+            while not self._collect(batch) and (left := deadline - time.monotonic()) > 0:
                 self._cond.wait(left)
-        return more
 
     def _run(self, job: _Job) -> None:
         if not job.future.set_running_or_notify_cancel():
