@@ -7,6 +7,7 @@ Both hide the stubs, return the typed objects of ``ferrum_rpc.types`` and turn
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterable, Sequence, Union
 
 import grpc
@@ -76,6 +77,11 @@ class _Codec:
                    convert.timing_from_proto(reply.timing))
 
     @classmethod
+    def _prefill_output(cls, reply: pb.PrefillResponse) -> PrefillOutput:
+        out = cls._output(PrefillOutput, reply)
+        return replace(out, cached_tokens=reply.cached_tokens)
+
+    @classmethod
     def _batch_outputs(cls, replies: Sequence[pb.BatchDecodeResponse]) -> list[DecodeOutput]:
         ordered = sorted(replies, key=lambda r: r.index)
         return [cls._output(DecodeOutput, r) for r in ordered]
@@ -121,7 +127,7 @@ class ExecutorClient(_Codec):
                 logits: LogitsPolicy = LogitsPolicy()) -> PrefillOutput:
         """Runs a prompt, or continues ``kv_cache`` with the next chunk of one."""
         reply = self._call(self._stub.Prefill, self._prefill_req(token_ids, kv_cache, logits))
-        return self._output(PrefillOutput, reply)
+        return self._prefill_output(reply)
 
     def decode(self, token_id: int, kv_cache: KvCacheHandle, logits: LogitsPolicy = LogitsPolicy()) -> DecodeOutput:
         reply = self._call(self._stub.Decode, self._decode_req(token_id, kv_cache, logits))
@@ -187,7 +193,7 @@ class AsyncExecutorClient(_Codec):
     async def prefill(self, token_ids: Sequence[int], kv_cache: KvCacheHandle | None = None,
                       logits: LogitsPolicy = LogitsPolicy()) -> PrefillOutput:
         reply = await self._call(self._stub.Prefill, self._prefill_req(token_ids, kv_cache, logits))
-        return self._output(PrefillOutput, reply)
+        return self._prefill_output(reply)
 
     async def decode(self, token_id: int, kv_cache: KvCacheHandle,
                      logits: LogitsPolicy = LogitsPolicy()) -> DecodeOutput:

@@ -19,6 +19,7 @@ class Reason(str, enum.Enum):
     """Machine-readable reasons (``ErrorInfo.reason``)."""
 
     CACHE_NOT_FOUND = "CACHE_NOT_FOUND"
+    CACHE_EXPIRED = "CACHE_EXPIRED"
     STALE_HANDLE = "STALE_HANDLE"
     LENGTH_MISMATCH = "LENGTH_MISMATCH"
     INVALID_INPUT = "INVALID_INPUT"
@@ -31,6 +32,7 @@ class Reason(str, enum.Enum):
 
 STATUS_FOR_REASON: dict[Reason, grpc.StatusCode] = {
     Reason.CACHE_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Reason.CACHE_EXPIRED: grpc.StatusCode.NOT_FOUND,
     Reason.STALE_HANDLE: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.LENGTH_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.INVALID_INPUT: grpc.StatusCode.INVALID_ARGUMENT,
@@ -69,6 +71,12 @@ class CacheNotFound(ExecutorError):
     reason = Reason.CACHE_NOT_FOUND
 
 
+class CacheExpired(CacheNotFound):
+    """The sequence was reclaimed after sitting idle past the server's timeout."""
+
+    reason = Reason.CACHE_EXPIRED
+
+
 class StaleHandle(ExecutorError):
     reason = Reason.STALE_HANDLE
 
@@ -105,6 +113,7 @@ ERROR_CLASSES: dict[Reason, type[ExecutorError]] = {
     cls.reason: cls
     for cls in (
         CacheNotFound,
+        CacheExpired,
         StaleHandle,
         LengthMismatch,
         InvalidInput,

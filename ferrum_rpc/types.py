@@ -104,6 +104,7 @@ class PrefillOutput:
     logits: Logits
     kv_cache: KvCacheHandle
     timing: Timing = field(default_factory=Timing)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,14 @@ class Capabilities:
     truncate_kv: bool
     max_message_bytes: int
     models: tuple[str, ...] = ()
+    idle_timeout_s: float = 0.0
+    prefill_chunk_tokens: int = 0
+    decode_session: bool = False
+    prefix_cache: bool = False
+    fork_cache: bool = False
+    mixture_of_experts: bool = False
+    architecture: str = ""
+    kv_bytes: int = 0
 
 
 class ServerState(enum.Enum):
@@ -180,3 +189,9 @@ class ExecutorStatus:
     forwards: int
     tokens_processed: int
     uptime_s: float
+    kv_blocks_shared: int = 0
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    sequences_expired: int = 0
+    kv_blocks_cached: int = 0

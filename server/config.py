@@ -21,6 +21,12 @@ class ExecutorConfig:
         max_message_bytes: largest reply; requests whose logits would not fit
             are refused up front with INVALID_INPUT.
         batch_wait_ms: how long the worker may wait for more decodes to batch.
+        kv_memory_fraction: if > 0, size the KV pool to this fraction of the
+            device's available memory instead of ``kv_tokens``.
+        idle_timeout_s: reclaim sequences unused this long (0: never).
+        prefill_chunk: prompts longer than this run in chunks, letting other
+            callers' decodes run in between.
+        prefix_caching: share identical full prompt blocks across sequences.
     """
 
     dtype: str = "float32"
@@ -31,12 +37,20 @@ class ExecutorConfig:
     max_seq_len: int = 0
     max_message_bytes: int = 256 * MIB
     batch_wait_ms: float = 0.0
+    kv_memory_fraction: float = 0.0
+    idle_timeout_s: float = 600.0
+    prefill_chunk: int = 256
+    prefix_caching: bool = True
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, not {self.dtype!r}")
         if self.kv_tokens <= 0 or self.block_size <= 0 or self.max_batch_size <= 0:
             raise ValueError("kv_tokens, block_size and max_batch_size must be positive")
+        if not 0 <= self.kv_memory_fraction < 1:
+            raise ValueError("kv_memory_fraction must be in [0, 1)")
+        if self.prefill_chunk <= 0:
+            raise ValueError("prefill_chunk must be positive")
 
 
 @dataclass(frozen=True)

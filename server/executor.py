@@ -9,17 +9,19 @@ touched from two threads.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generator
 
 import torch
 
 from ferrum_rpc.errors import InvalidInput, LengthMismatch, SequenceTooLong, StaleHandle
 from ferrum_rpc.server.config import ExecutorConfig
 from ferrum_rpc.server.kv_cache import KvPool
-from ferrum_rpc.server.kv_manager import BlockManager, SequenceState
+from ferrum_rpc.server.kv_manager import BlockManager, SequenceState, WritePlan
 from ferrum_rpc.server.models import load_model
 from ferrum_rpc.types import (
     LOGITS_DTYPES,
@@ -47,12 +49,12 @@ _WIRE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 @dataclass
 class _Step:
-    """One sequence's part of a forward: tokens appended after ``start``."""
+    """One sequence's part of a forward: tokens written from position ``start``."""
 
     seq: SequenceState
     tokens: list[int]
     start: int
-    created: bool
+    plan: WritePlan
 
 
 @dataclass
@@ -80,8 +82,9 @@ class TorchExecutor:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.max_seq_len = min(config.max_seq_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        num_blocks = -(-config.kv_tokens // config.block_size)
-        self.kv = BlockManager(num_blocks, config.block_size)
+        num_blocks = -(-self._kv_tokens(config, mc) // config.block_size)
+        self.kv = BlockManager(num_blocks, config.block_size, prefix_caching=config.prefix_caching)
+        self.busy: set[str] = set()  # sequences in the middle of a chunked prefill
         self.pool = KvPool(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads,
                            mc.head_dim, self.dtype, self.device)
         self.forwards = 0
@@ -89,6 +92,19 @@ class TorchExecutor:
         self.started = time.monotonic()
         log.info("%s: KV pool of %d blocks x %d tokens (%.1f MiB on %s)", name, num_blocks,
                  config.block_size, self.pool.nbytes / 2**20, self.device)
+
+    def _kv_tokens(self, config: ExecutorConfig, mc) -> int:
+        if not config.kv_memory_fraction:
+            return config.kv_tokens
+        if self.device.type == "cuda":
+            available = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        per_token = KvPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        tokens = int(available * config.kv_memory_fraction) // per_token
+        log.info("KV pool sized to %.0f%% of %.1f GiB available: %d tokens",
+                 100 * config.kv_memory_fraction, available / 2**30, tokens)
+        return max(tokens, config.block_size)
 
     @classmethod
     def from_path(cls, name: str, path: str | Path, config: ExecutorConfig,
@@ -116,6 +132,10 @@ class TorchExecutor:
             kv_num_blocks=self.kv.num_blocks, kv_capacity_tokens=self.kv.num_blocks * self.kv.block_size,
             logits_kinds=tuple(LogitsKind), logits_dtypes=LOGITS_DTYPES, chunked_prefill=True,
             forward_verify=True, truncate_kv=True, max_message_bytes=self.config.max_message_bytes,
+            idle_timeout_s=self.config.idle_timeout_s, prefill_chunk_tokens=self.config.prefill_chunk,
+            decode_session=True, prefix_cache=self.config.prefix_caching, fork_cache=True,
+            mixture_of_experts=self.model_config.num_experts > 0,
+            architecture=self.model_config.architecture, kv_bytes=self.pool.nbytes,
         )
 
     def status(self, state: ServerState = ServerState.SERVING, queue_depth: int = 0) -> ExecutorStatus:
@@ -124,19 +144,65 @@ class TorchExecutor:
             kv_blocks_total=self.kv.num_blocks, kv_blocks_used=self.kv.num_used,
             kv_blocks_free=self.kv.num_free, active_sequences=len(self.kv), queue_depth=queue_depth,
             forwards=self.forwards, tokens_processed=self.tokens_processed,
-            uptime_s=time.monotonic() - self.started,
+            uptime_s=time.monotonic() - self.started, kv_blocks_shared=self.kv.num_shared,
+            prefix_cache_queried_tokens=self.kv.queried_tokens, prefix_cache_hit_tokens=self.kv.hit_tokens,
+            prefix_cache_hit_rate=self.kv.hit_tokens / self.kv.queried_tokens if self.kv.queried_tokens else 0.0,
+            sequences_expired=self.kv.expired_count, kv_blocks_cached=self.kv.num_cached_free,
         )
 
     # -- the contract ------------------------------------------------------------
     def prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None = None,
                 policy: LogitsPolicy = LogitsPolicy()) -> PrefillOutput:
         """Runs a prompt (or the next chunk of one, when ``kv_cache`` is given)."""
+        steps = self.prefill_chunks(token_ids, kv_cache, policy)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def prefill_chunks(self, token_ids: list[int], kv_cache: KvCacheHandle | None = None,
+                       policy: LogitsPolicy = LogitsPolicy()) -> Generator[None, None, PrefillOutput]:
+        """:meth:`prefill` in chunks of ``config.prefill_chunk`` tokens, yielding between them.
+
+        The worker runs other callers' decodes at each yield.  If any chunk
+        fails, every chunk is undone: the sequence is as it was before the call.
+        """
         self._check_tokens(token_ids)
         self._check_policy(policy, len(token_ids) if policy.all_positions else 1)
         seq = self._resolve(kv_cache) if kv_cache is not None else None
-        step = self._begin(seq, token_ids)
-        logits, timing = self._run_single(step, policy, all_positions=policy.all_positions)
-        return PrefillOutput(logits, self._handle(step.seq), timing)
+        origin = seq.length if seq else 0
+        self._check_length(origin, len(token_ids))
+        created = seq is None
+        if created:
+            seq = self.kv.create(uuid.uuid4().hex)
+        cached = 0
+        if created and not policy.all_positions:  # a hit must leave the last token to compute
+            cached = self.kv.adopt_prefix(seq, token_ids, len(token_ids) - 1)
+        self.busy.add(seq.cache_id)
+        hidden_rows, forward_ns, chunk = [], 0, self.config.prefill_chunk
+        try:
+            for offset in range(cached, len(token_ids), chunk):
+                if offset > cached:
+                    yield
+                step = self._begin(seq, token_ids[offset:offset + chunk])
+                hidden, ns = self._forward_or_undo([step])
+                self._commit(step)
+                forward_ns += ns
+                hidden_rows.append(hidden[0] if policy.all_positions else hidden[0, -1:])
+            with torch.inference_mode():
+                rows = hidden_rows[-1] if len(hidden_rows) == 1 else torch.cat(hidden_rows)
+                logits = self._apply_policy(self.model.logits(rows), policy)
+        except BaseException:
+            if created:
+                self.kv.release(seq.cache_id)
+            else:
+                self.kv.shrink(seq, origin)
+            raise
+        finally:
+            self.busy.discard(seq.cache_id)
+        return PrefillOutput(logits, self._handle(seq), Timing(forward_ns=forward_ns, batch_size=1),
+                             cached_tokens=cached)
 
     def decode(self, token_id: int, kv_cache: KvCacheHandle,
                policy: LogitsPolicy = LogitsPolicy()) -> DecodeOutput:
@@ -151,9 +217,14 @@ class TorchExecutor:
         """Appends N+1 tokens in one forward; returns N+1 logits rows."""
         self._check_tokens(token_ids)
         self._check_policy(policy, len(token_ids))
-        step = self._begin(self._resolve(kv_cache), token_ids)
-        logits, timing = self._run_single(step, policy, all_positions=True)
-        return VerifyOutput(logits, self._handle(step.seq), timing)
+        seq = self._resolve(kv_cache)
+        self._check_length(seq.length, len(token_ids))
+        step = self._begin(seq, token_ids)
+        hidden, forward_ns = self._forward_or_undo([step])
+        self._commit(step)
+        with torch.inference_mode():
+            logits = self._apply_policy(self.model.logits(hidden[0]), policy)
+        return VerifyOutput(logits, self._handle(seq), Timing(forward_ns=forward_ns, batch_size=1))
 
     def truncate_kv(self, kv_cache: KvCacheHandle, new_length: int) -> KvCacheHandle:
         seq = self._resolve(kv_cache)
@@ -163,8 +234,26 @@ class TorchExecutor:
         return self._handle(seq)
 
     def release_cache(self, cache_id: str) -> int:
-        """Frees a sequence's blocks; returns how many went back to the pool."""
+        """Forgets a sequence; returns how many blocks went back to the pool."""
+        self._check_not_busy(cache_id)
         return self.kv.release(cache_id)
+
+    def fork_cache(self, kv_cache: KvCacheHandle, num_children: int) -> list[KvCacheHandle]:
+        """N new sequences sharing the parent's blocks; the first write to a shared block copies it."""
+        if not 1 <= num_children <= self.config.max_batch_size:
+            raise InvalidInput(f"num_children must be in 1..={self.config.max_batch_size}, got {num_children}")
+        seq = self._resolve(kv_cache)
+        children = self.kv.fork(seq, [uuid.uuid4().hex for _ in range(num_children)])
+        return [self._handle(c) for c in children]
+
+    def expire_idle(self) -> list[str]:
+        """Reclaims sequences idle past ``config.idle_timeout_s``; returns their ids."""
+        if not self.config.idle_timeout_s:
+            return []
+        expired = self.kv.expire_idle(self.config.idle_timeout_s)
+        if expired:
+            log.info("%s: reclaimed %d idle sequence(s)", self.name, len(expired))
+        return expired
 
     # -- batched decode, in two halves so the worker can coalesce callers --------
     def plan_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy) -> DecodePlan:
@@ -179,6 +268,8 @@ class TorchExecutor:
             raise InvalidInput("a sequence appears more than once in one batch")
         self._check_tokens([i.token_id for i in inputs])
         seqs = [self._resolve(i.kv_cache) for i in inputs]
+        for seq in seqs:
+            self._check_length(seq.length, 1)
         steps: list[_Step] = []
         try:
             for seq, item in zip(seqs, inputs):
@@ -196,12 +287,7 @@ class TorchExecutor:
     def run_decode(self, plans: list[DecodePlan]) -> list[list[DecodeOutput]]:
         """Runs every planned sequence in ONE forward; returns outputs per plan."""
         steps = [s for p in plans for s in p.steps]
-        try:
-            hidden, forward_ns = self._forward(steps)
-        except Exception:
-            for plan in plans:
-                self.abort_decode(plan)
-            raise
+        hidden, forward_ns = self._forward_or_undo(steps)
         with torch.inference_mode():
             rows = self.model.logits(hidden[:, -1])  # (B, V) float32
         timing = Timing(forward_ns=forward_ns, batch_size=len(steps))
@@ -246,6 +332,8 @@ class TorchExecutor:
                 f"{handle.server_instance_id!r}, this is {self.instance_id!r}"
             )
         seq = self.kv.get(handle.cache_id)
+        self._check_not_busy(seq.cache_id)
+        seq.last_used = time.monotonic()
         if handle.sequence_length != seq.length:
             raise LengthMismatch(
                 f"handle says {handle.sequence_length} tokens, the server holds {seq.length} "
@@ -253,31 +341,36 @@ class TorchExecutor:
             )
         return seq
 
-    def _begin(self, seq: SequenceState | None, tokens: list[int]) -> _Step:
-        start = seq.length if seq else 0
-        if start + len(tokens) > self.max_seq_len:
+    def _check_length(self, start: int, num_new: int) -> None:
+        if start + num_new > self.max_seq_len:
             raise SequenceTooLong(
-                f"{start} + {len(tokens)} tokens exceed the maximum sequence length {self.max_seq_len}"
+                f"{start} + {num_new} tokens exceed the maximum sequence length {self.max_seq_len}"
             )
-        created = seq is None
-        if created:
-            seq = self.kv.create(uuid.uuid4().hex)
-        try:
-            self.kv.grow(seq, start + len(tokens))
-        except Exception:
-            if created:
-                self.kv.release(seq.cache_id)
-            raise
-        return _Step(seq, list(tokens), start, created)
+
+    def _check_not_busy(self, cache_id: str) -> None:
+        if cache_id in self.busy:
+            raise InvalidInput(f"sequence {cache_id!r} is in the middle of a chunked prefill")
+
+    def _begin(self, seq: SequenceState, tokens: list[int]) -> _Step:
+        """Reserves room (and private copies of shared blocks) for ``tokens`` after seq's end."""
+        start = seq.length
+        plan = self.kv.prepare_write(seq, start, start + len(tokens))
+        self.pool.copy_blocks(plan.copies)
+        return _Step(seq, list(tokens), start, plan)
 
     def _abort(self, step: _Step) -> None:
-        if step.created:
-            self.kv.release(step.seq.cache_id)
-        else:
-            self.kv.shrink(step.seq, step.start)
+        self.kv.undo_write(step.seq, step.plan)
 
     def _commit(self, step: _Step) -> None:
-        step.seq.length = step.start + len(step.tokens)
+        self.kv.commit(step.seq, step.start, step.tokens)
+
+    def _forward_or_undo(self, steps: list[_Step]) -> tuple[torch.Tensor, int]:
+        try:
+            return self._forward(steps)
+        except BaseException:
+            for step in steps:
+                self._abort(step)
+            raise
 
     def _forward(self, steps: list[_Step]) -> tuple[torch.Tensor, int]:
         """Either one sequence of T tokens or B sequences of one token each."""
@@ -291,18 +384,6 @@ class TorchExecutor:
         self.forwards += 1
         self.tokens_processed += len(steps) * num_new
         return hidden, time.perf_counter_ns() - t0
-
-    def _run_single(self, step: _Step, policy: LogitsPolicy, all_positions: bool) -> tuple[Logits, Timing]:
-        try:
-            hidden, forward_ns = self._forward([step])
-            rows = hidden[0] if all_positions else hidden[0, -1:]  # (P, C)
-            with torch.inference_mode():
-                logits = self._apply_policy(self.model.logits(rows), policy)
-        except Exception:
-            self._abort(step)
-            raise
-        self._commit(step)
-        return logits, Timing(forward_ns=forward_ns, batch_size=1)
 
     def _apply_policy(self, rows: torch.Tensor, policy: LogitsPolicy) -> Logits:
         """rows: (P, V) float32 on the device -> what the caller asked for, on the CPU."""

@@ -20,6 +20,18 @@ class KvPool:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies the KV of block ``src`` into block ``dst`` for every layer (copy on write)."""
+        if pairs:
+            src = torch.tensor([p[0] for p in pairs], device=self.k.device)
+            dst = torch.tensor([p[1] for p in pairs], device=self.k.device)
+            self.k[:, dst] = self.k[:, src]
+            self.v[:, dst] = self.v[:, src]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
     @property
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()

@@ -1,17 +1,31 @@
-"""KV block bookkeeping: free list, per-sequence block tables, ref counts.
+"""KV block bookkeeping: free list, per-sequence block tables, ref counts, prefix hashes.
 
 Plain Python with no torch, so it is tested on its own and never touches
 device memory; the executor only turns the block ids it hands out into slot
-indices of the preallocated pool.  Every mutating call either succeeds whole
-or raises leaving the state exactly as it was.
+indices of the preallocated pool (and performs the block copies it is told
+to).  Every mutating call either succeeds whole or raises leaving the state
+exactly as it was.
+
+Sharing (as in vLLM's block pool):
+- a full block is identified by a hash of its tokens and of every token
+  before it; a new prompt whose leading full blocks hash the same reuses
+  them by reference count instead of recomputing them;
+- freed blocks keep their hash and stay reusable until the free list hands
+  them out again (least recently freed first);
+- a block referenced by several sequences (prefix hits, forks) is copied
+  before one of them writes into it (copy on write).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ferrum_rpc.errors import CacheNotFound, KvCapacityExhausted
+from ferrum_rpc.errors import CacheExpired, CacheNotFound, KvCapacityExhausted
+
+_EXPIRED_MEMORY = 100_000  # expired ids remembered, to answer CACHE_EXPIRED instead of NOT_FOUND
 
 
 @dataclass
@@ -19,6 +33,18 @@ class SequenceState:
     cache_id: str
     length: int = 0
     block_ids: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # the first `length` are committed
+    hashes: list[bytes] = field(default_factory=list)  # chained hashes of leading full blocks
+    last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class WritePlan:
+    """What :meth:`BlockManager.prepare_write` changed, so it can be undone."""
+
+    added: list[int] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) to copy before writing
+    replaced: list[tuple[int, int]] = field(default_factory=list)  # (table index, old block)
 
 
 class BlockManager:
@@ -27,18 +53,26 @@ class BlockManager:
     Args:
         num_blocks: blocks in the pool.
         block_size: tokens per block.
+        prefix_caching: share identical full prompt blocks across sequences.
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.prefix_caching = prefix_caching
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._refs = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}  # block -> hash of its full content
+        self._block_of: dict[bytes, int] = {}  # hash -> block
         self._seqs: dict[str, SequenceState] = {}
+        self._expired: OrderedDict[str, None] = OrderedDict()
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+        self.expired_count = 0
 
-    # -- pool ---------------------------------------------------------------
+    # -- pool figures ----------------------------------------------------------
     @property
     def num_free(self) -> int:
         return len(self._free)
@@ -46,6 +80,14 @@ class BlockManager:
     @property
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
+
+    @property
+    def num_shared(self) -> int:
+        return sum(1 for r in self._refs if r > 1)
+
+    @property
+    def num_cached_free(self) -> int:
+        return sum(1 for b in self._free if b in self._hash_of)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -55,16 +97,31 @@ class BlockManager:
             raise KvCapacityExhausted(
                 f"need {n} free KV blocks, {len(self._free)} of {self.num_blocks} free"
             )
-        taken = [self._free.popleft() for _ in range(n)]
+        taken = [self._free.popitem(last=False)[0] for _ in range(n)]
         for b in taken:
+            self._unhash(b)
             self._refs[b] = 1
         return taken
 
-    def _drop(self, blocks: list[int]) -> None:
-        for b in blocks:
+    def _ref(self, block: int) -> None:
+        if self._refs[block] == 0:
+            del self._free[block]
+        self._refs[block] += 1
+
+    def _drop(self, blocks: list[int]) -> int:
+        """Drops one reference to each block; returns how many went back to the free list."""
+        freed = 0
+        for b in reversed(blocks):  # a sequence's tail is evicted before its head
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
+                freed += 1
+        return freed
+
+    def _unhash(self, block: int) -> None:
+        digest = self._hash_of.pop(block, None)
+        if digest is not None and self._block_of.get(digest) == block:
+            del self._block_of[digest]
 
     # -- sequences ------------------------------------------------------------
     def __contains__(self, cache_id: str) -> bool:
@@ -77,6 +134,8 @@ class BlockManager:
         try:
             return self._seqs[cache_id]
         except KeyError:
+            if cache_id in self._expired:
+                raise CacheExpired(f"KV cache {cache_id!r} was reclaimed after sitting idle") from None
             raise CacheNotFound(f"no KV cache with id {cache_id!r}") from None
 
     def create(self, cache_id: str) -> SequenceState:
@@ -85,32 +144,151 @@ class BlockManager:
         seq = self._seqs[cache_id] = SequenceState(cache_id)
         return seq
 
-    def grow(self, seq: SequenceState, new_length: int) -> list[int]:
-        """Makes room for ``new_length`` tokens; returns the newly added blocks.
+    def release(self, cache_id: str) -> int:
+        """Forgets a sequence; returns how many of its blocks went back to the free list
+        (blocks still shared with other sequences stay in use)."""
+        seq = self.get(cache_id)
+        del self._seqs[cache_id]
+        return self._drop(seq.block_ids)
 
-        The sequence's ``length`` is not changed: the caller commits it after
-        the forward succeeds, or calls :meth:`shrink` to undo.
+    def expire_idle(self, idle_s: float, now: float | None = None) -> list[str]:
+        """Releases sequences unused for ``idle_s`` seconds; later lookups say CACHE_EXPIRED."""
+        now = time.monotonic() if now is None else now
+        stale = [cid for cid, s in self._seqs.items() if now - s.last_used > idle_s]
+        for cid in stale:
+            self.release(cid)
+            self._expired[cid] = None
+            if len(self._expired) > _EXPIRED_MEMORY:
+                self._expired.popitem(last=False)
+        self.expired_count += len(stale)
+        return stale
+
+    # -- prefix cache -------------------------------------------------------------
+    def _block_hash(self, parent: bytes, block_tokens: list[int]) -> bytes:
+        h = hashlib.blake2b(parent, digest_size=16)
+        h.update(b"".join(t.to_bytes(4, "little") for t in block_tokens))
+        return h.digest()
+
+    def _block_hashes(self, tokens: list[int]) -> list[bytes]:
+        """Chained hashes of each full block of ``tokens``."""
+        out, bs, parent = [], self.block_size, b""
+        for i in range(len(tokens) // bs):
+            parent = self._block_hash(parent, tokens[i * bs:(i + 1) * bs])
+            out.append(parent)
+        return out
+
+    def adopt_prefix(self, seq: SequenceState, tokens: list[int], max_tokens: int) -> int:
+        """Gives a new, empty sequence the cached blocks matching the start of ``tokens``.
+
+        At most ``max_tokens`` tokens (rounded down to whole blocks) are taken.
+        Returns the number of tokens served from cache; they count as committed.
         """
-        need = self.blocks_for(new_length) - len(seq.block_ids)
-        added = self._take(need) if need > 0 else []
-        seq.block_ids.extend(added)
-        return added
+        self.queried_tokens += len(tokens)
+        if not self.prefix_caching or seq.block_ids:
+            return 0
+        limit = max(0, min(max_tokens, len(tokens))) // self.block_size * self.block_size
+        matched: list[int] = []
+        hashes = self._block_hashes(tokens[:limit])
+        for digest in hashes:
+            block = self._block_of.get(digest)
+            if block is None:
+                break
+            matched.append(block)
+        for block in matched:
+            self._ref(block)
+        n = len(matched) * self.block_size
+        seq.block_ids.extend(matched)
+        seq.hashes[:] = hashes[:len(matched)]
+        seq.tokens[:] = tokens[:n]
+        seq.length = n
+        self.hit_tokens += n
+        return n
+
+    def _register(self, seq: SequenceState) -> None:
+        """Hashes seq's newly completed full blocks and publishes them for reuse."""
+        if not self.prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(len(seq.hashes), seq.length // bs):
+            parent = seq.hashes[-1] if seq.hashes else b""
+            digest = self._block_hash(parent, seq.tokens[i * bs:(i + 1) * bs])
+            seq.hashes.append(digest)
+            block = seq.block_ids[i]
+            if block not in self._hash_of and digest not in self._block_of:
+                self._hash_of[block] = digest
+                self._block_of[digest] = block
+
+    # -- writing ------------------------------------------------------------------
+    def prepare_write(self, seq: SequenceState, start: int, end: int) -> WritePlan:
+        """Makes positions [start, end) writable by ``seq`` alone.
+
+        Adds blocks up to ``end`` and swaps any shared block in the range for a
+        private copy (the caller copies the KV of each ``plan.copies`` pair
+        before writing).  The length is not changed: call :meth:`commit`, or
+        :meth:`undo_write` if the forward fails.
+        """
+        first, have = start // self.block_size, len(seq.block_ids)
+        shared = [i for i in range(first, min(have, self.blocks_for(end))) if self._refs[seq.block_ids[i]] > 1]
+        need = max(0, self.blocks_for(end) - have)
+        if need + len(shared) > len(self._free):
+            raise KvCapacityExhausted(
+                f"need {need + len(shared)} free KV blocks, {len(self._free)} of {self.num_blocks} free"
+            )
+        plan = WritePlan()
+        for i in shared:
+            old, (new,) = seq.block_ids[i], self._take(1)
+            self._refs[old] -= 1
+            seq.block_ids[i] = new
+            plan.copies.append((old, new))
+            plan.replaced.append((i, old))
+        for i in range(first, min(have, self.blocks_for(end))):
+            self._unhash(seq.block_ids[i])  # its content is about to change
+        del seq.hashes[first:]
+        plan.added = self._take(need)
+        seq.block_ids.extend(plan.added)
+        return plan
+
+    def undo_write(self, seq: SequenceState, plan: WritePlan) -> None:
+        del seq.block_ids[len(seq.block_ids) - len(plan.added):]
+        self._drop(plan.added)
+        for i, old in plan.replaced:
+            self._drop([seq.block_ids[i]])
+            self._ref(old)
+            seq.block_ids[i] = old
+
+    def commit(self, seq: SequenceState, start: int, tokens: list[int]) -> None:
+        """Records that ``tokens`` now occupy positions [start, start + len)."""
+        del seq.tokens[start:]
+        seq.tokens.extend(tokens)
+        seq.length = start + len(tokens)
+        seq.last_used = time.monotonic()
+        self._register(seq)
 
     def shrink(self, seq: SequenceState, new_length: int) -> int:
-        """Sets the length to ``new_length`` and frees blocks past it; returns blocks freed."""
+        """Sets the length to ``new_length`` and drops blocks past it; returns blocks freed."""
         keep = self.blocks_for(new_length)
         dropped = seq.block_ids[keep:]
         del seq.block_ids[keep:]
-        self._drop(dropped)
+        del seq.tokens[new_length:]
+        del seq.hashes[new_length // self.block_size:]
         seq.length = new_length
-        return len(dropped)
+        seq.last_used = time.monotonic()
+        return self._drop(dropped)
 
-    def release(self, cache_id: str) -> int:
-        """Forgets a sequence and frees its blocks; returns how many were freed."""
-        seq = self.get(cache_id)
-        del self._seqs[cache_id]
-        self._drop(seq.block_ids)
-        return len(seq.block_ids)
+    def fork(self, seq: SequenceState, child_ids: list[str]) -> list[SequenceState]:
+        """New sequences sharing every block of ``seq`` (copy on write later)."""
+        if any(cid in self._seqs for cid in child_ids):
+            raise ValueError("duplicate cache id")
+        children = []
+        for cid in child_ids:
+            for block in seq.block_ids:
+                self._ref(block)
+            child = self._seqs[cid] = SequenceState(
+                cid, seq.length, list(seq.block_ids), list(seq.tokens), list(seq.hashes)
+            )
+            children.append(child)
+        seq.last_used = time.monotonic()
+        return children
 
     def slots(self, seq: SequenceState, start: int, end: int) -> list[int]:
         """Pool slot index of each token position in [start, end)."""

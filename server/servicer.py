@@ -32,11 +32,21 @@ from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 
+def _as_executor_error(exc: Exception) -> ExecutorError:
+    if isinstance(exc, ExecutorError):
+        return exc
+    log.exception("internal error", exc_info=exc)
+    return ExecutorError(f"internal error: {type(exc).__name__}: {exc}", code=grpc.StatusCode.INTERNAL)
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
-    if not isinstance(exc, ExecutorError):
-        log.exception("internal error", exc_info=exc)
-        exc = ExecutorError(f"internal error: {type(exc).__name__}: {exc}", code=grpc.StatusCode.INTERNAL)
-    await context.abort_with_status(to_rpc_status(exc))
+    await context.abort_with_status(to_rpc_status(_as_executor_error(exc)))
+
+
+def _error_detail(exc: Exception) -> pb.ErrorDetail:
+    err = _as_executor_error(exc)
+    return pb.ErrorDetail(code=err.code.value[0], reason=err.reason.value if err.reason else err.code.name,
+                          message=err.message)
 
 
 def _required_handle(message) -> KvCacheHandle:
@@ -160,11 +170,11 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         received = time.perf_counter_ns()
         worker = self._worker(request.model or request.kv_cache.model)
         handle = convert.handle_from_proto(request.kv_cache) if request.HasField("kv_cache") else None
-        out = await worker.call(worker.executor.prefill, list(request.token_ids), handle,
-                                convert.policy_from_proto(request.logits))
+        out = await worker.steps(worker.executor.prefill_chunks, list(request.token_ids), handle,
+                                 convert.policy_from_proto(request.logits))
         return pb.PrefillResponse(logits=convert.logits_to_proto(out.logits),
                                   kv_cache=convert.handle_to_proto(out.kv_cache),
-                                  timing=self._total(out.timing, received))
+                                  timing=self._total(out.timing, received), cached_tokens=out.cached_tokens)
 
     @_rpc
     async def Decode(self, request, context):
@@ -211,6 +221,52 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         worker = self._worker(request.model)
         freed = await worker.call(worker.executor.release_cache, request.cache_id)
         return pb.ReleaseCacheResponse(blocks_freed=freed)
+
+    @_rpc
+    async def ForkCache(self, request, context):
+        worker = self._worker(request.kv_cache.model)
+        children = await worker.call(worker.executor.fork_cache, _required_handle(request), request.num_children)
+        return pb.ForkCacheResponse(children=[convert.handle_to_proto(c) for c in children])
+
+    async def DecodeSession(self, request_iterator, context):
+        """Steps run as they arrive (steps on different sequences may be in flight
+        together and share forwards); replies go out as steps finish.  A failed
+        step answers with its error and the session goes on."""
+        replies: asyncio.Queue = asyncio.Queue()
+        steps: set[asyncio.Task] = set()
+
+        async def run_step(request) -> None:
+            received = time.perf_counter_ns()
+            try:
+                with self._admit():
+                    first = request.items[0].kv_cache.model if request.items else ""
+                    worker = self._worker(request.model or first)
+                    items = [DecodeInput(i.token_id, _required_handle(i)) for i in request.items]
+                    outs = await worker.decode(items, convert.policy_from_proto(request.logits))
+            except Exception as exc:
+                await replies.put(pb.DecodeSessionResponse(step_id=request.step_id, error=_error_detail(exc)))
+                return
+            for index, out in enumerate(outs):
+                await replies.put(pb.DecodeSessionResponse(
+                    step_id=request.step_id, index=index, logits=convert.logits_to_proto(out.logits),
+                    kv_cache=convert.handle_to_proto(out.kv_cache), timing=self._total(out.timing, received)))
+
+        async def read_all() -> None:
+            async for request in request_iterator:
+                task = asyncio.create_task(run_step(request))
+                steps.add(task)
+                task.add_done_callback(steps.discard)
+            if steps:
+                await asyncio.gather(*steps)
+            await replies.put(None)
+
+        reader = asyncio.create_task(read_all())
+        try:
+            while (reply := await replies.get()) is not None:
+                yield reply
+            await reader  # surfaces a broken request stream
+        finally:
+            reader.cancel()
 
     async def Forward(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED,

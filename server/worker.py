@@ -15,7 +15,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Generator
 
 from ferrum_rpc.errors import ExecutorError
 from ferrum_rpc.server.executor import TorchExecutor
@@ -31,6 +31,9 @@ class _Job:
     future: Future = field(default_factory=Future)
     enqueued_ns: int = field(default_factory=time.perf_counter_ns)
     decode: tuple[list[DecodeInput], LogitsPolicy] | None = None
+    sliced: bool = False  # fn returns a generator run one slice at a time
+    steps: Generator | None = None
+    queue_ns: int = 0
 
 
 class ModelWorker:
@@ -41,9 +44,12 @@ class ModelWorker:
         batch_wait_ms: after taking a decode, wait this long for more to batch.
     """
 
+    REAP_EVERY_S = 1.0
+
     def __init__(self, executor: TorchExecutor, batch_wait_ms: float = 0.0):
         self.executor = executor
         self.batch_wait_s = batch_wait_ms / 1000
+        self._next_reap = time.monotonic() + self.REAP_EVERY_S
         self._jobs: deque[_Job | None] = deque()
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name=f"model-worker[{executor.name}]", daemon=True)
@@ -56,6 +62,17 @@ class ModelWorker:
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Runs ``fn(*args)`` on the worker thread."""
         return self._put(_Job(fn, args))
+
+    def submit_steps(self, gen_fn: Callable[..., Generator], *args: Any) -> Future:
+        """Runs the generator ``gen_fn(*args)`` one slice at a time; its return value is the result.
+
+        Between slices the job goes to the back of the queue, so queued decodes
+        run in between (a long chunked prefill never stalls other callers).
+        """
+        return self._put(_Job(gen_fn, args, sliced=True))
+
+    async def steps(self, gen_fn: Callable[..., Generator], *args: Any) -> Any:
+        return await asyncio.wrap_future(self.submit_steps(gen_fn, *args))
 
     def submit_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy) -> Future:
         """Queues a (batch) decode that may share a forward with other callers'."""
@@ -85,15 +102,17 @@ class ModelWorker:
         while True:
             with self._cond:
                 while not self._jobs:
-                    self._cond.wait()
+                    self._reap()
+                    self._cond.wait(self.REAP_EVERY_S)
                 job = self._jobs.popleft()
                 if job is None:
                     return
                 batch = [job] if job.decode else None
                 if batch:
                     self._collect(batch)
+            self._reap()
             if batch is None:
-                self._run(job)
+                self._run_slice(job) if job.sliced else self._run(job)
             else:
                 if self.batch_wait_s:
                     self._wait_for_more(batch)
@@ -127,6 +146,39 @@ class ModelWorker:
         with self._cond:
             while not self._collect(batch) and (left := deadline - time.monotonic()) > 0:
                 self._cond.wait(left)
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_reap:
+            self._next_reap = now + self.REAP_EVERY_S
+            try:
+                self.executor.expire_idle()
+            except Exception:  # bookkeeping must never kill the worker
+                log.exception("idle reclamation failed")
+
+    def _run_slice(self, job: _Job) -> None:
+        """Advances a sliced job by one slice; requeues it if it is not finished."""
+        if job.steps is None:
+            if not job.future.set_running_or_notify_cancel():
+                return
+            job.queue_ns = time.perf_counter_ns() - job.enqueued_ns
+            try:
+                job.steps = job.fn(*job.args)
+            except BaseException as exc:
+                job.future.set_exception(exc)
+                return
+        try:
+            next(job.steps)
+        except StopIteration as done:
+            result = done.value
+            if hasattr(result, "timing"):
+                result = replace(result, timing=replace(result.timing, queue_ns=job.queue_ns))
+            job.future.set_result(result)
+        except BaseException as exc:
+            job.future.set_exception(exc)
+        else:
+            with self._cond:
+                self._jobs.append(job)
 
     def _run(self, job: _Job) -> None:
         if not job.future.set_running_or_notify_cancel():

@@ -111,8 +111,9 @@ def assert_same_sequence(c: ExecutorClient, subject: KvCacheHandle, reference: K
     assert a.kv_cache.sequence_length == subject.sequence_length + 1
     assert b.kv_cache.sequence_length == reference.sequence_length + 1
     assert a.kv_cache.cache_id == subject.cache_id
-    kept = len(subject.block_table.block_ids)
-    assert a.kv_cache.block_table.block_ids[:kept] == subject.block_table.block_ids
+    # Blocks shared with other sequences (prefix cache) may be swapped for a
+    # private copy on write; the table never loses blocks.
+    assert len(a.kv_cache.block_table.block_ids) >= len(subject.block_table.block_ids)
     assert a.logits.values.dtype == np.float32 and a.logits.values.shape == (1, VOCAB)
     np.testing.assert_allclose(a.logits.values, b.logits.values, atol=1e-4, rtol=0)
     return a.kv_cache, b.kv_cache
@@ -189,7 +190,7 @@ def test_release_of_unknown_cache_id(client, other, seqs):
 
 
 def test_released_sequence_is_not_found_afterwards(client, other, seqs):
-    subject, reference = seqs.twins(prompt(9))
+    subject, reference = seqs.prefill(prompt(9)), seqs.prefill(prompt(9, seed=1))  # no shared blocks
     used, free, active = kv_state(client)
     assert client.release_cache(subject) == 3
     assert kv_state(client) == (used - 3, free + 3, active - 1)
@@ -716,7 +717,8 @@ def test_failing_callers_do_not_disturb_concurrent_good_ones(tiny_llama_dir):
                     np.testing.assert_allclose(good_logits[i][t], out.logits.values, atol=1e-4, rtol=0)
             used, _, active = kv_state(c)
             assert active == 2 * workers
-            assert used == 2 * workers * 3  # 5 + 6 = 11 tokens -> 3 blocks each
+            # 5 + 6 = 11 tokens -> 3 blocks each; each pair shares its first (prompt) block
+            assert used == workers * (2 * 3 - 1)
         finally:
             for cl in clients:
                 cl.close()

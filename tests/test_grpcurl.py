@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -56,9 +57,23 @@ def grpcurl(*args: str, body: dict | None = None, check: bool = True) -> subproc
     return proc
 
 
-def call(target: str, method: str, body: dict) -> dict:
-    """Invokes ``SERVICE/method`` with a JSON body and parses the JSON reply."""
+def snake_keys(value):
+    """JSON keys as proto field names: grpcurl 1.8 prints ``kv_cache``, later ones ``kvCache``."""
+    if isinstance(value, dict):
+        return {re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", k).lower(): snake_keys(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [snake_keys(v) for v in value]
+    return value
+
+
+def call_raw(target: str, method: str, body: dict) -> dict:
+    """Invokes ``SERVICE/method`` with a JSON body; the JSON reply exactly as grpcurl printed it."""
     return json.loads(grpcurl(target, f"{SERVICE}/{method}", body=body).stdout)
+
+
+def call(target: str, method: str, body: dict) -> dict:
+    """Like :func:`call_raw`, keyed by proto field names whatever grpcurl's JSON style."""
+    return snake_keys(call_raw(target, method, body))
 
 
 def tensor_values(tensor: dict) -> np.ndarray:
@@ -81,15 +96,16 @@ def test_list_shows_executor_health_and_reflection(target):
 
 
 def test_list_service_shows_every_rpc(target):
-    methods = grpcurl(target, "list", SERVICE).stdout.split()
-    assert sorted(methods) == sorted(f"{SERVICE}.{rpc}" for rpc in RPCS)
+    methods = set(grpcurl(target, "list", SERVICE).stdout.split())
+    missing = {f"{SERVICE}.{rpc}" for rpc in RPCS} - methods
+    assert not missing, f"{sorted(missing)} not listed in {sorted(methods)}"
 
 
 def test_describe_service_lists_the_rpcs(target):
     out = grpcurl(target, "describe", SERVICE).stdout
     assert f"{SERVICE} is a service" in out
-    for rpc in RPCS:
-        assert f"rpc {rpc}(" in out, f"{rpc} missing from:\n{out}"
+    described = set(re.findall(r"\brpc (\w+) ?\(", out))
+    assert set(RPCS) <= described, f"{sorted(set(RPCS) - described)} missing from:\n{out}"
     assert "returns ( stream .ferrum.executor.v1.BatchDecodeResponse )" in out
 
 
@@ -107,45 +123,47 @@ def test_prefill_decode_release_roundtrip(target):
         ref_ids = [int(i) for i in np.asarray(ref.logits.token_ids).reshape(-1)]
         ref_values = np.asarray(ref.logits.values, dtype=np.float32).reshape(-1)
 
-        reply = call(target, "Prefill", {"token_ids": PROMPT, "logits": TOP5})
-        handle = reply["kvCache"]
-        assert handle["sequenceLength"] == 3
-        assert handle["cacheId"] and handle["cacheId"] != ref.kv_cache.cache_id
-        assert handle["serverInstanceId"] == ref.kv_cache.server_instance_id
+        raw = call_raw(target, "Prefill", {"token_ids": PROMPT, "logits": TOP5})
+        reply = snake_keys(raw)
+        handle = reply["kv_cache"]
+        assert handle["sequence_length"] == 3
+        assert handle["cache_id"] and handle["cache_id"] != ref.kv_cache.cache_id
+        assert handle["server_instance_id"] == ref.kv_cache.server_instance_id
         assert handle["model"] == "tiny"
         logits = reply["logits"]
         assert logits["kind"] == "LOGITS_KIND_TOP_K"
-        assert logits["vocabSize"] == 320
-        assert len(logits["tokenIds"]) == 5
-        assert logits["tokenIds"] == ref_ids
+        assert logits["vocab_size"] == 320
+        assert len(logits["token_ids"]) == 5
+        assert logits["token_ids"] == ref_ids
         values = tensor_values(logits["values"])
         assert values.shape == (1, 5)
         np.testing.assert_allclose(values.reshape(-1), ref_values, rtol=1e-5, atol=1e-5)
-        assert int(reply["timing"]["batchSize"]) == 1
+        assert int(reply["timing"]["batch_size"]) == 1
 
         # the handle goes back exactly as grpcurl printed it
-        next_id = logits["tokenIds"][0]
-        step = call(target, "Decode", {"token_id": next_id, "kv_cache": handle, "logits": TOP5})
-        assert step["kvCache"]["cacheId"] == handle["cacheId"]
-        assert step["kvCache"]["sequenceLength"] == 4
+        next_id = logits["token_ids"][0]
+        printed_handle = raw["kv_cache"] if "kv_cache" in raw else raw["kvCache"]
+        step = call(target, "Decode", {"token_id": next_id, "kv_cache": printed_handle, "logits": TOP5})
+        assert step["kv_cache"]["cache_id"] == handle["cache_id"]
+        assert step["kv_cache"]["sequence_length"] == 4
         ref_step = client.decode(next_id, ref.kv_cache, LogitsPolicy.topk(5))
-        assert step["logits"]["tokenIds"] == [int(i) for i in np.asarray(ref_step.logits.token_ids).reshape(-1)]
+        assert step["logits"]["token_ids"] == [int(i) for i in np.asarray(ref_step.logits.token_ids).reshape(-1)]
         client.release_cache(ref_step.kv_cache)
 
-    freed = call(target, "ReleaseCache", {"cache_id": handle["cacheId"]})
-    assert freed["blocksFreed"] == 1  # 4 tokens, block size 4
+    freed = call(target, "ReleaseCache", {"cache_id": handle["cache_id"]})
+    assert freed["blocks_freed"] == 1  # 4 tokens, block size 4
 
     # released: the same handle is now unknown
-    gone = grpcurl(target, f"{SERVICE}/Decode", body={"token_id": 1, "kv_cache": step["kvCache"]}, check=False)
+    gone = grpcurl(target, f"{SERVICE}/Decode", body={"token_id": 1, "kv_cache": step["kv_cache"]}, check=False)
     assert gone.returncode != 0
     assert "Code: NotFound" in gone.stderr + gone.stdout
     assert "CACHE_NOT_FOUND" in gone.stderr + gone.stdout
 
 
 def test_decode_unknown_cache_id_is_not_found(target):
-    handle = call(target, "Prefill", {"token_ids": PROMPT, "logits": {"kind": "LOGITS_KIND_ARGMAX"}})["kvCache"]
+    handle = call(target, "Prefill", {"token_ids": PROMPT, "logits": {"kind": "LOGITS_KIND_ARGMAX"}})["kv_cache"]
     try:
-        bogus = dict(handle, cacheId="no-such-cache")
+        bogus = dict(handle, cache_id="no-such-cache")
         proc = grpcurl(target, f"{SERVICE}/Decode", body={"token_id": 1, "kv_cache": bogus}, check=False)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 64 + 5, out  # grpcurl exits 64 + the status code (NOT_FOUND = 5)
@@ -153,7 +171,36 @@ def test_decode_unknown_cache_id_is_not_found(target):
         assert "CACHE_NOT_FOUND" in out
         assert "no-such-cache" in out
     finally:
-        call(target, "ReleaseCache", {"cache_id": handle["cacheId"]})
+        call(target, "ReleaseCache", {"cache_id": handle["cache_id"]})
+
+
+def json_stream(text: str) -> list[dict]:
+    """grpcurl prints one JSON document per streamed message, back to back."""
+    decoder, docs, pos = json.JSONDecoder(), [], 0
+    while text[pos:].strip():
+        pos += len(text[pos:]) - len(text[pos:].lstrip())
+        doc, pos = decoder.raw_decode(text, pos)
+        docs.append(snake_keys(doc))
+    return docs
+
+
+def test_batch_decode_streams_one_message_per_sequence(target):
+    argmax = {"kind": "LOGITS_KIND_ARGMAX"}
+    a = call(target, "Prefill", {"token_ids": [5, 6, 7, 8, 9], "logits": argmax})
+    b = call(target, "Prefill", {"token_ids": PROMPT, "logits": argmax})
+    items = [{"token_id": a["logits"]["token_ids"][0], "kv_cache": a["kv_cache"]},
+             {"token_id": b["logits"]["token_ids"][0], "kv_cache": b["kv_cache"]}]
+    try:
+        proc = grpcurl(target, f"{SERVICE}/BatchDecode", body={"items": items, "logits": argmax})
+        replies = sorted(json_stream(proc.stdout), key=lambda r: r.get("index", 0))
+        assert [r.get("index", 0) for r in replies] == [0, 1]  # index 0 is the default, omitted in JSON
+        assert [r["kv_cache"]["cache_id"] for r in replies] == [a["kv_cache"]["cache_id"], b["kv_cache"]["cache_id"]]
+        assert [r["kv_cache"]["sequence_length"] for r in replies] == [6, 4]
+        assert all(r["timing"]["batch_size"] == 2 for r in replies)  # one forward for both
+        assert all(len(r["logits"]["token_ids"]) == 1 for r in replies)
+    finally:
+        for h in (a, b):
+            call(target, "ReleaseCache", {"cache_id": h["kv_cache"]["cache_id"]})
 
 
 def test_forward_is_unimplemented(target):
@@ -165,9 +212,9 @@ def test_forward_is_unimplemented(target):
 def test_model_info_as_json(target):
     info = call(target, "GetModelInfo", {})
     assert info["name"] == "tiny"
-    assert info["vocabSize"] == 320
-    assert info["numLayers"] == 2
-    assert info["numKvHeads"] == 2
+    assert info["vocab_size"] == 320
+    assert info["num_layers"] == 2
+    assert info["num_kv_heads"] == 2
 
 
 @pytest.mark.parametrize("service", [SERVICE, ""])

@@ -79,6 +79,16 @@ class ModelExecutorStub:
                 request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.ReleaseCacheRequest.SerializeToString,
                 response_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.ReleaseCacheResponse.FromString,
                 _registered_method=True)
+        self.DecodeSession = channel.stream_stream(
+                '/ferrum.executor.v1.ModelExecutor/DecodeSession',
+                request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.DecodeSessionRequest.SerializeToString,
+                response_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.DecodeSessionResponse.FromString,
+                _registered_method=True)
+        self.ForkCache = channel.unary_unary(
+                '/ferrum.executor.v1.ModelExecutor/ForkCache',
+                request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.ForkCacheRequest.SerializeToString,
+                response_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.ForkCacheResponse.FromString,
+                _registered_method=True)
         self.Forward = channel.unary_unary(
                 '/ferrum.executor.v1.ModelExecutor/Forward',
                 request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.ForwardRequest.SerializeToString,
@@ -152,6 +162,23 @@ class ModelExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecodeSession(self, request_iterator, context):
+        """A long-lived decode stream: each request is one step over one or more
+        sequences; each sequence's result comes back tagged with the step id and
+        its index. A failed step answers with `error` and the stream goes on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForkCache(self, request, context):
+        """Turns one handle into N handles sharing the parent's KV blocks (copy on
+        write at the first divergent block): parallel sampling, beam search.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Forward(self, request, context):
         """The engine trait's default: answered with UNIMPLEMENTED.
         """
@@ -206,6 +233,16 @@ def add_ModelExecutorServicer_to_server(servicer, server):
                     servicer.ReleaseCache,
                     request_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.ReleaseCacheRequest.FromString,
                     response_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.ReleaseCacheResponse.SerializeToString,
+            ),
+            'DecodeSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeSession,
+                    request_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.DecodeSessionRequest.FromString,
+                    response_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.DecodeSessionResponse.SerializeToString,
+            ),
+            'ForkCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkCache,
+                    request_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.ForkCacheRequest.FromString,
+                    response_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.ForkCacheResponse.SerializeToString,
             ),
             'Forward': grpc.unary_unary_rpc_method_handler(
                     servicer.Forward,
@@ -456,6 +493,60 @@ class ModelExecutor:
             '/ferrum.executor.v1.ModelExecutor/ReleaseCache',
             ferrum__rpc_dot_v1_dot_executor__pb2.ReleaseCacheRequest.SerializeToString,
             ferrum__rpc_dot_v1_dot_executor__pb2.ReleaseCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/DecodeSession',
+            ferrum__rpc_dot_v1_dot_executor__pb2.DecodeSessionRequest.SerializeToString,
+            ferrum__rpc_dot_v1_dot_executor__pb2.DecodeSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForkCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/ForkCache',
+            ferrum__rpc_dot_v1_dot_executor__pb2.ForkCacheRequest.SerializeToString,
+            ferrum__rpc_dot_v1_dot_executor__pb2.ForkCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

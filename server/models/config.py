@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3"}
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,13 @@ class ModelConfig:
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # mixture of experts (Qwen3-MoE); num_experts == 0 means a dense MLP everywhere
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_dir(cls, path: Path) -> ModelConfig:
@@ -64,4 +71,15 @@ class ModelConfig:
             mlp_bias=cfg.get("mlp_bias", False),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos])),
+            num_experts=(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+            if model_type == "qwen3_moe" else 0,
+            num_experts_per_tok=cfg.get("num_experts_per_tok", 0),
+            moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
+            norm_topk_prob=cfg.get("norm_topk_prob", False),
+            decoder_sparse_step=cfg.get("decoder_sparse_step", 1) or 1,
+            mlp_only_layers=tuple(cfg.get("mlp_only_layers", ()) or ()),
         )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)

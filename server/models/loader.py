@@ -16,10 +16,11 @@ from safetensors.torch import load_file
 from ferrum_rpc.server.models.config import ModelConfig
 from ferrum_rpc.server.models.llama import LlamaForCausalLM
 from ferrum_rpc.server.models.qwen3 import Qwen3ForCausalLM
+from ferrum_rpc.server.models.qwen3_moe import Qwen3MoeForCausalLM, fuse_expert_weights
 
 log = logging.getLogger(__name__)
 
-MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}
+MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
@@ -37,6 +38,8 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> Ll
             if "rotary_emb" in name:  # old checkpoints carry inv_freq buffers
                 continue
             state[name.removeprefix("_orig_mod.")] = tensor.to(device=device, dtype=dtype)
+    if cfg.num_experts:
+        fuse_expert_weights(state, cfg)
     if cfg.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     with torch.device("meta"):
