@@ -13,7 +13,7 @@ from typing import Iterable, Sequence, Union
 import grpc
 
 from ferrum_rpc import convert
-from ferrum_rpc.errors import from_rpc_error
+from ferrum_rpc.errors import error_from_detail, from_rpc_error
 from ferrum_rpc.types import (
     Capabilities,
     DecodeInput,
@@ -154,6 +154,15 @@ class ExecutorClient(_Codec):
         """Frees a sequence (handle or cache_id); returns the blocks freed."""
         return self._call(self._stub.ReleaseCache, self._release_req(cache)).blocks_freed
 
+    def fork_cache(self, kv_cache: KvCacheHandle, num_children: int) -> list[KvCacheHandle]:
+        """N handles sharing ``kv_cache``'s blocks (copied on first divergent write)."""
+        req = pb.ForkCacheRequest(kv_cache=convert.handle_to_proto(kv_cache), num_children=num_children)
+        return [convert.handle_from_proto(h) for h in self._call(self._stub.ForkCache, req).children]
+
+    def decode_session(self) -> DecodeSession:
+        """Opens a DecodeSession stream: ``session.step(items)`` per step, no per-call setup."""
+        return DecodeSession(self._stub, self.model, self.timeout)
+
     def close(self) -> None:
         self._channel.close()
 
@@ -220,6 +229,10 @@ class AsyncExecutorClient(_Codec):
     async def release_cache(self, cache: KvCacheHandle | str) -> int:
         return (await self._call(self._stub.ReleaseCache, self._release_req(cache))).blocks_freed
 
+    async def fork_cache(self, kv_cache: KvCacheHandle, num_children: int) -> list[KvCacheHandle]:
+        req = pb.ForkCacheRequest(kv_cache=convert.handle_to_proto(kv_cache), num_children=num_children)
+        return [convert.handle_from_proto(h) for h in (await self._call(self._stub.ForkCache, req)).children]
+
     async def close(self) -> None:
         await self._channel.close()
 
@@ -228,3 +241,49 @@ class AsyncExecutorClient(_Codec):
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+class DecodeSession(_Codec):
+    """A bidirectional decode stream used step by step from one thread.
+
+    Each :meth:`step` sends one request (any number of sequences) and waits for
+    its replies; a failed step raises the table's exception and the session
+    stays usable.  Close it (or use ``with``) to end the stream.
+    """
+
+    _END = object()
+
+    def __init__(self, stub: pb_grpc.ModelExecutorStub, model: str, timeout: float | None):
+        import queue
+
+        self.model = model
+        self._requests: queue.Queue = queue.Queue()
+        self._responses = stub.DecodeSession(iter(self._requests.get, self._END), timeout=timeout)
+        self._next_step = 0
+
+    def step(self, items: Iterable[DecodeItem], logits: LogitsPolicy = LogitsPolicy()) -> list[DecodeOutput]:
+        batch = self._batch_req(items, logits)
+        self._next_step += 1
+        self._requests.put(pb.DecodeSessionRequest(step_id=self._next_step, model=batch.model,
+                                                   items=batch.items, logits=batch.logits))
+        replies = []
+        try:
+            while len(replies) < len(batch.items):
+                reply = next(self._responses)
+                if reply.HasField("error"):
+                    raise error_from_detail(reply.error)
+                replies.append(reply)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        return self._batch_outputs(replies)
+
+    def close(self) -> None:
+        self._requests.put(self._END)
+        for _ in self._responses:  # let the server finish the stream cleanly
+            pass
+
+    def __enter__(self) -> DecodeSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -38,6 +38,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         dtype=args.dtype, device=args.device, kv_tokens=args.kv_tokens, block_size=args.block_size,
         max_batch_size=args.max_batch, max_seq_len=args.max_seq_len,
         max_message_bytes=args.max_message_mb * MIB, batch_wait_ms=args.batch_wait_ms,
+        kv_memory_fraction=args.kv_memory_fraction, idle_timeout_s=args.idle_timeout,
+        prefill_chunk=args.prefill_chunk, prefix_caching=not args.no_prefix_cache,
     )
     config = ServerConfig(models=_model_specs(args.model), executor=executor, host=args.host,
                           port=args.port, grace_s=args.grace, warmup=not args.no_warmup)
@@ -65,6 +67,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with ExecutorClient(args.target, model=args.model, timeout=args.timeout) as client:
         info = client.info()
         stop = set(info.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+        if args.speculative:
+            return _speculative(args, client, tokenizer, prompt_ids, stop)
         start = time.perf_counter()
         count = 0
 
@@ -85,6 +89,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _speculative(args, client, tokenizer, prompt_ids: list[int], stop: set[int]) -> int:
+    """Greedy speculative generation, then plain greedy for comparison: same tokens, fewer forwards."""
+    from ferrum_rpc.client import ExecutorClient
+    from ferrum_rpc.client.generate import generate_ids
+    from ferrum_rpc.client.sampling import SamplingParams
+    from ferrum_rpc.client.speculative import ModelDrafter, NgramDrafter, speculative_generate
+
+    draft_client = ExecutorClient(args.target, model=args.draft_model, timeout=args.timeout) if args.draft_model else None
+    drafter = ModelDrafter(draft_client) if draft_client else NgramDrafter()
+    result = speculative_generate(client, prompt_ids, args.max_tokens, k=args.speculative,
+                                  drafter=drafter, stop_ids=frozenset(stop))
+    if draft_client:
+        draft_client.close()
+    text = tokenizer.decode([t for t in result.tokens if t not in stop], skip_special_tokens=True)
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+    start = time.perf_counter()
+    plain = list(generate_ids(client, prompt_ids, args.max_tokens, SamplingParams(greedy=True), stop))
+    plain_s = time.perf_counter() - start
+    log.info("speculative (k=%d, %s drafts): %d tokens in %.2fs, %d target forwards, acceptance %.0f%% "
+             "(%d/%d); plain greedy %.2fs: speed-up %.2fx; outputs %s",
+             args.speculative, args.draft_model or "n-gram", len(result.tokens), result.seconds,
+             result.target_forwards, 100 * result.acceptance_rate, result.accepted, result.drafted,
+             plain_s, plain_s / result.seconds, "identical" if plain == result.tokens else "DIFFER")
+    return 0 if plain == result.tokens else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferrum-rpc", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -99,7 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     s.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     s.add_argument("--kv-tokens", type=int, default=16384, help="KV pool capacity in tokens")
+    s.add_argument("--kv-memory-fraction", type=float, default=0.0,
+                   help="size the KV pool to this fraction of available device memory (overrides --kv-tokens)")
     s.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    s.add_argument("--idle-timeout", type=float, default=600.0,
+                   help="reclaim sequences idle this many seconds (0: never); later calls get CACHE_EXPIRED")
+    s.add_argument("--prefill-chunk", type=int, default=256,
+                   help="run longer prompts in chunks of this many tokens, interleaved with decodes")
+    s.add_argument("--no-prefix-cache", action="store_true", help="do not share prompt blocks across requests")
     s.add_argument("--max-batch", type=int, default=64, help="most sequences per forward")
     s.add_argument("--max-seq-len", type=int, default=0, help="0: the model's maximum")
     s.add_argument("--max-message-mb", type=int, default=256, help="largest reply (MiB)")
@@ -126,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--timeout", type=float, default=60.0, help="per-call deadline (s)")
+    g.add_argument("--speculative", type=int, default=0, metavar="K",
+                   help="greedy speculative decoding drafting K tokens a round; reports acceptance and "
+                        "speed-up over plain greedy decoding")
+    g.add_argument("--draft-model", default="", help="draft with this hosted model instead of n-gram lookup")
     g.set_defaults(func=cmd_generate)
     return parser
 

@@ -164,3 +164,10 @@ def from_rpc_error(exc: grpc.RpcError) -> ExecutorError:
     cls = ERROR_CLASSES.get(reason, ExecutorError)
     prefix = f"{reason.value}: " if reason else ""
     return cls(message.removeprefix(prefix), code=code)
+
+
+def error_from_detail(detail) -> ExecutorError:
+    """Rebuilds the typed error from an in-stream ``ErrorDetail`` (DecodeSession)."""
+    reason = Reason(detail.reason) if detail.reason in Reason.__members__ else None
+    return ERROR_CLASSES.get(reason, ExecutorError)(detail.message, code=grpc.StatusCode(
+        next(c for c in grpc.StatusCode if c.value[0] == detail.code)))

@@ -189,9 +189,12 @@ class TorchExecutor:
                 hidden, ns = self._forward_or_undo([step])
                 self._commit(step)
                 forward_ns += ns
-                hidden_rows.append(hidden[0] if policy.all_positions else hidden[0, -1:])
+                if policy.all_positions:
+                    hidden_rows.append(hidden[0])  # (T_chunk, C)
+                else:
+                    hidden_rows = [hidden[0, -1:]]  # only the prompt's last position counts
             with torch.inference_mode():
-                rows = hidden_rows[-1] if len(hidden_rows) == 1 else torch.cat(hidden_rows)
+                rows = torch.cat(hidden_rows) if len(hidden_rows) > 1 else hidden_rows[0]
                 logits = self._apply_policy(self.model.logits(rows), policy)
         except BaseException:
             if created:

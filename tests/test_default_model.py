@@ -64,3 +64,15 @@ def test_batch_decode_on_the_real_model_matches_single_sequences(default_server)
             assert list(step.logits.token_ids[0]) == list(ref.token_ids[0])
             assert abs(step.logits.values[0] - ref.values[0]).max() <= 1e-4
             ex.release_cache(step.kv_cache)
+
+
+def test_greedy_speculative_equals_greedy_on_the_real_model(default_model_dir, default_server):
+    from ferrum_rpc.client.speculative import speculative_generate
+
+    tokenizer = load_tokenizer(default_model_dir)
+    prompt_ids = encode_prompt(tokenizer, "List the numbers from 1 to 20, separated by commas.")
+    with ExecutorClient(default_server.target, timeout=60) as ex:
+        expected = list(generate_ids(ex, prompt_ids, 48, SamplingParams(greedy=True)))
+        result = speculative_generate(ex, prompt_ids, 48, k=4)
+    assert result.tokens == expected
+    assert result.accepted > 0 and result.target_forwards < len(expected)

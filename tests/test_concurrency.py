@@ -1,0 +1,158 @@
+"""Many callers at once, idle expiry, DecodeSession streams and disconnects, server-side chunking."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+from ferrum_rpc.client import ExecutorClient, LogitsPolicy
+from ferrum_rpc.errors import CacheExpired, CacheNotFound, LengthMismatch, Reason
+from tests.conftest import running_server
+
+ATOL = 1e-4
+
+
+def _prompt(i: int) -> list[int]:
+    return [(31 * i + 7 * j + 3) % 320 for j in range(3 + i % 9)]
+
+
+def test_concurrent_callers_get_exactly_their_own_logits(tiny_llama_dir):
+    callers, steps = 16, 8
+    with running_server(tiny_llama_dir, batch_wait_ms=2) as server:
+        # the same work, alone, one caller at a time
+        with ExecutorClient(server.target) as ex:
+            alone = []
+            for i in range(callers):
+                handle, rows = ex.prefill(_prompt(i)).kv_cache, []
+                for t in range(steps):
+                    out = ex.decode((i * 11 + t) % 320, handle)
+                    handle, rows = out.kv_cache, rows + [out.logits.values[0]]
+                ex.release_cache(handle)
+                alone.append(rows)
+
+        barrier = threading.Barrier(callers)
+        batch_sizes: list[int] = []
+
+        def caller(i: int) -> list[np.ndarray]:
+            with ExecutorClient(server.target) as ex:
+                handle, rows = ex.prefill(_prompt(i)).kv_cache, []
+                barrier.wait()
+                for t in range(steps):
+                    out = ex.decode((i * 11 + t) % 320, handle)
+                    handle, rows = out.kv_cache, rows + [out.logits.values[0]]
+                    batch_sizes.append(out.timing.batch_size)
+                ex.release_cache(handle)
+                return rows
+
+        with ThreadPoolExecutor(callers) as pool:
+            together = list(pool.map(caller, range(callers)))
+        for i in range(callers):
+            for t in range(steps):
+                np.testing.assert_allclose(together[i][t], alone[i][t], atol=ATOL, rtol=0)
+        assert max(batch_sizes) > 1, "concurrent decodes were never coalesced"
+
+
+def test_idle_sequences_expire_with_cache_expired(tiny_llama_dir):
+    with running_server(tiny_llama_dir, idle_timeout_s=0.5) as server, ExecutorClient(server.target) as ex:
+        assert ex.capabilities().idle_timeout_s == 0.5
+        idle = ex.prefill([1, 2, 3]).kv_cache
+        busy = ex.prefill([4, 5, 6]).kv_cache
+        deadline = time.monotonic() + 1.6
+        while time.monotonic() < deadline:  # keep one sequence in use
+            busy = ex.decode(7, busy).kv_cache
+            time.sleep(0.1)
+        with pytest.raises(CacheExpired) as info:
+            ex.decode(7, idle)
+        assert info.value.reason is Reason.CACHE_EXPIRED and isinstance(info.value, CacheNotFound)
+        status = ex.status()
+        assert status.sequences_expired >= 1 and status.active_sequences == 1
+        ex.release_cache(busy)
+        assert ex.status().kv_blocks_used == 0
+
+
+def test_decode_session_matches_unary_decode(client):
+    prompts = [[1, 2, 3], [9, 8, 7, 6, 5, 4]]
+    expected = []
+    for p in prompts:
+        h = client.prefill(p).kv_cache
+        rows = []
+        for t in (10, 11, 12):
+            out = client.decode(t, h)
+            h, rows = out.kv_cache, rows + [out.logits.values[0]]
+        client.release_cache(h)
+        expected.append(rows)
+    handles = [client.prefill(p).kv_cache for p in prompts]
+    stale = handles[0]
+    with client.decode_session() as session:
+        for step, t in enumerate((10, 11, 12)):
+            outs = session.step([(t, h) for h in handles])  # two sequences share the stream
+            handles = [o.kv_cache for o in outs]
+            for seq, out in enumerate(outs):
+                np.testing.assert_allclose(out.logits.values[0], expected[seq][step], atol=ATOL, rtol=0)
+        with pytest.raises(LengthMismatch):  # a failed step does not end the session
+            session.step([(5, handles[1]), (5, stale)])
+        out = session.step([(13, handles[0])], logits=LogitsPolicy.topk(3))[0]
+        assert out.kv_cache.sequence_length == len(prompts[0]) + 4
+        again = session.step([(5, handles[1])])[0]  # untouched by the failed step
+        assert again.kv_cache.sequence_length == len(prompts[1]) + 4
+    client.release_cache(again.kv_cache)
+    client.release_cache(out.kv_cache)
+
+
+def test_disconnect_mid_session_loses_nothing_of_other_sequences(tiny_server):
+    with ExecutorClient(tiny_server.target) as survivor:
+        mine = survivor.prefill([5, 6, 7]).kv_cache
+        reference = survivor.prefill([5, 6, 7]).kv_cache
+        quitter = ExecutorClient(tiny_server.target)
+        theirs = quitter.prefill([1, 1, 1]).kv_cache
+        session = quitter.decode_session()
+        session.step([(3, theirs)])
+        quitter.close()  # drops the stream without ending it
+        time.sleep(0.2)
+        a = survivor.decode(8, mine)
+        b = survivor.decode(8, reference)
+        np.testing.assert_allclose(a.logits.values, b.logits.values, atol=ATOL, rtol=0)
+        assert survivor.status().active_sequences >= 3  # the quitter's sequence is kept until released/expired
+        survivor.release_cache(theirs.cache_id)
+        for h in (a.kv_cache, b.kv_cache):
+            survivor.release_cache(h)
+
+
+def test_server_side_chunked_prefill_matches_transformers(tiny_llama_dir, hf_tiny_llama):
+    prompt = [(17 * j + 1) % 320 for j in range(23)]
+    with torch.no_grad():
+        ref = hf_tiny_llama(torch.tensor([prompt])).logits[0].numpy()
+    with running_server(tiny_llama_dir, prefill_chunk=5) as server, ExecutorClient(server.target) as ex:
+        assert ex.capabilities().prefill_chunk_tokens == 5
+        last = ex.prefill(prompt)
+        np.testing.assert_allclose(last.logits.values[0], ref[-1], atol=ATOL, rtol=0)
+        every = ex.prefill(prompt, logits=LogitsPolicy.full(all_positions=True))
+        np.testing.assert_allclose(every.logits.values, ref, atol=ATOL, rtol=0)
+
+
+def test_chunked_prefill_lets_decodes_through(tiny_llama_dir):
+    """A long prefill in small chunks does not hold other callers' decodes until it ends."""
+    long_prompt = [(7 * j) % 320 for j in range(240)]
+    with running_server(tiny_llama_dir, prefill_chunk=8, kv_tokens=4096) as server, \
+            ExecutorClient(server.target) as ex:
+        handle = ex.prefill([1, 2, 3]).kv_cache
+        done = threading.Event()
+        decodes_during = 0
+
+        def long_prefill():
+            with ExecutorClient(server.target) as other:
+                other.prefill(long_prompt, logits=LogitsPolicy.full(all_positions=True))
+            done.set()
+
+        thread = threading.Thread(target=long_prefill)
+        thread.start()
+        while not done.is_set():
+            handle = ex.decode(4, handle).kv_cache
+            decodes_during += 1
+        thread.join()
+        assert decodes_during >= 3, "decodes were stalled behind the chunked prefill"
