@@ -141,6 +141,7 @@ class BlockManager:
     def create(self, cache_id: str) -> SequenceState:
         if cache_id in self._seqs:
             raise ValueError(f"duplicate cache id {cache_id!r}")
+        self._expired.pop(cache_id, None)
         seq = self._seqs[cache_id] = SequenceState(cache_id)
         return seq
 
@@ -183,9 +184,9 @@ class BlockManager:
         At most ``max_tokens`` tokens (rounded down to whole blocks) are taken.
         Returns the number of tokens served from cache; they count as committed.
         """
-        self.queried_tokens += len(tokens)
         if not self.prefix_caching or seq.block_ids:
             return 0
+        self.queried_tokens += len(tokens)
         limit = max(0, min(max_tokens, len(tokens))) // self.block_size * self.block_size
         matched: list[int] = []
         hashes = self._block_hashes(tokens[:limit])
@@ -277,7 +278,7 @@ class BlockManager:
 
     def fork(self, seq: SequenceState, child_ids: list[str]) -> list[SequenceState]:
         """New sequences sharing every block of ``seq`` (copy on write later)."""
-        if any(cid in self._seqs for cid in child_ids):
+        if len(set(child_ids)) != len(child_ids) or any(cid in self._seqs for cid in child_ids):
             raise ValueError("duplicate cache id")
         children = []
         for cid in child_ids:
