@@ -8,6 +8,7 @@ and flips health to SERVING.  ``serve`` is the CLI's entry point.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import threading
@@ -51,10 +52,10 @@ class App:
     async def load(self) -> None:
         """Loads and warms every model, then reports SERVING."""
         for spec in self.config.models:
-            executor = await asyncio.to_thread(
-                TorchExecutor.from_path, spec.name, spec.path, self.config.executor, self.servicer.instance_id
-            )
-            worker = ModelWorker(executor, self.config.executor.batch_wait_ms)
+            load = functools.partial(TorchExecutor.from_path, spec.name, spec.path, self.config.executor,
+                                     self.servicer.instance_id)
+            worker = ModelWorker(load, spec.name, self.config.executor.batch_wait_ms)
+            executor = await worker.started()
             if self.config.warmup:
                 await worker.call(_warm_up, executor)
             self.servicer.add_model(worker)

@@ -1,5 +1,12 @@
 """One model worker thread per executor: every forward and every KV change runs here.
 
+The thread also loads the model: all of an executor's torch work happens on
+this one thread.  That is a correctness-of-speed matter, not style: libgomp
+throttles its spin-waiting once more OpenMP threads exist than cores, and a
+second thread that ever ran a parallel op (the loader, say) keeps its team
+alive, making every small decode op pay a futex wake-up (2x slower steps on
+a 2-core machine).
+
 Callers (the gRPC event loop, or plain threads) submit jobs and get futures, so
 the event loop never blocks on torch.  Decode jobs waiting in the queue are
 coalesced into one batched forward (dynamic batching): while a forward runs,
@@ -46,14 +53,35 @@ class ModelWorker:
 
     REAP_EVERY_S = 1.0
 
-    def __init__(self, executor: TorchExecutor, batch_wait_ms: float = 0.0):
-        self.executor = executor
+    def __init__(self, load: Callable[[], TorchExecutor], name: str = "model", batch_wait_ms: float = 0.0):
+        self.executor: TorchExecutor | None = None
         self.batch_wait_s = batch_wait_ms / 1000
         self._next_reap = time.monotonic() + self.REAP_EVERY_S
         self._jobs: deque[_Job | None] = deque()
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._loop, name=f"model-worker[{executor.name}]", daemon=True)
+        self.loaded: Future = Future()  # resolves to the executor once the thread has built it
+        self._thread = threading.Thread(target=self._main, args=(load,), name=f"model-worker[{name}]",
+                                        daemon=True)
         self._thread.start()
+
+    @classmethod
+    def for_executor(cls, executor: TorchExecutor, batch_wait_ms: float = 0.0) -> ModelWorker:
+        """A worker around an already built executor (tests, notebooks)."""
+        worker = cls(lambda: executor, executor.name, batch_wait_ms)
+        worker.loaded.result()
+        return worker
+
+    async def started(self) -> TorchExecutor:
+        return await asyncio.wrap_future(self.loaded)
+
+    def _main(self, load: Callable[[], TorchExecutor]) -> None:
+        try:
+            self.executor = load()
+        except BaseException as exc:
+            self.loaded.set_exception(exc)
+            return
+        self.loaded.set_result(self.executor)
+        self._loop()
 
     @property
     def queue_depth(self) -> int:

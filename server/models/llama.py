@@ -22,8 +22,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 as the reference does, then cast back.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return self.weight * h.to(x.dtype)
 
 
@@ -44,6 +43,44 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+class FastLinear(nn.Module):
+    """A linear layer that runs on oneDNN with a prepacked weight where that pays.
+
+    On CPU, bfloat16 GEMMs through oneDNN's packed path (AMX where present)
+    run about 2x faster than ``F.linear`` at every batch size; for float32,
+    packing wins only for the wide LM head at M > 1 (MKL's small-M sgemm is
+    slow there), so float32 keeps the plain weight for single rows.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: str):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.pack = pack  # "always" | "batched" | "never"
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight) if pack != "never" else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, pack: str) -> FastLinear:
+        return cls(linear.weight.data, None if linear.bias is None else linear.bias.data, pack)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if self.packed is not None and (self.pack == "always" or rows > 1):
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
+    """One linear computing the concatenated outputs of several (one GEMM instead of many)."""
+    first = linears[0]
+    fused = nn.Linear(first.in_features, sum(l.out_features for l in linears), bias=first.bias is not None,
+                      device=first.weight.device, dtype=first.weight.dtype)
+    fused.weight.data = torch.cat([l.weight.data for l in linears])
+    if first.bias is not None:
+        fused.bias.data = torch.cat([l.bias.data for l in linears])
+    return fused
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -55,14 +92,28 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.attention_bias)
 
+        self.qkv_proj: nn.Module | None = None
+
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k  # Qwen3 normalises here
 
+    def fuse(self) -> None:
+        """Replaces q/k/v projections by one (call after loading weights)."""
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return self.qkv_proj(x).split([q_dim, kv_dim, kv_dim], dim=-1)
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # (B, T, H, D)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(x)
+        q = q.reshape(B, T, self.num_heads, self.head_dim)  # (B, T, H, D)
+        k = k.reshape(B, T, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
         q, k = self.qk_norm(q, k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         keys, values = kv.update(self.layer, k, v)  # (B, Hkv, S, D) each
@@ -78,9 +129,19 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj: nn.Module | None = None
+
+    def fuse(self) -> None:
+        """Replaces gate/up projections by one (call after loading weights)."""
+        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -122,6 +183,19 @@ class LlamaForCausalLM(nn.Module):
     def init_rope(self, device: torch.device) -> None:
         self.rope_cos, self.rope_sin = rope_tables(self.config, device)
 
+    def optimize_for_inference(self) -> None:
+        """Fuses projections and, on CPU with oneDNN, prepacks weights (after loading)."""
+        for module in list(self.modules()):
+            if hasattr(module, "fuse"):
+                module.fuse()
+        weight = self.lm_head.weight
+        if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+            return
+        if weight.dtype == torch.bfloat16:
+            _replace_linears(self, "always")
+        elif weight.dtype == torch.float32:
+            self.lm_head = FastLinear.from_linear(self.lm_head, "batched")
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
         """input_ids, positions: (B, T) int64 -> hidden (B, T, hidden)."""
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
@@ -134,3 +208,11 @@ class LlamaForCausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, C) -> float32 logits (N, V)."""
         return self.lm_head(hidden).float()
+
+
+def _replace_linears(root: nn.Module, pack: str) -> None:
+    for name, child in list(root.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(root, name, FastLinear.from_linear(child, pack))
+        else:
+            _replace_linears(child, pack)

@@ -47,6 +47,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> Ll
     model.load_state_dict(state, strict=True, assign=True)
     model.init_rope(device)
     model.eval().requires_grad_(False)
+    model.optimize_for_inference()
     params = sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())  # tied count once
     model.parameter_count = params
     log.info(
