@@ -30,8 +30,13 @@ test: setup
 protos: setup
 	$(BIN)/python -m ferrum_rpc.codegen
 
+# All three benchmarks side by side, then the plot (writes bench/results/).
 bench: prepare
-	$(BIN)/python -m bench.decode_throughput $(ARGS)
+	$(BIN)/python -m pip install --constraint constraints.txt --quiet matplotlib
+	$(BIN)/python -m bench.decode_throughput
+	$(BIN)/python -m bench.concurrency
+	$(BIN)/python -m bench.wire
+	$(BIN)/python -m bench.plot
 
 clean:
 	rm -rf $(VENV) build *.egg-info

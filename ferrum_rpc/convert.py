@@ -84,15 +84,18 @@ def policy_from_proto(m: pb.LogitsPolicy) -> LogitsPolicy:
 
 
 def logits_to_proto(logits: Logits) -> pb.Logits:
-    msg = pb.Logits(
-        kind=_KIND_TO_PROTO[logits.kind],
-        values=tensor_codec.encode(logits.values),
-        vocab_size=logits.vocab_size,
-    )
+    message = pb.Logits()
+    fill_logits(message, logits)
+    return message
+
+
+def fill_logits(message: pb.Logits, logits: Logits) -> None:
+    """Writes ``logits`` into ``message`` in place (no copies of the payload beyond one)."""
+    message.kind = _KIND_TO_PROTO[logits.kind]
+    tensor_codec.encode_into(message.values, logits.values)
+    message.vocab_size = logits.vocab_size
     if logits.token_ids is not None:
-        ids = logits.token_ids
-        msg.token_ids.extend(ids.reshape(-1).tolist())
-    return msg
+        message.token_ids.extend(logits.token_ids.reshape(-1).tolist())
 
 
 def logits_from_proto(m: pb.Logits) -> Logits:

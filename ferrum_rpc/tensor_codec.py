@@ -52,21 +52,33 @@ def dtype_from_proto(value: int) -> str:
 
 def encode(array: Any) -> pb.Tensor:
     """Encodes a numpy array or a (CPU or CUDA) torch tensor."""
+    message = pb.Tensor()
+    encode_into(message, array)
+    return message
+
+
+def encode_into(message: pb.Tensor, array: Any) -> None:
+    """Fills ``message`` in place: building a tensor inside its parent message
+    avoids the copies that assigning a finished sub-message makes (large logits)."""
     if not isinstance(array, np.ndarray):
-        return _encode_torch(array)
-    wire = dtype_to_proto(array.dtype.name)
-    little = array.astype(array.dtype.newbyteorder("<"), copy=False)
-    return pb.Tensor(dtype=wire, shape=array.shape, data=little.tobytes())  # tobytes: C order
+        array = _torch_to_numpy(array)
+        if array.dtype == np.int16:  # bfloat16 bit patterns
+            message.dtype = pb.DTYPE_BFLOAT16
+            message.shape[:] = array.shape
+            message.data = array.tobytes()
+            return
+    message.dtype = dtype_to_proto(array.dtype.name)
+    message.shape[:] = array.shape
+    message.data = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()  # C order
 
 
-def _encode_torch(tensor: Any) -> pb.Tensor:
+def _torch_to_numpy(tensor: Any) -> np.ndarray:
     import torch
 
     tensor = tensor.detach().contiguous().cpu()
     if tensor.dtype == torch.bfloat16:
-        bits = tensor.view(torch.int16).numpy()
-        return pb.Tensor(dtype=pb.DTYPE_BFLOAT16, shape=tensor.shape, data=bits.tobytes())
-    return encode(tensor.numpy())
+        return tensor.view(torch.int16).numpy()
+    return tensor.numpy()
 
 
 def _checked_view(t: pb.Tensor) -> np.ndarray:

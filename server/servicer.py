@@ -140,10 +140,13 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             raise ModelNotFound(f"no model named {model!r}; hosted: {sorted(self.workers)}") from None
 
     @staticmethod
-    def _total(timing: Timing, received_ns: int) -> pb.Timing:
-        t = convert.timing_to_proto(timing)
-        t.total_ns = time.perf_counter_ns() - received_ns
-        return t
+    def _result(message, out, received_ns: int):
+        """Fills a reply's logits, handle and timing in place (large logits are copied once)."""
+        convert.fill_logits(message.logits, out.logits)
+        message.kv_cache.CopyFrom(convert.handle_to_proto(out.kv_cache))
+        message.timing.CopyFrom(convert.timing_to_proto(out.timing))
+        message.timing.total_ns = time.perf_counter_ns() - received_ns
+        return message
 
     # -- queries -----------------------------------------------------------------
     @_query
@@ -172,9 +175,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         handle = convert.handle_from_proto(request.kv_cache) if request.HasField("kv_cache") else None
         out = await worker.steps(worker.executor.prefill_chunks, list(request.token_ids), handle,
                                  convert.policy_from_proto(request.logits))
-        return pb.PrefillResponse(logits=convert.logits_to_proto(out.logits),
-                                  kv_cache=convert.handle_to_proto(out.kv_cache),
-                                  timing=self._total(out.timing, received), cached_tokens=out.cached_tokens)
+        return self._result(pb.PrefillResponse(cached_tokens=out.cached_tokens), out, received)
 
     @_rpc
     async def Decode(self, request, context):
@@ -182,9 +183,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         worker = self._worker(request.model or request.kv_cache.model)
         item = DecodeInput(request.token_id, _required_handle(request))
         (out,) = await worker.decode([item], convert.policy_from_proto(request.logits))
-        return pb.DecodeResponse(logits=convert.logits_to_proto(out.logits),
-                                 kv_cache=convert.handle_to_proto(out.kv_cache),
-                                 timing=self._total(out.timing, received))
+        return self._result(pb.DecodeResponse(), out, received)
 
     @_rpc
     async def BatchDecode(self, request, context):
@@ -194,9 +193,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         items = [DecodeInput(i.token_id, _required_handle(i)) for i in request.items]
         outs = await worker.decode(items, convert.policy_from_proto(request.logits))
         for index, out in enumerate(outs):
-            yield pb.BatchDecodeResponse(index=index, logits=convert.logits_to_proto(out.logits),
-                                         kv_cache=convert.handle_to_proto(out.kv_cache),
-                                         timing=self._total(out.timing, received))
+            yield self._result(pb.BatchDecodeResponse(index=index), out, received)
 
     @_rpc
     async def ForwardVerify(self, request, context):
@@ -205,9 +202,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         out = await worker.call(worker.executor.forward_verify, list(request.token_ids),
                                 _required_handle(request),
                                 convert.policy_from_proto(request.logits))
-        return pb.ForwardVerifyResponse(logits=convert.logits_to_proto(out.logits),
-                                        kv_cache=convert.handle_to_proto(out.kv_cache),
-                                        timing=self._total(out.timing, received))
+        return self._result(pb.ForwardVerifyResponse(), out, received)
 
     @_rpc
     async def TruncateKv(self, request, context):
@@ -247,9 +242,8 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 await replies.put(pb.DecodeSessionResponse(step_id=request.step_id, error=_error_detail(exc)))
                 return
             for index, out in enumerate(outs):
-                await replies.put(pb.DecodeSessionResponse(
-                    step_id=request.step_id, index=index, logits=convert.logits_to_proto(out.logits),
-                    kv_cache=convert.handle_to_proto(out.kv_cache), timing=self._total(out.timing, received)))
+                await replies.put(self._result(pb.DecodeSessionResponse(step_id=request.step_id, index=index),
+                                               out, received))
 
         async def read_all() -> None:
             async for request in request_iterator:

@@ -21,6 +21,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op, same arithmetic as the reference
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32 as the reference does, then cast back.
         h = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return self.weight * h.to(x.dtype)
@@ -82,6 +84,8 @@ def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
 
 
 class Attention(nn.Module):
+    has_qk_norm = False
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
@@ -110,12 +114,19 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = self.project(x)
-        q = q.reshape(B, T, self.num_heads, self.head_dim)  # (B, T, H, D)
-        k = k.reshape(B, T, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
-        v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
-        q, k = self.qk_norm(q, k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None and not self.has_qk_norm:
+            # Rotate q and k as one tensor: half the per-layer RoPE ops.
+            qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, D)  # (B, T, H+2Hkv, D)
+            qk = apply_rope(qkv[:, :, :H + Hkv], *rope)
+            q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv:]
+        else:
+            q, k, v = self.project(x)
+            q = q.reshape(B, T, H, D)  # (B, T, H, D)
+            k = k.reshape(B, T, Hkv, D)  # (B, T, Hkv, D)
+            v = v.reshape(B, T, Hkv, D)
+            q, k = self.qk_norm(q, k)
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         keys, values = kv.update(self.layer, k, v)  # (B, Hkv, S, D) each
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=kv.mask, enable_gqa=True

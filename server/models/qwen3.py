@@ -9,6 +9,8 @@ from ferrum_rpc.server.models.llama import Attention, DecoderLayer, LlamaForCaus
 
 
 class Qwen3Attention(Attention):
+    has_qk_norm = True
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(cfg, layer)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
