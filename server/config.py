@@ -27,6 +27,8 @@ class ExecutorConfig:
         prefill_chunk: prompts longer than this run in chunks, letting other
             callers' decodes run in between.
         prefix_caching: share identical full prompt blocks across sequences.
+        pack_weights: keep oneDNN-prepacked weight copies on CPU (faster
+            bfloat16 everywhere and float32 batches; float32 weights take 2x memory).
     """
 
     dtype: str = "float32"
@@ -41,6 +43,7 @@ class ExecutorConfig:
     idle_timeout_s: float = 600.0
     prefill_chunk: int = 256
     prefix_caching: bool = True
+    pack_weights: bool = True
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):

@@ -138,3 +138,20 @@ def test_logits_policies_agree_with_full_logits(client):
         low = client.decode(10, h, logits=LogitsPolicy.full(dtype=dtype)).logits.values[0]
         assert low.dtype == np.float32 if dtype == "bfloat16" else low.dtype == np.float16
         np.testing.assert_allclose(low.astype(np.float32), full, atol=tol * max(1.0, np.abs(full).max()))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bfloat16_serving_stays_close_to_float32_transformers(arch, tiny_llama_dir, tiny_qwen3_dir):
+    """bfloat16 runs through other kernels (oneDNN packed weights); it must still compute the same model."""
+    model_dir = tiny_llama_dir if arch == "llama" else tiny_qwen3_dir
+    oracle = _oracle(model_dir, arch)
+    prompt = [5, 17, 101, 3, 250, 42, 7, 9]
+    ref = _hf_logits(oracle, prompt + [11])
+    with running_server(model_dir, dtype="bfloat16") as server, ExecutorClient(server.target, timeout=30) as ex:
+        assert ex.info().dtype == "bfloat16"
+        out = ex.prefill(prompt, logits=LogitsPolicy.full(all_positions=True))
+        step = ex.batch_decode([(11, out.kv_cache), (11, ex.prefill(prompt).kv_cache)])
+    scale = np.abs(ref).max()
+    np.testing.assert_allclose(out.logits.values, ref[:-1], atol=0.03 * scale, rtol=0)
+    for s in step:
+        np.testing.assert_allclose(s.logits.values[0], ref[-1], atol=0.03 * scale, rtol=0)

@@ -49,9 +49,10 @@ class FastLinear(nn.Module):
     """A linear layer that runs on oneDNN with a prepacked weight where that pays.
 
     On CPU, bfloat16 GEMMs through oneDNN's packed path (AMX where present)
-    run about 2x faster than ``F.linear`` at every batch size; for float32,
-    packing wins only for the wide LM head at M > 1 (MKL's small-M sgemm is
-    slow there), so float32 keeps the plain weight for single rows.
+    run about 2x faster than ``F.linear`` at every batch size.  For float32
+    the packed path wins only for M > 1 (MKL's small-M sgemm is slow there,
+    up to 2x on the LM head), so float32 keeps the plain weight for single
+    rows; the packed copy doubles float32 weight memory.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: str):
@@ -194,18 +195,18 @@ class LlamaForCausalLM(nn.Module):
     def init_rope(self, device: torch.device) -> None:
         self.rope_cos, self.rope_sin = rope_tables(self.config, device)
 
-    def optimize_for_inference(self) -> None:
+    def optimize_for_inference(self, pack_weights: bool = True) -> None:
         """Fuses projections and, on CPU with oneDNN, prepacks weights (after loading)."""
         for module in list(self.modules()):
             if hasattr(module, "fuse"):
                 module.fuse()
         weight = self.lm_head.weight
-        if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        if not pack_weights or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
             return
         if weight.dtype == torch.bfloat16:
             _replace_linears(self, "always")
         elif weight.dtype == torch.float32:
-            self.lm_head = FastLinear.from_linear(self.lm_head, "batched")
+            _replace_linears(self, "batched")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
         """input_ids, positions: (B, T) int64 -> hidden (B, T, hidden)."""

@@ -23,8 +23,10 @@ log = logging.getLogger(__name__)
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """Loads weights onto ``device`` in ``dtype`` and computes the RoPE tables."""
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
+               pack_weights: bool = True) -> LlamaForCausalLM:
+    """Loads weights onto ``device`` in ``dtype``, computes the RoPE tables and
+    fuses/prepacks the projections (``pack_weights``: oneDNN packed copies on CPU)."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     files = sorted(path.glob("*.safetensors"))
@@ -47,7 +49,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> Ll
     model.load_state_dict(state, strict=True, assign=True)
     model.init_rope(device)
     model.eval().requires_grad_(False)
-    model.optimize_for_inference()
+    model.optimize_for_inference(pack_weights)
     params = sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())  # tied count once
     model.parameter_count = params
     log.info(
