@@ -24,11 +24,13 @@ from ferrum_rpc.server.prepare import prepare_default_model
 GREEDY = LogitsPolicy.argmax()
 
 
-async def one_caller(target: str, index: int, prompt_len: int, new_tokens: int, start: asyncio.Event):
+async def one_caller(target: str, index: int, prompt_len: int, new_tokens: int,
+                     prefilled: asyncio.Queue, start: asyncio.Event):
     async with AsyncExecutorClient(target, timeout=600) as ex:
         prompt = [1 + (7 * index + 13 * i) % 4000 for i in range(prompt_len)]
         out = await ex.prefill(prompt, logits=GREEDY)
         handle, token = out.kv_cache, out.logits.argmax()[0]
+        prefilled.put_nowait(index)
         await start.wait()
         latencies, batches = [], []
         for _ in range(new_tokens - 1):
@@ -42,9 +44,11 @@ async def one_caller(target: str, index: int, prompt_len: int, new_tokens: int, 
 
 
 async def run(target: str, callers: int, prompt_len: int, new_tokens: int) -> dict:
-    start = asyncio.Event()
-    tasks = [asyncio.create_task(one_caller(target, i, prompt_len, new_tokens, start)) for i in range(callers)]
-    await asyncio.sleep(0.5)  # prefills done (they are queued ahead of the decodes)
+    start, prefilled = asyncio.Event(), asyncio.Queue()
+    tasks = [asyncio.create_task(one_caller(target, i, prompt_len, new_tokens, prefilled, start))
+             for i in range(callers)]
+    for _ in range(callers):  # every prompt is in before the decode phase is timed
+        await prefilled.get()
     t0 = time.perf_counter()
     start.set()
     results = await asyncio.gather(*tasks)

@@ -1,8 +1,10 @@
 """Decode throughput of the default model: transformers generate vs our executor
 in-process vs our executor through gRPC, side by side in one run.
 
-Prompt 32 tokens, 64 new tokens, greedy; output tokens per second (prefill
-included, as a user sees it), each figure the median of several runs.
+Prompt 32 tokens, 64 new tokens, greedy; output tokens per second end to end
+(prefill included, as a user sees it) and decode-only (the prefill part
+subtracted: for transformers, the same generate call stopped after one
+token), each figure the median of several runs.
 
     python -m bench.decode_throughput [--batches 1 8 32] [--dtypes float32 bfloat16]
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import statistics
 import time
 
 import torch
@@ -23,44 +26,44 @@ from ferrum_rpc.server.prepare import prepare_default_model
 from ferrum_rpc.types import DecodeInput, LogitsPolicy
 
 GREEDY = LogitsPolicy.argmax()
+PREFILL_SECONDS: list[float] = []  # prefill part of each run of ours, for the decode-only figure
 
 
 def prompts(batch: int, length: int) -> list[list[int]]:
     return [[1 + (7 * b + 13 * i) % 4000 for i in range(length)] for b in range(batch)]
 
 
-def run_executor(ex: TorchExecutor, batch_prompts: list[list[int]], new_tokens: int) -> float:
+def run_ours(prefill, batch_decode, release, batch_prompts: list[list[int]], new_tokens: int) -> float:
+    """Greedy generation through our contract (in-process executor or gRPC client): seconds."""
     start = time.perf_counter()
-    outs = [ex.prefill(p, policy=GREEDY) for p in batch_prompts]
+    outs = [prefill(p) for p in batch_prompts]
+    PREFILL_SECONDS.append(time.perf_counter() - start)
     handles = [o.kv_cache for o in outs]
     tokens = [o.logits.argmax()[0] for o in outs]
     for _ in range(new_tokens - 1):
-        steps = ex.batch_decode([DecodeInput(t, h) for t, h in zip(tokens, handles)], GREEDY)
+        steps = batch_decode([DecodeInput(t, h) for t, h in zip(tokens, handles)])
         handles = [s.kv_cache for s in steps]
         tokens = [s.logits.argmax()[0] for s in steps]
     elapsed = time.perf_counter() - start
     for h in handles:
-        ex.release_cache(h.cache_id)
+        release(h.cache_id)
     return elapsed
+
+
+def run_executor(ex: TorchExecutor, batch_prompts: list[list[int]], new_tokens: int) -> float:
+    return run_ours(lambda p: ex.prefill(p, policy=GREEDY), lambda items: ex.batch_decode(items, GREEDY),
+                    ex.release_cache, batch_prompts, new_tokens)
 
 
 def run_grpc(client: ExecutorClient, batch_prompts: list[list[int]], new_tokens: int) -> float:
-    start = time.perf_counter()
-    outs = [client.prefill(p, logits=GREEDY) for p in batch_prompts]
-    handles = [o.kv_cache for o in outs]
-    tokens = [o.logits.argmax()[0] for o in outs]
-    for _ in range(new_tokens - 1):
-        steps = client.batch_decode(list(zip(tokens, handles)), GREEDY)
-        handles = [s.kv_cache for s in steps]
-        tokens = [s.logits.argmax()[0] for s in steps]
-    elapsed = time.perf_counter() - start
-    for h in handles:
-        client.release_cache(h)
-    return elapsed
+    return run_ours(lambda p: client.prefill(p, logits=GREEDY), lambda items: client.batch_decode(items, GREEDY),
+                    client.release_cache, batch_prompts, new_tokens)
 
 
 def run_transformers(model, batch_prompts: list[list[int]], new_tokens: int) -> float:
     ids = torch.tensor(batch_prompts)
+    if new_tokens > 1:  # the prefill part: the same call stopping after its first token
+        PREFILL_SECONDS.append(run_transformers(model, batch_prompts, 1))
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
@@ -83,12 +86,15 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = str(prepare_default_model())
     records = []
 
-    def record(system, dtype, batch, seconds, runs):
+    def record(system, dtype, batch, seconds, runs, prefill_s):
         tps = batch * args.new_tokens / seconds
+        decode_tps = batch * (args.new_tokens - 1) / (seconds - prefill_s)
         records.append({"system": system, "dtype": dtype, "batch": batch, "tokens_per_s": round(tps, 2),
+                        "decode_tokens_per_s": round(decode_tps, 2), "prefill_s": round(prefill_s, 4),
                         "seconds": [round(r, 4) for r in runs], "new_tokens": args.new_tokens,
                         "prompt_len": args.prompt_len})
-        log.info("%-12s %-8s batch %3d: %8.1f tokens/s", system, dtype, batch, tps)
+        log.info("%-12s %-8s batch %3d: %8.1f tokens/s end to end, %8.1f decode-only",
+                 system, dtype, batch, tps, decode_tps)
 
     for dtype in args.dtypes:
         runners = {}
@@ -108,11 +114,13 @@ def main(argv: list[str] | None = None) -> None:
                 batch_prompts = prompts(batch, args.prompt_len)
                 for system, run in runners.items():
                     run(batch_prompts[:1])  # warm-up
+                    PREFILL_SECONDS.clear()
                     seconds, runs = median_of(args.repeats, lambda: run(batch_prompts))
-                    record(system, dtype, batch, seconds, runs)
+                    record(system, dtype, batch, seconds, runs, statistics.median(PREFILL_SECONDS))
         runners.clear()
     write_results(args.out, records)
     print_table(records)
+    print_table(records, "decode_tokens_per_s")
 
 
 class _null:
@@ -123,8 +131,9 @@ class _null:
         return False
 
 
-def print_table(records: list[dict]) -> None:
-    by_key = {(r["system"], r["dtype"], r["batch"]): r["tokens_per_s"] for r in records}
+def print_table(records: list[dict], key: str = "tokens_per_s") -> None:
+    print(f"output tokens/s ({key}):")
+    by_key = {(r["system"], r["dtype"], r["batch"]): r[key] for r in records}
     systems = sorted({r["system"] for r in records})
     print(f"{'dtype':9} {'batch':>5} " + " ".join(f"{s:>13}" for s in systems) + "  grpc/exec  grpc/hf")
     for dtype, batch in sorted({(r["dtype"], r["batch"]) for r in records}):
