@@ -156,3 +156,16 @@ def test_chunked_prefill_lets_decodes_through(tiny_llama_dir):
             decodes_during += 1
         thread.join()
         assert decodes_during >= 3, "decodes were stalled behind the chunked prefill"
+
+
+def test_kv_pool_sized_by_memory_fraction(tiny_llama_dir):
+    import os
+
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    per_token = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads, head_dim 16, float32
+    with running_server(tiny_llama_dir, kv_memory_fraction=0.0005) as server, ExecutorClient(server.target) as ex:
+        caps = ex.capabilities()
+        expected = available * 0.0005 / per_token
+        assert 0.5 * expected <= caps.kv_capacity_tokens <= 1.5 * expected  # free memory moves a little
+        assert caps.kv_bytes == caps.kv_capacity_tokens * per_token
+        assert ex.status().kv_blocks_total == caps.kv_num_blocks

@@ -155,3 +155,16 @@ def test_bfloat16_serving_stays_close_to_float32_transformers(arch, tiny_llama_d
     np.testing.assert_allclose(out.logits.values, ref[:-1], atol=0.03 * scale, rtol=0)
     for s in step:
         np.testing.assert_allclose(s.logits.values[0], ref[-1], atol=0.03 * scale, rtol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_executor_matches_transformers(tiny_llama_dir, hf_tiny_llama):
+    prompt = [5, 17, 101, 3, 250, 42, 7]
+    ref = _hf_logits(hf_tiny_llama, prompt + [9])
+    with running_server(tiny_llama_dir, device="cuda") as server, ExecutorClient(server.target, timeout=30) as ex:
+        out = ex.prefill(prompt, logits=LogitsPolicy.full(all_positions=True))
+        assert out.kv_cache.device.startswith("cuda")
+        np.testing.assert_allclose(out.logits.values, ref[:-1], atol=ATOL, rtol=0)
+        step = ex.decode(9, out.kv_cache)
+        np.testing.assert_allclose(step.logits.values[0], ref[-1], atol=ATOL, rtol=0)
