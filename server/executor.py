@@ -287,10 +287,6 @@ class TorchExecutor:
             raise
         return DecodePlan(steps, policy)
 
-    def abort_decode(self, plan: DecodePlan) -> None:
-        for step in plan.steps:
-            self._abort(step)
-
     def run_decode(self, plans: list[DecodePlan]) -> list[list[DecodeOutput]]:
         """Runs every planned sequence in ONE forward; returns outputs per plan."""
         steps = [s for p in plans for s in p.steps]

@@ -25,7 +25,7 @@ from ferrum_rpc.errors import (
     to_rpc_status,
 )
 from ferrum_rpc.server.worker import ModelWorker
-from ferrum_rpc.types import DecodeInput, KvCacheHandle, ServerState, Timing
+from ferrum_rpc.types import DecodeInput, KvCacheHandle, LogitsPolicy, ServerState
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 
@@ -139,6 +139,12 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         except KeyError:
             raise ModelNotFound(f"no model named {model!r}; hosted: {sorted(self.workers)}") from None
 
+    def _decode_batch(self, request) -> tuple[ModelWorker, list[DecodeInput], LogitsPolicy]:
+        """BatchDecode / DecodeSession request -> its model's worker, the items and the policy."""
+        first = request.items[0].kv_cache.model if request.items else ""
+        items = [DecodeInput(i.token_id, _required_handle(i)) for i in request.items]
+        return self._worker(request.model or first), items, convert.policy_from_proto(request.logits)
+
     @staticmethod
     def _result(message, out, received_ns: int):
         """Fills a reply's logits, handle and timing in place (large logits are copied once)."""
@@ -188,10 +194,8 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
     @_rpc
     async def BatchDecode(self, request, context):
         received = time.perf_counter_ns()
-        first = request.items[0].kv_cache.model if request.items else ""
-        worker = self._worker(request.model or first)
-        items = [DecodeInput(i.token_id, _required_handle(i)) for i in request.items]
-        outs = await worker.decode(items, convert.policy_from_proto(request.logits))
+        worker, items, policy = self._decode_batch(request)
+        outs = await worker.decode(items, policy)
         for index, out in enumerate(outs):
             yield self._result(pb.BatchDecodeResponse(index=index), out, received)
 
@@ -234,10 +238,8 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             received = time.perf_counter_ns()
             try:
                 with self._admit():
-                    first = request.items[0].kv_cache.model if request.items else ""
-                    worker = self._worker(request.model or first)
-                    items = [DecodeInput(i.token_id, _required_handle(i)) for i in request.items]
-                    outs = await worker.decode(items, convert.policy_from_proto(request.logits))
+                    worker, items, policy = self._decode_batch(request)
+                    outs = await worker.decode(items, policy)
             except Exception as exc:
                 await replies.put(pb.DecodeSessionResponse(step_id=request.step_id, error=_error_detail(exc)))
                 return

@@ -47,7 +47,8 @@ class ModelWorker:
     """Serialises access to one executor on a dedicated thread.
 
     Args:
-        executor: the executor it owns.
+        load: builds the executor; runs on the worker thread (see the module docstring).
+        name: names the thread.
         batch_wait_ms: after taking a decode, wait this long for more to batch.
     """
 
@@ -63,13 +64,6 @@ class ModelWorker:
         self._thread = threading.Thread(target=self._main, args=(load,), name=f"model-worker[{name}]",
                                         daemon=True)
         self._thread.start()
-
-    @classmethod
-    def for_executor(cls, executor: TorchExecutor, batch_wait_ms: float = 0.0) -> ModelWorker:
-        """A worker around an already built executor (tests, notebooks)."""
-        worker = cls(lambda: executor, executor.name, batch_wait_ms)
-        worker.loaded.result()
-        return worker
 
     async def started(self) -> TorchExecutor:
         return await asyncio.wrap_future(self.loaded)
