@@ -6,6 +6,9 @@ under $FERRUM_RPC_HOME, so later runs start in seconds.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -76,3 +79,23 @@ def test_greedy_speculative_equals_greedy_on_the_real_model(default_model_dir, d
         result = speculative_generate(ex, prompt_ids, 48, k=4)
     assert result.tokens == expected
     assert result.accepted > 0 and result.target_forwards < len(expected)
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ferrum_rpc.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_cli_generate_answers_through_the_server(default_server):
+    proc = _cli("generate", "--target", default_server.target, "--greedy", "--max-tokens", "24",
+                "What is the capital of France?")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    assert "tokens/s" in proc.stderr  # the run's figures are logged
+
+
+def test_cli_speculative_reports_acceptance_and_matches_plain(default_server):
+    proc = _cli("generate", "--target", default_server.target, "--speculative", "4", "--max-tokens", "40",
+                "List the numbers from 1 to 20, separated by commas.")
+    assert proc.returncode == 0, proc.stderr  # non-zero when the outputs differ
+    assert "acceptance" in proc.stderr and "speed-up" in proc.stderr and "identical" in proc.stderr
