@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ModelExecutor"].full_name
 HEALTH_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 MESSAGE_SLACK = 1 << 20  # room for handles/timing around the largest logits payload
+DRAIN_SETTLE_S = 0.2
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -73,6 +74,10 @@ class App:
             await asyncio.wait_for(self.servicer.wait_idle(), grace_s)
         except asyncio.TimeoutError:
             log.warning("grace period over with %d call(s) in flight", self.servicer.inflight)
+        # Calls gRPC core accepted but had not yet handed to us would be CANCELLED
+        # by server.stop (grpc/grpc#41785); a short pause lets them in to be refused
+        # with DRAINING instead.  It narrows the window; it cannot close it.
+        await asyncio.sleep(DRAIN_SETTLE_S)
         await self.server.stop(grace=1.0)
         for worker in self.servicer.workers.values():
             worker.stop(timeout=grace_s)
