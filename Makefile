@@ -37,6 +37,7 @@ bench: prepare
 	$(BIN)/python -m bench.concurrency
 	$(BIN)/python -m bench.wire
 	$(BIN)/python -m bench.plot
+	$(BIN)/python -m bench.report
 
 clean:
 	rm -rf $(VENV) build *.egg-info

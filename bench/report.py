@@ -1,0 +1,63 @@
+"""Prints the README's benchmark tables (markdown) from bench/results/*.json.
+
+    python -m bench.report
+"""
+
+from __future__ import annotations
+
+import json
+
+from bench.common import RESULTS
+
+
+def _load(name: str) -> list[dict]:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text())["records"] if path.exists() else []
+
+
+def decode_table(records: list[dict]) -> str:
+    by = {(r["system"], r["dtype"], r["batch"]): r for r in records}
+    lines = ["| dtype | batch | transformers `generate` | executor in-process | executor via gRPC "
+             "| gRPC / in-process | gRPC / transformers | decode-only gRPC / transformers |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for dtype, batch in sorted({(r["dtype"], r["batch"]) for r in records}):
+        hf, ex, g = (by.get((s, dtype, batch)) for s in ("transformers", "executor", "grpc"))
+        if not (hf and ex and g):
+            continue
+        lines.append(
+            f"| {dtype} | {batch} | {hf['tokens_per_s']:.1f} | {ex['tokens_per_s']:.1f} | {g['tokens_per_s']:.1f} "
+            f"| {g['tokens_per_s'] / ex['tokens_per_s']:.2f} | {g['tokens_per_s'] / hf['tokens_per_s']:.2f} "
+            f"| {g['decode_tokens_per_s'] / hf['decode_tokens_per_s']:.2f} |")
+    return "\n".join(lines)
+
+
+def concurrency_table(records: list[dict]) -> str:
+    lines = ["| callers | tokens/s | x one caller | p50 step ms | p99 step ms | mean batch |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    base = records[0]["tokens_per_s"] if records else 1
+    for r in records:
+        lines.append(f"| {r['callers']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f} "
+                     f"| {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['mean_batch']:.1f} |")
+    return "\n".join(lines)
+
+
+def wire_lines(records: list[dict]) -> str:
+    out = []
+    for r in records:
+        if r.get("rpc") == "GetStatus":
+            out.append(f"- GetStatus round trip: p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms")
+        elif "logits" in r:
+            ms = r["payload_mb"] / r["mb_per_s"] * 1000
+            out.append(f"- logits {r['logits']} ({r['positions']} positions, {r['payload_mb']:.2f} MB): "
+                       f"transfer {ms:.1f} ms, {r['mb_per_s']:.0f} MB/s")
+    return "\n".join(out)
+
+
+def main() -> None:
+    print(decode_table(_load("decode_throughput")), end="\n\n")
+    print(concurrency_table(_load("concurrency")), end="\n\n")
+    print(wire_lines(_load("wire")))
+
+
+if __name__ == "__main__":
+    main()
