@@ -13,7 +13,7 @@ from typing import Iterable, Sequence, Union
 import grpc
 
 from ferrum_rpc import convert
-from ferrum_rpc.errors import error_from_detail, from_rpc_error
+from ferrum_rpc.errors import ExecutorError, error_from_detail, from_rpc_error
 from ferrum_rpc.types import (
     Capabilities,
     DecodeInput,
@@ -65,6 +65,10 @@ class _Codec:
         return pb.ForwardVerifyRequest(model=self.model, token_ids=token_ids,
                                        kv_cache=convert.handle_to_proto(kv_cache),
                                        logits=convert.policy_to_proto(logits))
+
+    def _session_req(self, step_id: int, items: Iterable[DecodeItem], logits) -> pb.DecodeSessionRequest:
+        batch = self._batch_req(items, logits)
+        return pb.DecodeSessionRequest(step_id=step_id, model=batch.model, items=batch.items, logits=batch.logits)
 
     def _release_req(self, cache) -> pb.ReleaseCacheRequest:
         if isinstance(cache, KvCacheHandle):
@@ -233,6 +237,10 @@ class AsyncExecutorClient(_Codec):
         req = pb.ForkCacheRequest(kv_cache=convert.handle_to_proto(kv_cache), num_children=num_children)
         return [convert.handle_from_proto(h) for h in (await self._call(self._stub.ForkCache, req)).children]
 
+    def decode_session(self) -> AsyncDecodeSession:
+        """Opens a DecodeSession stream: ``await session.step(items)`` per step."""
+        return AsyncDecodeSession(self._stub, self.model, self.timeout)
+
     async def close(self) -> None:
         await self._channel.close()
 
@@ -262,13 +270,12 @@ class DecodeSession(_Codec):
         self._next_step = 0
 
     def step(self, items: Iterable[DecodeItem], logits: LogitsPolicy = LogitsPolicy()) -> list[DecodeOutput]:
-        batch = self._batch_req(items, logits)
         self._next_step += 1
-        self._requests.put(pb.DecodeSessionRequest(step_id=self._next_step, model=batch.model,
-                                                   items=batch.items, logits=batch.logits))
+        request = self._session_req(self._next_step, items, logits)
+        self._requests.put(request)
         replies = []
         try:
-            while len(replies) < len(batch.items):
+            while len(replies) < len(request.items):
                 reply = next(self._responses)
                 if reply.HasField("error"):
                     raise error_from_detail(reply.error)
@@ -287,3 +294,40 @@ class DecodeSession(_Codec):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class AsyncDecodeSession(_Codec):
+    """:class:`DecodeSession` for asyncio: ``async with client.decode_session() as s``."""
+
+    def __init__(self, stub: pb_grpc.ModelExecutorStub, model: str, timeout: float | None):
+        self.model = model
+        self._call = stub.DecodeSession(timeout=timeout)
+        self._next_step = 0
+
+    async def step(self, items: Iterable[DecodeItem], logits: LogitsPolicy = LogitsPolicy()) -> list[DecodeOutput]:
+        self._next_step += 1
+        request = self._session_req(self._next_step, items, logits)
+        replies = []
+        try:
+            await self._call.write(request)
+            while len(replies) < len(request.items):
+                reply = await self._call.read()
+                if reply is grpc.aio.EOF:
+                    raise ExecutorError("the session stream ended", code=grpc.StatusCode.UNAVAILABLE)
+                if reply.HasField("error"):
+                    raise error_from_detail(reply.error)
+                replies.append(reply)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        return self._batch_outputs(replies)
+
+    async def close(self) -> None:
+        await self._call.done_writing()
+        while await self._call.read() is not grpc.aio.EOF:  # let the server finish cleanly
+            pass
+
+    async def __aenter__(self) -> AsyncDecodeSession:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -169,3 +169,27 @@ def test_kv_pool_sized_by_memory_fraction(tiny_llama_dir):
         assert 0.5 * expected <= caps.kv_capacity_tokens <= 1.5 * expected  # free memory moves a little
         assert caps.kv_bytes == caps.kv_capacity_tokens * per_token
         assert ex.status().kv_blocks_total == caps.kv_num_blocks
+
+
+def test_async_decode_session_and_fork(tiny_server):
+    import asyncio
+
+    from ferrum_rpc.client import AsyncExecutorClient
+
+    async def scenario():
+        async with AsyncExecutorClient(tiny_server.target, timeout=30) as ex:
+            parent = (await ex.prefill([2, 4, 6, 8, 10])).kv_cache
+            a, b = await ex.fork_cache(parent, 2)
+            async with ex.decode_session() as session:
+                first = await session.step([(1, a), (2, b)])
+                with pytest.raises(LengthMismatch):
+                    await session.step([(3, a)])  # stale: the session goes on
+                second = await session.step([(3, first[0].kv_cache)])
+            ref = await ex.decode(3, (await ex.decode(1, (await ex.prefill([2, 4, 6, 8, 10])).kv_cache)).kv_cache)
+            for h in (parent, first[1].kv_cache, second[0].kv_cache, ref.kv_cache):
+                await ex.release_cache(h)
+            return second[0], ref
+
+    got, ref = asyncio.run(scenario())
+    assert got.kv_cache.sequence_length == 7
+    np.testing.assert_allclose(got.logits.values, ref.logits.values, atol=ATOL, rtol=0)
