@@ -58,6 +58,16 @@ class _Step:
 
 
 @dataclass
+class PrefillPlan:
+    """A validated prefill whose KV room is reserved (see ``plan_prefill``)."""
+
+    step: _Step
+    policy: LogitsPolicy
+    created: bool
+    cached: int  # prompt tokens served from the prefix cache
+
+
+@dataclass
 class DecodePlan:
     """A validated BatchDecode request whose KV room is already reserved."""
 
@@ -168,17 +178,8 @@ class TorchExecutor:
         The worker runs other callers' decodes at each yield.  If any chunk
         fails, every chunk is undone: the sequence is as it was before the call.
         """
-        self._check_tokens(token_ids)
-        self._check_policy(policy, len(token_ids) if policy.all_positions else 1)
-        seq = self._resolve(kv_cache) if kv_cache is not None else None
-        origin = seq.length if seq else 0
-        self._check_length(origin, len(token_ids))
-        created = seq is None
-        if created:
-            seq = self.kv.create(uuid.uuid4().hex)
-        cached = 0
-        if created and not policy.all_positions:  # a hit must leave the last token to compute
-            cached = self.kv.adopt_prefix(seq, token_ids, len(token_ids) - 1)
+        seq, created, cached = self._open_prefill(token_ids, kv_cache, policy)
+        origin = seq.length - cached
         self.busy.add(seq.cache_id)
         hidden_rows, forward_ns, chunk = [], 0, self.config.prefill_chunk
         try:
@@ -199,15 +200,70 @@ class TorchExecutor:
                 logits = self._apply_policy(self.model.logits(rows), policy)
             forward_ns += time.perf_counter_ns() - t0
         except BaseException:
-            if created:
-                self.kv.release(seq.cache_id)
-            else:
-                self.kv.shrink(seq, origin)
+            self._close_failed_prefill(seq, created, origin)
             raise
         finally:
             self.busy.discard(seq.cache_id)
         return PrefillOutput(logits, self._handle(seq), Timing(forward_ns=forward_ns, batch_size=1),
                              cached_tokens=cached)
+
+    def plan_prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None,
+                     policy: LogitsPolicy) -> PrefillPlan:
+        """Validates a prefill that fits one forward and reserves its KV room; raises
+        with no state change.  Plans from several callers run together in :meth:`run_prefills`."""
+        seq, created, cached = self._open_prefill(token_ids, kv_cache, policy)
+        try:
+            step = self._begin(seq, token_ids[cached:])
+        except BaseException:
+            self._close_failed_prefill(seq, created, seq.length - cached)
+            raise
+        return PrefillPlan(step, policy, created, cached)
+
+    def run_prefills(self, plans: list[PrefillPlan]) -> list[PrefillOutput]:
+        """Runs planned prefills (any lengths) in ONE padded forward."""
+        t0 = time.perf_counter_ns()
+        try:
+            hidden, _ = self._forward([p.step for p in plans])
+        except BaseException:
+            for plan in plans:
+                self._abort(plan.step)
+                self._close_failed_prefill(plan.step.seq, plan.created, plan.step.start - plan.cached)
+            raise
+        outputs = []
+        for b, plan in enumerate(plans):
+            self._commit(plan.step)
+            n = len(plan.step.tokens)
+            rows = hidden[b, :n] if plan.policy.all_positions else hidden[b, n - 1:n]  # (P, C)
+            with torch.inference_mode():
+                outputs.append((self._apply_policy(self.model.logits(rows), plan.policy), plan))
+        timing = Timing(forward_ns=time.perf_counter_ns() - t0, batch_size=len(plans))
+        return [PrefillOutput(logits, self._handle(plan.step.seq), timing, cached_tokens=plan.cached)
+                for logits, plan in outputs]
+
+    def _open_prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None,
+                      policy: LogitsPolicy) -> tuple[SequenceState, bool, int]:
+        """Validates a prefill and finds (or creates, taking any cached prefix) its sequence.
+
+        Returns the sequence, whether it was created, and the prompt tokens served from cache.
+        """
+        self._check_tokens(token_ids)
+        self._check_policy(policy, len(token_ids) if policy.all_positions else 1)
+        seq = self._resolve(kv_cache) if kv_cache is not None else None
+        self._check_length(seq.length if seq else 0, len(token_ids))
+        if seq is not None:
+            return seq, False, 0
+        seq = self.kv.create(uuid.uuid4().hex)
+        cached = 0
+        if not policy.all_positions:  # a hit must leave the last token to compute
+            cached = self.kv.adopt_prefix(seq, token_ids, len(token_ids) - 1)
+        return seq, True, cached
+
+    def _close_failed_prefill(self, seq: SequenceState, created: bool, origin: int) -> None:
+        """Puts a sequence back as it was before a failed prefill (forgets it if new)."""
+        if created:
+            self.kv.release(seq.cache_id)
+        else:
+            self.kv.shrink(seq, origin)
 
     def decode(self, token_id: int, kv_cache: KvCacheHandle,
                policy: LogitsPolicy = LogitsPolicy()) -> DecodeOutput:
@@ -378,16 +434,19 @@ class TorchExecutor:
             raise
 
     def _forward(self, steps: list[_Step]) -> tuple[torch.Tensor, int]:
-        """Either one sequence of T tokens or B sequences of one token each."""
-        num_new = len(steps[0].tokens)
-        assert len(steps) == 1 or num_new == 1, "ragged multi-token batches are not supported"
+        """One forward over every step (ragged: shorter steps are padded, see KvBatch).
+
+        Returns hidden states (B, T, C); step b's own rows are ``[:len(step.tokens)]``.
+        """
+        counts = [len(s.tokens) for s in steps]
+        width = max(counts)
         t0 = time.perf_counter_ns()
-        kv = self.pool.batch([s.seq.block_ids for s in steps], [s.start for s in steps], num_new)
-        ids = torch.tensor([s.tokens for s in steps], device=self.device)  # (B, T)
+        kv = self.pool.batch([s.seq.block_ids for s in steps], [s.start for s in steps], counts)
+        ids = torch.tensor([s.tokens + [0] * (width - len(s.tokens)) for s in steps], device=self.device)
         with torch.inference_mode():
             hidden = self.model(ids, kv.positions, kv)  # (B, T, C)
         self.forwards += 1
-        self.tokens_processed += len(steps) * num_new
+        self.tokens_processed += sum(counts)
         return hidden, time.perf_counter_ns() - t0
 
     def _apply_policy(self, rows: torch.Tensor, policy: LogitsPolicy) -> Logits:

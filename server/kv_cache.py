@@ -15,10 +15,12 @@ class KvPool:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        # One extra block at the end takes the writes of padded tokens in ragged batches.
+        shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
+        self.scratch_block = num_blocks
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copies the KV of block ``src`` into block ``dst`` for every layer (copy on write)."""
@@ -36,26 +38,39 @@ class KvPool:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
-    def batch(self, block_tables: list[list[int]], starts: list[int], num_new: int) -> KvBatch:
-        """A view for B sequences each appending ``num_new`` tokens after ``starts[b]``.
+    def batch(self, block_tables: list[list[int]], starts: list[int], counts: list[int]) -> KvBatch:
+        """A view for B sequences, sequence b appending ``counts[b]`` tokens after ``starts[b]``.
 
-        ``block_tables[b]`` must already cover ``starts[b] + num_new`` tokens.
+        ``block_tables[b]`` must already cover ``starts[b] + counts[b]`` tokens.
         """
-        return KvBatch(self, block_tables, starts, num_new)
+        return KvBatch(self, block_tables, starts, counts)
 
 
 class KvBatch:
-    def __init__(self, pool: KvPool, block_tables: list[list[int]], starts: list[int], num_new: int):
+    """One forward's view of the pool: where new tokens go and what each sequence sees.
+
+    Sequences shorter than the longest in a ragged batch are padded; padded
+    positions repeat the sequence's last real position (so they see valid keys
+    and produce finite, ignored outputs) and write into a scratch block that no
+    block table contains.
+    """
+
+    def __init__(self, pool: KvPool, block_tables: list[list[int]], starts: list[int], counts: list[int]):
         device, bs = pool.k.device, pool.block_size
         self.pool = pool
         width = max(len(t) for t in block_tables)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], device=device)
         self.flat_tables = tables.reshape(-1)  # (B*nb,): padded with block 0, masked below
+        T = max(counts)
         start = torch.tensor(starts, device=device).unsqueeze(1)  # (B, 1)
-        pos = start + torch.arange(num_new, device=device)  # (B, T) absolute positions
+        count = torch.tensor(counts, device=device).unsqueeze(1)  # (B, 1)
+        offset = torch.arange(T, device=device)  # (T,)
+        real = offset < count  # (B, T)
+        pos = start + torch.minimum(offset, count - 1)  # (B, T) absolute positions, padding clamped
         self.positions = pos
-        block = tables.gather(1, pos // bs)
-        self.write_slots = (block * bs + pos % bs).reshape(-1)  # (B*T,)
+        slots = tables.gather(1, pos // bs) * bs + pos % bs
+        scratch = pool.scratch_block * bs  # padded tokens' keys/values land here, unseen
+        self.write_slots = torch.where(real, slots, scratch).reshape(-1)  # (B*T,)
         keys = torch.arange(width * bs, device=device)  # (S,)
         # Query at absolute position p sees keys 0..p of its own sequence.
         self.mask = (keys.view(1, 1, -1) <= pos.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)

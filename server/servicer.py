@@ -179,8 +179,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         received = time.perf_counter_ns()
         worker = self._worker(request.model or request.kv_cache.model)
         handle = convert.handle_from_proto(request.kv_cache) if request.HasField("kv_cache") else None
-        out = await worker.steps(worker.executor.prefill_chunks, list(request.token_ids), handle,
-                                 convert.policy_from_proto(request.logits))
+        out = await worker.prefill(list(request.token_ids), handle, convert.policy_from_proto(request.logits))
         return self._result(pb.PrefillResponse(cached_tokens=out.cached_tokens), out, received)
 
     @_rpc

@@ -26,7 +26,7 @@ from typing import Any, Callable, Generator
 
 from ferrum_rpc.errors import ExecutorError
 from ferrum_rpc.server.executor import TorchExecutor
-from ferrum_rpc.types import DecodeInput, LogitsPolicy
+from ferrum_rpc.types import DecodeInput, KvCacheHandle, LogitsPolicy
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,7 @@ class _Job:
     future: Future = field(default_factory=Future)
     enqueued_ns: int = field(default_factory=time.perf_counter_ns)
     decode: tuple[list[DecodeInput], LogitsPolicy] | None = None
+    prefill: tuple[list[int], KvCacheHandle | None, LogitsPolicy] | None = None  # fits one forward
     sliced: bool = False  # fn returns a generator run one slice at a time
     steps: Generator | None = None
     queue_ns: int = 0
@@ -96,6 +97,17 @@ class ModelWorker:
     async def steps(self, gen_fn: Callable[..., Generator], *args: Any) -> Any:
         return await asyncio.wrap_future(self.submit_steps(gen_fn, *args))
 
+    def submit_prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None,
+                       policy: LogitsPolicy) -> Future:
+        """A prompt within one chunk may share a padded forward with other callers'
+        prompts; a longer one runs in chunks between other jobs."""
+        if len(token_ids) > self.executor.config.prefill_chunk:
+            return self.submit_steps(self.executor.prefill_chunks, token_ids, kv_cache, policy)
+        return self._put(_Job(None, (), prefill=(token_ids, kv_cache, policy)))
+
+    async def prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None, policy: LogitsPolicy) -> Any:
+        return await asyncio.wrap_future(self.submit_prefill(token_ids, kv_cache, policy))
+
     def submit_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy) -> Future:
         """Queues a (batch) decode that may share a forward with other callers'."""
         return self._put(_Job(None, (), decode=(inputs, policy)))
@@ -132,8 +144,11 @@ class ModelWorker:
                 batch = [job] if job.decode else None
                 if batch:
                     self._collect(batch)
+                prefills = [job] + self._collect_prefills(job) if job.prefill else None
             self._reap()
-            if batch is None:
+            if prefills:
+                self._run_prefills(prefills)
+            elif batch is None:
                 self._run_slice(job) if job.sliced else self._run(job)
             else:
                 if self.batch_wait_s:
@@ -162,6 +177,30 @@ class ModelWorker:
                 return True
             batch.append(self._jobs.popleft())
         return False
+
+    def _collect_prefills(self, first: _Job) -> list[_Job]:
+        """Prefills queued right behind ``first`` that can share its forward (lock held).
+
+        Bounded by the max batch size and a padded size of two prefill chunks;
+        a sequence never appears twice.
+        """
+        taken: list[_Job] = []
+        longest, seen = len(first.prefill[0]), {first.prefill[1].cache_id} if first.prefill[1] else set()
+        budget = 2 * self.executor.config.prefill_chunk
+        while self._jobs and self._jobs[0] is not None and self._jobs[0].prefill:
+            tokens, handle, _ = self._jobs[0].prefill
+            width = max(longest, len(tokens))
+            if (len(taken) + 2 > self.executor.config.max_batch_size or width * (len(taken) + 2) > budget
+                    or (handle is not None and handle.cache_id in seen)):
+                break
+            taken.append(self._jobs.popleft())
+            longest = width
+            if handle is not None:
+                seen.add(handle.cache_id)
+        return taken
+
+    def _run_prefills(self, batch: list[_Job]) -> None:
+        self._run_planned(batch, lambda job: self.executor.plan_prefill(*job.prefill), self.executor.run_prefills)
 
     def _wait_for_more(self, batch: list[_Job]) -> None:
         deadline = time.monotonic() + self.batch_wait_s
@@ -192,10 +231,7 @@ class ModelWorker:
         try:
             next(job.steps)
         except StopIteration as done:
-            result = done.value
-            if hasattr(result, "timing"):
-                result = replace(result, timing=replace(result.timing, queue_ns=job.queue_ns))
-            job.future.set_result(result)
+            job.future.set_result(_with_queue_time(done.value, job.queue_ns))
         except BaseException as exc:
             job.future.set_exception(exc)
         else:
@@ -211,30 +247,41 @@ class ModelWorker:
         except BaseException as exc:  # handed to the caller, never lost
             job.future.set_exception(exc)
             return
-        if hasattr(result, "timing"):
-            result = replace(result, timing=replace(result.timing, queue_ns=queue_ns))
-        job.future.set_result(result)
+        job.future.set_result(_with_queue_time(result, queue_ns))
 
     def _run_decodes(self, batch: list[_Job]) -> None:
+        self._run_planned(batch, lambda job: self.executor.plan_decode(*job.decode), self.executor.run_decode)
+
+    def _run_planned(self, batch: list[_Job], plan: Callable[[_Job], Any], run: Callable[[list], list]) -> None:
+        """Plans every job (a job whose plan fails gets its error alone), then runs
+        all plans in one forward and hands each job its result."""
         start = time.perf_counter_ns()
         planned: list[tuple[_Job, Any]] = []
         for job in batch:
             if not job.future.set_running_or_notify_cancel():
                 continue
             try:
-                planned.append((job, self.executor.plan_decode(*job.decode)))
+                planned.append((job, plan(job)))
             except BaseException as exc:
                 job.future.set_exception(exc)
         if not planned:
             return
         try:
-            results = self.executor.run_decode([plan for _, plan in planned])
+            results = run([p for _, p in planned])
         except BaseException as exc:
             if not isinstance(exc, ExecutorError):
-                log.exception("batched decode failed")
+                log.exception("batched forward failed")
             for job, _ in planned:
                 job.future.set_exception(exc)
             return
-        for (job, _), outs in zip(planned, results):
-            queue_ns = start - job.enqueued_ns
-            job.future.set_result([replace(o, timing=replace(o.timing, queue_ns=queue_ns)) for o in outs])
+        for (job, _), result in zip(planned, results):
+            job.future.set_result(_with_queue_time(result, start - job.enqueued_ns))
+
+
+def _with_queue_time(result: Any, queue_ns: int) -> Any:
+    """Stamps the queue time on an output (or a list of them); other results pass through."""
+    if isinstance(result, list):
+        return [_with_queue_time(r, queue_ns) for r in result]
+    if hasattr(result, "timing"):
+        return replace(result, timing=replace(result.timing, queue_ns=queue_ns))
+    return result

@@ -167,7 +167,8 @@ def test_kv_pool_sized_by_memory_fraction(tiny_llama_dir):
         caps = ex.capabilities()
         expected = available * 0.0005 / per_token
         assert 0.5 * expected <= caps.kv_capacity_tokens <= 1.5 * expected  # free memory moves a little
-        assert caps.kv_bytes == caps.kv_capacity_tokens * per_token
+        # the pool's memory: its capacity plus one scratch block for padded batch rows
+        assert caps.kv_bytes == (caps.kv_capacity_tokens + caps.kv_block_size) * per_token
         assert ex.status().kv_blocks_total == caps.kv_num_blocks
 
 
@@ -193,3 +194,37 @@ def test_async_decode_session_and_fork(tiny_server):
     got, ref = asyncio.run(scenario())
     assert got.kv_cache.sequence_length == 7
     np.testing.assert_allclose(got.logits.values, ref.logits.values, atol=ATOL, rtol=0)
+
+
+def test_concurrent_prefills_share_padded_forwards_and_match_alone(tiny_llama_dir, hf_tiny_llama):
+    """Prompts of different lengths arriving together run in one padded forward, each exact."""
+    from ferrum_rpc.client import InvalidInput
+
+    prompts = [[(11 * i + 5 * j) % 320 for j in range(3 + 4 * i)] for i in range(8)]
+    with running_server(tiny_llama_dir, prefill_chunk=64) as server:
+        barrier = threading.Barrier(len(prompts) + 1)
+
+        def caller(i: int):
+            with ExecutorClient(server.target) as ex:
+                barrier.wait()
+                if i == len(prompts):  # a bad prompt in the same burst fails alone
+                    with pytest.raises(InvalidInput):
+                        ex.prefill([1, 10_000])
+                    return None
+                policy = LogitsPolicy.full(all_positions=(i % 2 == 0))
+                out = ex.prefill(prompts[i], logits=policy)
+                step = ex.decode(7, out.kv_cache)
+                ex.release_cache(step.kv_cache)
+                return out, step
+
+        with ThreadPoolExecutor(len(prompts) + 1) as pool:
+            results = list(pool.map(caller, range(len(prompts) + 1)))[:-1]
+        assert max(out.timing.batch_size for out, _ in results) > 1, "prefills were never batched"
+        with ExecutorClient(server.target) as ex:
+            assert ex.status().active_sequences == 0 and ex.status().kv_blocks_used == 0
+        for i, (out, step) in enumerate(results):
+            with torch.no_grad():
+                ref = hf_tiny_llama(torch.tensor([prompts[i] + [7]])).logits[0].numpy()
+            expected = ref[:-1] if i % 2 == 0 else ref[-2:-1]
+            np.testing.assert_allclose(out.logits.values, expected, atol=ATOL, rtol=0)
+            np.testing.assert_allclose(step.logits.values[0], ref[-1], atol=ATOL, rtol=0)
