@@ -2,7 +2,8 @@
 in-process vs our executor through gRPC, side by side in one run.
 
 Prompt 32 tokens, 64 new tokens, greedy; output tokens per second end to end
-(prefill included, as a user sees it) and decode-only (the prefill part
+(prefill included, as a user sees it: a batch's prompts are sent together and
+share padded forwards) and decode-only (the prefill part
 subtracted: for transformers, the same generate call stopped after one
 token), each figure the median of several runs.
 
@@ -15,6 +16,7 @@ import argparse
 import logging
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -33,10 +35,10 @@ def prompts(batch: int, length: int) -> list[list[int]]:
     return [[1 + (7 * b + 13 * i) % 4000 for i in range(length)] for b in range(batch)]
 
 
-def run_ours(prefill, batch_decode, release, batch_prompts: list[list[int]], new_tokens: int) -> float:
+def run_ours(prefill_all, batch_decode, release, batch_prompts: list[list[int]], new_tokens: int) -> float:
     """Greedy generation through our contract (in-process executor or gRPC client): seconds."""
     start = time.perf_counter()
-    outs = [prefill(p) for p in batch_prompts]
+    outs = prefill_all(batch_prompts)
     PREFILL_SECONDS.append(time.perf_counter() - start)
     handles = [o.kv_cache for o in outs]
     tokens = [o.logits.argmax()[0] for o in outs]
@@ -51,13 +53,20 @@ def run_ours(prefill, batch_decode, release, batch_prompts: list[list[int]], new
 
 
 def run_executor(ex: TorchExecutor, batch_prompts: list[list[int]], new_tokens: int) -> float:
-    return run_ours(lambda p: ex.prefill(p, policy=GREEDY), lambda items: ex.batch_decode(items, GREEDY),
-                    ex.release_cache, batch_prompts, new_tokens)
+    def prefill_all(prompts):  # one padded forward, as the worker does for prompts arriving together
+        return ex.run_prefills([ex.plan_prefill(p, None, GREEDY) for p in prompts])
+
+    return run_ours(prefill_all, lambda items: ex.batch_decode(items, GREEDY), ex.release_cache,
+                    batch_prompts, new_tokens)
 
 
-def run_grpc(client: ExecutorClient, batch_prompts: list[list[int]], new_tokens: int) -> float:
-    return run_ours(lambda p: client.prefill(p, logits=GREEDY), lambda items: client.batch_decode(items, GREEDY),
-                    client.release_cache, batch_prompts, new_tokens)
+def run_grpc(client: ExecutorClient, pool: ThreadPoolExecutor, batch_prompts: list[list[int]],
+             new_tokens: int) -> float:
+    def prefill_all(prompts):  # sent together; the server batches them
+        return list(pool.map(lambda p: client.prefill(p, logits=GREEDY), prompts))
+
+    return run_ours(prefill_all, lambda items: client.batch_decode(items, GREEDY), client.release_cache,
+                    batch_prompts, new_tokens)
 
 
 def run_transformers(model, batch_prompts: list[list[int]], new_tokens: int) -> float:
@@ -109,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
         with served(model_dir, dtype) if "grpc" in args.systems else _null() as target:
             if target:
                 client = ExecutorClient(target, timeout=600)
-                runners["grpc"] = lambda p, c=client: run_grpc(c, p, args.new_tokens)
+                pool = ThreadPoolExecutor(max(args.batches))
+                runners["grpc"] = lambda p, c=client: run_grpc(c, pool, p, args.new_tokens)
             for batch in args.batches:
                 batch_prompts = prompts(batch, args.prompt_len)
                 for system, run in runners.items():
