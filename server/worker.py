@@ -141,19 +141,22 @@ class ModelWorker:
                 job = self._jobs.popleft()
                 if job is None:
                     return
-                batch = [job] if job.decode else None
-                if batch:
+                batch = [job]
+                if job.decode:
                     self._collect(batch)
-                prefills = [job] + self._collect_prefills(job) if job.prefill else None
+                elif job.prefill:
+                    batch += self._collect_prefills(job)
             self._reap()
-            if prefills:
-                self._run_prefills(prefills)
-            elif batch is None:
-                self._run_slice(job) if job.sliced else self._run(job)
-            else:
+            if job.decode:
                 if self.batch_wait_s:
                     self._wait_for_more(batch)
                 self._run_decodes(batch)
+            elif job.prefill:
+                self._run_prefills(batch)
+            elif job.sliced:
+                self._run_slice(job)
+            else:
+                self._run(job)
 
     def _fits(self, batch: list[_Job], job: _Job) -> bool:
         """A decode job may join a forward if it adds no sequence twice and stays in the max batch."""
