@@ -229,16 +229,17 @@ class TorchExecutor:
                 self._abort(plan.step)
                 self._close_failed_prefill(plan.step.seq, plan.created, plan.step.start - plan.cached)
             raise
-        outputs = []
+        row_sets = []
         for b, plan in enumerate(plans):
             self._commit(plan.step)
             n = len(plan.step.tokens)
-            rows = hidden[b, :n] if plan.policy.all_positions else hidden[b, n - 1:n]  # (P, C)
-            with torch.inference_mode():
-                outputs.append((self._apply_policy(self.model.logits(rows), plan.policy), plan))
+            row_sets.append(hidden[b, :n] if plan.policy.all_positions else hidden[b, n - 1:n])  # (P, C)
+        with torch.inference_mode():  # one LM-head GEMM for every plan's rows
+            logits = self.model.logits(torch.cat(row_sets)).split([len(r) for r in row_sets])
+            results = [self._apply_policy(rows, plan.policy) for rows, plan in zip(logits, plans)]
         timing = Timing(forward_ns=time.perf_counter_ns() - t0, batch_size=len(plans))
-        return [PrefillOutput(logits, self._handle(plan.step.seq), timing, cached_tokens=plan.cached)
-                for logits, plan in outputs]
+        return [PrefillOutput(result, self._handle(plan.step.seq), timing, cached_tokens=plan.cached)
+                for result, plan in zip(results, plans)]
 
     def _open_prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None,
                       policy: LogitsPolicy) -> tuple[SequenceState, bool, int]:
