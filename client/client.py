@@ -13,7 +13,7 @@ from typing import Iterable, Sequence, Union
 import grpc
 
 from ferrum_rpc import convert
-from ferrum_rpc.errors import ExecutorError, error_from_detail, from_rpc_error
+from ferrum_rpc.errors import ExecutorError, from_status_proto, from_rpc_error
 from ferrum_rpc.types import (
     Capabilities,
     DecodeInput,
@@ -278,7 +278,7 @@ class DecodeSession(_Codec):
             while len(replies) < len(request.items):
                 reply = next(self._responses)
                 if reply.HasField("error"):
-                    raise error_from_detail(reply.error)
+                    raise from_status_proto(reply.error)
                 replies.append(reply)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
@@ -315,7 +315,7 @@ class AsyncDecodeSession(_Codec):
                 if reply is grpc.aio.EOF:
                     raise ExecutorError("the session stream ended", code=grpc.StatusCode.UNAVAILABLE)
                 if reply.HasField("error"):
-                    raise error_from_detail(reply.error)
+                    raise from_status_proto(reply.error)
                 replies.append(reply)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None

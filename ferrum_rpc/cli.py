@@ -40,7 +40,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_mb * MIB, batch_wait_ms=args.batch_wait_ms,
         kv_memory_fraction=args.kv_memory_fraction, idle_timeout_s=args.idle_timeout,
         prefill_chunk=args.prefill_chunk, prefix_caching=not args.no_prefix_cache,
-        pack_weights=not args.no_packed_weights,
+        linear_kernel="aten" if args.no_packed_weights else args.linear_kernel,
     )
     config = ServerConfig(models=_model_specs(args.model), executor=executor, host=args.host,
                           port=args.port, grace_s=args.grace, warmup=not args.no_warmup)
@@ -139,8 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-chunk", type=int, default=256,
                    help="run longer prompts in chunks of this many tokens, interleaved with decodes")
     s.add_argument("--no-prefix-cache", action="store_true", help="do not share prompt blocks across requests")
+    s.add_argument("--linear-kernel", default="auto", choices=["auto", "onednn-packed", "aten"],
+                   help="auto: probe this CPU for oneDNN prepacked linears and fall back to plain F.linear; "
+                        "aten: always the fallback; onednn-packed: fail at load if it cannot run here")
     s.add_argument("--no-packed-weights", action="store_true",
-                   help="no oneDNN-prepacked weight copies (saves memory: float32 weights are held twice)")
+                   help="same as --linear-kernel aten (saves memory: packed float32 weights are held twice)")
     s.add_argument("--max-batch", type=int, default=64, help="most sequences per forward")
     s.add_argument("--max-seq-len", type=int, default=0, help="0: the model's maximum")
     s.add_argument("--max-message-mb", type=int, default=256, help="largest reply (MiB)")

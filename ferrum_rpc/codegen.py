@@ -7,6 +7,7 @@ the two can never drift apart.  Run ``python -m ferrum_rpc.codegen``.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -26,6 +27,8 @@ def generate(out_root: Path) -> list[Path]:
     from grpc_tools import protoc
 
     include = Path(grpc_tools.__file__).parent / "_proto"
+    # google/rpc/status.proto ships with googleapis-common-protos, beside its modules.
+    googleapis = Path(importlib.util.find_spec("google.rpc.status_pb2").origin).parents[2]
     (out_root / "ferrum_rpc" / "v1").mkdir(parents=True, exist_ok=True)
     out = str(out_root)
     for proto in PROTO_FILES:
@@ -34,6 +37,7 @@ def generate(out_root: Path) -> list[Path]:
                 "grpc_tools.protoc",
                 f"-I{PROTO_ROOT}",
                 f"-I{include}",
+                f"-I{googleapis}",
                 f"--python_out={out}",
                 f"--pyi_out={out}",
                 f"--grpc_python_out={out}",

@@ -126,11 +126,12 @@ ERROR_CLASSES: dict[Reason, type[ExecutorError]] = {
 }
 
 
-def to_rpc_status(err: ExecutorError):
-    """Builds the ``grpc.Status`` (code, message, ErrorInfo detail) for an error."""
+def to_status_proto(err: ExecutorError):
+    """The ``google.rpc.Status`` message for an error: code, message and an ErrorInfo
+    detail with the reason.  Unary calls carry it in their trailers; DecodeSession
+    replies carry the same message in their ``error`` field."""
     from google.protobuf import any_pb2
     from google.rpc import error_details_pb2, status_pb2
-    from grpc_status import rpc_status
 
     detail = any_pb2.Any()
     detail.Pack(
@@ -139,23 +140,31 @@ def to_rpc_status(err: ExecutorError):
             domain=ERROR_DOMAIN,
         )
     )
-    status = status_pb2.Status(code=err.code.value[0], message=str(err), details=[detail])
-    return rpc_status.to_status(status)
+    return status_pb2.Status(code=err.code.value[0], message=str(err), details=[detail])
 
 
-def from_rpc_error(exc: grpc.RpcError) -> ExecutorError:
-    """Rebuilds the typed error from a failed call (sync or asyncio)."""
-    from google.rpc import error_details_pb2
+def to_rpc_status(err: ExecutorError):
+    """Builds the ``grpc.Status`` (code, message, ErrorInfo detail) for an error."""
     from grpc_status import rpc_status
 
-    code = exc.code()
-    message = exc.details() or ""
+    return rpc_status.to_status(to_status_proto(err))
+
+
+def _status_code(value: int) -> grpc.StatusCode:
+    """The gRPC status code with this number; UNKNOWN for a number gRPC does not define."""
+    return _CODES.get(value, grpc.StatusCode.UNKNOWN)
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def from_status_proto(status, code: grpc.StatusCode | None = None) -> ExecutorError:
+    """Rebuilds the typed error from a ``google.rpc.Status`` (a stream's in-band error,
+    or a unary call's trailers).  Unknown codes and reasons give a plain ExecutorError."""
+    from google.rpc import error_details_pb2
+
     reason = None
-    try:
-        status = rpc_status.from_call(exc)
-    except ValueError:  # details disagree with code/message; keep what we have
-        status = None
-    for detail in status.details if status else ():
+    for detail in status.details:
         if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
             info = error_details_pb2.ErrorInfo()
             detail.Unpack(info)
@@ -163,11 +172,19 @@ def from_rpc_error(exc: grpc.RpcError) -> ExecutorError:
                 reason = Reason(info.reason)
     cls = ERROR_CLASSES.get(reason, ExecutorError)
     prefix = f"{reason.value}: " if reason else ""
-    return cls(message.removeprefix(prefix), code=code)
+    return cls(status.message.removeprefix(prefix), code=code or _status_code(status.code))
 
 
-def error_from_detail(detail) -> ExecutorError:
-    """Rebuilds the typed error from an in-stream ``ErrorDetail`` (DecodeSession)."""
-    reason = Reason(detail.reason) if detail.reason in Reason.__members__ else None
-    return ERROR_CLASSES.get(reason, ExecutorError)(detail.message, code=grpc.StatusCode(
-        next(c for c in grpc.StatusCode if c.value[0] == detail.code)))
+def from_rpc_error(exc: grpc.RpcError) -> ExecutorError:
+    """Rebuilds the typed error from a failed call (sync or asyncio)."""
+    from google.rpc import status_pb2
+    from grpc_status import rpc_status
+
+    code = exc.code()
+    try:
+        status = rpc_status.from_call(exc)
+    except ValueError:  # details disagree with code/message; keep what we have
+        status = None
+    if status is None:
+        status = status_pb2.Status(code=code.value[0], message=exc.details() or "")
+    return from_status_proto(status, code)

@@ -168,6 +168,8 @@ class Capabilities:
     mixture_of_experts: bool = False
     architecture: str = ""
     kv_bytes: int = 0
+    kernel_path: str = ""
+    cpu_capability: str = ""
 
 
 class ServerState(enum.Enum):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MIB = 1 << 20
+LINEAR_KERNELS = ("auto", "onednn-packed", "aten")  # see kernels.py
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,11 @@ class ExecutorConfig:
         prefill_chunk: prompts longer than this run in chunks, letting other
             callers' decodes run in between.
         prefix_caching: share identical full prompt blocks across sequences.
-        pack_weights: keep oneDNN-prepacked weight copies on CPU (faster
-            bfloat16 everywhere and float32 batches; float32 weights take 2x memory).
+        linear_kernel: "auto" probes the oneDNN prepacked linear (faster
+            bfloat16 everywhere and float32 batches; float32 weights take 2x
+            memory) and falls back to plain ``F.linear`` where it cannot run;
+            "aten" forces the fallback; "onednn-packed" fails at load where it
+            cannot run.  See ``kernels.py``.
     """
 
     dtype: str = "float32"
@@ -43,7 +47,7 @@ class ExecutorConfig:
     idle_timeout_s: float = 600.0
     prefill_chunk: int = 256
     prefix_caching: bool = True
-    pack_weights: bool = True
+    linear_kernel: str = "auto"
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
@@ -54,6 +58,8 @@ class ExecutorConfig:
             raise ValueError("kv_memory_fraction must be in [0, 1)")
         if self.prefill_chunk <= 0:
             raise ValueError("prefill_chunk must be positive")
+        if self.linear_kernel not in LINEAR_KERNELS:
+            raise ValueError(f"linear_kernel must be one of {LINEAR_KERNELS}, not {self.linear_kernel!r}")
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,7 @@ class TorchExecutor:
     def from_path(cls, name: str, path: str | Path, config: ExecutorConfig,
                   instance_id: str | None = None) -> TorchExecutor:
         device = torch.device(config.device)
-        model = load_model(path, TORCH_DTYPES[config.dtype], device, config.pack_weights)
+        model = load_model(path, TORCH_DTYPES[config.dtype], device, config.linear_kernel)
         return cls(name, model, config, instance_id or uuid.uuid4().hex)
 
     # -- queries ---------------------------------------------------------------
@@ -146,6 +146,7 @@ class TorchExecutor:
             decode_session=True, prefix_cache=self.config.prefix_caching, fork_cache=True,
             mixture_of_experts=self.model_config.num_experts > 0,
             architecture=self.model_config.architecture, kv_bytes=self.pool.nbytes,
+            kernel_path=self.model.kernels.describe(), cpu_capability=self.model.kernels.cpu_capability,
         )
 
     def status(self, state: ServerState = ServerState.SERVING, queue_depth: int = 0) -> ExecutorStatus:

@@ -23,6 +23,7 @@ from ferrum_rpc.errors import (
     ModelLoading,
     ModelNotFound,
     to_rpc_status,
+    to_status_proto,
 )
 from ferrum_rpc.server.worker import ModelWorker
 from ferrum_rpc.types import DecodeInput, KvCacheHandle, LogitsPolicy, ServerState
@@ -43,10 +44,6 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     await context.abort_with_status(to_rpc_status(_as_executor_error(exc)))
 
 
-def _error_detail(exc: Exception) -> pb.ErrorDetail:
-    err = _as_executor_error(exc)
-    return pb.ErrorDetail(code=err.code.value[0], reason=err.reason.value if err.reason else err.code.name,
-                          message=err.message)
 
 
 def _required_handle(message) -> KvCacheHandle:
@@ -240,7 +237,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                     worker, items, policy = self._decode_batch(request)
                     outs = await worker.decode(items, policy)
             except Exception as exc:
-                await replies.put(pb.DecodeSessionResponse(step_id=request.step_id, error=_error_detail(exc)))
+                await replies.put(pb.DecodeSessionResponse(step_id=request.step_id, error=to_status_proto(_as_executor_error(exc))))
                 return
             for index, out in enumerate(outs):
                 await replies.put(self._result(pb.DecodeSessionResponse(step_id=request.step_id, index=index),

@@ -1,3 +1,4 @@
+from google.rpc import status_pb2 as _status_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -156,7 +157,7 @@ class GetCapabilitiesRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("model", "max_batch_size", "max_sequence_length", "kv_block_size", "kv_num_blocks", "kv_capacity_tokens", "logits_kinds", "logits_dtypes", "chunked_prefill", "forward_verify", "truncate_kv", "max_message_bytes", "models", "idle_timeout_s", "prefill_chunk_tokens", "decode_session", "prefix_cache", "fork_cache", "mixture_of_experts", "architecture", "kv_bytes")
+    __slots__ = ("model", "max_batch_size", "max_sequence_length", "kv_block_size", "kv_num_blocks", "kv_capacity_tokens", "logits_kinds", "logits_dtypes", "chunked_prefill", "forward_verify", "truncate_kv", "max_message_bytes", "models", "idle_timeout_s", "prefill_chunk_tokens", "decode_session", "prefix_cache", "fork_cache", "mixture_of_experts", "architecture", "kv_bytes", "kernel_path", "cpu_capability")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +179,8 @@ class Capabilities(_message.Message):
     MIXTURE_OF_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    CPU_CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_batch_size: int
     max_sequence_length: int
@@ -199,7 +202,9 @@ class Capabilities(_message.Message):
     mixture_of_experts: bool
     architecture: str
     kv_bytes: int
-    def __init__(self, model: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., logits_kinds: _Optional[_Iterable[_Union[LogitsKind, str]]] = ..., logits_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., chunked_prefill: _Optional[bool] = ..., forward_verify: _Optional[bool] = ..., truncate_kv: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., idle_timeout_s: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., decode_session: _Optional[bool] = ..., prefix_cache: _Optional[bool] = ..., fork_cache: _Optional[bool] = ..., mixture_of_experts: _Optional[bool] = ..., architecture: _Optional[str] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+    kernel_path: str
+    cpu_capability: str
+    def __init__(self, model: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., logits_kinds: _Optional[_Iterable[_Union[LogitsKind, str]]] = ..., logits_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., chunked_prefill: _Optional[bool] = ..., forward_verify: _Optional[bool] = ..., truncate_kv: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., idle_timeout_s: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., decode_session: _Optional[bool] = ..., prefix_cache: _Optional[bool] = ..., fork_cache: _Optional[bool] = ..., mixture_of_experts: _Optional[bool] = ..., architecture: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., kernel_path: _Optional[str] = ..., cpu_capability: _Optional[str] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ("model",)
@@ -343,16 +348,6 @@ class DecodeSessionRequest(_message.Message):
     logits: LogitsPolicy
     def __init__(self, step_id: _Optional[int] = ..., model: _Optional[str] = ..., items: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ..., logits: _Optional[_Union[LogitsPolicy, _Mapping]] = ...) -> None: ...
 
-class ErrorDetail(_message.Message):
-    __slots__ = ("code", "reason", "message")
-    CODE_FIELD_NUMBER: _ClassVar[int]
-    REASON_FIELD_NUMBER: _ClassVar[int]
-    MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    code: int
-    reason: str
-    message: str
-    def __init__(self, code: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
-
 class DecodeSessionResponse(_message.Message):
     __slots__ = ("step_id", "index", "logits", "kv_cache", "timing", "error")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -366,8 +361,8 @@ class DecodeSessionResponse(_message.Message):
     logits: Logits
     kv_cache: KvCacheHandle
     timing: Timing
-    error: ErrorDetail
-    def __init__(self, step_id: _Optional[int] = ..., index: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
+    error: _status_pb2.Status
+    def __init__(self, step_id: _Optional[int] = ..., index: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
 
 class ForkCacheRequest(_message.Message):
     __slots__ = ("kv_cache", "num_children")

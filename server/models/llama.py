@@ -48,6 +48,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class FastLinear(nn.Module):
     """A linear layer that runs on oneDNN with a prepacked weight where that pays.
 
+    Only built where ``kernels.probe_onednn_packed`` found the private ops
+    working on this CPU and torch build.
+
     On CPU, bfloat16 GEMMs through oneDNN's packed path (AMX where present)
     run about 2x faster than ``F.linear`` at every batch size.  For float32
     the packed path wins only for M > 1 (MKL's small-M sgemm is slow there,
@@ -195,13 +198,14 @@ class LlamaForCausalLM(nn.Module):
     def init_rope(self, device: torch.device) -> None:
         self.rope_cos, self.rope_sin = rope_tables(self.config, device)
 
-    def optimize_for_inference(self, pack_weights: bool = True) -> None:
-        """Fuses projections and, on CPU with oneDNN, prepacks weights (after loading)."""
+    def optimize_for_inference(self, pack_weights: bool) -> None:
+        """Fuses projections and, where ``pack_weights`` (the probe in ``kernels.py``
+        said the oneDNN packed linear runs here), prepacks weights (after loading)."""
         for module in list(self.modules()):
             if hasattr(module, "fuse"):
                 module.fuse()
         weight = self.lm_head.weight
-        if not pack_weights or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        if not pack_weights:
             return
         if weight.dtype == torch.bfloat16:
             _replace_linears(self, "always")

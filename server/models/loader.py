@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from ferrum_rpc.server.kernels import ONEDNN_PACKED, choose_linear
 from ferrum_rpc.server.models.config import ModelConfig
 from ferrum_rpc.server.models.llama import LlamaForCausalLM
 from ferrum_rpc.server.models.qwen3 import Qwen3ForCausalLM
@@ -24,9 +25,10 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM, "qwen3_mo
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
-               pack_weights: bool = True) -> LlamaForCausalLM:
-    """Loads weights onto ``device`` in ``dtype``, computes the RoPE tables and
-    fuses/prepacks the projections (``pack_weights``: oneDNN packed copies on CPU)."""
+               linear_kernel: str = "auto") -> LlamaForCausalLM:
+    """Loads weights onto ``device`` in ``dtype``, computes the RoPE tables, fuses the
+    projections and puts them on the linear kernel probed for this CPU (``kernels.py``);
+    the choice is kept as ``model.kernels``."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     files = sorted(path.glob("*.safetensors"))
@@ -49,7 +51,10 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     model.load_state_dict(state, strict=True, assign=True)
     model.init_rope(device)
     model.eval().requires_grad_(False)
-    model.optimize_for_inference(pack_weights)
+    model.kernels = choose_linear(linear_kernel, dtype, device)
+    log.info("%s: kernel path %s on CPU capability %s", path.name, model.kernels.describe(),
+             model.kernels.cpu_capability)
+    model.optimize_for_inference(model.kernels.linear == ONEDNN_PACKED)
     params = sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())  # tied count once
     model.parameter_count = params
     log.info(

@@ -1,0 +1,110 @@
+"""Which kernel path each model gets, chosen by probing once at load.
+
+A fast path is only taken where the running CPU and torch build can run it:
+the oneDNN prepacked linear is a private torch op whose bfloat16 kernels
+need AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT, and on an AVX2-only CPU it raises
+at load.  So every private op is probed here, by a real call checked
+against ``F.linear``, and anything that fails or disagrees falls back to
+plain ``F.linear`` (always correct, on every CPU).  ``linear_kernel="aten"``
+forces the fallback, so the test suite runs both paths on every machine.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+from ferrum_rpc.server.config import LINEAR_KERNELS
+
+AUTO, ONEDNN_PACKED, ATEN = LINEAR_KERNELS
+_PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The linear kernel a model runs and why it was chosen.
+
+    Attributes:
+        linear: ``"onednn-packed"`` or ``"aten"``.
+        reason: why (the probe's finding, or "forced by configuration").
+        cpu_capability: ATen's view of the CPU ("AVX512", "AVX2", "DEFAULT"...).
+    """
+
+    linear: str
+    reason: str
+    cpu_capability: str
+
+    def describe(self) -> str:
+        return f"linear={self.linear} ({self.reason})"
+
+
+def cpu_capability() -> str:
+    """The vector ISA ATen dispatches to on this CPU, as torch reports it."""
+    getter = getattr(torch.backends.cpu, "get_cpu_capability", None)
+    return getter() if getter else "unknown"
+
+
+def choose_linear(requested: str, dtype: torch.dtype, device: torch.device) -> KernelChoice:
+    """Picks the linear kernel for weights of ``dtype`` on ``device``.
+
+    Args:
+        requested: "auto" (probe), "onednn-packed" (probe, and fail if it cannot
+            run here), or "aten" (the fallback, always).
+    Raises:
+        ValueError: for an unknown ``requested``, or a forced path that cannot run here.
+    """
+    if requested not in LINEAR_KERNELS:
+        raise ValueError(f"linear kernel must be one of {LINEAR_KERNELS}, not {requested!r}")
+    capability = cpu_capability() if device.type == "cpu" else device.type
+    if requested == ATEN:
+        return KernelChoice(ATEN, "forced by configuration", capability)
+    if device.type != "cpu":
+        ok, why = False, f"oneDNN packing is a CPU path; device is {device.type}"
+    else:
+        ok, why = probe_onednn_packed(dtype)
+    if ok:
+        return KernelChoice(ONEDNN_PACKED, why, capability)
+    if requested == ONEDNN_PACKED:
+        raise ValueError(f"linear kernel {ONEDNN_PACKED!r} cannot run here: {why}")
+    return KernelChoice(ATEN, f"fallback: {why}", capability)
+
+
+@functools.lru_cache(maxsize=None)
+def probe_onednn_packed(dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether oneDNN's prepacked linear runs, and agrees with ``F.linear``, for ``dtype``.
+
+    Returns (ok, reason).  Never raises: a probe that fails is a "no".
+    """
+    if dtype not in _PROBE_TOLERANCE:
+        return False, f"no packed path for {dtype}"
+    if not torch.backends.mkldnn.is_available():
+        return False, "torch was built without oneDNN"
+    ops = torch.ops.mkldnn
+    for name in ("_reorder_linear_weight", "_linear_pointwise"):
+        if not hasattr(ops, name):
+            return False, f"torch.ops.mkldnn.{name} is missing from this torch build"
+    if dtype == torch.bfloat16:
+        supported = getattr(ops, "_is_mkldnn_bf16_supported", None)
+        if supported is not None and not supported():
+            return False, "this CPU lacks oneDNN's bfloat16 support (needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)"
+    try:
+        gen = torch.Generator().manual_seed(0)
+        weight = torch.randn(48, 64, generator=gen).to(dtype)
+        bias = torch.randn(48, generator=gen).to(dtype)
+        packed = ops._reorder_linear_weight(weight)
+        for rows in (1, 5):
+            x = torch.randn(rows, 64, generator=gen).to(dtype)
+            got = ops._linear_pointwise(x, packed, bias, "none", [], "").float()
+            want = F.linear(x.float(), weight.float(), bias.float())
+            err = (got - want).abs().max().item() / max(want.abs().max().item(), 1.0)
+            if not err <= _PROBE_TOLERANCE[dtype]:
+                return False, f"oneDNN packed linear disagrees with F.linear (relative error {err:.2e})"
+    except Exception as exc:  # any failure of a private op means "not here"
+        return False, f"oneDNN packed linear failed: {type(exc).__name__}: {str(exc)[:200]}"
+    return True, f"oneDNN packed linear probed OK for {str(dtype).removeprefix('torch.')}"
