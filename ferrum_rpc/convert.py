@@ -34,6 +34,7 @@ _KIND_TO_PROTO = {
 }
 _KIND_FROM_PROTO = {v: k for k, v in _KIND_TO_PROTO.items()}
 _KIND_FROM_PROTO[pb.LOGITS_KIND_UNSPECIFIED] = LogitsKind.FULL
+_ID_SLICE = 1 << 18
 
 
 def handle_to_proto(h: KvCacheHandle) -> pb.KvCacheHandle:
@@ -94,8 +95,10 @@ def fill_logits(message: pb.Logits, logits: Logits) -> None:
     message.kind = _KIND_TO_PROTO[logits.kind]
     tensor_codec.encode_into(message.values, logits.values)
     message.vocab_size = logits.vocab_size
-    if logits.token_ids is not None:
-        message.token_ids.extend(logits.token_ids.reshape(-1).tolist())
+    if logits.token_ids is not None:  # a bounded slice at a time: no list of millions of ints
+        ids = logits.token_ids.reshape(-1)
+        for start in range(0, ids.size, _ID_SLICE):
+            message.token_ids.extend(ids[start:start + _ID_SLICE].tolist())
 
 
 def logits_from_proto(m: pb.Logits) -> Logits:

@@ -67,6 +67,28 @@ class ExecutorError(Exception):
         return f"{tag}: {self.message}"
 
 
+class DeadlineExceeded(ExecutorError):
+    """The caller's deadline passed before the work finished; the work was undone."""
+
+    def __init__(self, message: str):
+        super().__init__(message, code=grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class Cancelled(ExecutorError):
+    """The caller went away (cancelled, disconnected); the work was stopped and undone."""
+
+    def __init__(self, message: str):
+        super().__init__(message, code=grpc.StatusCode.CANCELLED)
+
+
+def shown(text: str, limit: int = 48) -> str:
+    """A caller-supplied string as it may appear in an error: quoted and cut to ``limit``
+    characters, so no error echoes unbounded input (16 KB ids, say) into trailers."""
+    if len(text) <= limit:
+        return repr(text)
+    return repr(text[:limit]) + f"... ({len(text)} characters)"
+
+
 class CacheNotFound(ExecutorError):
     reason = Reason.CACHE_NOT_FOUND
 

@@ -22,11 +22,10 @@ from grpc_reflection.v1alpha import reflection
 
 from ferrum_rpc.server.config import ServerConfig
 from ferrum_rpc.server.executor import TorchExecutor
-from ferrum_rpc.server.servicer import ExecutorServicer
+from ferrum_rpc.server.servicer import ExecutorServicer, add_executor_service
 from ferrum_rpc.server.worker import ModelWorker
 from ferrum_rpc.types import ServerState
 from ferrum_rpc.v1 import executor_pb2 as pb
-from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +95,7 @@ async def build_server(config: ServerConfig) -> App:
     server = grpc.aio.server(options=channel_options(config.executor.max_message_bytes))
     servicer = ExecutorServicer(instance_id)
     health = HealthServicer()
-    pb_grpc.add_ModelExecutorServicer_to_server(servicer, server)
+    add_executor_service(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection((SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME), server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")

@@ -12,13 +12,20 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Generator
 
 import torch
 
-from ferrum_rpc.errors import InvalidInput, LengthMismatch, SequenceTooLong, StaleHandle
+from ferrum_rpc.errors import (
+    InvalidInput,
+    KvCapacityExhausted,
+    LengthMismatch,
+    SequenceTooLong,
+    StaleHandle,
+    shown,
+)
 from ferrum_rpc.server.config import ExecutorConfig
 from ferrum_rpc.server.kv_cache import KvPool
 from ferrum_rpc.server.kv_manager import BlockManager, SequenceState, WritePlan
@@ -45,6 +52,8 @@ log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _WIRE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_SCORED_ENTRY_BYTES = 4 + 5  # TOP_K/ARGMAX: a float32 score and a varint token id (<= 5 bytes)
+MAX_ID_BYTES = 128  # longest cache id accepted (ours are 32 hex digits)
 
 
 @dataclass
@@ -58,13 +67,28 @@ class _Step:
 
 
 @dataclass
+class _Opened:
+    """A validated prefill's sequence and what is needed to put it back as it was."""
+
+    seq: SequenceState
+    created: bool  # the call made the sequence: a failure forgets it
+    cached: int  # prompt tokens served from the prefix cache
+    origin: int  # the sequence's length before the call
+    clock: float  # its idle clock before the call (a failure leaves it untouched)
+
+
+@dataclass
 class PrefillPlan:
     """A validated prefill whose KV room is reserved (see ``plan_prefill``)."""
 
     step: _Step
     policy: LogitsPolicy
-    created: bool
-    cached: int  # prompt tokens served from the prefix cache
+    opened: _Opened
+
+
+def verify_policy(policy: LogitsPolicy) -> LogitsPolicy:
+    """ForwardVerify's policy: the caller's, over every position."""
+    return replace(policy, all_positions=True)
 
 
 @dataclass
@@ -94,7 +118,6 @@ class TorchExecutor:
         self.max_seq_len = min(config.max_seq_len or mc.max_position_embeddings, mc.max_position_embeddings)
         num_blocks = -(-self._kv_tokens(config, mc) // config.block_size)
         self.kv = BlockManager(num_blocks, config.block_size, prefix_caching=config.prefix_caching)
-        self.busy: set[str] = set()  # sequences in the middle of a chunked prefill
         self.pool = KvPool(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads,
                            mc.head_dim, self.dtype, self.device)
         self.forwards = 0
@@ -176,12 +199,15 @@ class TorchExecutor:
                        policy: LogitsPolicy = LogitsPolicy()) -> Generator[None, None, PrefillOutput]:
         """:meth:`prefill` in chunks of ``config.prefill_chunk`` tokens, yielding between them.
 
-        The worker runs other callers' decodes at each yield.  If any chunk
-        fails, every chunk is undone: the sequence is as it was before the call.
+        The worker runs other callers' work at each yield, and may throw into the
+        generator there (the caller cancelled, its deadline passed).  The sequence
+        is pinned meanwhile, so the idle reaper never takes it; if any chunk fails
+        or the generator is stopped, every chunk is undone: the sequence is as it
+        was before the call, idle clock included.
         """
-        seq, created, cached = self._open_prefill(token_ids, kv_cache, policy)
-        origin = seq.length - cached
-        self.busy.add(seq.cache_id)
+        opened = self._open_prefill(token_ids, kv_cache, policy)
+        seq, cached = opened.seq, opened.cached
+        self.kv.pin(seq)
         hidden_rows, forward_ns, chunk = [], 0, self.config.prefill_chunk
         try:
             for offset in range(cached, len(token_ids), chunk):
@@ -200,11 +226,11 @@ class TorchExecutor:
                 rows = torch.cat(hidden_rows) if len(hidden_rows) > 1 else hidden_rows[0]
                 logits = self._apply_policy(self.model.logits(rows), policy)
             forward_ns += time.perf_counter_ns() - t0
-        except BaseException:
-            self._close_failed_prefill(seq, created, origin)
+        except BaseException:  # GeneratorExit and thrown-in cancellations too
+            self.kv.unpin(seq, touch=False)
+            self._close_failed_prefill(opened)
             raise
-        finally:
-            self.busy.discard(seq.cache_id)
+        self.kv.unpin(seq, touch=True)
         return PrefillOutput(logits, self._handle(seq), Timing(forward_ns=forward_ns, batch_size=1),
                              cached_tokens=cached)
 
@@ -212,13 +238,13 @@ class TorchExecutor:
                      policy: LogitsPolicy) -> PrefillPlan:
         """Validates a prefill that fits one forward and reserves its KV room; raises
         with no state change.  Plans from several callers run together in :meth:`run_prefills`."""
-        seq, created, cached = self._open_prefill(token_ids, kv_cache, policy)
+        opened = self._open_prefill(token_ids, kv_cache, policy)
         try:
-            step = self._begin(seq, token_ids[cached:])
+            step = self._begin(opened.seq, token_ids[opened.cached:])
         except BaseException:
-            self._close_failed_prefill(seq, created, seq.length - cached)
+            self._close_failed_prefill(opened)
             raise
-        return PrefillPlan(step, policy, created, cached)
+        return PrefillPlan(step, policy, opened)
 
     def run_prefills(self, plans: list[PrefillPlan]) -> list[PrefillOutput]:
         """Runs planned prefills (any lengths) in ONE padded forward."""
@@ -228,7 +254,7 @@ class TorchExecutor:
         except BaseException:
             for plan in plans:
                 self._abort(plan.step)
-                self._close_failed_prefill(plan.step.seq, plan.created, plan.step.start - plan.cached)
+                self._close_failed_prefill(plan.opened)
             raise
         row_sets = []
         for b, plan in enumerate(plans):
@@ -239,33 +265,47 @@ class TorchExecutor:
             logits = self.model.logits(torch.cat(row_sets)).split([len(r) for r in row_sets])
             results = [self._apply_policy(rows, plan.policy) for rows, plan in zip(logits, plans)]
         timing = Timing(forward_ns=time.perf_counter_ns() - t0, batch_size=len(plans))
-        return [PrefillOutput(result, self._handle(plan.step.seq), timing, cached_tokens=plan.cached)
+        return [PrefillOutput(result, self._handle(plan.step.seq), timing, cached_tokens=plan.opened.cached)
                 for result, plan in zip(results, plans)]
 
     def _open_prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None,
-                      policy: LogitsPolicy) -> tuple[SequenceState, bool, int]:
-        """Validates a prefill and finds (or creates, taking any cached prefix) its sequence.
-
-        Returns the sequence, whether it was created, and the prompt tokens served from cache.
-        """
+                      policy: LogitsPolicy) -> _Opened:
+        """Validates a prefill and finds (or creates, taking any cached prefix) its sequence."""
         self._check_tokens(token_ids)
         self._check_policy(policy, len(token_ids) if policy.all_positions else 1)
         seq = self._resolve(kv_cache) if kv_cache is not None else None
-        self._check_length(seq.length if seq else 0, len(token_ids))
+        start = seq.length if seq else 0
+        self._check_length(start, len(token_ids))
+        self._check_fits_pool(start + len(token_ids))
         if seq is not None:
-            return seq, False, 0
+            return _Opened(seq, False, 0, seq.length, seq.last_used)
         seq = self.kv.create(uuid.uuid4().hex)
         cached = 0
         if not policy.all_positions:  # a hit must leave the last token to compute
             cached = self.kv.adopt_prefix(seq, token_ids, len(token_ids) - 1)
-        return seq, True, cached
+        return _Opened(seq, True, cached, 0, seq.last_used)
 
-    def _close_failed_prefill(self, seq: SequenceState, created: bool, origin: int) -> None:
+    def _close_failed_prefill(self, opened: _Opened) -> None:
         """Puts a sequence back as it was before a failed prefill (forgets it if new)."""
-        if created:
-            self.kv.release(seq.cache_id)
+        if opened.created:
+            self.kv.release(opened.seq.cache_id)
         else:
-            self.kv.shrink(seq, origin)
+            self.kv.shrink(opened.seq, opened.origin, touch=False)
+            opened.seq.last_used = opened.clock
+
+    def undo_calls(self, changes: list[tuple[str, int | None]]) -> None:
+        """Puts back what finished calls did when their callers never got the reply
+        (cancelled, deadline passed, disconnected): each ``(cache_id, length)``
+        sequence is forgotten if ``length`` is None (the call created it), else
+        truncated back to ``length``.  Sequences already gone are skipped."""
+        for cache_id, length in changes:
+            if cache_id not in self.kv:
+                continue
+            seq = self.kv.get(cache_id)
+            if length is None:
+                self.kv.release(cache_id)
+            elif length <= seq.length:
+                self.kv.shrink(seq, length, touch=False)
 
     def decode(self, token_id: int, kv_cache: KvCacheHandle,
                policy: LogitsPolicy = LogitsPolicy()) -> DecodeOutput:
@@ -277,19 +317,10 @@ class TorchExecutor:
 
     def forward_verify(self, token_ids: list[int], kv_cache: KvCacheHandle,
                        policy: LogitsPolicy = LogitsPolicy()) -> VerifyOutput:
-        """Appends N+1 tokens in one forward; returns N+1 logits rows."""
-        self._check_tokens(token_ids)
-        self._check_policy(policy, len(token_ids))
-        seq = self._resolve(kv_cache)
-        self._check_length(seq.length, len(token_ids))
-        step = self._begin(seq, token_ids)
-        t0 = time.perf_counter_ns()
-        hidden, _ = self._forward_or_undo([step])
-        self._commit(step)
-        with torch.inference_mode():
-            logits = self._apply_policy(self.model.logits(hidden[0]), policy)
-        forward_ns = time.perf_counter_ns() - t0
-        return VerifyOutput(logits, self._handle(seq), Timing(forward_ns=forward_ns, batch_size=1))
+        """Appends N+1 tokens and returns N+1 logits rows: a continued prefill over
+        every position (so a long verify runs in chunks like a prompt)."""
+        out = self.prefill(token_ids, kv_cache, verify_policy(policy))
+        return VerifyOutput(out.logits, out.kv_cache, out.timing)
 
     def truncate_kv(self, kv_cache: KvCacheHandle, new_length: int) -> KvCacheHandle:
         seq = self._resolve(kv_cache)
@@ -300,7 +331,8 @@ class TorchExecutor:
 
     def release_cache(self, cache_id: str) -> int:
         """Forgets a sequence; returns how many blocks went back to the pool."""
-        self._check_not_busy(cache_id)
+        self._check_id(cache_id, "cache_id")
+        self._check_not_busy(self.kv.get(cache_id))
         return self.kv.release(cache_id)
 
     def fork_cache(self, kv_cache: KvCacheHandle, num_children: int) -> list[KvCacheHandle]:
@@ -375,32 +407,47 @@ class TorchExecutor:
             raise InvalidInput(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
 
     def _check_policy(self, policy: LogitsPolicy, positions: int) -> None:
+        """Checks the policy, and that its reply will fit the message limit (every kind,
+        before any work: a reply that fails at send time would strand the sequence)."""
         vocab = self.model_config.vocab_size
         if policy.kind is LogitsKind.TOP_K and not 1 <= policy.top_k <= vocab:
             raise InvalidInput(f"top_k must be in 1..={vocab}, got {policy.top_k}")
         if policy.dtype not in LOGITS_DTYPES:
-            raise InvalidInput(f"logits dtype must be one of {LOGITS_DTYPES}, got {policy.dtype!r}")
+            raise InvalidInput(f"logits dtype must be one of {LOGITS_DTYPES}, got {shown(policy.dtype)}")
         if policy.kind is LogitsKind.FULL:
-            size = positions * vocab * _WIRE_BYTES[policy.dtype]
-            if size > self.config.max_message_bytes:
-                raise InvalidInput(
-                    f"full logits for {positions} positions need {size} bytes, over the "
-                    f"{self.config.max_message_bytes}-byte message limit; ask for top-k or the last position"
-                )
+            per_position = vocab * _WIRE_BYTES[policy.dtype]
+        else:
+            per_position = (policy.top_k if policy.kind is LogitsKind.TOP_K else 1) * _SCORED_ENTRY_BYTES
+        size = positions * per_position
+        if size > self.config.max_message_bytes:
+            raise InvalidInput(
+                f"{policy.kind.name} logits for {positions} positions need up to {size} bytes, over the "
+                f"{self.config.max_message_bytes}-byte message limit; ask for fewer positions, a smaller "
+                f"top-k or the last position only"
+            )
+
+    def _check_id(self, value: str, field: str) -> None:
+        if not value:
+            raise InvalidInput(f"{field} is required")
+        if len(value) > MAX_ID_BYTES:
+            raise InvalidInput(f"{field} is {len(value)} characters long; at most {MAX_ID_BYTES}")
 
     def _resolve(self, handle: KvCacheHandle) -> SequenceState:
+        """The sequence a handle names; validates without touching any state
+        (the idle clock included: only a call that succeeds restarts it)."""
+        self._check_id(handle.cache_id, "kv_cache.cache_id")
+        self._check_id(handle.server_instance_id, "kv_cache.server_instance_id")
         if handle.server_instance_id != self.instance_id:
             raise StaleHandle(
-                f"handle {handle.cache_id!r} was issued by server instance "
-                f"{handle.server_instance_id!r}, this is {self.instance_id!r}"
+                f"handle {shown(handle.cache_id)} was issued by server instance "
+                f"{shown(handle.server_instance_id)}, this is {self.instance_id!r}"
             )
         seq = self.kv.get(handle.cache_id)
-        self._check_not_busy(seq.cache_id)
-        seq.last_used = time.monotonic()
+        self._check_not_busy(seq)
         if handle.sequence_length != seq.length:
             raise LengthMismatch(
                 f"handle says {handle.sequence_length} tokens, the server holds {seq.length} "
-                f"for {handle.cache_id!r}"
+                f"for {shown(handle.cache_id)}"
             )
         return seq
 
@@ -410,9 +457,17 @@ class TorchExecutor:
                 f"{start} + {num_new} tokens exceed the maximum sequence length {self.max_seq_len}"
             )
 
-    def _check_not_busy(self, cache_id: str) -> None:
-        if cache_id in self.busy:
-            raise InvalidInput(f"sequence {cache_id!r} is in the middle of a chunked prefill")
+    def _check_fits_pool(self, length: int) -> None:
+        """Refuses up front a sequence that could never fit, even in an empty pool."""
+        if self.kv.blocks_for(length) > self.kv.num_blocks:
+            raise KvCapacityExhausted(
+                f"{length} tokens need {self.kv.blocks_for(length)} KV blocks; the whole pool has "
+                f"{self.kv.num_blocks}"
+            )
+
+    def _check_not_busy(self, seq: SequenceState) -> None:
+        if seq.pins:
+            raise InvalidInput(f"sequence {shown(seq.cache_id)} is in the middle of a chunked prefill")
 
     def _begin(self, seq: SequenceState, tokens: list[int]) -> _Step:
         """Reserves room (and private copies of shared blocks) for ``tokens`` after seq's end."""

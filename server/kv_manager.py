@@ -23,7 +23,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ferrum_rpc.errors import CacheExpired, CacheNotFound, KvCapacityExhausted
+from ferrum_rpc.errors import CacheExpired, CacheNotFound, KvCapacityExhausted, shown
 
 _EXPIRED_MEMORY = 100_000  # expired ids remembered, to answer CACHE_EXPIRED instead of NOT_FOUND
 
@@ -35,7 +35,8 @@ class SequenceState:
     block_ids: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # the first `length` are committed
     hashes: list[bytes] = field(default_factory=list)  # chained hashes of leading full blocks
-    last_used: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=time.monotonic)  # end of its last successful call
+    pins: int = 0  # jobs using it right now (a chunked prefill, a long verify): never reaped
 
 
 @dataclass
@@ -135,8 +136,8 @@ class BlockManager:
             return self._seqs[cache_id]
         except KeyError:
             if cache_id in self._expired:
-                raise CacheExpired(f"KV cache {cache_id!r} was reclaimed after sitting idle") from None
-            raise CacheNotFound(f"no KV cache with id {cache_id!r}") from None
+                raise CacheExpired(f"KV cache {shown(cache_id)} was reclaimed after sitting idle") from None
+            raise CacheNotFound(f"no KV cache with id {shown(cache_id)}") from None
 
     def create(self, cache_id: str) -> SequenceState:
         if cache_id in self._seqs:
@@ -152,10 +153,21 @@ class BlockManager:
         del self._seqs[cache_id]
         return self._drop(seq.block_ids)
 
+    def pin(self, seq: SequenceState) -> None:
+        """Marks ``seq`` as in use by a job that spans several worker slices."""
+        seq.pins += 1
+
+    def unpin(self, seq: SequenceState, touch: bool) -> None:
+        """Ends a :meth:`pin`; ``touch`` (the job succeeded) restarts the idle clock now."""
+        seq.pins -= 1
+        if touch:
+            seq.last_used = time.monotonic()
+
     def expire_idle(self, idle_s: float, now: float | None = None) -> list[str]:
-        """Releases sequences unused for ``idle_s`` seconds; later lookups say CACHE_EXPIRED."""
+        """Releases sequences unused for ``idle_s`` seconds (never a pinned one);
+        later lookups say CACHE_EXPIRED."""
         now = time.monotonic() if now is None else now
-        stale = [cid for cid, s in self._seqs.items() if now - s.last_used > idle_s]
+        stale = [cid for cid, s in self._seqs.items() if not s.pins and now - s.last_used > idle_s]
         for cid in stale:
             self.release(cid)
             self._expired[cid] = None
@@ -265,15 +277,19 @@ class BlockManager:
         seq.last_used = time.monotonic()
         self._register(seq)
 
-    def shrink(self, seq: SequenceState, new_length: int) -> int:
-        """Sets the length to ``new_length`` and drops blocks past it; returns blocks freed."""
+    def shrink(self, seq: SequenceState, new_length: int, touch: bool = True) -> int:
+        """Sets the length to ``new_length`` and drops blocks past it; returns blocks freed.
+
+        ``touch=False`` (a rollback) leaves the idle clock as it was.
+        """
         keep = self.blocks_for(new_length)
         dropped = seq.block_ids[keep:]
         del seq.block_ids[keep:]
         del seq.tokens[new_length:]
         del seq.hashes[new_length // self.block_size:]
         seq.length = new_length
-        seq.last_used = time.monotonic()
+        if touch:
+            seq.last_used = time.monotonic()
         return self._drop(dropped)
 
     def fork(self, seq: SequenceState, child_ids: list[str]) -> list[SequenceState]:

@@ -3,6 +3,13 @@
 No torch here.  Every exception becomes a status in one place
 (``_abort``), using the shared error table; anything outside the table is
 logged and answered INTERNAL without taking the server down.
+
+Requests are parsed by our own deserializer (``add_executor_service``), so
+bytes that are no valid message reach the handler as :class:`Malformed` and
+are answered INVALID_ARGUMENT / INVALID_INPUT with one rate-limited log line,
+not UNKNOWN with a traceback per request.  Large replies are built and
+serialized on a reply-builder thread, a bounded slice at a time, so the event
+loop keeps answering everyone else meanwhile.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import functools
 import inspect
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -23,6 +31,7 @@ from ferrum_rpc.errors import (
     ModelLoading,
     ModelNotFound,
     to_rpc_status,
+    shown,
     to_status_proto,
 )
 from ferrum_rpc.server.worker import ModelWorker
@@ -31,6 +40,90 @@ from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+LARGE_REPLY_BYTES = 1 << 20  # replies at least this large are built off the event loop
+MAX_PENDING_STEPS = 8  # DecodeSession steps whose replies the caller has not taken yet
+
+
+class Malformed:
+    """Stands in for a request whose bytes did not parse as its message."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+
+class _RateLimitedLog:
+    """At most one warning per ``every_s``; the rest are counted into the next one."""
+
+    def __init__(self, every_s: float = 10.0):
+        self.every_s, self._next, self._suppressed = every_s, 0.0, 0
+
+    def warning(self, message: str) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            self._suppressed += 1
+            return
+        extra = f" ({self._suppressed} more since the last report)" if self._suppressed else ""
+        log.warning("%s%s", message, extra)
+        self._next, self._suppressed = now + self.every_s, 0
+
+
+_malformed_log = _RateLimitedLog()
+
+
+def _deserializer(cls):
+    def parse(data: bytes):
+        try:
+            return cls.FromString(data)
+        except Exception as exc:  # protobuf's DecodeError, and anything else a parser may raise
+            why = f"the request is not a valid {cls.DESCRIPTOR.full_name} ({type(exc).__name__})"
+            _malformed_log.warning(f"malformed request: {why}")
+            return Malformed(why)
+    return parse
+
+
+def _serialize(message) -> bytes:
+    """Replies built off the loop arrive serialized already."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def _check_parsed(request) -> None:
+    if isinstance(request, Malformed):
+        raise InvalidInput(request.why)
+
+
+def _deadline(context) -> float | None:
+    """The caller's deadline on the worker's clock (None: it waits forever)."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+def _payload_bytes(logits) -> int:
+    values = logits.values
+    size = values.numel() * values.element_size() if hasattr(values, "numel") else values.nbytes
+    return size + (logits.token_ids.size * 5 if logits.token_ids is not None else 0)
+
+
+def add_executor_service(servicer: ExecutorServicer, server: grpc.aio.Server) -> None:
+    """Registers the ModelExecutor service with our deserializer and serializer
+    (the generated ``add_ModelExecutorServicer_to_server`` would let a parse error
+    become UNKNOWN with a traceback)."""
+    service = pb.DESCRIPTOR.services_by_name["ModelExecutor"]
+    factories = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    handlers = {
+        method.name: factories[method.client_streaming, method.server_streaming](
+            getattr(servicer, method.name),
+            request_deserializer=_deserializer(getattr(pb, method.input_type.name)),
+            response_serializer=_serialize,
+        )
+        for method in service.methods
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
 def _as_executor_error(exc: Exception) -> ExecutorError:
@@ -57,6 +150,7 @@ def _query(method):
     @functools.wraps(method)
     async def unary(self, request, context):
         try:
+            _check_parsed(request)
             return await method(self, request, context)
         except Exception as exc:
             await _abort(context, exc)
@@ -69,6 +163,7 @@ def _rpc(method):
         @functools.wraps(method)
         async def stream(self, request, context):
             try:
+                _check_parsed(request)
                 with self._admit():
                     async for reply in method(self, request, context):
                         yield reply
@@ -79,6 +174,7 @@ def _rpc(method):
     @functools.wraps(method)
     async def unary(self, request, context):
         try:
+            _check_parsed(request)
             with self._admit():
                 return await method(self, request, context)
         except Exception as exc:
@@ -97,6 +193,8 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         self.inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        # One thread: big replies are built one at a time, never on the event loop.
+        self._reply_builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reply-builder")
 
     def add_model(self, worker: ModelWorker) -> None:
         name = worker.executor.name
@@ -134,7 +232,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         try:
             return self.workers[model or self.default_model]
         except KeyError:
-            raise ModelNotFound(f"no model named {model!r}; hosted: {sorted(self.workers)}") from None
+            raise ModelNotFound(f"no model named {shown(model)}; hosted: {sorted(self.workers)}") from None
 
     def _decode_batch(self, request) -> tuple[ModelWorker, list[DecodeInput], LogitsPolicy]:
         """BatchDecode / DecodeSession request -> its model's worker, the items and the policy."""
@@ -150,6 +248,16 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         message.timing.CopyFrom(convert.timing_to_proto(out.timing))
         message.timing.total_ns = time.perf_counter_ns() - received_ns
         return message
+
+    async def _reply(self, message, out, received_ns: int):
+        """:meth:`_result`, built and serialized on the reply-builder thread when large."""
+        if _payload_bytes(out.logits) < LARGE_REPLY_BYTES:
+            return self._result(message, out, received_ns)
+
+        def build() -> bytes:
+            return self._result(message, out, received_ns).SerializeToString()
+
+        return await asyncio.get_running_loop().run_in_executor(self._reply_builder, build)
 
     # -- queries -----------------------------------------------------------------
     @_query
@@ -176,39 +284,39 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         received = time.perf_counter_ns()
         worker = self._worker(request.model or request.kv_cache.model)
         handle = convert.handle_from_proto(request.kv_cache) if request.HasField("kv_cache") else None
-        out = await worker.prefill(list(request.token_ids), handle, convert.policy_from_proto(request.logits))
-        return self._result(pb.PrefillResponse(cached_tokens=out.cached_tokens), out, received)
+        out = await worker.prefill(list(request.token_ids), handle, convert.policy_from_proto(request.logits),
+                                   _deadline(context))
+        return await self._reply(pb.PrefillResponse(cached_tokens=out.cached_tokens), out, received)
 
     @_rpc
     async def Decode(self, request, context):
         received = time.perf_counter_ns()
         worker = self._worker(request.model or request.kv_cache.model)
         item = DecodeInput(request.token_id, _required_handle(request))
-        (out,) = await worker.decode([item], convert.policy_from_proto(request.logits))
-        return self._result(pb.DecodeResponse(), out, received)
+        (out,) = await worker.decode([item], convert.policy_from_proto(request.logits), _deadline(context))
+        return await self._reply(pb.DecodeResponse(), out, received)
 
     @_rpc
     async def BatchDecode(self, request, context):
         received = time.perf_counter_ns()
         worker, items, policy = self._decode_batch(request)
-        outs = await worker.decode(items, policy)
+        outs = await worker.decode(items, policy, _deadline(context))
         for index, out in enumerate(outs):
-            yield self._result(pb.BatchDecodeResponse(index=index), out, received)
+            yield await self._reply(pb.BatchDecodeResponse(index=index), out, received)
 
     @_rpc
     async def ForwardVerify(self, request, context):
         received = time.perf_counter_ns()
         worker = self._worker(request.model or request.kv_cache.model)
-        out = await worker.call(worker.executor.forward_verify, list(request.token_ids),
-                                _required_handle(request),
-                                convert.policy_from_proto(request.logits))
-        return self._result(pb.ForwardVerifyResponse(), out, received)
+        out = await worker.verify(list(request.token_ids), _required_handle(request),
+                                  convert.policy_from_proto(request.logits), _deadline(context))
+        return await self._reply(pb.ForwardVerifyResponse(), out, received)
 
     @_rpc
     async def TruncateKv(self, request, context):
         worker = self._worker(request.kv_cache.model)
         handle = await worker.call(worker.executor.truncate_kv, _required_handle(request),
-                                   request.new_length)
+                                   request.new_length, deadline=_deadline(context))
         return pb.TruncateKvResponse(kv_cache=convert.handle_to_proto(handle))
 
     @_rpc
@@ -220,31 +328,49 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
     @_rpc
     async def ForkCache(self, request, context):
         worker = self._worker(request.kv_cache.model)
-        children = await worker.call(worker.executor.fork_cache, _required_handle(request), request.num_children)
+        children = await worker.fork(_required_handle(request), request.num_children, _deadline(context))
         return pb.ForkCacheResponse(children=[convert.handle_to_proto(c) for c in children])
 
     async def DecodeSession(self, request_iterator, context):
         """Steps run as they arrive (steps on different sequences may be in flight
         together and share forwards); replies go out as steps finish.  A failed
-        step answers with its error and the session goes on."""
+        step answers with its error and the session goes on.
+
+        Back-pressure: at most ``MAX_PENDING_STEPS`` steps may have replies the
+        caller has not taken; past that the server stops reading requests, and
+        gRPC's flow control holds the caller.  A caller that goes away has its
+        running steps cancelled (and undone)."""
         replies: asyncio.Queue = asyncio.Queue()
+        window = asyncio.Semaphore(MAX_PENDING_STEPS)
         steps: set[asyncio.Task] = set()
+        step_done = object()
+        deadline = _deadline(context)
 
         async def run_step(request) -> None:
             received = time.perf_counter_ns()
+            step_id = getattr(request, "step_id", 0)
             try:
+                _check_parsed(request)
                 with self._admit():
                     worker, items, policy = self._decode_batch(request)
-                    outs = await worker.decode(items, policy)
+                    outs = await worker.decode(items, policy, deadline)
+                for index, out in enumerate(outs):
+                    reply = pb.DecodeSessionResponse(step_id=step_id, index=index)
+                    await replies.put(await self._reply(reply, out, received))
             except Exception as exc:
-                await replies.put(pb.DecodeSessionResponse(step_id=request.step_id, error=to_status_proto(_as_executor_error(exc))))
-                return
-            for index, out in enumerate(outs):
-                await replies.put(self._result(pb.DecodeSessionResponse(step_id=request.step_id, index=index),
-                                               out, received))
+                await replies.put(pb.DecodeSessionResponse(step_id=step_id,
+                                                           error=to_status_proto(_as_executor_error(exc))))
+            finally:
+                await replies.put(step_done)
 
         async def read_all() -> None:
-            async for request in request_iterator:
+            requests = request_iterator.__aiter__()
+            while True:
+                await window.acquire()  # released once a step's replies were all taken
+                try:
+                    request = await requests.__anext__()
+                except StopAsyncIteration:
+                    break
                 task = asyncio.create_task(run_step(request))
                 steps.add(task)
                 task.add_done_callback(steps.discard)
@@ -255,10 +381,15 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         reader = asyncio.create_task(read_all())
         try:
             while (reply := await replies.get()) is not None:
-                yield reply
+                if reply is step_done:
+                    window.release()
+                else:
+                    yield reply
             await reader  # surfaces a broken request stream
         finally:
             reader.cancel()
+            for task in list(steps):
+                task.cancel()
 
     async def Forward(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED,

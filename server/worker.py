@@ -24,9 +24,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Generator
 
-from ferrum_rpc.errors import ExecutorError
-from ferrum_rpc.server.executor import TorchExecutor
-from ferrum_rpc.types import DecodeInput, KvCacheHandle, LogitsPolicy
+from ferrum_rpc.errors import Cancelled, DeadlineExceeded, Draining, ExecutorError
+from ferrum_rpc.server.executor import TorchExecutor, verify_policy
+from ferrum_rpc.types import DecodeInput, KvCacheHandle, LogitsPolicy, VerifyOutput
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,16 @@ class _Job:
     sliced: bool = False  # fn returns a generator run one slice at a time
     steps: Generator | None = None
     queue_ns: int = 0
+    deadline: float | None = None  # time.monotonic() past which the caller no longer waits
+    abandoned: bool = False  # the caller went away: stop at the next slice and undo
+
+    def gone(self) -> ExecutorError | None:
+        """Why this job's caller no longer waits for it, or None while it does."""
+        if self.abandoned:
+            return Cancelled("the caller cancelled the call")
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            return DeadlineExceeded("the caller's deadline passed; the work was undone")
+        return None
 
 
 class ModelWorker:
@@ -61,6 +71,7 @@ class ModelWorker:
         self._next_reap = time.monotonic() + self.REAP_EVERY_S
         self._jobs: deque[_Job | None] = deque()
         self._cond = threading.Condition()
+        self._stopping = False
         self.loaded: Future = Future()  # resolves to the executor once the thread has built it
         self._thread = threading.Thread(target=self._main, args=(load,), name=f"model-worker[{name}]",
                                         daemon=True)
@@ -82,54 +93,110 @@ class ModelWorker:
     def queue_depth(self) -> int:
         return len(self._jobs)
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+    def submit(self, fn: Callable[..., Any], *args: Any, deadline: float | None = None) -> Future:
         """Runs ``fn(*args)`` on the worker thread."""
-        return self._put(_Job(fn, args))
+        return self._put(_Job(fn, args, deadline=deadline)).future
 
-    def submit_steps(self, gen_fn: Callable[..., Generator], *args: Any) -> Future:
+    def submit_steps(self, gen_fn: Callable[..., Generator], *args: Any, deadline: float | None = None) -> Future:
         """Runs the generator ``gen_fn(*args)`` one slice at a time; its return value is the result.
 
         Between slices the job goes to the back of the queue, so queued decodes
-        run in between (a long chunked prefill never stalls other callers).
+        run in between (a long chunked prefill never stalls other callers).  A
+        caller that went away (see :meth:`_await`) or whose deadline passed has
+        its generator stopped at the next slice, which undoes its work.
         """
-        return self._put(_Job(gen_fn, args, sliced=True))
-
-    async def steps(self, gen_fn: Callable[..., Generator], *args: Any) -> Any:
-        return await asyncio.wrap_future(self.submit_steps(gen_fn, *args))
+        return self._put(_Job(gen_fn, args, sliced=True, deadline=deadline)).future
 
     def submit_prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None,
-                       policy: LogitsPolicy) -> Future:
+                       policy: LogitsPolicy, deadline: float | None = None) -> Future:
         """A prompt within one chunk may share a padded forward with other callers'
         prompts; a longer one runs in chunks between other jobs."""
+        return self._put(self._prefill_job(token_ids, kv_cache, policy, deadline)).future
+
+    def _prefill_job(self, token_ids, kv_cache, policy, deadline) -> _Job:
         if len(token_ids) > self.executor.config.prefill_chunk:
-            return self.submit_steps(self.executor.prefill_chunks, token_ids, kv_cache, policy)
-        return self._put(_Job(None, (), prefill=(token_ids, kv_cache, policy)))
+            return _Job(self.executor.prefill_chunks, (token_ids, kv_cache, policy), sliced=True,
+                        deadline=deadline)
+        return _Job(None, (), prefill=(token_ids, kv_cache, policy), deadline=deadline)
 
-    async def prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None, policy: LogitsPolicy) -> Any:
-        return await asyncio.wrap_future(self.submit_prefill(token_ids, kv_cache, policy))
-
-    def submit_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy) -> Future:
+    def submit_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy,
+                      deadline: float | None = None) -> Future:
         """Queues a (batch) decode that may share a forward with other callers'."""
-        return self._put(_Job(None, (), decode=(inputs, policy)))
+        return self._put(_Job(None, (), decode=(inputs, policy), deadline=deadline)).future
 
-    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.wrap_future(self.submit(fn, *args))
+    # -- asyncio front: a cancelled await stops the job and undoes what it did ------
+    async def call(self, fn: Callable[..., Any], *args: Any, deadline: float | None = None) -> Any:
+        return await self._await(self._put(_Job(fn, args, deadline=deadline)))
 
-    async def decode(self, inputs: list[DecodeInput], policy: LogitsPolicy) -> list:
-        return await asyncio.wrap_future(self.submit_decode(inputs, policy))
+    async def steps(self, gen_fn: Callable[..., Generator], *args: Any, deadline: float | None = None) -> Any:
+        return await self._await(self._put(_Job(gen_fn, args, sliced=True, deadline=deadline)))
+
+    async def prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None, policy: LogitsPolicy,
+                      deadline: float | None = None) -> Any:
+        origin = kv_cache.sequence_length if kv_cache is not None else None
+        job = self._put(self._prefill_job(token_ids, kv_cache, policy, deadline))
+        return await self._await(job, lambda out: [(out.kv_cache.cache_id, origin)])
+
+    async def verify(self, token_ids: list[int], kv_cache: KvCacheHandle, policy: LogitsPolicy,
+                     deadline: float | None = None) -> VerifyOutput:
+        """ForwardVerify: a continued prefill over every position (chunked when long,
+        batched with other prompts when short)."""
+        out = await self.prefill(token_ids, kv_cache, verify_policy(policy), deadline)
+        return VerifyOutput(out.logits, out.kv_cache, out.timing)
+
+    async def decode(self, inputs: list[DecodeInput], policy: LogitsPolicy, deadline: float | None = None) -> list:
+        job = self._put(_Job(None, (), decode=(inputs, policy), deadline=deadline))
+        return await self._await(job, lambda _: [(i.kv_cache.cache_id, i.kv_cache.sequence_length)
+                                                 for i in inputs])
+
+    async def fork(self, kv_cache: KvCacheHandle, num_children: int, deadline: float | None = None) -> list:
+        job = self._put(_Job(self.executor.fork_cache, (kv_cache, num_children), deadline=deadline))
+        return await self._await(job, lambda children: [(c.cache_id, None) for c in children])
+
+    async def _await(self, job: _Job, undo: Callable[[Any], list[tuple[str, int | None]]] | None = None) -> Any:
+        """Waits for a job.  If the waiting coroutine is cancelled (gRPC cancels a
+        handler whose caller cancelled, disconnected or ran out of time), a queued
+        job is dropped, a running one is stopped at its next slice and undone, and
+        one that finished anyway has its changes (``undo(result)``) put back, so a
+        reply nobody receives leaves no sequence behind."""
+        try:
+            return await asyncio.wrap_future(job.future)
+        except asyncio.CancelledError:
+            job.abandoned = True
+            if undo is not None:
+                job.future.add_done_callback(lambda f: self._undo_if_done(f, undo))
+            raise
+
+    def _undo_if_done(self, future: Future, undo: Callable[[Any], list]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return  # nothing was done, or it was undone already
+        changes = undo(future.result())
+        log.info("undoing a finished call whose caller went away (%d sequence(s))", len(changes))
+        self.submit(self.executor.undo_calls, changes)  # refused while stopping: they go with it
 
     def stop(self, timeout: float | None = None) -> None:
-        """Finishes queued jobs, then ends the thread."""
+        """Refuses new jobs, finishes every queued one (sliced jobs included), then
+        ends the thread.  No future is left unresolved."""
         with self._cond:
+            self._stopping = True
             self._jobs.append(None)
             self._cond.notify()
         self._thread.join(timeout)
 
-    def _put(self, job: _Job) -> Future:
+    def _put(self, job: _Job) -> _Job:
+        with self._cond:
+            if self._stopping:
+                job.future.set_exception(Draining("the model worker is stopping"))
+                return job
+            self._jobs.append(job)
+            self._cond.notify()
+        return job
+
+    def _requeue(self, job: _Job) -> None:
+        """Puts a sliced job back at the end of the queue (also after a stop: it finishes)."""
         with self._cond:
             self._jobs.append(job)
             self._cond.notify()
-        return job.future
 
     # -- the worker thread --------------------------------------------------------
     def _loop(self) -> None:
@@ -140,7 +207,10 @@ class ModelWorker:
                     self._cond.wait(self.REAP_EVERY_S)
                 job = self._jobs.popleft()
                 if job is None:
-                    return
+                    if not self._jobs:
+                        return
+                    self._jobs.append(None)  # sliced jobs re-queued behind the stop finish first
+                    continue
                 batch = [job]
                 if job.decode:
                     self._collect(batch)
@@ -221,9 +291,13 @@ class ModelWorker:
                 log.exception("idle reclamation failed")
 
     def _run_slice(self, job: _Job) -> None:
-        """Advances a sliced job by one slice; requeues it if it is not finished."""
+        """Advances a sliced job by one slice; requeues it if it is not finished.
+        A job whose caller went away is stopped instead: its generator undoes its work."""
         if job.steps is None:
             if not job.future.set_running_or_notify_cancel():
+                return
+            if (gone := job.gone()) is not None:
+                job.future.set_exception(gone)
                 return
             job.queue_ns = time.perf_counter_ns() - job.enqueued_ns
             try:
@@ -232,17 +306,21 @@ class ModelWorker:
                 job.future.set_exception(exc)
                 return
         try:
+            if (gone := job.gone()) is not None:
+                job.steps.throw(gone)  # the generator rolls back what it did and re-raises
             next(job.steps)
         except StopIteration as done:
             job.future.set_result(_with_queue_time(done.value, job.queue_ns))
         except BaseException as exc:
             job.future.set_exception(exc)
         else:
-            with self._cond:
-                self._jobs.append(job)
+            self._requeue(job)
 
     def _run(self, job: _Job) -> None:
         if not job.future.set_running_or_notify_cancel():
+            return
+        if (gone := job.gone()) is not None:
+            job.future.set_exception(gone)
             return
         queue_ns = time.perf_counter_ns() - job.enqueued_ns
         try:
@@ -262,6 +340,9 @@ class ModelWorker:
         planned: list[tuple[_Job, Any]] = []
         for job in batch:
             if not job.future.set_running_or_notify_cancel():
+                continue
+            if (gone := job.gone()) is not None:  # nobody waits for it: do not run it
+                job.future.set_exception(gone)
                 continue
             try:
                 planned.append((job, plan(job)))
