@@ -60,25 +60,26 @@ def encode(array: Any) -> pb.Tensor:
 def encode_into(message: pb.Tensor, array: Any) -> None:
     """Fills ``message`` in place: building a tensor inside its parent message
     avoids the copies that assigning a finished sub-message makes (large logits)."""
+    wire = None
     if not isinstance(array, np.ndarray):
-        array = _torch_to_numpy(array)
-        if array.dtype == np.int16:  # bfloat16 bit patterns
-            message.dtype = pb.DTYPE_BFLOAT16
-            message.shape[:] = array.shape
-            message.data = array.tobytes()
-            return
-    message.dtype = dtype_to_proto(array.dtype.name)
+        array, wire = _torch_to_numpy(array)
+    message.dtype = wire if wire is not None else dtype_to_proto(array.dtype.name)
     message.shape[:] = array.shape
     message.data = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()  # C order
 
 
-def _torch_to_numpy(tensor: Any) -> np.ndarray:
+def _torch_to_numpy(tensor: Any) -> tuple[np.ndarray, int | None]:
+    """A torch tensor as numpy, and the wire dtype where numpy's cannot say it.
+
+    The branch is on the torch dtype: bfloat16 travels as its bit patterns, and
+    any other dtype goes by its numpy name (an int16 tensor is refused as a
+    dtype the wire cannot name, never mistaken for bfloat16)."""
     import torch
 
     tensor = tensor.detach().contiguous().cpu()
     if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy()
-    return tensor.numpy()
+        return tensor.view(torch.uint16).numpy(), pb.DTYPE_BFLOAT16
+    return tensor.numpy(), None
 
 
 def _checked_view(t: pb.Tensor) -> np.ndarray:

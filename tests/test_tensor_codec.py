@@ -248,3 +248,12 @@ def test_dtype_names_map_both_ways():
         tensor_codec.dtype_to_proto("float64")
     with pytest.raises(InvalidInput):
         tensor_codec.dtype_from_proto(pb.DTYPE_UNSPECIFIED)
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64])
+def test_dtypes_the_wire_cannot_name_are_refused_never_mislabelled(dtype):
+    """An int16 tensor was once sent as DTYPE_BFLOAT16 (its bits taken for bfloat16 patterns)."""
+    with pytest.raises(InvalidInput, match="unsupported dtype"):
+        tensor_codec.encode(torch.zeros(3, dtype=dtype))
+    with pytest.raises(InvalidInput, match="unsupported dtype"):
+        tensor_codec.encode(np.zeros(3, dtype=torch.empty(0, dtype=dtype).numpy().dtype))

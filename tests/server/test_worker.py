@@ -1,0 +1,60 @@
+"""The model worker on its own (a real tiny executor, no gRPC): stop() leaves no
+future unresolved, and a job nobody waits for is never run."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+
+import pytest
+
+from ferrum_rpc.errors import DeadlineExceeded, Draining
+from ferrum_rpc.server.config import ExecutorConfig
+from ferrum_rpc.server.executor import TorchExecutor
+from ferrum_rpc.server.worker import ModelWorker
+from ferrum_rpc.types import LogitsPolicy
+
+
+@pytest.fixture
+def worker(tiny_llama_dir):
+    config = ExecutorConfig(kv_tokens=512, block_size=4, prefill_chunk=4)
+    w = ModelWorker(functools.partial(TorchExecutor.from_path, "tiny", tiny_llama_dir, config))
+    w.loaded.result(timeout=60)
+    yield w
+    w.stop(timeout=10)
+
+
+def test_stop_finishes_a_chunked_job_requeued_behind_it(worker):
+    gate = threading.Event()
+    held = worker.submit(gate.wait, 30)
+    while not held.running():
+        time.sleep(0.001)
+    chunked = worker.submit_prefill(list(range(1, 30)), None, LogitsPolicy.argmax())  # 8 slices
+    stopper = threading.Thread(target=worker.stop, kwargs={"timeout": 30})
+    stopper.start()  # the stop sentinel is queued behind the prefill's first slice
+    while not worker._stopping:
+        time.sleep(0.001)
+    gate.set()
+    out = chunked.result(timeout=30)  # once hung forever: later slices queued behind the sentinel
+    assert out.kv_cache.sequence_length == 29
+    stopper.join(timeout=30)
+    assert not stopper.is_alive()
+    late = worker.submit(lambda: 1)
+    with pytest.raises(Draining):
+        late.result(timeout=1)
+
+
+def test_a_job_whose_deadline_passed_in_the_queue_is_not_run(worker):
+    gate = threading.Event()
+    held = worker.submit(gate.wait, 30)
+    while not held.running():
+        time.sleep(0.001)
+    ran = []
+    expired = worker.submit(ran.append, 1, deadline=time.monotonic() + 0.05)
+    time.sleep(0.1)
+    gate.set()
+    with pytest.raises(DeadlineExceeded):
+        expired.result(timeout=10)
+    assert ran == []
+    assert len(worker.executor.kv) == 0
