@@ -249,15 +249,25 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         message.timing.total_ns = time.perf_counter_ns() - received_ns
         return message
 
-    async def _reply(self, message, out, received_ns: int):
-        """:meth:`_result`, built and serialized on the reply-builder thread when large."""
+    async def _reply(self, message, out, received_ns: int, worker: ModelWorker | None = None,
+                     changes: list[tuple[str, int | None]] = ()):
+        """:meth:`_result`, built and serialized on the reply-builder thread when large.
+
+        If the caller goes away while a large reply is being built, ``changes``
+        (see ``TorchExecutor.undo_calls``) are undone on ``worker``: nobody will
+        ever hold the handle this reply carries."""
         if _payload_bytes(out.logits) < LARGE_REPLY_BYTES:
             return self._result(message, out, received_ns)
 
         def build() -> bytes:
             return self._result(message, out, received_ns).SerializeToString()
 
-        return await asyncio.get_running_loop().run_in_executor(self._reply_builder, build)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._reply_builder, build)
+        except asyncio.CancelledError:
+            if worker is not None and changes:
+                worker.submit(worker.executor.undo_calls, list(changes))
+            raise
 
     # -- queries -----------------------------------------------------------------
     @_query
@@ -286,7 +296,8 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         handle = convert.handle_from_proto(request.kv_cache) if request.HasField("kv_cache") else None
         out = await worker.prefill(list(request.token_ids), handle, convert.policy_from_proto(request.logits),
                                    _deadline(context))
-        return await self._reply(pb.PrefillResponse(cached_tokens=out.cached_tokens), out, received)
+        undo = [(out.kv_cache.cache_id, handle.sequence_length if handle else None)]
+        return await self._reply(pb.PrefillResponse(cached_tokens=out.cached_tokens), out, received, worker, undo)
 
     @_rpc
     async def Decode(self, request, context):
@@ -294,7 +305,8 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         worker = self._worker(request.model or request.kv_cache.model)
         item = DecodeInput(request.token_id, _required_handle(request))
         (out,) = await worker.decode([item], convert.policy_from_proto(request.logits), _deadline(context))
-        return await self._reply(pb.DecodeResponse(), out, received)
+        undo = [(item.kv_cache.cache_id, item.kv_cache.sequence_length)]
+        return await self._reply(pb.DecodeResponse(), out, received, worker, undo)
 
     @_rpc
     async def BatchDecode(self, request, context):
@@ -308,9 +320,11 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
     async def ForwardVerify(self, request, context):
         received = time.perf_counter_ns()
         worker = self._worker(request.model or request.kv_cache.model)
-        out = await worker.verify(list(request.token_ids), _required_handle(request),
-                                  convert.policy_from_proto(request.logits), _deadline(context))
-        return await self._reply(pb.ForwardVerifyResponse(), out, received)
+        handle = _required_handle(request)
+        out = await worker.verify(list(request.token_ids), handle, convert.policy_from_proto(request.logits),
+                                  _deadline(context))
+        undo = [(handle.cache_id, handle.sequence_length)]
+        return await self._reply(pb.ForwardVerifyResponse(), out, received, worker, undo)
 
     @_rpc
     async def TruncateKv(self, request, context):
