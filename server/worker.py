@@ -97,20 +97,13 @@ class ModelWorker:
         """Runs ``fn(*args)`` on the worker thread."""
         return self._put(_Job(fn, args, deadline=deadline)).future
 
-    def submit_steps(self, gen_fn: Callable[..., Generator], *args: Any, deadline: float | None = None) -> Future:
-        """Runs the generator ``gen_fn(*args)`` one slice at a time; its return value is the result.
-
-        Between slices the job goes to the back of the queue, so queued decodes
-        run in between (a long chunked prefill never stalls other callers).  A
-        caller that went away (see :meth:`_await`) or whose deadline passed has
-        its generator stopped at the next slice, which undoes its work.
-        """
-        return self._put(_Job(gen_fn, args, sliced=True, deadline=deadline)).future
-
     def submit_prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None,
                        policy: LogitsPolicy, deadline: float | None = None) -> Future:
         """A prompt within one chunk may share a padded forward with other callers'
-        prompts; a longer one runs in chunks between other jobs."""
+        prompts; a longer one runs as a sliced job, in chunks between other jobs
+        (queued decodes run in between, so a long prefill never stalls other
+        callers).  A caller that went away, or whose deadline passed, has the
+        sliced job stopped at the next chunk, which undoes its work."""
         return self._put(self._prefill_job(token_ids, kv_cache, policy, deadline)).future
 
     def _prefill_job(self, token_ids, kv_cache, policy, deadline) -> _Job:
@@ -119,17 +112,9 @@ class ModelWorker:
                         deadline=deadline)
         return _Job(None, (), prefill=(token_ids, kv_cache, policy), deadline=deadline)
 
-    def submit_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy,
-                      deadline: float | None = None) -> Future:
-        """Queues a (batch) decode that may share a forward with other callers'."""
-        return self._put(_Job(None, (), decode=(inputs, policy), deadline=deadline)).future
-
     # -- asyncio front: a cancelled await stops the job and undoes what it did ------
     async def call(self, fn: Callable[..., Any], *args: Any, deadline: float | None = None) -> Any:
         return await self._await(self._put(_Job(fn, args, deadline=deadline)))
-
-    async def steps(self, gen_fn: Callable[..., Generator], *args: Any, deadline: float | None = None) -> Any:
-        return await self._await(self._put(_Job(gen_fn, args, sliced=True, deadline=deadline)))
 
     async def prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None, policy: LogitsPolicy,
                       deadline: float | None = None) -> Any:

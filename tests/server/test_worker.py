@@ -25,11 +25,17 @@ def worker(tiny_llama_dir):
     w.stop(timeout=10)
 
 
-def test_stop_finishes_a_chunked_job_requeued_behind_it(worker):
+def hold(worker: ModelWorker) -> threading.Event:
+    """Occupies the worker thread until the returned gate is set."""
     gate = threading.Event()
     held = worker.submit(gate.wait, 30)
     while not held.running():
         time.sleep(0.001)
+    return gate
+
+
+def test_stop_finishes_a_chunked_job_requeued_behind_it(worker):
+    gate = hold(worker)
     chunked = worker.submit_prefill(list(range(1, 30)), None, LogitsPolicy.argmax())  # 8 slices
     stopper = threading.Thread(target=worker.stop, kwargs={"timeout": 30})
     stopper.start()  # the stop sentinel is queued behind the prefill's first slice
@@ -46,10 +52,7 @@ def test_stop_finishes_a_chunked_job_requeued_behind_it(worker):
 
 
 def test_a_job_whose_deadline_passed_in_the_queue_is_not_run(worker):
-    gate = threading.Event()
-    held = worker.submit(gate.wait, 30)
-    while not held.running():
-        time.sleep(0.001)
+    gate = hold(worker)
     ran = []
     expired = worker.submit(ran.append, 1, deadline=time.monotonic() + 0.05)
     time.sleep(0.1)
