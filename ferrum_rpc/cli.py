@@ -40,7 +40,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_mb * MIB, batch_wait_ms=args.batch_wait_ms,
         kv_memory_fraction=args.kv_memory_fraction, idle_timeout_s=args.idle_timeout,
         prefill_chunk=args.prefill_chunk, prefix_caching=not args.no_prefix_cache,
-        linear_kernel="aten" if args.no_packed_weights else args.linear_kernel,
+        linear_kernel="aten" if args.no_packed_weights else args.linear_kernel, quantize=args.quantize,
     )
     config = ServerConfig(models=_model_specs(args.model), executor=executor, host=args.host,
                           port=args.port, grace_s=args.grace, warmup=not args.no_warmup)
@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "aten: always the fallback; onednn-packed: fail at load if it cannot run here")
     s.add_argument("--no-packed-weights", action="store_true",
                    help="same as --linear-kernel aten (saves memory: packed float32 weights are held twice)")
+    s.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
+                   help="weight-only quantization of the linear layers (CPU): int8 per channel, or int4 in "
+                        "groups of 32 with scale and minimum (GGUF Q4_1's layout; the LM head stays int8)")
     s.add_argument("--max-batch", type=int, default=64, help="most sequences per forward")
     s.add_argument("--max-seq-len", type=int, default=0, help="0: the model's maximum")
     s.add_argument("--max-message-mb", type=int, default=256, help="largest reply (MiB)")

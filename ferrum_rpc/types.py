@@ -170,6 +170,7 @@ class Capabilities:
     kv_bytes: int = 0
     kernel_path: str = ""
     cpu_capability: str = ""
+    quantization: str = "none"
 
 
 class ServerState(enum.Enum):

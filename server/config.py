@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 MIB = 1 << 20
 LINEAR_KERNELS = ("auto", "onednn-packed", "aten")  # see kernels.py
+QUANTIZATIONS = ("none", "int8", "int4")  # see woq.py
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,10 @@ class ExecutorConfig:
             bfloat16 everywhere and float32 batches; float32 weights take 2x
             memory) and falls back to plain ``F.linear`` where it cannot run;
             "aten" forces the fallback; "onednn-packed" fails at load where it
-            cannot run.  See ``kernels.py``.
+            cannot run.  See ``kernels.py``.  With ``quantize``, "aten" forces
+            torch's own weight-only ops instead of ours (``woq.py``).
+        quantize: "none", "int8" or "int4": weight-only quantization of the
+            linear layers (CPU only; activations and KV stay in ``dtype``).
     """
 
     dtype: str = "float32"
@@ -48,6 +52,7 @@ class ExecutorConfig:
     prefill_chunk: int = 256
     prefix_caching: bool = True
     linear_kernel: str = "auto"
+    quantize: str = "none"
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
@@ -60,6 +65,12 @@ class ExecutorConfig:
             raise ValueError("prefill_chunk must be positive")
         if self.linear_kernel not in LINEAR_KERNELS:
             raise ValueError(f"linear_kernel must be one of {LINEAR_KERNELS}, not {self.linear_kernel!r}")
+        if self.quantize not in QUANTIZATIONS:
+            raise ValueError(f"quantize must be one of {QUANTIZATIONS}, not {self.quantize!r}")
+        if self.quantize != "none" and not self.device.startswith("cpu"):
+            raise ValueError("--quantize is a CPU path; serve unquantized weights on " + self.device)
+        if self.quantize != "none" and self.linear_kernel == "onednn-packed":
+            raise ValueError("quantized weights do not use the oneDNN packed linear; use --linear-kernel auto or aten")
 
 
 @dataclass(frozen=True)

@@ -143,7 +143,7 @@ class TorchExecutor:
     def from_path(cls, name: str, path: str | Path, config: ExecutorConfig,
                   instance_id: str | None = None) -> TorchExecutor:
         device = torch.device(config.device)
-        model = load_model(path, TORCH_DTYPES[config.dtype], device, config.linear_kernel)
+        model = load_model(path, TORCH_DTYPES[config.dtype], device, config.linear_kernel, config.quantize)
         return cls(name, model, config, instance_id or uuid.uuid4().hex)
 
     # -- queries ---------------------------------------------------------------
@@ -170,6 +170,7 @@ class TorchExecutor:
             mixture_of_experts=self.model_config.num_experts > 0,
             architecture=self.model_config.architecture, kv_bytes=self.pool.nbytes,
             kernel_path=self.model.kernels.describe(), cpu_capability=self.model.kernels.cpu_capability,
+            quantization=self.config.quantize,
         )
 
     def status(self, state: ServerState = ServerState.SERVING, queue_depth: int = 0) -> ExecutorStatus:

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ferrum_rpc.server.kernels import ONEDNN_PACKED, choose_linear
+from ferrum_rpc.server import woq
+from ferrum_rpc.server.kernels import ONEDNN_PACKED, KernelChoice, choose_linear, cpu_capability
 from ferrum_rpc.server.models.config import ModelConfig
 from ferrum_rpc.server.models.llama import LlamaForCausalLM
 from ferrum_rpc.server.models.qwen3 import Qwen3ForCausalLM
@@ -25,10 +26,10 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM, "qwen3_mo
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
-               linear_kernel: str = "auto") -> LlamaForCausalLM:
+               linear_kernel: str = "auto", quantize: str = "none") -> LlamaForCausalLM:
     """Loads weights onto ``device`` in ``dtype``, computes the RoPE tables, fuses the
-    projections and puts them on the linear kernel probed for this CPU (``kernels.py``);
-    the choice is kept as ``model.kernels``."""
+    projections and puts them on the linear kernel probed for this CPU (``kernels.py``),
+    or quantizes them (``woq.py``); the choice is kept as ``model.kernels``."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     files = sorted(path.glob("*.safetensors"))
@@ -51,10 +52,17 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     model.load_state_dict(state, strict=True, assign=True)
     model.init_rope(device)
     model.eval().requires_grad_(False)
-    model.kernels = choose_linear(linear_kernel, dtype, device)
+    if quantize == "none":
+        model.kernels = choose_linear(linear_kernel, dtype, device)
+        model.optimize_for_inference(model.kernels.linear == ONEDNN_PACKED)
+    else:
+        model.optimize_for_inference(False)  # fuse projections, then quantize the fused weights
+        kernel, why = woq.choose_kernel(linear_kernel)
+        nbytes = woq.quantize_model(model, 4 if quantize == "int4" else 8, kernel, skip=(".mlp.gate",))
+        model.kernels = KernelChoice(f"{quantize} {kernel}", why, cpu_capability())
+        log.info("%s: linear weights quantized to %s: %.1f MiB", path.name, quantize, nbytes / 2**20)
     log.info("%s: kernel path %s on CPU capability %s", path.name, model.kernels.describe(),
              model.kernels.cpu_capability)
-    model.optimize_for_inference(model.kernels.linear == ONEDNN_PACKED)
     params = sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())  # tied count once
     model.parameter_count = params
     log.info(

@@ -1,0 +1,249 @@
+// Weight-only quantized linear layers for CPU, in groups of 32 along the input:
+// int8 with one scale per group (GGUF's Q8_0 layout) and int4 with a scale and
+// a minimum per group (GGUF's Q4_1 layout), so GGUF checkpoints in those
+// formats are held without further loss.
+//
+// Activations stay in float32 (the wrapper converts bfloat16).  Each thread
+// walks its share of output rows: a row is expanded to float32 into an L1
+// buffer (never the whole matrix), then dotted with every activation row, so
+// a decode step reads the quantized bytes once.  Two builds of the inner
+// loops live here: AVX2+FMA intrinsics, chosen at run time only where the CPU
+// reports both, and portable C++ for every other CPU (also forced by
+// set_portable(true), so tests cover both paths on any machine).  Threads
+// come from ATen's pool.  torch's own _weight_int8pack_mm /
+// _weight_int4pack_mm_for_cpu are the fallback where this file cannot be
+// built or disagrees with the reference (see server/woq.py).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define FERRUM_X86 1
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 32;  // int4 group length along K
+constexpr int kRowTile = 4;     // activation rows sharing one read of the expanded weight row
+constexpr int64_t kFusedMaxRows = 12; // up to here (decode): fused; above (prefill, big batches): tiles + GEMM
+constexpr int64_t kTileRows = 256;    // weight rows expanded per GEMM tile (fits L2)
+
+std::atomic<bool> g_portable{false};
+
+// ---- portable C++ ------------------------------------------------------------
+void int4_row_portable(const uint8_t* q, const float* scale, const float* minv, int64_t k, float* out) {
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    const uint8_t* b = q + g * (kGroup / 2);
+    float* o = out + g * kGroup;
+    for (int i = 0; i < kGroup / 2; ++i) {  // byte i: element i (low nibble), element i + 16 (high)
+      o[i] = float(b[i] & 0xF) * scale[g] + minv[g];
+      o[i + kGroup / 2] = float(b[i] >> 4) * scale[g] + minv[g];
+    }
+  }
+}
+
+void int8_row_portable(const int8_t* q, const float* scale, int64_t k, float* out) {
+  for (int64_t i = 0; i < k; ++i) out[i] = float(q[i]) * scale[i / kGroup];
+}
+
+void dot_portable(const float* w, const float* x, int64_t ldx, int rows, int64_t k, float* out, int64_t ldo) {
+  for (int r = 0; r < rows; ++r) {
+    const float* xr = x + r * ldx;
+    float sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < k; ++i) sum += w[i] * xr[i];
+    out[r * ldo] = sum;
+  }
+}
+
+#ifdef FERRUM_X86
+// ---- AVX2 + FMA ----------------------------------------------------------------
+__attribute__((target("avx2,fma"))) void int4_row_avx2(const uint8_t* q, const float* scale, const float* minv,
+                                                        int64_t k, float* out) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * (kGroup / 2)));
+    const __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+    const __m256 sc = _mm256_set1_ps(scale[g]), mn = _mm256_set1_ps(minv[g]);
+    float* o = out + g * kGroup;
+    _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), sc, mn));
+    _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), sc, mn));
+    _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), sc, mn));
+    _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), sc, mn));
+  }
+}
+
+__attribute__((target("avx2,fma"))) void int8_row_avx2(const int8_t* q, const float* scale, int64_t k, float* out) {
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    const __m256 sc = _mm256_set1_ps(scale[g]);
+    for (int64_t i = g * kGroup; i < (g + 1) * kGroup; i += 8) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i));
+      _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), sc));
+    }
+  }
+}
+
+__attribute__((target("avx2,fma"))) inline float hsum_avx2(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// R activation rows against one expanded weight row; two accumulators per row
+// hide the FMA latency.  k is a multiple of 16.
+template <int R>
+__attribute__((target("avx2,fma"))) void dot_avx2(const float* w, const float* x, int64_t ldx, int64_t k,
+                                                  float* out, int64_t ldo) {
+  __m256 a[R][2];
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; i += 16) {
+    const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
+    for (int r = 0; r < R; ++r) {
+      a[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + i), a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * ldx + i + 8), a[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = hsum_avx2(_mm256_add_ps(a[r][0], a[r][1]));
+}
+
+bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+#endif
+
+bool use_avx2() {
+#ifdef FERRUM_X86
+  return cpu_has_avx2() && !g_portable.load();
+#else
+  return false;
+#endif
+}
+
+void dot_rows(bool avx2, const float* w, const float* x, int64_t ldx, int64_t rows, int64_t k, float* out,
+              int64_t ldo) {
+#ifdef FERRUM_X86
+  if (avx2) {
+    int64_t m = 0;
+    for (; m + kRowTile <= rows; m += kRowTile) dot_avx2<kRowTile>(w, x + m * ldx, ldx, k, out + m * ldo, ldo);
+    for (; m < rows; ++m) dot_avx2<1>(w, x + m * ldx, ldx, k, out + m * ldo, ldo);
+    return;
+  }
+#endif
+  dot_portable(w, x, ldx, static_cast<int>(rows), k, out, ldo);
+}
+
+// out (M, N) = x (M, K) @ W^T, where `expand(avx2, n, buf)` writes row n of W as float32 into buf.
+// Few rows: each thread expands its weight rows one at a time into L1 and
+// dots them with every activation row (the weights are read once).  Many
+// rows: tiles of weight rows are expanded in parallel, then multiplied by the
+// BLAS GEMM (out^T = W x^T, so each tile's result is contiguous).
+template <typename Expand>
+at::Tensor run_linear(const at::Tensor& x2d, int64_t n_out, Expand expand) {
+  const int64_t M = x2d.size(0), K = x2d.size(1);
+  const bool avx2 = use_avx2();
+  if (M > kFusedMaxRows) {
+    at::Tensor out_t = at::empty({n_out, M}, x2d.options());
+    const at::Tensor x_t = x2d.t();
+    const int64_t tiles = (n_out + kTileRows - 1) / kTileRows;
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {  // each thread: its own tiles, serial GEMMs
+      at::Tensor tile = at::empty({kTileRows, K}, x2d.options());
+      float* t = tile.data_ptr<float>();
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t n0 = i * kTileRows, rows = std::min(kTileRows, n_out - n0);
+        for (int64_t r = 0; r < rows; ++r) expand(avx2, n0 + r, t + r * K);
+        at::Tensor dst = out_t.narrow(0, n0, rows);
+        at::mm_out(dst, tile.narrow(0, 0, rows), x_t);
+      }
+    });
+    return out_t.t().contiguous();
+  }
+  at::Tensor out = at::empty({M, n_out}, x2d.options());
+  const float* x = x2d.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(16, n_out / (8 * at::get_num_threads()));
+  at::parallel_for(0, n_out, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(K);
+    for (int64_t n = begin; n < end; ++n) {
+      expand(avx2, n, w.data());
+      dot_rows(avx2, w.data(), x, K, M, K, y + n, n_out);
+    }
+  });
+  return out;
+}
+
+at::Tensor as_rows(const at::Tensor& x, int64_t k) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "activations must be float32");
+  TORCH_CHECK(x.size(-1) == k, "activation width ", x.size(-1), " != weight width ", k);
+  return x.reshape({-1, k}).contiguous();
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 2 && qweight.is_contiguous(),
+              "int8 weights must be a contiguous (N, K) int8 tensor");
+  TORCH_CHECK(qweight.size(1) % kGroup == 0, "int8 weights need K divisible by ", kGroup);
+  const int64_t N = qweight.size(0), K = qweight.size(1), G = K / kGroup;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * G,
+              "int8 scales must be (N, K/32) float32");
+  at::Tensor x2d = as_rows(x, K);
+  const int8_t* q = qweight.data_ptr<int8_t>();
+  const float* s = scales.data_ptr<float>();
+  at::Tensor out = run_linear(x2d, N, [&](bool avx2, int64_t n, float* buf) {
+#ifdef FERRUM_X86
+    if (avx2) return int8_row_avx2(q + n * K, s + n * G, K, buf);
+#endif
+    int8_row_portable(q + n * K, s + n * G, K, buf);
+  });
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  return out.view(shape);
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const at::Tensor& mins) {
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
+              "int4 weights must be a contiguous (N, K/2) uint8 tensor");
+  const int64_t N = qweight.size(0), K = qweight.size(1) * 2, G = K / kGroup;
+  TORCH_CHECK(K % kGroup == 0, "int4 weights need K divisible by ", kGroup);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && mins.scalar_type() == at::kFloat && scales.is_contiguous() &&
+              mins.is_contiguous() && scales.numel() == N * G && mins.numel() == N * G,
+              "int4 scales and minimums must be (N, K/32) float32");
+  at::Tensor x2d = as_rows(x, K);
+  const uint8_t* q = qweight.data_ptr<uint8_t>();
+  const float *s = scales.data_ptr<float>(), *z = mins.data_ptr<float>();
+  at::Tensor out = run_linear(x2d, N, [&](bool avx2, int64_t n, float* buf) {
+#ifdef FERRUM_X86
+    if (avx2) return int4_row_avx2(q + n * (K / 2), s + n * G, z + n * G, K, buf);
+#endif
+    int4_row_portable(q + n * (K / 2), s + n * G, z + n * G, K, buf);
+  });
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  return out.view(shape);
+}
+
+// Which inner loops run: "avx2" or "portable".
+std::string isa() { return use_avx2() ? "avx2" : "portable"; }
+
+void set_portable(bool portable) { g_portable.store(portable); }
+
+}  // namespace
+
+TORCH_LIBRARY(ferrum_woq, m) {
+  m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins) -> Tensor");
+  m.def("isa() -> str", &isa);
+  m.def("set_portable(bool portable) -> ()", &set_portable);
+}
+
+TORCH_LIBRARY_IMPL(ferrum_woq, CPU, m) {
+  m.impl("int8_linear", &int8_linear);
+  m.impl("int4_linear", &int4_linear);
+}

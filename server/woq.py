@@ -1,0 +1,260 @@
+"""Weight-only quantization: ``--quantize int8|int4``.
+
+Linear weights are stored quantized in groups of 32 along the input;
+activations and the KV cache stay in the serving dtype.
+
+* **int8**: one symmetric scale per group (``w = q * scale``, ``q`` in
+  -127..127): GGUF's Q8_0 layout.
+* **int4**: a scale and a minimum per group (``w = q * scale + min``, ``q``
+  in 0..15): GGUF's Q4_1 layout.  The embedded model's projections are Q4_1,
+  so they are held without further loss (a block's minimum maps to 0 and its
+  maximum to 15, as in llama.cpp's quantizer, so the codes come back exactly).
+  The LM head stays int8 in int4 mode: the embedded GGUF ties it to a Q8_0
+  token embedding (held by int8 without loss), and llama.cpp runs it at 8 bits.
+
+Kernels, chosen by probing once per process (``probe_woq``):
+
+* ``ferrum-woq``: ``csrc/woq.cpp``, compiled here with the system C++ compiler
+  the first time it is needed and cached under ``$FERRUM_RPC_HOME/kernels``
+  (keyed by source, torch version and compiler).  Measured on the 2-core
+  AVX2 and AVX-512 EPYCs, torch's own weight-only ops
+  (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``,
+  ``_dyn_quant_matmul_4bit``) run 1.5-5x slower than float32 at one row and
+  20-100x slower at 32 rows, and int8pack has no groups; torchao's CPU int4
+  layout calls the same op.  That is why this file exists.
+* ``torch-dequant``: expands a block of weight rows with torch ops and calls
+  ``F.linear``, per call: the same numbers as the extension, correct
+  everywhere, slower.  The fallback where the extension cannot be built or
+  disagrees with the reference, and what ``--linear-kernel aten`` forces.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+from ferrum_rpc.server.config import QUANTIZATIONS  # noqa: F401  (re-exported)
+
+GROUP = 32  # int4 group length along the input dimension (GGUF Q4_1's block)
+WOQ, DEQUANT = "ferrum-woq", "torch-dequant"
+_DEQUANT_ROWS = 4096  # weight rows expanded at a time by the fallback (bounds its temporary memory)
+_SOURCE = Path(__file__).parent / "csrc" / "woq.cpp"
+_PROBE_TOLERANCE = 1e-4
+
+
+# -- building and probing the extension ------------------------------------------------
+def _compiler() -> str:
+    return os.environ.get("CXX", "g++")
+
+
+def _cache_dir() -> Path:
+    from ferrum_rpc.server.prepare import cache_root
+
+    return cache_root() / "kernels"
+
+
+def build_extension() -> Path:
+    """Compiles ``csrc/woq.cpp`` once (cached on disk) and returns the shared library."""
+    from torch.utils import cpp_extension
+
+    source = _SOURCE.read_bytes()
+    version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(source + torch.__version__.encode() + version.encode() + sys.platform.encode())
+    target = _cache_dir() / f"woq-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    libs = cpp_extension.library_paths()
+    abi = int(torch.compiled_with_cxx11_abi())
+    fd, staging = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [_compiler(), "-O3", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+           *includes, str(_SOURCE), *[f"-L{p}" for p in libs], "-lc10", "-ltorch_cpu",
+           *[f"-Wl,-rpath,{p}" for p in libs], "-o", staging]
+    log.info("compiling the int8/int4 CPU kernels (once per torch version and compiler, ~15 s): %s", target.name)
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{_compiler()} failed: {done.stderr[-800:]}")
+        os.replace(staging, target)  # atomic: a concurrent build never sees half a file
+    finally:
+        if os.path.exists(staging):
+            os.unlink(staging)
+    log.info("compiled %s in %.1fs", target.name, time.perf_counter() - start)
+    return target
+
+
+@functools.lru_cache(maxsize=None)
+def probe_woq() -> tuple[bool, str]:
+    """Whether our int8/int4 kernels build, load and agree with the reference here.
+
+    Returns (ok, reason).  Never raises: any failure is a "no" and the torch
+    ops serve instead.
+    """
+    try:
+        if not hasattr(torch.ops.ferrum_woq, "int4_linear"):
+            torch.ops.load_library(str(build_extension()))
+        gen = torch.Generator().manual_seed(0)
+        weight = torch.randn(40, 96, generator=gen)
+        for bits in (8, 4):
+            layer = QuantizedLinear(weight, None, bits, WOQ)
+            reference = layer.dequantized()
+            for rows in (1, 5, 12):
+                x = torch.randn(rows, 96, generator=gen)
+                got, want = layer(x), F.linear(x, reference)
+                err = (got - want).abs().max().item() / max(want.abs().max().item(), 1.0)
+                if not err <= _PROBE_TOLERANCE:
+                    return False, f"int{bits} kernel disagrees with the reference (relative error {err:.2e})"
+    except Exception as exc:
+        return False, f"{type(exc).__name__}: {str(exc)[:300]}"
+    return True, f"built and probed OK ({torch.ops.ferrum_woq.isa()} inner loops)"
+
+
+def choose_kernel(requested_linear: str) -> tuple[str, str]:
+    """(kernel, reason) for quantized layers; ``requested_linear == "aten"`` forces torch's ops."""
+    if requested_linear == "aten":
+        return DEQUANT, "forced by configuration"
+    ok, why = probe_woq()
+    return (WOQ, why) if ok else (DEQUANT, f"fallback: {why}")
+
+
+# -- quantizing ---------------------------------------------------------------------------
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) -> int8 codes (N, K) and float32 scales (N, K/32): w ~= q * scale per group."""
+    n, k = weight.shape
+    w = weight.float().view(n, k // GROUP, GROUP)
+    scales = (w.abs().amax(dim=-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    q = (w / scales[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return q.view(n, k).contiguous(), scales.contiguous()
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, K) -> codes (N, K) uint8 in 0..15, scales and minimums (N, K/32) float32.
+
+    A block's minimum maps to 0 and its maximum to 15, exactly as GGUF's Q4_1
+    quantizer does, so Q4_1-dequantized weights come back to the same codes.
+    """
+    n, k = weight.shape
+    w = weight.float().view(n, k // GROUP, GROUP)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scales = (hi - lo) / 15
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = ((w - lo[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return q.view(n, k), scales.contiguous(), lo.contiguous()
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """(N, K) codes -> (N, K/2) bytes; byte i of each 32-block holds codes i (low) and i + 16 (high)."""
+    n, k = codes.shape
+    blocks = codes.view(n, k // GROUP, GROUP)
+    return (blocks[..., :GROUP // 2] | (blocks[..., GROUP // 2:] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    n, half = packed.shape
+    blocks = packed.view(n, half * 2 // GROUP, GROUP // 2)
+    return torch.cat([blocks & 0xF, blocks >> 4], dim=-1).reshape(n, half * 2)
+
+
+class QuantizedLinear(nn.Module):
+    """``F.linear`` over int8 or int4 weights in groups of 32; inputs and outputs in the serving dtype.
+
+    Args:
+        weight: (N, K) in any float dtype; K must be a multiple of 32.
+        bits: 8 or 4.
+        kernel: ``"ferrum-woq"`` (csrc/woq.cpp) or ``"torch-dequant"`` (the fallback).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bits: int, kernel: str):
+        super().__init__()
+        n, k = weight.shape
+        if k % GROUP:
+            raise ValueError(f"quantized weights need an input size divisible by {GROUP}, got {k}")
+        if bits not in (4, 8):
+            raise ValueError(f"bits must be 8 or 4, not {bits}")
+        self.bits, self.kernel, self.out_features, self.in_features = bits, kernel, n, k
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        if bits == 8:
+            q, scales = quantize_int8(weight)
+            self.register_buffer("qweight", q)
+            self.register_buffer("scales", scales)
+            self.register_buffer("mins", None)
+        else:
+            codes, scales, mins = quantize_int4(weight)
+            self.register_buffer("qweight", pack_int4(codes))
+            self.register_buffer("scales", scales)
+            self.register_buffer("mins", mins)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, bits: int, kernel: str) -> QuantizedLinear:
+        return cls(linear.weight.data, None if linear.bias is None else linear.bias.data, bits, kernel)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def dequantized(self, rows: slice = slice(None)) -> torch.Tensor:
+        """The float32 weight rows this layer computes with."""
+        q, scales = self.qweight[rows], self.scales[rows]
+        if self.bits == 8:
+            return (q.float().view(len(q), -1, GROUP) * scales[..., None]).view(len(q), -1)
+        codes = unpack_int4(q).float().view(len(q), -1, GROUP)
+        return (codes * scales[..., None] + self.mins[rows][..., None]).view(len(q), -1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == WOQ:
+            ops = torch.ops.ferrum_woq
+            xf = x.float()
+            if self.bits == 8:
+                y = ops.int8_linear(xf, self.qweight, self.scales)
+            else:
+                y = ops.int4_linear(xf, self.qweight, self.scales, self.mins)
+        else:
+            xf = x.float()
+            y = torch.cat([F.linear(xf, self.dequantized(slice(r, r + _DEQUANT_ROWS)))
+                           for r in range(0, self.out_features, _DEQUANT_ROWS)], dim=-1)
+        y = y.to(x.dtype)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, int{self.bits}, kernel={self.kernel}"
+
+
+def quantize_model(model: nn.Module, bits: int, kernel: str, skip: tuple[str, ...] = ()) -> int:
+    """Replaces every ``nn.Linear`` (and packed linear) with a quantized one, in place.
+
+    The LM head is quantized to int8 even in int4 mode; modules whose name
+    ends with one of ``skip`` (MoE routers) keep their weights.  Returns the
+    bytes the quantized weights take.
+    """
+    total = 0
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            full = f"{parent_name}.{name}" if parent_name else name
+            if not hasattr(child, "weight") or isinstance(child, (nn.Embedding, QuantizedLinear)):
+                continue
+            if not isinstance(child, nn.Linear) and type(child).__name__ != "FastLinear":
+                continue
+            if full.endswith(skip) or child.weight.shape[1] % GROUP:
+                log.info("%s stays unquantized", full)
+                continue
+            layer_bits = 8 if full == "lm_head" else bits
+            layer = QuantizedLinear.from_linear(child, layer_bits, kernel)
+            setattr(parent, name, layer)
+            total += layer.nbytes
+    return total
