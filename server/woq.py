@@ -3,14 +3,17 @@
 Linear weights are stored quantized in groups of 32 along the input;
 activations and the KV cache stay in the serving dtype.
 
-* **int8**: one symmetric scale per group (``w = q * scale``, ``q`` in
-  -127..127): GGUF's Q8_0 layout.
-* **int4**: a scale and a minimum per group (``w = q * scale + min``, ``q``
-  in 0..15): GGUF's Q4_1 layout.  The embedded model's projections are Q4_1,
-  so they are held without further loss (a block's minimum maps to 0 and its
-  maximum to 15, as in llama.cpp's quantizer, so the codes come back exactly).
-  The LM head stays int8 in int4 mode: the embedded GGUF ties it to a Q8_0
-  token embedding (held by int8 without loss), and llama.cpp runs it at 8 bits.
+Every group has a scale and a minimum, ``w = code * scale + min``:
+
+* **int4**: codes 0..15, a block's minimum mapped to 0 and its maximum to 15:
+  GGUF's Q4_1 layout, exactly as llama.cpp quantizes it, so the embedded
+  model's Q4_1 projections come back to the same codes (no further loss).
+* **int8**: codes 0..255; each group takes whichever of two grids fits it
+  better: min-to-max in 255 steps (holds Q4_1 blocks exactly: code = 17 q)
+  or symmetric ``amax / 127`` steps with ``min = -128 * scale`` (holds GGUF's
+  Q8_0 blocks exactly).  So int8 is lossless on the embedded GGUF too.
+* The LM head stays int8 in int4 mode: the embedded GGUF ties it to a Q8_0
+  token embedding, and llama.cpp runs it at 8 bits.
 
 Kernels, chosen by probing once per process (``probe_woq``):
 
@@ -134,13 +137,26 @@ def choose_kernel(requested_linear: str) -> tuple[str, str]:
 
 
 # -- quantizing ---------------------------------------------------------------------------
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) -> int8 codes (N, K) and float32 scales (N, K/32): w ~= q * scale per group."""
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, K) -> codes (N, K) uint8, scales and minimums (N, K/32) float32; per group the
+    better of the min-to-max grid and the symmetric grid (see the module docstring)."""
     n, k = weight.shape
     w = weight.float().view(n, k // GROUP, GROUP)
-    scales = (w.abs().amax(dim=-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-    q = (w / scales[..., None]).round().clamp(-127, 127).to(torch.int8)
-    return q.view(n, k).contiguous(), scales.contiguous()
+    tiny = torch.finfo(torch.float32).tiny
+    lo, hi = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
+    grids = []
+    for scale, low in (((hi - lo) / 255, lo), (None, None)):
+        if scale is None:  # symmetric: amax / 127, codes 1..255 around 128
+            scale = (w.abs().amax(dim=-1, keepdim=True) / 127).clamp_min(tiny)
+            low = -128 * scale
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = ((w - low) / scale).round().clamp(0, 255)
+        grids.append((codes, scale, low, (codes * scale + low - w).abs().amax(dim=-1, keepdim=True)))
+    (qa, sa, la, ea), (qs, ss, ls, es) = grids
+    pick = es < ea  # (N, G, 1)
+    codes, scales, mins = torch.where(pick, qs, qa), torch.where(pick, ss, sa), torch.where(pick, ls, la)
+    return (codes.to(torch.uint8).view(n, k).contiguous(), scales.squeeze(-1).contiguous(),
+            mins.squeeze(-1).contiguous())
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -189,16 +205,10 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"bits must be 8 or 4, not {bits}")
         self.bits, self.kernel, self.out_features, self.in_features = bits, kernel, n, k
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        if bits == 8:
-            q, scales = quantize_int8(weight)
-            self.register_buffer("qweight", q)
-            self.register_buffer("scales", scales)
-            self.register_buffer("mins", None)
-        else:
-            codes, scales, mins = quantize_int4(weight)
-            self.register_buffer("qweight", pack_int4(codes))
-            self.register_buffer("scales", scales)
-            self.register_buffer("mins", mins)
+        codes, scales, mins = quantize_int8(weight) if bits == 8 else quantize_int4(weight)
+        self.register_buffer("qweight", codes if bits == 8 else pack_int4(codes))
+        self.register_buffer("scales", scales)
+        self.register_buffer("mins", mins)
 
     @classmethod
     def from_linear(cls, linear: nn.Module, bits: int, kernel: str) -> QuantizedLinear:
@@ -210,18 +220,16 @@ class QuantizedLinear(nn.Module):
 
     def dequantized(self, rows: slice = slice(None)) -> torch.Tensor:
         """The float32 weight rows this layer computes with."""
-        q, scales = self.qweight[rows], self.scales[rows]
-        if self.bits == 8:
-            return (q.float().view(len(q), -1, GROUP) * scales[..., None]).view(len(q), -1)
-        codes = unpack_int4(q).float().view(len(q), -1, GROUP)
-        return (codes * scales[..., None] + self.mins[rows][..., None]).view(len(q), -1)
+        q = self.qweight[rows]
+        codes = (q if self.bits == 8 else unpack_int4(q)).float().view(len(q), -1, GROUP)
+        return (codes * self.scales[rows][..., None] + self.mins[rows][..., None]).view(len(q), -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == WOQ:
             ops = torch.ops.ferrum_woq
             xf = x.float()
             if self.bits == 8:
-                y = ops.int8_linear(xf, self.qweight, self.scales)
+                y = ops.int8_linear(xf, self.qweight, self.scales, self.mins)
             else:
                 y = ops.int4_linear(xf, self.qweight, self.scales, self.mins)
         else:

@@ -99,3 +99,54 @@ def test_cli_speculative_reports_acceptance_and_matches_plain(default_server):
                 "List the numbers from 1 to 20, separated by commas.")
     assert proc.returncode == 0, proc.stderr  # non-zero when the outputs differ
     assert "acceptance" in proc.stderr and "speed-up" in proc.stderr and "identical" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def english_ids(default_model_dir):
+    from pathlib import Path
+
+    text = (Path(__file__).parent / "data" / "english.txt").read_text()
+    ids = load_tokenizer(default_model_dir)(text)["input_ids"]
+    assert len(ids) >= 1001
+    return ids[:1001]
+
+
+@pytest.mark.parametrize("quantize,target", [("int8", 0.99), ("int4", 0.97)])
+def test_quantized_greedy_top1_agrees_with_float32(default_model_dir, default_server, english_ids, quantize,
+                                                   target):
+    """Teacher-forced over 1,000 positions of a fixed English text: the next-token argmax of
+    the quantized model against float32's, both served through gRPC."""
+    policy = LogitsPolicy.argmax(all_positions=True)
+    with ExecutorClient(default_server.target, timeout=120) as ex:
+        out = ex.prefill(english_ids, logits=policy)
+        reference = out.logits.argmax()
+        ex.release_cache(out.kv_cache)
+    with running_server(default_model_dir, name="q", kv_tokens=4096, block_size=16, quantize=quantize) as server, \
+            ExecutorClient(server.target, timeout=120) as ex:
+        assert ex.capabilities().quantization == quantize
+        out = ex.prefill(english_ids, logits=policy)
+        got = out.logits.argmax()
+    agreement = sum(a == b for a, b in zip(got, reference)) / len(reference)
+    print(f"{quantize}: top-1 agreement with float32 over {len(reference)} positions: {agreement:.2%}")
+    assert len(reference) == 1001 and agreement >= target
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantized_layers_hold_the_gguf_weights_without_loss(default_model_dir, quantize):
+    """The embedded GGUF's projections are Q4_1 and its tied head Q8_0: int8 and int4 must reproduce
+    the float32 weights (dequantized from them) up to float32 rounding, so quantizing loses nothing."""
+    from ferrum_rpc.server import woq
+    from ferrum_rpc.server.config import ExecutorConfig
+    from ferrum_rpc.server.executor import TorchExecutor
+
+    dense = TorchExecutor.from_path("f", default_model_dir, ExecutorConfig(kv_tokens=64, linear_kernel="aten"))
+    quant = TorchExecutor.from_path("q", default_model_dir, ExecutorConfig(kv_tokens=64, quantize=quantize))
+    dense_modules = dict(dense.model.named_modules())
+    checked = 0
+    for name, module in quant.model.named_modules():
+        if isinstance(module, woq.QuantizedLinear):
+            weight = dense_modules[name].weight
+            err = (module.dequantized() - weight).abs().max().item()
+            assert err <= 1e-5 * weight.abs().max().item(), name
+            checked += 1
+    assert checked == 4 * quant.model_config.num_layers + 1  # qkv, o, gate_up, down per layer; the head

@@ -1,7 +1,8 @@
-// Weight-only quantized linear layers for CPU, in groups of 32 along the input:
-// int8 with one scale per group (GGUF's Q8_0 layout) and int4 with a scale and
-// a minimum per group (GGUF's Q4_1 layout), so GGUF checkpoints in those
-// formats are held without further loss.
+// Weight-only quantized linear layers for CPU, in groups of 32 along the input,
+// each group with a scale and a minimum: w = code * scale + min, with 8-bit
+// codes (0..255) or 4-bit codes (0..15, GGUF's Q4_1 layout).  GGUF's Q4_1 and
+// Q8_0 blocks map onto these grids exactly (see server/woq.py), so such
+// checkpoints are held without further loss.
 //
 // Activations stay in float32 (the wrapper converts bfloat16).  Each thread
 // walks its share of output rows: a row is expanded to float32 into an L1
@@ -48,8 +49,8 @@ void int4_row_portable(const uint8_t* q, const float* scale, const float* minv, 
   }
 }
 
-void int8_row_portable(const int8_t* q, const float* scale, int64_t k, float* out) {
-  for (int64_t i = 0; i < k; ++i) out[i] = float(q[i]) * scale[i / kGroup];
+void int8_row_portable(const uint8_t* q, const float* scale, const float* minv, int64_t k, float* out) {
+  for (int64_t i = 0; i < k; ++i) out[i] = float(q[i]) * scale[i / kGroup] + minv[i / kGroup];
 }
 
 void dot_portable(const float* w, const float* x, int64_t ldx, int rows, int64_t k, float* out, int64_t ldo) {
@@ -79,12 +80,13 @@ __attribute__((target("avx2,fma"))) void int4_row_avx2(const uint8_t* q, const f
   }
 }
 
-__attribute__((target("avx2,fma"))) void int8_row_avx2(const int8_t* q, const float* scale, int64_t k, float* out) {
+__attribute__((target("avx2,fma"))) void int8_row_avx2(const uint8_t* q, const float* scale, const float* minv,
+                                                        int64_t k, float* out) {
   for (int64_t g = 0; g < k / kGroup; ++g) {
-    const __m256 sc = _mm256_set1_ps(scale[g]);
+    const __m256 sc = _mm256_set1_ps(scale[g]), mn = _mm256_set1_ps(minv[g]);
     for (int64_t i = g * kGroup; i < (g + 1) * kGroup; i += 8) {
       const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i));
-      _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), sc));
+      _mm256_storeu_ps(out + i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), sc, mn));
     }
   }
 }
@@ -185,21 +187,23 @@ at::Tensor as_rows(const at::Tensor& x, int64_t k) {
   return x.reshape({-1, k}).contiguous();
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
-  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 2 && qweight.is_contiguous(),
-              "int8 weights must be a contiguous (N, K) int8 tensor");
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const at::Tensor& mins) {
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
+              "int8 weights must be a contiguous (N, K) uint8 tensor of codes");
   TORCH_CHECK(qweight.size(1) % kGroup == 0, "int8 weights need K divisible by ", kGroup);
   const int64_t N = qweight.size(0), K = qweight.size(1), G = K / kGroup;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * G,
-              "int8 scales must be (N, K/32) float32");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && mins.scalar_type() == at::kFloat && scales.is_contiguous() &&
+              mins.is_contiguous() && scales.numel() == N * G && mins.numel() == N * G,
+              "int8 scales and minimums must be (N, K/32) float32");
   at::Tensor x2d = as_rows(x, K);
-  const int8_t* q = qweight.data_ptr<int8_t>();
-  const float* s = scales.data_ptr<float>();
+  const uint8_t* q = qweight.data_ptr<uint8_t>();
+  const float *s = scales.data_ptr<float>(), *z = mins.data_ptr<float>();
   at::Tensor out = run_linear(x2d, N, [&](bool avx2, int64_t n, float* buf) {
 #ifdef FERRUM_X86
-    if (avx2) return int8_row_avx2(q + n * K, s + n * G, K, buf);
+    if (avx2) return int8_row_avx2(q + n * K, s + n * G, z + n * G, K, buf);
 #endif
-    int8_row_portable(q + n * K, s + n * G, K, buf);
+    int8_row_portable(q + n * K, s + n * G, z + n * G, K, buf);
   });
   auto shape = x.sizes().vec();
   shape.back() = N;
@@ -237,7 +241,7 @@ void set_portable(bool portable) { g_portable.store(portable); }
 }  // namespace
 
 TORCH_LIBRARY(ferrum_woq, m) {
-  m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins) -> Tensor");
   m.def("isa() -> str", &isa);
   m.def("set_portable(bool portable) -> ()", &set_portable);

@@ -56,8 +56,8 @@ def test_quantization_error_is_bounded(bits, tolerance):
     layer = woq.QuantizedLinear(weight, None, bits, woq.DEQUANT)
     err = (layer.dequantized() - weight).abs().max() / weight.abs().max()
     assert err < tolerance
-    # float32 scales (and minimums) per 32 weights: int8 1.125 bytes a weight, int4 0.75
-    assert layer.nbytes == weight.numel() * (1.125 if bits == 8 else 0.75)
+    # a float32 scale and minimum per 32 weights: int8 1.25 bytes a weight, int4 0.75
+    assert layer.nbytes == weight.numel() * (1.25 if bits == 8 else 0.75)
 
 
 def _gguf_blocks(kind: str, n: int, k: int) -> torch.Tensor:
@@ -76,7 +76,7 @@ def _gguf_blocks(kind: str, n: int, k: int) -> torch.Tensor:
     return (q.float() * d).view(n, k)
 
 
-@pytest.mark.parametrize("kind,bits", [("q4_1", 4), ("q8_0", 8)])
+@pytest.mark.parametrize("kind,bits", [("q4_1", 4), ("q4_1", 8), ("q8_0", 8)])
 def test_gguf_blocks_are_held_without_further_loss(kind, bits):
     weight = _gguf_blocks(kind, 48, 128)
     layer = woq.QuantizedLinear(weight, None, bits, woq.DEQUANT)
