@@ -18,6 +18,26 @@ import torch
 
 log = logging.getLogger("bench")
 RESULTS = Path(__file__).resolve().parent / "results"
+PEAK_RSS_MB: dict[str, float] = {}  # served target -> the server process's peak resident memory
+
+
+def peak_rss_mb(pid: int) -> float:
+    """A process's peak resident set (VmHWM), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def read_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
+    """Memory read bandwidth as torch sees it (sum over a buffer far larger than the caches), GB/s."""
+    buf = torch.ones(mib * 2**20 // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    return buf.numel() * 4 / best / 1e9
 
 
 def median_of(runs: int, fn) -> tuple[float, list[float]]:
@@ -48,7 +68,9 @@ def served(model_dir: str, dtype: str, extra: tuple[str, ...] = ()):
     try:
         if not ready.wait(300):
             raise RuntimeError("server did not come up")
-        yield f"127.0.0.1:{port}"
+        target = f"127.0.0.1:{port}"
+        yield target
+        PEAK_RSS_MB[target] = peak_rss_mb(proc.pid)
     finally:
         proc.terminate()
         proc.wait(60)

@@ -7,7 +7,16 @@ share padded forwards) and decode-only (the prefill part
 subtracted: for transformers, the same generate call stopped after one
 token), each figure the median of several runs.
 
-    python -m bench.decode_throughput [--batches 1 8 32] [--dtypes float32 bfloat16]
+Variants: ``float32``, ``bfloat16``, and ``int8`` / ``int4`` (our
+``--quantize``, float32 activations; their transformers reference is float32).
+``llama.cpp`` runs the same GGUF file at batch 1 from its own cached
+environment (``python -m bench.llama_cpp --setup`` builds it once); it is
+skipped, with a log line, where that environment is missing.  Each gRPC row
+also splits the decode step into weight-read time (weight bytes a step reads /
+memory read bandwidth measured in this run) and the rest, and reports the
+server process's peak resident memory.
+
+    python -m bench.decode_throughput [--batches 1 8 32] [--dtypes float32 bfloat16 int8 int4]
 """
 
 from __future__ import annotations
@@ -20,11 +29,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from bench.common import log, median_of, served, write_results
+from bench import llama_cpp
+from bench.common import PEAK_RSS_MB, log, median_of, read_bandwidth_gbs, served, write_results
 from ferrum_rpc.client import ExecutorClient
 from ferrum_rpc.server.config import ExecutorConfig
 from ferrum_rpc.server.executor import TORCH_DTYPES, TorchExecutor
-from ferrum_rpc.server.prepare import prepare_default_model
+from ferrum_rpc.server.prepare import find_gguf, prepare_default_model
+from ferrum_rpc.server.woq import QuantizedLinear
 from ferrum_rpc.types import DecodeInput, LogitsPolicy
 
 GREEDY = LogitsPolicy.argmax()
@@ -69,6 +80,38 @@ def run_grpc(client: ExecutorClient, pool: ThreadPoolExecutor, batch_prompts: li
                     batch_prompts, new_tokens)
 
 
+def weight_bytes_per_step(model: torch.nn.Module) -> int:
+    """Bytes of linear weights one decode step reads (every projection and the LM head)."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            total += module.nbytes
+        elif isinstance(module, torch.nn.Linear) or type(module).__name__ == "FastLinear":
+            total += module.weight.numel() * module.weight.element_size()
+    return total
+
+
+def run_llama_cpp(batch: int, args) -> dict | None:
+    exe = llama_cpp.python()
+    if exe is None:
+        log.info("llama.cpp skipped: build its environment once with python -m bench.llama_cpp --setup")
+        return None
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    cmd = [str(exe), "-m", "bench.llama_cpp", "--run", "--gguf", str(find_gguf()), "--batch", str(batch),
+           "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+           "--repeats", str(args.repeats), "--threads", str(torch.get_num_threads())]
+    root = str(Path(__file__).resolve().parent.parent)
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env={**os.environ, "PYTHONPATH": root})
+    if done.returncode:
+        log.warning("llama.cpp failed: %s", done.stderr[-500:])
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def run_transformers(model, batch_prompts: list[list[int]], new_tokens: int) -> float:
     ids = torch.tensor(batch_prompts)
     if new_tokens > 1:  # the prefill part: the same call stopping after its first token
@@ -84,8 +127,8 @@ def run_transformers(model, batch_prompts: list[list[int]], new_tokens: int) -> 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--systems", nargs="+", default=["transformers", "executor", "grpc"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8", "int4"])
+    parser.add_argument("--systems", nargs="+", default=["transformers", "executor", "grpc", "llama.cpp"])
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
@@ -94,28 +137,48 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     model_dir = str(prepare_default_model())
     records = []
+    bandwidth = read_bandwidth_gbs()
+    log.info("memory read bandwidth: %.1f GB/s", bandwidth)
 
-    def record(system, dtype, batch, seconds, runs, prefill_s):
+    def record(system, dtype, batch, seconds, runs, prefill_s, **extra):
         tps = batch * args.new_tokens / seconds
         decode_tps = batch * (args.new_tokens - 1) / (seconds - prefill_s)
-        records.append({"system": system, "dtype": dtype, "batch": batch, "tokens_per_s": round(tps, 2),
-                        "decode_tokens_per_s": round(decode_tps, 2), "prefill_s": round(prefill_s, 4),
-                        "seconds": [round(r, 4) for r in runs], "new_tokens": args.new_tokens,
-                        "prompt_len": args.prompt_len})
-        log.info("%-12s %-8s batch %3d: %8.1f tokens/s end to end, %8.1f decode-only",
-                 system, dtype, batch, tps, decode_tps)
+        rec = {"system": system, "dtype": dtype, "batch": batch, "tokens_per_s": round(tps, 2),
+               "decode_tokens_per_s": round(decode_tps, 2), "prefill_s": round(prefill_s, 4),
+               "seconds": [round(r, 4) for r in runs], "new_tokens": args.new_tokens,
+               "prompt_len": args.prompt_len, "bandwidth_gbs": round(bandwidth, 2)}
+        if "weight_bytes" in extra:
+            step_ms = 1e3 * (seconds - prefill_s) / (args.new_tokens - 1)
+            weight_ms = extra["weight_bytes"] / (bandwidth * 1e9) * 1e3
+            extra.update(step_ms=round(step_ms, 2), weight_read_ms=round(weight_ms, 2),
+                         rest_fraction=round(1 - weight_ms / step_ms, 3))
+        rec.update(extra)
+        records.append(rec)
+        log.info("%-12s %-8s batch %3d: %8.1f tokens/s end to end, %8.1f decode-only %s",
+                 system, dtype, batch, tps, decode_tps, extra or "")
 
-    for dtype in args.dtypes:
-        runners = {}
-        if "transformers" in args.systems:
+    if "llama.cpp" in args.systems and 1 in args.batches:
+        if (out := run_llama_cpp(1, args)) is not None:
+            gguf_bytes = find_gguf().stat().st_size  # every tensor is read once a step (the head is the embedding)
+            record("llama.cpp", "Q4_1", 1, out["seconds"], out["runs"], out["prefill_s"],
+                   weight_bytes=gguf_bytes, peak_rss_mb=round(out["peak_rss_mb"], 1))
+
+    for variant in args.dtypes:
+        dtype, quantize = ("float32", variant) if variant in ("int8", "int4") else (variant, "none")
+        runners, weight_bytes = {}, None
+        if "transformers" in args.systems and quantize == "none":
             from transformers import AutoModelForCausalLM
 
             hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=TORCH_DTYPES[dtype]).eval()
             runners["transformers"] = lambda p, m=hf: run_transformers(m, p, args.new_tokens)
-        if "executor" in args.systems:
-            ex = TorchExecutor.from_path("bench", model_dir, ExecutorConfig(dtype=dtype, kv_tokens=32768))
-            runners["executor"] = lambda p, e=ex: run_executor(e, p, args.new_tokens)
-        with served(model_dir, dtype) if "grpc" in args.systems else _null() as target:
+        if "executor" in args.systems or "grpc" in args.systems:  # the in-process one also counts weight bytes
+            ex = TorchExecutor.from_path("bench", model_dir,
+                                         ExecutorConfig(dtype=dtype, kv_tokens=32768, quantize=quantize))
+            weight_bytes, kv_mb = weight_bytes_per_step(ex.model), ex.pool.nbytes / 2**20
+            if "executor" in args.systems:
+                runners["executor"] = lambda p, e=ex: run_executor(e, p, args.new_tokens)
+        extra = ("--quantize", quantize)
+        with served(model_dir, dtype, extra) if "grpc" in args.systems else _null() as target:
             if target:
                 client = ExecutorClient(target, timeout=600)
                 pool = ThreadPoolExecutor(max(args.batches))
@@ -126,11 +189,20 @@ def main(argv: list[str] | None = None) -> None:
                     run(batch_prompts[:1])  # warm-up
                     PREFILL_SECONDS.clear()
                     seconds, runs = median_of(args.repeats, lambda: run(batch_prompts))
-                    record(system, dtype, batch, seconds, runs, statistics.median(PREFILL_SECONDS))
+                    split = ({"weight_bytes": weight_bytes, "kv_pool_mb": round(kv_mb, 1)}
+                             if system == "grpc" and weight_bytes else {})
+                    record(system, variant, batch, seconds, runs, statistics.median(PREFILL_SECONDS), **split)
+        if target in PEAK_RSS_MB:
+            for rec in records:
+                if rec["system"] == "grpc" and rec["dtype"] == variant:
+                    rec["peak_rss_mb"] = round(PEAK_RSS_MB[target], 1)
         runners.clear()
     write_results(args.out, records)
     print_table(records)
     print_table(records, "decode_tokens_per_s")
+    from bench.report import step_table
+
+    print(step_table(records))
 
 
 class _null:

@@ -31,6 +31,26 @@ def decode_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def step_table(records: list[dict]) -> str:
+    """gRPC rows of every variant and llama.cpp: throughput, the ratios the targets name, and
+    the decode step split into weight reads and the rest."""
+    by = {(r["system"], r["dtype"], r["batch"]): r for r in records}
+    lines = ["| system | variant | batch | tokens/s | decode tokens/s | / transformers float32 | / llama.cpp "
+             "| step ms | weight-read ms | not weight reads | peak RSS MiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    anchor = by.get(("llama.cpp", "Q4_1", 1))
+    rows = [r for r in records if r["system"] in ("grpc", "llama.cpp")]
+    for r in sorted(rows, key=lambda r: (r["batch"], r["system"], r["dtype"])):
+        hf = by.get(("transformers", "bfloat16" if r["dtype"] == "bfloat16" else "float32", r["batch"]))
+        vs_hf = f"{r['tokens_per_s'] / hf['tokens_per_s']:.2f}" if hf and r["system"] != "llama.cpp" else "-"
+        vs_llama = f"{r['tokens_per_s'] / anchor['tokens_per_s']:.2f}" if anchor and r["batch"] == 1 else "-"
+        fmt = lambda key, spec="{:.1f}": spec.format(r[key]) if key in r else "-"  # noqa: E731
+        lines.append(f"| {r['system']} | {r['dtype']} | {r['batch']} | {r['tokens_per_s']:.1f} "
+                     f"| {r['decode_tokens_per_s']:.1f} | {vs_hf} | {vs_llama} | {fmt('step_ms')} "
+                     f"| {fmt('weight_read_ms')} | {fmt('rest_fraction', '{:.0%}')} | {fmt('peak_rss_mb', '{:.0f}')} |")
+    return "\n".join(lines)
+
+
 def concurrency_table(records: list[dict]) -> str:
     lines = ["| callers | tokens/s | x one caller | p50 step ms | p99 step ms | mean batch |",
              "| --- | --- | --- | --- | --- | --- |"]
@@ -55,6 +75,7 @@ def wire_lines(records: list[dict]) -> str:
 
 def main() -> None:
     print(decode_table(_load("decode_throughput")), end="\n\n")
+    print(step_table(_load("decode_throughput")), end="\n\n")
     print(concurrency_table(_load("concurrency")), end="\n\n")
     print(wire_lines(_load("wire")))
 

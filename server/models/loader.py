@@ -64,6 +64,9 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     log.info("%s: kernel path %s on CPU capability %s", path.name, model.kernels.describe(),
              model.kernels.cpu_capability)
     params = sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())  # tied count once
+    tied = state["lm_head.weight"] is state["model.embed_tokens.weight"]
+    params += sum(m.in_features * m.out_features for name, m in model.named_modules()  # quantized: buffers
+                  if isinstance(m, woq.QuantizedLinear) and not (name == "lm_head" and tied))
     model.parameter_count = params
     log.info(
         "loaded %s (%s, %.1fM params, %s on %s) in %.1fs",
