@@ -225,15 +225,14 @@ class QuantizedLinear(nn.Module):
         return (codes * self.scales[rows][..., None] + self.mins[rows][..., None]).view(len(q), -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
         if self.kernel == WOQ:
             ops = torch.ops.ferrum_woq
-            xf = x.float()
             if self.bits == 8:
                 y = ops.int8_linear(xf, self.qweight, self.scales, self.mins)
             else:
                 y = ops.int4_linear(xf, self.qweight, self.scales, self.mins)
         else:
-            xf = x.float()
             y = torch.cat([F.linear(xf, self.dequantized(slice(r, r + _DEQUANT_ROWS)))
                            for r in range(0, self.out_features, _DEQUANT_ROWS)], dim=-1)
         y = y.to(x.dtype)

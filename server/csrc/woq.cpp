@@ -181,6 +181,12 @@ at::Tensor run_linear(const at::Tensor& x2d, int64_t n_out, Expand expand) {
   return out;
 }
 
+std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n_out) {
+  auto shape = x.sizes().vec();
+  shape.back() = n_out;
+  return shape;
+}
+
 at::Tensor as_rows(const at::Tensor& x, int64_t k) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "activations must be float32");
   TORCH_CHECK(x.size(-1) == k, "activation width ", x.size(-1), " != weight width ", k);
@@ -205,9 +211,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 #endif
     int8_row_portable(q + n * K, s + n * G, z + n * G, K, buf);
   });
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  return out.view(shape);
+  return out.view(out_shape(x, N));
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -228,9 +232,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 #endif
     int4_row_portable(q + n * (K / 2), s + n * G, z + n * G, K, buf);
   });
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  return out.view(shape);
+  return out.view(out_shape(x, N));
 }
 
 // Which inner loops run: "avx2" or "portable".
