@@ -65,7 +65,7 @@ def run_ours(prefill_all, batch_decode, release, batch_prompts: list[list[int]],
 
 def run_executor(ex: TorchExecutor, batch_prompts: list[list[int]], new_tokens: int) -> float:
     def prefill_all(prompts):  # one padded forward, as the worker does for prompts arriving together
-        return ex.run_prefills([ex.plan_prefill(p, None, GREEDY) for p in prompts])
+        return ex.run([ex.plan_prefill(p, None, GREEDY) for p in prompts])
 
     return run_ours(prefill_all, lambda items: ex.batch_decode(items, GREEDY), ex.release_cache,
                     batch_prompts, new_tokens)

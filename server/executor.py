@@ -57,18 +57,8 @@ MAX_ID_BYTES = 128  # longest cache id accepted (ours are 32 hex digits)
 
 
 @dataclass
-class _Step:
-    """One sequence's part of a forward: tokens written from position ``start``."""
-
-    seq: SequenceState
-    tokens: list[int]
-    start: int
-    plan: WritePlan
-
-
-@dataclass
 class _Opened:
-    """A validated prefill's sequence and what is needed to put it back as it was."""
+    """A validated call's sequence and what is needed to put it back as it was."""
 
     seq: SequenceState
     created: bool  # the call made the sequence: a failure forgets it
@@ -78,25 +68,38 @@ class _Opened:
 
 
 @dataclass
-class PrefillPlan:
-    """A validated prefill whose KV room is reserved (see ``plan_prefill``)."""
+class _Step:
+    """One sequence's part of a forward: ``tokens`` written from position ``start``."""
 
-    step: _Step
+    opened: _Opened  # the call it belongs to: a failure puts the sequence back to that
+    tokens: list[int]
+    start: int
+    plan: WritePlan  # the KV room reserved for it
+    rows: str  # hidden rows that go through the LM head: "all", "last" or "none"
+
+    @property
+    def seq(self) -> SequenceState:
+        return self.opened.seq
+
+
+@dataclass
+class AppendPlan:
+    """Validated appends whose KV room is reserved: ``TorchExecutor.run`` runs any
+    number of plans (prefills, decodes, verifies, prompt chunks) as one forward.
+
+    ``kind`` says what the plan's result is: "prefill" (one step -> a
+    PrefillOutput), "decode" (a DecodeOutput per step) or "chunk" (one step ->
+    its float32 logits rows, or None when it asked for none).
+    """
+
+    steps: list[_Step]
     policy: LogitsPolicy
-    opened: _Opened
+    kind: str
 
 
 def verify_policy(policy: LogitsPolicy) -> LogitsPolicy:
     """ForwardVerify's policy: the caller's, over every position."""
     return replace(policy, all_positions=True)
-
-
-@dataclass
-class DecodePlan:
-    """A validated BatchDecode request whose KV room is already reserved."""
-
-    steps: list[_Step]
-    policy: LogitsPolicy
 
 
 class TorchExecutor:
@@ -200,74 +203,119 @@ class TorchExecutor:
                        policy: LogitsPolicy = LogitsPolicy()) -> Generator[None, None, PrefillOutput]:
         """:meth:`prefill` in chunks of ``config.prefill_chunk`` tokens, yielding between them.
 
-        The worker runs other callers' work at each yield, and may throw into the
-        generator there (the caller cancelled, its deadline passed).  The sequence
-        is pinned meanwhile, so the idle reaper never takes it; if any chunk fails
-        or the generator is stopped, every chunk is undone: the sequence is as it
-        was before the call, idle clock included.
+        Each chunk is one :meth:`run`.  The worker runs other callers' work at
+        each yield, and may throw into the generator there (the caller
+        cancelled, its deadline passed).  The sequence is pinned meanwhile, so
+        the idle reaper never takes it; if any chunk fails or the generator is
+        stopped, every chunk is undone: the sequence is as it was before the
+        call, idle clock included.
         """
         opened = self._open_prefill(token_ids, kv_cache, policy)
-        seq, cached = opened.seq, opened.cached
-        self.kv.pin(seq)
-        hidden_rows, forward_ns, chunk = [], 0, self.config.prefill_chunk
+        self.kv.pin(opened.seq)
+        rows, forward_ns, chunk = [], 0, self.config.prefill_chunk
         try:
-            for offset in range(cached, len(token_ids), chunk):
-                if offset > cached:
+            for offset in range(opened.cached, len(token_ids), chunk):
+                if offset > opened.cached:
                     yield
-                step = self._begin(seq, token_ids[offset:offset + chunk])
-                hidden, ns = self._forward_or_undo([step])
-                self._commit(step)
-                forward_ns += ns
-                if policy.all_positions:
-                    hidden_rows.append(hidden[0])  # (T_chunk, C)
-                else:
-                    hidden_rows = [hidden[0, -1:]]  # only the prompt's last position counts
-            t0 = time.perf_counter_ns()
-            with torch.inference_mode():
-                rows = torch.cat(hidden_rows) if len(hidden_rows) > 1 else hidden_rows[0]
-                logits = self._apply_policy(self.model.logits(rows), policy)
-            forward_ns += time.perf_counter_ns() - t0
+                final = offset + chunk >= len(token_ids)
+                want = "all" if policy.all_positions else "last" if final else "none"
+                step = self._step(opened, token_ids[offset:offset + chunk], want)
+                t0 = time.perf_counter_ns()
+                (part,) = self.run([AppendPlan([step], policy, "chunk")])
+                forward_ns += time.perf_counter_ns() - t0
+                if part is not None:
+                    rows.append(part)
+            logits = self._apply_policy(torch.cat(rows) if len(rows) > 1 else rows[0], policy)
         except BaseException:  # GeneratorExit and thrown-in cancellations too
-            self.kv.unpin(seq, touch=False)
-            self._close_failed_prefill(opened)
+            self.kv.unpin(opened.seq, touch=False)
+            self._rollback(opened)
             raise
-        self.kv.unpin(seq, touch=True)
-        return PrefillOutput(logits, self._handle(seq), Timing(forward_ns=forward_ns, batch_size=1),
-                             cached_tokens=cached)
+        self.kv.unpin(opened.seq, touch=True)
+        return PrefillOutput(logits, self._handle(opened.seq), Timing(forward_ns=forward_ns, batch_size=1),
+                             cached_tokens=opened.cached)
 
     def plan_prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None,
-                     policy: LogitsPolicy) -> PrefillPlan:
+                     policy: LogitsPolicy) -> AppendPlan:
         """Validates a prefill that fits one forward and reserves its KV room; raises
-        with no state change.  Plans from several callers run together in :meth:`run_prefills`."""
+        with no state change."""
         opened = self._open_prefill(token_ids, kv_cache, policy)
         try:
-            step = self._begin(opened.seq, token_ids[opened.cached:])
+            step = self._step(opened, token_ids[opened.cached:], "all" if policy.all_positions else "last")
         except BaseException:
-            self._close_failed_prefill(opened)
+            self._rollback(opened)
             raise
-        return PrefillPlan(step, policy, opened)
+        return AppendPlan([step], policy, "prefill")
 
-    def run_prefills(self, plans: list[PrefillPlan]) -> list[PrefillOutput]:
-        """Runs planned prefills (any lengths) in ONE padded forward."""
+    def plan_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy) -> AppendPlan:
+        """Validates a BatchDecode request and reserves its KV room; raises with no state change."""
+        if not inputs:
+            raise InvalidInput("batch_decode needs at least one input")
+        if len(inputs) > self.config.max_batch_size:
+            raise InvalidInput(f"{len(inputs)} sequences exceed max batch size {self.config.max_batch_size}")
+        self._check_policy(policy, 1)
+        ids = [i.kv_cache.cache_id for i in inputs]
+        if len(set(ids)) != len(ids):
+            raise InvalidInput("a sequence appears more than once in one batch")
+        self._check_tokens([i.token_id for i in inputs])
+        seqs = [self._resolve(i.kv_cache) for i in inputs]
+        for seq in seqs:
+            self._check_length(seq.length, 1)
+        steps: list[_Step] = []
+        try:
+            for seq, item in zip(seqs, inputs):
+                steps.append(self._step(_Opened(seq, False, 0, seq.length, seq.last_used), [item.token_id], "last"))
+        except BaseException:
+            for step in steps:
+                self._rollback(step.opened, step.plan)
+            raise
+        return AppendPlan(steps, policy, "decode")
+
+    def run(self, plans: list[AppendPlan]) -> list:
+        """Runs planned appends, any mix of kinds and lengths, as ONE (padded) forward
+        and one LM-head GEMM over just the rows the plans asked for.
+
+        Either every plan's appends are committed, or (on any failure) every
+        sequence is put back as it was before its call.  Returns each plan's
+        result in order (see :class:`AppendPlan`).
+        """
+        steps = [s for p in plans for s in p.steps]
         t0 = time.perf_counter_ns()
         try:
-            hidden, _ = self._forward([p.step for p in plans])
+            hidden = self._forward(steps)  # (B, T, C)
+            picked = []
+            for b, step in enumerate(steps):
+                n = len(step.tokens)
+                if step.rows != "none":
+                    picked.append(hidden[b, :n] if step.rows == "all" else hidden[b, n - 1:n])
+            with torch.inference_mode():
+                logits = self.model.logits(torch.cat(picked) if len(picked) > 1 else picked[0]) if picked else None
         except BaseException:
-            for plan in plans:
-                self._abort(plan.step)
-                self._close_failed_prefill(plan.opened)
+            for step in steps:
+                self._rollback(step.opened, step.plan)
             raise
-        row_sets = []
-        for b, plan in enumerate(plans):
-            self._commit(plan.step)
-            n = len(plan.step.tokens)
-            row_sets.append(hidden[b, :n] if plan.policy.all_positions else hidden[b, n - 1:n])  # (P, C)
-        with torch.inference_mode():  # one LM-head GEMM for every plan's rows
-            logits = self.model.logits(torch.cat(row_sets)).split([len(r) for r in row_sets])
-            results = [self._apply_policy(rows, plan.policy) for rows, plan in zip(logits, plans)]
-        timing = Timing(forward_ns=time.perf_counter_ns() - t0, batch_size=len(plans))
-        return [PrefillOutput(result, self._handle(plan.step.seq), timing, cached_tokens=plan.opened.cached)
-                for result, plan in zip(results, plans)]
+        for step in steps:
+            self.kv.commit(step.seq, step.start, step.tokens)
+        self.forwards += 1
+        self.tokens_processed += sum(len(s.tokens) for s in steps)
+        timing = Timing(forward_ns=time.perf_counter_ns() - t0, batch_size=len(steps))
+        per_step, at = [], 0
+        for step in steps:
+            n = 0 if step.rows == "none" else len(step.tokens) if step.rows == "all" else 1
+            per_step.append(logits[at:at + n] if n else None)
+            at += n
+        results, i = [], 0
+        for plan in plans:
+            mine, i = per_step[i:i + len(plan.steps)], i + len(plan.steps)
+            if plan.kind == "chunk":
+                results.append(mine[0])
+            elif plan.kind == "prefill":
+                step = plan.steps[0]
+                results.append(PrefillOutput(self._apply_policy(mine[0], plan.policy), self._handle(step.seq),
+                                             timing, cached_tokens=step.opened.cached))
+            else:
+                results.append([DecodeOutput(self._apply_policy(rows, plan.policy), self._handle(step.seq), timing)
+                                for rows, step in zip(mine, plan.steps)])
+        return results
 
     def _open_prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None,
                       policy: LogitsPolicy) -> _Opened:
@@ -286,13 +334,19 @@ class TorchExecutor:
             cached = self.kv.adopt_prefix(seq, token_ids, len(token_ids) - 1)
         return _Opened(seq, True, cached, 0, seq.last_used)
 
-    def _close_failed_prefill(self, opened: _Opened) -> None:
-        """Puts a sequence back as it was before a failed prefill (forgets it if new)."""
+    def _rollback(self, opened: _Opened, write: WritePlan | None = None) -> None:
+        """THE rollback: gives back a reserved ``write`` (if any) and puts the
+        sequence back as it was before its call (forgotten if the call made it).
+        Safe to call twice for one call."""
+        seq = opened.seq
+        if write is not None:
+            self.kv.undo_write(seq, write)
         if opened.created:
-            self.kv.release(opened.seq.cache_id)
-        else:
-            self.kv.shrink(opened.seq, opened.origin, touch=False)
-            opened.seq.last_used = opened.clock
+            if seq.cache_id in self.kv and self.kv.get(seq.cache_id) is seq:
+                self.kv.release(seq.cache_id)
+        elif seq.length >= opened.origin:
+            self.kv.shrink(seq, opened.origin, touch=False)
+            seq.last_used = opened.clock
 
     def undo_calls(self, changes: list[tuple[str, int | None]]) -> None:
         """Puts back what finished calls did when their callers never got the reply
@@ -314,7 +368,7 @@ class TorchExecutor:
 
     def batch_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy = LogitsPolicy()) -> list[DecodeOutput]:
         """One batched forward over sequences of any lengths."""
-        return self.run_decode([self.plan_decode(inputs, policy)])[0]
+        return self.run([self.plan_decode(inputs, policy)])[0]
 
     def forward_verify(self, token_ids: list[int], kv_cache: KvCacheHandle,
                        policy: LogitsPolicy = LogitsPolicy()) -> VerifyOutput:
@@ -352,51 +406,6 @@ class TorchExecutor:
         if expired:
             log.info("%s: reclaimed %d idle sequence(s)", self.name, len(expired))
         return expired
-
-    # -- batched decode, in two halves so the worker can coalesce callers --------
-    def plan_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy) -> DecodePlan:
-        """Validates a batch and reserves its KV room; raises with no state change."""
-        if not inputs:
-            raise InvalidInput("batch_decode needs at least one input")
-        if len(inputs) > self.config.max_batch_size:
-            raise InvalidInput(f"{len(inputs)} sequences exceed max batch size {self.config.max_batch_size}")
-        self._check_policy(policy, 1)
-        ids = [i.kv_cache.cache_id for i in inputs]
-        if len(set(ids)) != len(ids):
-            raise InvalidInput("a sequence appears more than once in one batch")
-        self._check_tokens([i.token_id for i in inputs])
-        seqs = [self._resolve(i.kv_cache) for i in inputs]
-        for seq in seqs:
-            self._check_length(seq.length, 1)
-        steps: list[_Step] = []
-        try:
-            for seq, item in zip(seqs, inputs):
-                steps.append(self._begin(seq, [item.token_id]))
-        except Exception:
-            for step in steps:
-                self._abort(step)
-            raise
-        return DecodePlan(steps, policy)
-
-    def run_decode(self, plans: list[DecodePlan]) -> list[list[DecodeOutput]]:
-        """Runs every planned sequence in ONE forward; returns outputs per plan."""
-        steps = [s for p in plans for s in p.steps]
-        t0 = time.perf_counter_ns()
-        hidden, _ = self._forward_or_undo(steps)
-        with torch.inference_mode():
-            rows = self.model.logits(hidden[:, -1])  # (B, V) float32
-        forward_ns = time.perf_counter_ns() - t0  # the model and its LM head
-        timing = Timing(forward_ns=forward_ns, batch_size=len(steps))
-        results, i = [], 0
-        for plan in plans:
-            outs = []
-            for step in plan.steps:
-                self._commit(step)
-                logits = self._apply_policy(rows[i:i + 1], plan.policy)
-                outs.append(DecodeOutput(logits, self._handle(step.seq), timing))
-                i += 1
-            results.append(outs)
-        return results
 
     # -- internals -----------------------------------------------------------------
     def _check_tokens(self, token_ids: list[int]) -> None:
@@ -470,42 +479,24 @@ class TorchExecutor:
         if seq.pins:
             raise InvalidInput(f"sequence {shown(seq.cache_id)} is in the middle of a chunked prefill")
 
-    def _begin(self, seq: SequenceState, tokens: list[int]) -> _Step:
-        """Reserves room (and private copies of shared blocks) for ``tokens`` after seq's end."""
-        start = seq.length
-        plan = self.kv.prepare_write(seq, start, start + len(tokens))
+    def _step(self, opened: _Opened, tokens: list[int], rows: str) -> _Step:
+        """Reserves room (and private copies of shared blocks) for ``tokens`` after the sequence's end."""
+        seq = opened.seq
+        plan = self.kv.prepare_write(seq, seq.length, seq.length + len(tokens))
         self.pool.copy_blocks(plan.copies)
-        return _Step(seq, list(tokens), start, plan)
+        return _Step(opened, list(tokens), seq.length, plan, rows)
 
-    def _abort(self, step: _Step) -> None:
-        self.kv.undo_write(step.seq, step.plan)
-
-    def _commit(self, step: _Step) -> None:
-        self.kv.commit(step.seq, step.start, step.tokens)
-
-    def _forward_or_undo(self, steps: list[_Step]) -> tuple[torch.Tensor, int]:
-        try:
-            return self._forward(steps)
-        except BaseException:
-            for step in steps:
-                self._abort(step)
-            raise
-
-    def _forward(self, steps: list[_Step]) -> tuple[torch.Tensor, int]:
+    def _forward(self, steps: list[_Step]) -> torch.Tensor:
         """One forward over every step (ragged: shorter steps are padded, see KvBatch).
 
         Returns hidden states (B, T, C); step b's own rows are ``[:len(step.tokens)]``.
         """
         counts = [len(s.tokens) for s in steps]
         width = max(counts)
-        t0 = time.perf_counter_ns()
         kv = self.pool.batch([s.seq.block_ids for s in steps], [s.start for s in steps], counts)
         ids = torch.tensor([s.tokens + [0] * (width - len(s.tokens)) for s in steps], device=self.device)
         with torch.inference_mode():
-            hidden = self.model(ids, kv.positions, kv)  # (B, T, C)
-        self.forwards += 1
-        self.tokens_processed += sum(counts)
-        return hidden, time.perf_counter_ns() - t0
+            return self.model(ids, kv.positions, kv)  # (B, T, C)
 
     def _apply_policy(self, rows: torch.Tensor, policy: LogitsPolicy) -> Logits:
         """rows: (P, V) float32 on the device -> what the caller asked for, on the CPU."""

@@ -258,7 +258,7 @@ class ModelWorker:
         return taken
 
     def _run_prefills(self, batch: list[_Job]) -> None:
-        self._run_planned(batch, lambda job: self.executor.plan_prefill(*job.prefill), self.executor.run_prefills)
+        self._run_planned(batch, lambda job: self.executor.plan_prefill(*job.prefill), self.executor.run)
 
     def _wait_for_more(self, batch: list[_Job]) -> None:
         deadline = time.monotonic() + self.batch_wait_s
@@ -316,7 +316,7 @@ class ModelWorker:
         job.future.set_result(_with_queue_time(result, queue_ns))
 
     def _run_decodes(self, batch: list[_Job]) -> None:
-        self._run_planned(batch, lambda job: self.executor.plan_decode(*job.decode), self.executor.run_decode)
+        self._run_planned(batch, lambda job: self.executor.plan_decode(*job.decode), self.executor.run)
 
     def _run_planned(self, batch: list[_Job], plan: Callable[[_Job], Any], run: Callable[[list], list]) -> None:
         """Plans every job (a job whose plan fails gets its error alone), then runs

@@ -1,0 +1,134 @@
+"""The one append path (``TorchExecutor.run``): prefills, verifies, decodes and
+prompt chunks share one forward, each equal to transformers on its own
+sequence; and a forward or LM head that fails leaves every sequence exactly
+as it was before its call (blocks, lengths, tokens, idle clocks)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ferrum_rpc.errors import KvCapacityExhausted
+from ferrum_rpc.server.config import ExecutorConfig
+from ferrum_rpc.server.executor import TorchExecutor, verify_policy
+from ferrum_rpc.types import DecodeInput, LogitsPolicy
+
+FULL = LogitsPolicy.full()
+ATOL = 1e-4
+
+
+@pytest.fixture
+def ex(tiny_llama_dir):
+    return TorchExecutor.from_path("tiny", tiny_llama_dir, ExecutorConfig(kv_tokens=512, block_size=4,
+                                                                         prefill_chunk=5))
+
+
+@torch.no_grad()
+def oracle_rows(hf, ids: list[int]) -> np.ndarray:
+    return hf(torch.tensor([ids])).logits[0].numpy()
+
+
+def snapshot(ex: TorchExecutor) -> dict:
+    """Everything a failed call must leave as it was."""
+    seqs = {cid: (s.length, list(s.tokens), list(s.block_ids), s.last_used, s.pins)
+            for cid, s in ex.kv._seqs.items()}
+    return {"seqs": seqs, "used": ex.kv.num_used, "free": ex.kv.num_free}
+
+
+def test_prefill_verify_and_decodes_in_one_forward_each_equal_transformers(ex, hf_tiny_llama):
+    a, b, c = [5, 17, 101, 3, 250, 42, 7], [9, 300, 11], [64, 2, 77, 8, 8, 13, 21, 34, 55]
+    ha = ex.prefill(a, None, LogitsPolicy.argmax()).kv_cache
+    hb = ex.prefill(b, None, LogitsPolicy.argmax()).kv_cache
+    verify = [4, 44, 144]
+    plans = [
+        ex.plan_prefill(c, None, FULL),  # a new prompt: last position
+        ex.plan_prefill(verify, hb, verify_policy(FULL)),  # ForwardVerify: every position
+        ex.plan_decode([DecodeInput(99, ha)], FULL),  # a decode
+    ]
+    forwards = ex.forwards
+    prefill, verified, (decoded,) = ex.run(plans)
+    assert ex.forwards == forwards + 1  # one forward for all three kinds
+    np.testing.assert_allclose(prefill.logits.values[0], oracle_rows(hf_tiny_llama, c)[-1], atol=ATOL, rtol=0)
+    np.testing.assert_allclose(verified.logits.values, oracle_rows(hf_tiny_llama, b + verify)[-3:], atol=ATOL,
+                               rtol=0)
+    np.testing.assert_allclose(decoded.logits.values[0], oracle_rows(hf_tiny_llama, a + [99])[-1], atol=ATOL,
+                               rtol=0)
+    assert (prefill.kv_cache.sequence_length, verified.kv_cache.sequence_length,
+            decoded.kv_cache.sequence_length) == (len(c), len(b) + 3, len(a) + 1)
+
+
+def test_chunked_verify_returns_every_row_of_every_chunk(ex, hf_tiny_llama):
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    handle = ex.prefill(prompt, None, LogitsPolicy.argmax()).kv_cache
+    tail = list(range(20, 33))  # 13 tokens: chunks of 5, 5, 3
+    out = ex.forward_verify(tail, handle, FULL)
+    np.testing.assert_allclose(out.logits.values, oracle_rows(hf_tiny_llama, prompt + tail)[-13:], atol=ATOL,
+                               rtol=0)
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def fail_lm_head(ex: TorchExecutor, monkeypatch, after: int = 0) -> None:
+    """Fault injection: the LM head raises on its (after+1)-th call from now."""
+    real, calls = ex.model.logits, [0]
+
+    def logits(hidden):
+        calls[0] += 1
+        if calls[0] > after:
+            raise Boom("injected")
+        return real(hidden)
+
+    monkeypatch.setattr(ex.model, "logits", logits)
+
+
+def fail_forward(ex: TorchExecutor, monkeypatch) -> None:
+    def forward(*args, **kwargs):
+        raise Boom("injected")
+
+    monkeypatch.setattr(ex.model, "forward", forward)
+
+
+@pytest.mark.parametrize("where", ["forward", "lm_head"])
+def test_a_failed_mixed_forward_leaves_every_sequence_as_it_was(ex, monkeypatch, where):
+    ha = ex.prefill([1, 2, 3, 4, 5, 6], None, LogitsPolicy.argmax()).kv_cache  # 1.5 blocks
+    child, = ex.fork_cache(ha, 1)  # shares ha's blocks: a write copies the shared one
+    hb = ex.prefill([7, 8], None, LogitsPolicy.argmax()).kv_cache
+    before = snapshot(ex)
+    plans = [ex.plan_prefill([9, 10, 11, 12, 13], None, FULL),
+             ex.plan_prefill([14, 15, 16], hb, verify_policy(FULL)),
+             ex.plan_decode([DecodeInput(17, ha), DecodeInput(18, child)], FULL)]
+    (fail_forward if where == "forward" else fail_lm_head)(ex, monkeypatch)
+    with pytest.raises(Boom):
+        ex.run(plans)
+    assert snapshot(ex) == before
+    monkeypatch.undo()
+    out = ex.decode(17, ha)  # and the sequences still serve
+    assert out.kv_cache.sequence_length == 7
+
+
+def test_a_chunked_prefill_failing_in_a_later_chunk_is_undone_entirely(ex, monkeypatch):
+    handle = ex.prefill([1, 2, 3], None, LogitsPolicy.argmax()).kv_cache
+    before = snapshot(ex)
+    fail_lm_head(ex, monkeypatch, after=1)  # chunks of 5: the 1st chunk's rows pass, the 2nd fails
+    with pytest.raises(Boom):
+        ex.forward_verify(list(range(20, 32)), handle, FULL)
+    assert snapshot(ex) == before
+    monkeypatch.undo()
+    fail_forward(ex, monkeypatch)
+    with pytest.raises(Boom):  # a new prompt: the sequence it made is forgotten
+        ex.prefill(list(range(40, 52)), None, FULL)
+    assert snapshot(ex) == before
+
+
+def test_a_plan_that_cannot_reserve_room_gives_back_what_it_took(tiny_llama_dir):
+    ex = TorchExecutor.from_path("tiny", tiny_llama_dir, ExecutorConfig(kv_tokens=16, block_size=4))
+    ha = ex.prefill([1, 2, 3, 4], None, LogitsPolicy.argmax()).kv_cache  # 1 of 4 blocks, full
+    hb = ex.prefill([5, 6, 7, 8, 9, 10, 11, 12], None, LogitsPolicy.argmax()).kv_cache  # 2 blocks, full
+    before = snapshot(ex)
+    assert before["free"] == 1
+    with pytest.raises(KvCapacityExhausted):  # ha takes the last free block, hb finds none
+        ex.plan_decode([DecodeInput(1, ha), DecodeInput(2, hb)], FULL)
+    assert snapshot(ex) == before
