@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -35,7 +36,11 @@ constexpr int kRowTile = 4;     // activation rows sharing one read of the expan
 constexpr int64_t kFusedMaxRows = 12; // up to here (decode): fused; above (prefill, big batches): tiles + GEMM
 constexpr int64_t kTileRows = 256;    // weight rows expanded per GEMM tile (fits L2)
 
-std::atomic<bool> g_portable{false};
+// Inner-loop instruction sets, in order; g_max_isa caps what runs (tests force each path).
+enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+const char* const kIsaNames[] = {"portable", "avx2", "avx512"};
+std::atomic<int> g_max_isa{kAvx512};
+constexpr int64_t kRegMaxRows = 4;  // up to here (batch-1..4 decode): codes expanded in registers only
 
 // ---- portable C++ ------------------------------------------------------------
 void int4_row_portable(const uint8_t* q, const float* scale, const float* minv, int64_t k, float* out) {
@@ -115,19 +120,137 @@ __attribute__((target("avx2,fma"))) void dot_avx2(const float* w, const float* x
   for (int r = 0; r < R; ++r) out[r * ldo] = hsum_avx2(_mm256_add_ps(a[r][0], a[r][1]));
 }
 
-bool cpu_has_avx2() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
-}
-#endif
+#endif  // FERRUM_X86
 
-bool use_avx2() {
+// The best instruction set this CPU and OS support (libgcc's checks include the
+// OS saving AVX/AVX-512 state).
+int cpu_isa() {
+  static const int isa = [] {
 #ifdef FERRUM_X86
-  return cpu_has_avx2() && !g_portable.load();
-#else
-  return false;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma")) return int(kAvx512);
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return int(kAvx2);
 #endif
+    return int(kPortable);
+  }();
+  return isa;
 }
+
+int active_isa() { return std::min(cpu_isa(), g_max_isa.load()); }
+
+#ifdef FERRUM_X86
+// ---- few activation rows: weights expanded in registers, never stored ---------
+// R activation rows (R <= 4) against one quantized weight row: each group of 32
+// codes becomes floats (code * scale + min) in registers and meets every row.
+template <int R>
+__attribute__((target("avx2,fma"))) void int4_reg_avx2(const uint8_t* q, const float* sc, const float* mn,
+                                                       int64_t k, const float* x, int64_t ldx, float* out,
+                                                       int64_t ldo) {
+  __m256 a[R][2];
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * (kGroup / 2)));
+    const __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+    const __m256 s = _mm256_broadcast_ss(sc + g), m = _mm256_broadcast_ss(mn + g);
+    const __m256 w[4] = {
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), s, m),
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), s, m),
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), s, m),
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), s, m)};
+    const float* xg = x + g * kGroup;
+    for (int r = 0; r < R; ++r) {
+      a[r][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xg + r * ldx), a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + r * ldx + 8), a[r][1]);
+      a[r][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + r * ldx + 16), a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + r * ldx + 24), a[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = hsum_avx2(_mm256_add_ps(a[r][0], a[r][1]));
+}
+
+template <int R>
+__attribute__((target("avx2,fma"))) void int8_reg_avx2(const uint8_t* q, const float* sc, const float* mn,
+                                                       int64_t k, const float* x, int64_t ldx, float* out,
+                                                       int64_t ldo) {
+  __m256 a[R][2];
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    const __m256 s = _mm256_broadcast_ss(sc + g), m = _mm256_broadcast_ss(mn + g);
+    const uint8_t* qg = q + g * kGroup;
+    const float* xg = x + g * kGroup;
+    for (int j = 0; j < 4; ++j) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + 8 * j));
+      const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), s, m);
+      for (int r = 0; r < R; ++r) a[r][j & 1] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xg + r * ldx + 8 * j), a[r][j & 1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = hsum_avx2(_mm256_add_ps(a[r][0], a[r][1]));
+}
+
+template <int R>
+__attribute__((target("avx512f,fma"))) void int4_reg_avx512(const uint8_t* q, const float* sc, const float* mn,
+                                                            int64_t k, const float* x, int64_t ldx, float* out,
+                                                            int64_t ldo) {
+  __m512 a[R][2];
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * (kGroup / 2)));
+    const __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+    const __m512 s = _mm512_set1_ps(sc[g]), m = _mm512_set1_ps(mn[g]);
+    const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), s, m);  // elements 0..15
+    const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), s, m);  // 16..31
+    const float* xg = x + g * kGroup;
+    for (int r = 0; r < R; ++r) {
+      a[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg + r * ldx), a[r][0]);
+      a[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + r * ldx + 16), a[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][0], a[r][1]));
+}
+
+template <int R>
+__attribute__((target("avx512f,fma"))) void int8_reg_avx512(const uint8_t* q, const float* sc, const float* mn,
+                                                            int64_t k, const float* x, int64_t ldx, float* out,
+                                                            int64_t ldo) {
+  __m512 a[R][2];
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    const __m512 s = _mm512_set1_ps(sc[g]), m = _mm512_set1_ps(mn[g]);
+    const uint8_t* qg = q + g * kGroup;
+    const __m512 w0 = _mm512_fmadd_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg)))), s, m);
+    const __m512 w1 = _mm512_fmadd_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 16)))), s, m);
+    const float* xg = x + g * kGroup;
+    for (int r = 0; r < R; ++r) {
+      a[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg + r * ldx), a[r][0]);
+      a[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + r * ldx + 16), a[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][0], a[r][1]));
+}
+
+// A weight row (n) against M <= kRegMaxRows activation rows, with the best kernel for `isa`.
+template <template <int> class K>
+void reg_rows(int64_t M, const uint8_t* q, const float* sc, const float* mn, int64_t k, const float* x,
+              int64_t ldx, float* out, int64_t ldo) {
+  switch (M) {
+    case 1: return K<1>::run(q, sc, mn, k, x, ldx, out, ldo);
+    case 2: return K<2>::run(q, sc, mn, k, x, ldx, out, ldo);
+    case 3: return K<3>::run(q, sc, mn, k, x, ldx, out, ldo);
+    default: return K<4>::run(q, sc, mn, k, x, ldx, out, ldo);
+  }
+}
+#define FERRUM_REG_KERNEL(NAME) \
+  template <int R> struct NAME##_k { \
+    static void run(const uint8_t* q, const float* sc, const float* mn, int64_t k, const float* x, int64_t ldx, \
+                    float* out, int64_t ldo) { NAME<R>(q, sc, mn, k, x, ldx, out, ldo); } };
+FERRUM_REG_KERNEL(int4_reg_avx2)
+FERRUM_REG_KERNEL(int8_reg_avx2)
+FERRUM_REG_KERNEL(int4_reg_avx512)
+FERRUM_REG_KERNEL(int8_reg_avx512)
+#endif
 
 void dot_rows(bool avx2, const float* w, const float* x, int64_t ldx, int64_t rows, int64_t k, float* out,
               int64_t ldo) {
@@ -147,10 +270,23 @@ void dot_rows(bool avx2, const float* w, const float* x, int64_t ldx, int64_t ro
 // dots them with every activation row (the weights are read once).  Many
 // rows: tiles of weight rows are expanded in parallel, then multiplied by the
 // BLAS GEMM (out^T = W x^T, so each tile's result is contiguous).
-template <typename Expand>
-at::Tensor run_linear(const at::Tensor& x2d, int64_t n_out, Expand expand) {
+// With kRegMaxRows rows or fewer and AVX2 or better, `reg(isa, n, M, x, y)` computes
+// y[m * n_out] = x[m] . W[n] for every row m instead, codes expanded in registers.
+template <typename Expand, typename Reg>
+at::Tensor run_linear(const at::Tensor& x2d, int64_t n_out, Expand expand, Reg reg) {
   const int64_t M = x2d.size(0), K = x2d.size(1);
-  const bool avx2 = use_avx2();
+  const int isa = active_isa();
+  const bool avx2 = isa >= kAvx2;
+  if (M <= kRegMaxRows && avx2) {
+    at::Tensor out = at::empty({M, n_out}, x2d.options());
+    const float* x = x2d.data_ptr<float>();
+    float* y = out.data_ptr<float>();
+    const int64_t grain = std::max<int64_t>(16, n_out / (8 * at::get_num_threads()));
+    at::parallel_for(0, n_out, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) reg(isa, n, M, x, y + n);
+    });
+    return out;
+  }
   if (M > kFusedMaxRows) {
     at::Tensor out_t = at::empty({n_out, M}, x2d.options());
     const at::Tensor x_t = x2d.t();
@@ -205,12 +341,19 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   at::Tensor x2d = as_rows(x, K);
   const uint8_t* q = qweight.data_ptr<uint8_t>();
   const float *s = scales.data_ptr<float>(), *z = mins.data_ptr<float>();
-  at::Tensor out = run_linear(x2d, N, [&](bool avx2, int64_t n, float* buf) {
+  auto expand = [&](bool avx2, int64_t n, float* buf) {
 #ifdef FERRUM_X86
     if (avx2) return int8_row_avx2(q + n * K, s + n * G, z + n * G, K, buf);
 #endif
     int8_row_portable(q + n * K, s + n * G, z + n * G, K, buf);
-  });
+  };
+  auto reg = [&](int isa, int64_t n, int64_t M, const float* xr, float* y) {
+#ifdef FERRUM_X86
+    if (isa >= kAvx512) return reg_rows<int8_reg_avx512_k>(M, q + n * K, s + n * G, z + n * G, K, xr, K, y, N);
+    reg_rows<int8_reg_avx2_k>(M, q + n * K, s + n * G, z + n * G, K, xr, K, y, N);
+#endif
+  };
+  at::Tensor out = run_linear(x2d, N, expand, reg);
   return out.view(out_shape(x, N));
 }
 
@@ -226,19 +369,32 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   at::Tensor x2d = as_rows(x, K);
   const uint8_t* q = qweight.data_ptr<uint8_t>();
   const float *s = scales.data_ptr<float>(), *z = mins.data_ptr<float>();
-  at::Tensor out = run_linear(x2d, N, [&](bool avx2, int64_t n, float* buf) {
+  auto expand = [&](bool avx2, int64_t n, float* buf) {
 #ifdef FERRUM_X86
     if (avx2) return int4_row_avx2(q + n * (K / 2), s + n * G, z + n * G, K, buf);
 #endif
     int4_row_portable(q + n * (K / 2), s + n * G, z + n * G, K, buf);
-  });
+  };
+  auto reg = [&](int isa, int64_t n, int64_t M, const float* xr, float* y) {
+#ifdef FERRUM_X86
+    const uint8_t* row = q + n * (K / 2);
+    if (isa >= kAvx512) return reg_rows<int4_reg_avx512_k>(M, row, s + n * G, z + n * G, K, xr, K, y, N);
+    reg_rows<int4_reg_avx2_k>(M, row, s + n * G, z + n * G, K, xr, K, y, N);
+#endif
+  };
+  at::Tensor out = run_linear(x2d, N, expand, reg);
   return out.view(out_shape(x, N));
 }
 
-// Which inner loops run: "avx2" or "portable".
-std::string isa() { return use_avx2() ? "avx2" : "portable"; }
+// Which inner loops run: "avx512" (few rows; more rows use avx2), "avx2" or "portable".
+std::string isa() { return kIsaNames[active_isa()]; }
 
-void set_portable(bool portable) { g_portable.store(portable); }
+// Caps the inner loops at `name` (tests run every path this CPU has); returns what now runs.
+std::string set_max_isa(const std::string& name) {
+  for (int i = 0; i < 3; ++i)
+    if (name == kIsaNames[i]) g_max_isa.store(i);
+  return isa();
+}
 
 }  // namespace
 
@@ -246,7 +402,7 @@ TORCH_LIBRARY(ferrum_woq, m) {
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins) -> Tensor");
   m.def("isa() -> str", &isa);
-  m.def("set_portable(bool portable) -> ()", &set_portable);
+  m.def("set_max_isa(str name) -> str", &set_max_isa);
 }
 
 TORCH_LIBRARY_IMPL(ferrum_woq, CPU, m) {

@@ -25,15 +25,15 @@ def extension():
     return torch.ops.ferrum_woq
 
 
-@pytest.fixture(params=["avx2", "portable"])
+@pytest.fixture(params=["avx512", "avx2", "portable"])
 def isa(request, extension):
-    """Runs a test on each inner-loop build; AVX2 only where this CPU has it."""
-    extension.set_portable(request.param == "portable")
-    if extension.isa() != request.param:
-        extension.set_portable(False)
+    """Runs a test on each inner-loop build this CPU can run (AVX-512 and AVX2 only where it has them)."""
+    ran = extension.set_max_isa(request.param)
+    if ran != request.param:
+        extension.set_max_isa("avx512")
         pytest.skip(f"this CPU cannot run the {request.param} path")
     yield request.param
-    extension.set_portable(False)
+    extension.set_max_isa("avx512")
 
 
 @pytest.mark.parametrize("bits", [8, 4])
