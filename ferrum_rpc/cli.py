@@ -41,6 +41,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kv_memory_fraction=args.kv_memory_fraction, idle_timeout_s=args.idle_timeout,
         prefill_chunk=args.prefill_chunk, prefix_caching=not args.no_prefix_cache,
         linear_kernel="aten" if args.no_packed_weights else args.linear_kernel, quantize=args.quantize,
+        step_ops=args.step_ops,
     )
     config = ServerConfig(models=_model_specs(args.model), executor=executor, host=args.host,
                           port=args.port, grace_s=args.grace, warmup=not args.no_warmup)
@@ -147,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
                    help="weight-only quantization of the linear layers (CPU): int8 per channel, or int4 in "
                         "groups of 32 with scale and minimum (GGUF Q4_1's layout; the LM head stays int8)")
+    s.add_argument("--step-ops", default="auto", choices=["auto", "fused", "eager"],
+                   help="auto: fused C++ ops for RMSNorm, the MLP activation and decode attention where they "
+                        "build and agree with torch here (CPU); eager: torch ops only; fused: fail if they cannot")
     s.add_argument("--max-batch", type=int, default=64, help="most sequences per forward")
     s.add_argument("--max-seq-len", type=int, default=0, help="0: the model's maximum")
     s.add_argument("--max-message-mb", type=int, default=256, help="largest reply (MiB)")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 MIB = 1 << 20
 LINEAR_KERNELS = ("auto", "onednn-packed", "aten")  # see kernels.py
 QUANTIZATIONS = ("none", "int8", "int4")  # see woq.py
+STEP_OPS = ("auto", "fused", "eager")  # see fused.py
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,10 @@ class ExecutorConfig:
             torch's own weight-only ops instead of ours (``woq.py``).
         quantize: "none", "int8" or "int4": weight-only quantization of the
             linear layers (CPU only; activations and KV stay in ``dtype``).
+        step_ops: "auto" runs RMSNorm, the MLP activation and decode-sized
+            attention as the fused C++ ops of ``csrc/fused.cpp`` where they build
+            and agree with the eager ops here (CPU); "eager" forces the torch
+            ops; "fused" fails at load where the fused ops cannot run.
     """
 
     dtype: str = "float32"
@@ -53,6 +58,7 @@ class ExecutorConfig:
     prefix_caching: bool = True
     linear_kernel: str = "auto"
     quantize: str = "none"
+    step_ops: str = "auto"
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
@@ -65,6 +71,8 @@ class ExecutorConfig:
             raise ValueError("prefill_chunk must be positive")
         if self.linear_kernel not in LINEAR_KERNELS:
             raise ValueError(f"linear_kernel must be one of {LINEAR_KERNELS}, not {self.linear_kernel!r}")
+        if self.step_ops not in STEP_OPS:
+            raise ValueError(f"step_ops must be one of {STEP_OPS}, not {self.step_ops!r}")
         if self.quantize not in QUANTIZATIONS:
             raise ValueError(f"quantize must be one of {QUANTIZATIONS}, not {self.quantize!r}")
         if self.quantize != "none" and not self.device.startswith("cpu"):

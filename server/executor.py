@@ -146,7 +146,8 @@ class TorchExecutor:
     def from_path(cls, name: str, path: str | Path, config: ExecutorConfig,
                   instance_id: str | None = None) -> TorchExecutor:
         device = torch.device(config.device)
-        model = load_model(path, TORCH_DTYPES[config.dtype], device, config.linear_kernel, config.quantize)
+        model = load_model(path, TORCH_DTYPES[config.dtype], device, config.linear_kernel, config.quantize,
+                           config.step_ops)
         return cls(name, model, config, instance_id or uuid.uuid4().hex)
 
     # -- queries ---------------------------------------------------------------

@@ -39,9 +39,10 @@ class KernelChoice:
     linear: str
     reason: str
     cpu_capability: str
+    step: str = "eager"  # fused step ops or not, and why (see fused.py)
 
     def describe(self) -> str:
-        return f"linear={self.linear} ({self.reason})"
+        return f"linear={self.linear} ({self.reason}); step={self.step}"
 
 
 def cpu_capability() -> str:

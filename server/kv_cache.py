@@ -60,6 +60,7 @@ class KvBatch:
         self.pool = pool
         width = max(len(t) for t in block_tables)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], device=device)
+        self.tables = tables  # (B, nb) block ids, padded with block 0 (masked / never reached)
         self.flat_tables = tables.reshape(-1)  # (B*nb,): padded with block 0, masked below
         T = max(counts)
         start = torch.tensor(starts, device=device).unsqueeze(1)  # (B, 1)

@@ -54,7 +54,7 @@ from ferrum_rpc.server.config import QUANTIZATIONS  # noqa: F401  (re-exported)
 GROUP = 32  # int4 group length along the input dimension (GGUF Q4_1's block)
 WOQ, DEQUANT = "ferrum-woq", "torch-dequant"
 _DEQUANT_ROWS = 4096  # weight rows expanded at a time by the fallback (bounds its temporary memory)
-_SOURCE = Path(__file__).parent / "csrc" / "woq.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("woq.cpp", "fused.cpp")]
 _PROBE_TOLERANCE = 1e-4
 
 
@@ -70,13 +70,14 @@ def _cache_dir() -> Path:
 
 
 def build_extension() -> Path:
-    """Compiles ``csrc/woq.cpp`` once (cached on disk) and returns the shared library."""
+    """Compiles ``csrc/woq.cpp`` and ``csrc/fused.cpp`` into one library, once
+    (cached on disk), and returns it."""
     from torch.utils import cpp_extension
 
-    source = _SOURCE.read_bytes()
+    source = b"".join(p.read_bytes() for p in _SOURCES)
     version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(source + torch.__version__.encode() + version.encode() + sys.platform.encode())
-    target = _cache_dir() / f"woq-{key.hexdigest()[:16]}.so"
+    target = _cache_dir() / f"cpu-kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -86,9 +87,10 @@ def build_extension() -> Path:
     fd, staging = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     cmd = [_compiler(), "-O3", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-           *includes, str(_SOURCE), *[f"-L{p}" for p in libs], "-lc10", "-ltorch_cpu",
+           *includes, *map(str, _SOURCES), *[f"-L{p}" for p in libs], "-lc10", "-ltorch_cpu",
            *[f"-Wl,-rpath,{p}" for p in libs], "-o", staging]
-    log.info("compiling the int8/int4 CPU kernels (once per torch version and compiler, ~15 s): %s", target.name)
+    log.info("compiling the CPU kernels (int8/int4 linears, fused step ops; once per torch version and "
+             "compiler, ~30 s): %s", target.name)
     start = time.perf_counter()
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
@@ -103,6 +105,16 @@ def build_extension() -> Path:
 
 
 @functools.lru_cache(maxsize=None)
+def load_library() -> None:
+    """Builds (once, cached on disk) and loads the CPU kernels into this process.
+    Raises where they cannot be built or loaded.  ``FERRUM_RPC_MAX_ISA``
+    (avx512, avx2 or portable) caps their inner loops, as a weaker CPU would."""
+    torch.ops.load_library(str(build_extension()))
+    if cap := os.environ.get("FERRUM_RPC_MAX_ISA"):
+        log.info("CPU kernels capped at %s inner loops: now %s", cap, torch.ops.ferrum_woq.set_max_isa(cap))
+
+
+@functools.lru_cache(maxsize=None)
 def probe_woq() -> tuple[bool, str]:
     """Whether our int8/int4 kernels build, load and agree with the reference here.
 
@@ -110,8 +122,7 @@ def probe_woq() -> tuple[bool, str]:
     ops serve instead.
     """
     try:
-        if not hasattr(torch.ops.ferrum_woq, "int4_linear"):
-            torch.ops.load_library(str(build_extension()))
+        load_library()
         gen = torch.Generator().manual_seed(0)
         weight = torch.randn(40, 96, generator=gen)
         for bits in (8, 4):

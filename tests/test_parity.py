@@ -27,16 +27,19 @@ def _hf_logits(model, ids: list[int]) -> np.ndarray:
 KERNELS = ["auto", "aten"]  # whatever the probe picks here, and the forced fallback
 
 
+@pytest.mark.parametrize("step", ["fused", "eager"])  # the fused step ops (fused.py) and their fallback
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_prefill_and_16_greedy_steps_match_transformers(arch, kernel, tiny_llama_dir, tiny_qwen3_dir):
+def test_prefill_and_16_greedy_steps_match_transformers(arch, kernel, step, tiny_llama_dir, tiny_qwen3_dir):
     model_dir = tiny_llama_dir if arch == "llama" else tiny_qwen3_dir
     oracle = _oracle(model_dir, arch)
     prompt = [5, 17, 101, 3, 250, 42, 7, 9, 300, 11, 64, 2, 77]
-    with running_server(model_dir, linear_kernel=kernel) as server, \
+    with running_server(model_dir, linear_kernel=kernel, step_ops=step) as server, \
             ExecutorClient(server.target, timeout=30) as ex:
+        kernel_path = ex.capabilities().kernel_path
+        assert f"step={step}" in kernel_path
         if kernel == "aten":
-            assert ex.capabilities().kernel_path.startswith("linear=aten")
+            assert kernel_path.startswith("linear=aten")
         out = ex.prefill(prompt, logits=LogitsPolicy.full(all_positions=True))
         ref = _hf_logits(oracle, prompt)
         assert out.logits.values.shape == ref.shape
@@ -147,16 +150,17 @@ def test_logits_policies_agree_with_full_logits(client):
         np.testing.assert_allclose(low.astype(np.float32), full, atol=tol * max(1.0, np.abs(full).max()))
 
 
+@pytest.mark.parametrize("step", ["fused", "eager"])
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_bfloat16_serving_stays_close_to_float32_transformers(arch, kernel, tiny_llama_dir, tiny_qwen3_dir):
+def test_bfloat16_serving_stays_close_to_float32_transformers(arch, kernel, step, tiny_llama_dir, tiny_qwen3_dir):
     """bfloat16 runs through other kernels (oneDNN packed weights where the CPU has them);
     each path must still compute the same model."""
     model_dir = tiny_llama_dir if arch == "llama" else tiny_qwen3_dir
     oracle = _oracle(model_dir, arch)
     prompt = [5, 17, 101, 3, 250, 42, 7, 9]
     ref = _hf_logits(oracle, prompt + [11])
-    with running_server(model_dir, dtype="bfloat16", linear_kernel=kernel) as server, \
+    with running_server(model_dir, dtype="bfloat16", linear_kernel=kernel, step_ops=step) as server, \
             ExecutorClient(server.target, timeout=30) as ex:
         assert ex.info().dtype == "bfloat16"
         out = ex.prefill(prompt, logits=LogitsPolicy.full(all_positions=True))

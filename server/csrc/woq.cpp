@@ -398,6 +398,9 @@ std::string set_max_isa(const std::string& name) {
 
 }  // namespace
 
+// The inner loops in use (0 portable, 1 avx2, 2 avx512), for fused.cpp too.
+int ferrum_active_isa() { return active_isa(); }
+
 TORCH_LIBRARY(ferrum_woq, m) {
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins) -> Tensor");

@@ -7,6 +7,9 @@ writes the new keys/values into the paged pool and returns the whole context.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,13 +17,32 @@ from torch import nn
 from ferrum_rpc.server.models.config import ModelConfig
 
 
+FUSED_MAX_TOKENS = 16  # forwards of up to this many tokens per sequence (decode, short verifies) run fused
+
+
+@dataclass
+class Rope:
+    """One forward's rotary embedding: per-token cos/sin for the eager path, or,
+    when ``fused``, the model's whole tables (the fused op gathers by position)."""
+
+    cos: torch.Tensor | None  # (B, T, 1, D) in the activations' dtype; None when fused
+    sin: torch.Tensor | None
+    table_cos: torch.Tensor  # (max_pos, D) float32
+    table_sin: torch.Tensor
+    fused: bool
+
+
 class RMSNorm(nn.Module):
+    fused = False  # set by LlamaForCausalLM.use_fused_ops
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return torch.ops.ferrum_fused.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # one fused op, same arithmetic as the reference
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32 as the reference does, then cast back.
@@ -116,9 +138,17 @@ class Attention(nn.Module):
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return self.qkv_proj(x).split([q_dim, kv_dim, kv_dim], dim=-1)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if rope.fused:  # RoPE, the pool write and paged attention in one op
+            q, k, v = self.project(x)
+            q, k = self.qk_norm(q.view(B, T, H, D), k.view(B, T, Hkv, D))
+            out = torch.ops.ferrum_fused.paged_attention(
+                q, k, v.view(B, T, Hkv, D), rope.table_cos, rope.table_sin, kv.positions, kv.pool.k[self.layer],
+                kv.pool.v[self.layer], kv.write_slots, kv.tables, 1 / math.sqrt(D))
+            return self.o_proj(out)  # (B, T, H*D)
+        rope = (rope.cos, rope.sin)
         if self.qkv_proj is not None and not self.has_qk_norm:
             # Rotate q and k as one tensor: half the per-layer RoPE ops.
             qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, D)  # (B, T, H+2Hkv, D)
@@ -139,6 +169,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    fused = False  # set by LlamaForCausalLM.use_fused_ops
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
@@ -154,6 +186,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
+        elif self.fused:
+            return self.down_proj(torch.ops.ferrum_fused.silu_mul(self.gate_up_proj(x)))
         else:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
@@ -194,6 +228,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
+        self.fused_ops = False  # see use_fused_ops
 
     def init_rope(self, device: torch.device) -> None:
         self.rope_cos, self.rope_sin = rope_tables(self.config, device)
@@ -212,13 +247,25 @@ class LlamaForCausalLM(nn.Module):
         elif weight.dtype == torch.float32:
             _replace_linears(self, "batched")
 
+    def use_fused_ops(self, on: bool) -> None:
+        """Runs RMSNorm, the MLP activation and (for forwards of up to
+        FUSED_MAX_TOKENS tokens per sequence) RoPE + KV write + attention as
+        the fused ops of ``csrc/fused.cpp``; off: the eager torch ops."""
+        self.fused_ops = on
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, MLP)):
+                module.fused = on
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
         """input_ids, positions: (B, T) int64 -> hidden (B, T, hidden)."""
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
-        cos = self.rope_cos[positions].unsqueeze(2).to(x.dtype)  # (B, T, 1, D)
-        sin = self.rope_sin[positions].unsqueeze(2).to(x.dtype)
+        if self.fused_ops and input_ids.shape[1] <= FUSED_MAX_TOKENS:
+            rope = Rope(None, None, self.rope_cos, self.rope_sin, fused=True)
+        else:
+            rope = Rope(self.rope_cos[positions].unsqueeze(2).to(x.dtype),  # (B, T, 1, D)
+                        self.rope_sin[positions].unsqueeze(2).to(x.dtype), self.rope_cos, self.rope_sin, fused=False)
         for layer in self.model.layers:
-            x = layer(x, (cos, sin), kv)
+            x = layer(x, rope, kv)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ the checkpoint's tensors are assigned to it, cast to the serving dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from ferrum_rpc.server import woq
+from ferrum_rpc.server.fused import choose_step_ops
 from ferrum_rpc.server.kernels import ONEDNN_PACKED, KernelChoice, choose_linear, cpu_capability
 from ferrum_rpc.server.models.config import ModelConfig
 from ferrum_rpc.server.models.llama import LlamaForCausalLM
@@ -26,7 +28,7 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM, "qwen3_mo
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
-               linear_kernel: str = "auto", quantize: str = "none") -> LlamaForCausalLM:
+               linear_kernel: str = "auto", quantize: str = "none", step_ops: str = "auto") -> LlamaForCausalLM:
     """Loads weights onto ``device`` in ``dtype``, computes the RoPE tables, fuses the
     projections and puts them on the linear kernel probed for this CPU (``kernels.py``),
     or quantizes them (``woq.py``); the choice is kept as ``model.kernels``."""
@@ -61,6 +63,9 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
         nbytes = woq.quantize_model(model, 4 if quantize == "int4" else 8, kernel, skip=(".mlp.gate",))
         model.kernels = KernelChoice(f"{quantize} {kernel}", why, cpu_capability())
         log.info("%s: linear weights quantized to %s: %.1f MiB", path.name, quantize, nbytes / 2**20)
+    fused, why = choose_step_ops(step_ops, dtype, device)
+    model.use_fused_ops(fused)
+    model.kernels = dataclasses.replace(model.kernels, step=why)
     log.info("%s: kernel path %s on CPU capability %s", path.name, model.kernels.describe(),
              model.kernels.cpu_capability)
     params = sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())  # tied count once

@@ -52,9 +52,10 @@ def test_unknown_kernel_name_is_refused():
 
 
 def test_capabilities_report_the_kernel_path(tiny_llama_dir):
-    with running_server(tiny_llama_dir, linear_kernel="aten") as server, ExecutorClient(server.target) as ex:
+    with running_server(tiny_llama_dir, linear_kernel="aten", step_ops="eager") as server, \
+            ExecutorClient(server.target) as ex:
         caps = ex.capabilities()
-    assert caps.kernel_path == "linear=aten (forced by configuration)"
+    assert caps.kernel_path == "linear=aten (forced by configuration); step=eager (forced by configuration)"
     assert caps.cpu_capability == cpu_capability()
 
 
@@ -85,7 +86,7 @@ _AVX2_ONLY_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.parametrize("kernel", ["auto", "aten"])
 def test_bfloat16_on_an_avx2_only_cpu_falls_back_and_matches_transformers(kernel, tiny_llama_dir, hf_tiny_llama):
-    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2")
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2", FERRUM_RPC_MAX_ISA="avx2")
     proc = subprocess.run([sys.executable, "-c", _AVX2_ONLY_SCRIPT, str(tiny_llama_dir), kernel], env=env,
                           capture_output=True, text=True, timeout=300, cwd=os.getcwd())
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -93,6 +94,8 @@ def test_bfloat16_on_an_avx2_only_cpu_falls_back_and_matches_transformers(kernel
     assert report["bf16_supported"] is False  # the emulation took: oneDNN sees no AVX-512
     assert report["cpu"] == "AVX2"
     assert report["kernel_path"].startswith("linear=aten")
+    assert "step=fused (built and probed OK (avx2 inner loops))" in report["kernel_path"] or \
+        "step=eager (fallback" in report["kernel_path"]
     assert "cannot run here" in report["forced_packed"]
     with torch.no_grad():
         ref = hf_tiny_llama(torch.tensor([[5, 17, 101, 3, 250, 42, 7, 9, 11]])).logits[0].numpy()

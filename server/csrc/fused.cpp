@@ -1,0 +1,270 @@
+// Fused CPU ops for the decode step: each replaces a run of small eager ops
+// (a batch-1 step of a 30-layer model was ~1,200 of them, 5-10 us each):
+//
+//   rms_norm         x * rsqrt(mean(x^2) + eps) * weight                  (~8 ops -> 1)
+//   silu_mul         silu(gate) * up over a fused gate|up projection     (~4 ops -> 1)
+//   paged_attention  RoPE on q and k, k/v written into the paged pool,
+//                    causal attention read straight from the pool blocks (~25 ops -> 1)
+//
+// Arithmetic is float32 throughout; bfloat16 tensors are converted on load
+// and rounded where the eager path rounds (rms_norm before the weight
+// multiply, silu before the product), so both paths agree to float32
+// rounding.  Loops are plain C++ written for the auto-vectoriser, compiled
+// twice: for AVX2+FMA (target attribute, taken only where the CPU has it)
+// and portable; ferrum_woq::set_max_isa caps both files, so tests run each
+// build on any machine.  The eager torch ops in models/llama.py stay the
+// fallback (--step-ops eager) and the reference these are probed against.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+int ferrum_active_isa();  // woq.cpp: 0 portable, 1 avx2, 2 avx512
+
+namespace {
+
+inline float load(float v) { return v; }
+inline float load(c10::BFloat16 v) { return static_cast<float>(v); }
+template <typename T> inline T store(float v) { return static_cast<T>(v); }
+
+#define FERRUM_INLINE inline __attribute__((always_inline))
+
+// ---- rms_norm ------------------------------------------------------------------
+template <typename T>
+FERRUM_INLINE void rms_row(const T* x, const T* w, int64_t c, float eps, T* y) {
+  float ss = 0;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < c; ++i) ss += load(x[i]) * load(x[i]);
+  const float inv = 1.0f / std::sqrt(ss / float(c) + eps);
+  if constexpr (std::is_same_v<T, float>) {
+#pragma omp simd
+    for (int64_t i = 0; i < c; ++i) y[i] = x[i] * inv * w[i];
+  } else {  // the eager path: normalise in float32, round, then multiply by the weight
+    for (int64_t i = 0; i < c; ++i) y[i] = store<T>(load(store<T>(load(x[i]) * inv)) * load(w[i]));
+  }
+}
+
+template <typename T>
+__attribute__((target("avx2,fma"))) void rms_avx2(const T* x, const T* w, int64_t c, float eps, T* y) {
+  rms_row(x, w, c, eps, y);
+}
+template <typename T>
+void rms_portable(const T* x, const T* w, int64_t c, float eps, T* y) { rms_row(x, w, c, eps, y); }
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: x and weight dtypes differ");
+  TORCH_CHECK(weight.dim() == 1 && x.size(-1) == weight.numel(), "rms_norm: weight must match the last dim");
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor out = at::empty_like(xc);
+  const int64_t c = xc.size(-1), rows = xc.numel() / std::max<int64_t>(c, 1);
+  const bool avx2 = ferrum_active_isa() >= 1;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, xc.scalar_type(), "rms_norm", [&] {
+    const scalar_t *xp = xc.data_ptr<scalar_t>(), *wp = wc.data_ptr<scalar_t>();
+    scalar_t* yp = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 64, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        if (avx2) rms_avx2(xp + r * c, wp, c, float(eps), yp + r * c);
+        else rms_portable(xp + r * c, wp, c, float(eps), yp + r * c);
+      }
+    });
+  });
+  return out;
+}
+
+// ---- silu_mul ------------------------------------------------------------------
+template <typename T>
+FERRUM_INLINE void silu_mul_row(const T* gu, int64_t n, T* y) {
+  const T *g = gu, *u = gu + n;
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = load(g[i]);
+    y[i] = store<T>(load(store<T>(a / (1.0f + std::exp(-a)))) * load(u[i]));
+  }
+}
+template <typename T>
+__attribute__((target("avx2,fma"))) void silu_mul_avx2(const T* gu, int64_t n, T* y) { silu_mul_row(gu, n, y); }
+template <typename T>
+void silu_mul_portable(const T* gu, int64_t n, T* y) { silu_mul_row(gu, n, y); }
+
+// gate_up (..., 2n) = [gate | up] -> silu(gate) * up (..., n)
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  const at::Tensor x = gate_up.contiguous();
+  const int64_t n2 = x.size(-1), n = n2 / 2, rows = x.numel() / std::max<int64_t>(n2, 1);
+  TORCH_CHECK(n2 % 2 == 0, "silu_mul: the last dim must be even");
+  auto shape = x.sizes().vec();
+  shape.back() = n;
+  at::Tensor out = at::empty(shape, x.options());
+  const bool avx2 = ferrum_active_isa() >= 1;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_mul", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* yp = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        if (avx2) silu_mul_avx2(xp + r * n2, n, yp + r * n);
+        else silu_mul_portable(xp + r * n2, n, yp + r * n);
+      }
+    });
+  });
+  return out;
+}
+
+// ---- paged attention -----------------------------------------------------------
+// x (D) rotated by RoPE at one position into y: y = x * cos + rotate_half(x) * sin.
+template <typename T>
+FERRUM_INLINE void rope(const T* x, const float* cos, const float* sin, int64_t d, float* y) {
+  const int64_t h = d / 2;
+#pragma omp simd
+  for (int64_t i = 0; i < h; ++i) y[i] = load(x[i]) * cos[i] - load(x[i + h]) * sin[i];
+#pragma omp simd
+  for (int64_t i = h; i < d; ++i) y[i] = load(x[i]) * cos[i] + load(x[i - h]) * sin[i];
+}
+
+template <typename T>
+FERRUM_INLINE float dot(const float* q, const T* k, int64_t d) {
+  float s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < d; ++i) s += q[i] * load(k[i]);
+  return s;
+}
+
+template <typename T>
+FERRUM_INLINE void axpy(float a, const T* v, int64_t d, float* y) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) y[i] += a * load(v[i]);
+}
+
+struct AttnArgs {
+  int64_t B, T, H, Hkv, D, bs, nb;
+  const int64_t *pos, *tables;
+  float scale;
+};
+
+// One (b, t, h) query against keys 0..pos of its sequence, read from the pool blocks.
+template <typename T>
+FERRUM_INLINE void attend_one(const AttnArgs& a, const float* q, const T* kc, const T* vc, int64_t b, int64_t t,
+                              int64_t kvh, std::vector<float>& scores, float* acc, T* out) {
+  const int64_t n = a.pos[b * a.T + t] + 1, D = a.D, row = a.Hkv * D;
+  const int64_t* table = a.tables + b * a.nb;
+  scores.resize(n);
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t slot = table[j / a.bs] * a.bs + j % a.bs;
+    scores[j] = dot(q, kc + slot * row + kvh * D, D) * a.scale;
+    mx = std::max(mx, scores[j]);
+  }
+  float sum = 0;
+  for (int64_t j = 0; j < n; ++j) sum += (scores[j] = std::exp(scores[j] - mx));
+  std::fill(acc, acc + D, 0.0f);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t slot = table[j / a.bs] * a.bs + j % a.bs;
+    axpy(scores[j], vc + slot * row + kvh * D, D, acc);
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t i = 0; i < D; ++i) out[i] = store<T>(acc[i] * inv);
+}
+
+template <typename T>
+__attribute__((target("avx2,fma"))) void attend_avx2(const AttnArgs& a, const float* q, const T* kc, const T* vc,
+                                                     int64_t b, int64_t t, int64_t kvh, std::vector<float>& s,
+                                                     float* acc, T* out) {
+  attend_one(a, q, kc, vc, b, t, kvh, s, acc, out);
+}
+template <typename T>
+void attend_portable(const AttnArgs& a, const float* q, const T* kc, const T* vc, int64_t b, int64_t t, int64_t kvh,
+                     std::vector<float>& s, float* acc, T* out) {
+  attend_one(a, q, kc, vc, b, t, kvh, s, acc, out);
+}
+
+// q (B, T, H, D), k/v (B, T, Hkv, D): any strides but a contiguous last dim.
+// cos/sin (max_pos, D) float32; positions (B, T) int64; k_cache/v_cache
+// (blocks, block_size, Hkv, D) contiguous, one layer of the pool; write_slots
+// (B*T) int64 pool slots for the new keys/values; tables (B, nb) int64 block
+// ids.  Writes k (rotated) and v into the pool, then returns the attention
+// output (B, T, H*D), each query seeing keys 0..its position.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                           const at::Tensor& sin, const at::Tensor& positions, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& write_slots, const at::Tensor& tables,
+                           double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "paged_attention: q, k, v must be (B, T, heads, D)");
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3), Hkv = k.size(2);
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "paged_attention: head dim must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4, "paged_attention: pool layer");
+  TORCH_CHECK(k_cache.size(2) == Hkv && k_cache.size(3) == D && H % Hkv == 0, "paged_attention: head shapes");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k.scalar_type() == q.scalar_type() &&
+              v.scalar_type() == q.scalar_type(), "paged_attention: dtypes differ");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.size(1) == D, "paged_attention: cos/sin must be (positions, D) float32");
+  const at::Tensor pos = positions.to(at::kLong).contiguous(), slots = write_slots.to(at::kLong).contiguous();
+  const at::Tensor tab = tables.to(at::kLong).contiguous();
+  TORCH_CHECK(pos.numel() == B * T && slots.numel() == B * T && tab.dim() == 2 && tab.size(0) == B,
+              "paged_attention: positions/slots/tables shapes");
+  const int64_t bs = k_cache.size(1), nslots = k_cache.size(0) * bs;
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * T; ++i) {
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < nslots, "paged_attention: write slot out of range");
+    TORCH_CHECK(pp[i] >= 0 && pp[i] < cos.size(0) && pp[i] < tab.size(1) * bs, "paged_attention: position out of range");
+  }
+  const int64_t* tp = tab.data_ptr<int64_t>();
+  for (int64_t i = 0; i < tab.numel(); ++i)
+    TORCH_CHECK(tp[i] >= 0 && tp[i] < k_cache.size(0), "paged_attention: block id out of range");
+  at::Tensor out = at::empty({B, T, H * D}, q.options());
+  at::Tensor qf = at::empty({B, T, H, D}, q.options().dtype(at::kFloat));
+  const bool avx2 = ferrum_active_isa() >= 1;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_attention", [&] {
+    using T_ = scalar_t;
+    const T_ *qp = q.data_ptr<T_>(), *kp = k.data_ptr<T_>(), *vp = v.data_ptr<T_>();
+    T_ *kc = k_cache.data_ptr<T_>(), *vc = v_cache.data_ptr<T_>();
+    const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
+    float* qfp = qf.data_ptr<float>();
+    // 1. rotate q into float32, rotate k and write it and v into the pool (all writes before any read).
+    std::vector<float> tmp(D);
+    for (int64_t bt = 0; bt < B * T; ++bt) {
+      const int64_t b = bt / T, t = bt % T, p = pp[bt];
+      const float *c = cp + p * D, *s = snp + p * D;
+      for (int64_t h = 0; h < H; ++h)
+        rope(qp + b * q.stride(0) + t * q.stride(1) + h * q.stride(2), c, s, D, qfp + (bt * H + h) * D);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        rope(kp + b * k.stride(0) + t * k.stride(1) + h * k.stride(2), c, s, D, tmp.data());
+        T_* kd = kc + (sp[bt] * Hkv + h) * D;
+        T_* vd = vc + (sp[bt] * Hkv + h) * D;
+        const T_* vs = vp + b * v.stride(0) + t * v.stride(1) + h * v.stride(2);
+        for (int64_t i = 0; i < D; ++i) {
+          kd[i] = store<T_>(tmp[i]);
+          vd[i] = vs[i];
+        }
+      }
+    }
+    // 2. every (b, t, h) query over its sequence's blocks.
+    const AttnArgs args{B, T, H, Hkv, D, bs, tab.size(1), pp, tab.data_ptr<int64_t>(), float(scale)};
+    T_* op = out.data_ptr<T_>();
+    at::parallel_for(0, B * T * H, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, acc(D);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t bt = i / H, h = i % H, kvh = h / (H / Hkv);
+        const float* qi = qfp + i * D;
+        if (avx2) attend_avx2(args, qi, kc, vc, bt / T, bt % T, kvh, scores, acc.data(), op + i * D);
+        else attend_portable(args, qi, kc, vc, bt / T, bt % T, kvh, scores, acc.data(), op + i * D);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(ferrum_fused, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor positions, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor write_slots, Tensor tables, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(ferrum_fused, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("paged_attention", &paged_attention);
+}

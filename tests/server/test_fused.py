@@ -1,0 +1,90 @@
+"""The fused step ops (csrc/fused.cpp) against the eager torch ops they replace,
+on every inner-loop build this CPU can run, in float32 and bfloat16; and the
+choice between them.  Whole-model parity with transformers on both step paths
+is in tests/test_parity.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ferrum_rpc.server import fused, woq
+from ferrum_rpc.server.fused import attention_error, choose_step_ops
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ok, why = fused.probe_fused(torch.float32)
+    assert ok, f"the fused ops should build and agree on this machine: {why}"
+    return torch.ops.ferrum_fused
+
+
+@pytest.fixture(params=["avx512", "avx2", "portable"])
+def isa(request, ops):
+    ran = torch.ops.ferrum_woq.set_max_isa(request.param)
+    if ran != request.param:
+        torch.ops.ferrum_woq.set_max_isa("avx512")
+        pytest.skip(f"this CPU cannot run the {request.param} path")
+    yield request.param
+    torch.ops.ferrum_woq.set_max_isa("avx512")
+
+
+def rel(got, want) -> float:
+    return (got.float() - want.float()).abs().max().item() / max(want.float().abs().max().item(), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_silu_mul_match_torch(ops, isa, dtype):
+    gen = torch.Generator().manual_seed(1)
+    for rows, width in [(1, 576), (7, 64), (130, 96)]:  # 130 rows: several threads
+        x = (3 * torch.randn(rows, width, generator=gen)).to(dtype)
+        w = (torch.rand(width, generator=gen) + 0.5).to(dtype)
+        if dtype == torch.float32:
+            want = F.rms_norm(x, (width,), w, 1e-5)
+        else:
+            want = w * F.rms_norm(x.float(), (width,), eps=1e-5).to(dtype)
+        assert rel(ops.rms_norm(x, w, 1e-5), want) <= TOL[dtype]
+        gu = (3 * torch.randn(rows, 2, width, generator=gen)).to(dtype).view(rows, 2 * width)
+        gate, up = gu.chunk(2, dim=-1)
+        assert rel(ops.silu_mul(gu), F.silu(gate) * up) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [dict(), dict(heads=9, kv_heads=3, dim=64, block=16), dict(heads=4, kv_heads=4)])
+def test_paged_attention_matches_rope_write_and_sdpa(ops, isa, dtype, shape):
+    """Ragged batch, shuffled blocks, grouped-query and plain multi-head shapes;
+    the output rows and every pool block written must agree."""
+    gen = torch.Generator().manual_seed(2)
+    assert attention_error(dtype, gen, **shape) <= TOL[dtype]
+
+
+def test_paged_attention_refuses_out_of_range_slots_and_blocks(ops):
+    from ferrum_rpc.server.kv_cache import KvPool
+    from ferrum_rpc.server.models.llama import rope_tables
+    from types import SimpleNamespace
+
+    cos, sin = rope_tables(SimpleNamespace(head_dim=16, rope_theta=1e4, max_position_embeddings=64),
+                           torch.device("cpu"))
+    pool = KvPool(1, 4, 4, 2, 16, torch.float32, torch.device("cpu"))
+    kv = pool.batch([[1, 2]], [3], [1])
+    q, k = torch.randn(1, 1, 4, 16), torch.randn(1, 1, 2, 16)
+    args = (q, k, k, cos, sin, kv.positions, pool.k[0], pool.v[0])
+    ops.paged_attention(*args, kv.write_slots, kv.tables, 0.25)  # in range: runs
+    with pytest.raises(RuntimeError, match="write slot out of range"):
+        ops.paged_attention(*args, kv.write_slots + 1000, kv.tables, 0.25)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        ops.paged_attention(*args, kv.write_slots, kv.tables + 100, 0.25)
+
+
+def test_step_ops_choice(ops):
+    cpu = torch.device("cpu")
+    assert choose_step_ops("eager", torch.float32, cpu) == (False, "eager (forced by configuration)")
+    on, why = choose_step_ops("auto", torch.float32, cpu)
+    assert on and why.startswith("fused (built and probed OK")
+    assert choose_step_ops("fused", torch.bfloat16, cpu)[0]
+    with pytest.raises(ValueError, match="one of"):
+        choose_step_ops("fast", torch.float32, cpu)
+    assert woq.load_library.cache_info().currsize == 1  # built and loaded once per process
