@@ -56,6 +56,8 @@ WOQ, DEQUANT = "ferrum-woq", "torch-dequant"
 _DEQUANT_ROWS = 4096  # weight rows expanded at a time by the fallback (bounds its temporary memory)
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("woq.cpp", "fused.cpp")]
 _PROBE_TOLERANCE = 1e-4
+# -fopenmp: at::parallel_for is inline OpenMP; without it every kernel ran on one thread.
+_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
 
 
 # -- building and probing the extension ------------------------------------------------
@@ -76,7 +78,8 @@ def build_extension() -> Path:
 
     source = b"".join(p.read_bytes() for p in _SOURCES)
     version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(source + torch.__version__.encode() + version.encode() + sys.platform.encode())
+    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + torch.__version__.encode() + version.encode()
+                         + sys.platform.encode())
     target = _cache_dir() / f"cpu-kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -86,7 +89,7 @@ def build_extension() -> Path:
     abi = int(torch.compiled_with_cxx11_abi())
     fd, staging = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [_compiler(), "-O3", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    cmd = [_compiler(), *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
            *includes, *map(str, _SOURCES), *[f"-L{p}" for p in libs], "-lc10", "-ltorch_cpu",
            *[f"-Wl,-rpath,{p}" for p in libs], "-o", staging]
     log.info("compiling the CPU kernels (int8/int4 linears, fused step ops; once per torch version and "

@@ -16,6 +16,7 @@
 // built or disagrees with the reference (see server/woq.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -291,7 +292,9 @@ at::Tensor run_linear(const at::Tensor& x2d, int64_t n_out, Expand expand, Reg r
     at::Tensor out_t = at::empty({n_out, M}, x2d.options());
     const at::Tensor x_t = x2d.t();
     const int64_t tiles = (n_out + kTileRows - 1) / kTileRows;
+    const bool inference = c10::InferenceMode::is_enabled();  // thread-local: OpenMP workers need it too
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {  // each thread: its own tiles, serial GEMMs
+      c10::InferenceMode guard(inference);
       at::Tensor tile = at::empty({kTileRows, K}, x2d.options());
       float* t = tile.data_ptr<float>();
       for (int64_t i = begin; i < end; ++i) {

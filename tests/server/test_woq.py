@@ -50,6 +50,26 @@ def test_kernel_matches_the_dequantized_reference(bits, rows, isa):
     assert layer(x.bfloat16()).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("rows", [1, 40])
+def test_kernels_run_threaded_and_under_inference_mode(bits, rows, isa):
+    """Enough weight rows for several threads and GEMM tiles, called as the
+    executor calls them (inference mode is thread-local: the kernels' OpenMP
+    workers once refused to write the output of an inference-mode call)."""
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(1100, 96, generator=gen)
+    layer = woq.QuantizedLinear(weight, None, bits, woq.WOQ)
+    x = torch.randn(rows, 96, generator=gen)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            got = layer(x)
+    finally:
+        torch.set_num_threads(threads)
+    np.testing.assert_allclose(got.numpy(), F.linear(x, layer.dequantized()).numpy(), atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("bits,tolerance", [(8, 0.01), (4, 0.15)])
 def test_quantization_error_is_bounded(bits, tolerance):
     weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
