@@ -10,11 +10,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ferrum_rpc.server.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 FUSED_MAX_TOKENS = 16  # forwards of up to this many tokens per sequence (decode, short verifies) run fused
@@ -75,9 +79,9 @@ class FastLinear(nn.Module):
 
     On CPU, bfloat16 GEMMs through oneDNN's packed path (AMX where present)
     run about 2x faster than ``F.linear`` at every batch size.  For float32
-    the packed path wins only for M > 1 (MKL's small-M sgemm is slow there,
-    up to 2x on the LM head), so float32 keeps the plain weight for single
-    rows; the packed copy doubles float32 weight memory.
+    the packed path always wins for M > 1 (MKL's small-M sgemm is slow), and
+    for one row on some CPUs only (``kernels.packed_float32_wins_at_one_row``
+    times it at load); the packed copy doubles float32 weight memory.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: str):
@@ -245,7 +249,11 @@ class LlamaForCausalLM(nn.Module):
         if weight.dtype == torch.bfloat16:
             _replace_linears(self, "always")
         elif weight.dtype == torch.float32:
-            _replace_linears(self, "batched")
+            from ferrum_rpc.server.kernels import packed_float32_wins_at_one_row
+
+            wins, timing = packed_float32_wins_at_one_row()
+            log.info("float32 linears: packed for %s (%s)", "every row count" if wins else "batches", timing)
+            _replace_linears(self, "always" if wins else "batched")
 
     def use_fused_ops(self, on: bool) -> None:
         """Runs RMSNorm, the MLP activation and (for forwards of up to
