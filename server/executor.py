@@ -417,6 +417,10 @@ class TorchExecutor:
         if bad:
             raise InvalidInput(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
 
+    def check_reply_fits(self, policy: LogitsPolicy, positions: int) -> None:
+        """Raises INVALID_INPUT unless ``positions`` rows of ``policy`` fit one reply (reads no state)."""
+        self._check_policy(policy, positions)
+
     def _check_policy(self, policy: LogitsPolicy, positions: int) -> None:
         """Checks the policy, and that its reply will fit the message limit (every kind,
         before any work: a reply that fails at send time would strand the sequence)."""

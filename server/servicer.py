@@ -312,7 +312,15 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
     async def BatchDecode(self, request, context):
         received = time.perf_counter_ns()
         worker, items, policy = self._decode_batch(request)
+        if request.single_reply:  # every row in one message: it must fit the limit as a whole
+            worker.executor.check_reply_fits(policy, len(items))
         outs = await worker.decode(items, policy, _deadline(context))
+        if request.single_reply:
+            reply = pb.BatchDecodeResponse()
+            for index, out in enumerate(outs):
+                self._result(reply.results.add(index=index), out, received)
+            yield reply
+            return
         for index, out in enumerate(outs):
             yield await self._reply(pb.BatchDecodeResponse(index=index), out, received)
 

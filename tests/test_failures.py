@@ -142,6 +142,14 @@ def test_every_reply_kind_is_size_checked_before_any_work(tiny_llama_dir):
         # within the limit, the same kinds are served
         ok = ex.prefill(prompt(10), logits=LogitsPolicy.topk(VOCAB, all_positions=True))
         assert ok.logits.values.shape == (10, VOCAB)
+        # BatchDecode with small rows answers in one message (single_reply): all rows count together
+        handles = [ex.prefill(prompt(8, seed=i), logits=LogitsPolicy.argmax()).kv_cache for i in range(12)]
+        state, forwards = kv_state(ex), ex.status().forwards
+        with pytest.raises(InvalidInput, match="message limit"):  # 12 x 320 x 9 bytes > 32 KiB
+            ex.batch_decode([(1, h) for h in handles], logits=LogitsPolicy.topk(VOCAB))
+        assert kv_state(ex) == state and ex.status().forwards == forwards
+        outs = ex.batch_decode([(1, h) for h in handles[:8]], logits=LogitsPolicy.topk(VOCAB))
+        assert [o.kv_cache.sequence_length for o in outs] == [9] * 8
 
 
 @pytest.mark.parametrize("how", ["deadline", "cancel"])

@@ -79,6 +79,36 @@ def test_batch_decode_of_different_lengths_equals_decoding_alone(client):
         client.release_cache(out.kv_cache)
 
 
+def test_batch_decode_single_reply_carries_what_the_stream_carries(tiny_server, client):
+    """BatchDecodeRequest.single_reply: one message with every result in order,
+    the same rows as one stream message per sequence (the size rule is in test_failures)."""
+    import grpc
+
+    from ferrum_rpc import convert
+    from ferrum_rpc.v1 import executor_pb2 as pb
+    from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
+
+    prompts = [[1, 2, 3], list(range(10, 21)), [7]]
+    twins = [[client.prefill(p).kv_cache for p in prompts] for _ in range(2)]
+    policy = convert.policy_to_proto(LogitsPolicy.topk(5))
+    with grpc.insecure_channel(tiny_server.target) as channel:
+        stub = pb_grpc.ModelExecutorStub(channel)
+        replies = {}
+        for single, handles in zip((False, True), twins):
+            req = pb.BatchDecodeRequest(logits=policy, single_reply=single)
+            for i, h in enumerate(handles):
+                req.items.add(token_id=40 + i, kv_cache=convert.handle_to_proto(h))
+            replies[single] = list(stub.BatchDecode(req, timeout=30))
+        streamed, (one,) = replies[False], replies[True]
+        assert len(streamed) == 3 and [r.index for r in one.results] == [0, 1, 2]
+        for a, b in zip(sorted(streamed, key=lambda r: r.index), one.results):
+            assert a.logits == b.logits
+            assert a.kv_cache.sequence_length == b.kv_cache.sequence_length
+    for handles in twins:
+        for h in handles:
+            client.release_cache(h.cache_id)
+
+
 def test_chunked_prefill_equals_one_shot(client):
     prompt = list(range(3, 40))
     one_shot = client.prefill(prompt, logits=LogitsPolicy.full(all_positions=True))

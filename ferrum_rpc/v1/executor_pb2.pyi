@@ -317,26 +317,30 @@ class DecodeItem(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ...) -> None: ...
 
 class BatchDecodeRequest(_message.Message):
-    __slots__ = ("model", "items", "logits")
+    __slots__ = ("model", "items", "logits", "single_reply")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
+    SINGLE_REPLY_FIELD_NUMBER: _ClassVar[int]
     model: str
     items: _containers.RepeatedCompositeFieldContainer[DecodeItem]
     logits: LogitsPolicy
-    def __init__(self, model: _Optional[str] = ..., items: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ..., logits: _Optional[_Union[LogitsPolicy, _Mapping]] = ...) -> None: ...
+    single_reply: bool
+    def __init__(self, model: _Optional[str] = ..., items: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ..., logits: _Optional[_Union[LogitsPolicy, _Mapping]] = ..., single_reply: _Optional[bool] = ...) -> None: ...
 
 class BatchDecodeResponse(_message.Message):
-    __slots__ = ("index", "logits", "kv_cache", "timing")
+    __slots__ = ("index", "logits", "kv_cache", "timing", "results")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
     index: int
     logits: Logits
     kv_cache: KvCacheHandle
     timing: Timing
-    def __init__(self, index: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+    results: _containers.RepeatedCompositeFieldContainer[BatchDecodeResponse]
+    def __init__(self, index: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., results: _Optional[_Iterable[_Union[BatchDecodeResponse, _Mapping]]] = ...) -> None: ...
 
 class DecodeSessionRequest(_message.Message):
     __slots__ = ("step_id", "model", "items", "logits")

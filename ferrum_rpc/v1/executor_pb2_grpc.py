@@ -134,7 +134,8 @@ class ModelExecutorServicer:
 
     def BatchDecode(self, request, context):
         """One batched forward over many sequences (any mix of lengths); one
-        response message per sequence, tagged with its index in the request.
+        response message per sequence, tagged with its index in the request, or,
+        with `single_reply`, one message whose `results` hold them all in order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
