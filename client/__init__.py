@@ -6,7 +6,7 @@
         step = ex.decode(next_id, out.kv_cache)
 """
 
-from ferrum_rpc.client.client import AsyncExecutorClient, ExecutorClient
+from ferrum_rpc.client.client import AsyncExecutorClient, ClientTls, ExecutorClient
 from ferrum_rpc.errors import (
     CacheNotFound,
     Draining,
@@ -22,6 +22,7 @@ from ferrum_rpc.types import DecodeInput, KvCacheHandle, LogitsKind, LogitsPolic
 
 __all__ = [
     "AsyncExecutorClient",
+    "ClientTls",
     "CacheNotFound",
     "DecodeInput",
     "Draining",

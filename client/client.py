@@ -7,7 +7,8 @@ Both hide the stubs, return the typed objects of ``ferrum_rpc.types`` and turn
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Iterable, Sequence, Union
 
 import grpc
@@ -38,6 +39,45 @@ def _options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
     ]
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    """TLS for a client channel (PEM file paths).
+
+    Attributes:
+        ca: CA bundle the server's certificate must chain to ("" = the system roots).
+        cert, key: this client's certificate chain and key, for servers that require mTLS.
+        server_name: the name to verify in the server's certificate, when the
+            target address is not it (an IP, a tunnel).
+    """
+
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+    server_name: str = ""
+
+
+def _channel(target: str, options: list, tls: ClientTls | None, token: str | None, aio: bool):
+    """A channel to ``target``: plaintext, TLS or mTLS, with a bearer token on every call.
+
+    A token travels only over TLS, or over plaintext to a loopback address
+    (gRPC's local credentials check that the peer is local)."""
+    grpc_mod = grpc.aio if aio else grpc
+    if tls is None and token is None:
+        return grpc_mod.insecure_channel(target, options=options)
+    if tls is not None:
+        read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+        if bool(tls.cert) != bool(tls.key):
+            raise ValueError("a client certificate needs its key (and the key its certificate)")
+        creds = grpc.ssl_channel_credentials(read(tls.ca), read(tls.key), read(tls.cert))
+        if tls.server_name:
+            options = [*options, ("grpc.ssl_target_name_override", tls.server_name)]
+    else:
+        creds = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+    if token is not None:
+        creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
+    return grpc_mod.secure_channel(target, creds, options=options)
 
 
 class _Codec:
@@ -105,12 +145,16 @@ class ExecutorClient(_Codec):
         model: the hosted model to address; "" means the server's default.
         timeout: per-call deadline in seconds (None: no deadline).
         max_message_bytes: largest reply accepted.
+        tls: connect with TLS (and a client certificate for mTLS); None: plaintext.
+        token: bearer token sent on every call (servers run with ``--auth-tokens``);
+            only over TLS or to a loopback address.
     """
 
     def __init__(self, target: str, *, model: str = "", timeout: float | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: ClientTls | None = None,
+                 token: str | None = None):
         self.model, self.timeout = model, timeout
-        self._channel = grpc.insecure_channel(target, options=_options(max_message_bytes))
+        self._channel = _channel(target, _options(max_message_bytes), tls, token, aio=False)
         self._stub = pb_grpc.ModelExecutorStub(self._channel)
 
     def _call(self, method, request):
@@ -187,9 +231,10 @@ class AsyncExecutorClient(_Codec):
     """asyncio client with the same methods as :class:`ExecutorClient`, awaitable."""
 
     def __init__(self, target: str, *, model: str = "", timeout: float | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: ClientTls | None = None,
+                 token: str | None = None):
         self.model, self.timeout = model, timeout
-        self._channel = grpc.aio.insecure_channel(target, options=_options(max_message_bytes))
+        self._channel = _channel(target, _options(max_message_bytes), tls, token, aio=True)
         self._stub = pb_grpc.ModelExecutorStub(self._channel)
 
     async def _call(self, method, request):

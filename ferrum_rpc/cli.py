@@ -41,12 +41,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kv_memory_fraction=args.kv_memory_fraction, idle_timeout_s=args.idle_timeout,
         prefill_chunk=args.prefill_chunk, prefix_caching=not args.no_prefix_cache,
         linear_kernel="aten" if args.no_packed_weights else args.linear_kernel, quantize=args.quantize,
-        step_ops=args.step_ops,
+        step_ops=args.step_ops, max_sequences=args.max_sequences,
+        tenant_max_sequences=args.tenant_max_sequences, tenant_kv_tokens=args.tenant_kv_tokens,
     )
-    config = ServerConfig(models=_model_specs(args.model), executor=executor, host=args.host,
-                          port=args.port, grace_s=args.grace, warmup=not args.no_warmup)
+    try:
+        config = _server_config(args, executor)
+    except ValueError as exc:
+        print(f"ferrum-rpc serve: {exc}", file=sys.stderr)
+        return 2
     asyncio.run(serve(config))
     return 0
+
+
+def _server_config(args: argparse.Namespace, executor):
+    from ferrum_rpc.server.config import ServerConfig
+
+    return ServerConfig(models=_model_specs(args.model), executor=executor, host=args.host,
+                          port=args.port, grace_s=args.grace, warmup=not args.no_warmup,
+                          tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+                          auth_tokens=args.auth_tokens, insecure=args.insecure)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -127,7 +140,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", action="append", default=[], metavar="[NAME=]PATH",
                    help="HF-style folder (config.json + *.safetensors); repeatable. "
                         "Default: the embedded SmolLM2-135M-Instruct, prepared on first use")
-    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="bind address; anything but loopback needs --tls-cert/--tls-key and --auth-tokens, "
+                        "or --insecure")
+    s.add_argument("--tls-cert", default="", help="PEM certificate chain: serve TLS only")
+    s.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    s.add_argument("--tls-client-ca", default="", help="PEM CA bundle: require and verify client certificates")
+    s.add_argument("--auth-tokens", default="",
+                   help="file of '<tenant> <token>' lines: every call but health checks needs "
+                        "'authorization: Bearer <token>'; sequences are private to their tenant")
+    s.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --host without TLS and tokens (a trusted network only)")
+    s.add_argument("--max-sequences", type=int, default=100_000, help="live sequences in all (0: no cap)")
+    s.add_argument("--tenant-max-sequences", type=int, default=0, help="live sequences per tenant (0: no cap)")
+    s.add_argument("--tenant-kv-tokens", type=int, default=0, help="KV tokens one tenant may hold (0: no quota)")
     s.add_argument("--port", type=int, default=50051, help="0 picks a free port (logged)")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     s.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")

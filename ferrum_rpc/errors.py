@@ -28,6 +28,9 @@ class Reason(str, enum.Enum):
     MODEL_NOT_FOUND = "MODEL_NOT_FOUND"
     MODEL_LOADING = "MODEL_LOADING"
     DRAINING = "DRAINING"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    SEQUENCE_LIMIT_EXCEEDED = "SEQUENCE_LIMIT_EXCEEDED"
+    TENANT_QUOTA_EXCEEDED = "TENANT_QUOTA_EXCEEDED"
 
 
 STATUS_FOR_REASON: dict[Reason, grpc.StatusCode] = {
@@ -41,6 +44,9 @@ STATUS_FOR_REASON: dict[Reason, grpc.StatusCode] = {
     Reason.MODEL_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     Reason.MODEL_LOADING: grpc.StatusCode.UNAVAILABLE,
     Reason.DRAINING: grpc.StatusCode.UNAVAILABLE,
+    Reason.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    Reason.SEQUENCE_LIMIT_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.TENANT_QUOTA_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 
@@ -131,6 +137,24 @@ class Draining(ExecutorError):
     reason = Reason.DRAINING
 
 
+class Unauthenticated(ExecutorError):
+    """No bearer token, or one the server does not know (``--auth-tokens``)."""
+
+    reason = Reason.UNAUTHENTICATED
+
+
+class SequenceLimitExceeded(ExecutorError):
+    """Too many live sequences: the caller's tenant cap or the server's (``--max-sequences``)."""
+
+    reason = Reason.SEQUENCE_LIMIT_EXCEEDED
+
+
+class TenantQuotaExceeded(ExecutorError):
+    """The caller's tenant would hold more KV than ``--tenant-kv-tokens``."""
+
+    reason = Reason.TENANT_QUOTA_EXCEEDED
+
+
 ERROR_CLASSES: dict[Reason, type[ExecutorError]] = {
     cls.reason: cls
     for cls in (
@@ -144,6 +168,9 @@ ERROR_CLASSES: dict[Reason, type[ExecutorError]] = {
         ModelNotFound,
         ModelLoading,
         Draining,
+        Unauthenticated,
+        SequenceLimitExceeded,
+        TenantQuotaExceeded,
     )
 }
 

@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from ferrum_rpc.server.auth import AuthInterceptor, TlsFiles, TokenTable
 from ferrum_rpc.server.config import ServerConfig
 from ferrum_rpc.server.executor import TorchExecutor
 from ferrum_rpc.server.servicer import ExecutorServicer, add_executor_service
@@ -92,17 +93,26 @@ def _warm_up(executor: TorchExecutor) -> None:
 async def build_server(config: ServerConfig) -> App:
     """Binds ``config.host:config.port`` (0 picks a free port) and starts serving health."""
     instance_id = uuid.uuid4().hex
-    server = grpc.aio.server(options=channel_options(config.executor.max_message_bytes))
-    servicer = ExecutorServicer(instance_id)
+    tokens = TokenTable.load(config.auth_tokens) if config.auth_tokens else None
+    server = grpc.aio.server(options=channel_options(config.executor.max_message_bytes),
+                             interceptors=[AuthInterceptor(tokens)] if tokens else None)
+    servicer = ExecutorServicer(instance_id, tokens)
     health = HealthServicer()
     add_executor_service(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection((SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    address = f"{config.host}:{config.port}"
+    if config.tls_cert:
+        tls = TlsFiles(config.tls_cert, config.tls_key, config.tls_client_ca)
+        port = server.add_secure_port(address, tls.credentials())
+    else:
+        port = server.add_insecure_port(address)
+    security = ("mTLS" if config.tls_client_ca else "TLS" if config.tls_cert else "plaintext") + \
+        (", bearer tokens" if tokens else ", no authentication")
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
-    log.info("listening on %s:%d (instance %s)", config.host, port, instance_id)
+    log.info("listening on %s:%d (instance %s) with %s", config.host, port, instance_id, security)
     return App(config, server, port, servicer, health)
 
 

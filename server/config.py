@@ -59,6 +59,9 @@ class ExecutorConfig:
     linear_kernel: str = "auto"
     quantize: str = "none"
     step_ops: str = "auto"
+    max_sequences: int = 100_000  # live sequences in all, forks included (0: no cap)
+    tenant_max_sequences: int = 0  # live sequences per tenant (0: no cap)
+    tenant_kv_tokens: int = 0  # KV tokens one tenant may hold (0: no quota)
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
@@ -95,3 +98,31 @@ class ServerConfig:
     port: int = 50051
     grace_s: float = 30.0
     warmup: bool = True
+    tls_cert: str = ""  # PEM chain; with tls_key: serve TLS only
+    tls_key: str = ""
+    tls_client_ca: str = ""  # PEM CA bundle: require and verify client certificates (mTLS)
+    auth_tokens: str = ""  # file of "<tenant> <token>" lines: require bearer tokens
+    insecure: bool = False  # allow a non-loopback address without TLS and tokens
+
+    def __post_init__(self):
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        if not is_loopback(self.host) and not (self.tls_cert and self.auth_tokens) and not self.insecure:
+            raise ValueError(
+                f"refusing to serve on {self.host} without TLS and tokens: anyone who can reach it could "
+                f"read and drive every sequence.  Give --tls-cert/--tls-key and --auth-tokens, or --insecure "
+                f"if the network itself is trusted")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a bind address) is only reachable from this machine."""
+    import ipaddress
+
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

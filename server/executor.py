@@ -22,10 +22,13 @@ from ferrum_rpc.errors import (
     InvalidInput,
     KvCapacityExhausted,
     LengthMismatch,
+    SequenceLimitExceeded,
     SequenceTooLong,
     StaleHandle,
+    TenantQuotaExceeded,
     shown,
 )
+from ferrum_rpc.server.auth import current_tenant
 from ferrum_rpc.server.config import ExecutorConfig
 from ferrum_rpc.server.kv_cache import KvPool
 from ferrum_rpc.server.kv_manager import BlockManager, SequenceState, WritePlan
@@ -329,7 +332,9 @@ class TorchExecutor:
         self._check_fits_pool(start + len(token_ids))
         if seq is not None:
             return _Opened(seq, False, 0, seq.length, seq.last_used)
-        seq = self.kv.create(uuid.uuid4().hex)
+        tenant = current_tenant.get()
+        self._check_sequence_room(tenant, 1)
+        seq = self.kv.create(uuid.uuid4().hex, tenant)
         cached = 0
         if not policy.all_positions:  # a hit must leave the last token to compute
             cached = self.kv.adopt_prefix(seq, token_ids, len(token_ids) - 1)
@@ -388,7 +393,7 @@ class TorchExecutor:
     def release_cache(self, cache_id: str) -> int:
         """Forgets a sequence; returns how many blocks went back to the pool."""
         self._check_id(cache_id, "cache_id")
-        self._check_not_busy(self.kv.get(cache_id))
+        self._check_not_busy(self.kv.get(cache_id, current_tenant.get()))
         return self.kv.release(cache_id)
 
     def fork_cache(self, kv_cache: KvCacheHandle, num_children: int) -> list[KvCacheHandle]:
@@ -396,6 +401,7 @@ class TorchExecutor:
         if not 1 <= num_children <= self.config.max_batch_size:
             raise InvalidInput(f"num_children must be in 1..={self.config.max_batch_size}, got {num_children}")
         seq = self._resolve(kv_cache)
+        self._check_sequence_room(seq.tenant, num_children)
         children = self.kv.fork(seq, [uuid.uuid4().hex for _ in range(num_children)])
         return [self._handle(c) for c in children]
 
@@ -457,7 +463,7 @@ class TorchExecutor:
                 f"handle {shown(handle.cache_id)} was issued by server instance "
                 f"{shown(handle.server_instance_id)}, this is {self.instance_id!r}"
             )
-        seq = self.kv.get(handle.cache_id)
+        seq = self.kv.get(handle.cache_id, current_tenant.get())  # another tenant's: "not found"
         self._check_not_busy(seq)
         if handle.sequence_length != seq.length:
             raise LengthMismatch(
@@ -480,6 +486,16 @@ class TorchExecutor:
                 f"{self.kv.num_blocks}"
             )
 
+    def _check_sequence_room(self, tenant: str, new: int) -> None:
+        """Refuses ``new`` more sequences past the server's or the tenant's cap."""
+        cap, tenant_cap = self.config.max_sequences, self.config.tenant_max_sequences
+        if cap and len(self.kv) + new > cap:
+            raise SequenceLimitExceeded(
+                f"the server holds {len(self.kv)} live sequences, its cap is {cap}; release some")
+        if tenant_cap and self.kv.count(tenant) + new > tenant_cap:
+            raise SequenceLimitExceeded(
+                f"your tenant holds {self.kv.count(tenant)} live sequences, its cap is {tenant_cap}; release some")
+
     def _check_not_busy(self, seq: SequenceState) -> None:
         if seq.pins:
             raise InvalidInput(f"sequence {shown(seq.cache_id)} is in the middle of a chunked prefill")
@@ -488,6 +504,13 @@ class TorchExecutor:
         """Reserves room (and private copies of shared blocks) for ``tokens`` after the sequence's end."""
         seq = opened.seq
         plan = self.kv.prepare_write(seq, seq.length, seq.length + len(tokens))
+        if quota := self.config.tenant_kv_tokens:
+            held = self.kv.blocks_held(seq.tenant)
+            if held * self.kv.block_size > quota:
+                self.kv.undo_write(seq, plan)
+                raise TenantQuotaExceeded(
+                    f"your tenant would hold {held * self.kv.block_size} KV tokens ({held} blocks), over its "
+                    f"quota of {quota}; release or truncate sequences")
         self.pool.copy_blocks(plan.copies)
         return _Step(opened, list(tokens), seq.length, plan, rows)
 

@@ -37,6 +37,7 @@ class SequenceState:
     hashes: list[bytes] = field(default_factory=list)  # chained hashes of leading full blocks
     last_used: float = field(default_factory=time.monotonic)  # end of its last successful call
     pins: int = 0  # jobs using it right now (a chunked prefill, a long verify): never reaped
+    tenant: str = ""  # who made it: nobody else can see it (auth off: everyone is tenant "")
 
 
 @dataclass
@@ -68,7 +69,7 @@ class BlockManager:
         self._hash_of: dict[int, bytes] = {}  # block -> hash of its full content
         self._block_of: dict[bytes, int] = {}  # hash -> block
         self._seqs: dict[str, SequenceState] = {}
-        self._expired: OrderedDict[str, None] = OrderedDict()
+        self._expired: OrderedDict[str, str] = OrderedDict()  # cache id -> its tenant
         self.queried_tokens = 0
         self.hit_tokens = 0
         self.expired_count = 0
@@ -131,19 +132,29 @@ class BlockManager:
     def __len__(self) -> int:
         return len(self._seqs)
 
-    def get(self, cache_id: str) -> SequenceState:
-        try:
-            return self._seqs[cache_id]
-        except KeyError:
-            if cache_id in self._expired:
-                raise CacheExpired(f"KV cache {shown(cache_id)} was reclaimed after sitting idle") from None
-            raise CacheNotFound(f"no KV cache with id {shown(cache_id)}") from None
+    def get(self, cache_id: str, tenant: str | None = None) -> SequenceState:
+        """The sequence ``cache_id``.  With ``tenant`` given, another tenant's
+        sequence (live or expired) is answered exactly like an unknown id."""
+        seq = self._seqs.get(cache_id)
+        if seq is not None and (tenant is None or seq.tenant == tenant):
+            return seq
+        if cache_id in self._expired and seq is None and (tenant is None or self._expired[cache_id] == tenant):
+            raise CacheExpired(f"KV cache {shown(cache_id)} was reclaimed after sitting idle")
+        raise CacheNotFound(f"no KV cache with id {shown(cache_id)}")
 
-    def create(self, cache_id: str) -> SequenceState:
+    def count(self, tenant: str) -> int:
+        """Live sequences of ``tenant``."""
+        return sum(1 for s in self._seqs.values() if s.tenant == tenant)
+
+    def blocks_held(self, tenant: str) -> int:
+        """Distinct KV blocks the sequences of ``tenant`` hold (shared ones once)."""
+        return len({b for s in self._seqs.values() if s.tenant == tenant for b in s.block_ids})
+
+    def create(self, cache_id: str, tenant: str = "") -> SequenceState:
         if cache_id in self._seqs:
             raise ValueError(f"duplicate cache id {cache_id!r}")
         self._expired.pop(cache_id, None)
-        seq = self._seqs[cache_id] = SequenceState(cache_id)
+        seq = self._seqs[cache_id] = SequenceState(cache_id, tenant=tenant)
         return seq
 
     def release(self, cache_id: str) -> int:
@@ -169,8 +180,9 @@ class BlockManager:
         now = time.monotonic() if now is None else now
         stale = [cid for cid, s in self._seqs.items() if not s.pins and now - s.last_used > idle_s]
         for cid in stale:
+            tenant = self._seqs[cid].tenant
             self.release(cid)
-            self._expired[cid] = None
+            self._expired[cid] = tenant
             if len(self._expired) > _EXPIRED_MEMORY:
                 self._expired.popitem(last=False)
         self.expired_count += len(stale)
@@ -182,9 +194,15 @@ class BlockManager:
         h.update(b"".join(t.to_bytes(4, "little") for t in block_tokens))
         return h.digest()
 
-    def _block_hashes(self, tokens: list[int]) -> list[bytes]:
-        """Chained hashes of each full block of ``tokens``."""
-        out, bs, parent = [], self.block_size, b""
+    @staticmethod
+    def _root(tenant: str) -> bytes:
+        """Where a tenant's hash chains start: prefix sharing never crosses tenants,
+        so a cache hit tells a caller nothing about anyone else's prompts."""
+        return hashlib.blake2b(b"tenant:" + tenant.encode(), digest_size=16).digest()
+
+    def _block_hashes(self, tokens: list[int], tenant: str) -> list[bytes]:
+        """Chained hashes of each full block of ``tokens`` (per tenant)."""
+        out, bs, parent = [], self.block_size, self._root(tenant)
         for i in range(len(tokens) // bs):
             parent = self._block_hash(parent, tokens[i * bs:(i + 1) * bs])
             out.append(parent)
@@ -201,7 +219,7 @@ class BlockManager:
         self.queried_tokens += len(tokens)
         limit = max(0, min(max_tokens, len(tokens))) // self.block_size * self.block_size
         matched: list[int] = []
-        hashes = self._block_hashes(tokens[:limit])
+        hashes = self._block_hashes(tokens[:limit], seq.tenant)
         for digest in hashes:
             block = self._block_of.get(digest)
             if block is None:
@@ -223,7 +241,7 @@ class BlockManager:
             return
         bs = self.block_size
         for i in range(len(seq.hashes), seq.length // bs):
-            parent = seq.hashes[-1] if seq.hashes else b""
+            parent = seq.hashes[-1] if seq.hashes else self._root(seq.tenant)
             digest = self._block_hash(parent, seq.tokens[i * bs:(i + 1) * bs])
             seq.hashes.append(digest)
             block = seq.block_ids[i]
@@ -301,7 +319,7 @@ class BlockManager:
             for block in seq.block_ids:
                 self._ref(block)
             child = self._seqs[cid] = SequenceState(
-                cid, seq.length, list(seq.block_ids), list(seq.tokens), list(seq.hashes)
+                cid, seq.length, list(seq.block_ids), list(seq.tokens), list(seq.hashes), tenant=seq.tenant
             )
             children.append(child)
         seq.last_used = time.monotonic()

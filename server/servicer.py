@@ -34,6 +34,7 @@ from ferrum_rpc.errors import (
     shown,
     to_status_proto,
 )
+from ferrum_rpc.server.auth import TokenTable, current_tenant
 from ferrum_rpc.server.worker import ModelWorker
 from ferrum_rpc.types import DecodeInput, KvCacheHandle, LogitsPolicy, ServerState
 from ferrum_rpc.v1 import executor_pb2 as pb
@@ -151,6 +152,7 @@ def _query(method):
     async def unary(self, request, context):
         try:
             _check_parsed(request)
+            self._enter_tenant(context)
             return await method(self, request, context)
         except Exception as exc:
             await _abort(context, exc)
@@ -164,6 +166,7 @@ def _rpc(method):
         async def stream(self, request, context):
             try:
                 _check_parsed(request)
+                self._enter_tenant(context)
                 with self._admit():
                     async for reply in method(self, request, context):
                         yield reply
@@ -175,6 +178,7 @@ def _rpc(method):
     async def unary(self, request, context):
         try:
             _check_parsed(request)
+            self._enter_tenant(context)
             with self._admit():
                 return await method(self, request, context)
         except Exception as exc:
@@ -185,8 +189,9 @@ def _rpc(method):
 class ExecutorServicer(pb_grpc.ModelExecutorServicer):
     """Routes each request to the worker of the model it names (empty = the default)."""
 
-    def __init__(self, instance_id: str):
+    def __init__(self, instance_id: str, tokens: TokenTable | None = None):
         self.instance_id = instance_id
+        self.tokens = tokens  # None: auth off, every caller is tenant ""
         self.state = ServerState.LOADING
         self.workers: dict[str, ModelWorker] = {}
         self.default_model = ""
@@ -202,6 +207,17 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         self.default_model = self.default_model or name
 
     # -- plumbing --------------------------------------------------------------
+    def _enter_tenant(self, context) -> None:
+        """Sets ``current_tenant`` for this call's task (the AuthInterceptor already
+        refused calls without a known token; jobs carry the tenant to the worker)."""
+        if self.tokens is not None:
+            tenant = self.tokens.tenant_for(context.invocation_metadata())
+            if tenant is None:  # unreachable behind the interceptor; never serve as tenant ""
+                from ferrum_rpc.errors import Unauthenticated
+
+                raise Unauthenticated("no known bearer token")
+            current_tenant.set(tenant)
+
     class _Admission:
         def __init__(self, servicer: ExecutorServicer):
             self.servicer = servicer
@@ -362,6 +378,10 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         caller has not taken; past that the server stops reading requests, and
         gRPC's flow control holds the caller.  A caller that goes away has its
         running steps cancelled (and undone)."""
+        try:
+            self._enter_tenant(context)  # steps run in tasks made here: they inherit it
+        except Exception as exc:
+            await _abort(context, exc)
         replies: asyncio.Queue = asyncio.Queue()
         window = asyncio.Semaphore(MAX_PENDING_STEPS)
         steps: set[asyncio.Task] = set()

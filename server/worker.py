@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Generator
 
 from ferrum_rpc.errors import Cancelled, DeadlineExceeded, Draining, ExecutorError
+from ferrum_rpc.server.auth import current_tenant
 from ferrum_rpc.server.executor import TorchExecutor, verify_policy
 from ferrum_rpc.types import DecodeInput, KvCacheHandle, LogitsPolicy, VerifyOutput
 
@@ -44,6 +45,11 @@ class _Job:
     queue_ns: int = 0
     deadline: float | None = None  # time.monotonic() past which the caller no longer waits
     abandoned: bool = False  # the caller went away: stop at the next slice and undo
+    tenant: str = field(default_factory=current_tenant.get)  # who submitted it (see auth.py)
+
+    def as_tenant(self):
+        """Runs the job's executor calls as its submitter's tenant (on the worker thread)."""
+        return _TenantScope(self.tenant)
 
     def gone(self) -> ExecutorError | None:
         """Why this job's caller no longer waits for it, or None while it does."""
@@ -52,6 +58,17 @@ class _Job:
         if self.deadline is not None and time.monotonic() > self.deadline:
             return DeadlineExceeded("the caller's deadline passed; the work was undone")
         return None
+
+
+class _TenantScope:
+    def __init__(self, tenant: str):
+        self.tenant = tenant
+
+    def __enter__(self):
+        self.token = current_tenant.set(self.tenant)
+
+    def __exit__(self, *exc):
+        current_tenant.reset(self.token)
 
 
 class ModelWorker:
@@ -286,14 +303,16 @@ class ModelWorker:
                 return
             job.queue_ns = time.perf_counter_ns() - job.enqueued_ns
             try:
-                job.steps = job.fn(*job.args)
+                with job.as_tenant():
+                    job.steps = job.fn(*job.args)
             except BaseException as exc:
                 job.future.set_exception(exc)
                 return
         try:
-            if (gone := job.gone()) is not None:
-                job.steps.throw(gone)  # the generator rolls back what it did and re-raises
-            next(job.steps)
+            with job.as_tenant():
+                if (gone := job.gone()) is not None:
+                    job.steps.throw(gone)  # the generator rolls back what it did and re-raises
+                next(job.steps)
         except StopIteration as done:
             job.future.set_result(_with_queue_time(done.value, job.queue_ns))
         except BaseException as exc:
@@ -309,7 +328,8 @@ class ModelWorker:
             return
         queue_ns = time.perf_counter_ns() - job.enqueued_ns
         try:
-            result = job.fn(*job.args)
+            with job.as_tenant():
+                result = job.fn(*job.args)
         except BaseException as exc:  # handed to the caller, never lost
             job.future.set_exception(exc)
             return
@@ -330,7 +350,8 @@ class ModelWorker:
                 job.future.set_exception(gone)
                 continue
             try:
-                planned.append((job, plan(job)))
+                with job.as_tenant():
+                    planned.append((job, plan(job)))
             except BaseException as exc:
                 job.future.set_exception(exc)
         if not planned:

@@ -57,12 +57,13 @@ def hf_tiny_llama(tiny_llama_dir):
 
 
 @contextlib.contextmanager
-def running_server(model_dir, name: str = "tiny", **executor_kwargs):
-    """A real gRPC server on a free loopback port hosting one model."""
+def running_server(model_dir, name: str = "tiny", server_kwargs: dict | None = None, **executor_kwargs):
+    """A real gRPC server on a free loopback port hosting one model
+    (``server_kwargs``: ServerConfig fields such as TLS files and tokens)."""
     executor_kwargs.setdefault("kv_tokens", 2048)
     executor_kwargs.setdefault("block_size", 4)
     config = ServerConfig(models=(ModelSpec(name, str(model_dir)),), port=0,
-                          executor=ExecutorConfig(**executor_kwargs))
+                          executor=ExecutorConfig(**executor_kwargs), **(server_kwargs or {}))
     with BackgroundServer(config) as server:
         yield server
 

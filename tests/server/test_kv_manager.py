@@ -115,7 +115,7 @@ class Pool:
         for s in self.m._seqs.values():
             assert self.read(s) == s.tokens, f"{s.cache_id} reads back the wrong KV"
             bs = self.m.block_size
-            assert s.hashes == self.m._block_hashes(s.tokens[:len(s.hashes) * bs])
+            assert s.hashes == self.m._block_hashes(s.tokens[:len(s.hashes) * bs], s.tenant)
         bs = self.m.block_size
         for b, digest in self.m._hash_of.items():
             assert tuple(self.slots[b * bs:(b + 1) * bs]) == self.known[digest], f"block {b} is stale"
@@ -210,7 +210,7 @@ def test_commit_records_tokens_and_registers_full_blocks():
     m.prepare_write(seq, 0, 6)
     m.commit(seq, 0, [1, 2, 3, 4, 5, 6])
     assert (seq.length, seq.tokens) == (6, [1, 2, 3, 4, 5, 6])
-    assert seq.hashes == m._block_hashes([1, 2, 3, 4]) and len(seq.hashes) == 1
+    assert seq.hashes == m._block_hashes([1, 2, 3, 4], "") and len(seq.hashes) == 1
     assert m._hash_of == {seq.block_ids[0]: seq.hashes[0]}, "a partial block was hashed"
     append(m, seq, [7, 8])
     assert len(seq.hashes) == 2 and set(m._hash_of) == set(seq.block_ids)
