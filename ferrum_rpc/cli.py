@@ -59,7 +59,8 @@ def _server_config(args: argparse.Namespace, executor):
     return ServerConfig(models=_model_specs(args.model), executor=executor, host=args.host,
                           port=args.port, grace_s=args.grace, warmup=not args.no_warmup,
                           tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-                          auth_tokens=args.auth_tokens, insecure=args.insecure)
+                          auth_tokens=args.auth_tokens, insecure=args.insecure,
+                          metrics_port=args.metrics_port, metrics_host=args.metrics_host)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -151,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "'authorization: Bearer <token>'; sequences are private to their tenant")
     s.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --host without TLS and tokens (a trusted network only)")
+    s.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port (0: a free one, logged); off by default")
+    s.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
     s.add_argument("--max-sequences", type=int, default=100_000, help="live sequences in all (0: no cap)")
     s.add_argument("--tenant-max-sequences", type=int, default=0, help="live sequences per tenant (0: no cap)")
     s.add_argument("--tenant-kv-tokens", type=int, default=0, help="KV tokens one tenant may hold (0: no quota)")

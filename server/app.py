@@ -49,6 +49,7 @@ class App:
     port: int
     servicer: ExecutorServicer
     health: HealthServicer
+    metrics_port: int | None = None
 
     async def load(self) -> None:
         """Loads and warms every model, then reports SERVING."""
@@ -96,7 +97,12 @@ async def build_server(config: ServerConfig) -> App:
     tokens = TokenTable.load(config.auth_tokens) if config.auth_tokens else None
     server = grpc.aio.server(options=channel_options(config.executor.max_message_bytes),
                              interceptors=[AuthInterceptor(tokens)] if tokens else None)
-    servicer = ExecutorServicer(instance_id, tokens)
+    metrics = None
+    if config.metrics_port is not None:
+        from ferrum_rpc.server.metrics import Metrics
+
+        metrics = Metrics(lambda: [w.executor for w in list(servicer.workers.values())])
+    servicer = ExecutorServicer(instance_id, tokens, metrics)
     health = HealthServicer()
     add_executor_service(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -113,7 +119,8 @@ async def build_server(config: ServerConfig) -> App:
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
     log.info("listening on %s:%d (instance %s) with %s", config.host, port, instance_id, security)
-    return App(config, server, port, servicer, health)
+    metrics_port = metrics.serve(config.metrics_port, config.metrics_host) if metrics else None
+    return App(config, server, port, servicer, health, metrics_port)
 
 
 async def serve(config: ServerConfig) -> None:

@@ -103,6 +103,8 @@ class ServerConfig:
     tls_client_ca: str = ""  # PEM CA bundle: require and verify client certificates (mTLS)
     auth_tokens: str = ""  # file of "<tenant> <token>" lines: require bearer tokens
     insecure: bool = False  # allow a non-loopback address without TLS and tokens
+    metrics_port: int | None = None  # Prometheus exposition (None: off; 0: a free port)
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self):
         if bool(self.tls_cert) != bool(self.tls_key):

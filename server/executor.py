@@ -8,6 +8,7 @@ touched from two threads.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -128,6 +129,7 @@ class TorchExecutor:
                            mc.head_dim, self.dtype, self.device)
         self.forwards = 0
         self.tokens_processed = 0
+        self.batch_sizes: collections.Counter[int] = collections.Counter()  # forwards by sequences in them
         self.started = time.monotonic()
         log.info("%s: KV pool of %d blocks x %d tokens (%.1f MiB on %s)", name, num_blocks,
                  config.block_size, self.pool.nbytes / 2**20, self.device)
@@ -301,6 +303,7 @@ class TorchExecutor:
             self.kv.commit(step.seq, step.start, step.tokens)
         self.forwards += 1
         self.tokens_processed += sum(len(s.tokens) for s in steps)
+        self.batch_sizes[len(steps)] += 1
         timing = Timing(forward_ns=time.perf_counter_ns() - t0, batch_size=len(steps))
         per_step, at = [], 0
         for step in steps:

@@ -142,6 +142,10 @@ class BlockManager:
             raise CacheExpired(f"KV cache {shown(cache_id)} was reclaimed after sitting idle")
         raise CacheNotFound(f"no KV cache with id {shown(cache_id)}")
 
+    def sequences(self) -> list[SequenceState]:
+        """A snapshot of the live sequences (safe to take from another thread)."""
+        return list(self._seqs.values())
+
     def count(self, tenant: str) -> int:
         """Live sequences of ``tenant``."""
         return sum(1 for s in self._seqs.values() if s.tenant == tenant)

@@ -150,12 +150,17 @@ def _query(method):
     """Error mapping only: queries are answered while draining too, so callers see the state."""
     @functools.wraps(method)
     async def unary(self, request, context):
+        start = time.perf_counter()
         try:
             _check_parsed(request)
             self._enter_tenant(context)
-            return await method(self, request, context)
+            reply = await method(self, request, context)
         except Exception as exc:
+            self._observe(method.__name__, exc, start)
             await _abort(context, exc)
+        else:
+            self._observe(method.__name__, None, start)
+            return reply
     return unary
 
 
@@ -164,6 +169,7 @@ def _rpc(method):
     if inspect.isasyncgenfunction(method):
         @functools.wraps(method)
         async def stream(self, request, context):
+            start = time.perf_counter()
             try:
                 _check_parsed(request)
                 self._enter_tenant(context)
@@ -171,27 +177,36 @@ def _rpc(method):
                     async for reply in method(self, request, context):
                         yield reply
             except Exception as exc:
+                self._observe(method.__name__, exc, start)
                 await _abort(context, exc)
+            else:
+                self._observe(method.__name__, None, start)
         return stream
 
     @functools.wraps(method)
     async def unary(self, request, context):
+        start = time.perf_counter()
         try:
             _check_parsed(request)
             self._enter_tenant(context)
             with self._admit():
-                return await method(self, request, context)
+                reply = await method(self, request, context)
         except Exception as exc:
+            self._observe(method.__name__, exc, start)
             await _abort(context, exc)
+        else:
+            self._observe(method.__name__, None, start, getattr(reply, "timing", None))
+            return reply
     return unary
 
 
 class ExecutorServicer(pb_grpc.ModelExecutorServicer):
     """Routes each request to the worker of the model it names (empty = the default)."""
 
-    def __init__(self, instance_id: str, tokens: TokenTable | None = None):
+    def __init__(self, instance_id: str, tokens: TokenTable | None = None, metrics=None):
         self.instance_id = instance_id
         self.tokens = tokens  # None: auth off, every caller is tenant ""
+        self.metrics = metrics  # server.metrics.Metrics, or None
         self.state = ServerState.LOADING
         self.workers: dict[str, ModelWorker] = {}
         self.default_model = ""
@@ -207,6 +222,14 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         self.default_model = self.default_model or name
 
     # -- plumbing --------------------------------------------------------------
+    def _observe(self, method: str, error: Exception | None, start: float, timing=None) -> None:
+        if self.metrics is not None:
+            if error is None:
+                code = "OK"
+            else:
+                code = error.code.name if isinstance(error, ExecutorError) else grpc.StatusCode.INTERNAL.name
+            self.metrics.observe(method, code, current_tenant.get(), time.perf_counter() - start, timing)
+
     def _enter_tenant(self, context) -> None:
         """Sets ``current_tenant`` for this call's task (the AuthInterceptor already
         refused calls without a known token; jobs carry the tenant to the worker)."""
@@ -399,7 +422,9 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 for index, out in enumerate(outs):
                     reply = pb.DecodeSessionResponse(step_id=step_id, index=index)
                     await replies.put(await self._reply(reply, out, received))
+                self._observe("DecodeSession", None, received / 1e9, outs[0].timing if outs else None)
             except Exception as exc:
+                self._observe("DecodeSession", exc, received / 1e9)
                 await replies.put(pb.DecodeSessionResponse(step_id=step_id,
                                                            error=to_status_proto(_as_executor_error(exc))))
             finally:

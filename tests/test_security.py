@@ -241,3 +241,56 @@ def test_non_loopback_needs_tls_and_tokens_or_insecure(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--insecure" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# -- metrics ---------------------------------------------------------------------------
+def _scrape(port: int) -> dict:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_count_a_known_workload_exactly(tiny_llama_dir, tokens_file):
+    kwargs = dict(auth_tokens=tokens_file, metrics_port=0)
+    with running_server(tiny_llama_dir, server_kwargs=kwargs, prefix_caching=True) as srv, \
+            ExecutorClient(srv.target, timeout=10, token=ALICE) as alice, \
+            ExecutorClient(srv.target, timeout=10, token=BOB) as bob:
+        port = srv.app.metrics_port
+        base = _scrape(port)
+        prompt = list(range(1, 13))  # 3 full blocks of 4
+        a = alice.prefill(prompt, logits=ARGMAX).kv_cache
+        a = alice.decode(5, a).kv_cache
+        a = alice.decode(6, a).kv_cache
+        again = alice.prefill(prompt, logits=ARGMAX)  # 8 tokens from alice's prefix cache
+        b = bob.prefill([7, 8, 9], logits=ARGMAX).kv_cache
+        outs = bob.batch_decode([(1, b)])
+        with pytest.raises(CacheNotFound):
+            bob.decode(1, a)  # alice's: answered as unknown, counted as NOT_FOUND for bob
+        m = _scrape(port)
+        status = alice.status()
+
+    def requests(method, code, tenant):
+        key = ("ferrum_requests_total", (("code", code), ("method", method), ("tenant", tenant)))
+        return m.get(key, 0) - base.get(key, 0)
+
+    assert requests("Prefill", "OK", "alice") == 2 and requests("Decode", "OK", "alice") == 2
+    assert requests("Prefill", "OK", "bob") == 1 and requests("BatchDecode", "OK", "bob") == 1
+    assert requests("Decode", "NOT_FOUND", "bob") == 1 and requests("Decode", "OK", "bob") == 0
+    assert m[("ferrum_request_seconds_count", (("method", "Prefill"),))] == 3
+    assert m[("ferrum_forward_seconds_count", (("method", "Decode"),))] == 2
+    model = (("model", "tiny"),)
+    assert m[("ferrum_sequences_alive", (("model", "tiny"), ("tenant", "alice")))] == 2
+    assert m[("ferrum_sequences_alive", (("model", "tiny"), ("tenant", "bob")))] == 1
+    assert m[("ferrum_kv_blocks_used", model)] == status.kv_blocks_used
+    assert m[("ferrum_prefix_cache_hit_tokens_total", model)] - base.get(
+        ("ferrum_prefix_cache_hit_tokens_total", model), 0) == 8
+    # tokens: 12 + 1 + 1 + (12 - 8) + 3 + 1; forwards of one sequence each (the warm-up's too)
+    assert m[("ferrum_tokens_processed_total", model)] - base[("ferrum_tokens_processed_total", model)] == 22
+    forwards = m[("ferrum_forward_batch_size_count", model)] - base[("ferrum_forward_batch_size_count", model)]
+    assert forwards == 6 and m[("ferrum_forward_batch_size_bucket", (("le", "1"), ("model", "tiny")))] == \
+        m[("ferrum_forward_batch_size_count", model)]
+    assert outs[0].kv_cache.sequence_length == 4
