@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 import time
+from pathlib import Path
 
 log = logging.getLogger("ferrum_rpc.cli")
 
@@ -80,7 +82,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
     prompt_ids = encode_prompt(tokenizer, args.prompt, chat=not args.raw)
-    with ExecutorClient(args.target, model=args.model, timeout=args.timeout) as client:
+    tls = None
+    if args.tls_ca or args.tls_cert or args.tls_server_name:
+        from ferrum_rpc.client import ClientTls
+
+        tls = ClientTls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key, server_name=args.tls_server_name)
+    token = os.environ.get("FERRUM_RPC_TOKEN") or None
+    if args.token_file:
+        token = Path(args.token_file).read_text().strip()
+    with ExecutorClient(args.target, model=args.model, timeout=args.timeout, tls=tls, token=token) as client:
         info = client.info()
         stop = set(info.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         if args.speculative:
@@ -207,6 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--timeout", type=float, default=60.0, help="per-call deadline (s)")
+    g.add_argument("--tls-ca", default="", help="PEM CA bundle to verify the server with (TLS)")
+    g.add_argument("--tls-cert", default="", help="PEM client certificate (servers that require mTLS)")
+    g.add_argument("--tls-key", default="", help="PEM key of --tls-cert")
+    g.add_argument("--tls-server-name", default="", help="name to verify in the server's certificate")
+    g.add_argument("--token-file", default="",
+                   help="file holding the bearer token (or set FERRUM_RPC_TOKEN); never on the command line")
     g.add_argument("--speculative", type=int, default=0, metavar="K",
                    help="greedy speculative decoding drafting K tokens a round; reports acceptance and "
                         "speed-up over plain greedy decoding")

@@ -238,20 +238,52 @@ class ModelWorker:
         return size + len(ids) <= self.executor.config.max_batch_size and seen.isdisjoint(ids)
 
     def _collect(self, batch: list[_Job]) -> bool:
-        """Moves the decodes queued at the head into ``batch`` while they fit (lock held).
+        """Moves queued decodes into ``batch`` while they fit (lock held), fairly
+        across tenants.
 
-        Stops at the first job that is not a decode, so one caller's calls stay in
-        order.  Returns True if the batch is closed (a job that does not fit, or
-        a non-decode job, is next).
+        Only the run of decodes at the head of the queue is considered (a job that
+        is not a decode ends it, so one caller's calls stay in order).  Within it,
+        jobs are taken round-robin by tenant, the tenant with the fewest jobs in the
+        batch first, each tenant's in arrival order: a tenant that floods the queue
+        gets its share of each forward, never all of it, while another tenant's
+        decode waits.  Returns True if the batch is closed (full, a job that does
+        not fit, or a non-decode job is next).
         """
-        if sum(len(j.decode[0]) for j in batch) >= self.executor.config.max_batch_size:
+        cap = self.executor.config.max_batch_size
+        size = sum(len(j.decode[0]) for j in batch)
+        if size >= cap:
             return True
-        while self._jobs:
-            head = self._jobs[0]
-            if head is None or not head.decode or not self._fits(batch, head):
-                return True
-            batch.append(self._jobs.popleft())
-        return False
+        run: list[_Job] = []
+        for job in self._jobs:
+            if job is None or not job.decode:
+                break
+            run.append(job)
+        closed = len(run) < len(self._jobs)
+        by_tenant: dict[str, deque[_Job]] = {}
+        for job in run:
+            by_tenant.setdefault(job.tenant, deque()).append(job)
+        in_batch = {t: sum(1 for j in batch if j.tenant == t) for t in by_tenant}
+        taken: set[int] = set()
+        while size < cap:
+            ready = [t for t, q in by_tenant.items() if q]
+            if not ready:
+                break
+            tenant = min(ready, key=lambda t: in_batch[t])  # ties: the earliest arrival
+            job = by_tenant[tenant][0]
+            if not self._fits(batch, job):
+                del by_tenant[tenant]  # its later jobs wait behind this one
+                closed = True
+                continue
+            by_tenant[tenant].popleft()
+            batch.append(job)
+            taken.add(id(job))
+            in_batch[tenant] += 1
+            size += len(job.decode[0])
+        if taken:
+            kept = [j for j in self._jobs if id(j) not in taken]
+            self._jobs.clear()
+            self._jobs.extend(kept)
+        return closed or size >= cap or any(by_tenant.values())
 
     def _collect_prefills(self, first: _Job) -> list[_Job]:
         """Prefills queued right behind ``first`` that can share its forward (lock held).

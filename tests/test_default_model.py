@@ -15,6 +15,7 @@ import torch
 from ferrum_rpc.client import ExecutorClient, LogitsPolicy
 from ferrum_rpc.client.generate import encode_prompt, generate_ids, load_tokenizer
 from ferrum_rpc.client.sampling import SamplingParams
+from tests.test_security import pki, tokens_file  # noqa: F401  (fixtures)
 from tests.conftest import running_server
 
 pytestmark = pytest.mark.slow
@@ -92,6 +93,26 @@ def test_cli_generate_answers_through_the_server(default_server):
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "tokens/s" in proc.stderr  # the run's figures are logged
+
+
+def test_cli_generate_over_mtls_with_a_token(default_model_dir, pki, tokens_file, tmp_path):
+    from tests.test_security import ALICE
+
+    server_kwargs = dict(tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"),
+                         tls_client_ca=str(pki / "ca.pem"), auth_tokens=tokens_file)
+    token = tmp_path / "token"
+    token.write_text(ALICE + "\n")
+    with running_server(default_model_dir, name="SmolLM2-135M-Instruct", kv_tokens=1024, block_size=16,
+                        server_kwargs=server_kwargs) as server:
+        args = ["generate", "--target", server.target, "--greedy", "--max-tokens", "24",
+                "--tls-ca", str(pki / "ca.pem"), "--tls-cert", str(pki / "client.pem"),
+                "--tls-key", str(pki / "client.key"), "What is the capital of France?"]
+        proc = _cli(*args, "--token-file", str(token))
+        assert proc.returncode == 0, proc.stderr
+        assert "Paris" in proc.stdout
+        refused = _cli(*args)  # no token
+        assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr
+        assert ALICE not in proc.stderr + refused.stderr
 
 
 def test_cli_speculative_reports_acceptance_and_matches_plain(default_server):

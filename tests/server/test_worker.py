@@ -61,3 +61,41 @@ def test_a_job_whose_deadline_passed_in_the_queue_is_not_run(worker):
         expired.result(timeout=10)
     assert ran == []
     assert len(worker.executor.kv) == 0
+
+
+def test_a_flooding_tenant_does_not_starve_another_tenants_decode(tiny_llama_dir):
+    """Fairness: decodes are batched round-robin by tenant.  40 queued decodes of
+    tenant "a" and then one of tenant "b", at most 4 sequences a forward: b's
+    runs in the first forward (first come, first served would make it the 11th)."""
+    from ferrum_rpc.server.auth import current_tenant
+    from ferrum_rpc.server.worker import _Job
+    from ferrum_rpc.types import DecodeInput
+
+    config = ExecutorConfig(kv_tokens=2048, block_size=4, max_batch_size=4)
+    w = ModelWorker(functools.partial(TorchExecutor.from_path, "tiny", tiny_llama_dir, config))
+    ex = w.loaded.result(timeout=60)
+    policy = LogitsPolicy.argmax()
+    try:
+        handles = {}
+        for tenant, count in (("a", 40), ("b", 1)):
+            current_tenant.set(tenant)
+            handles[tenant] = [w.submit(ex.prefill, [i + 1, 2], None, policy).result(timeout=30).kv_cache
+                               for i in range(count)]
+        gate = hold(w)
+        start = ex.forwards
+        ran_in: dict[str, list[int]] = {"a": [], "b": []}
+        jobs = []
+        for tenant in ("a", "b"):
+            current_tenant.set(tenant)
+            for h in handles[tenant]:
+                job = _Job(None, (), decode=([DecodeInput(7, h)], policy))
+                job.future.add_done_callback(lambda f, t=tenant: ran_in[t].append(ex.forwards - start))
+                jobs.append(w._put(job))
+        gate.set()
+        for job in jobs:
+            assert job.future.result(timeout=60)[0].kv_cache.sequence_length == 3
+        assert ran_in["b"] == [1]
+        assert max(ran_in["a"]) == 11 and sorted(ran_in["a"]).count(1) == 3  # a got the other 3 seats
+    finally:
+        current_tenant.set("")
+        w.stop(timeout=10)
