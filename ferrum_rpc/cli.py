@@ -165,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (0: a free one, logged); off by default")
     s.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
-    s.add_argument("--max-sequences", type=int, default=100_000, help="live sequences in all (0: no cap)")
+    s.add_argument("--max-sequences", type=int, default=10_000,
+                   help="live sequences in all, forks included (0: no cap)")
     s.add_argument("--tenant-max-sequences", type=int, default=0, help="live sequences per tenant (0: no cap)")
     s.add_argument("--tenant-kv-tokens", type=int, default=0, help="KV tokens one tenant may hold (0: no quota)")
     s.add_argument("--port", type=int, default=50051, help="0 picks a free port (logged)")

@@ -59,7 +59,7 @@ class ExecutorConfig:
     linear_kernel: str = "auto"
     quantize: str = "none"
     step_ops: str = "auto"
-    max_sequences: int = 100_000  # live sequences in all, forks included (0: no cap)
+    max_sequences: int = 10_000  # live sequences in all, forks included (0: no cap); ~17 KB each
     tenant_max_sequences: int = 0  # live sequences per tenant (0: no cap)
     tenant_kv_tokens: int = 0  # KV tokens one tenant may hold (0: no quota)
 

@@ -1,4 +1,4 @@
-"""Beyond loopback: real TLS and mTLS (certificates made by openssl here), bearer
+"""Beyond loopback: real TLS and mTLS (certificates made here with cryptography), bearer
 tokens with tenants, tenant-private sequences on every RPC that takes a handle
 or an id, per-tenant prefix sharing, sequence caps and KV quotas, and the
 refusal to serve a non-loopback address unprotected."""
@@ -23,30 +23,63 @@ ALICE, BOB = "alice-" + "a" * 26, "bob-" + "b" * 28
 ARGMAX = LogitsPolicy.argmax()
 
 
-def _openssl(*args: str, cwd) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+def _key():
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    return ec.generate_private_key(ec.SECP256R1())
 
 
-def _issue(d, name: str, ca: str, san: str | None) -> None:
-    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout",
-             f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
-    ext = d / f"{name}.ext"
-    ext.write_text(f"subjectAltName={san}\n" if san else "extendedKeyUsage=clientAuth\n")
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
-             "-out", f"{name}.pem", "-days", "2", "-extfile", ext.name, cwd=d)
+def _write(d, name: str, key, cert) -> None:
+    from cryptography.hazmat.primitives import serialization
+
+    (d / f"{name}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                      serialization.PrivateFormat.PKCS8,
+                                                      serialization.NoEncryption()))
+    (d / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+
+def _cert(subject: str, key, issuer: str, issuer_key, *, ca: bool = False, server: bool = False):
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder()
+               .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+               .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=2))
+               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if ca:
+        builder = builder.add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                                      content_commitment=False, key_encipherment=False,
+                                                      data_encipherment=False, key_agreement=False,
+                                                      encipher_only=False, decipher_only=False), critical=True)
+    elif server:
+        builder = builder.add_extension(x509.SubjectAlternativeName(
+            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        builder = builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+    else:
+        builder = builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+    return builder.sign(issuer_key, hashes.SHA256())
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     """A CA with a server certificate (localhost, 127.0.0.1) and a client one, and
-    a rogue CA with its own client certificate."""
+    a rogue CA with its own client certificate (cryptography, made here)."""
     d = tmp_path_factory.mktemp("pki")
+    cas = {}
     for ca in ("ca", "rogue-ca"):
-        _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                 "-keyout", f"{ca}.key", "-out", f"{ca}.pem", "-days", "2", "-subj", f"/CN={ca}", cwd=d)
-    _issue(d, "server", "ca", "DNS:localhost,IP:127.0.0.1")
-    _issue(d, "client", "ca", None)
-    _issue(d, "rogue-client", "rogue-ca", None)
+        key = _key()
+        cas[ca] = key
+        _write(d, ca, key, _cert(ca, key, ca, key, ca=True))
+    for name, ca, server in (("server", "ca", True), ("client", "ca", False), ("rogue-client", "rogue-ca", False)):
+        key = _key()
+        _write(d, name, key, _cert(name, key, ca, cas[ca], server=server))
     return d
 
 
