@@ -24,6 +24,8 @@
 #include <vector>
 
 int ferrum_active_isa();  // woq.cpp: 0 portable, 1 avx2, 2 avx512
+at::Tensor ferrum_woq_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                             const at::Tensor& mins, int64_t bits);  // woq.cpp
 
 namespace {
 
@@ -254,6 +256,34 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return out;
 }
 
+// ---- a whole decoder layer ----------------------------------------------------------
+// One Llama decoder layer for a decode-sized float32 forward whose projections
+// are all our int8/int4 linears: the same ops, in the same order, as
+// models/llama.py runs them one Python call at a time (RMSNorm, fused q|k|v,
+// paged attention, o, residual, RMSNorm, fused gate|up, silu*up, down,
+// residual), so a step makes 30 op calls instead of ~400.  Each weight list is
+// [qweight, scales, mins]; bits holds the four layers' widths (8 or 4).
+at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
+                        at::TensorList qkv, at::TensorList o, at::TensorList gate_up, at::TensorList down,
+                        at::IntArrayRef bits, const at::Tensor& cos, const at::Tensor& sin,
+                        const at::Tensor& positions, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& write_slots, const at::Tensor& tables, int64_t num_heads,
+                        int64_t num_kv_heads, double scale) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "decode_layer: x must be (B, T, C) float32");
+  TORCH_CHECK(qkv.size() == 3 && o.size() == 3 && gate_up.size() == 3 && down.size() == 3 && bits.size() == 4,
+              "decode_layer: each linear is [qweight, scales, mins]; bits has four entries");
+  const int64_t B = x.size(0), T = x.size(1), H = num_heads, Hkv = num_kv_heads, D = k_cache.size(3);
+  auto lin = [](const at::Tensor& in, at::TensorList w, int64_t b) { return ferrum_woq_linear(in, w[0], w[1], w[2], b); };
+  const at::Tensor qkv_out = lin(rms_norm(x, ln1, eps), qkv, bits[0]);  // (B, T, (H + 2 Hkv) D)
+  TORCH_CHECK(qkv_out.size(-1) == (H + 2 * Hkv) * D, "decode_layer: q|k|v width does not match the heads");
+  const at::Tensor q = qkv_out.narrow(-1, 0, H * D).view({B, T, H, D});
+  const at::Tensor k = qkv_out.narrow(-1, H * D, Hkv * D).view({B, T, Hkv, D});
+  const at::Tensor v = qkv_out.narrow(-1, (H + Hkv) * D, Hkv * D).view({B, T, Hkv, D});
+  const at::Tensor attn = paged_attention(q, k, v, cos, sin, positions, k_cache, v_cache, write_slots, tables, scale);
+  at::Tensor h = x + lin(attn, o, bits[1]);
+  return h.add_(lin(silu_mul(lin(rms_norm(h, ln2, eps), gate_up, bits[2])), down, bits[3]));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(ferrum_fused, m) {
@@ -261,10 +291,15 @@ TORCH_LIBRARY(ferrum_fused, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor positions, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor write_slots, Tensor tables, float scale) -> Tensor");
+  m.def("decode_layer(Tensor x, Tensor ln1, Tensor ln2, float eps, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, "
+        "Tensor[] down, int[] bits, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor write_slots, Tensor tables, int num_heads, int num_kv_heads, float scale) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ferrum_fused, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("paged_attention", &paged_attention);
+  m.impl("decode_layer", &decode_layer);
 }

@@ -404,6 +404,12 @@ std::string set_max_isa(const std::string& name) {
 // The inner loops in use (0 portable, 1 avx2, 2 avx512), for fused.cpp too.
 int ferrum_active_isa() { return active_isa(); }
 
+// A quantized linear for fused.cpp's whole-layer op: bits 8 or 4.
+at::Tensor ferrum_woq_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                             const at::Tensor& mins, int64_t bits) {
+  return bits == 8 ? int8_linear(x, qweight, scales, mins) : int4_linear(x, qweight, scales, mins);
+}
+
 TORCH_LIBRARY(ferrum_woq, m) {
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins) -> Tensor");

@@ -233,6 +233,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
         self.fused_ops = False  # see use_fused_ops
+        self.layer_ops: list[tuple] | None = None  # whole-layer op arguments, where every layer qualifies
 
     def init_rope(self, device: torch.device) -> None:
         self.rope_cos, self.rope_sin = rope_tables(self.config, device)
@@ -263,6 +264,26 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
                 module.fused = on
+        self.layer_ops = self._whole_layer_args() if on else None
+
+    def _whole_layer_args(self) -> list[tuple] | None:
+        """Per layer, the weights ``ferrum_fused.decode_layer`` takes, when every layer
+        is a plain Llama block (no q/k norm, a dense MLP) whose projections are all
+        our int8/int4 linears without bias; else None (the per-op path runs)."""
+        from ferrum_rpc.server.woq import WOQ, QuantizedLinear
+
+        args = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.has_qk_norm or type(mlp) is not MLP or not isinstance(layer.input_layernorm, RMSNorm):
+                return None
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(isinstance(l, QuantizedLinear) and l.kernel == WOQ and l.bias is None for l in linears):
+                return None
+            weights = [[l.qweight, l.scales, l.mins] for l in linears]
+            args.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                         layer.input_layernorm.eps, *weights, [l.bits for l in linears]))
+        return args
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
         """input_ids, positions: (B, T) int64 -> hidden (B, T, hidden)."""
@@ -272,6 +293,13 @@ class LlamaForCausalLM(nn.Module):
         else:
             rope = Rope(self.rope_cos[positions].unsqueeze(2).to(x.dtype),  # (B, T, 1, D)
                         self.rope_sin[positions].unsqueeze(2).to(x.dtype), self.rope_cos, self.rope_sin, fused=False)
+        if rope.fused and self.layer_ops is not None and x.dtype == torch.float32:
+            cfg, decode_layer = self.config, torch.ops.ferrum_fused.decode_layer
+            scale = 1 / math.sqrt(cfg.head_dim)
+            for i, args in enumerate(self.layer_ops):  # one op per layer: see csrc/fused.cpp
+                x = decode_layer(x, *args, self.rope_cos, self.rope_sin, kv.positions, kv.pool.k[i], kv.pool.v[i],
+                                 kv.write_slots, kv.tables, cfg.num_heads, cfg.num_kv_heads, scale)
+            return self.model.norm(x)
         for layer in self.model.layers:
             x = layer(x, rope, kv)
         return self.model.norm(x)

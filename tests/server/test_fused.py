@@ -88,3 +88,33 @@ def test_step_ops_choice(ops):
     with pytest.raises(ValueError, match="one of"):
         choose_step_ops("fast", torch.float32, cpu)
     assert woq.load_library.cache_info().currsize == 1  # built and loaded once per process
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_whole_layer_op_equals_the_per_op_path(tiny_llama_dir, quantize, ops):
+    """--quantize models with plain Llama blocks run each decode-sized layer as one
+    op (decode_layer); it must give what the per-op fused path gives."""
+    from ferrum_rpc.server.config import ExecutorConfig
+    from ferrum_rpc.server.executor import TorchExecutor
+    from ferrum_rpc.types import LogitsPolicy
+
+    ex = TorchExecutor.from_path("tiny", tiny_llama_dir, ExecutorConfig(kv_tokens=256, block_size=4,
+                                                                       quantize=quantize))
+    assert ex.model.layer_ops is not None and len(ex.model.layer_ops) == 2
+    full = LogitsPolicy.full()
+    twins = [ex.prefill([5, 17, 101, 3, 250, 42], None, full).kv_cache for _ in range(2)]
+    whole = ex.decode(7, twins[0], full)
+    saved, ex.model.layer_ops = ex.model.layer_ops, None
+    try:
+        per_op = ex.decode(7, twins[1], full)
+    finally:
+        ex.model.layer_ops = saved
+    assert rel(whole.logits.values, per_op.logits.values) <= 1e-5
+    # a verify of 3 rows (still decode-sized) too, on both sequences
+    a = ex.forward_verify([1, 2, 3], whole.kv_cache, full)
+    ex.model.layer_ops = None
+    try:
+        b = ex.forward_verify([1, 2, 3], per_op.kv_cache, full)
+    finally:
+        ex.model.layer_ops = saved
+    assert rel(a.logits.values, b.logits.values) <= 1e-5
