@@ -112,7 +112,8 @@ class _Codec:
 
     def _session_req(self, step_id: int, items: Iterable[DecodeItem], logits) -> pb.DecodeSessionRequest:
         batch = self._batch_req(items, logits)
-        return pb.DecodeSessionRequest(step_id=step_id, model=batch.model, items=batch.items, logits=batch.logits)
+        return pb.DecodeSessionRequest(step_id=step_id, model=batch.model, items=batch.items, logits=batch.logits,
+                                       single_reply=batch.single_reply)
 
     def _release_req(self, cache) -> pb.ReleaseCacheRequest:
         if isinstance(cache, KvCacheHandle):
@@ -131,8 +132,7 @@ class _Codec:
 
     @classmethod
     def _batch_outputs(cls, replies: Sequence[pb.BatchDecodeResponse]) -> list[DecodeOutput]:
-        replies = [r for reply in replies  # a single_reply BatchDecode answer holds every result
-                   for r in (reply.results if isinstance(reply, pb.BatchDecodeResponse) and reply.results else [reply])]
+        replies = [r for reply in replies for r in (reply.results or [reply])]  # single_reply: one message
         ordered = sorted(replies, key=lambda r: r.index)
         return [cls._output(DecodeOutput, r) for r in ordered]
 
@@ -330,7 +330,7 @@ class DecodeSession(_Codec):
                 reply = next(self._responses)
                 if reply.HasField("error"):
                     raise from_status_proto(reply.error)
-                replies.append(reply)
+                replies.extend(reply.results or [reply])
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
         return self._batch_outputs(replies)
@@ -367,7 +367,7 @@ class AsyncDecodeSession(_Codec):
                     raise ExecutorError("the session stream ended", code=grpc.StatusCode.UNAVAILABLE)
                 if reply.HasField("error"):
                     raise from_status_proto(reply.error)
-                replies.append(reply)
+                replies.extend(reply.results or [reply])
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
         return self._batch_outputs(replies)

@@ -418,8 +418,15 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 _check_parsed(request)
                 with self._admit():
                     worker, items, policy = self._decode_batch(request)
+                    if request.single_reply:
+                        worker.executor.check_reply_fits(policy, len(items))
                     outs = await worker.decode(items, policy, deadline)
-                for index, out in enumerate(outs):
+                if request.single_reply:
+                    reply = pb.DecodeSessionResponse(step_id=step_id)
+                    for index, out in enumerate(outs):
+                        self._result(reply.results.add(step_id=step_id, index=index), out, received)
+                    await replies.put(reply)
+                for index, out in enumerate(outs if not request.single_reply else ()):
                     reply = pb.DecodeSessionResponse(step_id=step_id, index=index)
                     await replies.put(await self._reply(reply, out, received))
                 self._observe("DecodeSession", None, received / 1e9, outs[0].timing if outs else None)

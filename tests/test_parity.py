@@ -79,6 +79,15 @@ def test_batch_decode_of_different_lengths_equals_decoding_alone(client):
         client.release_cache(out.kv_cache)
 
 
+def _same_rows(a, b) -> None:
+    """Two replies' logits: same kind, ids and shape; values equal to float32 rounding (the
+    twin sequences were prefilled apart, the second one from the prefix cache)."""
+    from ferrum_rpc import tensor_codec
+
+    assert a.kind == b.kind and list(a.token_ids) == list(b.token_ids)
+    np.testing.assert_allclose(tensor_codec.to_numpy(a.values), tensor_codec.to_numpy(b.values), atol=1e-5, rtol=0)
+
+
 def test_batch_decode_single_reply_carries_what_the_stream_carries(tiny_server, client):
     """BatchDecodeRequest.single_reply: one message with every result in order,
     the same rows as one stream message per sequence (the size rule is in test_failures)."""
@@ -102,8 +111,36 @@ def test_batch_decode_single_reply_carries_what_the_stream_carries(tiny_server, 
         streamed, (one,) = replies[False], replies[True]
         assert len(streamed) == 3 and [r.index for r in one.results] == [0, 1, 2]
         for a, b in zip(sorted(streamed, key=lambda r: r.index), one.results):
-            assert a.logits == b.logits
+            _same_rows(a.logits, b.logits)
             assert a.kv_cache.sequence_length == b.kv_cache.sequence_length
+    for handles in twins:
+        for h in handles:
+            client.release_cache(h.cache_id)
+
+
+def test_session_single_reply_carries_what_per_item_replies_carry(tiny_server, client):
+    import grpc
+
+    from ferrum_rpc import convert
+    from ferrum_rpc.v1 import executor_pb2 as pb
+    from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
+
+    prompts = [[4, 5, 6], [7] * 9]
+    twins = [[client.prefill(p).kv_cache for p in prompts] for _ in range(2)]
+    with grpc.insecure_channel(tiny_server.target) as channel:
+        stub = pb_grpc.ModelExecutorStub(channel)
+        got = {}
+        for single, handles in zip((False, True), twins):
+            req = pb.DecodeSessionRequest(step_id=9, logits=convert.policy_to_proto(LogitsPolicy.topk(3)),
+                                          single_reply=single)
+            for h in handles:
+                req.items.add(token_id=11, kv_cache=convert.handle_to_proto(h))
+            got[single] = list(stub.DecodeSession(iter([req]), timeout=30))
+    per_item, (one,) = got[False], got[True]
+    assert len(per_item) == 2 and [(r.step_id, r.index) for r in one.results] == [(9, 0), (9, 1)]
+    for a, b in zip(sorted(per_item, key=lambda r: r.index), one.results):
+        _same_rows(a.logits, b.logits)
+        assert a.kv_cache.sequence_length == b.kv_cache.sequence_length
     for handles in twins:
         for h in handles:
             client.release_cache(h.cache_id)

@@ -343,32 +343,36 @@ class BatchDecodeResponse(_message.Message):
     def __init__(self, index: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., results: _Optional[_Iterable[_Union[BatchDecodeResponse, _Mapping]]] = ...) -> None: ...
 
 class DecodeSessionRequest(_message.Message):
-    __slots__ = ("step_id", "model", "items", "logits")
+    __slots__ = ("step_id", "model", "items", "logits", "single_reply")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
+    SINGLE_REPLY_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     model: str
     items: _containers.RepeatedCompositeFieldContainer[DecodeItem]
     logits: LogitsPolicy
-    def __init__(self, step_id: _Optional[int] = ..., model: _Optional[str] = ..., items: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ..., logits: _Optional[_Union[LogitsPolicy, _Mapping]] = ...) -> None: ...
+    single_reply: bool
+    def __init__(self, step_id: _Optional[int] = ..., model: _Optional[str] = ..., items: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ..., logits: _Optional[_Union[LogitsPolicy, _Mapping]] = ..., single_reply: _Optional[bool] = ...) -> None: ...
 
 class DecodeSessionResponse(_message.Message):
-    __slots__ = ("step_id", "index", "logits", "kv_cache", "timing", "error")
+    __slots__ = ("step_id", "index", "logits", "kv_cache", "timing", "error", "results")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     index: int
     logits: Logits
     kv_cache: KvCacheHandle
     timing: Timing
     error: _status_pb2.Status
-    def __init__(self, step_id: _Optional[int] = ..., index: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
+    results: _containers.RepeatedCompositeFieldContainer[DecodeSessionResponse]
+    def __init__(self, step_id: _Optional[int] = ..., index: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., results: _Optional[_Iterable[_Union[DecodeSessionResponse, _Mapping]]] = ...) -> None: ...
 
 class ForkCacheRequest(_message.Message):
     __slots__ = ("kv_cache", "num_children")
