@@ -30,6 +30,12 @@ log = logging.getLogger(__name__)
 current_tenant: ContextVar[str] = ContextVar("ferrum_rpc_tenant", default="")
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)  # probes need these without credentials
 _MIN_TOKEN_CHARS = 16
+HANDLER_FACTORIES = {  # gRPC method-handler factories by (request streaming, response streaming)
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
 
 
 @dataclass(frozen=True)
@@ -103,12 +109,7 @@ def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         yield  # pragma: no cover  (makes this an async generator)
 
     fn = streaming if handler.response_streaming else unary
-    factory = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[handler.request_streaming, handler.response_streaming]
+    factory = HANDLER_FACTORIES[handler.request_streaming, handler.response_streaming]
     return factory(fn, request_deserializer=handler.request_deserializer,
                    response_serializer=handler.response_serializer)
 

@@ -305,24 +305,24 @@ class TorchExecutor:
         self.tokens_processed += sum(len(s.tokens) for s in steps)
         self.batch_sizes[len(steps)] += 1
         timing = Timing(forward_ns=time.perf_counter_ns() - t0, batch_size=len(steps))
-        per_step, spans, at = [], [], 0
+        spans, at = [], 0  # each step's rows in ``logits``: (start, end), empty for "none"
         for step in steps:
             n = 0 if step.rows == "none" else len(step.tokens) if step.rows == "all" else 1
-            per_step.append(logits[at:at + n] if n else None)
             spans.append((at, at + n))
             at += n
         results, i = [], 0
         for plan in plans:
-            mine, span, i = per_step[i:i + len(plan.steps)], (spans[i][0], spans[i + len(plan.steps) - 1][1]), \
-                i + len(plan.steps)
+            start, end = spans[i][0], spans[i + len(plan.steps) - 1][1]  # a plan's rows are adjacent
+            rows = logits[start:end] if end > start else None
+            i += len(plan.steps)
             if plan.kind == "chunk":
-                results.append(mine[0])
+                results.append(rows)
             elif plan.kind == "prefill":
                 step = plan.steps[0]
-                results.append(PrefillOutput(self._apply_policy(mine[0], plan.policy), self._handle(step.seq),
+                results.append(PrefillOutput(self._apply_policy(rows, plan.policy), self._handle(step.seq),
                                              timing, cached_tokens=step.opened.cached))
-            else:  # the policy over all of the plan's rows at once (adjacent in ``logits``), then a row each
-                both = self._apply_policy(logits[span[0]:span[1]], plan.policy)
+            else:  # the policy over all of the plan's rows at once, then a row each
+                both = self._apply_policy(rows, plan.policy)
                 results.append([DecodeOutput(Logits(both.kind, both.values[j:j + 1],
                                                     None if both.token_ids is None else both.token_ids[j:j + 1],
                                                     both.vocab_size), self._handle(step.seq), timing)

@@ -34,7 +34,7 @@ from ferrum_rpc.errors import (
     shown,
     to_status_proto,
 )
-from ferrum_rpc.server.auth import TokenTable, current_tenant
+from ferrum_rpc.server.auth import HANDLER_FACTORIES, TokenTable, current_tenant
 from ferrum_rpc.server.worker import ModelWorker
 from ferrum_rpc.types import DecodeInput, KvCacheHandle, LogitsPolicy, ServerState
 from ferrum_rpc.v1 import executor_pb2 as pb
@@ -110,14 +110,8 @@ def add_executor_service(servicer: ExecutorServicer, server: grpc.aio.Server) ->
     (the generated ``add_ModelExecutorServicer_to_server`` would let a parse error
     become UNKNOWN with a traceback)."""
     service = pb.DESCRIPTOR.services_by_name["ModelExecutor"]
-    factories = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }
     handlers = {
-        method.name: factories[method.client_streaming, method.server_streaming](
+        method.name: HANDLER_FACTORIES[method.client_streaming, method.server_streaming](
             getattr(servicer, method.name),
             request_deserializer=_deserializer(getattr(pb, method.input_type.name)),
             response_serializer=_serialize,
@@ -277,7 +271,22 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         """BatchDecode / DecodeSession request -> its model's worker, the items and the policy."""
         first = request.items[0].kv_cache.model if request.items else ""
         items = [DecodeInput(i.token_id, _required_handle(i)) for i in request.items]
-        return self._worker(request.model or first), items, convert.policy_from_proto(request.logits)
+        worker, policy = self._worker(request.model or first), convert.policy_from_proto(request.logits)
+        if request.single_reply:  # every row in one message: it must fit the limit as a whole
+            worker.executor.check_reply_fits(policy, len(items))
+        return worker, items, policy
+
+    async def _step_replies(self, cls, fields: dict, outs, received_ns: int, single: bool):
+        """A decode step's replies (``cls`` with ``fields``): one message per sequence,
+        tagged with its index, or with ``single`` one message whose ``results`` hold all."""
+        if single:
+            reply = cls(**fields)
+            for index, out in enumerate(outs):
+                self._result(reply.results.add(index=index, **fields), out, received_ns)
+            yield reply
+            return
+        for index, out in enumerate(outs):
+            yield await self._reply(cls(index=index, **fields), out, received_ns)
 
     @staticmethod
     def _result(message, out, received_ns: int):
@@ -351,17 +360,9 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
     async def BatchDecode(self, request, context):
         received = time.perf_counter_ns()
         worker, items, policy = self._decode_batch(request)
-        if request.single_reply:  # every row in one message: it must fit the limit as a whole
-            worker.executor.check_reply_fits(policy, len(items))
         outs = await worker.decode(items, policy, _deadline(context))
-        if request.single_reply:
-            reply = pb.BatchDecodeResponse()
-            for index, out in enumerate(outs):
-                self._result(reply.results.add(index=index), out, received)
+        async for reply in self._step_replies(pb.BatchDecodeResponse, {}, outs, received, request.single_reply):
             yield reply
-            return
-        for index, out in enumerate(outs):
-            yield await self._reply(pb.BatchDecodeResponse(index=index), out, received)
 
     @_rpc
     async def ForwardVerify(self, request, context):
@@ -418,17 +419,10 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 _check_parsed(request)
                 with self._admit():
                     worker, items, policy = self._decode_batch(request)
-                    if request.single_reply:
-                        worker.executor.check_reply_fits(policy, len(items))
                     outs = await worker.decode(items, policy, deadline)
-                if request.single_reply:
-                    reply = pb.DecodeSessionResponse(step_id=step_id)
-                    for index, out in enumerate(outs):
-                        self._result(reply.results.add(step_id=step_id, index=index), out, received)
+                async for reply in self._step_replies(pb.DecodeSessionResponse, {"step_id": step_id}, outs,
+                                                      received, request.single_reply):
                     await replies.put(reply)
-                for index, out in enumerate(outs if not request.single_reply else ()):
-                    reply = pb.DecodeSessionResponse(step_id=step_id, index=index)
-                    await replies.put(await self._reply(reply, out, received))
                 self._observe("DecodeSession", None, received / 1e9, outs[0].timing if outs else None)
             except Exception as exc:
                 self._observe("DecodeSession", exc, received / 1e9)

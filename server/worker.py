@@ -16,6 +16,7 @@ new decodes pile up and the next forward takes them all, up to the max batch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -47,9 +48,14 @@ class _Job:
     abandoned: bool = False  # the caller went away: stop at the next slice and undo
     tenant: str = field(default_factory=current_tenant.get)  # who submitted it (see auth.py)
 
+    @contextlib.contextmanager
     def as_tenant(self):
         """Runs the job's executor calls as its submitter's tenant (on the worker thread)."""
-        return _TenantScope(self.tenant)
+        token = current_tenant.set(self.tenant)
+        try:
+            yield
+        finally:
+            current_tenant.reset(token)
 
     def gone(self) -> ExecutorError | None:
         """Why this job's caller no longer waits for it, or None while it does."""
@@ -58,17 +64,6 @@ class _Job:
         if self.deadline is not None and time.monotonic() > self.deadline:
             return DeadlineExceeded("the caller's deadline passed; the work was undone")
         return None
-
-
-class _TenantScope:
-    def __init__(self, tenant: str):
-        self.tenant = tenant
-
-    def __enter__(self):
-        self.token = current_tenant.set(self.tenant)
-
-    def __exit__(self, *exc):
-        current_tenant.reset(self.token)
 
 
 class ModelWorker:

@@ -88,62 +88,57 @@ def _same_rows(a, b) -> None:
     np.testing.assert_allclose(tensor_codec.to_numpy(a.values), tensor_codec.to_numpy(b.values), atol=1e-5, rtol=0)
 
 
-def test_batch_decode_single_reply_carries_what_the_stream_carries(tiny_server, client):
-    """BatchDecodeRequest.single_reply: one message with every result in order,
-    the same rows as one stream message per sequence (the size rule is in test_failures)."""
+def _single_vs_per_item(server, client, prompts, call):
+    """Decodes twin sequences of ``prompts`` once with one reply per item and once
+    with ``single_reply``; ``call(stub, handles, single)`` sends the request and
+    returns the replies.  Checks the single reply holds the same rows, in order;
+    returns it."""
     import grpc
 
-    from ferrum_rpc import convert
-    from ferrum_rpc.v1 import executor_pb2 as pb
     from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 
-    prompts = [[1, 2, 3], list(range(10, 21)), [7]]
     twins = [[client.prefill(p).kv_cache for p in prompts] for _ in range(2)]
-    policy = convert.policy_to_proto(LogitsPolicy.topk(5))
-    with grpc.insecure_channel(tiny_server.target) as channel:
+    with grpc.insecure_channel(server.target) as channel:
         stub = pb_grpc.ModelExecutorStub(channel)
-        replies = {}
-        for single, handles in zip((False, True), twins):
-            req = pb.BatchDecodeRequest(logits=policy, single_reply=single)
-            for i, h in enumerate(handles):
-                req.items.add(token_id=40 + i, kv_cache=convert.handle_to_proto(h))
-            replies[single] = list(stub.BatchDecode(req, timeout=30))
-        streamed, (one,) = replies[False], replies[True]
-        assert len(streamed) == 3 and [r.index for r in one.results] == [0, 1, 2]
-        for a, b in zip(sorted(streamed, key=lambda r: r.index), one.results):
-            _same_rows(a.logits, b.logits)
-            assert a.kv_cache.sequence_length == b.kv_cache.sequence_length
-    for handles in twins:
-        for h in handles:
-            client.release_cache(h.cache_id)
-
-
-def test_session_single_reply_carries_what_per_item_replies_carry(tiny_server, client):
-    import grpc
-
-    from ferrum_rpc import convert
-    from ferrum_rpc.v1 import executor_pb2 as pb
-    from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
-
-    prompts = [[4, 5, 6], [7] * 9]
-    twins = [[client.prefill(p).kv_cache for p in prompts] for _ in range(2)]
-    with grpc.insecure_channel(tiny_server.target) as channel:
-        stub = pb_grpc.ModelExecutorStub(channel)
-        got = {}
-        for single, handles in zip((False, True), twins):
-            req = pb.DecodeSessionRequest(step_id=9, logits=convert.policy_to_proto(LogitsPolicy.topk(3)),
-                                          single_reply=single)
-            for h in handles:
-                req.items.add(token_id=11, kv_cache=convert.handle_to_proto(h))
-            got[single] = list(stub.DecodeSession(iter([req]), timeout=30))
-    per_item, (one,) = got[False], got[True]
-    assert len(per_item) == 2 and [(r.step_id, r.index) for r in one.results] == [(9, 0), (9, 1)]
+        per_item, (one,) = (call(stub, handles, single) for single, handles in zip((False, True), twins))
+    assert len(per_item) == len(prompts) and [r.index for r in one.results] == list(range(len(prompts)))
     for a, b in zip(sorted(per_item, key=lambda r: r.index), one.results):
         _same_rows(a.logits, b.logits)
         assert a.kv_cache.sequence_length == b.kv_cache.sequence_length
     for handles in twins:
         for h in handles:
             client.release_cache(h.cache_id)
+    return one
+
+
+def test_batch_decode_single_reply_carries_what_the_stream_carries(tiny_server, client):
+    """BatchDecodeRequest.single_reply: one message with every result in order,
+    the same rows as one stream message per sequence (the size rule is in test_failures)."""
+    from ferrum_rpc import convert
+    from ferrum_rpc.v1 import executor_pb2 as pb
+
+    def call(stub, handles, single):
+        req = pb.BatchDecodeRequest(logits=convert.policy_to_proto(LogitsPolicy.topk(5)), single_reply=single)
+        for i, h in enumerate(handles):
+            req.items.add(token_id=40 + i, kv_cache=convert.handle_to_proto(h))
+        return list(stub.BatchDecode(req, timeout=30))
+
+    _single_vs_per_item(tiny_server, client, [[1, 2, 3], list(range(10, 21)), [7]], call)
+
+
+def test_session_single_reply_carries_what_per_item_replies_carry(tiny_server, client):
+    from ferrum_rpc import convert
+    from ferrum_rpc.v1 import executor_pb2 as pb
+
+    def call(stub, handles, single):
+        req = pb.DecodeSessionRequest(step_id=9, logits=convert.policy_to_proto(LogitsPolicy.topk(3)),
+                                      single_reply=single)
+        for h in handles:
+            req.items.add(token_id=11, kv_cache=convert.handle_to_proto(h))
+        return list(stub.DecodeSession(iter([req]), timeout=30))
+
+    one = _single_vs_per_item(tiny_server, client, [[4, 5, 6], [7] * 9], call)
+    assert [r.step_id for r in one.results] == [9, 9]
 
 
 def test_chunked_prefill_equals_one_shot(client):

@@ -7,10 +7,9 @@ writes the new keys/values into the paged pool and returns the whole context.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
-
-import logging
 
 import torch
 import torch.nn.functional as F
