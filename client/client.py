@@ -27,6 +27,7 @@ from ferrum_rpc.types import (
     PrefillOutput,
     VerifyOutput,
 )
+from ferrum_rpc.client.shm import SharedMemoryRegion
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 
@@ -84,6 +85,14 @@ class _Codec:
     """Request builders and reply parsers shared by both clients."""
 
     model: str
+    _regions: dict  # shared-memory regions this client registered, by name
+
+    def _read_region(self, location: pb.SharedMemoryLocation) -> memoryview:
+        region = self._regions.get(location.region)
+        if region is None:
+            raise ExecutorError(f"logits were written to shared-memory region {location.region!r}, "
+                                "which this client did not register")
+        return region.view(location)
 
     def _prefill_req(self, token_ids, kv_cache, logits) -> pb.PrefillRequest:
         req = pb.PrefillRequest(model=self.model, token_ids=token_ids, logits=convert.policy_to_proto(logits))
@@ -96,10 +105,10 @@ class _Codec:
                                 logits=convert.policy_to_proto(logits))
 
     def _batch_req(self, items: Iterable[DecodeItem], logits) -> pb.BatchDecodeRequest:
-        # Small rows (top-k, argmax) come back in one message (a stream message per
-        # sequence costs ~0.35 ms); full logits rows stay one message each.
-        req = pb.BatchDecodeRequest(model=self.model, logits=convert.policy_to_proto(logits),
-                                    single_reply=logits.kind is not LogitsKind.FULL)
+        # Small rows (top-k, argmax, rows in shared memory) come back in one message
+        # (a stream message per sequence costs ~0.35 ms); full rows stay one message each.
+        small = logits.kind is not LogitsKind.FULL or logits.shared_memory is not None
+        req = pb.BatchDecodeRequest(model=self.model, logits=convert.policy_to_proto(logits), single_reply=small)
         for item in items:
             token_id, handle = (item.token_id, item.kv_cache) if isinstance(item, DecodeInput) else item
             req.items.add(token_id=token_id, kv_cache=convert.handle_to_proto(handle))
@@ -120,21 +129,18 @@ class _Codec:
             return pb.ReleaseCacheRequest(cache_id=cache.cache_id, model=cache.model)
         return pb.ReleaseCacheRequest(cache_id=cache, model=self.model)
 
-    @staticmethod
-    def _output(cls, reply):
-        return cls(convert.logits_from_proto(reply.logits), convert.handle_from_proto(reply.kv_cache),
-                   convert.timing_from_proto(reply.timing))
+    def _output(self, cls, reply):
+        return cls(convert.logits_from_proto(reply.logits, self._read_region),
+                   convert.handle_from_proto(reply.kv_cache), convert.timing_from_proto(reply.timing))
 
-    @classmethod
-    def _prefill_output(cls, reply: pb.PrefillResponse) -> PrefillOutput:
-        out = cls._output(PrefillOutput, reply)
+    def _prefill_output(self, reply: pb.PrefillResponse) -> PrefillOutput:
+        out = self._output(PrefillOutput, reply)
         return replace(out, cached_tokens=reply.cached_tokens)
 
-    @classmethod
-    def _batch_outputs(cls, replies: Sequence[pb.BatchDecodeResponse]) -> list[DecodeOutput]:
+    def _batch_outputs(self, replies: Sequence[pb.BatchDecodeResponse]) -> list[DecodeOutput]:
         replies = [r for reply in replies for r in (reply.results or [reply])]  # single_reply: one message
         ordered = sorted(replies, key=lambda r: r.index)
-        return [cls._output(DecodeOutput, r) for r in ordered]
+        return [self._output(DecodeOutput, r) for r in ordered]
 
 
 class ExecutorClient(_Codec):
@@ -156,6 +162,7 @@ class ExecutorClient(_Codec):
         self.model, self.timeout = model, timeout
         self._channel = _channel(target, _options(max_message_bytes), tls, token, aio=False)
         self._stub = pb_grpc.ModelExecutorStub(self._channel)
+        self._regions: dict[str, SharedMemoryRegion] = {}
 
     def _call(self, method, request):
         try:
@@ -215,9 +222,26 @@ class ExecutorClient(_Codec):
 
     def decode_session(self) -> DecodeSession:
         """Opens a DecodeSession stream: ``session.step(items)`` per step, no per-call setup."""
-        return DecodeSession(self._stub, self.model, self.timeout)
+        return DecodeSession(self._stub, self.model, self.timeout, self._regions)
+
+    def shared_memory(self, byte_size: int, name: str | None = None) -> SharedMemoryRegion:
+        """Creates a POSIX shared-memory object of ``byte_size`` bytes and registers it
+        with the server (same host only); requests whose full-logits policy names
+        ``region.target()`` get their rows written there.  Close it (or use ``with``)."""
+        region = SharedMemoryRegion(self._stub, byte_size, name)
+        self._regions[region.name] = region
+        close = region.close
+
+        def close_and_forget() -> None:
+            self._regions.pop(region.name, None)
+            close()
+
+        region.close = close_and_forget
+        return region
 
     def close(self) -> None:
+        for region in list(self._regions.values()):
+            region.close()
         self._channel.close()
 
     def __enter__(self) -> ExecutorClient:
@@ -236,6 +260,7 @@ class AsyncExecutorClient(_Codec):
         self.model, self.timeout = model, timeout
         self._channel = _channel(target, _options(max_message_bytes), tls, token, aio=True)
         self._stub = pb_grpc.ModelExecutorStub(self._channel)
+        self._regions: dict = {}  # shared memory: registered through the blocking client only
 
     async def _call(self, method, request):
         try:
@@ -312,10 +337,11 @@ class DecodeSession(_Codec):
 
     _END = object()
 
-    def __init__(self, stub: pb_grpc.ModelExecutorStub, model: str, timeout: float | None):
+    def __init__(self, stub: pb_grpc.ModelExecutorStub, model: str, timeout: float | None,
+                 regions: dict | None = None):
         import queue
 
-        self.model = model
+        self.model, self._regions = model, regions if regions is not None else {}
         self._requests: queue.Queue = queue.Queue()
         self._responses = stub.DecodeSession(iter(self._requests.get, self._END), timeout=timeout)
         self._next_step = 0
@@ -351,7 +377,7 @@ class AsyncDecodeSession(_Codec):
     """:class:`DecodeSession` for asyncio: ``async with client.decode_session() as s``."""
 
     def __init__(self, stub: pb_grpc.ModelExecutorStub, model: str, timeout: float | None):
-        self.model = model
+        self.model, self._regions = model, {}
         self._call = stub.DecodeSession(timeout=timeout)
         self._next_step = 0
 

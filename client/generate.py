@@ -50,7 +50,29 @@ def generate_ids(client: ExecutorClient, prompt_ids: list[int], max_tokens: int,
 
 
 def stream_text(tokenizer, ids: Iterator[int], stop_ids: set[int]) -> Iterator[str]:
-    """Turns a stream of ids into text deltas (decoding the whole tail keeps UTF-8 intact)."""
+    """Turns a stream of ids into text deltas, decoding each token once.
+
+    The tokenizers library's incremental decoder (``DecodeStream``) holds back
+    bytes that do not yet form a whole UTF-8 character and yields text as soon
+    as they do, so a delta never splits a character and the work per token does
+    not grow with the output.  A tokenizer without a fast backend falls back to
+    re-decoding the tail."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        yield from _stream_by_redecoding(tokenizer, ids, stop_ids)
+        return
+    from tokenizers.decoders import DecodeStream
+
+    stream = DecodeStream(skip_special_tokens=True)
+    for token in ids:
+        if token in stop_ids:
+            break
+        delta = stream.step(backend, token)
+        if delta:
+            yield delta
+
+
+def _stream_by_redecoding(tokenizer, ids: Iterator[int], stop_ids: set[int]) -> Iterator[str]:
     produced: list[int] = []
     shown = ""
     for token in ids:

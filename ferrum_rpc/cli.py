@@ -1,149 +1,40 @@
-"""``ferrum-rpc``: serve models, prepare the embedded default model, generate text."""
+"""``ferrum-rpc``: serve models, prepare the embedded default model, generate text.
+
+This module holds only the argument parser: each command's code is imported
+when it runs, from ``ferrum_rpc.server.cli`` (serve, prepare) or
+``ferrum_rpc.client.cli`` (generate), so the client side never imports server
+code and a client-only install can generate against a remote server.
+"""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import importlib
 import logging
-import os
 import sys
-import time
-from pathlib import Path
 
-log = logging.getLogger("ferrum_rpc.cli")
+EXTRA_FOR = {"serve": "server", "prepare": "server,text", "generate": "text"}
 
 
-def _model_specs(values: list[str]):
-    from ferrum_rpc.server.config import ModelSpec
-    from ferrum_rpc.server.prepare import DEFAULT_MODEL_NAME, prepare_default_model
-
-    if not values:
-        return (ModelSpec(DEFAULT_MODEL_NAME, str(prepare_default_model())),)
-    specs = []
-    for value in values:
-        name, sep, path = value.partition("=")
-        if not sep:
-            name, path = value.rstrip("/").rsplit("/", 1)[-1], value
-        specs.append(ModelSpec(name, path))
-    return tuple(specs)
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    import torch
-
-    from ferrum_rpc.server.app import serve
-    from ferrum_rpc.server.config import MIB, ExecutorConfig, ServerConfig
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    executor = ExecutorConfig(
-        dtype=args.dtype, device=args.device, kv_tokens=args.kv_tokens, block_size=args.block_size,
-        max_batch_size=args.max_batch, max_seq_len=args.max_seq_len,
-        max_message_bytes=args.max_message_mb * MIB, batch_wait_ms=args.batch_wait_ms,
-        kv_memory_fraction=args.kv_memory_fraction, idle_timeout_s=args.idle_timeout,
-        prefill_chunk=args.prefill_chunk, prefix_caching=not args.no_prefix_cache,
-        linear_kernel="aten" if args.no_packed_weights else args.linear_kernel, quantize=args.quantize,
-        step_ops=args.step_ops, max_sequences=args.max_sequences,
-        tenant_max_sequences=args.tenant_max_sequences, tenant_kv_tokens=args.tenant_kv_tokens,
-    )
-    try:
-        config = _server_config(args, executor)
-    except ValueError as exc:
-        print(f"ferrum-rpc serve: {exc}", file=sys.stderr)
-        return 2
-    asyncio.run(serve(config))
-    return 0
-
-
-def _server_config(args: argparse.Namespace, executor):
-    from ferrum_rpc.server.config import ServerConfig
-
-    return ServerConfig(models=_model_specs(args.model), executor=executor, host=args.host,
-                          port=args.port, grace_s=args.grace, warmup=not args.no_warmup,
-                          tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-                          auth_tokens=args.auth_tokens, insecure=args.insecure,
-                          metrics_port=args.metrics_port, metrics_host=args.metrics_host)
-
-
-def cmd_prepare(args: argparse.Namespace) -> int:
-    from ferrum_rpc.server.prepare import prepare_default_model
-
-    sys.stdout.write(f"{prepare_default_model(force=args.force)}\n")
-    return 0
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    from ferrum_rpc.client import ExecutorClient
-    from ferrum_rpc.client.generate import encode_prompt, generate_ids, load_tokenizer, stream_text
-    from ferrum_rpc.client.sampling import SamplingParams
-    from ferrum_rpc.server.prepare import default_model_dir
-
-    tokenizer = load_tokenizer(args.tokenizer or default_model_dir())
-    params = SamplingParams(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed)
-    prompt_ids = encode_prompt(tokenizer, args.prompt, chat=not args.raw)
-    tls = None
-    if args.tls_ca or args.tls_cert or args.tls_server_name:
-        from ferrum_rpc.client import ClientTls
-
-        tls = ClientTls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key, server_name=args.tls_server_name)
-    token = os.environ.get("FERRUM_RPC_TOKEN") or None
-    if args.token_file:
-        token = Path(args.token_file).read_text().strip()
-    with ExecutorClient(args.target, model=args.model, timeout=args.timeout, tls=tls, token=token) as client:
-        info = client.info()
-        stop = set(info.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-        if args.speculative:
-            return _speculative(args, client, tokenizer, prompt_ids, stop)
-        start = time.perf_counter()
-        count = 0
-
-        def counted():
-            nonlocal count
-            for token in generate_ids(client, prompt_ids, args.max_tokens, params, stop):
-                count += 1
-                yield token
-
-        for delta in stream_text(tokenizer, counted(), stop):
-            sys.stdout.write(delta)
-            sys.stdout.flush()
-        elapsed = time.perf_counter() - start
-    sys.stdout.write("\n")
-    sys.stdout.flush()
-    log.info("%d prompt tokens, %d generated in %.2fs (%.1f tokens/s)", len(prompt_ids), count,
-             elapsed, count / elapsed if elapsed else 0.0)
-    return 0
-
-
-def _speculative(args, client, tokenizer, prompt_ids: list[int], stop: set[int]) -> int:
-    """Greedy speculative generation, then plain greedy for comparison: same tokens, fewer forwards."""
-    from ferrum_rpc.client import ExecutorClient
-    from ferrum_rpc.client.generate import generate_ids
-    from ferrum_rpc.client.sampling import SamplingParams
-    from ferrum_rpc.client.speculative import ModelDrafter, NgramDrafter, speculative_generate
-
-    draft_client = ExecutorClient(args.target, model=args.draft_model, timeout=args.timeout) if args.draft_model else None
-    drafter = ModelDrafter(draft_client) if draft_client else NgramDrafter()
-    result = speculative_generate(client, prompt_ids, args.max_tokens, k=args.speculative,
-                                  drafter=drafter, stop_ids=frozenset(stop))
-    if draft_client:
-        draft_client.close()
-    text = tokenizer.decode([t for t in result.tokens if t not in stop], skip_special_tokens=True)
-    sys.stdout.write(text + "\n")
-    sys.stdout.flush()
-    start = time.perf_counter()
-    plain = list(generate_ids(client, prompt_ids, args.max_tokens, SamplingParams(greedy=True), stop))
-    plain_s = time.perf_counter() - start
-    log.info("speculative (k=%d, %s drafts): %d tokens in %.2fs, %d target forwards, acceptance %.0f%% "
-             "(%d/%d); plain greedy %.2fs: speed-up %.2fx; outputs %s",
-             args.speculative, args.draft_model or "n-gram", len(result.tokens), result.seconds,
-             result.target_forwards, 100 * result.acceptance_rate, result.accepted, result.drafted,
-             plain_s, plain_s / result.seconds, "identical" if plain == result.tokens else "DIFFER")
-    return 0 if plain == result.tokens else 1
+def _command(module: str, name: str):
+    """A command function imported on use; a missing extra becomes a one-line hint."""
+    def run(args: argparse.Namespace) -> int:
+        try:
+            func = getattr(importlib.import_module(module), name)
+            return func(args)
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.split(".")[0] in ("torch", "safetensors", "transformers", "gguf",
+                                                       "prometheus_client", "grpc_health", "grpc_reflection"):
+                print(f"ferrum-rpc {args.command}: {exc.name} is not installed; "
+                      f"pip install 'ferrum-rpc[{EXTRA_FOR[args.command]}]'", file=sys.stderr)
+                return 2
+            raise
+    return run
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ferrum-rpc", description=__doc__)
+    parser = argparse.ArgumentParser(prog="ferrum-rpc", description="Serve models over gRPC, prepare the "
+                                     "embedded default model, generate text through a server.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -165,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (0: a free one, logged); off by default")
     s.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
+    s.add_argument("--shared-memory", default="auto", choices=["auto", "on", "off"],
+                   help="RegisterSharedMemory (full logits into a caller's POSIX shared memory): auto serves it "
+                        "on a loopback --host only, where every caller is on this machine")
     s.add_argument("--max-sequences", type=int, default=10_000,
                    help="live sequences in all, forks included (0: no cap)")
     s.add_argument("--tenant-max-sequences", type=int, default=0, help="live sequences per tenant (0: no cap)")
@@ -199,11 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grace", type=float, default=30.0, help="seconds in-flight calls get on SIGTERM")
     s.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     s.add_argument("--no-warmup", action="store_true")
-    s.set_defaults(func=cmd_serve)
+    s.set_defaults(func=_command("ferrum_rpc.server.cli", "cmd_serve"))
 
     p = sub.add_parser("prepare", help="convert the embedded default model once; prints its folder")
     p.add_argument("--force", action="store_true", help="convert again even if cached")
-    p.set_defaults(func=cmd_prepare)
+    p.set_defaults(func=_command("ferrum_rpc.server.cli", "cmd_prepare"))
 
     g = sub.add_parser("generate", help="generate text through a running server")
     g.add_argument("prompt")
@@ -228,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="greedy speculative decoding drafting K tokens a round; reports acceptance and "
                         "speed-up over plain greedy decoding")
     g.add_argument("--draft-model", default="", help="draft with this hosted model instead of n-gram lookup")
-    g.set_defaults(func=cmd_generate)
+    g.set_defaults(func=_command("ferrum_rpc.client.cli", "cmd_generate"))
     return parser
 
 

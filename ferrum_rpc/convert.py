@@ -23,6 +23,7 @@ from ferrum_rpc.types import (
     LogitsPolicy,
     ModelInfo,
     ServerState,
+    SharedMemoryTarget,
     Timing,
 )
 from ferrum_rpc.v1 import executor_pb2 as pb
@@ -73,6 +74,8 @@ def policy_to_proto(p: LogitsPolicy) -> pb.LogitsPolicy:
         dtype=tensor_codec.dtype_to_proto(p.dtype),
         top_k=p.top_k,
         all_positions=p.all_positions,
+        shared_memory=(pb.SharedMemoryTarget(region=p.shared_memory.region, offset=p.shared_memory.offset)
+                       if p.shared_memory else None),
     )
 
 
@@ -81,7 +84,12 @@ def policy_from_proto(m: pb.LogitsPolicy) -> LogitsPolicy:
     if kind is None:
         raise InvalidInput(f"unknown logits kind {m.kind}")
     dtype = "float32" if m.dtype == pb.DTYPE_UNSPECIFIED else tensor_codec.dtype_from_proto(m.dtype)
-    return LogitsPolicy(kind=kind, dtype=dtype, top_k=m.top_k, all_positions=m.all_positions)
+    target = None
+    if m.HasField("shared_memory"):
+        if kind is not LogitsKind.FULL:
+            raise InvalidInput("logits.shared_memory needs LOGITS_KIND_FULL (top-k and argmax rows are small)")
+        target = SharedMemoryTarget(m.shared_memory.region, m.shared_memory.offset)
+    return LogitsPolicy(kind=kind, dtype=dtype, top_k=m.top_k, all_positions=m.all_positions, shared_memory=target)
 
 
 def logits_to_proto(logits: Logits) -> pb.Logits:
@@ -90,24 +98,56 @@ def logits_to_proto(logits: Logits) -> pb.Logits:
     return message
 
 
-def fill_logits(message: pb.Logits, logits: Logits) -> None:
-    """Writes ``logits`` into ``message`` in place (no copies of the payload beyond one)."""
+def fill_logits(message: pb.Logits, logits: Logits, shared_memory=None) -> None:
+    """Writes ``logits`` into ``message`` in place (no copies of the payload beyond one).
+
+    FULL rows travel as a raw tensor, or, with ``shared_memory`` (a
+    ``(region, offset)`` whose ``region.write`` copies them there), only their
+    location; TOP_K / ARGMAX as packed float scores and uint32 ids."""
     message.kind = _KIND_TO_PROTO[logits.kind]
-    tensor_codec.encode_into(message.values, logits.values)
     message.vocab_size = logits.vocab_size
-    if logits.token_ids is not None:  # a bounded slice at a time: no list of millions of ints
-        ids = logits.token_ids.reshape(-1)
-        for start in range(0, ids.size, _ID_SLICE):
-            message.token_ids.extend(ids[start:start + _ID_SLICE].tolist())
+    message.positions = logits.values.shape[0]
+    if logits.kind is LogitsKind.FULL:
+        if shared_memory is None:
+            tensor_codec.encode_into(message.values, logits.values)
+            return
+        region, offset = shared_memory
+        array, wire = tensor_codec.as_numpy(logits.values)
+        region.write(offset, array)
+        message.values.dtype = wire
+        message.values.shape.extend(array.shape)
+        message.shared_memory.region, message.shared_memory.offset = region.name, offset
+        message.shared_memory.byte_size = array.nbytes
+        return
+    scores = np.asarray(logits.values, dtype=np.float32).reshape(-1) if not hasattr(logits.values, "numpy") \
+        else logits.values.float().reshape(-1).numpy()
+    ids = logits.token_ids.reshape(-1)
+    for start in range(0, ids.size, _ID_SLICE):  # a bounded slice at a time: no list of millions of numbers
+        message.scores.extend(scores[start:start + _ID_SLICE].tolist())
+        message.token_ids.extend(ids[start:start + _ID_SLICE].tolist())
 
 
-def logits_from_proto(m: pb.Logits) -> Logits:
+def logits_from_proto(m: pb.Logits, shared_memory=None) -> Logits:
+    """The reply's logits; rows written to shared memory are read through
+    ``shared_memory(location) -> memoryview`` (the caller's own mapping)."""
     kind = _KIND_FROM_PROTO[m.kind]
-    values = tensor_codec.to_numpy(m.values)
-    token_ids = None
-    if kind is not LogitsKind.FULL:
-        token_ids = np.asarray(m.token_ids, dtype=np.int64).reshape(values.shape)
-    return Logits(kind=kind, values=values, token_ids=token_ids, vocab_size=m.vocab_size)
+    if kind is LogitsKind.FULL:
+        if m.HasField("shared_memory"):
+            if shared_memory is None:
+                raise InvalidInput(f"logits were written to shared-memory region {m.shared_memory.region!r}, "
+                                   "which this client did not register")
+            values = tensor_codec.to_numpy(m.values, shared_memory(m.shared_memory))
+        else:
+            values = tensor_codec.to_numpy(m.values)
+        return Logits(kind=kind, values=values, vocab_size=m.vocab_size)
+    positions = m.positions or (1 if m.token_ids else 0)
+    scores = np.asarray(m.scores, dtype=np.float32)
+    token_ids = np.asarray(m.token_ids, dtype=np.int64)
+    if scores.size != token_ids.size or (positions and scores.size % positions):
+        raise InvalidInput(f"logits carry {scores.size} scores and {token_ids.size} ids over {positions} rows")
+    shape = (positions, scores.size // positions if positions else 0)
+    return Logits(kind=kind, values=scores.reshape(shape), token_ids=token_ids.reshape(shape),
+                  vocab_size=m.vocab_size)
 
 
 def timing_to_proto(t: Timing) -> pb.Timing:

@@ -31,6 +31,7 @@ class Reason(str, enum.Enum):
     UNAUTHENTICATED = "UNAUTHENTICATED"
     SEQUENCE_LIMIT_EXCEEDED = "SEQUENCE_LIMIT_EXCEEDED"
     TENANT_QUOTA_EXCEEDED = "TENANT_QUOTA_EXCEEDED"
+    SHARED_MEMORY_NOT_FOUND = "SHARED_MEMORY_NOT_FOUND"
 
 
 STATUS_FOR_REASON: dict[Reason, grpc.StatusCode] = {
@@ -47,6 +48,7 @@ STATUS_FOR_REASON: dict[Reason, grpc.StatusCode] = {
     Reason.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
     Reason.SEQUENCE_LIMIT_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Reason.TENANT_QUOTA_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.SHARED_MEMORY_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
 }
 
 
@@ -155,6 +157,13 @@ class TenantQuotaExceeded(ExecutorError):
     reason = Reason.TENANT_QUOTA_EXCEEDED
 
 
+class SharedMemoryNotFound(ExecutorError):
+    """The caller's tenant has no shared-memory region of that name (never registered,
+    unregistered, or its registration stream ended)."""
+
+    reason = Reason.SHARED_MEMORY_NOT_FOUND
+
+
 ERROR_CLASSES: dict[Reason, type[ExecutorError]] = {
     cls.reason: cls
     for cls in (
@@ -171,6 +180,7 @@ ERROR_CLASSES: dict[Reason, type[ExecutorError]] = {
         Unauthenticated,
         SequenceLimitExceeded,
         TenantQuotaExceeded,
+        SharedMemoryNotFound,
     )
 }
 

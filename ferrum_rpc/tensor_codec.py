@@ -60,12 +60,19 @@ def encode(array: Any) -> pb.Tensor:
 def encode_into(message: pb.Tensor, array: Any) -> None:
     """Fills ``message`` in place: building a tensor inside its parent message
     avoids the copies that assigning a finished sub-message makes (large logits)."""
+    array, message.dtype = as_numpy(array)
+    message.shape[:] = array.shape
+    message.data = array.tobytes()  # C order
+
+
+def as_numpy(array: Any) -> tuple[np.ndarray, int]:
+    """A numpy array or torch tensor as little-endian numpy in its wire layout, and
+    the wire dtype (bfloat16 as its uint16 bit patterns)."""
     wire = None
     if not isinstance(array, np.ndarray):
         array, wire = _torch_to_numpy(array)
-    message.dtype = wire if wire is not None else dtype_to_proto(array.dtype.name)
-    message.shape[:] = array.shape
-    message.data = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()  # C order
+    wire = wire if wire is not None else dtype_to_proto(array.dtype.name)
+    return array.astype(array.dtype.newbyteorder("<"), copy=False), wire
 
 
 def _torch_to_numpy(tensor: Any) -> tuple[np.ndarray, int | None]:
@@ -82,24 +89,28 @@ def _torch_to_numpy(tensor: Any) -> tuple[np.ndarray, int | None]:
     return tensor.numpy(), None
 
 
-def _checked_view(t: pb.Tensor) -> np.ndarray:
+def _checked_view(t: pb.Tensor, data: Any = None) -> np.ndarray:
     dtype = _NUMPY_DTYPES.get(t.dtype)
     if dtype is None:
         raise InvalidInput(f"unsupported tensor dtype enum value {t.dtype}")
     if any(d < 0 for d in t.shape):
         raise InvalidInput(f"negative dimension in tensor shape {list(t.shape)}")
+    data = t.data if data is None else data
     expected = math.prod(t.shape) * dtype.itemsize
-    if len(t.data) != expected:
+    if len(data) != expected:
         raise InvalidInput(
             f"tensor of shape {list(t.shape)} and dtype {_NAME_BY_DTYPE[t.dtype]} needs "
-            f"{expected} bytes, got {len(t.data)}"
+            f"{expected} bytes, got {len(data)}"
         )
-    return np.frombuffer(t.data, dtype=dtype).reshape(tuple(t.shape))
+    return np.frombuffer(data, dtype=dtype).reshape(tuple(t.shape))
 
 
-def to_numpy(t: pb.Tensor) -> np.ndarray:
-    """Decodes to numpy without copying; bfloat16 is widened to float32."""
-    array = _checked_view(t)
+def to_numpy(t: pb.Tensor, data: Any = None) -> np.ndarray:
+    """Decodes to numpy without copying; bfloat16 is widened to float32.
+
+    ``data``: the tensor's bytes when they are not in the message (a buffer such
+    as a shared-memory slice); the array then aliases that memory."""
+    array = _checked_view(t, data)
     if t.dtype == pb.DTYPE_BFLOAT16:
         return (array.astype(np.uint32) << 16).view(np.float32)
     return array

@@ -43,6 +43,15 @@ LOGITS_DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
+class SharedMemoryTarget:
+    """Where full logits rows go instead of the reply: a registered region's name and
+    a byte offset inside it (see ``ExecutorClient.shared_memory``)."""
+
+    region: str
+    offset: int = 0
+
+
+@dataclass(frozen=True)
 class LogitsPolicy:
     """What the server sends back per position.
 
@@ -51,16 +60,20 @@ class LogitsPolicy:
         dtype: wire dtype of full rows: "float32", "float16" or "bfloat16".
         top_k: k for ``LogitsKind.TOP_K``.
         all_positions: prefill only; every prompt position instead of the last.
+        shared_memory: FULL only; write the rows into this registered region and
+            return only their location (a batched step's rows follow one another).
     """
 
     kind: LogitsKind = LogitsKind.FULL
     dtype: str = "float32"
     top_k: int = 0
     all_positions: bool = False
+    shared_memory: SharedMemoryTarget | None = None
 
     @classmethod
-    def full(cls, dtype: str = "float32", all_positions: bool = False) -> LogitsPolicy:
-        return cls(LogitsKind.FULL, dtype=dtype, all_positions=all_positions)
+    def full(cls, dtype: str = "float32", all_positions: bool = False,
+             shared_memory: SharedMemoryTarget | None = None) -> LogitsPolicy:
+        return cls(LogitsKind.FULL, dtype=dtype, all_positions=all_positions, shared_memory=shared_memory)
 
     @classmethod
     def topk(cls, k: int, all_positions: bool = False) -> LogitsPolicy:
@@ -171,6 +184,7 @@ class Capabilities:
     kernel_path: str = ""
     cpu_capability: str = ""
     quantization: str = "none"
+    shared_memory: bool = False  # RegisterSharedMemory is served (set by the server, not the executor)
 
 
 class ServerState(enum.Enum):

@@ -70,6 +70,7 @@ class App:
         """Refuses new calls (UNAVAILABLE/DRAINING), lets in-flight ones finish, stops."""
         log.info("draining: %d call(s) in flight", self.servicer.inflight)
         self.servicer.state = ServerState.DRAINING
+        self.servicer.shm.close_all()  # ends the registration streams; pinned calls finish their writes
         await self.health.enter_graceful_shutdown()
         try:
             await asyncio.wait_for(self.servicer.wait_idle(), grace_s)
@@ -102,7 +103,7 @@ async def build_server(config: ServerConfig) -> App:
         from ferrum_rpc.server.metrics import Metrics
 
         metrics = Metrics(lambda: [w.executor for w in list(servicer.workers.values())])
-    servicer = ExecutorServicer(instance_id, tokens, metrics)
+    servicer = ExecutorServicer(instance_id, tokens, metrics, shared_memory=config.shared_memory_enabled)
     health = HealthServicer()
     add_executor_service(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

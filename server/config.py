@@ -105,8 +105,17 @@ class ServerConfig:
     insecure: bool = False  # allow a non-loopback address without TLS and tokens
     metrics_port: int | None = None  # Prometheus exposition (None: off; 0: a free port)
     metrics_host: str = "127.0.0.1"
+    # RegisterSharedMemory: "auto" serves it only on a loopback address (callers on
+    # this host by construction), "on" everywhere, "off" nowhere.
+    shared_memory: str = "auto"
+
+    @property
+    def shared_memory_enabled(self) -> bool:
+        return self.shared_memory == "on" or (self.shared_memory == "auto" and is_loopback(self.host))
 
     def __post_init__(self):
+        if self.shared_memory not in ("auto", "on", "off"):
+            raise ValueError(f"shared_memory must be auto, on or off, got {self.shared_memory!r}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca and not self.tls_cert:

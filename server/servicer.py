@@ -15,6 +15,7 @@ loop keeps answering everyone else meanwhile.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
@@ -35,6 +36,7 @@ from ferrum_rpc.errors import (
     to_status_proto,
 )
 from ferrum_rpc.server.auth import HANDLER_FACTORIES, TokenTable, current_tenant
+from ferrum_rpc.server.shm import SharedMemoryRegistry
 from ferrum_rpc.server.worker import ModelWorker
 from ferrum_rpc.types import DecodeInput, KvCacheHandle, LogitsPolicy, ServerState
 from ferrum_rpc.v1 import executor_pb2 as pb
@@ -197,8 +199,11 @@ def _rpc(method):
 class ExecutorServicer(pb_grpc.ModelExecutorServicer):
     """Routes each request to the worker of the model it names (empty = the default)."""
 
-    def __init__(self, instance_id: str, tokens: TokenTable | None = None, metrics=None):
+    def __init__(self, instance_id: str, tokens: TokenTable | None = None, metrics=None,
+                 shared_memory: bool = False):
         self.instance_id = instance_id
+        self.shared_memory = shared_memory  # RegisterSharedMemory served
+        self.shm = SharedMemoryRegistry()
         self.tokens = tokens  # None: auth off, every caller is tenant ""
         self.metrics = metrics  # server.metrics.Metrics, or None
         self.state = ServerState.LOADING
@@ -276,39 +281,64 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             worker.executor.check_reply_fits(policy, len(items))
         return worker, items, policy
 
-    async def _step_replies(self, cls, fields: dict, outs, received_ns: int, single: bool):
+    @contextlib.contextmanager
+    def _logits_targets(self, policy: LogitsPolicy, rows: list[int], worker: ModelWorker):
+        """Where each output's full logits go when ``policy`` names a shared-memory
+        region: one ``(region, offset)`` per output, rows packed one after another.
+        Everything is checked, and the region pinned, before the call runs: the
+        write after it cannot fail.  Yields None without shared memory."""
+        if policy.shared_memory is None:
+            yield None
+            return
+        target = policy.shared_memory
+        region = self.shm.get(current_tenant.get(), target.region)
+        element = 4 if policy.dtype == "float32" else 2
+        if target.offset % element:
+            raise InvalidInput(f"logits.shared_memory.offset must be a multiple of {element}, got {target.offset}")
+        row_bytes = worker.executor.model_config.vocab_size * element
+        offsets = [target.offset + row_bytes * sum(rows[:i]) for i in range(len(rows))]
+        region.check(target.offset, row_bytes * sum(rows))
+        region.pin()
+        try:
+            yield [(region, offset) for offset in offsets]
+        finally:
+            region.unpin()
+
+    async def _step_replies(self, cls, fields: dict, outs, received_ns: int, single: bool, targets=None):
         """A decode step's replies (``cls`` with ``fields``): one message per sequence,
         tagged with its index, or with ``single`` one message whose ``results`` hold all."""
+        targets = targets or [None] * len(outs)
         if single:
             reply = cls(**fields)
             for index, out in enumerate(outs):
-                self._result(reply.results.add(index=index, **fields), out, received_ns)
+                self._result(reply.results.add(index=index, **fields), out, received_ns, targets[index])
             yield reply
             return
         for index, out in enumerate(outs):
-            yield await self._reply(cls(index=index, **fields), out, received_ns)
+            yield await self._reply(cls(index=index, **fields), out, received_ns, target=targets[index])
 
     @staticmethod
-    def _result(message, out, received_ns: int):
-        """Fills a reply's logits, handle and timing in place (large logits are copied once)."""
-        convert.fill_logits(message.logits, out.logits)
+    def _result(message, out, received_ns: int, target=None):
+        """Fills a reply's logits, handle and timing in place (large logits are copied once,
+        into the reply or into shared memory)."""
+        convert.fill_logits(message.logits, out.logits, target)
         message.kv_cache.CopyFrom(convert.handle_to_proto(out.kv_cache))
         message.timing.CopyFrom(convert.timing_to_proto(out.timing))
         message.timing.total_ns = time.perf_counter_ns() - received_ns
         return message
 
     async def _reply(self, message, out, received_ns: int, worker: ModelWorker | None = None,
-                     changes: list[tuple[str, int | None]] = ()):
+                     changes: list[tuple[str, int | None]] = (), target=None):
         """:meth:`_result`, built and serialized on the reply-builder thread when large.
 
         If the caller goes away while a large reply is being built, ``changes``
         (see ``TorchExecutor.undo_calls``) are undone on ``worker``: nobody will
         ever hold the handle this reply carries."""
         if _payload_bytes(out.logits) < LARGE_REPLY_BYTES:
-            return self._result(message, out, received_ns)
+            return self._result(message, out, received_ns, target)
 
         def build() -> bytes:
-            return self._result(message, out, received_ns).SerializeToString()
+            return self._result(message, out, received_ns, target).SerializeToString()
 
         try:
             return await asyncio.get_running_loop().run_in_executor(self._reply_builder, build)
@@ -326,6 +356,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
     async def GetCapabilities(self, request, context):
         caps = convert.capabilities_to_proto(self._worker(request.model).executor.capabilities())
         caps.models.extend(sorted(self.workers))
+        caps.shared_memory = self.shared_memory
         return caps
 
     @_query
@@ -342,37 +373,46 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         received = time.perf_counter_ns()
         worker = self._worker(request.model or request.kv_cache.model)
         handle = convert.handle_from_proto(request.kv_cache) if request.HasField("kv_cache") else None
-        out = await worker.prefill(list(request.token_ids), handle, convert.policy_from_proto(request.logits),
-                                   _deadline(context))
-        undo = [(out.kv_cache.cache_id, handle.sequence_length if handle else None)]
-        return await self._reply(pb.PrefillResponse(cached_tokens=out.cached_tokens), out, received, worker, undo)
+        policy = convert.policy_from_proto(request.logits)
+        rows = len(request.token_ids) if policy.all_positions else 1
+        with self._logits_targets(policy, [rows], worker) as targets:
+            out = await worker.prefill(list(request.token_ids), handle, policy, _deadline(context))
+            undo = [(out.kv_cache.cache_id, handle.sequence_length if handle else None)]
+            return await self._reply(pb.PrefillResponse(cached_tokens=out.cached_tokens), out, received, worker,
+                                     undo, targets and targets[0])
 
     @_rpc
     async def Decode(self, request, context):
         received = time.perf_counter_ns()
         worker = self._worker(request.model or request.kv_cache.model)
         item = DecodeInput(request.token_id, _required_handle(request))
-        (out,) = await worker.decode([item], convert.policy_from_proto(request.logits), _deadline(context))
-        undo = [(item.kv_cache.cache_id, item.kv_cache.sequence_length)]
-        return await self._reply(pb.DecodeResponse(), out, received, worker, undo)
+        policy = convert.policy_from_proto(request.logits)
+        with self._logits_targets(policy, [1], worker) as targets:
+            (out,) = await worker.decode([item], policy, _deadline(context))
+            undo = [(item.kv_cache.cache_id, item.kv_cache.sequence_length)]
+            return await self._reply(pb.DecodeResponse(), out, received, worker, undo, targets and targets[0])
 
     @_rpc
     async def BatchDecode(self, request, context):
         received = time.perf_counter_ns()
         worker, items, policy = self._decode_batch(request)
-        outs = await worker.decode(items, policy, _deadline(context))
-        async for reply in self._step_replies(pb.BatchDecodeResponse, {}, outs, received, request.single_reply):
-            yield reply
+        with self._logits_targets(policy, [1] * len(items), worker) as targets:
+            outs = await worker.decode(items, policy, _deadline(context))
+            async for reply in self._step_replies(pb.BatchDecodeResponse, {}, outs, received, request.single_reply,
+                                                  targets):
+                yield reply
 
     @_rpc
     async def ForwardVerify(self, request, context):
         received = time.perf_counter_ns()
         worker = self._worker(request.model or request.kv_cache.model)
         handle = _required_handle(request)
-        out = await worker.verify(list(request.token_ids), handle, convert.policy_from_proto(request.logits),
-                                  _deadline(context))
-        undo = [(handle.cache_id, handle.sequence_length)]
-        return await self._reply(pb.ForwardVerifyResponse(), out, received, worker, undo)
+        policy = convert.policy_from_proto(request.logits)
+        with self._logits_targets(policy, [len(request.token_ids)], worker) as targets:
+            out = await worker.verify(list(request.token_ids), handle, policy, _deadline(context))
+            undo = [(handle.cache_id, handle.sequence_length)]
+            return await self._reply(pb.ForwardVerifyResponse(), out, received, worker, undo,
+                                     targets and targets[0])
 
     @_rpc
     async def TruncateKv(self, request, context):
@@ -417,12 +457,14 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             step_id = getattr(request, "step_id", 0)
             try:
                 _check_parsed(request)
-                with self._admit():
-                    worker, items, policy = self._decode_batch(request)
-                    outs = await worker.decode(items, policy, deadline)
-                async for reply in self._step_replies(pb.DecodeSessionResponse, {"step_id": step_id}, outs,
-                                                      received, request.single_reply):
-                    await replies.put(reply)
+                with contextlib.ExitStack() as pinned:  # a shared-memory region stays mapped to the end
+                    with self._admit():
+                        worker, items, policy = self._decode_batch(request)
+                        targets = pinned.enter_context(self._logits_targets(policy, [1] * len(items), worker))
+                        outs = await worker.decode(items, policy, deadline)
+                    async for reply in self._step_replies(pb.DecodeSessionResponse, {"step_id": step_id}, outs,
+                                                          received, request.single_reply, targets):
+                        await replies.put(reply)
                 self._observe("DecodeSession", None, received / 1e9, outs[0].timing if outs else None)
             except Exception as exc:
                 self._observe("DecodeSession", exc, received / 1e9)
@@ -458,6 +500,36 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             reader.cancel()
             for task in list(steps):
                 task.cancel()
+
+    # -- shared memory -------------------------------------------------------------
+    async def RegisterSharedMemory(self, request, context):
+        """Registers the region, answers once, and holds the registration until the
+        caller cancels, disconnects or unregisters it (or the server drains).  Not
+        an in-flight call: a drain does not wait for it."""
+        start = time.perf_counter()
+        try:
+            _check_parsed(request)
+            self._enter_tenant(context)
+            if not self.shared_memory:
+                raise ExecutorError("shared memory is off on this server (it serves it on loopback addresses, "
+                                    "or with --shared-memory on)", code=grpc.StatusCode.UNIMPLEMENTED)
+            if self.state is ServerState.DRAINING:
+                raise Draining("the server is shutting down")
+            region = self.shm.register(current_tenant.get(), request.name, request.key, request.offset,
+                                       request.byte_size)
+        except Exception as exc:
+            self._observe("RegisterSharedMemory", exc, start)
+            await _abort(context, exc)
+        self._observe("RegisterSharedMemory", None, start)
+        try:
+            yield pb.RegisterSharedMemoryResponse(name=region.name, byte_size=region.byte_size)
+            await region.ended.wait()
+        finally:
+            self.shm.unregister(region.tenant, region.name, region)
+
+    @_query
+    async def UnregisterSharedMemory(self, request, context):
+        return pb.UnregisterSharedMemoryResponse(unregistered=self.shm.unregister(current_tenant.get(), request.name))
 
     async def Forward(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED,

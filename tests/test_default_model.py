@@ -171,3 +171,48 @@ def test_quantized_layers_hold_the_gguf_weights_without_loss(default_model_dir, 
             assert err <= 1e-5 * weight.abs().max().item(), name
             checked += 1
     assert checked == 4 * quant.model_config.num_layers + 1  # qkv, o, gate_up, down per layer; the head
+
+
+def test_the_node_client_generates_what_the_python_client_does(default_model_dir, default_server):
+    """clients/node (grpc-js + proto-loader on the .proto alone) against the real model:
+    greedy tokens through Decode, BatchDecode and a DecodeSession equal the Python
+    client's, and both error shapes decode to the table's reasons."""
+    import json
+
+    from tests.node_env import node_packages
+
+    node_dir = node_packages()
+    tokenizer = load_tokenizer(default_model_dir)
+    prompt_ids = encode_prompt(tokenizer, "Name three rivers of Europe.")
+    with ExecutorClient(default_server.target, timeout=60) as ex:
+        expected = list(generate_ids(ex, prompt_ids, 24, SamplingParams(greedy=True)))
+    done = subprocess.run(["node", "client.js", default_server.target, *map(str, prompt_ids), "--tokens", "24"],
+                          cwd=node_dir, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout)
+    assert got["model"] == "SmolLM2-135M-Instruct"
+    assert got["greedy"] == expected, (tokenizer.decode(got["greedy"]), tokenizer.decode(expected))
+    assert got["batch"] == [expected, expected]
+    assert got["session"] == expected
+    assert got["session_error_reason"] == "LENGTH_MISMATCH"
+    assert got["unary_error_reason"] == "STALE_HANDLE"
+    with ExecutorClient(default_server.target, timeout=60) as ex:
+        assert ex.status().active_sequences == 0  # the Node client released everything it made
+
+
+def test_streamed_text_is_decoded_incrementally_and_exactly(default_model_dir):
+    """`generate`'s streaming: the incremental decoder's deltas join to exactly what
+    decoding all ids at once gives, multi-byte characters (split across byte-level
+    tokens) included, and it decodes each token once."""
+    from ferrum_rpc.client.generate import _stream_by_redecoding, stream_text
+
+    tokenizer = load_tokenizer(default_model_dir)
+    text = "Héllo wörld — 東京タワー 🎉🇫🇷 naïve café, Ωμέγα ≠ ∑; done."
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text.split())  # byte-level pieces: characters span tokens
+    deltas = list(stream_text(tokenizer, iter(ids), set()))
+    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert all("\ufffd" not in d for d in deltas)  # never half a character
+    assert "".join(_stream_by_redecoding(tokenizer, iter(ids), set())) == text  # the fallback agrees
+    stop = ids[5]
+    assert "".join(stream_text(tokenizer, iter(ids), {stop})) == tokenizer.decode(ids[:ids.index(stop)])

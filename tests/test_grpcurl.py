@@ -135,9 +135,15 @@ def test_prefill_decode_release_roundtrip(target):
         assert logits["vocab_size"] == 320
         assert len(logits["token_ids"]) == 5
         assert logits["token_ids"] == ref_ids
-        values = tensor_values(logits["values"])
-        assert values.shape == (1, 5)
-        np.testing.assert_allclose(values.reshape(-1), ref_values, rtol=1e-5, atol=1e-5)
+        # scores are JSON numbers a grpcurl user can read (not base64 bytes), sorted descending
+        scores = logits["scores"]
+        assert "values" not in logits and logits["positions"] == 1
+        assert all(isinstance(x, (int, float)) for x in scores), scores
+        assert scores == sorted(scores, reverse=True)
+        np.testing.assert_allclose(scores, ref_values, rtol=1e-5, atol=1e-5)
+        # full rows stay raw little-endian bytes (base64 in JSON)
+        full = call(target, "Prefill", {"token_ids": PROMPT})
+        np.testing.assert_array_equal(tensor_values(full["logits"]["values"]), client.prefill(PROMPT).logits.values)
         assert int(reply["timing"]["batch_size"]) == 1
 
         # the handle goes back exactly as grpcurl printed it

@@ -84,8 +84,11 @@ def _same_rows(a, b) -> None:
     twin sequences were prefilled apart, the second one from the prefix cache)."""
     from ferrum_rpc import tensor_codec
 
-    assert a.kind == b.kind and list(a.token_ids) == list(b.token_ids)
-    np.testing.assert_allclose(tensor_codec.to_numpy(a.values), tensor_codec.to_numpy(b.values), atol=1e-5, rtol=0)
+    assert a.kind == b.kind and list(a.token_ids) == list(b.token_ids) and a.positions == b.positions
+    if a.HasField("values"):  # FULL
+        np.testing.assert_allclose(tensor_codec.to_numpy(a.values), tensor_codec.to_numpy(b.values), atol=1e-5,
+                                   rtol=0)
+    np.testing.assert_allclose(list(a.scores), list(b.scores), atol=1e-5, rtol=0)  # TOP_K / ARGMAX
 
 
 def _single_vs_per_item(server, client, prompts, call):

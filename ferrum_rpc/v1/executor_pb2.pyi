@@ -77,28 +77,54 @@ class KvCacheHandle(_message.Message):
     def __init__(self, cache_id: _Optional[str] = ..., sequence_length: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., device: _Optional[str] = ..., block_table: _Optional[_Union[BlockTable, _Mapping]] = ..., model: _Optional[str] = ..., server_instance_id: _Optional[str] = ...) -> None: ...
 
 class LogitsPolicy(_message.Message):
-    __slots__ = ("kind", "dtype", "top_k", "all_positions")
+    __slots__ = ("kind", "dtype", "top_k", "all_positions", "shared_memory")
     KIND_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     ALL_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     kind: LogitsKind
     dtype: DType
     top_k: int
     all_positions: bool
-    def __init__(self, kind: _Optional[_Union[LogitsKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., top_k: _Optional[int] = ..., all_positions: _Optional[bool] = ...) -> None: ...
+    shared_memory: SharedMemoryTarget
+    def __init__(self, kind: _Optional[_Union[LogitsKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., top_k: _Optional[int] = ..., all_positions: _Optional[bool] = ..., shared_memory: _Optional[_Union[SharedMemoryTarget, _Mapping]] = ...) -> None: ...
+
+class SharedMemoryTarget(_message.Message):
+    __slots__ = ("region", "offset")
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    region: str
+    offset: int
+    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class Logits(_message.Message):
-    __slots__ = ("kind", "values", "token_ids", "vocab_size")
+    __slots__ = ("kind", "values", "token_ids", "vocab_size", "scores", "positions", "shared_memory")
     KIND_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     kind: LogitsKind
     values: Tensor
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     vocab_size: int
-    def __init__(self, kind: _Optional[_Union[LogitsKind, str]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    scores: _containers.RepeatedScalarFieldContainer[float]
+    positions: int
+    shared_memory: SharedMemoryLocation
+    def __init__(self, kind: _Optional[_Union[LogitsKind, str]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., scores: _Optional[_Iterable[float]] = ..., positions: _Optional[int] = ..., shared_memory: _Optional[_Union[SharedMemoryLocation, _Mapping]] = ...) -> None: ...
+
+class SharedMemoryLocation(_message.Message):
+    __slots__ = ("region", "offset", "byte_size")
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    region: str
+    offset: int
+    byte_size: int
+    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("queue_ns", "forward_ns", "total_ns", "batch_size")
@@ -157,7 +183,7 @@ class GetCapabilitiesRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("model", "max_batch_size", "max_sequence_length", "kv_block_size", "kv_num_blocks", "kv_capacity_tokens", "logits_kinds", "logits_dtypes", "chunked_prefill", "forward_verify", "truncate_kv", "max_message_bytes", "models", "idle_timeout_s", "prefill_chunk_tokens", "decode_session", "prefix_cache", "fork_cache", "mixture_of_experts", "architecture", "kv_bytes", "kernel_path", "cpu_capability", "quantization")
+    __slots__ = ("model", "max_batch_size", "max_sequence_length", "kv_block_size", "kv_num_blocks", "kv_capacity_tokens", "logits_kinds", "logits_dtypes", "chunked_prefill", "forward_verify", "truncate_kv", "max_message_bytes", "models", "idle_timeout_s", "prefill_chunk_tokens", "decode_session", "prefix_cache", "fork_cache", "mixture_of_experts", "architecture", "kv_bytes", "kernel_path", "cpu_capability", "quantization", "shared_memory")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +208,7 @@ class Capabilities(_message.Message):
     KERNEL_PATH_FIELD_NUMBER: _ClassVar[int]
     CPU_CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_batch_size: int
     max_sequence_length: int
@@ -206,7 +233,8 @@ class Capabilities(_message.Message):
     kernel_path: str
     cpu_capability: str
     quantization: str
-    def __init__(self, model: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., logits_kinds: _Optional[_Iterable[_Union[LogitsKind, str]]] = ..., logits_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., chunked_prefill: _Optional[bool] = ..., forward_verify: _Optional[bool] = ..., truncate_kv: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., idle_timeout_s: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., decode_session: _Optional[bool] = ..., prefix_cache: _Optional[bool] = ..., fork_cache: _Optional[bool] = ..., mixture_of_experts: _Optional[bool] = ..., architecture: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., kernel_path: _Optional[str] = ..., cpu_capability: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
+    shared_memory: bool
+    def __init__(self, model: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., logits_kinds: _Optional[_Iterable[_Union[LogitsKind, str]]] = ..., logits_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., chunked_prefill: _Optional[bool] = ..., forward_verify: _Optional[bool] = ..., truncate_kv: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., idle_timeout_s: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., decode_session: _Optional[bool] = ..., prefix_cache: _Optional[bool] = ..., fork_cache: _Optional[bool] = ..., mixture_of_experts: _Optional[bool] = ..., architecture: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., kernel_path: _Optional[str] = ..., cpu_capability: _Optional[str] = ..., quantization: _Optional[str] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ("model",)
@@ -451,3 +479,35 @@ class ForwardResponse(_message.Message):
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     output: Tensor
     def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class RegisterSharedMemoryRequest(_message.Message):
+    __slots__ = ("name", "key", "offset", "byte_size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+    def __init__(self, name: _Optional[str] = ..., key: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
+
+class RegisterSharedMemoryResponse(_message.Message):
+    __slots__ = ("name", "byte_size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    byte_size: int
+    def __init__(self, name: _Optional[str] = ..., byte_size: _Optional[int] = ...) -> None: ...
+
+class UnregisterSharedMemoryRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnregisterSharedMemoryResponse(_message.Message):
+    __slots__ = ("unregistered",)
+    UNREGISTERED_FIELD_NUMBER: _ClassVar[int]
+    unregistered: int
+    def __init__(self, unregistered: _Optional[int] = ...) -> None: ...

@@ -26,7 +26,10 @@ if _version_not_supported:
 
 
 class ModelExecutorStub:
-    """Missing associated documentation comment in .proto file."""
+    """The executor of one server process; it may host several models (see
+    `Capabilities.models`). Every request's `model` field names one; empty means
+    the server's default model (the first one it loaded).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -94,25 +97,42 @@ class ModelExecutorStub:
                 request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.ForwardRequest.SerializeToString,
                 response_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.ForwardResponse.FromString,
                 _registered_method=True)
+        self.RegisterSharedMemory = channel.unary_stream(
+                '/ferrum.executor.v1.ModelExecutor/RegisterSharedMemory',
+                request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.RegisterSharedMemoryRequest.SerializeToString,
+                response_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.RegisterSharedMemoryResponse.FromString,
+                _registered_method=True)
+        self.UnregisterSharedMemory = channel.unary_unary(
+                '/ferrum.executor.v1.ModelExecutor/UnregisterSharedMemory',
+                request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.UnregisterSharedMemoryRequest.SerializeToString,
+                response_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.UnregisterSharedMemoryResponse.FromString,
+                _registered_method=True)
 
 
 class ModelExecutorServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The executor of one server process; it may host several models (see
+    `Capabilities.models`). Every request's `model` field names one; empty means
+    the server's default model (the first one it loaded).
+    """
 
     def GetModelInfo(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Static facts about a model: sizes, vocabulary, special tokens.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetCapabilities(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """What the server and this model support, and its limits.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetStatus(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Live state: KV pool use, queue depth, counters. Answered while loading
+        and draining too.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -133,9 +153,10 @@ class ModelExecutorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def BatchDecode(self, request, context):
-        """One batched forward over many sequences (any mix of lengths); one
-        response message per sequence, tagged with its index in the request, or,
-        with `single_reply`, one message whose `results` hold them all in order.
+        """One batched forward over many sequences (any mix of lengths). Replies:
+        one message per sequence, in request order (index 0, 1, ...), or, with
+        `single_reply`, one message whose `results` hold them all in order. A
+        failure fails the whole call and no sequence advances.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -157,7 +178,7 @@ class ModelExecutorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseCache(self, request, context):
-        """Returns a sequence's KV blocks to the pool.
+        """Returns a sequence's KV blocks to the pool. Takes only the cache_id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -165,8 +186,10 @@ class ModelExecutorServicer:
 
     def DecodeSession(self, request_iterator, context):
         """A long-lived decode stream: each request is one step over one or more
-        sequences; each sequence's result comes back tagged with the step id and
-        its index. A failed step answers with `error` and the stream goes on.
+        sequences. Steps run as they arrive; steps on different sequences may be
+        in flight together and finish in any order, so replies are tagged with
+        the step id. Within a step, replies come in index order. A failed step
+        answers with one `error` reply and the stream goes on.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -182,6 +205,28 @@ class ModelExecutorServicer:
 
     def Forward(self, request, context):
         """The engine trait's default: answered with UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterSharedMemory(self, request, context):
+        """Shared-memory logits for callers on the same host (the model is Triton's
+        system shared-memory extension). The caller creates a POSIX shared-memory
+        object (shm_open) and registers a region of it here; requests whose
+        `LogitsPolicy.shared_memory` names the region get full logits written
+        there and only their location in the reply. The registration lives while
+        this call stays open: the server answers once, then keeps the stream open
+        until the caller cancels it, disconnects, or calls
+        UnregisterSharedMemory; then the region is unregistered and the stream
+        ends. Regions belong to the caller's tenant.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnregisterSharedMemory(self, request, context):
+        """Unregisters a region (or every region of the caller's tenant) now.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -250,6 +295,16 @@ def add_ModelExecutorServicer_to_server(servicer, server):
                     request_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.ForwardRequest.FromString,
                     response_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.ForwardResponse.SerializeToString,
             ),
+            'RegisterSharedMemory': grpc.unary_stream_rpc_method_handler(
+                    servicer.RegisterSharedMemory,
+                    request_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.RegisterSharedMemoryRequest.FromString,
+                    response_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.RegisterSharedMemoryResponse.SerializeToString,
+            ),
+            'UnregisterSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterSharedMemory,
+                    request_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.UnregisterSharedMemoryRequest.FromString,
+                    response_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.UnregisterSharedMemoryResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'ferrum.executor.v1.ModelExecutor', rpc_method_handlers)
@@ -259,7 +314,10 @@ def add_ModelExecutorServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class ModelExecutor:
-    """Missing associated documentation comment in .proto file."""
+    """The executor of one server process; it may host several models (see
+    `Capabilities.models`). Every request's `model` field names one; empty means
+    the server's default model (the first one it loaded).
+    """
 
     @staticmethod
     def GetModelInfo(request,
@@ -575,6 +633,60 @@ class ModelExecutor:
             '/ferrum.executor.v1.ModelExecutor/Forward',
             ferrum__rpc_dot_v1_dot_executor__pb2.ForwardRequest.SerializeToString,
             ferrum__rpc_dot_v1_dot_executor__pb2.ForwardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/RegisterSharedMemory',
+            ferrum__rpc_dot_v1_dot_executor__pb2.RegisterSharedMemoryRequest.SerializeToString,
+            ferrum__rpc_dot_v1_dot_executor__pb2.RegisterSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/UnregisterSharedMemory',
+            ferrum__rpc_dot_v1_dot_executor__pb2.UnregisterSharedMemoryRequest.SerializeToString,
+            ferrum__rpc_dot_v1_dot_executor__pb2.UnregisterSharedMemoryResponse.FromString,
             options,
             channel_credentials,
             insecure,

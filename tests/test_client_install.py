@@ -1,0 +1,82 @@
+"""`pip install ferrum-rpc` gives the client alone: a fresh virtual environment with
+no torch, transformers or grpcio-tools drives a live server over real gRPC and
+gets the tokens the full install gets; server commands say which extra they need."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ferrum_rpc.client import ExecutorClient, LogitsPolicy
+from tests.conftest import running_server
+
+ROOT = Path(__file__).resolve().parent.parent
+HEAVY = ("torch", "transformers", "safetensors", "gguf", "accelerate", "grpcio-tools", "prometheus-client")
+
+
+@pytest.fixture(scope="module")
+def client_venv(tmp_path_factory) -> Path:
+    venv = tmp_path_factory.mktemp("client-only") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    done = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--constraint",
+                           str(ROOT / "constraints.txt"), str(ROOT)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return venv
+
+
+def test_the_client_install_is_light(client_venv):
+    listed = subprocess.run([str(client_venv / "bin" / "python"), "-m", "pip", "list", "--format=json"],
+                            capture_output=True, text=True, check=True)
+    names = {p["name"].lower() for p in json.loads(listed.stdout)}
+    assert {"ferrum-rpc", "grpcio", "grpcio-status", "protobuf", "numpy"} <= names
+    assert not names & set(HEAVY), names & set(HEAVY)
+
+
+def test_a_client_only_install_generates_against_a_live_server(client_venv, tiny_llama_dir):
+    script = textwrap.dedent("""
+        import importlib.util, json, sys
+        assert importlib.util.find_spec("torch") is None, "torch must not be importable here"
+        from ferrum_rpc.client import ExecutorClient, LogitsPolicy
+        greedy = LogitsPolicy.argmax()
+        with ExecutorClient(sys.argv[1], timeout=30) as ex:
+            out = ex.prefill([5, 9, 13, 2], logits=greedy)
+            tokens, handle = [out.logits.argmax()[0]], out.kv_cache
+            while len(tokens) < 12:
+                step = ex.decode(tokens[-1], handle, greedy)
+                tokens.append(step.logits.argmax()[0]); handle = step.kv_cache
+            full = ex.decode(tokens[-1], handle).logits.values  # full float32 rows: numpy only
+            ex.release_cache(handle)
+        print(json.dumps({"tokens": tokens, "row": full[0].tolist(),
+                          "server_modules": sorted(m for m in sys.modules if m.startswith("ferrum_rpc.server"))}))
+    """)
+    with running_server(tiny_llama_dir) as server, ExecutorClient(server.target, timeout=30) as ex:
+        done = subprocess.run([str(client_venv / "bin" / "python"), "-c", script, server.target],
+                              capture_output=True, text=True, timeout=120, cwd="/")
+        assert done.returncode == 0, done.stderr[-3000:]
+        got = json.loads(done.stdout)
+        out = ex.prefill([5, 9, 13, 2], logits=LogitsPolicy.argmax())
+        tokens, handle = [out.logits.argmax()[0]], out.kv_cache
+        while len(tokens) < 12:
+            step = ex.decode(tokens[-1], handle, LogitsPolicy.argmax())
+            tokens.append(step.logits.argmax()[0])
+            handle = step.kv_cache
+        row = ex.decode(tokens[-1], handle).logits.values[0]
+        ex.release_cache(handle)
+    assert got["tokens"] == tokens
+    assert got["row"] == row.tolist()  # bit for bit
+    assert got["server_modules"] == []
+
+
+def test_server_commands_name_the_extra_they_need(client_venv):
+    cli = str(client_venv / "bin" / "ferrum-rpc")
+    assert subprocess.run([cli, "--help"], capture_output=True, text=True).returncode == 0
+    done = subprocess.run([cli, "serve", "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "pip install 'ferrum-rpc[server]'" in done.stderr
+    done = subprocess.run([cli, "generate", "hello"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "pip install 'ferrum-rpc[text]'" in done.stderr
