@@ -18,15 +18,15 @@ import torch
 
 log = logging.getLogger("bench")
 RESULTS = Path(__file__).resolve().parent / "results"
-PEAK_RSS_MB: dict[str, float] = {}  # served target -> the server process's peak resident memory
+# served target -> the server process's resident memory at the end of its run,
+# steady ("VmRSS") and peak ("VmHWM", loading included), MiB
+RSS_MB: dict[str, dict[str, float]] = {}
 
 
-def peak_rss_mb(pid: int) -> float:
-    """A process's peak resident set (VmHWM), MiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+def rss_mb(pid: int = 0) -> dict[str, float]:
+    """A process's resident set now (VmRSS) and at its peak (VmHWM), MiB (0: this process)."""
+    status = Path(f"/proc/{pid or 'self'}/status").read_text()
+    return {key: int(re.search(rf"{key}:\s+(\d+)", status).group(1)) / 1024 for key in ("VmRSS", "VmHWM")}
 
 
 def read_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
@@ -70,7 +70,7 @@ def served(model_dir: str, dtype: str, extra: tuple[str, ...] = ()):
             raise RuntimeError("server did not come up")
         target = f"127.0.0.1:{port}"
         yield target
-        PEAK_RSS_MB[target] = peak_rss_mb(proc.pid)
+        RSS_MB[target] = rss_mb(proc.pid)
     finally:
         proc.terminate()
         proc.wait(60)

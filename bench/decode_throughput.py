@@ -14,7 +14,7 @@ Variants: ``float32``, ``bfloat16``, and ``int8`` / ``int4`` (our
 skipped, with a log line, where that environment is missing.  Each gRPC row
 also splits the decode step into weight-read time (weight bytes a step reads /
 memory read bandwidth measured in this run) and the rest, and reports the
-server process's peak resident memory.
+server process's resident memory after the run and at its peak (loading included).
 
     python -m bench.decode_throughput [--batches 1 8 32] [--dtypes float32 bfloat16 int8 int4]
 """
@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from bench import llama_cpp
-from bench.common import PEAK_RSS_MB, log, median_of, read_bandwidth_gbs, served, write_results
+from bench.common import RSS_MB, log, median_of, read_bandwidth_gbs, served, write_results
 from ferrum_rpc.client import ExecutorClient
 from ferrum_rpc.server.config import ExecutorConfig
 from ferrum_rpc.server.executor import TORCH_DTYPES, TorchExecutor
@@ -84,9 +84,9 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
     """Bytes of linear weights one decode step reads (every projection and the LM head)."""
     total = 0
     for module in model.modules():
-        if isinstance(module, QuantizedLinear):
+        if isinstance(module, QuantizedLinear) or type(module).__name__ == "FastLinear":
             total += module.nbytes
-        elif isinstance(module, torch.nn.Linear) or type(module).__name__ == "FastLinear":
+        elif isinstance(module, torch.nn.Linear):
             total += module.weight.numel() * module.weight.element_size()
     return total
 
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         if (out := run_llama_cpp(batch, args)) is not None:
             gguf_bytes = find_gguf().stat().st_size  # every tensor is read once a step (the head is the embedding)
             record("llama.cpp", "Q4_1", batch, out["seconds"], out["runs"], out["prefill_s"],
-                   weight_bytes=gguf_bytes, peak_rss_mb=round(out["peak_rss_mb"], 1))
+                   weight_bytes=gguf_bytes, rss_mb=round(out["rss_mb"], 1), peak_rss_mb=round(out["peak_rss_mb"], 1))
 
     for variant in args.dtypes:
         dtype, quantize = ("float32", variant) if variant in ("int8", "int4") else (variant, "none")
@@ -192,10 +192,11 @@ def main(argv: list[str] | None = None) -> None:
                     split = ({"weight_bytes": weight_bytes, "kv_pool_mb": round(kv_mb, 1)}
                              if system == "grpc" and weight_bytes else {})
                     record(system, variant, batch, seconds, runs, statistics.median(PREFILL_SECONDS), **split)
-        if target in PEAK_RSS_MB:
+        if target in RSS_MB:
             for rec in records:
                 if rec["system"] == "grpc" and rec["dtype"] == variant:
-                    rec["peak_rss_mb"] = round(PEAK_RSS_MB[target], 1)
+                    rec["rss_mb"] = round(RSS_MB[target]["VmRSS"], 1)
+                    rec["peak_rss_mb"] = round(RSS_MB[target]["VmHWM"], 1)
         runners.clear()
     write_results(args.out, records)
     print_table(records)

@@ -91,14 +91,14 @@ def run(gguf: str, batch: int, prompt_len: int, new_tokens: int, repeats: int, t
     L.llama_free(ctx)
     L.llama_model_free(model)
     print(json.dumps({"seconds": seconds, "prefill_s": prefill, "runs": [r[0] for r in runs],
-                      "peak_rss_mb": peak_rss_mb()}))
+                      "rss_mb": resident_mb("VmRSS"), "peak_rss_mb": resident_mb("VmHWM")}))
 
 
-def peak_rss_mb() -> float:
-    """This process's peak resident set, MiB: VmHWM, which starts afresh at exec (getrusage's
-    ru_maxrss does not, so it would report the forking benchmark's own peak)."""
+def resident_mb(key: str) -> float:
+    """This process's resident set now (VmRSS) or at its peak (VmHWM), MiB; VmHWM starts
+    afresh at exec (getrusage's ru_maxrss does not: it would report the forking benchmark's)."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{key}:"):
             return int(line.split()[1]) / 1024
     return float("nan")
 

@@ -36,8 +36,8 @@ def step_table(records: list[dict]) -> str:
     the decode step split into weight reads and the rest."""
     by = {(r["system"], r["dtype"], r["batch"]): r for r in records}
     lines = ["| system | variant | batch | tokens/s | decode tokens/s | / transformers float32 | / llama.cpp "
-             "| step ms | weight-read ms | not weight reads | peak RSS MiB |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| step ms | weight-read ms | not weight reads | RSS MiB | peak RSS MiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     rows = [r for r in records if r["system"] in ("grpc", "llama.cpp")]
     for r in sorted(rows, key=lambda r: (r["batch"], r["system"], r["dtype"])):
         hf = by.get(("transformers", "bfloat16" if r["dtype"] == "bfloat16" else "float32", r["batch"]))
@@ -47,7 +47,8 @@ def step_table(records: list[dict]) -> str:
         fmt = lambda key, spec="{:.1f}": spec.format(r[key]) if key in r else "-"  # noqa: E731
         lines.append(f"| {r['system']} | {r['dtype']} | {r['batch']} | {r['tokens_per_s']:.1f} "
                      f"| {r['decode_tokens_per_s']:.1f} | {vs_hf} | {vs_llama} | {fmt('step_ms')} "
-                     f"| {fmt('weight_read_ms')} | {fmt('rest_fraction', '{:.0%}')} | {fmt('peak_rss_mb', '{:.0f}')} |")
+                     f"| {fmt('weight_read_ms')} | {fmt('rest_fraction', '{:.0%}')} | {fmt('rss_mb', '{:.0f}')} "
+                     f"| {fmt('peak_rss_mb', '{:.0f}')} |")
     return "\n".join(lines)
 
 

@@ -27,7 +27,7 @@ from ferrum_rpc.types import (
     PrefillOutput,
     VerifyOutput,
 )
-from ferrum_rpc.client.shm import SharedMemoryRegion
+from ferrum_rpc.client.shm import AsyncSharedMemoryRegion, SharedMemoryRegion
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 
@@ -260,7 +260,7 @@ class AsyncExecutorClient(_Codec):
         self.model, self.timeout = model, timeout
         self._channel = _channel(target, _options(max_message_bytes), tls, token, aio=True)
         self._stub = pb_grpc.ModelExecutorStub(self._channel)
-        self._regions: dict = {}  # shared memory: registered through the blocking client only
+        self._regions: dict[str, AsyncSharedMemoryRegion] = {}
 
     async def _call(self, method, request):
         try:
@@ -315,9 +315,24 @@ class AsyncExecutorClient(_Codec):
 
     def decode_session(self) -> AsyncDecodeSession:
         """Opens a DecodeSession stream: ``await session.step(items)`` per step."""
-        return AsyncDecodeSession(self._stub, self.model, self.timeout)
+        return AsyncDecodeSession(self._stub, self.model, self.timeout, self._regions)
+
+    async def shared_memory(self, byte_size: int, name: str | None = None) -> AsyncSharedMemoryRegion:
+        """As :meth:`ExecutorClient.shared_memory`; close with ``await region.aclose()``."""
+        region = await AsyncSharedMemoryRegion.open(self._stub, byte_size, name)
+        self._regions[region.name] = region
+        aclose = region.aclose
+
+        async def aclose_and_forget() -> None:
+            self._regions.pop(region.name, None)
+            await aclose()
+
+        region.aclose = aclose_and_forget
+        return region
 
     async def close(self) -> None:
+        for region in list(self._regions.values()):
+            await region.aclose()
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncExecutorClient:
@@ -376,8 +391,9 @@ class DecodeSession(_Codec):
 class AsyncDecodeSession(_Codec):
     """:class:`DecodeSession` for asyncio: ``async with client.decode_session() as s``."""
 
-    def __init__(self, stub: pb_grpc.ModelExecutorStub, model: str, timeout: float | None):
-        self.model, self._regions = model, {}
+    def __init__(self, stub: pb_grpc.ModelExecutorStub, model: str, timeout: float | None,
+                 regions: dict | None = None):
+        self.model, self._regions = model, regions if regions is not None else {}
         self._call = stub.DecodeSession(timeout=timeout)
         self._next_step = 0
 

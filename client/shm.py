@@ -35,24 +35,30 @@ class _Shm(shared_memory.SharedMemory):
 class SharedMemoryRegion:
     """A region registered with one server; see :meth:`ExecutorClient.shared_memory`."""
 
-    def __init__(self, stub, byte_size: int, name: str | None = None, metadata=None):
+    def __init__(self, stub, byte_size: int, name: str | None = None, metadata=None, *, _register: bool = True):
         if byte_size <= 0:
             raise ValueError("byte_size must be > 0")
         self.name = name or f"logits-{uuid.uuid4().hex[:12]}"
         self.byte_size = byte_size
         self._shm = _Shm(create=True, size=byte_size)
         self.key = self._shm.name
-        self._stub, self._metadata = stub, metadata
-        request = pb.RegisterSharedMemoryRequest(name=self.name, key=self.key, offset=0, byte_size=byte_size)
-        self._call = stub.RegisterSharedMemory(request, metadata=metadata)  # no deadline: it lasts until close
-        try:
-            next(self._call)
-        except grpc.RpcError as exc:
-            self._release()
-            raise from_rpc_error(exc) from None
-        except StopIteration:
-            self._release()
-            raise ExecutorError("the server ended the shared-memory registration at once") from None
+        self._stub, self._metadata, self._call = stub, metadata, None
+        if _register:
+            self._call = stub.RegisterSharedMemory(self._request(), metadata=metadata)  # lasts until close
+            try:
+                next(self._call)
+            except grpc.RpcError as exc:
+                self._release()
+                raise from_rpc_error(exc) from None
+            except StopIteration:
+                self._release()
+                raise ExecutorError("the server ended the shared-memory registration at once") from None
+
+    def _request(self) -> pb.RegisterSharedMemoryRequest:
+        return pb.RegisterSharedMemoryRequest(name=self.name, key=self.key, offset=0, byte_size=self.byte_size)
+
+    def _unregister_request(self) -> pb.UnregisterSharedMemoryRequest:
+        return pb.UnregisterSharedMemoryRequest(name=self.name)
 
     def target(self, offset: int = 0) -> SharedMemoryTarget:
         """Where a request's logits rows should go (``LogitsPolicy.full(shared_memory=...)``)."""
@@ -70,8 +76,7 @@ class SharedMemoryRegion:
         removes the object."""
         if self._call is not None:
             try:
-                self._stub.UnregisterSharedMemory(pb.UnregisterSharedMemoryRequest(name=self.name),
-                                                  metadata=self._metadata, timeout=10)
+                self._stub.UnregisterSharedMemory(self._unregister_request(), metadata=self._metadata, timeout=10)
             except grpc.RpcError:  # the server is gone: so is the registration
                 pass
             self._call.cancel()
@@ -93,3 +98,41 @@ class SharedMemoryRegion:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class AsyncSharedMemoryRegion(SharedMemoryRegion):
+    """The same region for :class:`AsyncExecutorClient`: ``await client.shared_memory(n)``,
+    then ``async with`` or ``await region.aclose()``."""
+
+    @classmethod
+    async def open(cls, stub, byte_size: int, name: str | None = None) -> AsyncSharedMemoryRegion:
+        region = cls(stub, byte_size, name, _register=False)
+        region._call = stub.RegisterSharedMemory(region._request())
+        try:
+            first = await region._call.read()
+        except grpc.RpcError as exc:
+            region._release()
+            raise from_rpc_error(exc) from None
+        if first is grpc.aio.EOF:
+            region._release()
+            raise ExecutorError("the server ended the shared-memory registration at once")
+        return region
+
+    async def aclose(self) -> None:
+        if self._call is not None:
+            try:
+                await self._stub.UnregisterSharedMemory(self._unregister_request(), timeout=10)
+            except grpc.RpcError:
+                pass
+            self._call.cancel()
+            self._call = None
+        self._release()
+
+    def close(self) -> None:  # a blocking close has no place on the event loop
+        raise TypeError("use await region.aclose() (or async with)")
+
+    async def __aenter__(self) -> AsyncSharedMemoryRegion:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()

@@ -213,3 +213,25 @@ def _wait_for(predicate, timeout: float = 10.0) -> None:
         if time.monotonic() > end:
             raise AssertionError("condition not reached in time")
         time.sleep(0.02)
+
+
+def test_the_asyncio_client_registers_and_reads_regions_too(server, ex):
+    import asyncio
+
+    from ferrum_rpc.client import AsyncExecutorClient
+
+    async def run():
+        async with AsyncExecutorClient(server.target, timeout=30) as aex:
+            async with await aex.shared_memory(len(PROMPT) * VOCAB * 4) as region:
+                out = await aex.prefill(PROMPT, logits=LogitsPolicy.full(all_positions=True,
+                                                                         shared_memory=region.target()))
+                rows = np.array(out.logits.values)
+                await aex.release_cache(out.kv_cache)
+            with pytest.raises(SharedMemoryNotFound):  # aclose unregistered it before returning
+                await aex.prefill(PROMPT, logits=LogitsPolicy.full(shared_memory=region.target()))
+            return rows
+
+    rows = asyncio.run(run())
+    wire = ex.prefill(PROMPT, logits=LogitsPolicy.full(all_positions=True))
+    np.testing.assert_array_equal(rows, wire.logits.values)
+    ex.release_cache(wire.kv_cache)

@@ -85,10 +85,19 @@ class FastLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: str):
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.pack = pack  # "always" | "batched" | "never"
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight) if pack != "never" else None
+        # "always": only the packed copy is ever read, so the plain one is not kept
+        # (a tied LM head's stays alive as the embedding); "batched" keeps both.
+        self.weight = None if pack == "always" else nn.Parameter(weight, requires_grad=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Weight bytes one forward reads."""
+        return self.in_features * self.out_features * (self.packed if self.packed is not None else self.weight
+                                                       ).element_size()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, pack: str) -> FastLinear:

@@ -27,6 +27,21 @@ log = logging.getLogger(__name__)
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}
 
 
+def _return_freed_memory() -> None:
+    """Hands the heap memory freed while loading (the checkpoint's float32 tensors,
+    the unfused and unpacked originals) back to the OS: glibc keeps freed chunks
+    in its arenas otherwise, and they would count as resident for the server's
+    lifetime.  A no-op where the C library has no ``malloc_trim``."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
                linear_kernel: str = "auto", quantize: str = "none", step_ops: str = "auto") -> LlamaForCausalLM:
     """Loads weights onto ``device`` in ``dtype``, computes the RoPE tables, fuses the
@@ -44,7 +59,10 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
         for name, tensor in load_file(f, device="cpu").items():
             if "rotary_emb" in name:  # old checkpoints carry inv_freq buffers
                 continue
-            state[name.removeprefix("_orig_mod.")] = tensor.to(device=device, dtype=dtype)
+            owned = tensor.to(device=device, dtype=dtype)
+            if owned.data_ptr() == tensor.data_ptr():  # still the file's mmap: copy, so the mapping goes
+                owned = owned.clone()
+            state[name.removeprefix("_orig_mod.")] = owned
     if cfg.num_experts:
         fuse_expert_weights(state, cfg)
     if cfg.tie_word_embeddings or "lm_head.weight" not in state:
@@ -70,9 +88,11 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
              model.kernels.cpu_capability)
     params = sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())  # tied count once
     tied = state["lm_head.weight"] is state["model.embed_tokens.weight"]
-    params += sum(m.in_features * m.out_features for name, m in model.named_modules()  # quantized: buffers
-                  if isinstance(m, woq.QuantizedLinear) and not (name == "lm_head" and tied))
+    params += sum(m.in_features * m.out_features for name, m in model.named_modules()  # quantized or packed
+                  if (isinstance(m, woq.QuantizedLinear) or getattr(m, "packed", None) is not None
+                      and m.weight is None) and not (name == "lm_head" and tied))
     model.parameter_count = params
+    _return_freed_memory()
     log.info(
         "loaded %s (%s, %.1fM params, %s on %s) in %.1fs",
         path.name, cfg.architecture, params / 1e6, dtype, device, time.perf_counter() - start,
