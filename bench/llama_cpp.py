@@ -87,11 +87,12 @@ def run(gguf: str, batch: int, prompt_len: int, new_tokens: int, repeats: int, t
     once()  # warm-up
     runs = sorted((once() for _ in range(repeats)), key=lambda r: r[0])
     seconds, prefill = runs[len(runs) // 2]
+    resident = {"rss_mb": resident_mb("VmRSS"), "peak_rss_mb": resident_mb("VmHWM")}  # model and context alive
     L.llama_batch_free(tokens)
     L.llama_free(ctx)
     L.llama_model_free(model)
     print(json.dumps({"seconds": seconds, "prefill_s": prefill, "runs": [r[0] for r in runs],
-                      "rss_mb": resident_mb("VmRSS"), "peak_rss_mb": resident_mb("VmHWM")}))
+                      **resident}))
 
 
 def resident_mb(key: str) -> float:
