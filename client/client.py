@@ -25,6 +25,7 @@ from ferrum_rpc.types import (
     LogitsPolicy,
     ModelInfo,
     PrefillOutput,
+    SpeculativeOutput,
     VerifyOutput,
 )
 from ferrum_rpc.client.shm import AsyncSharedMemoryRegion, SharedMemoryRegion
@@ -124,6 +125,29 @@ class _Codec:
         return pb.DecodeSessionRequest(step_id=step_id, model=batch.model, items=batch.items, logits=batch.logits,
                                        single_reply=batch.single_reply)
 
+    def _speculative_req(self, token_id, draft, kv_cache, logits) -> pb.SpeculativeDecodeRequest:
+        return pb.SpeculativeDecodeRequest(model=self.model, token_id=token_id, draft_token_ids=list(draft),
+                                           kv_cache=convert.handle_to_proto(kv_cache),
+                                           logits=convert.policy_to_proto(logits))
+
+    def _batch_prefill_req(self, prompts, logits) -> pb.BatchPrefillRequest:
+        req = pb.BatchPrefillRequest(model=self.model, logits=convert.policy_to_proto(logits))
+        for prompt in prompts:
+            continues = isinstance(prompt, tuple) and len(prompt) == 2 and isinstance(prompt[1], KvCacheHandle)
+            token_ids, handle = prompt if continues else (prompt, None)
+            item = req.items.add(token_ids=token_ids)
+            if handle is not None:
+                item.kv_cache.CopyFrom(convert.handle_to_proto(handle))
+        return req
+
+    def _speculative_output(self, reply: pb.SpeculativeDecodeResponse) -> SpeculativeOutput:
+        out = self._output(DecodeOutput, reply)
+        return SpeculativeOutput(tuple(reply.accepted_token_ids), reply.next_token_id, out.logits, out.kv_cache,
+                                 out.timing)
+
+    def _batch_prefill_outputs(self, replies) -> list[PrefillOutput]:
+        return [self._prefill_output(r) for r in sorted(replies, key=lambda r: r.index)]
+
     def _release_req(self, cache) -> pb.ReleaseCacheRequest:
         if isinstance(cache, KvCacheHandle):
             return pb.ReleaseCacheRequest(cache_id=cache.cache_id, model=cache.model)
@@ -206,6 +230,23 @@ class ExecutorClient(_Codec):
                        logits: LogitsPolicy = LogitsPolicy()) -> VerifyOutput:
         reply = self._call(self._stub.ForwardVerify, self._verify_req(token_ids, kv_cache, logits))
         return self._output(VerifyOutput, reply)
+
+    def speculative_decode(self, token_id: int, draft: Sequence[int], kv_cache: KvCacheHandle,
+                           logits: LogitsPolicy = LogitsPolicy()) -> SpeculativeOutput:
+        """One round of server-side greedy speculative decoding: ``token_id`` (the last
+        sampled token) and ``draft`` verified in one forward, the agreeing drafts kept."""
+        reply = self._call(self._stub.SpeculativeDecode, self._speculative_req(token_id, draft, kv_cache, logits))
+        return self._speculative_output(reply)
+
+    def batch_prefill(self, prompts: Iterable[Sequence[int] | tuple[Sequence[int], KvCacheHandle]],
+                      logits: LogitsPolicy = LogitsPolicy()) -> list[PrefillOutput]:
+        """Several prompts (token ids, or ``(token_ids, handle)`` to continue one) in one
+        call, run as shared forwards; outputs in order.  All or nothing."""
+        try:
+            replies = list(self._stub.BatchPrefill(self._batch_prefill_req(prompts, logits), timeout=self.timeout))
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        return self._batch_prefill_outputs(replies)
 
     def truncate_kv(self, kv_cache: KvCacheHandle, new_length: int) -> KvCacheHandle:
         req = pb.TruncateKvRequest(kv_cache=convert.handle_to_proto(kv_cache), new_length=new_length)
@@ -301,6 +342,20 @@ class AsyncExecutorClient(_Codec):
                              logits: LogitsPolicy = LogitsPolicy()) -> VerifyOutput:
         reply = await self._call(self._stub.ForwardVerify, self._verify_req(token_ids, kv_cache, logits))
         return self._output(VerifyOutput, reply)
+
+    async def speculative_decode(self, token_id: int, draft: Sequence[int], kv_cache: KvCacheHandle,
+                                 logits: LogitsPolicy = LogitsPolicy()) -> SpeculativeOutput:
+        reply = await self._call(self._stub.SpeculativeDecode,
+                                 self._speculative_req(token_id, draft, kv_cache, logits))
+        return self._speculative_output(reply)
+
+    async def batch_prefill(self, prompts, logits: LogitsPolicy = LogitsPolicy()) -> list[PrefillOutput]:
+        try:
+            replies = [r async for r in self._stub.BatchPrefill(self._batch_prefill_req(prompts, logits),
+                                                                timeout=self.timeout)]
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        return self._batch_prefill_outputs(replies)
 
     async def truncate_kv(self, kv_cache: KvCacheHandle, new_length: int) -> KvCacheHandle:
         req = pb.TruncateKvRequest(kv_cache=convert.handle_to_proto(kv_cache), new_length=new_length)

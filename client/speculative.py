@@ -102,7 +102,8 @@ class SpeculativeResult:
 
 
 def speculative_generate(client: ExecutorClient, prompt_ids: list[int], max_tokens: int, k: int = 4,
-                         drafter: Drafter | None = None, stop_ids: frozenset[int] = frozenset()) -> SpeculativeResult:
+                         drafter: Drafter | None = None, stop_ids: frozenset[int] = frozenset(),
+                         server_side: bool | None = None) -> SpeculativeResult:
     """Greedy generation of up to ``max_tokens`` tokens with drafts verified in one forward each.
 
     Args:
@@ -112,11 +113,16 @@ def speculative_generate(client: ExecutorClient, prompt_ids: list[int], max_toke
         k: tokens drafted per round.
         drafter: where drafts come from (default: :class:`NgramDrafter`).
         stop_ids: ids that end generation (kept in the output).
+        server_side: one SpeculativeDecode call a round (verify, accept and truncate
+            on the server) instead of ForwardVerify + TruncateKv; None: where the
+            server's capabilities say it has it.
 
     Returns:
         The tokens plus drafted/accepted counts and the number of target forwards.
     """
     drafter = drafter or NgramDrafter()
+    if server_side is None:
+        server_side = client.capabilities().speculative_decode
     result = SpeculativeResult()
     start = time.perf_counter()
     out = client.prefill(prompt_ids, logits=GREEDY)
@@ -127,19 +133,23 @@ def speculative_generate(client: ExecutorClient, prompt_ids: list[int], max_toke
         while len(generated) < max_tokens and generated[-1] not in stop_ids:
             context = prompt_ids + generated
             draft = drafter.draft(context, min(k, max_tokens - len(generated) - 1))
-            base = handle.sequence_length  # the KV holds context[:-1]
-            verify = client.forward_verify([generated[-1]] + draft, handle, logits=GREEDY)
+            if server_side:  # one round trip: the server verifies, accepts and truncates
+                spec = client.speculative_decode(generated[-1], draft, handle, logits=GREEDY)
+                handle, agreed, following = spec.kv_cache, len(spec.accepted_token_ids), spec.next_token_id
+            else:
+                base = handle.sequence_length  # the KV holds context[:-1]
+                verify = client.forward_verify([generated[-1]] + draft, handle, logits=GREEDY)
+                predicted = verify.logits.argmax()  # predicted[i] follows input i
+                agreed = 0
+                while agreed < len(draft) and draft[agreed] == predicted[agreed]:
+                    agreed += 1
+                handle, following = verify.kv_cache, predicted[agreed]
+                if agreed < len(draft):  # drop the rejected drafts' KV
+                    handle = client.truncate_kv(handle, base + 1 + agreed)
             result.target_forwards += 1
-            predicted = verify.logits.argmax()  # predicted[i] follows input i
-            agreed = 0
-            while agreed < len(draft) and draft[agreed] == predicted[agreed]:
-                agreed += 1
             result.drafted += len(draft)
             result.accepted += agreed
-            handle = verify.kv_cache
-            if agreed < len(draft):  # drop the rejected drafts' KV
-                handle = client.truncate_kv(handle, base + 1 + agreed)
-            for token in draft[:agreed] + [predicted[agreed]]:
+            for token in draft[:agreed] + [following]:
                 generated.append(token)
                 if token in stop_ids or len(generated) == max_tokens:
                     break

@@ -141,6 +141,19 @@ class VerifyOutput:
 
 
 @dataclass(frozen=True)
+class SpeculativeOutput:
+    """A round of server-side speculative decoding: the drafts greedy decoding agreed
+    with, greedy's next token after them (not in the KV yet), its logits row and
+    the sequence (1 + len(accepted_token_ids) tokens longer)."""
+
+    accepted_token_ids: tuple[int, ...]
+    next_token_id: int
+    logits: Logits
+    kv_cache: KvCacheHandle
+    timing: Timing = field(default_factory=Timing)
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     name: str
     architecture: str
@@ -185,6 +198,8 @@ class Capabilities:
     cpu_capability: str = ""
     quantization: str = "none"
     shared_memory: bool = False  # RegisterSharedMemory is served (set by the server, not the executor)
+    speculative_decode: bool = True
+    batch_prefill: bool = True
 
 
 class ServerState(enum.Enum):

@@ -48,6 +48,7 @@ from ferrum_rpc.types import (
     ModelInfo,
     PrefillOutput,
     ServerState,
+    SpeculativeOutput,
     Timing,
     VerifyOutput,
 )
@@ -390,6 +391,28 @@ class TorchExecutor:
         every position (so a long verify runs in chunks like a prompt)."""
         out = self.prefill(token_ids, kv_cache, verify_policy(policy))
         return VerifyOutput(out.logits, out.kv_cache, out.timing)
+
+    def speculative_decode(self, token_id: int, draft: list[int], kv_cache: KvCacheHandle,
+                           policy: LogitsPolicy = LogitsPolicy()) -> SpeculativeOutput:
+        """One round of greedy speculative decoding: ``token_id`` and the drafts in one
+        forward, the longest prefix of drafts equal to greedy's choices kept, the
+        rest truncated, and the logits after the kept ones in ``policy``.  Fails
+        with no state change; it is one worker job, so nobody sees the drafts' KV."""
+        if len(draft) + 1 > self.config.prefill_chunk:
+            raise InvalidInput(f"{len(draft)} drafts exceed {self.config.prefill_chunk - 1} (one forward's chunk)")
+        self._check_policy(policy, 1)
+        base = kv_cache.sequence_length
+        out = self.prefill([token_id] + list(draft), kv_cache, LogitsPolicy(LogitsKind.FULL, all_positions=True))
+        rows = out.logits.values  # (1 + len(draft), vocab) float32: row i predicts what follows input i
+        predicted = rows.argmax(dim=-1).tolist()
+        agreed = 0
+        while agreed < len(draft) and draft[agreed] == predicted[agreed]:
+            agreed += 1
+        seq = self.kv.get(out.kv_cache.cache_id, current_tenant.get())
+        if agreed < len(draft):  # the rejected drafts' KV goes (their idle clock was restarted by the forward)
+            self.kv.shrink(seq, base + 1 + agreed)
+        return SpeculativeOutput(tuple(draft[:agreed]), predicted[agreed],
+                                 self._apply_policy(rows[agreed:agreed + 1], policy), self._handle(seq), out.timing)
 
     def truncate_kv(self, kv_cache: KvCacheHandle, new_length: int) -> KvCacheHandle:
         seq = self._resolve(kv_cache)

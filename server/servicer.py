@@ -433,6 +433,55 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         children = await worker.fork(_required_handle(request), request.num_children, _deadline(context))
         return pb.ForkCacheResponse(children=[convert.handle_to_proto(c) for c in children])
 
+    @_rpc
+    async def SpeculativeDecode(self, request, context):
+        received = time.perf_counter_ns()
+        worker = self._worker(request.model or request.kv_cache.model)
+        handle = _required_handle(request)
+        policy = convert.policy_from_proto(request.logits)
+        with self._logits_targets(policy, [1], worker) as targets:
+            out = await worker.speculative(request.token_id, list(request.draft_token_ids), handle, policy,
+                                           _deadline(context))
+            reply = pb.SpeculativeDecodeResponse(accepted_token_ids=out.accepted_token_ids,
+                                                 next_token_id=out.next_token_id)
+            undo = [(handle.cache_id, handle.sequence_length)]
+            return await self._reply(reply, out, received, worker, undo, targets and targets[0])
+
+    @_rpc
+    async def BatchPrefill(self, request, context):
+        """Every prompt goes to the worker at once (short ones share padded forwards,
+        long ones run in chunks between other work); all or nothing."""
+        received = time.perf_counter_ns()
+        if not request.items:
+            raise InvalidInput("items is empty: BatchPrefill needs at least one prompt")
+        first = next((i.kv_cache.model for i in request.items if i.HasField("kv_cache")), "")
+        worker = self._worker(request.model or first)
+        if len(request.items) > worker.executor.config.max_batch_size:
+            raise InvalidInput(f"{len(request.items)} prompts exceed max batch size "
+                               f"{worker.executor.config.max_batch_size}")
+        handles = [convert.handle_from_proto(i.kv_cache) if i.HasField("kv_cache") else None
+                   for i in request.items]
+        ids = [h.cache_id for h in handles if h is not None]
+        if len(set(ids)) != len(ids):
+            raise InvalidInput("a sequence may be continued at most once per BatchPrefill")
+        policy = convert.policy_from_proto(request.logits)
+        rows = [len(i.token_ids) if policy.all_positions else 1 for i in request.items]
+        deadline = _deadline(context)
+        with self._logits_targets(policy, rows, worker) as targets:
+            outs = await asyncio.gather(*(worker.prefill(list(item.token_ids), handle, policy, deadline)
+                                          for item, handle in zip(request.items, handles)), return_exceptions=True)
+            failed = next((o for o in outs if isinstance(o, BaseException)), None)
+            if failed is not None:  # all or nothing: the prompts that ran are undone
+                done = [(o.kv_cache.cache_id, h.sequence_length if h else None)
+                        for o, h in zip(outs, handles) if not isinstance(o, BaseException)]
+                if done:
+                    await worker.call(worker.executor.undo_calls, done)
+                raise failed
+            for index, (out, handle) in enumerate(zip(outs, handles)):
+                undo = [(out.kv_cache.cache_id, handle.sequence_length if handle else None)]
+                yield await self._reply(pb.BatchPrefillResponse(index=index, cached_tokens=out.cached_tokens), out,
+                                        received, worker, undo, targets and targets[index])
+
     async def DecodeSession(self, request_iterator, context):
         """Steps run as they arrive (steps on different sequences may be in flight
         together and share forwards); replies go out as steps finish.  A failed

@@ -146,6 +146,13 @@ class ModelWorker:
         return await self._await(job, lambda _: [(i.kv_cache.cache_id, i.kv_cache.sequence_length)
                                                  for i in inputs])
 
+    async def speculative(self, token_id: int, draft: list[int], kv_cache: KvCacheHandle, policy: LogitsPolicy,
+                          deadline: float | None = None) -> Any:
+        """SpeculativeDecode: verify, accept and truncate as one job."""
+        job = self._put(_Job(self.executor.speculative_decode, (token_id, draft, kv_cache, policy),
+                             deadline=deadline))
+        return await self._await(job, lambda _: [(kv_cache.cache_id, kv_cache.sequence_length)])
+
     async def fork(self, kv_cache: KvCacheHandle, num_children: int, deadline: float | None = None) -> list:
         job = self._put(_Job(self.executor.fork_cache, (kv_cache, num_children), deadline=deadline))
         return await self._await(job, lambda children: [(c.cache_id, None) for c in children])

@@ -56,7 +56,7 @@ def test_committed_stubs_carry_the_wire_package_and_service():
     assert {m.name for m in service.methods} == {
         "GetModelInfo", "GetCapabilities", "GetStatus", "Prefill", "Decode", "BatchDecode",
         "ForwardVerify", "TruncateKv", "ReleaseCache", "Forward", "DecodeSession", "ForkCache",
-        "RegisterSharedMemory", "UnregisterSharedMemory",
+        "RegisterSharedMemory", "UnregisterSharedMemory", "SpeculativeDecode", "BatchPrefill",
     }
     assert service.methods_by_name["BatchDecode"].server_streaming
     assert hasattr(pb_grpc, "ModelExecutorStub") and hasattr(pb_grpc, "ModelExecutorServicer")

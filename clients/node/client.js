@@ -1,6 +1,6 @@
 // A Node.js client of the ferrum-rpc executor contract, from the .proto alone.
 //
-//   npm ci
+//   npm install
 //   node client.js 127.0.0.1:50051 1 2 3 4 --tokens 16     # greedy ids, as JSON on stdout
 //
 // It prefills a prompt, decodes greedily (Decode), runs the same steps through

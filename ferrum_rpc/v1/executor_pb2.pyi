@@ -183,7 +183,7 @@ class GetCapabilitiesRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("model", "max_batch_size", "max_sequence_length", "kv_block_size", "kv_num_blocks", "kv_capacity_tokens", "logits_kinds", "logits_dtypes", "chunked_prefill", "forward_verify", "truncate_kv", "max_message_bytes", "models", "idle_timeout_s", "prefill_chunk_tokens", "decode_session", "prefix_cache", "fork_cache", "mixture_of_experts", "architecture", "kv_bytes", "kernel_path", "cpu_capability", "quantization", "shared_memory")
+    __slots__ = ("model", "max_batch_size", "max_sequence_length", "kv_block_size", "kv_num_blocks", "kv_capacity_tokens", "logits_kinds", "logits_dtypes", "chunked_prefill", "forward_verify", "truncate_kv", "max_message_bytes", "models", "idle_timeout_s", "prefill_chunk_tokens", "decode_session", "prefix_cache", "fork_cache", "mixture_of_experts", "architecture", "kv_bytes", "kernel_path", "cpu_capability", "quantization", "shared_memory", "speculative_decode", "batch_prefill")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +209,8 @@ class Capabilities(_message.Message):
     CPU_CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_DECODE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_PREFILL_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_batch_size: int
     max_sequence_length: int
@@ -234,7 +236,9 @@ class Capabilities(_message.Message):
     cpu_capability: str
     quantization: str
     shared_memory: bool
-    def __init__(self, model: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., logits_kinds: _Optional[_Iterable[_Union[LogitsKind, str]]] = ..., logits_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., chunked_prefill: _Optional[bool] = ..., forward_verify: _Optional[bool] = ..., truncate_kv: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., idle_timeout_s: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., decode_session: _Optional[bool] = ..., prefix_cache: _Optional[bool] = ..., fork_cache: _Optional[bool] = ..., mixture_of_experts: _Optional[bool] = ..., architecture: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., kernel_path: _Optional[str] = ..., cpu_capability: _Optional[str] = ..., quantization: _Optional[str] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
+    speculative_decode: bool
+    batch_prefill: bool
+    def __init__(self, model: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., logits_kinds: _Optional[_Iterable[_Union[LogitsKind, str]]] = ..., logits_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., chunked_prefill: _Optional[bool] = ..., forward_verify: _Optional[bool] = ..., truncate_kv: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., idle_timeout_s: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., decode_session: _Optional[bool] = ..., prefix_cache: _Optional[bool] = ..., fork_cache: _Optional[bool] = ..., mixture_of_experts: _Optional[bool] = ..., architecture: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., kernel_path: _Optional[str] = ..., cpu_capability: _Optional[str] = ..., quantization: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., speculative_decode: _Optional[bool] = ..., batch_prefill: _Optional[bool] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ("model",)
@@ -511,3 +515,63 @@ class UnregisterSharedMemoryResponse(_message.Message):
     UNREGISTERED_FIELD_NUMBER: _ClassVar[int]
     unregistered: int
     def __init__(self, unregistered: _Optional[int] = ...) -> None: ...
+
+class SpeculativeDecodeRequest(_message.Message):
+    __slots__ = ("model", "kv_cache", "token_id", "draft_token_ids", "logits")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    kv_cache: KvCacheHandle
+    token_id: int
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logits: LogitsPolicy
+    def __init__(self, model: _Optional[str] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., token_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., logits: _Optional[_Union[LogitsPolicy, _Mapping]] = ...) -> None: ...
+
+class SpeculativeDecodeResponse(_message.Message):
+    __slots__ = ("accepted_token_ids", "next_token_id", "logits", "kv_cache", "timing")
+    ACCEPTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    accepted_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    next_token_id: int
+    logits: Logits
+    kv_cache: KvCacheHandle
+    timing: Timing
+    def __init__(self, accepted_token_ids: _Optional[_Iterable[int]] = ..., next_token_id: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+
+class PrefillItem(_message.Message):
+    __slots__ = ("token_ids", "kv_cache")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    kv_cache: KvCacheHandle
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ...) -> None: ...
+
+class BatchPrefillRequest(_message.Message):
+    __slots__ = ("model", "items", "logits")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    items: _containers.RepeatedCompositeFieldContainer[PrefillItem]
+    logits: LogitsPolicy
+    def __init__(self, model: _Optional[str] = ..., items: _Optional[_Iterable[_Union[PrefillItem, _Mapping]]] = ..., logits: _Optional[_Union[LogitsPolicy, _Mapping]] = ...) -> None: ...
+
+class BatchPrefillResponse(_message.Message):
+    __slots__ = ("index", "logits", "kv_cache", "timing", "cached_tokens")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    logits: Logits
+    kv_cache: KvCacheHandle
+    timing: Timing
+    cached_tokens: int
+    def __init__(self, index: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...

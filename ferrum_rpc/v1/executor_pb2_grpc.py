@@ -97,6 +97,16 @@ class ModelExecutorStub:
                 request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.ForwardRequest.SerializeToString,
                 response_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.ForwardResponse.FromString,
                 _registered_method=True)
+        self.SpeculativeDecode = channel.unary_unary(
+                '/ferrum.executor.v1.ModelExecutor/SpeculativeDecode',
+                request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.SpeculativeDecodeRequest.SerializeToString,
+                response_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.SpeculativeDecodeResponse.FromString,
+                _registered_method=True)
+        self.BatchPrefill = channel.unary_stream(
+                '/ferrum.executor.v1.ModelExecutor/BatchPrefill',
+                request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.BatchPrefillRequest.SerializeToString,
+                response_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.BatchPrefillResponse.FromString,
+                _registered_method=True)
         self.RegisterSharedMemory = channel.unary_stream(
                 '/ferrum.executor.v1.ModelExecutor/RegisterSharedMemory',
                 request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.RegisterSharedMemoryRequest.SerializeToString,
@@ -210,6 +220,27 @@ class ModelExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SpeculativeDecode(self, request, context):
+        """Server-side speculative decoding (Ferrum's SpeculativeExecutor::speculative_decode):
+        appends `token_id` and the drafts in one forward, accepts the longest prefix
+        of the drafts that greedy decoding would have produced, truncates the rest,
+        and returns the accepted drafts, greedy's next token and the logits after
+        them. One round trip instead of ForwardVerify + TruncateKv.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BatchPrefill(self, request, context):
+        """Several prompts (new sequences or continuations) in one call, run as shared
+        forwards (Ferrum's BatchModelExecutor::batch_prefill). Replies: one message
+        per prompt, in request order. All or nothing: when one prompt fails, no
+        prompt of the call is kept.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RegisterSharedMemory(self, request, context):
         """Shared-memory logits for callers on the same host (the model is Triton's
         system shared-memory extension). The caller creates a POSIX shared-memory
@@ -294,6 +325,16 @@ def add_ModelExecutorServicer_to_server(servicer, server):
                     servicer.Forward,
                     request_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.ForwardRequest.FromString,
                     response_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.ForwardResponse.SerializeToString,
+            ),
+            'SpeculativeDecode': grpc.unary_unary_rpc_method_handler(
+                    servicer.SpeculativeDecode,
+                    request_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.SpeculativeDecodeRequest.FromString,
+                    response_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.SpeculativeDecodeResponse.SerializeToString,
+            ),
+            'BatchPrefill': grpc.unary_stream_rpc_method_handler(
+                    servicer.BatchPrefill,
+                    request_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.BatchPrefillRequest.FromString,
+                    response_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.BatchPrefillResponse.SerializeToString,
             ),
             'RegisterSharedMemory': grpc.unary_stream_rpc_method_handler(
                     servicer.RegisterSharedMemory,
@@ -633,6 +674,60 @@ class ModelExecutor:
             '/ferrum.executor.v1.ModelExecutor/Forward',
             ferrum__rpc_dot_v1_dot_executor__pb2.ForwardRequest.SerializeToString,
             ferrum__rpc_dot_v1_dot_executor__pb2.ForwardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SpeculativeDecode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/SpeculativeDecode',
+            ferrum__rpc_dot_v1_dot_executor__pb2.SpeculativeDecodeRequest.SerializeToString,
+            ferrum__rpc_dot_v1_dot_executor__pb2.SpeculativeDecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BatchPrefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/BatchPrefill',
+            ferrum__rpc_dot_v1_dot_executor__pb2.BatchPrefillRequest.SerializeToString,
+            ferrum__rpc_dot_v1_dot_executor__pb2.BatchPrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
