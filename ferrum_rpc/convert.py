@@ -22,6 +22,8 @@ from ferrum_rpc.types import (
     LogitsKind,
     LogitsPolicy,
     ModelInfo,
+    ExecutorState,
+    MemoryRequirements,
     ServerState,
     SharedMemoryTarget,
     Timing,
@@ -177,6 +179,8 @@ def capabilities_to_proto(c: Capabilities) -> pb.Capabilities:
     fields = asdict(c)
     fields["logits_kinds"] = [_KIND_TO_PROTO[k] for k in c.logits_kinds]
     fields["logits_dtypes"] = [tensor_codec.dtype_to_proto(d) for d in c.logits_dtypes]
+    fields["supported_dtypes"] = [tensor_codec.dtype_to_proto(d) for d in c.supported_dtypes]
+    fields["memory"] = pb.MemoryRequirements(**asdict(c.memory))
     return pb.Capabilities(**fields)
 
 
@@ -185,18 +189,24 @@ def capabilities_from_proto(m: pb.Capabilities) -> Capabilities:
     fields["logits_kinds"] = tuple(_KIND_FROM_PROTO[k] for k in m.logits_kinds)
     fields["logits_dtypes"] = tuple(tensor_codec.dtype_from_proto(d) for d in m.logits_dtypes)
     fields["models"] = tuple(m.models)
+    fields["attention_mechanisms"] = tuple(m.attention_mechanisms)
+    fields["supported_dtypes"] = tuple(tensor_codec.dtype_from_proto(d) for d in m.supported_dtypes)
+    fields["supported_devices"] = tuple(m.supported_devices)
+    fields["memory"] = MemoryRequirements(**_fields_of(MemoryRequirements, m.memory))
     return Capabilities(**fields)
 
 
 def status_to_proto(s: ExecutorStatus) -> pb.Status:
     fields = asdict(s)
     fields["state"] = s.state.value
+    fields["executor_state"] = s.executor_state.value
     return pb.Status(**fields)
 
 
 def status_from_proto(m: pb.Status) -> ExecutorStatus:
     fields = _fields_of(ExecutorStatus, m)
     fields["state"] = ServerState(m.state)
+    fields["executor_state"] = ExecutorState(m.executor_state or ExecutorState.INITIALIZING.value)
     return ExecutorStatus(**fields)
 
 

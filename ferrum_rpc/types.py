@@ -141,6 +141,35 @@ class VerifyOutput:
 
 
 @dataclass(frozen=True)
+class MemoryRequirements:
+    """A model's memory needs (Ferrum's ``MemoryRequirements``), bytes."""
+
+    parameter_bytes: int = 0
+    kv_bytes_per_token_per_layer: int = 0
+    activation_bytes_per_token: int = 0
+    overhead_bytes: int = 0
+    num_layers: int = 0
+
+    def calculate_total_memory(self, batch_size: int, sequence_length: int) -> int:
+        """Bytes to serve ``batch_size`` sequences of ``sequence_length`` tokens (as the
+        trait's ``calculate_total_memory``): weights, overhead, and per token its KV in
+        every layer plus its working set in a forward."""
+        tokens = batch_size * sequence_length
+        per_token = self.kv_bytes_per_token_per_layer * self.num_layers + self.activation_bytes_per_token
+        return self.parameter_bytes + self.overhead_bytes + tokens * per_token
+
+
+class ExecutorState(enum.Enum):
+    """Ferrum's executor states."""
+
+    INITIALIZING = 1
+    READY = 2
+    BUSY = 3
+    ERROR = 4
+    SHUTDOWN = 5
+
+
+@dataclass(frozen=True)
 class SpeculativeOutput:
     """A round of server-side speculative decoding: the drafts greedy decoding agreed
     with, greedy's next token after them (not in the KV yet), its logits row and
@@ -200,6 +229,19 @@ class Capabilities:
     shared_memory: bool = False  # RegisterSharedMemory is served (set by the server, not the executor)
     speculative_decode: bool = True
     batch_prefill: bool = True
+    attention_mechanisms: tuple[str, ...] = ()
+    supported_dtypes: tuple[str, ...] = ()
+    supported_devices: tuple[str, ...] = ()
+    tensor_parallel: bool = False
+    pipeline_parallel: bool = False
+    dynamic_batching: bool = True
+    continuous_batching: bool = True
+    memory: MemoryRequirements = field(default_factory=MemoryRequirements)
+    optimal_batch_size: int = 0
+
+    def supports_batch_size(self, batch_size: int) -> bool:
+        """Whether one forward may carry ``batch_size`` sequences (the trait's check)."""
+        return 1 <= batch_size <= self.max_batch_size
 
 
 class ServerState(enum.Enum):
@@ -227,3 +269,12 @@ class ExecutorStatus:
     prefix_cache_hit_rate: float = 0.0
     sequences_expired: int = 0
     kv_blocks_cached: int = 0
+    executor_state: ExecutorState = ExecutorState.READY
+    prefill_operations: int = 0
+    decode_operations: int = 0
+    avg_prefill_ms: float = 0.0
+    avg_decode_ms: float = 0.0
+    memory_allocated_bytes: int = 0
+    memory_used_bytes: int = 0
+    memory_peak_bytes: int = 0
+    memory_utilization: float = 0.0

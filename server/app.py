@@ -90,6 +90,7 @@ def _warm_up(executor: TorchExecutor) -> None:
     out = executor.prefill([0] * 8)
     executor.decode(0, out.kv_cache)
     executor.release_cache(out.kv_cache.cache_id)
+    executor.measure_optimal_batch()
 
 
 async def build_server(config: ServerConfig) -> App:

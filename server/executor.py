@@ -20,6 +20,7 @@ from typing import Generator
 import torch
 
 from ferrum_rpc.errors import (
+    ExecutorError,
     InvalidInput,
     KvCapacityExhausted,
     LengthMismatch,
@@ -40,11 +41,13 @@ from ferrum_rpc.types import (
     Capabilities,
     DecodeInput,
     DecodeOutput,
+    ExecutorState,
     ExecutorStatus,
     KvCacheHandle,
     Logits,
     LogitsKind,
     LogitsPolicy,
+    MemoryRequirements,
     ModelInfo,
     PrefillOutput,
     ServerState,
@@ -102,6 +105,32 @@ class AppendPlan:
     kind: str
 
 
+def resident_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights as they sit in memory: every parameter and buffer, and the
+    packed copies packed linears run on, each storage counted once."""
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        packed = getattr(module, "packed", None)
+        if isinstance(packed, torch.Tensor):
+            tensors.append(packed)
+        for t in tensors:
+            if t.layout != torch.strided or t.is_mkldnn:  # opaque (oneDNN-packed): no storage to share
+                seen[id(t)] = t.numel() * t.element_size()
+            else:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _process_rss_bytes() -> int:
+    """This process's resident memory (Linux), or 0."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def verify_policy(policy: LogitsPolicy) -> LogitsPolicy:
     """ForwardVerify's policy: the caller's, over every position."""
     return replace(policy, all_positions=True)
@@ -132,6 +161,14 @@ class TorchExecutor:
         self.tokens_processed = 0
         self.batch_sizes: collections.Counter[int] = collections.Counter()  # forwards by sequences in them
         self.started = time.monotonic()
+        # Forwards by kind (prompt tokens in them, or decodes only): count and wall time.
+        self.op_counts: collections.Counter[str] = collections.Counter()
+        self.op_ns: collections.Counter[str] = collections.Counter()
+        self.failed = False  # the last forward failed outside the error table
+        self.parameter_bytes = resident_weight_bytes(model)
+        self.memory_peak = self.parameter_bytes
+        self.overhead_bytes = max(0, _process_rss_bytes() - self.parameter_bytes - self.pool.nbytes)
+        self.optimal_batch_size = 0  # measured by measure_optimal_batch (the server's warm-up)
         log.info("%s: KV pool of %d blocks x %d tokens (%.1f MiB on %s)", name, num_blocks,
                  config.block_size, self.pool.nbytes / 2**20, self.device)
 
@@ -169,6 +206,7 @@ class TorchExecutor:
         )
 
     def capabilities(self) -> Capabilities:
+        mc = self.model_config
         return Capabilities(
             model=self.name, max_batch_size=self.config.max_batch_size,
             max_sequence_length=self.max_seq_len, kv_block_size=self.kv.block_size,
@@ -181,9 +219,67 @@ class TorchExecutor:
             architecture=self.model_config.architecture, kv_bytes=self.pool.nbytes,
             kernel_path=self.model.kernels.describe(), cpu_capability=self.model.kernels.cpu_capability,
             quantization=self.config.quantize,
+            attention_mechanisms=("causal", "rotary", "paged",
+                                  "grouped-query" if mc.num_kv_heads < mc.num_heads else "multi-head"),
+            supported_dtypes=tuple(d for d in TORCH_DTYPES if d != "float16"),
+            supported_devices=("cpu", "cuda") if torch.cuda.is_available() else ("cpu",),
+            memory=self.memory_requirements(), optimal_batch_size=self.optimal_batch_size,
         )
 
+    def memory_requirements(self) -> MemoryRequirements:
+        mc = self.model_config
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        q_kv = (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
+        intermediate = getattr(mc, "intermediate_size", 0) or 0
+        return MemoryRequirements(
+            parameter_bytes=self.parameter_bytes,
+            kv_bytes_per_token_per_layer=KvPool.bytes_per_token(1, mc.num_kv_heads, mc.head_dim, self.dtype),
+            activation_bytes_per_token=(4 * mc.hidden_size + q_kv + 3 * intermediate) * element + mc.vocab_size * 4,
+            overhead_bytes=self.overhead_bytes, num_layers=mc.num_layers)
+
+    def measure_optimal_batch(self, repeats: int = 3) -> int:
+        """The decode crossover: times one decode step at batch 1, 2, 4, ... (as far as
+        the batch limit and the pool allow) and returns the batch past which doubling
+        raises throughput by less than 10%.  Uses (and releases) sequences of its own."""
+        sizes, block = [1], self.kv.block_size
+        room = self.kv.num_free // -(-(block + repeats * 7) // block)  # blocks one sequence may reach
+        limit = min(self.config.max_batch_size, room, 64, self.config.max_sequences or 64,
+                    self.config.tenant_max_sequences or 64)
+        while sizes[-1] * 2 <= limit:
+            sizes.append(sizes[-1] * 2)
+        handles, best, step_s = [], sizes[0], {}
+        counters = (self.forwards, self.tokens_processed, self.batch_sizes.copy(), self.op_counts.copy(),
+                    self.op_ns.copy(), self.memory_peak, self.kv.queried_tokens, self.kv.hit_tokens)
+        try:
+            for _ in range(sizes[-1]):
+                handles.append(self.prefill([0] * block, None, LogitsPolicy.argmax()).kv_cache)
+            for size in sizes:
+                times = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    outs = self.batch_decode([DecodeInput(0, h) for h in handles[:size]], LogitsPolicy.argmax())
+                    times.append(time.perf_counter() - t0)
+                    handles[:size] = [o.kv_cache for o in outs]
+                step_s[size] = sorted(times)[len(times) // 2]
+                if size > 1 and (size / step_s[size]) < 1.1 * (size // 2 / step_s[size // 2]):
+                    break
+                best = size
+        except ExecutorError as exc:  # a pool or caps too small to measure: say so, serve anyway
+            log.warning("%s: decode crossover not measured: %s", self.name, exc)
+            return 0
+        finally:
+            for h in handles:
+                self.release_cache(h.cache_id)
+            # the measurement is not callers' work: the statistics do not count it
+            (self.forwards, self.tokens_processed, self.batch_sizes, self.op_counts, self.op_ns, self.memory_peak,
+             self.kv.queried_tokens, self.kv.hit_tokens) = counters
+        self.optimal_batch_size = best
+        log.info("%s: decode crossover at batch %d (step ms by batch: %s)", self.name, best,
+                 ", ".join(f"{b}: {1e3 * t:.1f}" for b, t in step_s.items()))
+        return best
+
     def status(self, state: ServerState = ServerState.SERVING, queue_depth: int = 0) -> ExecutorStatus:
+        used, allocated = self._memory_used(), self.parameter_bytes + self.pool.nbytes
         return ExecutorStatus(
             state=state, server_instance_id=self.instance_id, model=self.name,
             kv_blocks_total=self.kv.num_blocks, kv_blocks_used=self.kv.num_used,
@@ -193,7 +289,31 @@ class TorchExecutor:
             prefix_cache_queried_tokens=self.kv.queried_tokens, prefix_cache_hit_tokens=self.kv.hit_tokens,
             prefix_cache_hit_rate=self.kv.hit_tokens / self.kv.queried_tokens if self.kv.queried_tokens else 0.0,
             sequences_expired=self.kv.expired_count, kv_blocks_cached=self.kv.num_cached_free,
+            executor_state=self._executor_state(state, queue_depth),
+            prefill_operations=self.op_counts["prefill"], decode_operations=self.op_counts["decode"],
+            avg_prefill_ms=self._avg_ms("prefill"), avg_decode_ms=self._avg_ms("decode"),
+            memory_allocated_bytes=allocated, memory_used_bytes=used, memory_peak_bytes=self.memory_peak,
+            memory_utilization=used / allocated,
         )
+
+    def _memory_used(self) -> int:
+        mc = self.model_config
+        block_bytes = KvPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype) * self.kv.block_size
+        used = self.parameter_bytes + self.kv.num_used * block_bytes
+        self.memory_peak = max(self.memory_peak, used)
+        return used
+
+    def _avg_ms(self, kind: str) -> float:
+        return self.op_ns[kind] / self.op_counts[kind] / 1e6 if self.op_counts[kind] else 0.0
+
+    def _executor_state(self, state: ServerState, queue_depth: int) -> ExecutorState:
+        if state is ServerState.LOADING:
+            return ExecutorState.INITIALIZING
+        if state is ServerState.DRAINING:
+            return ExecutorState.SHUTDOWN
+        if self.failed:
+            return ExecutorState.ERROR
+        return ExecutorState.BUSY if queue_depth else ExecutorState.READY
 
     # -- the contract ------------------------------------------------------------
     def prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None = None,
@@ -296,12 +416,18 @@ class TorchExecutor:
                     picked.append(hidden[b, :n] if step.rows == "all" else hidden[b, n - 1:n])
             with torch.inference_mode():
                 logits = self.model.logits(torch.cat(picked) if len(picked) > 1 else picked[0]) if picked else None
-        except BaseException:
+        except BaseException as exc:
             for step in steps:
                 self._rollback(step.opened, step.plan)
+            self.failed = not isinstance(exc, (ExecutorError, GeneratorExit, KeyboardInterrupt))
             raise
         for step in steps:
             self.kv.commit(step.seq, step.start, step.tokens)
+        self.failed = False
+        kind = "decode" if all(p.kind == "decode" for p in plans) else "prefill"
+        self.op_counts[kind] += 1
+        self.op_ns[kind] += time.perf_counter_ns() - t0
+        self._memory_used()
         self.forwards += 1
         self.tokens_processed += sum(len(s.tokens) for s in steps)
         self.batch_sizes[len(steps)] += 1

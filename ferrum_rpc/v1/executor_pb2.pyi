@@ -183,7 +183,7 @@ class GetCapabilitiesRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("model", "max_batch_size", "max_sequence_length", "kv_block_size", "kv_num_blocks", "kv_capacity_tokens", "logits_kinds", "logits_dtypes", "chunked_prefill", "forward_verify", "truncate_kv", "max_message_bytes", "models", "idle_timeout_s", "prefill_chunk_tokens", "decode_session", "prefix_cache", "fork_cache", "mixture_of_experts", "architecture", "kv_bytes", "kernel_path", "cpu_capability", "quantization", "shared_memory", "speculative_decode", "batch_prefill")
+    __slots__ = ("model", "max_batch_size", "max_sequence_length", "kv_block_size", "kv_num_blocks", "kv_capacity_tokens", "logits_kinds", "logits_dtypes", "chunked_prefill", "forward_verify", "truncate_kv", "max_message_bytes", "models", "idle_timeout_s", "prefill_chunk_tokens", "decode_session", "prefix_cache", "fork_cache", "mixture_of_experts", "architecture", "kv_bytes", "kernel_path", "cpu_capability", "quantization", "shared_memory", "speculative_decode", "batch_prefill", "attention_mechanisms", "supported_dtypes", "supported_devices", "tensor_parallel", "pipeline_parallel", "dynamic_batching", "continuous_batching", "memory", "optimal_batch_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +211,15 @@ class Capabilities(_message.Message):
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_DECODE_FIELD_NUMBER: _ClassVar[int]
     BATCH_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_MECHANISMS_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTED_DTYPES_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTED_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_BATCHING_FIELD_NUMBER: _ClassVar[int]
+    CONTINUOUS_BATCHING_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    OPTIMAL_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_batch_size: int
     max_sequence_length: int
@@ -238,7 +247,30 @@ class Capabilities(_message.Message):
     shared_memory: bool
     speculative_decode: bool
     batch_prefill: bool
-    def __init__(self, model: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., logits_kinds: _Optional[_Iterable[_Union[LogitsKind, str]]] = ..., logits_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., chunked_prefill: _Optional[bool] = ..., forward_verify: _Optional[bool] = ..., truncate_kv: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., idle_timeout_s: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., decode_session: _Optional[bool] = ..., prefix_cache: _Optional[bool] = ..., fork_cache: _Optional[bool] = ..., mixture_of_experts: _Optional[bool] = ..., architecture: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., kernel_path: _Optional[str] = ..., cpu_capability: _Optional[str] = ..., quantization: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., speculative_decode: _Optional[bool] = ..., batch_prefill: _Optional[bool] = ...) -> None: ...
+    attention_mechanisms: _containers.RepeatedScalarFieldContainer[str]
+    supported_dtypes: _containers.RepeatedScalarFieldContainer[DType]
+    supported_devices: _containers.RepeatedScalarFieldContainer[str]
+    tensor_parallel: bool
+    pipeline_parallel: bool
+    dynamic_batching: bool
+    continuous_batching: bool
+    memory: MemoryRequirements
+    optimal_batch_size: int
+    def __init__(self, model: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., logits_kinds: _Optional[_Iterable[_Union[LogitsKind, str]]] = ..., logits_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., chunked_prefill: _Optional[bool] = ..., forward_verify: _Optional[bool] = ..., truncate_kv: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., idle_timeout_s: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., decode_session: _Optional[bool] = ..., prefix_cache: _Optional[bool] = ..., fork_cache: _Optional[bool] = ..., mixture_of_experts: _Optional[bool] = ..., architecture: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., kernel_path: _Optional[str] = ..., cpu_capability: _Optional[str] = ..., quantization: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., speculative_decode: _Optional[bool] = ..., batch_prefill: _Optional[bool] = ..., attention_mechanisms: _Optional[_Iterable[str]] = ..., supported_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., supported_devices: _Optional[_Iterable[str]] = ..., tensor_parallel: _Optional[bool] = ..., pipeline_parallel: _Optional[bool] = ..., dynamic_batching: _Optional[bool] = ..., continuous_batching: _Optional[bool] = ..., memory: _Optional[_Union[MemoryRequirements, _Mapping]] = ..., optimal_batch_size: _Optional[int] = ...) -> None: ...
+
+class MemoryRequirements(_message.Message):
+    __slots__ = ("parameter_bytes", "kv_bytes_per_token_per_layer", "activation_bytes_per_token", "overhead_bytes", "num_layers")
+    PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_PER_LAYER_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    OVERHEAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    parameter_bytes: int
+    kv_bytes_per_token_per_layer: int
+    activation_bytes_per_token: int
+    overhead_bytes: int
+    num_layers: int
+    def __init__(self, parameter_bytes: _Optional[int] = ..., kv_bytes_per_token_per_layer: _Optional[int] = ..., activation_bytes_per_token: _Optional[int] = ..., overhead_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ("model",)
@@ -247,7 +279,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("state", "server_instance_id", "model", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "active_sequences", "queue_depth", "forwards", "tokens_processed", "uptime_s", "kv_blocks_shared", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "prefix_cache_hit_rate", "sequences_expired", "kv_blocks_cached")
+    __slots__ = ("state", "server_instance_id", "model", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "active_sequences", "queue_depth", "forwards", "tokens_processed", "uptime_s", "kv_blocks_shared", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "prefix_cache_hit_rate", "sequences_expired", "kv_blocks_cached", "executor_state", "prefill_operations", "decode_operations", "avg_prefill_ms", "avg_decode_ms", "memory_allocated_bytes", "memory_used_bytes", "memory_peak_bytes", "memory_utilization")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[Status.State]
@@ -258,6 +290,20 @@ class Status(_message.Message):
     STATE_LOADING: Status.State
     STATE_SERVING: Status.State
     STATE_DRAINING: Status.State
+    class ExecutorState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        EXECUTOR_STATE_UNSPECIFIED: _ClassVar[Status.ExecutorState]
+        EXECUTOR_STATE_INITIALIZING: _ClassVar[Status.ExecutorState]
+        EXECUTOR_STATE_READY: _ClassVar[Status.ExecutorState]
+        EXECUTOR_STATE_BUSY: _ClassVar[Status.ExecutorState]
+        EXECUTOR_STATE_ERROR: _ClassVar[Status.ExecutorState]
+        EXECUTOR_STATE_SHUTDOWN: _ClassVar[Status.ExecutorState]
+    EXECUTOR_STATE_UNSPECIFIED: Status.ExecutorState
+    EXECUTOR_STATE_INITIALIZING: Status.ExecutorState
+    EXECUTOR_STATE_READY: Status.ExecutorState
+    EXECUTOR_STATE_BUSY: Status.ExecutorState
+    EXECUTOR_STATE_ERROR: Status.ExecutorState
+    EXECUTOR_STATE_SHUTDOWN: Status.ExecutorState
     STATE_FIELD_NUMBER: _ClassVar[int]
     SERVER_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +321,15 @@ class Status(_message.Message):
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_STATE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_OPERATIONS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_OPERATIONS_FIELD_NUMBER: _ClassVar[int]
+    AVG_PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    AVG_DECODE_MS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     state: Status.State
     server_instance_id: str
     model: str
@@ -292,7 +347,16 @@ class Status(_message.Message):
     prefix_cache_hit_rate: float
     sequences_expired: int
     kv_blocks_cached: int
-    def __init__(self, state: _Optional[_Union[Status.State, str]] = ..., server_instance_id: _Optional[str] = ..., model: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., active_sequences: _Optional[int] = ..., queue_depth: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., uptime_s: _Optional[float] = ..., kv_blocks_shared: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., sequences_expired: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ...) -> None: ...
+    executor_state: Status.ExecutorState
+    prefill_operations: int
+    decode_operations: int
+    avg_prefill_ms: float
+    avg_decode_ms: float
+    memory_allocated_bytes: int
+    memory_used_bytes: int
+    memory_peak_bytes: int
+    memory_utilization: float
+    def __init__(self, state: _Optional[_Union[Status.State, str]] = ..., server_instance_id: _Optional[str] = ..., model: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., active_sequences: _Optional[int] = ..., queue_depth: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., uptime_s: _Optional[float] = ..., kv_blocks_shared: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., sequences_expired: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., executor_state: _Optional[_Union[Status.ExecutorState, str]] = ..., prefill_operations: _Optional[int] = ..., decode_operations: _Optional[int] = ..., avg_prefill_ms: _Optional[float] = ..., avg_decode_ms: _Optional[float] = ..., memory_allocated_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_peak_bytes: _Optional[int] = ..., memory_utilization: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("model", "token_ids", "kv_cache", "logits")
