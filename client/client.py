@@ -13,7 +13,7 @@ from typing import Iterable, Sequence, Union
 
 import grpc
 
-from ferrum_rpc import convert
+from ferrum_rpc import convert, tensor_codec
 from ferrum_rpc.errors import ExecutorError, from_status_proto, from_rpc_error
 from ferrum_rpc.types import (
     Capabilities,
@@ -24,6 +24,7 @@ from ferrum_rpc.types import (
     LogitsKind,
     LogitsPolicy,
     ModelInfo,
+    HiddenStatesRequest,
     PrefillOutput,
     SpeculativeOutput,
     VerifyOutput,
@@ -95,10 +96,12 @@ class _Codec:
                                 "which this client did not register")
         return region.view(location)
 
-    def _prefill_req(self, token_ids, kv_cache, logits) -> pb.PrefillRequest:
+    def _prefill_req(self, token_ids, kv_cache, logits, hidden_states=None) -> pb.PrefillRequest:
         req = pb.PrefillRequest(model=self.model, token_ids=token_ids, logits=convert.policy_to_proto(logits))
         if kv_cache is not None:
             req.kv_cache.CopyFrom(convert.handle_to_proto(kv_cache))
+        if hidden_states is not None:
+            req.hidden_states.CopyFrom(convert.hidden_request_to_proto(hidden_states))
         return req
 
     def _decode_req(self, token_id, kv_cache, logits) -> pb.DecodeRequest:
@@ -159,7 +162,8 @@ class _Codec:
 
     def _prefill_output(self, reply: pb.PrefillResponse) -> PrefillOutput:
         out = self._output(PrefillOutput, reply)
-        return replace(out, cached_tokens=reply.cached_tokens)
+        hidden = tuple(tensor_codec.to_numpy(t) for t in getattr(reply, "hidden_states", ()))
+        return replace(out, cached_tokens=reply.cached_tokens, hidden_states=hidden)
 
     def _batch_outputs(self, replies: Sequence[pb.BatchDecodeResponse]) -> list[DecodeOutput]:
         replies = [r for reply in replies for r in (reply.results or [reply])]  # single_reply: one message
@@ -209,9 +213,11 @@ class ExecutorClient(_Codec):
         return convert.status_from_proto(self._call(self._stub.GetStatus, pb.GetStatusRequest(model=self.model)))
 
     def prefill(self, token_ids: Sequence[int], kv_cache: KvCacheHandle | None = None,
-                logits: LogitsPolicy = LogitsPolicy()) -> PrefillOutput:
-        """Runs a prompt, or continues ``kv_cache`` with the next chunk of one."""
-        reply = self._call(self._stub.Prefill, self._prefill_req(token_ids, kv_cache, logits))
+                logits: LogitsPolicy = LogitsPolicy(),
+                hidden_states: HiddenStatesRequest | None = None) -> PrefillOutput:
+        """Runs a prompt, or continues ``kv_cache`` with the next chunk of one; with
+        ``hidden_states``, also returns those layers' hidden states (``out.hidden_states``)."""
+        reply = self._call(self._stub.Prefill, self._prefill_req(token_ids, kv_cache, logits, hidden_states))
         return self._prefill_output(reply)
 
     def decode(self, token_id: int, kv_cache: KvCacheHandle, logits: LogitsPolicy = LogitsPolicy()) -> DecodeOutput:
@@ -321,8 +327,9 @@ class AsyncExecutorClient(_Codec):
         return convert.status_from_proto(await self._call(self._stub.GetStatus, pb.GetStatusRequest(model=self.model)))
 
     async def prefill(self, token_ids: Sequence[int], kv_cache: KvCacheHandle | None = None,
-                      logits: LogitsPolicy = LogitsPolicy()) -> PrefillOutput:
-        reply = await self._call(self._stub.Prefill, self._prefill_req(token_ids, kv_cache, logits))
+                      logits: LogitsPolicy = LogitsPolicy(),
+                      hidden_states: HiddenStatesRequest | None = None) -> PrefillOutput:
+        reply = await self._call(self._stub.Prefill, self._prefill_req(token_ids, kv_cache, logits, hidden_states))
         return self._prefill_output(reply)
 
     async def decode(self, token_id: int, kv_cache: KvCacheHandle,

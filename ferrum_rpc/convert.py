@@ -23,6 +23,7 @@ from ferrum_rpc.types import (
     LogitsPolicy,
     ModelInfo,
     ExecutorState,
+    HiddenStatesRequest,
     MemoryRequirements,
     ServerState,
     SharedMemoryTarget,
@@ -150,6 +151,14 @@ def logits_from_proto(m: pb.Logits, shared_memory=None) -> Logits:
     shape = (positions, scores.size // positions if positions else 0)
     return Logits(kind=kind, values=scores.reshape(shape), token_ids=token_ids.reshape(shape),
                   vocab_size=m.vocab_size)
+
+
+def hidden_request_to_proto(h: HiddenStatesRequest) -> pb.HiddenStatesRequest:
+    return pb.HiddenStatesRequest(layers=h.layers, positions=h.positions)
+
+
+def hidden_request_from_proto(m: pb.HiddenStatesRequest) -> HiddenStatesRequest:
+    return HiddenStatesRequest(tuple(m.layers), tuple(m.positions))
 
 
 def timing_to_proto(t: Timing) -> pb.Timing:

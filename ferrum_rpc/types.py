@@ -113,11 +113,22 @@ class Timing:
 
 
 @dataclass(frozen=True)
+class HiddenStatesRequest:
+    """Hidden states a prefill should return: ``layers`` as transformers'
+    ``output_hidden_states`` indexes them (0 embeddings, i the output of layer i,
+    num_layers the final normed output) at ``positions`` of the call (empty: all)."""
+
+    layers: tuple[int, ...]
+    positions: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class PrefillOutput:
     logits: Logits
     kv_cache: KvCacheHandle
     timing: Timing = field(default_factory=Timing)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    hidden_states: tuple = ()  # with a HiddenStatesRequest: (positions, hidden) arrays, one per layer
 
 
 @dataclass(frozen=True)

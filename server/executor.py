@@ -43,6 +43,7 @@ from ferrum_rpc.types import (
     DecodeOutput,
     ExecutorState,
     ExecutorStatus,
+    HiddenStatesRequest,
     KvCacheHandle,
     Logits,
     LogitsKind,
@@ -84,6 +85,8 @@ class _Step:
     start: int
     plan: WritePlan  # the KV room reserved for it
     rows: str  # hidden rows that go through the LM head: "all", "last" or "none"
+    # analysis: layer -> this step's hidden states (T, C), filled by run() for the layers asked
+    hidden: dict[int, torch.Tensor | None] | None = None
 
     @property
     def seq(self) -> SequenceState:
@@ -317,9 +320,9 @@ class TorchExecutor:
 
     # -- the contract ------------------------------------------------------------
     def prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None = None,
-                policy: LogitsPolicy = LogitsPolicy()) -> PrefillOutput:
+                policy: LogitsPolicy = LogitsPolicy(), hidden: HiddenStatesRequest | None = None) -> PrefillOutput:
         """Runs a prompt (or the next chunk of one, when ``kv_cache`` is given)."""
-        steps = self.prefill_chunks(token_ids, kv_cache, policy)
+        steps = self.prefill_chunks(token_ids, kv_cache, policy, hidden)
         while True:
             try:
                 next(steps)
@@ -327,7 +330,8 @@ class TorchExecutor:
                 return done.value
 
     def prefill_chunks(self, token_ids: list[int], kv_cache: KvCacheHandle | None = None,
-                       policy: LogitsPolicy = LogitsPolicy()) -> Generator[None, None, PrefillOutput]:
+                       policy: LogitsPolicy = LogitsPolicy(),
+                       hidden: HiddenStatesRequest | None = None) -> Generator[None, None, PrefillOutput]:
         """:meth:`prefill` in chunks of ``config.prefill_chunk`` tokens, yielding between them.
 
         Each chunk is one :meth:`run`.  The worker runs other callers' work at
@@ -337,9 +341,12 @@ class TorchExecutor:
         stopped, every chunk is undone: the sequence is as it was before the
         call, idle clock included.
         """
-        opened = self._open_prefill(token_ids, kv_cache, policy)
+        if hidden is not None:
+            self._check_hidden(hidden, len(token_ids))
+        opened = self._open_prefill(token_ids, kv_cache, policy, reuse_prefix=hidden is None)
         self.kv.pin(opened.seq)
         rows, forward_ns, chunk = [], 0, self.config.prefill_chunk
+        states: dict[int, list[torch.Tensor]] = {layer: [] for layer in (hidden.layers if hidden else ())}
         try:
             for offset in range(opened.cached, len(token_ids), chunk):
                 if offset > opened.cached:
@@ -347,19 +354,39 @@ class TorchExecutor:
                 final = offset + chunk >= len(token_ids)
                 want = "all" if policy.all_positions else "last" if final else "none"
                 step = self._step(opened, token_ids[offset:offset + chunk], want)
+                step.hidden = dict.fromkeys(states) if states else None
                 t0 = time.perf_counter_ns()
                 (part,) = self.run([AppendPlan([step], policy, "chunk")])
                 forward_ns += time.perf_counter_ns() - t0
                 if part is not None:
                     rows.append(part)
+                for layer in states:
+                    states[layer].append(step.hidden[layer])
             logits = self._apply_policy(torch.cat(rows) if len(rows) > 1 else rows[0], policy)
+            picked = list(hidden.positions) if hidden and hidden.positions else slice(None)
+            hidden_states = tuple(torch.cat(states[layer])[picked].numpy() for layer in (hidden.layers if hidden else ()))
         except BaseException:  # GeneratorExit and thrown-in cancellations too
             self.kv.unpin(opened.seq, touch=False)
             self._rollback(opened)
             raise
         self.kv.unpin(opened.seq, touch=True)
         return PrefillOutput(logits, self._handle(opened.seq), Timing(forward_ns=forward_ns, batch_size=1),
-                             cached_tokens=opened.cached)
+                             cached_tokens=opened.cached, hidden_states=hidden_states)
+
+    def _check_hidden(self, hidden: HiddenStatesRequest, tokens: int) -> None:
+        """Validates an analysis request and that its tensors fit the message limit (no state read)."""
+        layers = self.model_config.num_layers
+        if not hidden.layers:
+            raise InvalidInput("hidden_states.layers is empty")
+        if bad := [layer for layer in hidden.layers if not 0 <= layer <= layers]:
+            raise InvalidInput(f"hidden_states.layers must be in 0..={layers}, got {bad[:8]}")
+        if bad := [p for p in hidden.positions if not 0 <= p < tokens]:
+            raise InvalidInput(f"hidden_states.positions must be in 0..{tokens - 1}, got {bad[:8]}")
+        size = len(hidden.layers) * (len(hidden.positions) or tokens) * self.model_config.hidden_size * 4
+        if size > self.config.max_message_bytes:
+            raise InvalidInput(f"hidden states of {len(hidden.layers)} layers x {len(hidden.positions) or tokens} "
+                               f"positions need {size} bytes, over the {self.config.max_message_bytes}-byte "
+                               "message limit; ask for fewer layers or positions")
 
     def plan_prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None,
                      policy: LogitsPolicy) -> AppendPlan:
@@ -457,7 +484,7 @@ class TorchExecutor:
         return results
 
     def _open_prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None,
-                      policy: LogitsPolicy) -> _Opened:
+                      policy: LogitsPolicy, reuse_prefix: bool = True) -> _Opened:
         """Validates a prefill and finds (or creates, taking any cached prefix) its sequence."""
         self._check_tokens(token_ids)
         self._check_policy(policy, len(token_ids) if policy.all_positions else 1)
@@ -471,7 +498,7 @@ class TorchExecutor:
         self._check_sequence_room(tenant, 1)
         seq = self.kv.create(uuid.uuid4().hex, tenant)
         cached = 0
-        if not policy.all_positions:  # a hit must leave the last token to compute
+        if reuse_prefix and not policy.all_positions:  # a hit must leave the last token to compute
             cached = self.kv.adopt_prefix(seq, token_ids, len(token_ids) - 1)
         return _Opened(seq, True, cached, 0, seq.last_used)
 
@@ -675,13 +702,20 @@ class TorchExecutor:
         """One forward over every step (ragged: shorter steps are padded, see KvBatch).
 
         Returns hidden states (B, T, C); step b's own rows are ``[:len(step.tokens)]``.
+        Steps that ask for hidden states of some layers get their rows of those.
         """
         counts = [len(s.tokens) for s in steps]
         width = max(counts)
         kv = self.pool.batch([s.seq.block_ids for s in steps], [s.start for s in steps], counts)
         ids = torch.tensor([s.tokens + [0] * (width - len(s.tokens)) for s in steps], device=self.device)
+        layers = {layer for s in steps if s.hidden for layer in s.hidden}
+        capture = dict.fromkeys(layers) if layers else None
         with torch.inference_mode():
-            return self.model(ids, kv.positions, kv)  # (B, T, C)
+            out = self.model(ids, kv.positions, kv, capture) if capture else self.model(ids, kv.positions, kv)
+        for b, step in enumerate(steps):
+            for layer in step.hidden or ():
+                step.hidden[layer] = capture[layer][b, :counts[b]].float().cpu()
+        return out  # (B, T, C)
 
     def _apply_policy(self, rows: torch.Tensor, policy: LogitsPolicy) -> Logits:
         """rows: (P, V) float32 on the device -> what the caller asked for, on the CPU."""

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from ferrum_rpc import convert
+from ferrum_rpc import convert, tensor_codec
 from ferrum_rpc.errors import (
     Draining,
     ExecutorError,
@@ -375,11 +375,15 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         handle = convert.handle_from_proto(request.kv_cache) if request.HasField("kv_cache") else None
         policy = convert.policy_from_proto(request.logits)
         rows = len(request.token_ids) if policy.all_positions else 1
+        hidden = convert.hidden_request_from_proto(request.hidden_states) if request.HasField("hidden_states") \
+            else None
         with self._logits_targets(policy, [rows], worker) as targets:
-            out = await worker.prefill(list(request.token_ids), handle, policy, _deadline(context))
+            out = await worker.prefill(list(request.token_ids), handle, policy, _deadline(context), hidden)
             undo = [(out.kv_cache.cache_id, handle.sequence_length if handle else None)]
-            return await self._reply(pb.PrefillResponse(cached_tokens=out.cached_tokens), out, received, worker,
-                                     undo, targets and targets[0])
+            reply = pb.PrefillResponse(cached_tokens=out.cached_tokens)
+            for array in out.hidden_states:
+                tensor_codec.encode_into(reply.hidden_states.add(), array)
+            return await self._reply(reply, out, received, worker, undo, targets and targets[0])
 
     @_rpc
     async def Decode(self, request, context):

@@ -118,9 +118,9 @@ class ModelWorker:
         sliced job stopped at the next chunk, which undoes its work."""
         return self._put(self._prefill_job(token_ids, kv_cache, policy, deadline)).future
 
-    def _prefill_job(self, token_ids, kv_cache, policy, deadline) -> _Job:
-        if len(token_ids) > self.executor.config.prefill_chunk:
-            return _Job(self.executor.prefill_chunks, (token_ids, kv_cache, policy), sliced=True,
+    def _prefill_job(self, token_ids, kv_cache, policy, deadline, hidden=None) -> _Job:
+        if len(token_ids) > self.executor.config.prefill_chunk or hidden is not None:  # analysis: its own forwards
+            return _Job(self.executor.prefill_chunks, (token_ids, kv_cache, policy, hidden), sliced=True,
                         deadline=deadline)
         return _Job(None, (), prefill=(token_ids, kv_cache, policy), deadline=deadline)
 
@@ -129,9 +129,9 @@ class ModelWorker:
         return await self._await(self._put(_Job(fn, args, deadline=deadline)))
 
     async def prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None, policy: LogitsPolicy,
-                      deadline: float | None = None) -> Any:
+                      deadline: float | None = None, hidden=None) -> Any:
         origin = kv_cache.sequence_length if kv_cache is not None else None
-        job = self._put(self._prefill_job(token_ids, kv_cache, policy, deadline))
+        job = self._put(self._prefill_job(token_ids, kv_cache, policy, deadline, hidden))
         return await self._await(job, lambda out: [(out.kv_cache.cache_id, origin)])
 
     async def verify(self, token_ids: list[int], kv_cache: KvCacheHandle, policy: LogitsPolicy,

@@ -293,9 +293,17 @@ class LlamaForCausalLM(nn.Module):
                          layer.input_layernorm.eps, *weights, [l.bits for l in linears]))
         return args
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
-        """input_ids, positions: (B, T) int64 -> hidden (B, T, hidden)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv,
+                capture: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
+        """input_ids, positions: (B, T) int64 -> hidden (B, T, hidden).
+
+        ``capture``: layer indices (as transformers' ``output_hidden_states``: 0 the
+        embeddings, i the output of layer i, num_layers the normed output) whose
+        hidden states are copied into it."""
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
+        keep = (lambda i, h: capture.__setitem__(i, h.clone()) if i in capture else None) if capture else None
+        if keep:
+            keep(0, x)
         if self.fused_ops and input_ids.shape[1] <= FUSED_MAX_TOKENS:
             rope = Rope(None, None, self.rope_cos, self.rope_sin, fused=True)
         else:
@@ -307,10 +315,17 @@ class LlamaForCausalLM(nn.Module):
             for i, args in enumerate(self.layer_ops):  # one op per layer: see csrc/fused.cpp
                 x = decode_layer(x, *args, self.rope_cos, self.rope_sin, kv.positions, kv.pool.k[i], kv.pool.v[i],
                                  kv.write_slots, kv.tables, cfg.num_heads, cfg.num_kv_heads, scale)
-            return self.model.norm(x)
-        for layer in self.model.layers:
-            x = layer(x, rope, kv)
-        return self.model.norm(x)
+                if keep and i + 1 < len(self.layer_ops):
+                    keep(i + 1, x)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, rope, kv)
+                if keep and i + 1 < len(self.model.layers):
+                    keep(i + 1, x)
+        out = self.model.norm(x)
+        if keep:
+            keep(len(self.model.layers), out)
+        return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, C) -> float32 logits (N, V)."""
