@@ -271,6 +271,24 @@ class ExecutorClient(_Codec):
         """Opens a DecodeSession stream: ``session.step(items)`` per step, no per-call setup."""
         return DecodeSession(self._stub, self.model, self.timeout, self._regions)
 
+    def list_models(self) -> list[pb.ModelEntry]:
+        """Every hosted model: name, state, folder, default flag and live status."""
+        return list(self._call(self._stub.ListModels, pb.ListModelsRequest()).models)
+
+    def load_model(self, name: str, path: str, progress=None) -> None:
+        """Loads the model in ``path`` (a folder on the server) as ``name``; returns once
+        it serves.  ``progress(stage, elapsed_s)`` sees each stage."""
+        try:
+            for message in self._stub.LoadModel(pb.LoadModelRequest(name=name, path=path), timeout=self.timeout):
+                if progress is not None:
+                    progress(message.stage, message.elapsed_s)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    def unload_model(self, name: str) -> int:
+        """Stops serving ``name`` (its sequences go); returns how many sequences it held."""
+        return self._call(self._stub.UnloadModel, pb.UnloadModelRequest(name=name)).sequences_dropped
+
     def shared_memory(self, byte_size: int, name: str | None = None) -> SharedMemoryRegion:
         """Creates a POSIX shared-memory object of ``byte_size`` bytes and registers it
         with the server (same host only); requests whose full-logits policy names

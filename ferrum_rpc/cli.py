@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (0: a free one, logged); off by default")
     s.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
+    s.add_argument("--admin-tenants", default="",
+                   help="comma-separated tenants (of --auth-tokens) that may load and unload models")
     s.add_argument("--shared-memory", default="auto", choices=["auto", "on", "off"],
                    help="RegisterSharedMemory (full logits into a caller's POSIX shared memory): auto serves it "
                         "on a loopback --host only, where every caller is on this machine")

@@ -32,6 +32,7 @@ class Reason(str, enum.Enum):
     SEQUENCE_LIMIT_EXCEEDED = "SEQUENCE_LIMIT_EXCEEDED"
     TENANT_QUOTA_EXCEEDED = "TENANT_QUOTA_EXCEEDED"
     SHARED_MEMORY_NOT_FOUND = "SHARED_MEMORY_NOT_FOUND"
+    ADMIN_ONLY = "ADMIN_ONLY"
 
 
 STATUS_FOR_REASON: dict[Reason, grpc.StatusCode] = {
@@ -49,6 +50,7 @@ STATUS_FOR_REASON: dict[Reason, grpc.StatusCode] = {
     Reason.SEQUENCE_LIMIT_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Reason.TENANT_QUOTA_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Reason.SHARED_MEMORY_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Reason.ADMIN_ONLY: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -164,6 +166,12 @@ class SharedMemoryNotFound(ExecutorError):
     reason = Reason.SHARED_MEMORY_NOT_FOUND
 
 
+class AdminOnly(ExecutorError):
+    """A model-registry change (LoadModel, UnloadModel) by a tenant that is not an admin."""
+
+    reason = Reason.ADMIN_ONLY
+
+
 ERROR_CLASSES: dict[Reason, type[ExecutorError]] = {
     cls.reason: cls
     for cls in (
@@ -181,6 +189,7 @@ ERROR_CLASSES: dict[Reason, type[ExecutorError]] = {
         SequenceLimitExceeded,
         TenantQuotaExceeded,
         SharedMemoryNotFound,
+        AdminOnly,
     )
 }
 

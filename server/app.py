@@ -53,14 +53,11 @@ class App:
 
     async def load(self) -> None:
         """Loads and warms every model, then reports SERVING."""
+        self.servicer.models = self  # LoadModel / UnloadModel come back here
         for spec in self.config.models:
-            load = functools.partial(TorchExecutor.from_path, spec.name, spec.path, self.config.executor,
-                                     self.servicer.instance_id)
-            worker = ModelWorker(load, spec.name, self.config.executor.batch_wait_ms)
-            executor = await worker.started()
-            if self.config.warmup:
-                await worker.call(_warm_up, executor)
-            self.servicer.add_model(worker)
+            worker = await self.start_model(spec.name, spec.path)
+            await self.warm_model(worker)
+            await self.add_model(worker, spec.path)
         self.servicer.state = ServerState.SERVING
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -85,6 +82,37 @@ class App:
             worker.stop(timeout=grace_s)
         log.info("stopped")
 
+    async def start_model(self, name: str, path: str) -> ModelWorker:
+        """A worker thread with the model loaded on it (raises what loading raised)."""
+        load = functools.partial(TorchExecutor.from_path, name, path, self.config.executor, self.servicer.instance_id)
+        worker = ModelWorker(load, name, self.config.executor.batch_wait_ms)
+        try:
+            await asyncio.shield(worker.started())
+        except asyncio.CancelledError:  # abandoned (LoadModel's caller went away): stop it once loaded
+            worker.loaded.add_done_callback(
+                lambda f: None if f.exception() else threading.Thread(target=worker.stop, daemon=True).start())
+            raise
+        return worker
+
+    async def warm_model(self, worker: ModelWorker) -> None:
+        if self.config.warmup:
+            await worker.call(_warm_up, worker.executor)
+
+    async def add_model(self, worker: ModelWorker, path: str) -> None:
+        self.servicer.add_model(worker, path)
+        await self.health.set(worker.executor.name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def remove_model(self, name: str) -> int:
+        """Unloads a model: refused to new calls at once, in-flight calls finish, then
+        its worker stops and its KV and weights go; returns the sequences it held."""
+        worker = self.servicer.remove_model(name)
+        await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await asyncio.get_running_loop().run_in_executor(None, worker.stop)
+        dropped = len(worker.executor.kv)
+        worker.executor = None  # the model and its pool go with the last reference
+        log.info("unloaded %s (%d sequence(s) dropped)", name, dropped)
+        return dropped
+
 
 def _warm_up(executor: TorchExecutor) -> None:
     out = executor.prefill([0] * 8)
@@ -104,7 +132,8 @@ async def build_server(config: ServerConfig) -> App:
         from ferrum_rpc.server.metrics import Metrics
 
         metrics = Metrics(lambda: [w.executor for w in list(servicer.workers.values())])
-    servicer = ExecutorServicer(instance_id, tokens, metrics, shared_memory=config.shared_memory_enabled)
+    servicer = ExecutorServicer(instance_id, tokens, metrics, shared_memory=config.shared_memory_enabled,
+                                admin_tenants=config.admin_tenants)
     health = HealthServicer()
     add_executor_service(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

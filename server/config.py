@@ -108,6 +108,9 @@ class ServerConfig:
     # RegisterSharedMemory: "auto" serves it only on a loopback address (callers on
     # this host by construction), "on" everywhere, "off" nowhere.
     shared_memory: str = "auto"
+    # Tenants (of --auth-tokens) allowed to load and unload models; without
+    # tokens every caller may (the server is then on loopback or --insecure).
+    admin_tenants: tuple[str, ...] = ()
 
     @property
     def shared_memory_enabled(self) -> bool:

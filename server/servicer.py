@@ -21,11 +21,13 @@ import inspect
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 
 from ferrum_rpc import convert, tensor_codec
 from ferrum_rpc.errors import (
+    AdminOnly,
     Draining,
     ExecutorError,
     InvalidInput,
@@ -200,8 +202,13 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
     """Routes each request to the worker of the model it names (empty = the default)."""
 
     def __init__(self, instance_id: str, tokens: TokenTable | None = None, metrics=None,
-                 shared_memory: bool = False):
+                 shared_memory: bool = False, admin_tenants: tuple[str, ...] = ()):
         self.instance_id = instance_id
+        self.admin_tenants = frozenset(admin_tenants)
+        self.models = None  # the App: loads and unloads models (the registry RPCs)
+        self.paths: dict[str, str] = {}  # model -> the folder it came from
+        self.loading: dict[str, str] = {}  # models being loaded by LoadModel -> folder
+        self.unloaded: set[str] = set()  # names whose handles now get "was unloaded"
         self.shared_memory = shared_memory  # RegisterSharedMemory served
         self.shm = SharedMemoryRegistry()
         self.tokens = tokens  # None: auth off, every caller is tenant ""
@@ -215,10 +222,21 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         # One thread: big replies are built one at a time, never on the event loop.
         self._reply_builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reply-builder")
 
-    def add_model(self, worker: ModelWorker) -> None:
+    def add_model(self, worker: ModelWorker, path: str = "") -> None:
         name = worker.executor.name
         self.workers[name] = worker
+        self.paths[name] = path
+        self.unloaded.discard(name)
         self.default_model = self.default_model or name
+
+    def remove_model(self, name: str) -> ModelWorker:
+        """Takes a model off the routing table (new calls naming it are refused)."""
+        worker = self.workers.pop(name)
+        self.paths.pop(name, None)
+        self.unloaded.add(name)
+        if self.default_model == name:
+            self.default_model = next(iter(self.workers), "")
+        return worker
 
     # -- plumbing --------------------------------------------------------------
     def _observe(self, method: str, error: Exception | None, start: float, timing=None) -> None:
@@ -270,6 +288,10 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         try:
             return self.workers[model or self.default_model]
         except KeyError:
+            if model in self.loading:
+                raise ModelLoading(f"model {shown(model)} is still loading") from None
+            if model in self.unloaded:
+                raise ModelNotFound(f"model {shown(model)} was unloaded; its sequences are gone") from None
             raise ModelNotFound(f"no model named {shown(model)}; hosted: {sorted(self.workers)}") from None
 
     def _decode_batch(self, request) -> tuple[ModelWorker, list[DecodeInput], LogitsPolicy]:
@@ -553,6 +575,81 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             reader.cancel()
             for task in list(steps):
                 task.cancel()
+
+    # -- the model registry --------------------------------------------------------
+    def _check_admin(self) -> None:
+        if self.tokens is not None and current_tenant.get() not in self.admin_tenants:
+            raise AdminOnly(f"loading and unloading models is for admin tenants (--admin-tenants); "
+                            f"{shown(current_tenant.get())} is not one")
+
+    @_query
+    async def ListModels(self, request, context):
+        reply = pb.ListModelsResponse()
+        for name, path in self.loading.items():
+            reply.models.add(name=name, state="loading", path=path)
+        for name, worker in list(self.workers.items()):
+            status = await worker.call(worker.executor.status, self.state, worker.queue_depth)
+            reply.models.add(name=name, state="serving", path=self.paths.get(name, ""),
+                             is_default=name == self.default_model, status=convert.status_to_proto(status))
+        return reply
+
+    async def LoadModel(self, request, context):
+        """Loads on a new worker thread while the other models serve; one progress
+        message per stage.  A failed or abandoned load leaves nothing behind."""
+        start, worker = time.perf_counter(), None
+        stage = lambda name: pb.LoadModelResponse(stage=name, elapsed_s=time.perf_counter() - start)  # noqa: E731
+        try:
+            _check_parsed(request)
+            self._enter_tenant(context)
+            self._check_admin()
+            name, path = request.name, request.path
+            if not name or len(name.encode()) > 128:
+                raise InvalidInput("name must be 1..=128 bytes")
+            if name in self.workers or name in self.loading:
+                raise InvalidInput(f"a model named {shown(name)} is hosted already")
+            if not (Path(path) / "config.json").is_file():
+                raise InvalidInput(f"{shown(path)} is no model folder on the server (no config.json)")
+            if self.state is ServerState.DRAINING:
+                raise Draining("the server is shutting down")
+            self.loading[name] = path
+            try:
+                yield stage("loading")
+                try:
+                    worker = await self.models.start_model(name, path)
+                except ExecutorError:
+                    raise
+                except Exception as exc:
+                    raise InvalidInput(f"cannot load {shown(path)}: {type(exc).__name__}: {exc}") from None
+                yield stage("warming up")
+                await self.models.warm_model(worker)
+                await self.models.add_model(worker, path)
+                worker = None  # serving: no longer ours to clean up
+            finally:
+                self.loading.pop(name, None)
+                if worker is not None:  # failed or abandoned after loading: stop it
+                    asyncio.get_running_loop().run_in_executor(None, worker.stop)
+            self._observe("LoadModel", None, start)
+            yield stage("serving")
+        except Exception as exc:
+            self._observe("LoadModel", exc, start)
+            await _abort(context, exc)
+
+    async def UnloadModel(self, request, context):
+        start = time.perf_counter()
+        try:
+            _check_parsed(request)
+            self._enter_tenant(context)
+            self._check_admin()
+            if not request.name:
+                raise InvalidInput("name is required")
+            if request.name not in self.workers:
+                self._worker(request.name)  # the precise refusal: loading, unloaded, unknown
+            dropped = await self.models.remove_model(request.name)
+        except Exception as exc:
+            self._observe("UnloadModel", exc, start)
+            await _abort(context, exc)
+        self._observe("UnloadModel", None, start)
+        return pb.UnloadModelResponse(sequences_dropped=dropped)
 
     # -- shared memory -------------------------------------------------------------
     async def RegisterSharedMemory(self, request, context):

@@ -651,3 +651,55 @@ class BatchPrefillResponse(_message.Message):
     timing: Timing
     cached_tokens: int
     def __init__(self, index: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelEntry(_message.Message):
+    __slots__ = ("name", "state", "path", "is_default", "status")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    IS_DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    state: str
+    path: str
+    is_default: bool
+    status: Status
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., path: _Optional[str] = ..., is_default: _Optional[bool] = ..., status: _Optional[_Union[Status, _Mapping]] = ...) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelEntry]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelEntry, _Mapping]]] = ...) -> None: ...
+
+class LoadModelRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadModelResponse(_message.Message):
+    __slots__ = ("stage", "elapsed_s")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    elapsed_s: float
+    def __init__(self, stage: _Optional[str] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
+
+class UnloadModelRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadModelResponse(_message.Message):
+    __slots__ = ("sequences_dropped",)
+    SEQUENCES_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    sequences_dropped: int
+    def __init__(self, sequences_dropped: _Optional[int] = ...) -> None: ...

@@ -107,6 +107,21 @@ class ModelExecutorStub:
                 request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.BatchPrefillRequest.SerializeToString,
                 response_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.BatchPrefillResponse.FromString,
                 _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/ferrum.executor.v1.ModelExecutor/ListModels',
+                request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
+        self.LoadModel = channel.unary_stream(
+                '/ferrum.executor.v1.ModelExecutor/LoadModel',
+                request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.LoadModelRequest.SerializeToString,
+                response_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.LoadModelResponse.FromString,
+                _registered_method=True)
+        self.UnloadModel = channel.unary_unary(
+                '/ferrum.executor.v1.ModelExecutor/UnloadModel',
+                request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.UnloadModelRequest.SerializeToString,
+                response_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.UnloadModelResponse.FromString,
+                _registered_method=True)
         self.RegisterSharedMemory = channel.unary_stream(
                 '/ferrum.executor.v1.ModelExecutor/RegisterSharedMemory',
                 request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.RegisterSharedMemoryRequest.SerializeToString,
@@ -241,6 +256,32 @@ class ModelExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListModels(self, request, context):
+        """The model registry (Ferrum's ExecutorRegistry; Triton's repository API is the
+        model). Every hosted model with its state and live figures.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadModel(self, request, context):
+        """Loads a model from a folder on the server and serves it under `name`,
+        reporting progress (loading, warming up, serving) as stream messages; the
+        other models keep serving meanwhile. Admin-only when tokens are on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadModel(self, request, context):
+        """Stops serving a model: new calls naming it are refused at once, calls in
+        flight finish, then its KV and weights are freed. Its handles then get
+        MODEL_NOT_FOUND saying it was unloaded. Admin-only when tokens are on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RegisterSharedMemory(self, request, context):
         """Shared-memory logits for callers on the same host (the model is Triton's
         system shared-memory extension). The caller creates a POSIX shared-memory
@@ -335,6 +376,21 @@ def add_ModelExecutorServicer_to_server(servicer, server):
                     servicer.BatchPrefill,
                     request_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.BatchPrefillRequest.FromString,
                     response_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.BatchPrefillResponse.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.ListModelsRequest.FromString,
+                    response_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'LoadModel': grpc.unary_stream_rpc_method_handler(
+                    servicer.LoadModel,
+                    request_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.LoadModelRequest.FromString,
+                    response_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.LoadModelResponse.SerializeToString,
+            ),
+            'UnloadModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadModel,
+                    request_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.UnloadModelRequest.FromString,
+                    response_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.UnloadModelResponse.SerializeToString,
             ),
             'RegisterSharedMemory': grpc.unary_stream_rpc_method_handler(
                     servicer.RegisterSharedMemory,
@@ -728,6 +784,87 @@ class ModelExecutor:
             '/ferrum.executor.v1.ModelExecutor/BatchPrefill',
             ferrum__rpc_dot_v1_dot_executor__pb2.BatchPrefillRequest.SerializeToString,
             ferrum__rpc_dot_v1_dot_executor__pb2.BatchPrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/ListModels',
+            ferrum__rpc_dot_v1_dot_executor__pb2.ListModelsRequest.SerializeToString,
+            ferrum__rpc_dot_v1_dot_executor__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/LoadModel',
+            ferrum__rpc_dot_v1_dot_executor__pb2.LoadModelRequest.SerializeToString,
+            ferrum__rpc_dot_v1_dot_executor__pb2.LoadModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/UnloadModel',
+            ferrum__rpc_dot_v1_dot_executor__pb2.UnloadModelRequest.SerializeToString,
+            ferrum__rpc_dot_v1_dot_executor__pb2.UnloadModelResponse.FromString,
             options,
             channel_credentials,
             insecure,
