@@ -27,6 +27,7 @@ from ferrum_rpc.types import (
     HiddenStatesRequest,
     PrefillOutput,
     SpeculativeOutput,
+    SpeculativeSampling,
     VerifyOutput,
 )
 from ferrum_rpc.client.shm import AsyncSharedMemoryRegion, SharedMemoryRegion
@@ -128,10 +129,14 @@ class _Codec:
         return pb.DecodeSessionRequest(step_id=step_id, model=batch.model, items=batch.items, logits=batch.logits,
                                        single_reply=batch.single_reply)
 
-    def _speculative_req(self, token_id, draft, kv_cache, logits) -> pb.SpeculativeDecodeRequest:
-        return pb.SpeculativeDecodeRequest(model=self.model, token_id=token_id, draft_token_ids=list(draft),
-                                           kv_cache=convert.handle_to_proto(kv_cache),
-                                           logits=convert.policy_to_proto(logits))
+    def _speculative_req(self, token_id, draft, kv_cache, logits, sampling=None) -> pb.SpeculativeDecodeRequest:
+        req = pb.SpeculativeDecodeRequest(model=self.model, token_id=token_id, draft_token_ids=list(draft),
+                                          kv_cache=convert.handle_to_proto(kv_cache),
+                                          logits=convert.policy_to_proto(logits))
+        if sampling is not None:
+            req.sampling.CopyFrom(pb.SpeculativeSampling(temperature=sampling.temperature, top_k=sampling.top_k,
+                                                         top_p=sampling.top_p, seed=sampling.seed))
+        return req
 
     def _batch_prefill_req(self, prompts, logits) -> pb.BatchPrefillRequest:
         req = pb.BatchPrefillRequest(model=self.model, logits=convert.policy_to_proto(logits))
@@ -238,10 +243,13 @@ class ExecutorClient(_Codec):
         return self._output(VerifyOutput, reply)
 
     def speculative_decode(self, token_id: int, draft: Sequence[int], kv_cache: KvCacheHandle,
-                           logits: LogitsPolicy = LogitsPolicy()) -> SpeculativeOutput:
-        """One round of server-side greedy speculative decoding: ``token_id`` (the last
-        sampled token) and ``draft`` verified in one forward, the agreeing drafts kept."""
-        reply = self._call(self._stub.SpeculativeDecode, self._speculative_req(token_id, draft, kv_cache, logits))
+                           logits: LogitsPolicy = LogitsPolicy(),
+                           sampling: SpeculativeSampling | None = None) -> SpeculativeOutput:
+        """One round of server-side speculative decoding: ``token_id`` (the last sampled
+        token) and ``draft`` verified in one forward, the agreeing drafts kept (greedy),
+        or with ``sampling`` the drafts probabilistic acceptance keeps."""
+        reply = self._call(self._stub.SpeculativeDecode,
+                           self._speculative_req(token_id, draft, kv_cache, logits, sampling))
         return self._speculative_output(reply)
 
     def batch_prefill(self, prompts: Iterable[Sequence[int] | tuple[Sequence[int], KvCacheHandle]],
@@ -369,9 +377,10 @@ class AsyncExecutorClient(_Codec):
         return self._output(VerifyOutput, reply)
 
     async def speculative_decode(self, token_id: int, draft: Sequence[int], kv_cache: KvCacheHandle,
-                                 logits: LogitsPolicy = LogitsPolicy()) -> SpeculativeOutput:
+                                 logits: LogitsPolicy = LogitsPolicy(),
+                                 sampling: SpeculativeSampling | None = None) -> SpeculativeOutput:
         reply = await self._call(self._stub.SpeculativeDecode,
-                                 self._speculative_req(token_id, draft, kv_cache, logits))
+                                 self._speculative_req(token_id, draft, kv_cache, logits, sampling))
         return self._speculative_output(reply)
 
     async def batch_prefill(self, prompts, logits: LogitsPolicy = LogitsPolicy()) -> list[PrefillOutput]:

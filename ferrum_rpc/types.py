@@ -181,6 +181,17 @@ class ExecutorState(enum.Enum):
 
 
 @dataclass(frozen=True)
+class SpeculativeSampling:
+    """Probabilistic acceptance for server-side speculative decoding: the target's
+    distribution (temperature, top-k, top-p) and the round's seed."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
 class SpeculativeOutput:
     """A round of server-side speculative decoding: the drafts greedy decoding agreed
     with, greedy's next token after them (not in the KV yet), its logits row and

@@ -53,6 +53,7 @@ from ferrum_rpc.types import (
     PrefillOutput,
     ServerState,
     SpeculativeOutput,
+    SpeculativeSampling,
     Timing,
     VerifyOutput,
 )
@@ -106,6 +107,37 @@ class AppendPlan:
     steps: list[_Step]
     policy: LogitsPolicy
     kind: str
+
+
+def _target_probs(rows: torch.Tensor, sampling: SpeculativeSampling) -> torch.Tensor:
+    """rows (P, V) float32 logits -> the target's sampling distribution per row."""
+    logits = rows / sampling.temperature
+    if 0 < sampling.top_k < logits.shape[-1]:
+        kth = logits.topk(sampling.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    if 0 < sampling.top_p < 1:
+        ordered, order = probs.sort(dim=-1, descending=True)
+        drop = ordered.cumsum(dim=-1) - ordered >= sampling.top_p  # keep the smallest set reaching top_p
+        probs = probs.scatter(-1, order, ordered.masked_fill(drop, 0.0))
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _accept_sampled(rows: torch.Tensor, draft: list[int], sampling: SpeculativeSampling) -> tuple[int, int]:
+    """Speculative sampling for drafts proposed with certainty: draft i is kept with
+    probability p_i(draft i); at the first rejection the next token is drawn from p_i
+    without the rejected token, else from the row after the last draft.  Returns
+    (drafts kept, next token)."""
+    generator = torch.Generator().manual_seed(sampling.seed)
+    probs = _target_probs(rows.float().cpu(), sampling)
+    for i, token in enumerate(draft):
+        if torch.rand((), generator=generator).item() < probs[i, token].item():
+            continue
+        residual = probs[i].clone()
+        residual[token] = 0.0
+        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    return len(draft), int(torch.multinomial(probs[len(draft)], 1, generator=generator))
 
 
 def resident_weight_bytes(model: torch.nn.Module) -> int:
@@ -546,7 +578,8 @@ class TorchExecutor:
         return VerifyOutput(out.logits, out.kv_cache, out.timing)
 
     def speculative_decode(self, token_id: int, draft: list[int], kv_cache: KvCacheHandle,
-                           policy: LogitsPolicy = LogitsPolicy()) -> SpeculativeOutput:
+                           policy: LogitsPolicy = LogitsPolicy(),
+                           sampling: SpeculativeSampling | None = None) -> SpeculativeOutput:
         """One round of greedy speculative decoding: ``token_id`` and the drafts in one
         forward, the longest prefix of drafts equal to greedy's choices kept, the
         rest truncated, and the logits after the kept ones in ``policy``.  Fails
@@ -554,17 +587,24 @@ class TorchExecutor:
         if len(draft) + 1 > self.config.prefill_chunk:
             raise InvalidInput(f"{len(draft)} drafts exceed {self.config.prefill_chunk - 1} (one forward's chunk)")
         self._check_policy(policy, 1)
+        if sampling is not None and not (sampling.temperature > 0 and 0 <= sampling.top_p <= 1
+                                         and sampling.top_k >= 0):
+            raise InvalidInput("sampling needs temperature > 0, top_k >= 0 and top_p in [0, 1]")
         base = kv_cache.sequence_length
         out = self.prefill([token_id] + list(draft), kv_cache, LogitsPolicy(LogitsKind.FULL, all_positions=True))
         rows = out.logits.values  # (1 + len(draft), vocab) float32: row i predicts what follows input i
-        predicted = rows.argmax(dim=-1).tolist()
-        agreed = 0
-        while agreed < len(draft) and draft[agreed] == predicted[agreed]:
-            agreed += 1
+        if sampling is None:
+            predicted = rows.argmax(dim=-1).tolist()
+            agreed = 0
+            while agreed < len(draft) and draft[agreed] == predicted[agreed]:
+                agreed += 1
+            following = predicted[agreed]
+        else:
+            agreed, following = _accept_sampled(rows, draft, sampling)
         seq = self.kv.get(out.kv_cache.cache_id, current_tenant.get())
         if agreed < len(draft):  # the rejected drafts' KV goes (their idle clock was restarted by the forward)
             self.kv.shrink(seq, base + 1 + agreed)
-        return SpeculativeOutput(tuple(draft[:agreed]), predicted[agreed],
+        return SpeculativeOutput(tuple(draft[:agreed]), following,
                                  self._apply_policy(rows[agreed:agreed + 1], policy), self._handle(seq), out.timing)
 
     def truncate_kv(self, kv_cache: KvCacheHandle, new_length: int) -> KvCacheHandle:

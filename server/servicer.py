@@ -40,7 +40,7 @@ from ferrum_rpc.errors import (
 from ferrum_rpc.server.auth import HANDLER_FACTORIES, TokenTable, current_tenant
 from ferrum_rpc.server.shm import SharedMemoryRegistry
 from ferrum_rpc.server.worker import ModelWorker
-from ferrum_rpc.types import DecodeInput, KvCacheHandle, LogitsPolicy, ServerState
+from ferrum_rpc.types import DecodeInput, KvCacheHandle, LogitsPolicy, ServerState, SpeculativeSampling
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 
@@ -466,8 +466,12 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         handle = _required_handle(request)
         policy = convert.policy_from_proto(request.logits)
         with self._logits_targets(policy, [1], worker) as targets:
+            sampling = None
+            if request.HasField("sampling"):
+                m = request.sampling
+                sampling = SpeculativeSampling(m.temperature, m.top_k, m.top_p, m.seed)
             out = await worker.speculative(request.token_id, list(request.draft_token_ids), handle, policy,
-                                           _deadline(context))
+                                           _deadline(context), sampling)
             reply = pb.SpeculativeDecodeResponse(accepted_token_ids=out.accepted_token_ids,
                                                  next_token_id=out.next_token_id)
             undo = [(handle.cache_id, handle.sequence_length)]

@@ -147,9 +147,9 @@ class ModelWorker:
                                                  for i in inputs])
 
     async def speculative(self, token_id: int, draft: list[int], kv_cache: KvCacheHandle, policy: LogitsPolicy,
-                          deadline: float | None = None) -> Any:
+                          deadline: float | None = None, sampling=None) -> Any:
         """SpeculativeDecode: verify, accept and truncate as one job."""
-        job = self._put(_Job(self.executor.speculative_decode, (token_id, draft, kv_cache, policy),
+        job = self._put(_Job(self.executor.speculative_decode, (token_id, draft, kv_cache, policy, sampling),
                              deadline=deadline))
         return await self._await(job, lambda _: [(kv_cache.cache_id, kv_cache.sequence_length)])
 

@@ -170,3 +170,42 @@ def test_batch_prefill_equals_single_prefills_and_is_all_or_nothing(tiny_llama_d
         assert (ex.status().kv_blocks_used, ex.status().active_sequences) == state
         assert ex.decode(1, more[0].kv_cache).kv_cache.sequence_length == 6  # untouched
         assert ex.capabilities().batch_prefill and ex.capabilities().speculative_decode
+
+
+def test_probabilistic_acceptance_is_seeded_and_samples_the_target(tiny_llama_dir, hf_tiny_llama):
+    """With `sampling`, the first token a round emits is distributed as the target's
+    tempered distribution (checked against transformers' logits over 400 seeds), the
+    same seed gives the same round, and top_k=1 is greedy acceptance."""
+    import math
+    from collections import Counter
+
+    from ferrum_rpc.types import SpeculativeSampling
+
+    prompt, temperature, n = [3, 14, 15, 92, 65, 35], 0.02, 400  # sharp enough that a few tokens matter
+    with running_server(tiny_llama_dir, prefix_caching=False) as server, \
+            ExecutorClient(server.target, timeout=30) as ex:
+        head = ex.prefill(prompt, logits=LogitsPolicy.argmax())
+        first = head.logits.argmax()[0]
+        with torch.no_grad():
+            p = torch.softmax(hf_tiny_llama(torch.tensor([prompt + [first]])).logits[0, -1].double() / temperature, -1)
+        x = int(p.argmax())  # the draft: kept with probability p(x), else the residual is drawn
+        base, handle, counts, seen = head.kv_cache.sequence_length, head.kv_cache, Counter(), {}
+        for seed in range(n):
+            out = ex.speculative_decode(first, [x], handle, LogitsPolicy.argmax(),
+                                        SpeculativeSampling(temperature=temperature, seed=seed))
+            emitted = out.accepted_token_ids[0] if out.accepted_token_ids else out.next_token_id
+            assert out.kv_cache.sequence_length == base + 1 + len(out.accepted_token_ids)
+            counts[emitted] += 1
+            seen[seed] = (out.accepted_token_ids, out.next_token_id)
+            handle = ex.truncate_kv(out.kv_cache, base)
+        for token in {x} | {int(t) for t in torch.nonzero(p > 0.05).flatten()}:
+            sigma = math.sqrt(p[token] * (1 - p[token]) / n)
+            assert abs(counts[token] / n - p[token]) < 4.5 * sigma, (token, counts[token] / n, float(p[token]))
+        again = ex.speculative_decode(first, [x], handle, LogitsPolicy.argmax(),
+                                      SpeculativeSampling(temperature=temperature, seed=7))
+        assert (again.accepted_token_ids, again.next_token_id) == seen[7]
+        handle = ex.truncate_kv(again.kv_cache, base)
+        greedy = list(generate_ids(ex, prompt, 4, SamplingParams(greedy=True)))
+        top1 = ex.speculative_decode(first, greedy[1:3], handle, LogitsPolicy.argmax(),
+                                     SpeculativeSampling(temperature=1.0, top_k=1, seed=1))
+        assert top1.accepted_token_ids == tuple(greedy[1:3]) and top1.next_token_id == greedy[3]

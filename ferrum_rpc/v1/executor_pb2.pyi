@@ -593,18 +593,32 @@ class UnregisterSharedMemoryResponse(_message.Message):
     def __init__(self, unregistered: _Optional[int] = ...) -> None: ...
 
 class SpeculativeDecodeRequest(_message.Message):
-    __slots__ = ("model", "kv_cache", "token_id", "draft_token_ids", "logits")
+    __slots__ = ("model", "kv_cache", "token_id", "draft_token_ids", "logits", "sampling")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     model: str
     kv_cache: KvCacheHandle
     token_id: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logits: LogitsPolicy
-    def __init__(self, model: _Optional[str] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., token_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., logits: _Optional[_Union[LogitsPolicy, _Mapping]] = ...) -> None: ...
+    sampling: SpeculativeSampling
+    def __init__(self, model: _Optional[str] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., token_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., logits: _Optional[_Union[LogitsPolicy, _Mapping]] = ..., sampling: _Optional[_Union[SpeculativeSampling, _Mapping]] = ...) -> None: ...
+
+class SpeculativeSampling(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class SpeculativeDecodeResponse(_message.Message):
     __slots__ = ("accepted_token_ids", "next_token_id", "logits", "kv_cache", "timing")
