@@ -40,6 +40,7 @@ bench: prepare
 	$(BIN)/python -m bench.decode_throughput
 	$(BIN)/python -m bench.concurrency
 	$(BIN)/python -m bench.wire
+	$(BIN)/python -m bench.mixed
 	$(BIN)/python -m bench.plot
 	$(BIN)/python -m bench.report
 
