@@ -301,16 +301,7 @@ class ExecutorClient(_Codec):
         """Creates a POSIX shared-memory object of ``byte_size`` bytes and registers it
         with the server (same host only); requests whose full-logits policy names
         ``region.target()`` get their rows written there.  Close it (or use ``with``)."""
-        region = SharedMemoryRegion(self._stub, byte_size, name)
-        self._regions[region.name] = region
-        close = region.close
-
-        def close_and_forget() -> None:
-            self._regions.pop(region.name, None)
-            close()
-
-        region.close = close_and_forget
-        return region
+        return SharedMemoryRegion(self._stub, byte_size, name, registry=self._regions)
 
     def close(self) -> None:
         for region in list(self._regions.values()):
@@ -408,16 +399,7 @@ class AsyncExecutorClient(_Codec):
 
     async def shared_memory(self, byte_size: int, name: str | None = None) -> AsyncSharedMemoryRegion:
         """As :meth:`ExecutorClient.shared_memory`; close with ``await region.aclose()``."""
-        region = await AsyncSharedMemoryRegion.open(self._stub, byte_size, name)
-        self._regions[region.name] = region
-        aclose = region.aclose
-
-        async def aclose_and_forget() -> None:
-            self._regions.pop(region.name, None)
-            await aclose()
-
-        region.aclose = aclose_and_forget
-        return region
+        return await AsyncSharedMemoryRegion.open(self._stub, byte_size, name, registry=self._regions)
 
     async def close(self) -> None:
         for region in list(self._regions.values()):

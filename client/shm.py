@@ -35,7 +35,8 @@ class _Shm(shared_memory.SharedMemory):
 class SharedMemoryRegion:
     """A region registered with one server; see :meth:`ExecutorClient.shared_memory`."""
 
-    def __init__(self, stub, byte_size: int, name: str | None = None, metadata=None, *, _register: bool = True):
+    def __init__(self, stub, byte_size: int, name: str | None = None, metadata=None, *,
+                 registry: dict | None = None, _register: bool = True):
         if byte_size <= 0:
             raise ValueError("byte_size must be > 0")
         self.name = name or f"logits-{uuid.uuid4().hex[:12]}"
@@ -43,6 +44,7 @@ class SharedMemoryRegion:
         self._shm = _Shm(create=True, size=byte_size)
         self.key = self._shm.name
         self._stub, self._metadata, self._call = stub, metadata, None
+        self._registry = registry  # the client's regions by name: this one is in it while registered
         if _register:
             self._call = stub.RegisterSharedMemory(self._request(), metadata=metadata)  # lasts until close
             try:
@@ -53,6 +55,11 @@ class SharedMemoryRegion:
             except StopIteration:
                 self._release()
                 raise ExecutorError("the server ended the shared-memory registration at once") from None
+            self._registered()
+
+    def _registered(self) -> None:
+        if self._registry is not None:
+            self._registry[self.name] = self
 
     def _request(self) -> pb.RegisterSharedMemoryRequest:
         return pb.RegisterSharedMemoryRequest(name=self.name, key=self.key, offset=0, byte_size=self.byte_size)
@@ -84,6 +91,8 @@ class SharedMemoryRegion:
         self._release()
 
     def _release(self) -> None:
+        if self._registry is not None and self._registry.get(self.name) is self:
+            del self._registry[self.name]
         if self._shm is None:
             return
         try:
@@ -105,8 +114,9 @@ class AsyncSharedMemoryRegion(SharedMemoryRegion):
     then ``async with`` or ``await region.aclose()``."""
 
     @classmethod
-    async def open(cls, stub, byte_size: int, name: str | None = None) -> AsyncSharedMemoryRegion:
-        region = cls(stub, byte_size, name, _register=False)
+    async def open(cls, stub, byte_size: int, name: str | None = None,
+                   registry: dict | None = None) -> AsyncSharedMemoryRegion:
+        region = cls(stub, byte_size, name, registry=registry, _register=False)
         region._call = stub.RegisterSharedMemory(region._request())
         try:
             first = await region._call.read()
@@ -116,6 +126,7 @@ class AsyncSharedMemoryRegion(SharedMemoryRegion):
         if first is grpc.aio.EOF:
             region._release()
             raise ExecutorError("the server ended the shared-memory registration at once")
+        region._registered()
         return region
 
     async def aclose(self) -> None:

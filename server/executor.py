@@ -201,6 +201,8 @@ class TorchExecutor:
         self.op_ns: collections.Counter[str] = collections.Counter()
         self.failed = False  # the last forward failed outside the error table
         self.parameter_bytes = resident_weight_bytes(model)
+        self.block_bytes = KvPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                                                  self.dtype) * config.block_size
         self.memory_peak = self.parameter_bytes
         self.overhead_bytes = max(0, _process_rss_bytes() - self.parameter_bytes - self.pool.nbytes)
         self.optimal_batch_size = 0  # measured by measure_optimal_batch (the server's warm-up)
@@ -332,9 +334,7 @@ class TorchExecutor:
         )
 
     def _memory_used(self) -> int:
-        mc = self.model_config
-        block_bytes = KvPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype) * self.kv.block_size
-        used = self.parameter_bytes + self.kv.num_used * block_bytes
+        used = self.parameter_bytes + self.kv.num_used * self.block_bytes
         self.memory_peak = max(self.memory_peak, used)
         return used
 

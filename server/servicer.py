@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import functools
 import inspect
+import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -308,9 +309,9 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         """Where each output's full logits go when ``policy`` names a shared-memory
         region: one ``(region, offset)`` per output, rows packed one after another.
         Everything is checked, and the region pinned, before the call runs: the
-        write after it cannot fail.  Yields None without shared memory."""
+        write after it cannot fail.  Without shared memory every output's target is None."""
         if policy.shared_memory is None:
-            yield None
+            yield [None] * len(rows)
             return
         target = policy.shared_memory
         region = self.shm.get(current_tenant.get(), target.region)
@@ -318,18 +319,17 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         if target.offset % element:
             raise InvalidInput(f"logits.shared_memory.offset must be a multiple of {element}, got {target.offset}")
         row_bytes = worker.executor.model_config.vocab_size * element
-        offsets = [target.offset + row_bytes * sum(rows[:i]) for i in range(len(rows))]
-        region.check(target.offset, row_bytes * sum(rows))
+        offsets = [target.offset + row_bytes * before for before in itertools.accumulate(rows, initial=0)]
+        region.check(target.offset, offsets[-1] - target.offset)
         region.pin()
         try:
-            yield [(region, offset) for offset in offsets]
+            yield [(region, offset) for offset in offsets[:-1]]
         finally:
             region.unpin()
 
-    async def _step_replies(self, cls, fields: dict, outs, received_ns: int, single: bool, targets=None):
+    async def _step_replies(self, cls, fields: dict, outs, received_ns: int, single: bool, targets: list):
         """A decode step's replies (``cls`` with ``fields``): one message per sequence,
         tagged with its index, or with ``single`` one message whose ``results`` hold all."""
-        targets = targets or [None] * len(outs)
         if single:
             reply = cls(**fields)
             for index, out in enumerate(outs):
@@ -405,7 +405,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             reply = pb.PrefillResponse(cached_tokens=out.cached_tokens)
             for array in out.hidden_states:
                 tensor_codec.encode_into(reply.hidden_states.add(), array)
-            return await self._reply(reply, out, received, worker, undo, targets and targets[0])
+            return await self._reply(reply, out, received, worker, undo, targets[0])
 
     @_rpc
     async def Decode(self, request, context):
@@ -416,7 +416,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         with self._logits_targets(policy, [1], worker) as targets:
             (out,) = await worker.decode([item], policy, _deadline(context))
             undo = [(item.kv_cache.cache_id, item.kv_cache.sequence_length)]
-            return await self._reply(pb.DecodeResponse(), out, received, worker, undo, targets and targets[0])
+            return await self._reply(pb.DecodeResponse(), out, received, worker, undo, targets[0])
 
     @_rpc
     async def BatchDecode(self, request, context):
@@ -438,7 +438,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             out = await worker.verify(list(request.token_ids), handle, policy, _deadline(context))
             undo = [(handle.cache_id, handle.sequence_length)]
             return await self._reply(pb.ForwardVerifyResponse(), out, received, worker, undo,
-                                     targets and targets[0])
+                                     targets[0])
 
     @_rpc
     async def TruncateKv(self, request, context):
@@ -475,7 +475,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             reply = pb.SpeculativeDecodeResponse(accepted_token_ids=out.accepted_token_ids,
                                                  next_token_id=out.next_token_id)
             undo = [(handle.cache_id, handle.sequence_length)]
-            return await self._reply(reply, out, received, worker, undo, targets and targets[0])
+            return await self._reply(reply, out, received, worker, undo, targets[0])
 
     @_rpc
     async def BatchPrefill(self, request, context):
@@ -510,7 +510,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             for index, (out, handle) in enumerate(zip(outs, handles)):
                 undo = [(out.kv_cache.cache_id, handle.sequence_length if handle else None)]
                 yield await self._reply(pb.BatchPrefillResponse(index=index, cached_tokens=out.cached_tokens), out,
-                                        received, worker, undo, targets and targets[index])
+                                        received, worker, undo, targets[index])
 
     async def DecodeSession(self, request_iterator, context):
         """Steps run as they arrive (steps on different sequences may be in flight
