@@ -4,6 +4,10 @@
     with ExecutorClient("127.0.0.1:50051") as ex:
         out = ex.prefill(token_ids)
         step = ex.decode(next_id, out.kv_cache)
+
+Several targets (``ExecutorClient(["10.0.0.1:50051", "10.0.0.2:50051"])``) give a
+replica set: placement by load, handle affinity, failover by replay
+(``ferrum_rpc.client.replicas``).
 """
 
 from ferrum_rpc.client.client import AsyncExecutorClient, ClientTls, ExecutorClient
@@ -11,6 +15,7 @@ from ferrum_rpc.errors import (
     CacheNotFound,
     Draining,
     ExecutorError,
+    FailoverFailed,
     InvalidInput,
     KvCapacityExhausted,
     LengthMismatch,
@@ -28,6 +33,7 @@ __all__ = [
     "Draining",
     "ExecutorClient",
     "ExecutorError",
+    "FailoverFailed",
     "InvalidInput",
     "KvCacheHandle",
     "KvCapacityExhausted",

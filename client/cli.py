@@ -11,6 +11,13 @@ import time
 from pathlib import Path
 
 log = logging.getLogger("ferrum_rpc.cli")
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def targets_of(args: argparse.Namespace) -> str | list[str]:
+    """``--target`` as the client takes it: one address, or the list of replicas."""
+    targets = args.target or [DEFAULT_TARGET]
+    return targets[0] if len(targets) == 1 else targets
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -31,7 +38,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     token = os.environ.get("FERRUM_RPC_TOKEN") or None
     if args.token_file:
         token = Path(args.token_file).read_text().strip()
-    with ExecutorClient(args.target, model=args.model, timeout=args.timeout, tls=tls, token=token) as client:
+    with ExecutorClient(targets_of(args), model=args.model, timeout=args.timeout, tls=tls, token=token) as client:
         info = client.info()
         stop = set(info.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         if args.speculative:
@@ -63,7 +70,7 @@ def _speculative(args, client, tokenizer, prompt_ids: list[int], stop: set[int])
     from ferrum_rpc.client.sampling import SamplingParams
     from ferrum_rpc.client.speculative import ModelDrafter, NgramDrafter, speculative_generate
 
-    draft_client = ExecutorClient(args.target, model=args.draft_model, timeout=args.timeout) if args.draft_model else None
+    draft_client = ExecutorClient(targets_of(args), model=args.draft_model, timeout=args.timeout) if args.draft_model else None
     drafter = ModelDrafter(draft_client) if draft_client else NgramDrafter()
     result = speculative_generate(client, prompt_ids, args.max_tokens, k=args.speculative,
                                   drafter=drafter, stop_ids=frozenset(stop))

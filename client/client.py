@@ -84,6 +84,27 @@ def _channel(target: str, options: list, tls: ClientTls | None, token: str | Non
     return grpc_mod.secure_channel(target, creds, options=options)
 
 
+def _single(target: str | Sequence[str]) -> str:
+    """The one address of a single-target client (a list of one, or a plain string)."""
+    if isinstance(target, str):
+        return target
+    (only,) = target
+    return only
+
+
+def _replica_class(cls: type, target: str | Sequence[str], aio: bool) -> type:
+    """The class a client constructor builds: ``cls`` itself, or the replica-set
+    client when ``target`` names several servers (only for the public classes, so
+    subclasses and the replica set's own per-replica clients are left alone)."""
+    if cls not in (ExecutorClient, AsyncExecutorClient):
+        return cls
+    from ferrum_rpc.client import replicas
+
+    if len(replicas.resolve_targets(target)) < 2:
+        return cls
+    return replicas.AsyncReplicaSetClient if aio else replicas.ReplicaSetClient
+
+
 class _Codec:
     """Request builders and reply parsers shared by both clients."""
 
@@ -180,22 +201,46 @@ class ExecutorClient(_Codec):
     """Blocking client.
 
     Args:
-        target: "host:port" of a ferrum-rpc server.
+        target: "host:port" of a ferrum-rpc server, or several replicas: a list of
+            targets, or gRPC's multi-address forms ("ipv4:10.0.0.1:5001,10.0.0.2:5001",
+            "ipv6:[::1]:5001,[::1]:5002", "dns:///host:port" resolving to several
+            addresses).  Several replicas give a
+            :class:`~ferrum_rpc.client.replicas.ReplicaSetClient` (placement by load,
+            handle affinity, failover by history replay); one target behaves as always.
         model: the hosted model to address; "" means the server's default.
         timeout: per-call deadline in seconds (None: no deadline).
         max_message_bytes: largest reply accepted.
         tls: connect with TLS (and a client certificate for mTLS); None: plaintext.
         token: bearer token sent on every call (servers run with ``--auth-tokens``);
             only over TLS or to a loopback address.
+        failover: several replicas only: move a sequence to another replica by replaying
+            its history when its owner dies, restarts or drains (False: the error
+            reaches the caller).
+        replica_policy: several replicas only: placement and failover bounds
+            (:class:`~ferrum_rpc.client.replicas.ReplicaPolicy`; None: the defaults).
+        channel_options: extra gRPC channel arguments.
     """
 
-    def __init__(self, target: str, *, model: str = "", timeout: float | None = None,
+    def __new__(cls, target: str | Sequence[str], *args, **kwargs):
+        return super().__new__(_replica_class(cls, target, aio=False))
+
+    def __init__(self, target: str | Sequence[str], *, model: str = "", timeout: float | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: ClientTls | None = None,
-                 token: str | None = None):
+                 token: str | None = None, failover: bool = True, replica_policy=None,
+                 channel_options: Sequence[tuple[str, object]] = ()):
         self.model, self.timeout = model, timeout
-        self._channel = _channel(target, _options(max_message_bytes), tls, token, aio=False)
+        options = _options(max_message_bytes) + list(channel_options)
+        self._channel = _channel(_single(target), options, tls, token, aio=False)
         self._stub = pb_grpc.ModelExecutorStub(self._channel)
         self._regions: dict[str, SharedMemoryRegion] = {}
+
+    def _status_probe(self, timeout: float) -> ExecutorStatus:
+        """GetStatus with its own deadline (replica sets probe with a short one)."""
+        try:
+            reply = self._stub.GetStatus(pb.GetStatusRequest(model=self.model), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        return convert.status_from_proto(reply)
 
     def _call(self, method, request):
         try:
@@ -318,13 +363,25 @@ class ExecutorClient(_Codec):
 class AsyncExecutorClient(_Codec):
     """asyncio client with the same methods as :class:`ExecutorClient`, awaitable."""
 
-    def __init__(self, target: str, *, model: str = "", timeout: float | None = None,
+    def __new__(cls, target: str | Sequence[str], *args, **kwargs):
+        return super().__new__(_replica_class(cls, target, aio=True))
+
+    def __init__(self, target: str | Sequence[str], *, model: str = "", timeout: float | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: ClientTls | None = None,
-                 token: str | None = None):
+                 token: str | None = None, failover: bool = True, replica_policy=None,
+                 channel_options: Sequence[tuple[str, object]] = ()):
         self.model, self.timeout = model, timeout
-        self._channel = _channel(target, _options(max_message_bytes), tls, token, aio=True)
+        options = _options(max_message_bytes) + list(channel_options)
+        self._channel = _channel(_single(target), options, tls, token, aio=True)
         self._stub = pb_grpc.ModelExecutorStub(self._channel)
         self._regions: dict[str, AsyncSharedMemoryRegion] = {}
+
+    async def _status_probe(self, timeout: float) -> ExecutorStatus:
+        try:
+            reply = await self._stub.GetStatus(pb.GetStatusRequest(model=self.model), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        return convert.status_from_proto(reply)
 
     async def _call(self, method, request):
         try:

@@ -103,7 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text through a running server")
     g.add_argument("prompt")
-    g.add_argument("--target", default="127.0.0.1:50051")
+    g.add_argument("--target", action="append", default=None, metavar="HOST:PORT",
+                   help="server address (default 127.0.0.1:50051); repeat it, or give gRPC's "
+                        "'ipv4:a:p,b:p' / 'dns:///host:port' forms, for several replicas (placement, "
+                        "affinity, failover by replay)")
     g.add_argument("--model", default="", help="hosted model name (default: the server's)")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the embedded model's)")
     g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")

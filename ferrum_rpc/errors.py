@@ -172,6 +172,23 @@ class AdminOnly(ExecutorError):
     reason = Reason.ADMIN_ONLY
 
 
+class FailoverFailed(ExecutorError):
+    """Client side, never on the wire: a replica-set client could not move a sequence
+    (or place a new one) onto a healthy replica within its bounds (attempts, seconds).
+
+    The call changed nothing the caller can see: the sequence's handle still names
+    what the client held before the call.
+
+    Attributes:
+        cause: the error that started the failover (or the last one met while trying).
+        attempts: the replicas tried.
+    """
+
+    def __init__(self, message: str, *, cause: ExecutorError | None = None, attempts: int = 0):
+        super().__init__(message, code=grpc.StatusCode.UNAVAILABLE)
+        self.cause, self.attempts = cause, attempts
+
+
 ERROR_CLASSES: dict[Reason, type[ExecutorError]] = {
     cls.reason: cls
     for cls in (

@@ -1,0 +1,1109 @@
+"""Replica sets: one client over several servers that know nothing of each other.
+
+The design keeps servers unaware of each other; the caller's client does the rest.
+A handle names its server instance, so every call on a sequence goes to the replica
+that owns it (affinity).  New sequences go where there is room: the better of two
+random replicas by their cached GetStatus (queue depth, KV blocks), unless a
+recently placed prompt with the same first tokens points at a replica that already
+holds that prefix in its cache (locality).  And since the client remembers every
+token it has sent on a live sequence (prompt, decoded tokens, truncations; forks
+copy the history), it can rebuild a sequence on another replica by prefilling that
+history when the owner dies (UNAVAILABLE), restarts (STALE_HANDLE) or drains
+(DRAINING): the caller's call returns what it would have returned, carrying the
+new handle, and the old handle keeps working as an alias.
+
+The routing logic is written once, as generators ("flows") that yield the calls
+they need (:class:`_Call`, :class:`_Parallel`, :class:`_Sleep`) and get back results
+or have the call's exception thrown in.  The blocking client drives them on the
+caller's thread (parallel calls on a small pool); the asyncio client awaits them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import random
+import socket
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Generator, Iterable, Sequence
+from urllib.parse import urlsplit
+
+import grpc
+
+from ferrum_rpc.client.client import (
+    AsyncExecutorClient,
+    DecodeItem,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    ClientTls,
+    ExecutorClient,
+)
+from ferrum_rpc.errors import ExecutorError, FailoverFailed, KvCapacityExhausted, Reason
+from ferrum_rpc.types import (
+    DecodeInput,
+    DecodeOutput,
+    ExecutorStatus,
+    KvCacheHandle,
+    LogitsPolicy,
+    PrefillOutput,
+    ServerState,
+)
+
+log = logging.getLogger(__name__)
+
+REPLAY_LOGITS = LogitsPolicy.argmax()  # a replay only needs the KV; its logits are dropped
+# A replica that went away should be retried soon when it comes back (gRPC's default
+# reconnect backoff grows to two minutes).
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 1000)]
+GRPC_DEFAULT_PORT = 443  # what gRPC's dns resolver assumes when a target names no port
+
+
+@dataclass(frozen=True)
+class ReplicaPolicy:
+    """How a replica-set client places sequences and bounds failover.
+
+    Attributes:
+        max_attempts: replicas tried to move one sequence (or to place a new one)
+            before :class:`~ferrum_rpc.errors.FailoverFailed`.
+        failover_timeout_s: longest one failover may take, waiting for a replica to
+            come back included.
+        status_ttl_s: how long a replica's GetStatus answer is used for placement
+            before it is asked again (polling load: replicas x clients / ttl calls
+            a second at most, and only while new sequences are being placed).
+        probe_timeout_s: deadline of those GetStatus calls.
+        down_cooldown_s: an unreachable, draining or loading replica is left out
+            this long, then probed again.
+        prefix_tokens: prompts of at least this many tokens are keyed by the hash of
+            their first ``prefix_tokens`` tokens; the replica that took the last
+            prompt with that key is preferred (its prefix cache holds those blocks).
+            Set it to a multiple of the servers' KV block size (0: no locality).
+        prefix_entries: keys remembered (least recently used go first).
+        locality_slack: the prefix's replica is taken unless its load exceeds the
+            better of the two random ones by more than this (load: queued calls plus
+            this client's calls in flight, plus the used fraction of the KV pool).
+        seed: seeds the random choice of the two (None: unseeded).
+    """
+
+    max_attempts: int = 3
+    failover_timeout_s: float = 15.0
+    status_ttl_s: float = 1.0
+    probe_timeout_s: float = 2.0
+    down_cooldown_s: float = 1.0
+    prefix_tokens: int = 32
+    prefix_entries: int = 4096
+    locality_slack: float = 2.0
+    seed: int | None = None
+
+
+def resolve_targets(target: str | Sequence[str]) -> list[str]:
+    """The replica addresses a target names, in order, without duplicates.
+
+    A list gives its items (each resolved in turn); ``ipv4:a:p,b:p`` and
+    ``ipv6:[a]:p,[b]:p`` give their addresses; ``dns:[//authority/]host[:port]``
+    gives every address the name resolves to (one address: the target as given,
+    so TLS names and gRPC's own resolution stay as they were).  Anything else is
+    one target."""
+    if not isinstance(target, str):
+        found = [t for item in target for t in resolve_targets(item)]
+        return list(dict.fromkeys(found))
+    scheme, _, rest = target.partition(":")
+    if scheme in ("ipv4", "ipv6") and "," in rest:
+        return list(dict.fromkeys(a.strip() for a in rest.split(",") if a.strip()))
+    if scheme == "dns":
+        addresses = _resolve_dns(rest)
+        return addresses if len(addresses) > 1 else [target]
+    return [target]
+
+
+def _resolve_dns(rest: str) -> list[str]:
+    name = rest.split("/", 3)[-1] if rest.startswith("//") else rest
+    parts = urlsplit(f"//{name}")
+    host, port = parts.hostname, parts.port or GRPC_DEFAULT_PORT
+    if not host:
+        return []
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        log.warning("could not resolve %s (%s); using it as one target", host, exc)
+        return []
+    out = []
+    for family, *_, address in infos:
+        ip = address[0]
+        out.append(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
+    return list(dict.fromkeys(out))
+
+
+def moves_sequence(err: ExecutorError) -> bool:
+    """Whether an error means "this replica cannot hold the sequence any more": it is
+    unreachable or shutting down (UNAVAILABLE: DRAINING, MODEL_LOADING, no
+    connection), it stopped while the call waited (CANCELLED by the server's stop),
+    or it restarted and its handles are stale."""
+    return err.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) \
+        or err.reason is Reason.STALE_HANDLE
+
+
+# -- bookkeeping (no I/O) ---------------------------------------------------------------
+
+
+class _Replica:
+    """One server of the set: its client and what this client knows of it."""
+
+    def __init__(self, target: str, client: Any):
+        self.target, self.client = target, client
+        self.status: ExecutorStatus | None = None
+        self.status_at = float("-inf")
+        self.instance_id = ""
+        self.block_size = 0
+        self.unusable_until = 0.0
+        self.inflight = 0  # this client's calls on it now
+        self.placed_tokens = 0  # tokens this client placed on it since its last status
+
+    def usable(self, now: float) -> bool:
+        return now >= self.unusable_until
+
+    def fresh(self, now: float, ttl: float) -> bool:
+        return self.status is not None and now - self.status_at < ttl
+
+    def placed_blocks(self) -> float:
+        return self.placed_tokens / max(self.block_size, 1)
+
+    def load(self) -> float:
+        """Queued calls (the server's queue and this client's in flight) plus the used
+        fraction of the KV pool, counting what was placed since the last status."""
+        status = self.status
+        used = (status.kv_blocks_used + self.placed_blocks()) / max(status.kv_blocks_total, 1)
+        return status.queue_depth + self.inflight + min(used, 1.0)
+
+    def fits(self, num_tokens: int) -> bool:
+        return self.status.kv_blocks_free - self.placed_blocks() >= num_tokens / max(self.block_size, 1)
+
+    def __repr__(self) -> str:
+        return f"_Replica({self.target})"
+
+
+@dataclass(frozen=True)
+class TrackedSequence:
+    """What a replica-set client knows of one live sequence: its current handle, the
+    replica that owns it and the tokens in its KV (the history a failover replays)."""
+
+    handle: KvCacheHandle
+    replica: str
+    tokens: tuple[int, ...] | None
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """A live sequence: its current handle, owner and every token in its KV (None:
+    unknown, so it cannot be replayed)."""
+
+    handle: KvCacheHandle
+    tokens: list[int] | None
+    replica: _Replica
+    keys: list[tuple[str, str]] = field(default_factory=list)  # (instance, cache id) of this and older handles
+
+
+def _key(handle: KvCacheHandle) -> tuple[str, str]:
+    return handle.server_instance_id, handle.cache_id
+
+
+class _Fleet:
+    """The replicas, the live sequences by handle (old handles as aliases) and the
+    prefix-locality LRU; shared by a client's threads under one lock."""
+
+    def __init__(self, replicas: list[_Replica], policy: ReplicaPolicy):
+        self.replicas, self.policy = replicas, policy
+        self.random = random.Random(policy.seed)
+        self.lock = threading.Lock()
+        self._sequences: dict[tuple[str, str], _Sequence] = {}
+        self._prefixes: OrderedDict[int, _Replica] = OrderedDict()
+
+    def resolve(self, handle: KvCacheHandle) -> tuple[_Sequence | None, KvCacheHandle]:
+        """The sequence a caller's handle names and the handle to send for it: the
+        current one when the caller holds an older one (after a failover), with the
+        caller's length, so the server still checks it."""
+        with self.lock:
+            seq = self._sequences.get(_key(handle))
+        if seq is None or _key(seq.handle) == _key(handle):
+            return seq, handle
+        return seq, replace(seq.handle, sequence_length=handle.sequence_length)
+
+    def by_cache_id(self, cache_id: str) -> _Sequence | None:
+        with self.lock:
+            return next((s for (_, cid), s in self._sequences.items() if cid == cache_id), None)
+
+    def owner(self, handle: KvCacheHandle) -> _Replica | None:
+        return next((r for r in self.replicas if r.instance_id == handle.server_instance_id), None)
+
+    def track(self, replica: _Replica, tokens: Sequence[int] | None, handle: KvCacheHandle) -> _Sequence:
+        seq = _Sequence(handle, list(tokens) if tokens is not None else None, replica, [_key(handle)])
+        with self.lock:
+            self._sequences[_key(handle)] = seq
+        self.learn(replica, handle.server_instance_id)
+        return seq
+
+    def advance(self, seq: _Sequence, before: int, added: Sequence[int], handle: KvCacheHandle) -> None:
+        """A call on ``seq`` succeeded: its KV held ``before`` tokens, then ``added`` went in."""
+        with self.lock:
+            if seq.tokens is not None:
+                seq.tokens = seq.tokens[:before] + list(added)
+                if len(seq.tokens) != handle.sequence_length:
+                    log.warning("sequence %s: %d tokens remembered, %d on the server; it can no longer "
+                                "be replayed", handle.cache_id, len(seq.tokens), handle.sequence_length)
+                    seq.tokens = None
+            self._rekey(seq, handle)
+
+    def rebind(self, seq: _Sequence, replica: _Replica, handle: KvCacheHandle) -> None:
+        """After a replay: the sequence lives on ``replica`` as ``handle``."""
+        with self.lock:
+            seq.replica = replica
+            self._rekey(seq, handle)
+        self.learn(replica, handle.server_instance_id)
+
+    def _rekey(self, seq: _Sequence, handle: KvCacheHandle) -> None:
+        seq.handle = handle
+        if _key(handle) not in seq.keys:
+            seq.keys.append(_key(handle))
+        self._sequences[_key(handle)] = seq
+
+    def forget(self, seq: _Sequence) -> None:
+        with self.lock:
+            for key in seq.keys:
+                self._sequences.pop(key, None)
+
+    def live(self) -> list[TrackedSequence]:
+        with self.lock:
+            unique = {id(s): s for s in self._sequences.values()}.values()
+            return [TrackedSequence(s.handle, s.replica.target, tuple(s.tokens) if s.tokens is not None else None)
+                    for s in unique]
+
+    def learn(self, replica: _Replica, instance_id: str) -> None:
+        replica.instance_id = instance_id or replica.instance_id
+
+    def prefix_key(self, tokens: Sequence[int]) -> int | None:
+        n = self.policy.prefix_tokens
+        return hash(tuple(tokens[:n])) if n and len(tokens) >= n else None
+
+    def preferred(self, key: int | None) -> _Replica | None:
+        with self.lock:
+            if key is None or key not in self._prefixes:
+                return None
+            self._prefixes.move_to_end(key)
+            return self._prefixes[key]
+
+    def remember_prefix(self, tokens: Sequence[int], replica: _Replica) -> None:
+        key = self.prefix_key(tokens)
+        if key is None:
+            return
+        with self.lock:
+            self._prefixes[key] = replica
+            self._prefixes.move_to_end(key)
+            while len(self._prefixes) > self.policy.prefix_entries:
+                self._prefixes.popitem(last=False)
+
+
+# -- what flows yield ---------------------------------------------------------------------
+
+
+@dataclass
+class _Call:
+    """One client call on a replica: ``fn(*args)`` (a value, or an awaitable in asyncio)."""
+
+    replica: _Replica
+    fn: Callable
+    args: tuple = ()
+    counted: bool = True  # counts toward the replica's in-flight load
+
+
+@dataclass
+class _Parallel:
+    """Calls run together; the flow gets back a list of values or ExecutorErrors."""
+
+    calls: list[_Call]
+
+
+@dataclass
+class _Sleep:
+    seconds: float
+
+
+Flow = Generator[Any, Any, Any]
+
+
+@dataclass(eq=False)
+class _Item:
+    """One entry of a split batch: what it adds, the sequence it continues (None: a
+    new prompt, or a handle this client does not track) and where it goes."""
+
+    index: int
+    tokens: list[int]
+    seq: _Sequence | None
+    send: KvCacheHandle | None
+    replica: _Replica | None
+    before: int = 0
+    created: bool = False  # a new sequence made by this call (undone by releasing it)
+
+
+class _Routing:
+    """Placement, affinity and failover as flows, shared by the blocking and asyncio clients."""
+
+    _fleet: _Fleet
+    policy: ReplicaPolicy
+    failover: bool
+
+    # -- replica state --------------------------------------------------------------
+    def _mark(self, replica: _Replica, err: ExecutorError) -> None:
+        """Leaves a replica out of placement for a while (or, for a restart, asks it again)."""
+        if err.reason is Reason.STALE_HANDLE:
+            replica.status_at = float("-inf")  # a new instance: ask for its status before using it
+            return
+        if isinstance(err, KvCapacityExhausted) or not moves_sequence(err):
+            return
+        if replica.usable(time.monotonic()):
+            log.warning("replica %s left out for %.1fs: %s", replica.target, self.policy.down_cooldown_s, err)
+        replica.unusable_until = time.monotonic() + self.policy.down_cooldown_s
+
+    def _probe_flow(self, replicas: list[_Replica]) -> Flow:
+        """Refreshes the status of ``replicas`` (in parallel); leaves out those not serving."""
+        results = yield _Parallel([_Call(r, r.client._status_probe, (self.policy.probe_timeout_s,), False)
+                                   for r in replicas])
+        for replica, result in zip(replicas, results):
+            if isinstance(result, ExecutorError):
+                self._mark(replica, result)
+                continue
+            if result.server_instance_id != replica.instance_id or not replica.block_size:
+                try:
+                    caps = yield _Call(replica, replica.client.capabilities, (), False)
+                except ExecutorError as err:
+                    self._mark(replica, err)
+                    continue
+                replica.block_size = caps.kv_block_size
+                if replica.instance_id and result.server_instance_id != replica.instance_id:
+                    log.info("replica %s is a new instance (%s, was %s)", replica.target,
+                             result.server_instance_id, replica.instance_id)
+            replica.status, replica.status_at, replica.placed_tokens = result, time.monotonic(), 0
+            replica.instance_id = result.server_instance_id
+            if result.state is not ServerState.SERVING:
+                log.info("replica %s is %s; placing elsewhere", replica.target, result.state.name.lower())
+                replica.unusable_until = time.monotonic() + self.policy.down_cooldown_s
+
+    def _place_flow(self, tokens: Sequence[int], exclude: set[_Replica] = frozenset()) -> Flow:
+        """The replica a new sequence of ``tokens`` goes to, or None when none is usable:
+        the better of two random usable replicas by load, or the prefix's replica
+        (locality) unless it is more loaded than that by ``locality_slack``."""
+        fleet, policy = self._fleet, self.policy
+        preferred = fleet.preferred(fleet.prefix_key(tokens))
+        tried: set[_Replica] = set(exclude)
+        while True:
+            now = time.monotonic()
+            candidates = [r for r in fleet.replicas if r not in tried and r.usable(now)]
+            if not candidates:
+                return None
+            picks = fleet.random.sample(candidates, min(2, len(candidates)))
+            local = preferred if preferred in candidates and preferred not in picks else None
+            asked = picks + ([local] if local else [])
+            stale = [r for r in asked if not r.fresh(now, policy.status_ttl_s)]
+            if stale:
+                yield from self._probe_flow(stale)
+            now = time.monotonic()
+            ready = [r for r in asked if r.usable(now) and r.status is not None]
+            tried.update(r for r in asked if r not in ready)
+            choices = [r for r in picks if r in ready]
+            roomy = [r for r in choices if r.fits(len(tokens))] or choices
+            best = min(roomy, key=_Replica.load) if roomy else None
+            if preferred in ready and preferred.fits(len(tokens)) and (
+                    best is None or preferred.load() <= best.load() + policy.locality_slack):
+                best = preferred
+            if best is None:
+                continue
+            best.placed_tokens += len(tokens)
+            return best
+
+    # -- new sequences ----------------------------------------------------------------------
+    def _new_sequence_flow(self, tokens: list[int], call: Callable[[Any], Any]) -> Flow:
+        """Runs ``call(client)`` (a prefill of ``tokens``) on a placed replica; with failover,
+        a replica that cannot take it (unreachable, draining, full) is left out and
+        the next one tried, within the policy's bounds."""
+        exclude: set[_Replica] = set()
+        start, attempts, last = time.monotonic(), 0, None
+        while True:
+            replica = yield from self._place_flow(tokens, exclude)
+            if replica is None and not self.failover:  # no retries: let the server answer
+                replica = min(self._fleet.replicas, key=lambda r: r.unusable_until)
+            if replica is None:
+                yield from self._wait_or_fail(start, attempts, last, "place a new sequence")
+                exclude.clear()
+                continue
+            attempts += 1
+            try:
+                out = yield _Call(replica, call, (replica.client,))
+            except ExecutorError as err:
+                if not self.failover or not (moves_sequence(err) or isinstance(err, KvCapacityExhausted)):
+                    raise
+                self._mark(replica, err)
+                exclude.add(replica)
+                last = err
+                self._check_bounds(start, attempts, last, "place a new sequence")
+                continue
+            self._fleet.track(replica, tokens, out.kv_cache)
+            self._fleet.remember_prefix(tokens, replica)
+            return out
+
+    def _check_bounds(self, start: float, attempts: int, last: ExecutorError | None, what: str) -> None:
+        elapsed = time.monotonic() - start
+        if attempts >= self.policy.max_attempts or elapsed >= self.policy.failover_timeout_s:
+            raise FailoverFailed(f"could not {what}: {attempts} replica(s) tried in {elapsed:.1f}s"
+                                 + (f"; last error {last}" if last else ""), cause=last, attempts=attempts)
+
+    def _wait_or_fail(self, start: float, attempts: int, last: ExecutorError | None, what: str) -> Flow:
+        """No replica is usable now: waits for the first to come off its cooldown, within
+        the failover's time bound, or raises FailoverFailed."""
+        elapsed = time.monotonic() - start
+        wake = min(r.unusable_until for r in self._fleet.replicas) - time.monotonic()
+        if elapsed + max(wake, 0.0) >= self.policy.failover_timeout_s:
+            raise FailoverFailed(f"could not {what}: no replica usable within "
+                                 f"{self.policy.failover_timeout_s:.1f}s ({attempts} tried)"
+                                 + (f"; last error {last}" if last else ""), cause=last, attempts=attempts)
+        yield _Sleep(max(wake, 0.01))
+
+    # -- calls on one sequence -------------------------------------------------------------
+    def _owner_flow(self, handle: KvCacheHandle) -> Flow:
+        """The replica a handle this client does not track belongs to (by instance id)."""
+        owner = self._fleet.owner(handle)
+        if owner is None:
+            unknown = [r for r in self._fleet.replicas if not r.instance_id]
+            if unknown:
+                yield from self._probe_flow(unknown)
+                owner = self._fleet.owner(handle)
+        if owner is None:
+            from ferrum_rpc.errors import StaleHandle
+
+            raise StaleHandle(f"handle {handle.cache_id!r} is from server instance "
+                              f"{handle.server_instance_id!r}, which is none of this client's replicas")
+        return owner
+
+    def _sequence_flow(self, handle: KvCacheHandle, op: Callable[[Any, KvCacheHandle], Any],
+                       added: Callable[[Any], Sequence[int]], result_handle=lambda out: out.kv_cache,
+                       keep: int | None = None) -> Flow:
+        """``op(client, handle)`` on the sequence's owner.  On success the sequence's history
+        grows by ``added(output)`` (after the first ``keep`` tokens, for a truncation;
+        by default all that the handle sent holds).  When the owner cannot hold the sequence any more, its history is
+        replayed elsewhere and ``op`` runs there."""
+        seq, send = self._fleet.resolve(handle)
+        replica = seq.replica if seq is not None else (yield from self._owner_flow(handle))
+        for round_ in range(self.policy.max_attempts + 1):
+            try:
+                out = yield _Call(replica, op, (replica.client, send))
+            except ExecutorError as err:
+                if seq is None or not self.failover or not moves_sequence(err) \
+                        or round_ == self.policy.max_attempts:
+                    raise
+                self._mark(replica, err)
+                send = yield from self._replay_flow(seq, send, err)
+                replica = seq.replica
+                continue
+            if seq is not None:
+                new = result_handle(out)
+                self._fleet.advance(seq, send.sequence_length if keep is None else keep, added(out), new)
+            return out
+
+    def _replay_flow(self, seq: _Sequence, send: KvCacheHandle, cause: ExecutorError) -> Flow:
+        """Rebuilds ``seq`` on a healthy replica by prefilling its history; returns the
+        handle to send there (with the caller's length).  Raises FailoverFailed."""
+        if not seq.tokens:
+            raise FailoverFailed(f"sequence {seq.handle.cache_id!r} cannot be moved: its history is not known "
+                                 f"({cause})", cause=cause)
+        old = seq.replica
+        exclude = set() if cause.reason is Reason.STALE_HANDLE else {old}  # a restarted replica may take it back
+        start, attempts, last = time.monotonic(), 0, cause
+        what = f"move sequence {seq.handle.cache_id!r} ({len(seq.tokens)} tokens) off {old.target}"
+        while True:
+            replica = yield from self._place_flow(seq.tokens, exclude)
+            if replica is None:
+                yield from self._wait_or_fail(start, attempts, last, what)
+                exclude.clear()
+                continue
+            attempts += 1
+            try:
+                out = yield _Call(replica, replica.client.prefill, (list(seq.tokens), None, REPLAY_LOGITS))
+            except ExecutorError as err:
+                if not (moves_sequence(err) or isinstance(err, KvCapacityExhausted)):
+                    raise FailoverFailed(f"could not {what}: {err}", cause=err, attempts=attempts) from err
+                self._mark(replica, err)
+                exclude.add(replica)
+                last = err
+                self._check_bounds(start, attempts, last, what)
+                continue
+            self._fleet.rebind(seq, replica, out.kv_cache)
+            self._fleet.remember_prefix(seq.tokens, replica)
+            log.warning("failover: sequence %s (%d tokens) moved from %s to %s as %s in %.1f ms (%s)",
+                        send.cache_id, len(seq.tokens), old.target, replica.target, out.kv_cache.cache_id,
+                        1e3 * (time.monotonic() - start), cause)
+            return replace(out.kv_cache, sequence_length=send.sequence_length)
+
+    # -- split batches ---------------------------------------------------------------------
+    def _items_flow(self, entries: Iterable[tuple[Sequence[int], KvCacheHandle | None]]) -> Flow:
+        """Batch entries -> items with their replica: a handle goes to its owner, a new
+        prompt where placement puts it."""
+        items = []
+        for index, (tokens, handle) in enumerate(entries):
+            tokens = list(tokens)
+            if handle is None:
+                replica = yield from self._place_flow(tokens)
+                if replica is None:
+                    replica = min(self._fleet.replicas, key=lambda r: r.unusable_until)
+                items.append(_Item(index, tokens, None, None, replica))
+                continue
+            seq, send = self._fleet.resolve(handle)
+            replica = seq.replica if seq is not None else (yield from self._owner_flow(handle))
+            items.append(_Item(index, tokens, seq, send, replica, before=send.sequence_length))
+        return items
+
+    def _batch_flow(self, entries, call_for, on_group_lost=lambda replica: None) -> Flow:
+        """A batch's entries placed or routed, then run split by replica (``_grouped_flow``)."""
+        items = yield from self._items_flow(entries)
+        return (yield from self._grouped_flow(items, call_for, on_group_lost))
+
+    def _statuses_flow(self) -> Flow:
+        """Every replica's status now, or the error asking it gave."""
+        return (yield _Parallel([_Call(r, r.client._status_probe, (self.policy.probe_timeout_s,), False)
+                                 for r in self._fleet.replicas]))
+
+    def _grouped_flow(self, items: list[_Item], call_for: Callable[[_Replica, list[_Item]], _Call],
+                      on_group_lost: Callable[[_Replica], None] = lambda replica: None) -> Flow:
+        """Runs a batch split by replica, the groups in parallel, and returns the outputs
+        in the items' order.  A group whose replica cannot hold its sequences is moved
+        (replayed, or new prompts placed again) and run again; if any group fails for
+        good, the groups that succeeded are undone (truncated back, new sequences
+        released), so the call as a whole changes nothing."""
+        outputs: list[Any] = [None] * len(items)
+        done: list[_Item] = []
+        pending = items
+        try:
+            for round_ in range(self.policy.max_attempts + 1):
+                groups: dict[_Replica, list[_Item]] = {}
+                for item in pending:
+                    groups.setdefault(item.replica, []).append(item)
+                results = yield _Parallel([call_for(replica, group) for replica, group in groups.items()])
+                retry, failure = [], None
+                for (replica, group), result in zip(groups.items(), results):
+                    if not isinstance(result, ExecutorError):
+                        for item, out in zip(group, result):
+                            outputs[item.index] = out
+                            self._commit(item, out)
+                            done.append(item)
+                    elif failure is None and self._movable(group, result) and round_ < self.policy.max_attempts:
+                        self._mark(replica, result)
+                        on_group_lost(replica)
+                        retry.extend((item, result) for item in group)
+                    else:
+                        failure = failure or result
+                if failure is not None:
+                    raise failure
+                if not retry:
+                    return outputs
+                for item, cause in retry:
+                    yield from self._relocate_flow(item, cause)
+                pending = [item for item, _ in retry]
+        except ExecutorError:
+            yield from self._undo_flow(done)
+            raise
+        raise AssertionError("unreachable")
+
+    def _movable(self, group: list[_Item], err: ExecutorError) -> bool:
+        return self.failover and moves_sequence(err) and all(
+            item.seq is not None and item.seq.tokens or item.send is None for item in group)
+
+    def _relocate_flow(self, item: _Item, cause: ExecutorError) -> Flow:
+        if item.seq is None:  # a new prompt: place it again, elsewhere
+            replica = yield from self._place_flow(item.tokens, {item.replica})
+            if replica is None:
+                raise FailoverFailed(f"could not place a new sequence: no replica usable ({cause})", cause=cause)
+            item.replica = replica
+            return
+        item.send = yield from self._replay_flow(item.seq, item.send, cause)
+        item.replica = item.seq.replica
+
+    def _commit(self, item: _Item, out: Any) -> None:
+        if item.send is None:
+            item.seq, item.created = self._fleet.track(item.replica, item.tokens, out.kv_cache), True
+            self._fleet.remember_prefix(item.tokens, item.replica)
+        elif item.seq is not None:
+            self._fleet.advance(item.seq, item.before, item.tokens, out.kv_cache)
+
+    def _undo_flow(self, done: list[_Item]) -> Flow:
+        """Takes back what the succeeded part of a failed batch did (best effort, logged)."""
+        for item in done:
+            seq = item.seq
+            try:
+                if item.created:
+                    yield _Call(seq.replica, seq.replica.client.release_cache, (seq.handle,))
+                    self._fleet.forget(seq)
+                elif seq is not None:
+                    handle = yield _Call(seq.replica, seq.replica.client.truncate_kv, (seq.handle, item.before))
+                    self._fleet.advance(seq, item.before, (), handle)
+            except ExecutorError as err:
+                log.warning("could not undo the part of a failed batch on %s: %s", seq.replica.target, err)
+
+    # -- anything -----------------------------------------------------------------------------
+    def _any_flow(self, call: Callable[[Any], Any]) -> Flow:
+        """``call(client)`` on the first usable replica that answers (queries)."""
+        now, last = time.monotonic(), None
+        order = sorted(self._fleet.replicas, key=lambda r: not r.usable(now))
+        for replica in order:
+            try:
+                return (yield _Call(replica, call, (replica.client,), False))
+            except ExecutorError as err:
+                if not moves_sequence(err):
+                    raise
+                self._mark(replica, err)
+                last = err
+        raise FailoverFailed(f"no replica answered ({last})", cause=last, attempts=len(order))
+
+    def _release_flow(self, cache: KvCacheHandle | str) -> Flow:
+        if isinstance(cache, KvCacheHandle):
+            seq, _ = self._fleet.resolve(cache)
+            if seq is None:
+                owner = yield from self._owner_flow(cache)
+                return (yield _Call(owner, owner.client.release_cache, (cache,)))
+        else:
+            seq = self._fleet.by_cache_id(cache)
+            if seq is None:  # an id this client never saw: ask each replica
+                last = None
+                for replica in self._fleet.replicas:
+                    try:
+                        return (yield _Call(replica, replica.client.release_cache, (cache,)))
+                    except ExecutorError as err:
+                        last = err
+                raise last
+        try:
+            freed = yield _Call(seq.replica, seq.replica.client.release_cache, (seq.handle,))
+        except ExecutorError as err:
+            if not moves_sequence(err):
+                raise
+            # Its server is gone, restarted or stopping: the blocks go with it.
+            log.info("released %s with its replica %s gone (%s)", seq.handle.cache_id, seq.replica.target, err)
+            freed = 0
+        self._fleet.forget(seq)
+        return freed
+
+    def _fork_flow(self, handle: KvCacheHandle, num_children: int) -> Flow:
+        seq, _ = self._fleet.resolve(handle)
+        children = yield from self._sequence_flow(
+            handle, lambda client, h: client.fork_cache(h, num_children), lambda out: (),
+            result_handle=lambda out: seq.handle if seq is not None else None)
+        if seq is not None:
+            for child in children:
+                history = seq.tokens[:child.sequence_length] if seq.tokens is not None else None
+                self._fleet.track(seq.replica, history, child)
+        return children
+
+
+def _entries(items: Iterable[DecodeItem]) -> list[tuple[list[int], KvCacheHandle]]:
+    pairs = [(i.token_id, i.kv_cache) if isinstance(i, DecodeInput) else i for i in items]
+    return [([token], handle) for token, handle in pairs]
+
+
+def _prompt_entries(prompts) -> list[tuple[list[int], KvCacheHandle | None]]:
+    out = []
+    for prompt in prompts:
+        continues = isinstance(prompt, tuple) and len(prompt) == 2 and isinstance(prompt[1], KvCacheHandle)
+        out.append((list(prompt[0]), prompt[1]) if continues else (list(prompt), None))
+    return out
+
+
+def _replica_clients(cls: type, target, kwargs: dict) -> list[_Replica]:
+    targets = resolve_targets(target)
+    options = list(kwargs.pop("channel_options", ())) + RECONNECT_OPTIONS
+    return [_Replica(t, cls(t, channel_options=options, **kwargs)) for t in targets]
+
+
+class ReplicaSetClient(_Routing, ExecutorClient):
+    """:class:`ExecutorClient` over several replicas: ``ExecutorClient([a, b, c])`` builds one.
+
+    New sequences are placed by load (power of two choices over cached GetStatus
+    answers) or prefix locality; every call on a handle goes to its owner; batches
+    and sessions are split by owner and merged back in order; with ``failover``
+    (the default) a sequence whose owner dies, restarts or drains is replayed on
+    another replica and the call goes on there (logged; bounded by the policy;
+    :class:`~ferrum_rpc.errors.FailoverFailed` when it cannot be).  Thread-safe
+    across sequences; each sequence is used by one thread at a time.
+    """
+
+    def __init__(self, target: str | Sequence[str], *, model: str = "", timeout: float | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: ClientTls | None = None,
+                 token: str | None = None, failover: bool = True, replica_policy: ReplicaPolicy | None = None,
+                 channel_options: Sequence[tuple[str, object]] = ()):
+        self.model, self.timeout, self.failover = model, timeout, failover
+        self.policy = replica_policy or ReplicaPolicy()
+        self._regions: dict = {}
+        replicas = _replica_clients(ExecutorClient, target, dict(
+            model=model, timeout=timeout, max_message_bytes=max_message_bytes, tls=tls, token=token,
+            channel_options=channel_options))
+        self._fleet = _Fleet(replicas, self.policy)
+        self._pool = ThreadPoolExecutor(max_workers=max(2, len(replicas)), thread_name_prefix="replicas")
+
+    # -- the driver ------------------------------------------------------------------
+    def _drive(self, flow: Flow) -> Any:
+        value, error = None, None
+        while True:
+            try:
+                request = flow.throw(error) if error is not None else flow.send(value)
+            except StopIteration as stop:
+                return stop.value
+            value, error = None, None
+            if isinstance(request, _Call):
+                try:
+                    value = self._run(request)
+                except ExecutorError as err:
+                    error = err
+            elif isinstance(request, _Parallel):
+                calls = request.calls
+                value = [self._outcome(calls[0])] if len(calls) == 1 else list(self._pool.map(self._outcome, calls))
+            else:
+                time.sleep(request.seconds)
+
+    def _run(self, call: _Call) -> Any:
+        if call.counted:
+            with self._fleet.lock:
+                call.replica.inflight += 1
+        try:
+            return call.fn(*call.args)
+        finally:
+            if call.counted:
+                with self._fleet.lock:
+                    call.replica.inflight -= 1
+
+    def _outcome(self, call: _Call) -> Any:
+        try:
+            return self._run(call)
+        except ExecutorError as err:
+            return err
+
+    # -- the contract ----------------------------------------------------------------
+    @property
+    def replicas(self) -> list[str]:
+        """The replica targets, in order."""
+        return [r.target for r in self._fleet.replicas]
+
+    def replica_of(self, handle: KvCacheHandle) -> str:
+        """The target that owns ``handle``'s sequence now (after any failover)."""
+        seq, _ = self._fleet.resolve(handle)
+        return seq.replica.target if seq is not None else self._drive(self._owner_flow(handle)).target
+
+    def replica_status(self) -> dict[str, ExecutorStatus | ExecutorError]:
+        """Every replica's GetStatus now (or the error asking it gave)."""
+        return {r.target: out for r, out in zip(self._fleet.replicas, self._drive(self._statuses_flow()))}
+
+    def live_sequences(self) -> list[TrackedSequence]:
+        """The sequences this client tracks (prefilled or forked, not released)."""
+        return self._fleet.live()
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Blocks until every replica's channel connects."""
+        for replica in self._fleet.replicas:
+            replica.client.wait_ready(timeout)
+
+    def info(self):
+        return self._drive(self._any_flow(lambda c: c.info()))
+
+    def capabilities(self):
+        return self._drive(self._any_flow(lambda c: c.capabilities()))
+
+    def status(self) -> ExecutorStatus:
+        """One usable replica's status (see :meth:`replica_status` for all)."""
+        return self._drive(self._any_flow(lambda c: c.status()))
+
+    def prefill(self, token_ids: Sequence[int], kv_cache: KvCacheHandle | None = None,
+                logits: LogitsPolicy = LogitsPolicy(), hidden_states=None) -> PrefillOutput:
+        tokens = list(token_ids)
+        if kv_cache is None:
+            return self._drive(self._new_sequence_flow(
+                tokens, lambda c: c.prefill(tokens, None, logits, hidden_states)))
+        return self._drive(self._sequence_flow(
+            kv_cache, lambda c, h: c.prefill(tokens, h, logits, hidden_states), lambda out: tokens))
+
+    def decode(self, token_id: int, kv_cache: KvCacheHandle, logits: LogitsPolicy = LogitsPolicy()) -> DecodeOutput:
+        return self._drive(self._sequence_flow(
+            kv_cache, lambda c, h: c.decode(token_id, h, logits), lambda out: [token_id]))
+
+    def batch_decode(self, items: Iterable[DecodeItem], logits: LogitsPolicy = LogitsPolicy()) -> list[DecodeOutput]:
+        """One batched forward per owning replica, in parallel; outputs in the order of ``items``."""
+        def call_for(replica, group):
+            return _Call(replica, replica.client.batch_decode, ([(i.tokens[0], i.send) for i in group], logits))
+        return self._drive(self._batch_flow(_entries(items), call_for))
+
+    def forward_verify(self, token_ids: Sequence[int], kv_cache: KvCacheHandle, logits: LogitsPolicy = LogitsPolicy()):
+        tokens = list(token_ids)
+        return self._drive(self._sequence_flow(
+            kv_cache, lambda c, h: c.forward_verify(tokens, h, logits), lambda out: tokens))
+
+    def speculative_decode(self, token_id: int, draft: Sequence[int], kv_cache: KvCacheHandle,
+                           logits: LogitsPolicy = LogitsPolicy(), sampling=None):
+        return self._drive(self._sequence_flow(
+            kv_cache, lambda c, h: c.speculative_decode(token_id, draft, h, logits, sampling),
+            lambda out: [token_id, *out.accepted_token_ids]))
+
+    def batch_prefill(self, prompts, logits: LogitsPolicy = LogitsPolicy()) -> list[PrefillOutput]:
+        """New prompts placed by load, continuations on their owners; one call per replica."""
+        def call_for(replica, group):
+            return _Call(replica, replica.client.batch_prefill,
+                         ([i.tokens if i.send is None else (i.tokens, i.send) for i in group], logits))
+        return self._drive(self._batch_flow(_prompt_entries(prompts), call_for))
+
+    def truncate_kv(self, kv_cache: KvCacheHandle, new_length: int) -> KvCacheHandle:
+        return self._drive(self._sequence_flow(
+            kv_cache, lambda c, h: c.truncate_kv(h, new_length), lambda out: (), result_handle=lambda out: out,
+            keep=new_length))
+
+    def release_cache(self, cache: KvCacheHandle | str) -> int:
+        return self._drive(self._release_flow(cache))
+
+    def fork_cache(self, kv_cache: KvCacheHandle, num_children: int) -> list[KvCacheHandle]:
+        return self._drive(self._fork_flow(kv_cache, num_children))
+
+    def decode_session(self) -> ReplicaDecodeSession:
+        return ReplicaDecodeSession(self)
+
+    def list_models(self):
+        return self._drive(self._any_flow(lambda c: c.list_models()))
+
+    def load_model(self, name: str, path: str, progress=None) -> None:
+        """Loads the model on every replica, one after another."""
+        for replica in self._fleet.replicas:
+            replica.client.load_model(name, path, progress)
+
+    def unload_model(self, name: str) -> int:
+        """Unloads the model on every replica; returns the sequences dropped in all."""
+        return sum(replica.client.unload_model(name) for replica in self._fleet.replicas)
+
+    def shared_memory(self, byte_size: int, name: str | None = None):
+        raise ExecutorError("shared-memory regions belong to one server: open them on a single-target client",
+                            code=grpc.StatusCode.FAILED_PRECONDITION)
+
+    def close(self) -> None:
+        for replica in self._fleet.replicas:
+            replica.client.close()
+        self._pool.shutdown(wait=False)
+
+
+class ReplicaDecodeSession:
+    """A DecodeSession over a replica set: one stream per owning replica, opened on
+    first use; a step is split by owner, run in parallel and merged in order."""
+
+    def __init__(self, client: ReplicaSetClient):
+        self._client = client
+        self._sessions: dict[_Replica, Any] = {}
+        self._lock = threading.Lock()
+
+    def _session(self, replica: _Replica):
+        with self._lock:
+            if replica not in self._sessions:
+                self._sessions[replica] = replica.client.decode_session()
+            return self._sessions[replica]
+
+    def _lost(self, replica: _Replica) -> None:
+        with self._lock:
+            session = self._sessions.pop(replica, None)
+        if session is not None:
+            try:
+                session.close()
+            except (ExecutorError, grpc.RpcError) as err:
+                log.debug("closing the session on %s: %s", replica.target, err)
+
+    def step(self, items: Iterable[DecodeItem], logits: LogitsPolicy = LogitsPolicy()) -> list[DecodeOutput]:
+        def call_for(replica, group):
+            return _Call(replica, self._session(replica).step, ([(i.tokens[0], i.send) for i in group], logits))
+        return self._client._drive(self._client._batch_flow(_entries(items), call_for, self._lost))
+
+    def close(self) -> None:
+        for replica in list(self._sessions):
+            self._lost(replica)
+
+    def __enter__(self) -> ReplicaDecodeSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncReplicaSetClient(_Routing, AsyncExecutorClient):
+    """:class:`AsyncExecutorClient` over several replicas (as :class:`ReplicaSetClient`)."""
+
+    def __init__(self, target: str | Sequence[str], *, model: str = "", timeout: float | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: ClientTls | None = None,
+                 token: str | None = None, failover: bool = True, replica_policy: ReplicaPolicy | None = None,
+                 channel_options: Sequence[tuple[str, object]] = ()):
+        self.model, self.timeout, self.failover = model, timeout, failover
+        self.policy = replica_policy or ReplicaPolicy()
+        self._regions: dict = {}
+        replicas = _replica_clients(AsyncExecutorClient, target, dict(
+            model=model, timeout=timeout, max_message_bytes=max_message_bytes, tls=tls, token=token,
+            channel_options=channel_options))
+        self._fleet = _Fleet(replicas, self.policy)
+
+    async def _drive(self, flow: Flow) -> Any:
+        value, error = None, None
+        while True:
+            try:
+                request = flow.throw(error) if error is not None else flow.send(value)
+            except StopIteration as stop:
+                return stop.value
+            value, error = None, None
+            if isinstance(request, _Call):
+                try:
+                    value = await self._run(request)
+                except ExecutorError as err:
+                    error = err
+            elif isinstance(request, _Parallel):
+                value = list(await asyncio.gather(*(self._outcome(c) for c in request.calls)))
+            else:
+                await asyncio.sleep(request.seconds)
+
+    async def _run(self, call: _Call) -> Any:
+        if call.counted:
+            call.replica.inflight += 1
+        try:
+            value = call.fn(*call.args)
+            return await value if inspect.isawaitable(value) else value
+        finally:
+            if call.counted:
+                call.replica.inflight -= 1
+
+    async def _outcome(self, call: _Call) -> Any:
+        try:
+            return await self._run(call)
+        except ExecutorError as err:
+            return err
+
+    @property
+    def replicas(self) -> list[str]:
+        return [r.target for r in self._fleet.replicas]
+
+    def replica_of(self, handle: KvCacheHandle) -> str:
+        """The target that owns ``handle``'s sequence now (tracked sequences only)."""
+        seq, _ = self._fleet.resolve(handle)
+        if seq is None:
+            owner = self._fleet.owner(handle)
+            return owner.target if owner is not None else ""
+        return seq.replica.target
+
+    async def replica_status(self) -> dict[str, ExecutorStatus | ExecutorError]:
+        return {r.target: out for r, out in zip(self._fleet.replicas, await self._drive(
+            self._statuses_flow()))}
+
+    def live_sequences(self) -> list[TrackedSequence]:
+        """The sequences this client tracks (prefilled or forked, not released)."""
+        return self._fleet.live()
+
+    async def info(self):
+        return await self._drive(self._any_flow(lambda c: c.info()))
+
+    async def capabilities(self):
+        return await self._drive(self._any_flow(lambda c: c.capabilities()))
+
+    async def status(self) -> ExecutorStatus:
+        return await self._drive(self._any_flow(lambda c: c.status()))
+
+    async def prefill(self, token_ids: Sequence[int], kv_cache: KvCacheHandle | None = None,
+                      logits: LogitsPolicy = LogitsPolicy(), hidden_states=None) -> PrefillOutput:
+        tokens = list(token_ids)
+        if kv_cache is None:
+            return await self._drive(self._new_sequence_flow(
+                tokens, lambda c: c.prefill(tokens, None, logits, hidden_states)))
+        return await self._drive(self._sequence_flow(
+            kv_cache, lambda c, h: c.prefill(tokens, h, logits, hidden_states), lambda out: tokens))
+
+    async def decode(self, token_id: int, kv_cache: KvCacheHandle,
+                     logits: LogitsPolicy = LogitsPolicy()) -> DecodeOutput:
+        return await self._drive(self._sequence_flow(
+            kv_cache, lambda c, h: c.decode(token_id, h, logits), lambda out: [token_id]))
+
+    async def batch_decode(self, items: Iterable[DecodeItem],
+                           logits: LogitsPolicy = LogitsPolicy()) -> list[DecodeOutput]:
+        def call_for(replica, group):
+            return _Call(replica, replica.client.batch_decode, ([(i.tokens[0], i.send) for i in group], logits))
+        return await self._drive(self._batch_flow(_entries(items), call_for))
+
+    async def forward_verify(self, token_ids: Sequence[int], kv_cache: KvCacheHandle,
+                             logits: LogitsPolicy = LogitsPolicy()):
+        tokens = list(token_ids)
+        return await self._drive(self._sequence_flow(
+            kv_cache, lambda c, h: c.forward_verify(tokens, h, logits), lambda out: tokens))
+
+    async def speculative_decode(self, token_id: int, draft: Sequence[int], kv_cache: KvCacheHandle,
+                                 logits: LogitsPolicy = LogitsPolicy(), sampling=None):
+        return await self._drive(self._sequence_flow(
+            kv_cache, lambda c, h: c.speculative_decode(token_id, draft, h, logits, sampling),
+            lambda out: [token_id, *out.accepted_token_ids]))
+
+    async def batch_prefill(self, prompts, logits: LogitsPolicy = LogitsPolicy()) -> list[PrefillOutput]:
+        def call_for(replica, group):
+            return _Call(replica, replica.client.batch_prefill,
+                         ([i.tokens if i.send is None else (i.tokens, i.send) for i in group], logits))
+        return await self._drive(self._batch_flow(_prompt_entries(prompts), call_for))
+
+    async def truncate_kv(self, kv_cache: KvCacheHandle, new_length: int) -> KvCacheHandle:
+        return await self._drive(self._sequence_flow(
+            kv_cache, lambda c, h: c.truncate_kv(h, new_length), lambda out: (), result_handle=lambda out: out,
+            keep=new_length))
+
+    async def release_cache(self, cache: KvCacheHandle | str) -> int:
+        return await self._drive(self._release_flow(cache))
+
+    async def fork_cache(self, kv_cache: KvCacheHandle, num_children: int) -> list[KvCacheHandle]:
+        return await self._drive(self._fork_flow(kv_cache, num_children))
+
+    def decode_session(self) -> AsyncReplicaDecodeSession:
+        return AsyncReplicaDecodeSession(self)
+
+    async def shared_memory(self, byte_size: int, name: str | None = None):
+        raise ExecutorError("shared-memory regions belong to one server: open them on a single-target client",
+                            code=grpc.StatusCode.FAILED_PRECONDITION)
+
+    async def close(self) -> None:
+        for replica in self._fleet.replicas:
+            await replica.client.close()
+
+
+class AsyncReplicaDecodeSession:
+    """:class:`ReplicaDecodeSession` for asyncio."""
+
+    def __init__(self, client: AsyncReplicaSetClient):
+        self._client = client
+        self._sessions: dict[_Replica, Any] = {}
+        self._closing: list = []
+
+    def _session(self, replica: _Replica):
+        if replica not in self._sessions:
+            self._sessions[replica] = replica.client.decode_session()
+        return self._sessions[replica]
+
+    def _lost(self, replica: _Replica) -> None:
+        session = self._sessions.pop(replica, None)
+        if session is not None:
+            session._call.cancel()  # its stream is dead or its server is stopping
+
+    async def step(self, items: Iterable[DecodeItem], logits: LogitsPolicy = LogitsPolicy()) -> list[DecodeOutput]:
+        def call_for(replica, group):
+            return _Call(replica, self._session(replica).step, ([(i.tokens[0], i.send) for i in group], logits))
+        return await self._client._drive(self._client._batch_flow(_entries(items), call_for,
+                                                                      self._lost))
+
+    async def close(self) -> None:
+        for replica in list(self._sessions):
+            session = self._sessions.pop(replica)
+            try:
+                await session.close()
+            except (ExecutorError, grpc.RpcError) as err:
+                log.debug("closing the session on %s: %s", replica.target, err)
+
+    async def __aenter__(self) -> AsyncReplicaDecodeSession:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
