@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reclaim sequences idle this many seconds (0: never); later calls get CACHE_EXPIRED")
     s.add_argument("--prefill-chunk", type=int, default=256,
                    help="run longer prompts in chunks of this many tokens, interleaved with decodes")
+    s.add_argument("--step-token-budget", type=int, default=128,
+                   help="most tokens in one forward while decodes wait: decodes first, then parts of prompts "
+                        "(the unified forward); 0: prompts and decodes alternate in separate forwards")
     s.add_argument("--no-prefix-cache", action="store_true", help="do not share prompt blocks across requests")
     s.add_argument("--linear-kernel", default="auto", choices=["auto", "onednn-packed", "aten"],
                    help="auto: probe this CPU for oneDNN prepacked linears and fall back to plain F.linear; "

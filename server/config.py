@@ -29,6 +29,14 @@ class ExecutorConfig:
         idle_timeout_s: reclaim sequences unused this long (0: never).
         prefill_chunk: prompts longer than this run in chunks, letting other
             callers' decodes run in between.
+        step_token_budget: the unified forward's budget: most tokens in one
+            forward while decodes are waiting.  Each forward takes every
+            waiting decode first (up to ``max_batch_size``), then fills the
+            rest with parts of waiting prompts (at least a quarter of the
+            budget, so prompts never starve); with no decode waiting, prompt
+            parts of up to ``prefill_chunk`` tokens each, as many as the
+            budget or one chunk allow.  0: prompts and decodes never share a
+            forward (they alternate; the pre-0.3 schedule).
         prefix_caching: share identical full prompt blocks across sequences.
         linear_kernel: "auto" probes the oneDNN prepacked linear (faster
             bfloat16 everywhere and float32 batches; float32 weights take 2x
@@ -55,6 +63,7 @@ class ExecutorConfig:
     kv_memory_fraction: float = 0.0
     idle_timeout_s: float = 600.0
     prefill_chunk: int = 256
+    step_token_budget: int = 128
     prefix_caching: bool = True
     linear_kernel: str = "auto"
     quantize: str = "none"
@@ -72,6 +81,8 @@ class ExecutorConfig:
             raise ValueError("kv_memory_fraction must be in [0, 1)")
         if self.prefill_chunk <= 0:
             raise ValueError("prefill_chunk must be positive")
+        if self.step_token_budget < 0:
+            raise ValueError("step_token_budget must be 0 (off) or positive")
         if self.linear_kernel not in LINEAR_KERNELS:
             raise ValueError(f"linear_kernel must be one of {LINEAR_KERNELS}, not {self.linear_kernel!r}")
         if self.step_ops not in STEP_OPS:

@@ -15,7 +15,6 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Generator
 
 import torch
 
@@ -32,7 +31,7 @@ from ferrum_rpc.errors import (
 )
 from ferrum_rpc.server.auth import current_tenant
 from ferrum_rpc.server.config import ExecutorConfig
-from ferrum_rpc.server.kv_cache import KvPool
+from ferrum_rpc.server.kv_cache import KvPool, RaggedBatch
 from ferrum_rpc.server.kv_manager import BlockManager, SequenceState, WritePlan
 from ferrum_rpc.server.models import load_model
 from ferrum_rpc.types import (
@@ -169,6 +168,82 @@ def _process_rss_bytes() -> int:
 def verify_policy(policy: LogitsPolicy) -> LogitsPolicy:
     """ForwardVerify's policy: the caller's, over every position."""
     return replace(policy, all_positions=True)
+
+
+class PromptInParts:
+    """A prompt run in parts, each part one step of a forward that may carry
+    other work (decodes, other prompts' parts): the unified forward.
+
+    The worker asks for the next part with the tokens it may take this step
+    (:meth:`next_part`, which reserves the part's KV room), runs the plan with
+    whatever else shares the forward, and hands back the part's rows
+    (:meth:`part_done`), which returns the PrefillOutput after the last part.
+    The sequence is pinned meanwhile, so the idle reaper never takes it; if a
+    part fails, or the caller goes away between parts, :meth:`abort` undoes
+    every part: the sequence is as it was before the call, idle clock
+    included.
+    """
+
+    def __init__(self, executor: TorchExecutor, opened: _Opened, tokens: list[int], policy: LogitsPolicy,
+                 hidden: HiddenStatesRequest | None):
+        self.executor, self.opened, self.tokens, self.policy, self.hidden = executor, opened, tokens, policy, hidden
+        self.offset = opened.cached  # tokens done (cached prefix included)
+        self.rows: list[torch.Tensor] = []
+        self.states: dict[int, list[torch.Tensor]] = {layer: [] for layer in (hidden.layers if hidden else ())}
+        self.forward_ns = 0
+        self.open = True
+
+    @property
+    def remaining(self) -> int:
+        return len(self.tokens) - self.offset
+
+    @property
+    def analysis(self) -> bool:
+        """Asks for hidden states: its parts run in forwards of their own."""
+        return self.hidden is not None
+
+    def next_part(self, max_tokens: int) -> AppendPlan:
+        """Plans the next ``min(max_tokens, remaining)`` tokens (reserving KV room); raises with
+        nothing reserved (the caller then aborts the whole prompt)."""
+        n = min(max_tokens, self.remaining)
+        final = n == self.remaining
+        want = "all" if self.policy.all_positions else "last" if final else "none"
+        step = self.executor._step(self.opened, self.tokens[self.offset:self.offset + n], want)
+        step.hidden = dict.fromkeys(self.states) if self.states else None
+        return AppendPlan([step], self.policy, "chunk")
+
+    def part_done(self, plan: AppendPlan, rows: torch.Tensor | None,
+                  forward_ns: int = 0, batch_size: int = 1) -> PrefillOutput | None:
+        """Takes a run part's rows; returns the output once the prompt is complete."""
+        (step,) = plan.steps
+        self.offset += len(step.tokens)
+        self.forward_ns += forward_ns
+        if rows is not None:
+            self.rows.append(rows)
+        for layer in self.states:
+            self.states[layer].append(step.hidden[layer])
+        if self.remaining:
+            return None
+        ex, hidden = self.executor, self.hidden
+        try:
+            logits = ex._apply_policy(torch.cat(self.rows) if len(self.rows) > 1 else self.rows[0], self.policy)
+            picked = list(hidden.positions) if hidden and hidden.positions else slice(None)
+            states = tuple(torch.cat(self.states[layer])[picked].numpy() for layer in (hidden.layers if hidden else ()))
+        except BaseException:
+            self.abort()
+            raise
+        self.open = False
+        ex.kv.unpin(self.opened.seq, touch=True)
+        return PrefillOutput(logits, ex._handle(self.opened.seq), Timing(forward_ns=self.forward_ns,
+                                                                         batch_size=batch_size),
+                             cached_tokens=self.opened.cached, hidden_states=states)
+
+    def abort(self) -> None:
+        """Undoes every part run so far (safe to call twice, and after a failed forward)."""
+        if self.open:
+            self.open = False
+            self.executor.kv.unpin(self.opened.seq, touch=False)
+            self.executor._rollback(self.opened)
 
 
 class TorchExecutor:
@@ -353,57 +428,31 @@ class TorchExecutor:
     # -- the contract ------------------------------------------------------------
     def prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None = None,
                 policy: LogitsPolicy = LogitsPolicy(), hidden: HiddenStatesRequest | None = None) -> PrefillOutput:
-        """Runs a prompt (or the next chunk of one, when ``kv_cache`` is given)."""
-        steps = self.prefill_chunks(token_ids, kv_cache, policy, hidden)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        """Runs a prompt (or the next part of one, when ``kv_cache`` is given), in
+        forwards of up to ``config.prefill_chunk`` tokens."""
+        prompt = self.open_prefill(token_ids, kv_cache, policy, hidden)
+        try:
+            while True:
+                plan = prompt.next_part(self.config.prefill_chunk)
+                t0 = time.perf_counter_ns()
+                (rows,) = self.run([plan])
+                if (done := prompt.part_done(plan, rows, time.perf_counter_ns() - t0)) is not None:
+                    return done
+        except BaseException:
+            prompt.abort()
+            raise
 
-    def prefill_chunks(self, token_ids: list[int], kv_cache: KvCacheHandle | None = None,
-                       policy: LogitsPolicy = LogitsPolicy(),
-                       hidden: HiddenStatesRequest | None = None) -> Generator[None, None, PrefillOutput]:
-        """:meth:`prefill` in chunks of ``config.prefill_chunk`` tokens, yielding between them.
-
-        Each chunk is one :meth:`run`.  The worker runs other callers' work at
-        each yield, and may throw into the generator there (the caller
-        cancelled, its deadline passed).  The sequence is pinned meanwhile, so
-        the idle reaper never takes it; if any chunk fails or the generator is
-        stopped, every chunk is undone: the sequence is as it was before the
-        call, idle clock included.
-        """
+    def open_prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None = None,
+                     policy: LogitsPolicy = LogitsPolicy(),
+                     hidden: HiddenStatesRequest | None = None) -> PromptInParts:
+        """Validates a prefill and opens its sequence (taking any cached prefix),
+        to be run in parts, each one step of some forward (see
+        :class:`PromptInParts`); raises with no state change."""
         if hidden is not None:
             self._check_hidden(hidden, len(token_ids))
         opened = self._open_prefill(token_ids, kv_cache, policy, reuse_prefix=hidden is None)
         self.kv.pin(opened.seq)
-        rows, forward_ns, chunk = [], 0, self.config.prefill_chunk
-        states: dict[int, list[torch.Tensor]] = {layer: [] for layer in (hidden.layers if hidden else ())}
-        try:
-            for offset in range(opened.cached, len(token_ids), chunk):
-                if offset > opened.cached:
-                    yield
-                final = offset + chunk >= len(token_ids)
-                want = "all" if policy.all_positions else "last" if final else "none"
-                step = self._step(opened, token_ids[offset:offset + chunk], want)
-                step.hidden = dict.fromkeys(states) if states else None
-                t0 = time.perf_counter_ns()
-                (part,) = self.run([AppendPlan([step], policy, "chunk")])
-                forward_ns += time.perf_counter_ns() - t0
-                if part is not None:
-                    rows.append(part)
-                for layer in states:
-                    states[layer].append(step.hidden[layer])
-            logits = self._apply_policy(torch.cat(rows) if len(rows) > 1 else rows[0], policy)
-            picked = list(hidden.positions) if hidden and hidden.positions else slice(None)
-            hidden_states = tuple(torch.cat(states[layer])[picked].numpy() for layer in (hidden.layers if hidden else ()))
-        except BaseException:  # GeneratorExit and thrown-in cancellations too
-            self.kv.unpin(opened.seq, touch=False)
-            self._rollback(opened)
-            raise
-        self.kv.unpin(opened.seq, touch=True)
-        return PrefillOutput(logits, self._handle(opened.seq), Timing(forward_ns=forward_ns, batch_size=1),
-                             cached_tokens=opened.cached, hidden_states=hidden_states)
+        return PromptInParts(self, opened, list(token_ids), policy, hidden)
 
     def _check_hidden(self, hidden: HiddenStatesRequest, tokens: int) -> None:
         """Validates an analysis request and that its tensors fit the message limit (no state read)."""
@@ -467,12 +516,12 @@ class TorchExecutor:
         steps = [s for p in plans for s in p.steps]
         t0 = time.perf_counter_ns()
         try:
-            hidden = self._forward(steps)  # (B, T, C)
+            hidden, firsts = self._forward(steps)  # (N, C), each step's first row
             picked = []
-            for b, step in enumerate(steps):
+            for first, step in zip(firsts, steps):
                 n = len(step.tokens)
                 if step.rows != "none":
-                    picked.append(hidden[b, :n] if step.rows == "all" else hidden[b, n - 1:n])
+                    picked.append(hidden[first:first + n] if step.rows == "all" else hidden[first + n - 1:first + n])
             with torch.inference_mode():
                 logits = self.model.logits(torch.cat(picked) if len(picked) > 1 else picked[0]) if picked else None
         except BaseException as exc:
@@ -738,13 +787,20 @@ class TorchExecutor:
         self.pool.copy_blocks(plan.copies)
         return _Step(opened, list(tokens), seq.length, plan, rows)
 
-    def _forward(self, steps: list[_Step]) -> torch.Tensor:
-        """One forward over every step (ragged: shorter steps are padded, see KvBatch).
+    def _forward(self, steps: list[_Step]) -> tuple[torch.Tensor, list[int]]:
+        """One forward over every step.
 
-        Returns hidden states (B, T, C); step b's own rows are ``[:len(step.tokens)]``.
-        Steps that ask for hidden states of some layers get their rows of those.
+        Returns hidden states (N, C) and each step's first row in them (its rows
+        are the next ``len(step.tokens)``).  Steps of one length run as one
+        (B, T) batch (the decode fast path, fused whole-layer ops included);
+        steps of mixed lengths (decodes beside prompt chunks) run ragged, each
+        length a group, no token padded (see ``RaggedBatch``).  Steps that ask
+        for hidden states of some layers get their rows of those (they run
+        alone or with equal-length steps: the worker sees to it).
         """
         counts = [len(s.tokens) for s in steps]
+        if len(set(counts)) > 1 and not any(s.hidden for s in steps):
+            return self._forward_ragged(steps)
         width = max(counts)
         kv = self.pool.batch([s.seq.block_ids for s in steps], [s.start for s in steps], counts)
         ids = torch.tensor([s.tokens + [0] * (width - len(s.tokens)) for s in steps], device=self.device)
@@ -755,7 +811,22 @@ class TorchExecutor:
         for b, step in enumerate(steps):
             for layer in step.hidden or ():
                 step.hidden[layer] = capture[layer][b, :counts[b]].float().cpu()
-        return out  # (B, T, C)
+        return out.reshape(-1, out.shape[-1]), [b * width for b in range(len(steps))]
+
+    def _forward_ragged(self, steps: list[_Step]) -> tuple[torch.Tensor, list[int]]:
+        by_length: dict[int, list[int]] = {}
+        for i, step in enumerate(steps):
+            by_length.setdefault(len(step.tokens), []).append(i)
+        groups, ids, firsts = [], [], [0] * len(steps)
+        for width, members in by_length.items():
+            groups.append(([steps[i].seq.block_ids for i in members], [steps[i].start for i in members], width))
+            for i in members:
+                firsts[i] = len(ids)
+                ids.extend(steps[i].tokens)
+        kv = RaggedBatch(self.pool, groups)
+        with torch.inference_mode():
+            out = self.model(torch.tensor([ids], device=self.device), None, kv)  # (1, N, C)
+        return out[0], firsts
 
     def _apply_policy(self, rows: torch.Tensor, policy: LogitsPolicy) -> Logits:
         """rows: (P, V) float32 on the device -> what the caller asked for, on the CPU."""

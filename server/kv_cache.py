@@ -85,3 +85,27 @@ class KvBatch:
             ctx = pool.index_select(0, self.flat_tables)  # (B*nb, bs, Hkv, D); 6x faster than pool[tables]
             out.append(ctx.view(B, -1, H, D).transpose(1, 2))
         return out[0], out[1]
+
+
+class RaggedBatch:
+    """One forward over steps of different lengths, without padding them to one width.
+
+    Steps of equal length form a group with its own padded-free ``KvBatch``
+    (all decodes, one group; each prompt chunk, its own).  The model runs
+    embeddings, norms, projections and MLPs over every group's tokens as one
+    (1, N) row of tokens, and attention per group (see ``Attention.forward``):
+    a unified step of 32 decodes and a 200-token prompt chunk costs the
+    linears of 232 tokens, not 33 rows padded to 200.
+    """
+
+    def __init__(self, pool: KvPool, groups: list[tuple[list[list[int]], list[int], int]]):
+        """``groups``: per group, the block tables and start positions of its
+        sequences and the tokens each appends; tokens are laid out group after
+        group, each group sequence-major."""
+        self.groups: list[tuple[KvBatch, int, int, int]] = []  # (kv, batch, width, first row)
+        row = 0
+        for tables, starts, width in groups:
+            kv = KvBatch(pool, tables, starts, [width] * len(tables))
+            self.groups.append((kv, len(tables), width, row))
+            row += len(tables) * width
+        self.tokens = row

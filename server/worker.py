@@ -11,6 +11,18 @@ Callers (the gRPC event loop, or plain threads) submit jobs and get futures, so
 the event loop never blocks on torch.  Decode jobs waiting in the queue are
 coalesced into one batched forward (dynamic batching): while a forward runs,
 new decodes pile up and the next forward takes them all, up to the max batch.
+
+Prompts share those forwards (the unified forward, Ferrum's
+``unified_forward``; vLLM and Sarathi-Serve schedule the same way): each
+forward takes every waiting decode first, then fills the rest of a token
+budget (``step_token_budget``) with the next parts of waiting prompts, each
+part one step of the same forward.  Decodes come first because they are the
+latency callers feel on every token, while a prompt's latency is paid once;
+the budget bounds how much prompt work rides on a decode step, so a decode
+step under load costs about one budget-sized forward instead of waiting
+behind whole prompt chunks, and prompts still progress every step (at least
+a quarter of the budget is theirs).  A forward of decodes only stays a
+plain (B, 1) batch: the fastest decode path, fused whole-layer ops included.
 """
 
 from __future__ import annotations
@@ -23,12 +35,12 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Generator
+from typing import Any, Callable
 
 from ferrum_rpc.errors import Cancelled, DeadlineExceeded, Draining, ExecutorError
 from ferrum_rpc.server.auth import current_tenant
-from ferrum_rpc.server.executor import TorchExecutor, verify_policy
-from ferrum_rpc.types import DecodeInput, KvCacheHandle, LogitsPolicy, VerifyOutput
+from ferrum_rpc.server.executor import PromptInParts, TorchExecutor, verify_policy
+from ferrum_rpc.types import DecodeInput, HiddenStatesRequest, KvCacheHandle, LogitsPolicy, VerifyOutput
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +52,12 @@ class _Job:
     future: Future = field(default_factory=Future)
     enqueued_ns: int = field(default_factory=time.perf_counter_ns)
     decode: tuple[list[DecodeInput], LogitsPolicy] | None = None
-    prefill: tuple[list[int], KvCacheHandle | None, LogitsPolicy] | None = None  # fits one forward
-    sliced: bool = False  # fn returns a generator run one slice at a time
-    steps: Generator | None = None
+    # a prompt: (tokens, handle or None, policy, hidden-states request or None), run in parts
+    prefill: tuple[list[int], KvCacheHandle | None, LogitsPolicy, HiddenStatesRequest | None] | None = None
+    prompt: PromptInParts | None = None  # once its first part is planned
     queue_ns: int = 0
     deadline: float | None = None  # time.monotonic() past which the caller no longer waits
-    abandoned: bool = False  # the caller went away: stop at the next slice and undo
+    abandoned: bool = False  # the caller went away: stop before the next part and undo
     tenant: str = field(default_factory=current_tenant.get)  # who submitted it (see auth.py)
 
     @contextlib.contextmanager
@@ -56,6 +68,15 @@ class _Job:
             yield
         finally:
             current_tenant.reset(token)
+
+    @property
+    def analysis(self) -> bool:
+        """A prompt asking for hidden states: its parts run in forwards of their own."""
+        return self.prefill is not None and self.prefill[3] is not None
+
+    def sequence(self) -> str | None:
+        """The existing sequence a prompt continues (None: a new one)."""
+        return self.prefill[1].cache_id if self.prefill and self.prefill[1] is not None else None
 
     def gone(self) -> ExecutorError | None:
         """Why this job's caller no longer waits for it, or None while it does."""
@@ -111,18 +132,13 @@ class ModelWorker:
 
     def submit_prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None,
                        policy: LogitsPolicy, deadline: float | None = None) -> Future:
-        """A prompt within one chunk may share a padded forward with other callers'
-        prompts; a longer one runs as a sliced job, in chunks between other jobs
-        (queued decodes run in between, so a long prefill never stalls other
-        callers).  A caller that went away, or whose deadline passed, has the
-        sliced job stopped at the next chunk, which undoes its work."""
+        """Runs a prompt in parts that share forwards with other callers' work (see
+        the module docstring).  A caller that went away, or whose deadline
+        passed, has the prompt stopped before its next part, which undoes it."""
         return self._put(self._prefill_job(token_ids, kv_cache, policy, deadline)).future
 
     def _prefill_job(self, token_ids, kv_cache, policy, deadline, hidden=None) -> _Job:
-        if len(token_ids) > self.executor.config.prefill_chunk or hidden is not None:  # analysis: its own forwards
-            return _Job(self.executor.prefill_chunks, (token_ids, kv_cache, policy, hidden), sliced=True,
-                        deadline=deadline)
-        return _Job(None, (), prefill=(token_ids, kv_cache, policy), deadline=deadline)
+        return _Job(None, (), prefill=(token_ids, kv_cache, policy, hidden), deadline=deadline)
 
     # -- asyncio front: a cancelled await stops the job and undoes what it did ------
     async def call(self, fn: Callable[..., Any], *args: Any, deadline: float | None = None) -> Any:
@@ -160,7 +176,7 @@ class ModelWorker:
     async def _await(self, job: _Job, undo: Callable[[Any], list[tuple[str, int | None]]] | None = None) -> Any:
         """Waits for a job.  If the waiting coroutine is cancelled (gRPC cancels a
         handler whose caller cancelled, disconnected or ran out of time), a queued
-        job is dropped, a running one is stopped at its next slice and undone, and
+        job is dropped, a running prompt is stopped before its next part and undone, and
         one that finished anyway has its changes (``undo(result)``) put back, so a
         reply nobody receives leaves no sequence behind."""
         try:
@@ -179,7 +195,7 @@ class ModelWorker:
         self.submit(self.executor.undo_calls, changes)  # refused while stopping: they go with it
 
     def stop(self, timeout: float | None = None) -> None:
-        """Refuses new jobs, finishes every queued one (sliced jobs included), then
+        """Refuses new jobs, finishes every queued one (unfinished prompts included), then
         ends the thread.  No future is left unresolved."""
         with self._cond:
             self._stopping = True
@@ -197,7 +213,7 @@ class ModelWorker:
         return job
 
     def _requeue(self, job: _Job) -> None:
-        """Puts a sliced job back at the end of the queue (also after a stop: it finishes)."""
+        """Puts an unfinished prompt back at the end of the queue (also after a stop: it finishes)."""
         with self._cond:
             self._jobs.append(job)
             self._cond.notify()
@@ -209,61 +225,84 @@ class ModelWorker:
                 while not self._jobs:
                     self._reap()
                     self._cond.wait(self.REAP_EVERY_S)
-                job = self._jobs.popleft()
+                job = self._jobs[0]
                 if job is None:
+                    self._jobs.popleft()
                     if not self._jobs:
                         return
-                    self._jobs.append(None)  # sliced jobs re-queued behind the stop finish first
+                    self._jobs.append(None)  # prompts re-queued behind the stop finish first
                     continue
-                batch = [job]
+                decodes: list[_Job] | None = None
                 if job.decode:
-                    self._collect(batch)
-                elif job.prefill:
-                    batch += self._collect_prefills(job)
+                    decodes = [self._jobs.popleft()]
+                    self._collect(decodes)
+                elif job.prefill and not job.analysis:  # stays queued: _take_prompts takes it
+                    decodes = []
+                    self._collect(decodes)
+                else:
+                    self._jobs.popleft()
             self._reap()
-            if job.decode:
-                if self.batch_wait_s:
-                    self._wait_for_more(batch)
-                self._run_decodes(batch)
-            elif job.prefill:
-                self._run_prefills(batch)
-            elif job.sliced:
-                self._run_slice(job)
-            else:
-                self._run(job)
+            if decodes is None:
+                if job.prefill:  # an analysis prompt: one part, alone
+                    self._run_step([], [(job, self.executor.config.prefill_chunk)])
+                else:
+                    self._run(job)
+                continue
+            if decodes and self.batch_wait_s:
+                self._wait_for_more(decodes)
+            with self._cond:
+                prompts = self._take_prompts(decodes)
+            self._run_step(decodes, prompts)
 
-    def _fits(self, batch: list[_Job], job: _Job) -> bool:
-        """A decode job may join a forward if it adds no sequence twice and stays in the max batch."""
+    def _window(self) -> list[_Job]:
+        """The queued jobs a forward may take from (lock held): the run of decodes
+        and prompts at the head of the queue.  Any other job ends it, so a
+        caller's truncate, fork or release is never overtaken.  With the
+        unified forward off, only the run of decodes."""
+        unified = self.executor.config.step_token_budget > 0
+        window = []
+        for job in self._jobs:
+            if job is None or not (job.decode or (unified and job.prefill)):
+                break
+            window.append(job)
+        return window
+
+    def _fits(self, batch: list[_Job], job: _Job, busy: set[str]) -> bool:
+        """A decode job may join a forward if it adds no sequence twice, stays in
+        the max batch, and no prompt queued ahead of it continues one of its
+        sequences (``busy``)."""
         ids = [i.kv_cache.cache_id for i in job.decode[0]]
         seen = {i.kv_cache.cache_id for j in batch for i in j.decode[0]}
         size = sum(len(j.decode[0]) for j in batch)
-        return size + len(ids) <= self.executor.config.max_batch_size and seen.isdisjoint(ids)
+        return (size + len(ids) <= self.executor.config.max_batch_size and seen.isdisjoint(ids)
+                and busy.isdisjoint(ids))
 
     def _collect(self, batch: list[_Job]) -> bool:
         """Moves queued decodes into ``batch`` while they fit (lock held), fairly
         across tenants.
 
-        Only the run of decodes at the head of the queue is considered (a job that
-        is not a decode ends it, so one caller's calls stay in order).  Within it,
-        jobs are taken round-robin by tenant, the tenant with the fewest jobs in the
-        batch first, each tenant's in arrival order: a tenant that floods the queue
-        gets its share of each forward, never all of it, while another tenant's
-        decode waits.  Returns True if the batch is closed (full, a job that does
-        not fit, or a non-decode job is next).
+        Only decodes in the window (see ``_window``) are considered.  Within
+        it, jobs are taken round-robin by tenant, the tenant with the fewest jobs
+        in the batch first, each tenant's in arrival order: a tenant that floods
+        the queue gets its share of each forward, never all of it, while another
+        tenant's decode waits.  Returns True if the batch is closed (full, a job
+        that does not fit, or the window ends before the queue does).
         """
         cap = self.executor.config.max_batch_size
         size = sum(len(j.decode[0]) for j in batch)
         if size >= cap:
             return True
-        run: list[_Job] = []
-        for job in self._jobs:
-            if job is None or not job.decode:
-                break
-            run.append(job)
-        closed = len(run) < len(self._jobs)
+        window = self._window()
+        closed = len(window) < len(self._jobs)
         by_tenant: dict[str, deque[_Job]] = {}
-        for job in run:
-            by_tenant.setdefault(job.tenant, deque()).append(job)
+        busy: dict[int, set[str]] = {}  # per decode: sequences continued by prompts queued ahead of it
+        ahead: set[str] = set()
+        for job in window:
+            if job.decode:
+                by_tenant.setdefault(job.tenant, deque()).append(job)
+                busy[id(job)] = set(ahead)
+            elif (seq := job.sequence()) is not None:
+                ahead.add(seq)
         in_batch = {t: sum(1 for j in batch if j.tenant == t) for t in by_tenant}
         taken: set[int] = set()
         while size < cap:
@@ -272,7 +311,7 @@ class ModelWorker:
                 break
             tenant = min(ready, key=lambda t: in_batch[t])  # ties: the earliest arrival
             job = by_tenant[tenant][0]
-            if not self._fits(batch, job):
+            if not self._fits(batch, job, busy[id(job)]):
                 del by_tenant[tenant]  # its later jobs wait behind this one
                 closed = True
                 continue
@@ -287,29 +326,44 @@ class ModelWorker:
             self._jobs.extend(kept)
         return closed or size >= cap or any(by_tenant.values())
 
-    def _collect_prefills(self, first: _Job) -> list[_Job]:
-        """Prefills queued right behind ``first`` that can share its forward (lock held).
-
-        Bounded by the max batch size and a padded size of two prefill chunks;
-        a sequence never appears twice.
-        """
-        taken: list[_Job] = []
-        longest, seen = len(first.prefill[0]), {first.prefill[1].cache_id} if first.prefill[1] else set()
-        budget = 2 * self.executor.config.prefill_chunk
-        while self._jobs and self._jobs[0] is not None and self._jobs[0].prefill:
-            tokens, handle, _ = self._jobs[0].prefill
-            width = max(longest, len(tokens))
-            if (len(taken) + 2 > self.executor.config.max_batch_size or width * (len(taken) + 2) > budget
-                    or (handle is not None and handle.cache_id in seen)):
+    def _take_prompts(self, decodes: list[_Job]) -> list[tuple[_Job, int]]:
+        """Takes the prompts that get a part of this forward, and how many tokens each
+        may run (lock held): in queue order, while the budget lasts (see the
+        module docstring); never a sequence twice, never an analysis prompt
+        (those run alone)."""
+        cfg = self.executor.config
+        size = sum(len(j.decode[0]) for j in decodes)
+        if cfg.step_token_budget == 0:  # separate forwards: the prompts at the head share one chunk
+            room, window = (0 if decodes else cfg.prefill_chunk), []
+            for job in self._jobs:
+                if job is None or not job.prefill:
+                    break
+                window.append(job)
+        else:
+            budget = cfg.step_token_budget
+            room = max(budget - size, budget // 4, 1) if decodes else max(budget, cfg.prefill_chunk)
+            window = self._window()
+        seen = {i.kv_cache.cache_id for j in decodes for i in j.decode[0]}
+        taken: list[tuple[_Job, int]] = []
+        for job in window:
+            if room <= 0:
                 break
-            taken.append(self._jobs.popleft())
-            longest = width
-            if handle is not None:
-                seen.add(handle.cache_id)
+            if not job.prefill or job.analysis:
+                continue
+            seq = job.sequence() or f"new:{id(job)}"
+            if seq in seen:
+                continue
+            seen.add(seq)
+            left = job.prompt.remaining if job.prompt is not None else len(job.prefill[0])
+            part = min(left, room, cfg.prefill_chunk)
+            taken.append((job, part))
+            room -= part
+        if taken:
+            ids = {id(j) for j, _ in taken}
+            kept = [j for j in self._jobs if id(j) not in ids]
+            self._jobs.clear()
+            self._jobs.extend(kept)
         return taken
-
-    def _run_prefills(self, batch: list[_Job]) -> None:
-        self._run_planned(batch, lambda job: self.executor.plan_prefill(*job.prefill), self.executor.run)
 
     def _wait_for_more(self, batch: list[_Job]) -> None:
         deadline = time.monotonic() + self.batch_wait_s
@@ -326,34 +380,6 @@ class ModelWorker:
             except Exception:  # bookkeeping must never kill the worker
                 log.exception("idle reclamation failed")
 
-    def _run_slice(self, job: _Job) -> None:
-        """Advances a sliced job by one slice; requeues it if it is not finished.
-        A job whose caller went away is stopped instead: its generator undoes its work."""
-        if job.steps is None:
-            if not job.future.set_running_or_notify_cancel():
-                return
-            if (gone := job.gone()) is not None:
-                job.future.set_exception(gone)
-                return
-            job.queue_ns = time.perf_counter_ns() - job.enqueued_ns
-            try:
-                with job.as_tenant():
-                    job.steps = job.fn(*job.args)
-            except BaseException as exc:
-                job.future.set_exception(exc)
-                return
-        try:
-            with job.as_tenant():
-                if (gone := job.gone()) is not None:
-                    job.steps.throw(gone)  # the generator rolls back what it did and re-raises
-                next(job.steps)
-        except StopIteration as done:
-            job.future.set_result(_with_queue_time(done.value, job.queue_ns))
-        except BaseException as exc:
-            job.future.set_exception(exc)
-        else:
-            self._requeue(job)
-
     def _run(self, job: _Job) -> None:
         if not job.future.set_running_or_notify_cancel():
             return
@@ -369,15 +395,37 @@ class ModelWorker:
             return
         job.future.set_result(_with_queue_time(result, queue_ns))
 
-    def _run_decodes(self, batch: list[_Job]) -> None:
-        self._run_planned(batch, lambda job: self.executor.plan_decode(*job.decode), self.executor.run)
+    def _plan_part(self, job: _Job, tokens: int) -> Any:
+        """Opens a prompt on its first part, then plans its next part of up to
+        ``tokens``; None (with the job answered) if it failed or its caller went away."""
+        ex = self.executor
+        if job.prompt is None:
+            if not job.future.set_running_or_notify_cancel():
+                return None
+            job.queue_ns = time.perf_counter_ns() - job.enqueued_ns
+        if (gone := job.gone()) is not None:  # nobody waits for it: undo its parts so far
+            if job.prompt is not None:
+                job.prompt.abort()
+            job.future.set_exception(gone)
+            return None
+        try:
+            with job.as_tenant():
+                if job.prompt is None:
+                    job.prompt = ex.open_prefill(*job.prefill)
+                return job.prompt.next_part(tokens)
+        except BaseException as exc:
+            if job.prompt is not None:
+                job.prompt.abort()
+            job.future.set_exception(exc)
+            return None
 
-    def _run_planned(self, batch: list[_Job], plan: Callable[[_Job], Any], run: Callable[[list], list]) -> None:
-        """Plans every job (a job whose plan fails gets its error alone), then runs
-        all plans in one forward and hands each job its result."""
+    def _run_step(self, decodes: list[_Job], prompts: list[tuple[_Job, int]]) -> None:
+        """Plans every decode and prompt part (a job whose plan fails gets its error
+        alone), runs them all as one forward, and hands each decode its result and
+        each prompt its part's; an unfinished prompt goes back in the queue."""
         start = time.perf_counter_ns()
         planned: list[tuple[_Job, Any]] = []
-        for job in batch:
+        for job in decodes:
             if not job.future.set_running_or_notify_cancel():
                 continue
             if (gone := job.gone()) is not None:  # nobody waits for it: do not run it
@@ -385,21 +433,39 @@ class ModelWorker:
                 continue
             try:
                 with job.as_tenant():
-                    planned.append((job, plan(job)))
+                    planned.append((job, self.executor.plan_decode(*job.decode)))
             except BaseException as exc:
                 job.future.set_exception(exc)
+        for job, tokens in prompts:
+            if (plan := self._plan_part(job, tokens)) is not None:
+                planned.append((job, plan))
         if not planned:
             return
+        t0 = time.perf_counter_ns()
         try:
-            results = run([p for _, p in planned])
-        except BaseException as exc:
+            results = self.executor.run([p for _, p in planned])
+        except BaseException as exc:  # run() put every sequence back; prompts undo their earlier parts
             if not isinstance(exc, ExecutorError):
                 log.exception("batched forward failed")
             for job, _ in planned:
+                if job.prompt is not None:
+                    job.prompt.abort()
                 job.future.set_exception(exc)
             return
-        for (job, _), result in zip(planned, results):
-            job.future.set_result(_with_queue_time(result, start - job.enqueued_ns))
+        forward_ns, steps = time.perf_counter_ns() - t0, sum(len(p.steps) for _, p in planned)
+        for (job, plan), result in zip(planned, results):
+            if job.decode:
+                job.future.set_result(_with_queue_time(result, start - job.enqueued_ns))
+                continue
+            try:
+                done = job.prompt.part_done(plan, result, forward_ns, steps)
+            except BaseException as exc:
+                job.future.set_exception(exc)
+                continue
+            if done is None:
+                self._requeue(job)
+            else:
+                job.future.set_result(_with_queue_time(done, job.queue_ns))
 
 
 def _with_queue_time(result: Any, queue_ns: int) -> Any:

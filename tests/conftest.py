@@ -49,6 +49,23 @@ def tiny_qwen3_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(2)
+    cfg = Qwen3MoeConfig(**TINY, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    # random init leaves experts nearly identical; spread them so routing matters
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    path = tmp_path_factory.mktemp("tiny-moe")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def hf_tiny_llama(tiny_llama_dir):
     """The oracle: transformers' own Llama on the same weights."""
     from transformers import LlamaForCausalLM

@@ -10,26 +10,9 @@ from ferrum_rpc.client import ExecutorClient, LogitsPolicy
 from ferrum_rpc.client.generate import generate_ids
 from ferrum_rpc.client.sampling import SamplingParams
 from ferrum_rpc.client.speculative import ModelDrafter, NgramDrafter, speculative_generate
-from tests.conftest import TINY, running_server
+from tests.conftest import running_server
 
 ATOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def tiny_moe_dir(tmp_path_factory):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(2)
-    cfg = Qwen3MoeConfig(**TINY, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])
-    model = Qwen3MoeForCausalLM(cfg).eval()
-    # random init leaves experts nearly identical; spread them so routing matters
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    path = tmp_path_factory.mktemp("tiny-moe")
-    model.save_pretrained(path)
-    return path
 
 
 def test_moe_prefill_and_16_greedy_steps_match_transformers(tiny_moe_dir):

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ferrum_rpc.server.kv_cache import RaggedBatch
 from ferrum_rpc.server.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -144,40 +145,52 @@ class Attention(nn.Module):
         self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x (..., C) -> (qkv,) when the projections are fused, else (q, k, v)."""
         if self.qkv_proj is None:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return self.qkv_proj(x).split([q_dim, kv_dim, kv_dim], dim=-1)
+        return (self.qkv_proj(x),)
 
-    def forward(self, x: torch.Tensor, rope: Rope, kv) -> torch.Tensor:
-        B, T, _ = x.shape
+    def forward(self, x: torch.Tensor, rope: Rope | list[Rope], kv) -> torch.Tensor:
+        if isinstance(kv, RaggedBatch):  # projections over every token at once, attention per group
+            proj = self.projections(x)  # (1, N, ...) each
+            outs = []
+            for (group, batch, width, row), group_rope in zip(kv.groups, rope):
+                part = tuple(p[:, row:row + batch * width].view(batch, width, -1) for p in proj)
+                outs.append(self.attend(part, group_rope, group).view(1, batch * width, -1))
+            return self.o_proj(torch.cat(outs, dim=1) if len(outs) > 1 else outs[0])
+        return self.o_proj(self.attend(self.projections(x), rope, kv))
+
+    def attend(self, proj: tuple[torch.Tensor, ...], rope: Rope, kv) -> torch.Tensor:
+        """Projections (B, T, ...) -> attention output (B, T, H*D), writing k, v to the pool."""
+        B, T = proj[0].shape[:2]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if len(proj) == 1:
+            q, k, v = proj[0].split([H * D, Hkv * D, Hkv * D], dim=-1)
+        else:
+            q, k, v = proj
         if rope.fused:  # RoPE, the pool write and paged attention in one op
-            q, k, v = self.project(x)
-            q, k = self.qk_norm(q.view(B, T, H, D), k.view(B, T, Hkv, D))
-            out = torch.ops.ferrum_fused.paged_attention(
-                q, k, v.view(B, T, Hkv, D), rope.table_cos, rope.table_sin, kv.positions, kv.pool.k[self.layer],
+            q, k = self.qk_norm(q.reshape(B, T, H, D), k.reshape(B, T, Hkv, D))
+            return torch.ops.ferrum_fused.paged_attention(
+                q, k, v.reshape(B, T, Hkv, D), rope.table_cos, rope.table_sin, kv.positions, kv.pool.k[self.layer],
                 kv.pool.v[self.layer], kv.write_slots, kv.tables, 1 / math.sqrt(D))
-            return self.o_proj(out)  # (B, T, H*D)
-        rope = (rope.cos, rope.sin)
-        if self.qkv_proj is not None and not self.has_qk_norm:
+        cos_sin = (rope.cos, rope.sin)
+        if len(proj) == 1 and not self.has_qk_norm:
             # Rotate q and k as one tensor: half the per-layer RoPE ops.
-            qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, D)  # (B, T, H+2Hkv, D)
-            qk = apply_rope(qkv[:, :, :H + Hkv], *rope)
+            qkv = proj[0].view(B, T, H + 2 * Hkv, D)  # (B, T, H+2Hkv, D)
+            qk = apply_rope(qkv[:, :, :H + Hkv], *cos_sin)
             q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv:]
         else:
-            q, k, v = self.project(x)
             q = q.reshape(B, T, H, D)  # (B, T, H, D)
             k = k.reshape(B, T, Hkv, D)  # (B, T, Hkv, D)
             v = v.reshape(B, T, Hkv, D)
             q, k = self.qk_norm(q, k)
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
         keys, values = kv.update(self.layer, k, v)  # (B, Hkv, S, D) each
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=kv.mask, enable_gqa=True
         )  # (B, H, T, D)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return out.transpose(1, 2).reshape(B, T, -1)
 
 
 class MLP(nn.Module):
@@ -295,20 +308,23 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv,
                 capture: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
-        """input_ids, positions: (B, T) int64 -> hidden (B, T, hidden).
+        """input_ids, positions: (B, T) int64 -> hidden (B, T, hidden); with a
+        ``RaggedBatch`` as ``kv``, input_ids (1, N) -> hidden (1, N, hidden) and
+        ``positions`` is unused (each group has its own).
 
         ``capture``: layer indices (as transformers' ``output_hidden_states``: 0 the
         embeddings, i the output of layer i, num_layers the normed output) whose
         hidden states are copied into it."""
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
+        if isinstance(kv, RaggedBatch):  # input_ids (1, N): every group's tokens, see RaggedBatch
+            ropes = [self.rope(group.positions, x.dtype) for group, *_ in kv.groups]
+            for layer in self.model.layers:
+                x = layer(x, ropes, kv)
+            return self.model.norm(x)
         keep = (lambda i, h: capture.__setitem__(i, h.clone()) if i in capture else None) if capture else None
         if keep:
             keep(0, x)
-        if self.fused_ops and input_ids.shape[1] <= FUSED_MAX_TOKENS:
-            rope = Rope(None, None, self.rope_cos, self.rope_sin, fused=True)
-        else:
-            rope = Rope(self.rope_cos[positions].unsqueeze(2).to(x.dtype),  # (B, T, 1, D)
-                        self.rope_sin[positions].unsqueeze(2).to(x.dtype), self.rope_cos, self.rope_sin, fused=False)
+        rope = self.rope(positions, x.dtype)
         if rope.fused and self.layer_ops is not None and x.dtype == torch.float32:
             cfg, decode_layer = self.config, torch.ops.ferrum_fused.decode_layer
             scale = 1 / math.sqrt(cfg.head_dim)
@@ -326,6 +342,14 @@ class LlamaForCausalLM(nn.Module):
         if keep:
             keep(len(self.model.layers), out)
         return out
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """The rotary embedding for tokens at ``positions`` (B, T): fused for up to
+        FUSED_MAX_TOKENS tokens per sequence when the fused ops are on."""
+        if self.fused_ops and positions.shape[1] <= FUSED_MAX_TOKENS:
+            return Rope(None, None, self.rope_cos, self.rope_sin, fused=True)
+        return Rope(self.rope_cos[positions].unsqueeze(2).to(dtype),  # (B, T, 1, D)
+                    self.rope_sin[positions].unsqueeze(2).to(dtype), self.rope_cos, self.rope_sin, fused=False)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, C) -> float32 logits (N, V)."""
