@@ -445,3 +445,69 @@ def test_restart_under_same_address_replays_opt_out_raises_and_bounds_hold(healt
             assert status.status().active_sequences == 0
         finally:
             status.close()
+
+
+def test_batches_forks_and_truncations_survive_a_kill(healthy):
+    """Forked children, a truncated sequence and plain ones spread over the replicas; the
+    parent's replica is SIGKILLed; a mixed BatchDecode then equals the same operations
+    on one server (the forks' and the truncation's histories were replayed)."""
+    targets = [r.target for r in healthy]
+    by_target = {r.target: r for r in healthy}
+    argmax = LogitsPolicy.argmax()
+    with ExecutorClient(targets, timeout=30, replica_policy=FAST) as ex, \
+            ExecutorClient(targets[0], timeout=30) as one:
+
+        def build(c):
+            handles, tokens = [], []
+            for p in prompts(4):
+                out = c.prefill(list(p), logits=argmax)
+                handles.append(out.kv_cache)
+                tokens.append(out.logits.argmax()[0])
+            for _ in range(3):  # the last sequence grows, then is cut back by two
+                step = c.decode(tokens[3], handles[3], logits=argmax)
+                handles[3], tokens[3] = step.kv_cache, step.logits.argmax()[0]
+            handles[3] = c.truncate_kv(handles[3], handles[3].sequence_length - 2)
+            kids = c.fork_cache(handles[0], 2)
+            return handles + kids, tokens + [tokens[0], (tokens[0] + 1) % 300]
+
+        handles, tokens = build(ex)
+        solo, solo_tokens = build(one)
+        assert tokens == solo_tokens
+        by_target[ex.replica_of(handles[0])].kill()  # the parent's and the children's replica
+        for _ in range(3):
+            got = ex.batch_decode(list(zip(tokens, handles)), logits=argmax)
+            want = [one.decode(t, h, logits=argmax) for t, h in zip(tokens, solo)]
+            assert [g.logits.argmax() for g in got] == [w.logits.argmax() for w in want]
+            assert [g.kv_cache.sequence_length for g in got] == [w.kv_cache.sequence_length for w in want]
+            handles, solo = [g.kv_cache for g in got], [w.kv_cache for w in want]
+            tokens = [w.logits.argmax()[0] for w in want]
+        for h in handles:
+            ex.release_cache(h)
+        for h in solo:
+            one.release_cache(h)
+        assert ex.live_sequences() == []
+
+
+def test_failed_split_batch_changes_nothing(healthy):
+    """Opt-out client, a batch across owners, one owner dead: the call raises, and the part
+    that ran on the live owners is undone (old handles decode as if nothing happened)."""
+    targets = [r.target for r in healthy]
+    by_target = {r.target: r for r in healthy}
+    argmax = LogitsPolicy.argmax()
+    with ExecutorClient(targets, timeout=30, failover=False, replica_policy=FAST) as ex:
+        outs = [ex.prefill(list(p), logits=argmax) for p in prompts(6)]
+        owners = [ex.replica_of(o.kv_cache) for o in outs]
+        assert len(set(owners)) >= 2
+        victim = owners[0]
+        live = [(o.logits.argmax()[0], o.kv_cache) for o, t in zip(outs, owners) if t != victim]
+        expected = [ex.decode(t, h, logits=argmax) for t, h in live]  # what the next step gives
+        for e, (_, h) in zip(expected, live):
+            ex.truncate_kv(e.kv_cache, h.sequence_length)
+        by_target[victim].kill()
+        with pytest.raises(ExecutorError) as caught:
+            ex.batch_decode([(o.logits.argmax()[0], o.kv_cache) for o in outs], logits=argmax)
+        assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+        again = [ex.decode(t, h, logits=argmax) for t, h in live]  # lengths as before the failed call
+        assert [a.logits.argmax() for a in again] == [e.logits.argmax() for e in expected]
+        for a in again:
+            ex.release_cache(a.kv_cache)

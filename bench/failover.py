@@ -1,0 +1,166 @@
+"""What a failover costs: the time from SIGKILL of a sequence's replica to its next
+token, against the length of the history the client replays on the survivor.
+
+Two ``ferrum-rpc serve`` processes; a replica-set client prefills an L-token
+prompt (a fresh random one each run, so the survivor's prefix cache holds none of
+it) and decodes a few tokens; then the owner is killed and one more Decode is
+timed from the kill: the client sees UNAVAILABLE, marks the replica, places the
+sequence on the survivor, prefills the whole history there and decodes.  The
+killed replica is restarted on its port before the next run.  Beside it, the same
+sequence's ordinary decode step and a plain prefill of the history on the
+survivor, so the added latency splits into detection + replay prefill + the step.
+
+    python -m bench.failover [--history 16 128 512 1024] [--runs 3] [--model DIR] [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+from bench.common import log, write_results
+from ferrum_rpc.client import ExecutorClient, LogitsPolicy
+from ferrum_rpc.client.replicas import ReplicaPolicy
+
+GREEDY = LogitsPolicy.argmax()
+WARM_STEPS = 4
+
+
+class Server:
+    """A ``ferrum-rpc serve`` process that can be killed and started again on its port."""
+
+    def __init__(self, model_dir: str, dtype: str, port: int = 0):
+        self.model_dir, self.dtype, self.port = model_dir, dtype, port
+        self.start()
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "ferrum_rpc.cli", "serve", "--model", f"bench={self.model_dir}",
+               "--port", str(self.port), "--dtype", self.dtype, "--kv-tokens", "16384"]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True)
+        ready = threading.Event()
+
+        def pump(proc=self.proc):
+            for line in proc.stderr:
+                if m := re.search(r"listening on [\d.]+:(\d+)", line):
+                    self.port = int(m.group(1))
+                if "serving" in line:
+                    ready.set()
+                if "ERROR" in line or "Traceback" in line:
+                    sys.stderr.write(line)
+
+        threading.Thread(target=pump, daemon=True).start()
+        if not ready.wait(300):
+            raise RuntimeError("server did not come up")
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(60)
+
+
+def one_run(ex: ExecutorClient, servers: dict[str, Server], history: int, seed: int, vocab: int) -> dict:
+    """Prefill + a few decodes, kill the owner, time the next decode; plus references."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(10, vocab) for _ in range(history - WARM_STEPS)]
+    out = ex.prefill(prompt, logits=GREEDY)
+    handle, token = out.kv_cache, out.logits.argmax()[0]
+    steps = []
+    for _ in range(WARM_STEPS):
+        t0 = time.perf_counter()
+        step = ex.decode(token, handle, logits=GREEDY)
+        steps.append(time.perf_counter() - t0)
+        handle, token = step.kv_cache, step.logits.argmax()[0]
+    owner = servers[ex.replica_of(handle)]
+    survivor = next(s for s in servers.values() if s is not owner)
+    t0 = time.perf_counter()
+    owner.kill()
+    step = ex.decode(token, handle, logits=GREEDY)
+    failover = time.perf_counter() - t0
+    assert ex.replica_of(step.kv_cache) == survivor.target
+    ex.release_cache(step.kv_cache)
+    # The replay on its own: a plain prefill of a history as long (another random one).
+    with ExecutorClient(survivor.target, timeout=120) as one:
+        other = [rng.randrange(10, vocab) for _ in range(history)]
+        t0 = time.perf_counter()
+        replay = one.prefill(other, logits=GREEDY)
+        prefill = time.perf_counter() - t0
+        one.release_cache(replay.kv_cache)
+    owner.start()  # back on its port for the next run
+    return {"history": history, "seed": seed, "failover_s": failover, "decode_s": statistics.median(steps),
+            "prefill_s": prefill}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--history", type=int, nargs="+", default=[16, 128, 512, 1024])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("ferrum_rpc.client.replicas").setLevel(logging.ERROR)  # one failover per run, by design
+    if args.model is None:
+        from ferrum_rpc.server.prepare import prepare_default_model
+
+        args.model = str(prepare_default_model())
+    servers = [Server(args.model, args.dtype) for _ in range(2)]
+    records = []
+    try:
+        by_target = {s.target: s for s in servers}
+        policy = ReplicaPolicy(down_cooldown_s=0.5, failover_timeout_s=120)
+        with ExecutorClient(list(by_target), timeout=120, replica_policy=policy) as ex:
+            vocab = ex.info().vocab_size
+            ex.decode(0, ex.prefill([1, 2, 3], logits=GREEDY).kv_cache, logits=GREEDY)  # connect, warm
+            for history in args.history:
+                for run in range(args.runs):
+                    record = one_run(ex, by_target, history, seed=1000 * history + run, vocab=vocab)
+                    records.append(record)
+                    log.info("history %d run %d: kill -> next token %.1f ms (step %.1f ms, prefill %.1f ms)",
+                             history, run + 1, 1e3 * record["failover_s"], 1e3 * record["decode_s"],
+                             1e3 * record["prefill_s"])
+    finally:
+        for s in servers:
+            s.stop()
+    write_results("failover", records)
+    print_table(records)
+
+
+def print_table(records: list[dict]) -> None:
+    print("\n| history tokens | decode step ms | prefill of the history ms | kill -> next token ms "
+          "| added ms | added per 1k tokens of history ms |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    points = []
+    for history in sorted({r["history"] for r in records}):
+        rows = [r for r in records if r["history"] == history]  # medians over the runs
+        med = {k: 1e3 * statistics.median(r[k] for r in rows) for k in ("decode_s", "prefill_s", "failover_s")}
+        added = med["failover_s"] - med["decode_s"]
+        print(f"| {history} | {med['decode_s']:.1f} | {med['prefill_s']:.1f} | {med['failover_s']:.1f} "
+              f"| {added:.1f} | {1e3 * added / history:.1f} |")
+        points.append((history, added))
+    if len(points) >= 2:  # added = fixed + per_token * history, least squares over the medians
+        n = len(points)
+        mx, my = sum(h for h, _ in points) / n, sum(a for _, a in points) / n
+        slope = sum((h - mx) * (a - my) for h, a in points) / sum((h - mx) ** 2 for h, _ in points)
+        print(f"\nfit: added ms = {my - slope * mx:.1f} + {slope:.3f} x history tokens "
+              f"({1e3 * slope:.0f} us per token of history replayed)")
+
+
+if __name__ == "__main__":
+    main()
