@@ -5,10 +5,12 @@ through unary Decode calls, while ``--prompters`` callers (default 2) send
 prompts of 200-1,000 tokens (seeded lengths) back to back.  Reported: decode
 step latency p50/p99 and decode tokens/s while prompts are arriving, and
 prompt tokens/s; the decode-only figures without prompts, same run, for
-comparison.  This is the baseline for the unified forward (issue 13): today
-prompt chunks and decode batches run in separate forwards.
+comparison.  Each ``--budgets`` value is a server run with that
+``--step-token-budget``: 0 is the schedule before the unified forward
+(prompt chunks and decode batches alternate in separate forwards), the
+others put decodes and prompt parts in one forward under that budget.
 
-    python -m bench.mixed [--seconds 20] [--decoders 32] [--prompters 2]
+    python -m bench.mixed [--seconds 20] [--decoders 32] [--prompters 2] [--budgets 0,64,128,256]
 """
 
 from __future__ import annotations
@@ -92,17 +94,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decoders", type=int, default=32)
     parser.add_argument("--prompters", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--budgets", default="0,64,128,256",
+                        help="step token budgets to compare, one server each (0: separate forwards)")
     parser.add_argument("--out", default="mixed")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     records = []
-    with served(str(prepare_default_model()), "float32") as target:
-        for prompters in (0, args.prompters):
-            rec = phase(target, args.seconds, args.decoders, prompters, args.seed)
-            records.append(rec)
-            log.info("%d decoders, %d prompters: decode p50 %.1f ms, p99 %.1f ms, %.1f decode tokens/s, "
-                     "%.1f prompt tokens/s", rec["decoders"], rec["prompters"], rec["decode_p50_ms"],
-                     rec["decode_p99_ms"], rec["decode_tokens_per_s"], rec["prompt_tokens_per_s"])
+    budgets = [int(b) for b in args.budgets.split(",")]
+    for budget in budgets:
+        with served(str(prepare_default_model()), "float32", ("--step-token-budget", str(budget))) as target:
+            for prompters in ((0, args.prompters) if budget == budgets[0] else (args.prompters,)):
+                rec = {"step_token_budget": budget,
+                       **phase(target, args.seconds, args.decoders, prompters, args.seed)}
+                records.append(rec)
+                log.info("budget %d, %d decoders, %d prompters: decode p50 %.1f ms, p99 %.1f ms, "
+                         "%.1f decode tokens/s, %.1f prompt tokens/s", budget, rec["decoders"], rec["prompters"],
+                         rec["decode_p50_ms"], rec["decode_p99_ms"], rec["decode_tokens_per_s"],
+                         rec["prompt_tokens_per_s"])
     write_results(args.out, records)
 
 

@@ -30,13 +30,13 @@ class ExecutorConfig:
         prefill_chunk: prompts longer than this run in chunks, letting other
             callers' decodes run in between.
         step_token_budget: the unified forward's budget: most tokens in one
-            forward while decodes are waiting.  Each forward takes every
+            forward while callers are decoding.  Each forward takes every
             waiting decode first (up to ``max_batch_size``), then fills the
             rest with parts of waiting prompts (at least a quarter of the
-            budget, so prompts never starve); with no decode waiting, prompt
-            parts of up to ``prefill_chunk`` tokens each, as many as the
-            budget or one chunk allow.  0: prompts and decodes never share a
-            forward (they alternate; the pre-0.3 schedule).
+            budget, so prompts never starve).  Once nobody has decoded for a
+            second, prompts run parts of up to ``prefill_chunk`` tokens each,
+            as many as the budget or one chunk allow.  0: prompts and decodes
+            never share a forward (they alternate; the pre-0.3 schedule).
         prefix_caching: share identical full prompt blocks across sequences.
         linear_kernel: "auto" probes the oneDNN prepacked linear (faster
             bfloat16 everywhere and float32 batches; float32 weights take 2x

@@ -16,7 +16,10 @@ Prompts share those forwards (the unified forward, Ferrum's
 ``unified_forward``; vLLM and Sarathi-Serve schedule the same way): each
 forward takes every waiting decode first, then fills the rest of a token
 budget (``step_token_budget``) with the next parts of waiting prompts, each
-part one step of the same forward.  Decodes come first because they are the
+part one step of the same forward.  While callers are decoding, a forward
+without decodes is held to the budget too: their next calls are usually
+on their way back, and join the next forward instead of waiting out a
+whole prompt chunk.  Decodes come first because they are the
 latency callers feel on every token, while a prompt's latency is paid once;
 the budget bounds how much prompt work rides on a decode step, so a decode
 step under load costs about one budget-sized forward instead of waiting
@@ -97,11 +100,15 @@ class ModelWorker:
     """
 
     REAP_EVERY_S = 1.0
+    DECODERS_ACTIVE_S = 1.0  # a decode forward this recent means decoders are active (see _take_prompts)
 
     def __init__(self, load: Callable[[], TorchExecutor], name: str = "model", batch_wait_ms: float = 0.0):
         self.executor: TorchExecutor | None = None
         self.batch_wait_s = batch_wait_ms / 1000
         self._next_reap = time.monotonic() + self.REAP_EVERY_S
+        self._decoded_at = float("-inf")  # when the last forward with decodes ran
+        self._decoders: dict[str, float] = {}  # sequence -> when it last decoded (the last second's)
+        self._last_forward_s = 0.0  # how long the last forward with decodes took
         self._jobs: deque[_Job | None] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -250,6 +257,8 @@ class ModelWorker:
                 continue
             if decodes and self.batch_wait_s:
                 self._wait_for_more(decodes)
+            elif self.executor.config.step_token_budget:
+                self._wait_for_decoders(decodes)
             with self._cond:
                 prompts = self._take_prompts(decodes)
             self._run_step(decodes, prompts)
@@ -341,7 +350,14 @@ class ModelWorker:
                 window.append(job)
         else:
             budget = cfg.step_token_budget
-            room = max(budget - size, budget // 4, 1) if decodes else max(budget, cfg.prefill_chunk)
+            if decodes:
+                room = max(budget - size, budget // 4, 1)
+            elif time.monotonic() - self._decoded_at < self.DECODERS_ACTIVE_S:
+                # decoders are between calls (their replies are on the way back): a budget-sized
+                # forward lets their next calls join the next forward instead of waiting out a chunk
+                room = budget
+            else:  # nobody is decoding: prompts run whole chunks
+                room = max(budget, cfg.prefill_chunk)
             window = self._window()
         seen = {i.kv_cache.cache_id for j in decodes for i in j.decode[0]}
         taken: list[tuple[_Job, int]] = []
@@ -369,6 +385,28 @@ class ModelWorker:
         deadline = time.monotonic() + self.batch_wait_s
         with self._cond:
             while not self._collect(batch) and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+
+    def _wait_for_decoders(self, batch: list[_Job]) -> None:
+        """Waits briefly for the decoders of the last second that are not queued yet.
+
+        Callers drive decoding one call per token, so after a forward their next
+        calls trickle back over a few milliseconds.  Without this, the next
+        forward takes the first few and the rest wait out a whole forward
+        (with prompt parts in it, a long one): the decoders split into groups
+        that alternate, doubling everyone's step time.  The wait is bounded by
+        a quarter of the last decode forward and 50 ms; it ends as soon as every
+        recent decoder is in (or the batch is closed)."""
+        now = time.monotonic()
+        for cid in [c for c, t in self._decoders.items() if now - t > self.DECODERS_ACTIVE_S]:
+            del self._decoders[cid]
+        if not self._decoders:
+            return
+        deadline = now + min(0.25 * self._last_forward_s, 0.05)
+        with self._cond:
+            while not self._collect(batch) and (left := deadline - time.monotonic()) > 0:
+                if {i.kv_cache.cache_id for j in batch for i in j.decode[0]} >= self._decoders.keys():
+                    return
                 self._cond.wait(left)
 
     def _reap(self) -> None:
@@ -453,6 +491,12 @@ class ModelWorker:
                 job.future.set_exception(exc)
             return
         forward_ns, steps = time.perf_counter_ns() - t0, sum(len(p.steps) for _, p in planned)
+        if decodes:
+            self._decoded_at = now = time.monotonic()
+            self._last_forward_s = forward_ns / 1e9
+            for job in decodes:
+                for item in job.decode[0]:
+                    self._decoders[item.kv_cache.cache_id] = now
         for (job, plan), result in zip(planned, results):
             if job.decode:
                 job.future.set_result(_with_queue_time(result, start - job.enqueued_ns))

@@ -131,7 +131,7 @@ def _worker(folder, **config) -> ModelWorker:
 
 
 @pytest.mark.parametrize("budget, forwards, tokens", [
-    (8, 2, [8, 15]),  # 3 decodes + 5 prompt tokens, then the prompt's other 15 (no decode waits)
+    (8, 3, [8, 8, 7]),  # 3 decodes + 5 prompt tokens, then (decoders active) the budget, then the rest
     (0, 3, [16, 3, 4]),  # the pre-unified schedule: a prompt chunk alone, the decodes, the rest
 ])
 def test_worker_puts_decodes_first_then_prompt_parts_up_to_the_budget(model, budget, forwards, tokens):
