@@ -34,13 +34,14 @@ fuzz-soak: setup
 protos: setup
 	$(BIN)/python -m ferrum_rpc.codegen
 
-# All three benchmarks side by side, then the plot (writes bench/results/).
+# The benchmarks side by side, then the plot (writes bench/results/).
 bench: prepare
 	$(BIN)/python -m pip install --constraint constraints.txt --quiet matplotlib
 	$(BIN)/python -m bench.decode_throughput
 	$(BIN)/python -m bench.concurrency
 	$(BIN)/python -m bench.wire
 	$(BIN)/python -m bench.mixed
+	$(BIN)/python -m bench.failover
 	$(BIN)/python -m bench.plot
 	$(BIN)/python -m bench.report
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from array import array
 import logging
 import random
 import socket
@@ -42,7 +43,7 @@ from ferrum_rpc.client.client import (
     ClientTls,
     ExecutorClient,
 )
-from ferrum_rpc.errors import ExecutorError, FailoverFailed, KvCapacityExhausted, Reason
+from ferrum_rpc.errors import ExecutorError, FailoverFailed, KvCapacityExhausted, Reason, StaleHandle
 from ferrum_rpc.types import (
     DecodeInput,
     DecodeOutput,
@@ -68,8 +69,9 @@ class ReplicaPolicy:
     """How a replica-set client places sequences and bounds failover.
 
     Attributes:
-        max_attempts: replicas tried to move one sequence (or to place a new one)
-            before :class:`~ferrum_rpc.errors.FailoverFailed`.
+        max_attempts: tries to move one sequence (or to place a new one) before
+            :class:`~ferrum_rpc.errors.FailoverFailed`: each replica tried counts, and
+            so does each wait of ``down_cooldown_s`` for one when none is usable.
         failover_timeout_s: longest one failover may take, waiting for a replica to
             come back included.
         status_ttl_s: how long a replica's GetStatus answer is used for placement
@@ -160,6 +162,7 @@ class _Replica:
         self.instance_id = ""
         self.block_size = 0
         self.unusable_until = 0.0
+        self.healthy = True  # False from a failure until a status probe finds it serving
         self.inflight = 0  # this client's calls on it now
         self.placed_tokens = 0  # tokens this client placed on it since its last status
 
@@ -196,13 +199,18 @@ class TrackedSequence:
     tokens: tuple[int, ...] | None
 
 
+def _history(tokens: Iterable[int]) -> array:
+    """Token ids as a client remembers them: 4 bytes each (a list of ints takes ~36)."""
+    return array("I", tokens)
+
+
 @dataclass(eq=False)
 class _Sequence:
     """A live sequence: its current handle, owner and every token in its KV (None:
     unknown, so it cannot be replayed)."""
 
     handle: KvCacheHandle
-    tokens: list[int] | None
+    tokens: array | None
     replica: _Replica
     keys: list[tuple[str, str]] = field(default_factory=list)  # (instance, cache id) of this and older handles
 
@@ -240,7 +248,7 @@ class _Fleet:
         return next((r for r in self.replicas if r.instance_id == handle.server_instance_id), None)
 
     def track(self, replica: _Replica, tokens: Sequence[int] | None, handle: KvCacheHandle) -> _Sequence:
-        seq = _Sequence(handle, list(tokens) if tokens is not None else None, replica, [_key(handle)])
+        seq = _Sequence(handle, _history(tokens) if tokens is not None else None, replica, [_key(handle)])
         with self.lock:
             self._sequences[_key(handle)] = seq
         self.learn(replica, handle.server_instance_id)
@@ -250,7 +258,8 @@ class _Fleet:
         """A call on ``seq`` succeeded: its KV held ``before`` tokens, then ``added`` went in."""
         with self.lock:
             if seq.tokens is not None:
-                seq.tokens = seq.tokens[:before] + list(added)
+                seq.tokens = seq.tokens[:before]
+                seq.tokens.extend(added)
                 if len(seq.tokens) != handle.sequence_length:
                     log.warning("sequence %s: %d tokens remembered, %d on the server; it can no longer "
                                 "be replayed", handle.cache_id, len(seq.tokens), handle.sequence_length)
@@ -355,6 +364,17 @@ class _Routing:
     policy: ReplicaPolicy
     failover: bool
 
+    def _setup(self, client_cls: type, target, failover: bool, policy: ReplicaPolicy | None,
+               kwargs: dict) -> list[_Replica]:
+        """One single-target client per replica (channels that reconnect within a second)."""
+        self.model, self.timeout, self.failover = kwargs["model"], kwargs["timeout"], failover
+        self.policy = policy or ReplicaPolicy()
+        self._regions: dict = {}
+        options = list(kwargs.pop("channel_options", ())) + RECONNECT_OPTIONS
+        replicas = [_Replica(t, client_cls(t, channel_options=options, **kwargs)) for t in resolve_targets(target)]
+        self._fleet = _Fleet(replicas, self.policy)
+        return replicas
+
     # -- replica state --------------------------------------------------------------
     def _mark(self, replica: _Replica, err: ExecutorError) -> None:
         """Leaves a replica out of placement for a while (or, for a restart, asks it again)."""
@@ -363,8 +383,12 @@ class _Routing:
             return
         if isinstance(err, KvCapacityExhausted) or not moves_sequence(err):
             return
-        if replica.usable(time.monotonic()):
-            log.warning("replica %s left out for %.1fs: %s", replica.target, self.policy.down_cooldown_s, err)
+        if replica.healthy:  # once per outage; the probes after each cooldown log at debug level
+            log.warning("replica %s left out (asked again every %.1fs): %s", replica.target,
+                        self.policy.down_cooldown_s, err)
+        else:
+            log.debug("replica %s still left out: %s", replica.target, err)
+        replica.healthy, replica.status_at = False, float("-inf")  # probed before it is used again
         replica.unusable_until = time.monotonic() + self.policy.down_cooldown_s
 
     def _probe_flow(self, replicas: list[_Replica]) -> Flow:
@@ -388,8 +412,13 @@ class _Routing:
             replica.status, replica.status_at, replica.placed_tokens = result, time.monotonic(), 0
             replica.instance_id = result.server_instance_id
             if result.state is not ServerState.SERVING:
-                log.info("replica %s is %s; placing elsewhere", replica.target, result.state.name.lower())
+                if replica.healthy:
+                    log.info("replica %s is %s; placing elsewhere", replica.target, result.state.name.lower())
+                replica.healthy = False
                 replica.unusable_until = time.monotonic() + self.policy.down_cooldown_s
+            elif not replica.healthy:
+                log.info("replica %s is serving again", replica.target)
+                replica.healthy = True
 
     def _place_flow(self, tokens: Sequence[int], exclude: set[_Replica] = frozenset()) -> Flow:
         """The replica a new sequence of ``tokens`` goes to, or None when none is usable:
@@ -435,6 +464,7 @@ class _Routing:
             if replica is None and not self.failover:  # no retries: let the server answer
                 replica = min(self._fleet.replicas, key=lambda r: r.unusable_until)
             if replica is None:
+                attempts += 1
                 yield from self._wait_or_fail(start, attempts, last, "place a new sequence")
                 exclude.clear()
                 continue
@@ -460,13 +490,14 @@ class _Routing:
                                  + (f"; last error {last}" if last else ""), cause=last, attempts=attempts)
 
     def _wait_or_fail(self, start: float, attempts: int, last: ExecutorError | None, what: str) -> Flow:
-        """No replica is usable now: waits for the first to come off its cooldown, within
-        the failover's time bound, or raises FailoverFailed."""
+        """No replica is usable now (a round that counts as an attempt): waits for the first
+        to come off its cooldown, within the policy's bounds, or raises FailoverFailed."""
         elapsed = time.monotonic() - start
         wake = min(r.unusable_until for r in self._fleet.replicas) - time.monotonic()
-        if elapsed + max(wake, 0.0) >= self.policy.failover_timeout_s:
-            raise FailoverFailed(f"could not {what}: no replica usable within "
-                                 f"{self.policy.failover_timeout_s:.1f}s ({attempts} tried)"
+        if attempts >= self.policy.max_attempts or elapsed + max(wake, 0.0) >= self.policy.failover_timeout_s:
+            raise FailoverFailed(f"could not {what}: no replica usable after {elapsed:.1f}s and {attempts} "
+                                 f"tries (bounds: {self.policy.max_attempts} tries, "
+                                 f"{self.policy.failover_timeout_s:.1f}s)"
                                  + (f"; last error {last}" if last else ""), cause=last, attempts=attempts)
         yield _Sleep(max(wake, 0.01))
 
@@ -480,8 +511,6 @@ class _Routing:
                 yield from self._probe_flow(unknown)
                 owner = self._fleet.owner(handle)
         if owner is None:
-            from ferrum_rpc.errors import StaleHandle
-
             raise StaleHandle(f"handle {handle.cache_id!r} is from server instance "
                               f"{handle.server_instance_id!r}, which is none of this client's replicas")
         return owner
@@ -524,12 +553,13 @@ class _Routing:
         while True:
             replica = yield from self._place_flow(seq.tokens, exclude)
             if replica is None:
+                attempts += 1
                 yield from self._wait_or_fail(start, attempts, last, what)
                 exclude.clear()
                 continue
             attempts += 1
             try:
-                out = yield _Call(replica, replica.client.prefill, (list(seq.tokens), None, REPLAY_LOGITS))
+                out = yield _Call(replica, replica.client.prefill, (seq.tokens.tolist(), None, REPLAY_LOGITS))
             except ExecutorError as err:
                 if not (moves_sequence(err) or isinstance(err, KvCapacityExhausted)):
                     raise FailoverFailed(f"could not {what}: {err}", cause=err, attempts=attempts) from err
@@ -716,12 +746,6 @@ def _prompt_entries(prompts) -> list[tuple[list[int], KvCacheHandle | None]]:
     return out
 
 
-def _replica_clients(cls: type, target, kwargs: dict) -> list[_Replica]:
-    targets = resolve_targets(target)
-    options = list(kwargs.pop("channel_options", ())) + RECONNECT_OPTIONS
-    return [_Replica(t, cls(t, channel_options=options, **kwargs)) for t in targets]
-
-
 class ReplicaSetClient(_Routing, ExecutorClient):
     """:class:`ExecutorClient` over several replicas: ``ExecutorClient([a, b, c])`` builds one.
 
@@ -738,13 +762,9 @@ class ReplicaSetClient(_Routing, ExecutorClient):
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: ClientTls | None = None,
                  token: str | None = None, failover: bool = True, replica_policy: ReplicaPolicy | None = None,
                  channel_options: Sequence[tuple[str, object]] = ()):
-        self.model, self.timeout, self.failover = model, timeout, failover
-        self.policy = replica_policy or ReplicaPolicy()
-        self._regions: dict = {}
-        replicas = _replica_clients(ExecutorClient, target, dict(
+        replicas = self._setup(ExecutorClient, target, failover, replica_policy, dict(
             model=model, timeout=timeout, max_message_bytes=max_message_bytes, tls=tls, token=token,
             channel_options=channel_options))
-        self._fleet = _Fleet(replicas, self.policy)
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(replicas)), thread_name_prefix="replicas")
 
     # -- the driver ------------------------------------------------------------------
@@ -938,13 +958,9 @@ class AsyncReplicaSetClient(_Routing, AsyncExecutorClient):
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: ClientTls | None = None,
                  token: str | None = None, failover: bool = True, replica_policy: ReplicaPolicy | None = None,
                  channel_options: Sequence[tuple[str, object]] = ()):
-        self.model, self.timeout, self.failover = model, timeout, failover
-        self.policy = replica_policy or ReplicaPolicy()
-        self._regions: dict = {}
-        replicas = _replica_clients(AsyncExecutorClient, target, dict(
+        self._setup(AsyncExecutorClient, target, failover, replica_policy, dict(
             model=model, timeout=timeout, max_message_bytes=max_message_bytes, tls=tls, token=token,
             channel_options=channel_options))
-        self._fleet = _Fleet(replicas, self.policy)
 
     async def _drive(self, flow: Flow) -> Any:
         value, error = None, None

@@ -379,7 +379,7 @@ def test_restart_under_same_address_replays_opt_out_raises_and_bounds_hold(healt
     prompt = prompts(3)[2]
     want = reference(prompt, 10)
     bounded = ReplicaPolicy(max_attempts=2, failover_timeout_s=1.5, down_cooldown_s=0.2, seed=0)
-    patient = ReplicaPolicy(failover_timeout_s=30, down_cooldown_s=0.2, seed=0)
+    patient = ReplicaPolicy(max_attempts=100, failover_timeout_s=30, down_cooldown_s=0.2, seed=0)
 
     def start(ex):
         out = ex.prefill(list(prompt), logits=LogitsPolicy.argmax())
