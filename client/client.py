@@ -189,7 +189,8 @@ class _Codec:
     def _prefill_output(self, reply: pb.PrefillResponse) -> PrefillOutput:
         out = self._output(PrefillOutput, reply)
         hidden = tuple(tensor_codec.to_numpy(t) for t in getattr(reply, "hidden_states", ()))
-        return replace(out, cached_tokens=reply.cached_tokens, hidden_states=hidden)
+        weights = tuple(tensor_codec.to_numpy(t) for t in getattr(reply, "attention_weights", ()))
+        return replace(out, cached_tokens=reply.cached_tokens, hidden_states=hidden, attention_weights=weights)
 
     def _batch_outputs(self, replies: Sequence[pb.BatchDecodeResponse]) -> list[DecodeOutput]:
         replies = [r for reply in replies for r in (reply.results or [reply])]  # single_reply: one message

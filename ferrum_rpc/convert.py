@@ -154,11 +154,13 @@ def logits_from_proto(m: pb.Logits, shared_memory=None) -> Logits:
 
 
 def hidden_request_to_proto(h: HiddenStatesRequest) -> pb.HiddenStatesRequest:
-    return pb.HiddenStatesRequest(layers=h.layers, positions=h.positions)
+    return pb.HiddenStatesRequest(layers=h.layers, positions=h.positions, attention_layers=h.attention_layers,
+                                  attention_heads=h.attention_heads)
 
 
 def hidden_request_from_proto(m: pb.HiddenStatesRequest) -> HiddenStatesRequest:
-    return HiddenStatesRequest(tuple(m.layers), tuple(m.positions))
+    return HiddenStatesRequest(tuple(m.layers), tuple(m.positions), tuple(m.attention_layers),
+                               tuple(m.attention_heads))
 
 
 def timing_to_proto(t: Timing) -> pb.Timing:

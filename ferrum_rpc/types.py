@@ -114,12 +114,17 @@ class Timing:
 
 @dataclass(frozen=True)
 class HiddenStatesRequest:
-    """Hidden states a prefill should return: ``layers`` as transformers'
+    """Analysis outputs a prefill should return at ``positions`` of the call
+    (empty: all): hidden states of ``layers`` as transformers'
     ``output_hidden_states`` indexes them (0 embeddings, i the output of layer i,
-    num_layers the final normed output) at ``positions`` of the call (empty: all)."""
+    num_layers the final normed output), and attention weights of
+    ``attention_layers`` (decoder layers, as ``output_attentions`` indexes them)
+    for ``attention_heads`` (empty: all)."""
 
-    layers: tuple[int, ...]
+    layers: tuple[int, ...] = ()
     positions: tuple[int, ...] = ()
+    attention_layers: tuple[int, ...] = ()  # decoder layers whose attention weights to return
+    attention_heads: tuple[int, ...] = ()  # their query heads (empty: all)
 
 
 @dataclass(frozen=True)
@@ -129,6 +134,7 @@ class PrefillOutput:
     timing: Timing = field(default_factory=Timing)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     hidden_states: tuple = ()  # with a HiddenStatesRequest: (positions, hidden) arrays, one per layer
+    attention_weights: tuple = ()  # with attention_layers: (heads, positions, sequence_length) arrays, one per layer
 
 
 @dataclass(frozen=True)

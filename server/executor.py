@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from ferrum_rpc.errors import (
     ExecutorError,
@@ -87,6 +88,9 @@ class _Step:
     rows: str  # hidden rows that go through the LM head: "all", "last" or "none"
     # analysis: layer -> this step's hidden states (T, C), filled by run() for the layers asked
     hidden: dict[int, torch.Tensor | None] | None = None
+    # analysis: decoder layer -> this step's attention weights (H, T, start + T) of the heads asked
+    attention: dict[int, torch.Tensor | None] | None = None
+    heads: tuple[int, ...] = ()
 
     @property
     def seq(self) -> SequenceState:
@@ -190,6 +194,8 @@ class PromptInParts:
         self.offset = opened.cached  # tokens done (cached prefix included)
         self.rows: list[torch.Tensor] = []
         self.states: dict[int, list[torch.Tensor]] = {layer: [] for layer in (hidden.layers if hidden else ())}
+        self.weights: dict[int, list[torch.Tensor]] = {layer: [] for layer in
+                                                       (hidden.attention_layers if hidden else ())}
         self.forward_ns = 0
         self.open = True
 
@@ -210,6 +216,8 @@ class PromptInParts:
         want = "all" if self.policy.all_positions else "last" if final else "none"
         step = self.executor._step(self.opened, self.tokens[self.offset:self.offset + n], want)
         step.hidden = dict.fromkeys(self.states) if self.states else None
+        if self.weights:
+            step.attention, step.heads = dict.fromkeys(self.weights), tuple(self.hidden.attention_heads)
         return AppendPlan([step], self.policy, "chunk")
 
     def part_done(self, plan: AppendPlan, rows: torch.Tensor | None,
@@ -222,6 +230,8 @@ class PromptInParts:
             self.rows.append(rows)
         for layer in self.states:
             self.states[layer].append(step.hidden[layer])
+        for layer in self.weights:
+            self.weights[layer].append(step.attention[layer])
         if self.remaining:
             return None
         ex, hidden = self.executor, self.hidden
@@ -229,6 +239,9 @@ class PromptInParts:
             logits = ex._apply_policy(torch.cat(self.rows) if len(self.rows) > 1 else self.rows[0], self.policy)
             picked = list(hidden.positions) if hidden and hidden.positions else slice(None)
             states = tuple(torch.cat(self.states[layer])[picked].numpy() for layer in (hidden.layers if hidden else ()))
+            length = self.opened.seq.length  # earlier parts saw fewer keys: zero-padded (causal) to all of them
+            weights = tuple(torch.cat([F.pad(w, (0, length - w.shape[-1])) for w in self.weights[layer]], dim=1)
+                            [:, picked].numpy() for layer in (hidden.attention_layers if hidden else ()))
         except BaseException:
             self.abort()
             raise
@@ -236,7 +249,7 @@ class PromptInParts:
         ex.kv.unpin(self.opened.seq, touch=True)
         return PrefillOutput(logits, ex._handle(self.opened.seq), Timing(forward_ns=self.forward_ns,
                                                                          batch_size=batch_size),
-                             cached_tokens=self.opened.cached, hidden_states=states)
+                             cached_tokens=self.opened.cached, hidden_states=states, attention_weights=weights)
 
     def abort(self) -> None:
         """Undoes every part run so far (safe to call twice, and after a failed forward)."""
@@ -449,25 +462,36 @@ class TorchExecutor:
         to be run in parts, each one step of some forward (see
         :class:`PromptInParts`); raises with no state change."""
         if hidden is not None:
-            self._check_hidden(hidden, len(token_ids))
+            self._check_hidden(hidden, len(token_ids), kv_cache.sequence_length if kv_cache is not None else 0)
         opened = self._open_prefill(token_ids, kv_cache, policy, reuse_prefix=hidden is None)
         self.kv.pin(opened.seq)
         return PromptInParts(self, opened, list(token_ids), policy, hidden)
 
-    def _check_hidden(self, hidden: HiddenStatesRequest, tokens: int) -> None:
-        """Validates an analysis request and that its tensors fit the message limit (no state read)."""
-        layers = self.model_config.num_layers
-        if not hidden.layers:
-            raise InvalidInput("hidden_states.layers is empty")
+    def _check_hidden(self, hidden: HiddenStatesRequest, tokens: int, start: int) -> None:
+        """Validates an analysis request for ``tokens`` tokens after ``start`` and that
+        its tensors fit the message limit (no state read)."""
+        mc = self.model_config
+        layers, heads = mc.num_layers, mc.num_heads
+        if not hidden.layers and not hidden.attention_layers:
+            raise InvalidInput("hidden_states asks for nothing: give layers, attention_layers or both")
         if bad := [layer for layer in hidden.layers if not 0 <= layer <= layers]:
             raise InvalidInput(f"hidden_states.layers must be in 0..={layers}, got {bad[:8]}")
+        if bad := [layer for layer in hidden.attention_layers if not 0 <= layer < layers]:
+            raise InvalidInput(f"hidden_states.attention_layers must be in 0..{layers - 1}, got {bad[:8]}")
+        if bad := [h for h in hidden.attention_heads if not 0 <= h < heads]:
+            raise InvalidInput(f"hidden_states.attention_heads must be in 0..{heads - 1}, got {bad[:8]}")
+        if hidden.attention_heads and not hidden.attention_layers:
+            raise InvalidInput("hidden_states.attention_heads needs attention_layers")
         if bad := [p for p in hidden.positions if not 0 <= p < tokens]:
             raise InvalidInput(f"hidden_states.positions must be in 0..{tokens - 1}, got {bad[:8]}")
-        size = len(hidden.layers) * (len(hidden.positions) or tokens) * self.model_config.hidden_size * 4
+        rows = len(hidden.positions) or tokens
+        size = 4 * rows * (len(hidden.layers) * mc.hidden_size
+                           + len(hidden.attention_layers) * (len(hidden.attention_heads) or heads) * (start + tokens))
         if size > self.config.max_message_bytes:
-            raise InvalidInput(f"hidden states of {len(hidden.layers)} layers x {len(hidden.positions) or tokens} "
-                               f"positions need {size} bytes, over the {self.config.max_message_bytes}-byte "
-                               "message limit; ask for fewer layers or positions")
+            raise InvalidInput(f"hidden states of {len(hidden.layers)} layers and attention weights of "
+                               f"{len(hidden.attention_layers)} layers at {rows} positions need {size} bytes, over "
+                               f"the {self.config.max_message_bytes}-byte message limit; ask for fewer layers, "
+                               "heads or positions")
 
     def plan_prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None,
                      policy: LogitsPolicy) -> AppendPlan:
@@ -799,18 +823,23 @@ class TorchExecutor:
         alone or with equal-length steps: the worker sees to it).
         """
         counts = [len(s.tokens) for s in steps]
-        if len(set(counts)) > 1 and not any(s.hidden for s in steps):
+        if len(set(counts)) > 1 and not any(s.hidden or s.attention for s in steps):
             return self._forward_ragged(steps)
         width = max(counts)
         kv = self.pool.batch([s.seq.block_ids for s in steps], [s.start for s in steps], counts)
         ids = torch.tensor([s.tokens + [0] * (width - len(s.tokens)) for s in steps], device=self.device)
         layers = {layer for s in steps if s.hidden for layer in s.hidden}
         capture = dict.fromkeys(layers) if layers else None
+        if attention := {layer for s in steps if s.attention for layer in s.attention}:
+            kv.attention = dict.fromkeys(attention)
         with torch.inference_mode():
             out = self.model(ids, kv.positions, kv, capture) if capture else self.model(ids, kv.positions, kv)
         for b, step in enumerate(steps):
             for layer in step.hidden or ():
                 step.hidden[layer] = capture[layer][b, :counts[b]].float().cpu()
+            heads = list(step.heads) or slice(None)
+            for layer in step.attention or ():  # keys past the sequence's end are padding: dropped
+                step.attention[layer] = kv.attention[layer][b, heads, :counts[b], :step.start + counts[b]].cpu()
         return out.reshape(-1, out.shape[-1]), [b * width for b in range(len(steps))]
 
     def _forward_ragged(self, steps: list[_Step]) -> tuple[torch.Tensor, list[int]]:

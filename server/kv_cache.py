@@ -58,6 +58,9 @@ class KvBatch:
     def __init__(self, pool: KvPool, block_tables: list[list[int]], starts: list[int], counts: list[int]):
         device, bs = pool.k.device, pool.block_size
         self.pool = pool
+        # analysis: decoder layer -> its attention weights (B, H, T, S) float32, filled by the
+        # forward for the layers asked (which then runs the eager attention path)
+        self.attention: dict[int, torch.Tensor | None] | None = None
         width = max(len(t) for t in block_tables)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], device=device)
         self.tables = tables  # (B, nb) block ids, padded with block 0 (masked / never reached)

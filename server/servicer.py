@@ -405,6 +405,8 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             reply = pb.PrefillResponse(cached_tokens=out.cached_tokens)
             for array in out.hidden_states:
                 tensor_codec.encode_into(reply.hidden_states.add(), array)
+            for array in out.attention_weights:
+                tensor_codec.encode_into(reply.attention_weights.add(), array)
             return await self._reply(reply, out, received, worker, undo, targets[0])
 
     @_rpc

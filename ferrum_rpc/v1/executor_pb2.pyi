@@ -373,26 +373,32 @@ class PrefillRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., logits: _Optional[_Union[LogitsPolicy, _Mapping]] = ..., hidden_states: _Optional[_Union[HiddenStatesRequest, _Mapping]] = ...) -> None: ...
 
 class HiddenStatesRequest(_message.Message):
-    __slots__ = ("layers", "positions")
+    __slots__ = ("layers", "positions", "attention_layers", "attention_heads")
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_HEADS_FIELD_NUMBER: _ClassVar[int]
     layers: _containers.RepeatedScalarFieldContainer[int]
     positions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, layers: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ...) -> None: ...
+    attention_layers: _containers.RepeatedScalarFieldContainer[int]
+    attention_heads: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layers: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., attention_layers: _Optional[_Iterable[int]] = ..., attention_heads: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("logits", "kv_cache", "timing", "cached_tokens", "hidden_states")
+    __slots__ = ("logits", "kv_cache", "timing", "cached_tokens", "hidden_states", "attention_weights")
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     logits: Logits
     kv_cache: KvCacheHandle
     timing: Timing
     cached_tokens: int
     hidden_states: _containers.RepeatedCompositeFieldContainer[Tensor]
-    def __init__(self, logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., hidden_states: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+    attention_weights: _containers.RepeatedCompositeFieldContainer[Tensor]
+    def __init__(self, logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., hidden_states: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., attention_weights: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("model", "token_id", "kv_cache", "logits")

@@ -187,9 +187,24 @@ class Attention(nn.Module):
             q, k = self.qk_norm(q, k)
             q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
         keys, values = kv.update(self.layer, k, v)  # (B, Hkv, S, D) each
+        if kv.attention is not None and self.layer in kv.attention:  # analysis: the weights, explicitly
+            return self.attend_with_weights(q, keys, values, kv)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=kv.mask, enable_gqa=True
         )  # (B, H, T, D)
+        return out.transpose(1, 2).reshape(B, T, -1)
+
+
+    def attend_with_weights(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv) -> torch.Tensor:
+        """Eager attention that keeps its softmax weights (B, H, T, S) in
+        ``kv.attention`` (float32, as transformers' eager attention computes them)."""
+        B, T, H, D = q.shape
+        groups = H // self.num_kv_heads
+        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)  # (B, H, S, D)
+        scores = q.transpose(1, 2).float() @ keys.float().transpose(-1, -2) / math.sqrt(D)  # (B, H, T, S)
+        weights = scores.masked_fill(~kv.mask, float("-inf")).softmax(dim=-1)
+        kv.attention[self.layer] = weights
+        out = weights.to(values.dtype) @ values  # (B, H, T, D)
         return out.transpose(1, 2).reshape(B, T, -1)
 
 
@@ -324,7 +339,7 @@ class LlamaForCausalLM(nn.Module):
         keep = (lambda i, h: capture.__setitem__(i, h.clone()) if i in capture else None) if capture else None
         if keep:
             keep(0, x)
-        rope = self.rope(positions, x.dtype)
+        rope = self.rope(positions, x.dtype, eager=getattr(kv, "attention", None) is not None)
         if rope.fused and self.layer_ops is not None and x.dtype == torch.float32:
             cfg, decode_layer = self.config, torch.ops.ferrum_fused.decode_layer
             scale = 1 / math.sqrt(cfg.head_dim)
@@ -343,10 +358,10 @@ class LlamaForCausalLM(nn.Module):
             keep(len(self.model.layers), out)
         return out
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype, eager: bool = False) -> Rope:
         """The rotary embedding for tokens at ``positions`` (B, T): fused for up to
-        FUSED_MAX_TOKENS tokens per sequence when the fused ops are on."""
-        if self.fused_ops and positions.shape[1] <= FUSED_MAX_TOKENS:
+        FUSED_MAX_TOKENS tokens per sequence when the fused ops are on (and not ``eager``)."""
+        if self.fused_ops and positions.shape[1] <= FUSED_MAX_TOKENS and not eager:
             return Rope(None, None, self.rope_cos, self.rope_sin, fused=True)
         return Rope(self.rope_cos[positions].unsqueeze(2).to(dtype),  # (B, T, 1, D)
                     self.rope_sin[positions].unsqueeze(2).to(dtype), self.rope_cos, self.rope_sin, fused=False)
