@@ -3,7 +3,7 @@ in-process vs our executor through gRPC, side by side in one run.
 
 Prompt 32 tokens, 64 new tokens, greedy; output tokens per second end to end
 (prefill included, as a user sees it: a batch's prompts are sent together and
-share padded forwards) and decode-only (the prefill part
+share forwards) and decode-only (the prefill part
 subtracted: for transformers, the same generate call stopped after one
 token), each figure the median of several runs.
 
@@ -64,7 +64,7 @@ def run_ours(prefill_all, batch_decode, release, batch_prompts: list[list[int]],
 
 
 def run_executor(ex: TorchExecutor, batch_prompts: list[list[int]], new_tokens: int) -> float:
-    def prefill_all(prompts):  # one padded forward, as the worker does for prompts arriving together
+    def prefill_all(prompts):  # one forward, as the worker does for prompts arriving together
         return ex.run([ex.plan_prefill(p, None, GREEDY) for p in prompts])
 
     return run_ours(prefill_all, lambda items: ex.batch_decode(items, GREEDY), ex.release_cache,

@@ -481,8 +481,8 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
 
     @_rpc
     async def BatchPrefill(self, request, context):
-        """Every prompt goes to the worker at once (short ones share padded forwards,
-        long ones run in chunks between other work); all or nothing."""
+        """Every prompt goes to the worker at once: their parts share forwards (ragged,
+        under the step budget, with other callers' decodes); all or nothing."""
         received = time.perf_counter_ns()
         if not request.items:
             raise InvalidInput("items is empty: BatchPrefill needs at least one prompt")

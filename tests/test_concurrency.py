@@ -196,8 +196,8 @@ def test_async_decode_session_and_fork(tiny_server):
     np.testing.assert_allclose(got.logits.values, ref.logits.values, atol=ATOL, rtol=0)
 
 
-def test_concurrent_prefills_share_padded_forwards_and_match_alone(tiny_llama_dir, hf_tiny_llama):
-    """Prompts of different lengths arriving together run in one padded forward, each exact."""
+def test_concurrent_prefills_share_forwards_and_match_alone(tiny_llama_dir, hf_tiny_llama):
+    """Prompts of different lengths arriving together share ragged forwards, each exact."""
     from ferrum_rpc.client import InvalidInput
 
     prompts = [[(11 * i + 5 * j) % 320 for j in range(3 + 4 * i)] for i in range(8)]
