@@ -1,5 +1,8 @@
 """What a failover costs: the time from SIGKILL of a sequence's replica to its next
 token, against the length of the history the client replays on the survivor.
+("Process gone" is when the killed server was reaped: Linux frees a process's
+memory before it closes its sockets, so the connection reset, the client's first
+sign, comes no sooner.)
 
 Two ``ferrum-rpc serve`` processes; a replica-set client prefills an L-token
 prompt (a fresh random one each run, so the survivor's prefix cache holds none of
@@ -91,6 +94,7 @@ def one_run(ex: ExecutorClient, servers: dict[str, Server], history: int, seed: 
     survivor = next(s for s in servers.values() if s is not owner)
     t0 = time.perf_counter()
     owner.kill()
+    reaped = time.perf_counter() - t0  # the kernel closes its sockets after freeing its memory
     step = ex.decode(token, handle, logits=GREEDY)
     failover = time.perf_counter() - t0
     assert ex.replica_of(step.kv_cache) == survivor.target
@@ -103,8 +107,8 @@ def one_run(ex: ExecutorClient, servers: dict[str, Server], history: int, seed: 
         prefill = time.perf_counter() - t0
         one.release_cache(replay.kv_cache)
     owner.start()  # back on its port for the next run
-    return {"history": history, "seed": seed, "failover_s": failover, "decode_s": statistics.median(steps),
-            "prefill_s": prefill}
+    return {"history": history, "seed": seed, "failover_s": failover, "reaped_s": reaped,
+            "decode_s": statistics.median(steps), "prefill_s": prefill}
 
 
 def main() -> None:
@@ -132,9 +136,9 @@ def main() -> None:
                 for run in range(args.runs):
                     record = one_run(ex, by_target, history, seed=1000 * history + run, vocab=vocab)
                     records.append(record)
-                    log.info("history %d run %d: kill -> next token %.1f ms (step %.1f ms, prefill %.1f ms)",
-                             history, run + 1, 1e3 * record["failover_s"], 1e3 * record["decode_s"],
-                             1e3 * record["prefill_s"])
+                    log.info("history %d run %d: kill -> next token %.1f ms (process gone after %.1f ms; "
+                             "step %.1f ms, prefill %.1f ms)", history, run + 1, 1e3 * record["failover_s"],
+                             1e3 * record["reaped_s"], 1e3 * record["decode_s"], 1e3 * record["prefill_s"])
     finally:
         for s in servers:
             s.stop()
@@ -143,15 +147,17 @@ def main() -> None:
 
 
 def print_table(records: list[dict]) -> None:
-    print("\n| history tokens | decode step ms | prefill of the history ms | kill -> next token ms "
-          "| added ms | added per 1k tokens of history ms |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("\n| history tokens | decode step ms | prefill of the history ms | kill -> process gone ms "
+          "| kill -> next token ms | added ms | added per 1k tokens of history ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     points = []
     for history in sorted({r["history"] for r in records}):
         rows = [r for r in records if r["history"] == history]  # medians over the runs
-        med = {k: 1e3 * statistics.median(r[k] for r in rows) for k in ("decode_s", "prefill_s", "failover_s")}
+        med = {k: 1e3 * statistics.median(r[k] for r in rows)
+               for k in ("decode_s", "prefill_s", "reaped_s", "failover_s")}
         added = med["failover_s"] - med["decode_s"]
-        print(f"| {history} | {med['decode_s']:.1f} | {med['prefill_s']:.1f} | {med['failover_s']:.1f} "
+        print(f"| {history} | {med['decode_s']:.1f} | {med['prefill_s']:.1f} | {med['reaped_s']:.1f} "
+              f"| {med['failover_s']:.1f} "
               f"| {added:.1f} | {1e3 * added / history:.1f} |")
         points.append((history, added))
     if len(points) >= 2:  # added = fixed + per_token * history, least squares over the medians
