@@ -448,9 +448,11 @@ def test_restart_under_same_address_replays_opt_out_raises_and_bounds_hold(healt
 
 
 def test_batches_forks_and_truncations_survive_a_kill(healthy):
-    """Forked children, a truncated sequence and plain ones spread over the replicas; the
-    parent's replica is SIGKILLed; a mixed BatchDecode then equals the same operations
-    on one server (the forks' and the truncation's histories were replayed)."""
+    """Forked children, a truncated sequence and plain ones spread over the replicas,
+    stepped through a DecodeSession and BatchDecode in turn; before the second session
+    step the parent's replica is SIGKILLed (its session stream dies with it); every step equals
+    the same operations on one server (the forks' and the truncation's histories were
+    replayed, the lost stream reopened on the new owner)."""
     targets = [r.target for r in healthy]
     by_target = {r.target: r for r in healthy}
     argmax = LogitsPolicy.argmax()
@@ -473,14 +475,18 @@ def test_batches_forks_and_truncations_survive_a_kill(healthy):
         handles, tokens = build(ex)
         solo, solo_tokens = build(one)
         assert tokens == solo_tokens
-        by_target[ex.replica_of(handles[0])].kill()  # the parent's and the children's replica
-        for _ in range(3):
-            got = ex.batch_decode(list(zip(tokens, handles)), logits=argmax)
+        session = ex.decode_session()  # streams to every owner, the victim's included
+        for step in range(5):
+            if step == 2:  # a session step: the victim's stream is open and dies
+                by_target[ex.replica_of(handles[0])].kill()  # the parent's and the children's replica
+            items = list(zip(tokens, handles))
+            got = session.step(items, logits=argmax) if step % 2 == 0 else ex.batch_decode(items, logits=argmax)
             want = [one.decode(t, h, logits=argmax) for t, h in zip(tokens, solo)]
             assert [g.logits.argmax() for g in got] == [w.logits.argmax() for w in want]
             assert [g.kv_cache.sequence_length for g in got] == [w.kv_cache.sequence_length for w in want]
             handles, solo = [g.kv_cache for g in got], [w.kv_cache for w in want]
             tokens = [w.logits.argmax()[0] for w in want]
+        session.close()
         for h in handles:
             ex.release_cache(h)
         for h in solo:
