@@ -75,11 +75,40 @@ def wire_lines(records: list[dict]) -> str:
     return "\n".join(out)
 
 
+def mixed_table(records: list[dict]) -> str:
+    lines = ["| load | budget | decode p50 ms | decode p99 ms | decode tokens/s | prompt tokens/s |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in records:
+        load = f"{r['decoders']} decoders" + (f" + {r['prompters']} prompters" if r["prompters"] else "")
+        budget = "-" if not r["prompters"] else r.get("step_token_budget", "-")
+        prompt = f"{r['prompt_tokens_per_s']:.1f}" if r["prompters"] else "-"
+        lines.append(f"| {load} | {budget} | {r['decode_p50_ms']:.1f} | {r['decode_p99_ms']:.1f} "
+                     f"| {r['decode_tokens_per_s']:.1f} | {prompt} |")
+    return "\n".join(lines)
+
+
+def failover_table(records: list[dict]) -> str:
+    """Medians per history length of bench.failover's runs."""
+    import statistics
+
+    lines = ["| history tokens | decode step ms | prefill of the history ms | kill -> process gone ms "
+             "| kill -> next token ms | added ms |", "| --- | --- | --- | --- | --- | --- |"]
+    for history in sorted({r["history"] for r in records}):
+        runs = [r for r in records if r["history"] == history]
+        med = {k: statistics.median(r[k] for r in runs) * 1e3 for k in ("decode_s", "prefill_s", "reaped_s",
+                                                                        "failover_s")}
+        lines.append(f"| {history} | {med['decode_s']:.1f} | {med['prefill_s']:.1f} | {med['reaped_s']:.1f} "
+                     f"| {med['failover_s']:.1f} | {med['failover_s'] - med['decode_s']:.1f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     print(decode_table(_load("decode_throughput")), end="\n\n")
     print(step_table(_load("decode_throughput")), end="\n\n")
     print(concurrency_table(_load("concurrency")), end="\n\n")
-    print(wire_lines(_load("wire")))
+    print(wire_lines(_load("wire")), end="\n\n")
+    print(mixed_table(_load("mixed")), end="\n\n")
+    print(failover_table(_load("failover")))
 
 
 if __name__ == "__main__":

@@ -405,7 +405,9 @@ class ModelWorker:
         deadline = now + min(0.25 * self._last_forward_s, 0.05)
         with self._cond:
             while not self._collect(batch) and (left := deadline - time.monotonic()) > 0:
-                if {i.kv_cache.cache_id for j in batch for i in j.decode[0]} >= self._decoders.keys():
+                # a sequence with a prompt queued (a continuation) cannot decode before it is done
+                busy = {job.sequence() for job in self._jobs if job is not None and job.prefill}
+                if {i.kv_cache.cache_id for j in batch for i in j.decode[0]} | busy >= self._decoders.keys():
                     return
                 self._cond.wait(left)
 
