@@ -364,6 +364,15 @@ class _Routing:
     policy: ReplicaPolicy
     failover: bool
 
+    @property
+    def replicas(self) -> list[str]:
+        """The replica targets, in order."""
+        return [r.target for r in self._fleet.replicas]
+
+    def live_sequences(self) -> list[TrackedSequence]:
+        """The sequences this client tracks (prefilled or forked, not released)."""
+        return self._fleet.live()
+
     def _setup(self, client_cls: type, target, failover: bool, policy: ReplicaPolicy | None,
                kwargs: dict) -> list[_Replica]:
         """One single-target client per replica (channels that reconnect within a second)."""
@@ -805,11 +814,6 @@ class ReplicaSetClient(_Routing, ExecutorClient):
             return err
 
     # -- the contract ----------------------------------------------------------------
-    @property
-    def replicas(self) -> list[str]:
-        """The replica targets, in order."""
-        return [r.target for r in self._fleet.replicas]
-
     def replica_of(self, handle: KvCacheHandle) -> str:
         """The target that owns ``handle``'s sequence now (after any failover)."""
         seq, _ = self._fleet.resolve(handle)
@@ -818,10 +822,6 @@ class ReplicaSetClient(_Routing, ExecutorClient):
     def replica_status(self) -> dict[str, ExecutorStatus | ExecutorError]:
         """Every replica's GetStatus now (or the error asking it gave)."""
         return {r.target: out for r, out in zip(self._fleet.replicas, self._drive(self._statuses_flow()))}
-
-    def live_sequences(self) -> list[TrackedSequence]:
-        """The sequences this client tracks (prefilled or forked, not released)."""
-        return self._fleet.live()
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Blocks until every replica's channel connects."""
@@ -996,10 +996,6 @@ class AsyncReplicaSetClient(_Routing, AsyncExecutorClient):
         except ExecutorError as err:
             return err
 
-    @property
-    def replicas(self) -> list[str]:
-        return [r.target for r in self._fleet.replicas]
-
     def replica_of(self, handle: KvCacheHandle) -> str:
         """The target that owns ``handle``'s sequence now (tracked sequences only)."""
         seq, _ = self._fleet.resolve(handle)
@@ -1011,10 +1007,6 @@ class AsyncReplicaSetClient(_Routing, AsyncExecutorClient):
     async def replica_status(self) -> dict[str, ExecutorStatus | ExecutorError]:
         return {r.target: out for r, out in zip(self._fleet.replicas, await self._drive(
             self._statuses_flow()))}
-
-    def live_sequences(self) -> list[TrackedSequence]:
-        """The sequences this client tracks (prefilled or forked, not released)."""
-        return self._fleet.live()
 
     async def info(self):
         return await self._drive(self._any_flow(lambda c: c.info()))

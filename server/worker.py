@@ -263,15 +263,13 @@ class ModelWorker:
                 prompts = self._take_prompts(decodes)
             self._run_step(decodes, prompts)
 
-    def _window(self) -> list[_Job]:
+    def _window(self, decodes: bool, prompts: bool) -> list[_Job]:
         """The queued jobs a forward may take from (lock held): the run of decodes
-        and prompts at the head of the queue.  Any other job ends it, so a
-        caller's truncate, fork or release is never overtaken.  With the
-        unified forward off, only the run of decodes."""
-        unified = self.executor.config.step_token_budget > 0
+        and/or prompts at the head of the queue.  Any other job ends it, so a
+        caller's truncate, fork or release is never overtaken."""
         window = []
         for job in self._jobs:
-            if job is None or not (job.decode or (unified and job.prefill)):
+            if job is None or not ((decodes and job.decode) or (prompts and job.prefill)):
                 break
             window.append(job)
         return window
@@ -290,7 +288,8 @@ class ModelWorker:
         """Moves queued decodes into ``batch`` while they fit (lock held), fairly
         across tenants.
 
-        Only decodes in the window (see ``_window``) are considered.  Within
+        Only decodes in the window (see ``_window``; with the unified forward off,
+        the run of decodes alone) are considered.  Within
         it, jobs are taken round-robin by tenant, the tenant with the fewest jobs
         in the batch first, each tenant's in arrival order: a tenant that floods
         the queue gets its share of each forward, never all of it, while another
@@ -301,7 +300,7 @@ class ModelWorker:
         size = sum(len(j.decode[0]) for j in batch)
         if size >= cap:
             return True
-        window = self._window()
+        window = self._window(decodes=True, prompts=self.executor.config.step_token_budget > 0)  # 0: decodes only
         closed = len(window) < len(self._jobs)
         by_tenant: dict[str, deque[_Job]] = {}
         busy: dict[int, set[str]] = {}  # per decode: sequences continued by prompts queued ahead of it
@@ -343,11 +342,7 @@ class ModelWorker:
         cfg = self.executor.config
         size = sum(len(j.decode[0]) for j in decodes)
         if cfg.step_token_budget == 0:  # separate forwards: the prompts at the head share one chunk
-            room, window = (0 if decodes else cfg.prefill_chunk), []
-            for job in self._jobs:
-                if job is None or not job.prefill:
-                    break
-                window.append(job)
+            room, window = (0 if decodes else cfg.prefill_chunk), self._window(decodes=False, prompts=True)
         else:
             budget = cfg.step_token_budget
             if decodes:
@@ -358,7 +353,7 @@ class ModelWorker:
                 room = budget
             else:  # nobody is decoding: prompts run whole chunks
                 room = max(budget, cfg.prefill_chunk)
-            window = self._window()
+            window = self._window(decodes=True, prompts=True)
         seen = {i.kv_cache.cache_id for j in decodes for i in j.decode[0]}
         taken: list[tuple[_Job, int]] = []
         for job in window:

@@ -73,6 +73,19 @@ def hf_tiny_llama(tiny_llama_dir):
     return LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
 
 
+@torch.no_grad()
+def oracle_rows(hf, ids: list[int]):
+    """transformers' logits for every position of ``ids`` (T, V), as numpy."""
+    return hf(torch.tensor([ids])).logits[0].numpy()
+
+
+def executor_snapshot(ex) -> dict:
+    """Everything a failed call must leave as it was in a TorchExecutor's KV state."""
+    seqs = {cid: (s.length, list(s.tokens), list(s.block_ids), s.last_used, s.pins)
+            for cid, s in ex.kv._seqs.items()}
+    return {"seqs": seqs, "used": ex.kv.num_used, "free": ex.kv.num_free}
+
+
 @contextlib.contextmanager
 def running_server(model_dir, name: str = "tiny", server_kwargs: dict | None = None, **executor_kwargs):
     """A real gRPC server on a free loopback port hosting one model

@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from ferrum_rpc.client import ExecutorClient, LogitsPolicy
+from ferrum_rpc.client import ExecutorClient, KvCapacityExhausted, LogitsPolicy
 from ferrum_rpc.server.config import ExecutorConfig
 from ferrum_rpc.server.executor import TorchExecutor, verify_policy
 from ferrum_rpc.server.worker import ModelWorker
 from ferrum_rpc.types import DecodeInput
+from tests.conftest import executor_snapshot as snapshot
+from tests.conftest import oracle_rows as oracle
 from tests.conftest import running_server
 
 FULL = LogitsPolicy.full()
@@ -34,23 +36,18 @@ def model(request, tiny_llama_dir, tiny_qwen3_dir, tiny_moe_dir):
     return request.param, folder, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-@torch.no_grad()
-def oracle(hf, ids: list[int]) -> np.ndarray:
-    return hf(torch.tensor([ids])).logits[0].numpy()
-
-
-def snapshot(ex: TorchExecutor) -> dict:
-    seqs = {cid: (s.length, list(s.tokens), list(s.block_ids), s.last_used, s.pins) for cid, s in ex.kv._seqs.items()}
-    return {"seqs": seqs, "used": ex.kv.num_used, "free": ex.kv.num_free}
-
-
-def test_prompt_parts_and_decodes_share_forwards_and_each_equals_transformers(model):
+@pytest.mark.parametrize("kernels", [("auto", "auto"), ("eager", "aten")], ids=["probed", "fallbacks"])
+def test_prompt_parts_and_decodes_share_forwards_and_each_equals_transformers(model, kernels):
     """Four ragged forwards, each carrying decodes of two sequences (one a fork
     child) beside parts of a new prompt that starts from a cached prefix and of
     a continuation of the other fork child; parts end inside KV blocks,
-    including the block the fork children share (copied on its first write)."""
+    including the block the fork children share (copied on its first write).
+    On the probed fast paths (fused step ops, packed linears where they run
+    here) and on the fallbacks every CPU has."""
     _, folder, hf = model
-    ex = TorchExecutor.from_path("tiny", folder, ExecutorConfig(kv_tokens=512, block_size=4, prefill_chunk=5))
+    step_ops, linear = kernels
+    ex = TorchExecutor.from_path("tiny", folder, ExecutorConfig(kv_tokens=512, block_size=4, prefill_chunk=5,
+                                                                step_ops=step_ops, linear_kernel=linear))
     q = [5, 17, 101, 3, 250, 42, 7, 9, 300, 11, 12, 13]
     ex.prefill(q, None, LogitsPolicy.argmax())  # its 3 full blocks are now in the prefix cache
     a = [64, 2, 77, 8, 8, 13, 21, 34, 55, 89]  # 10 tokens: block 2 half full, shared after the fork
@@ -242,3 +239,24 @@ def test_many_callers_decoding_while_prompts_arrive_over_grpc_equal_transformers
         assert not errors, errors[0]
         with ExecutorClient(server.target) as c:
             assert c.status().kv_blocks_used == 0
+
+
+def test_a_prompt_whose_next_part_finds_the_pool_full_is_undone_whole(tiny_llama_dir):
+    """The pool is reserved part by part: when other sequences take the room a
+    prompt's next part needs, that part is refused and the prompt's earlier parts
+    are undone; the other sequences keep what they have."""
+    ex = TorchExecutor.from_path("tiny", tiny_llama_dir, ExecutorConfig(kv_tokens=48, block_size=4,
+                                                                       prefill_chunk=8, prefix_caching=False))
+    before = snapshot(ex)
+    prompt = ex.open_prefill(list(range(1, 41)), None, FULL)  # 40 tokens: 10 of the 12 blocks
+    plan = prompt.next_part(8)
+    prompt.part_done(plan, ex.run([plan])[0])
+    other = ex.prefill(list(range(50, 66)), None, LogitsPolicy.argmax()).kv_cache  # 4 blocks: 2 left
+    with pytest.raises(KvCapacityExhausted):
+        for _ in range(4):
+            plan = prompt.next_part(8)
+            prompt.part_done(plan, ex.run([plan])[0])
+    prompt.abort()  # what the worker does when a part cannot be planned
+    after = snapshot(ex)
+    assert set(after["seqs"]) == {other.cache_id}  # the prompt's sequence is gone
+    assert after["seqs"][other.cache_id][0] == 16 and after["used"] == before["used"] + 4

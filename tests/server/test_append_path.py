@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from ferrum_rpc.errors import KvCapacityExhausted
 from ferrum_rpc.server.config import ExecutorConfig
 from ferrum_rpc.server.executor import TorchExecutor, verify_policy
 from ferrum_rpc.types import DecodeInput, LogitsPolicy
+from tests.conftest import executor_snapshot as snapshot
+from tests.conftest import oracle_rows
 
 FULL = LogitsPolicy.full()
 ATOL = 1e-4
@@ -22,18 +23,6 @@ ATOL = 1e-4
 def ex(tiny_llama_dir):
     return TorchExecutor.from_path("tiny", tiny_llama_dir, ExecutorConfig(kv_tokens=512, block_size=4,
                                                                          prefill_chunk=5))
-
-
-@torch.no_grad()
-def oracle_rows(hf, ids: list[int]) -> np.ndarray:
-    return hf(torch.tensor([ids])).logits[0].numpy()
-
-
-def snapshot(ex: TorchExecutor) -> dict:
-    """Everything a failed call must leave as it was."""
-    seqs = {cid: (s.length, list(s.tokens), list(s.block_ids), s.last_used, s.pins)
-            for cid, s in ex.kv._seqs.items()}
-    return {"seqs": seqs, "used": ex.kv.num_used, "free": ex.kv.num_free}
 
 
 def test_prefill_verify_and_decodes_in_one_forward_each_equal_transformers(ex, hf_tiny_llama):
