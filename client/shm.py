@@ -1,5 +1,6 @@
-"""Shared-memory logits on the caller's side: a POSIX shared-memory object this
-client creates, registers with the server and reads full logits rows from.
+"""Shared-memory logits on the caller's side: a region registered with the server,
+whose POSIX shared-memory object the server creates and this client opens (on
+the same host, as the server's user) and reads full logits rows from.
 
     with client.shared_memory(64 << 20) as region:
         out = client.prefill(prompt, logits=LogitsPolicy.full(all_positions=True,
@@ -32,8 +33,23 @@ class _Shm(shared_memory.SharedMemory):
             pass
 
 
+def _attach(key: str) -> _Shm:
+    """Opens the object the server created and unlinks its name at once: from now
+    on only this mapping and the server's descriptor reach it."""
+    shm = _Shm(name=key, create=False)
+    try:
+        shm.unlink()  # also drops the resource tracker's entry (before 3.13 attaching adds one)
+    except FileNotFoundError:
+        pass
+    return shm
+
+
 class SharedMemoryRegion:
-    """A region registered with one server; see :meth:`ExecutorClient.shared_memory`."""
+    """A region registered with one server; see :meth:`ExecutorClient.shared_memory`.
+
+    The server creates the shared-memory object (it writes only into objects it
+    made for the registering tenant) and its first reply names it; this client
+    opens it, which needs the server's user on the same host."""
 
     def __init__(self, stub, byte_size: int, name: str | None = None, metadata=None, *,
                  registry: dict | None = None, _register: bool = True):
@@ -41,28 +57,43 @@ class SharedMemoryRegion:
             raise ValueError("byte_size must be > 0")
         self.name = name or f"logits-{uuid.uuid4().hex[:12]}"
         self.byte_size = byte_size
-        self._shm = _Shm(create=True, size=byte_size)
-        self.key = self._shm.name
+        self._shm: _Shm | None = None
+        self.key = ""
         self._stub, self._metadata, self._call = stub, metadata, None
         self._registry = registry  # the client's regions by name: this one is in it while registered
         if _register:
             self._call = stub.RegisterSharedMemory(self._request(), metadata=metadata)  # lasts until close
             try:
-                next(self._call)
+                first = next(self._call)
             except grpc.RpcError as exc:
-                self._release()
+                self._call = None
                 raise from_rpc_error(exc) from None
             except StopIteration:
-                self._release()
+                self._call = None
                 raise ExecutorError("the server ended the shared-memory registration at once") from None
-            self._registered()
+            self._opened(first)
+
+    def _opened(self, first: pb.RegisterSharedMemoryResponse) -> None:
+        try:
+            self._shm = _attach(first.key)
+        except OSError as exc:
+            self._end_call()
+            raise ExecutorError(f"cannot open the server's shared-memory object {first.key!r}: {exc.strerror} "
+                                "(shared memory needs the server's user on the same host)") from None
+        self.key = first.key
+        self._registered()
+
+    def _end_call(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
 
     def _registered(self) -> None:
         if self._registry is not None:
             self._registry[self.name] = self
 
     def _request(self) -> pb.RegisterSharedMemoryRequest:
-        return pb.RegisterSharedMemoryRequest(name=self.name, key=self.key, offset=0, byte_size=self.byte_size)
+        return pb.RegisterSharedMemoryRequest(name=self.name, byte_size=self.byte_size)
 
     def _unregister_request(self) -> pb.UnregisterSharedMemoryRequest:
         return pb.UnregisterSharedMemoryRequest(name=self.name)
@@ -79,8 +110,8 @@ class SharedMemoryRegion:
         return self._shm.buf[location.offset:end]
 
     def close(self) -> None:
-        """Unregisters (done when this returns), ends the registration stream and
-        removes the object."""
+        """Unregisters (done when this returns: the server writes nothing into the
+        region after it), ends the registration stream and unmaps the object."""
         if self._call is not None:
             try:
                 self._stub.UnregisterSharedMemory(self._unregister_request(), metadata=self._metadata, timeout=10)
@@ -99,7 +130,6 @@ class SharedMemoryRegion:
             self._shm.close()
         except BufferError:  # arrays still alias the mapping: it goes with the last of them
             pass
-        self._shm.unlink()  # the name goes now; the memory once nothing maps it
         self._shm = None
 
     def __enter__(self) -> SharedMemoryRegion:
@@ -121,12 +151,12 @@ class AsyncSharedMemoryRegion(SharedMemoryRegion):
         try:
             first = await region._call.read()
         except grpc.RpcError as exc:
-            region._release()
+            region._call = None
             raise from_rpc_error(exc) from None
         if first is grpc.aio.EOF:
-            region._release()
+            region._call = None
             raise ExecutorError("the server ended the shared-memory registration at once")
-        region._registered()
+        region._opened(first)
         return region
 
     async def aclose(self) -> None:

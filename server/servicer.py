@@ -360,8 +360,14 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             return self._result(message, out, received_ns, target)
 
         def build() -> bytes:
-            return self._result(message, out, received_ns, target).SerializeToString()
+            try:
+                return self._result(message, out, received_ns, target).SerializeToString()
+            finally:
+                if target is not None:
+                    target[0].unpin()
 
+        if target is not None:  # the builder's own pin: a cancelled await must not release the region under it
+            target[0].hold()
         try:
             return await asyncio.get_running_loop().run_in_executor(self._reply_builder, build)
         except asyncio.CancelledError:
@@ -671,21 +677,31 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                                     "or with --shared-memory on)", code=grpc.StatusCode.UNIMPLEMENTED)
             if self.state is ServerState.DRAINING:
                 raise Draining("the server is shutting down")
-            region = self.shm.register(current_tenant.get(), request.name, request.key, request.offset,
-                                       request.byte_size)
+            tenant = current_tenant.get()
+            creating = asyncio.get_running_loop().run_in_executor(  # reserving the pages may take a while
+                None, self.shm.register, tenant, request.name, request.key, request.offset, request.byte_size)
+            try:
+                region = await asyncio.shield(creating)
+            except asyncio.CancelledError:  # the caller left: what was created goes at once
+                creating.add_done_callback(lambda f: f.exception() or self.shm.unregister(tenant, region=f.result()))
+                raise
         except Exception as exc:
             self._observe("RegisterSharedMemory", exc, start)
             await _abort(context, exc)
         self._observe("RegisterSharedMemory", None, start)
         try:
-            yield pb.RegisterSharedMemoryResponse(name=region.name, byte_size=region.byte_size)
+            yield pb.RegisterSharedMemoryResponse(name=region.name, byte_size=region.byte_size, key=region.key)
             await region.ended.wait()
         finally:
             self.shm.unregister(region.tenant, region.name, region)
 
     @_query
     async def UnregisterSharedMemory(self, request, context):
-        return pb.UnregisterSharedMemoryResponse(unregistered=self.shm.unregister(current_tenant.get(), request.name))
+        """Answers once no admitted call will write into the regions any more."""
+        gone = self.shm.unregister(current_tenant.get(), request.name)
+        for region in gone:
+            await region.drained()
+        return pb.UnregisterSharedMemoryResponse(unregistered=len(gone))
 
     async def Forward(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED,

@@ -5,6 +5,8 @@ client) or an explicit unregister."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -105,35 +107,60 @@ def test_rows_past_the_region_or_unaligned_change_nothing(ex):
     ex.release_cache(out.kv_cache)
 
 
+def _register(stub, metadata=None, **fields):
+    """A raw registration (as any gRPC caller would make it): its first reply and the open call."""
+    call = stub.RegisterSharedMemory(pb.RegisterSharedMemoryRequest(**fields), timeout=30, metadata=metadata)
+    try:
+        return next(call), call
+    except BaseException:
+        call.cancel()
+        raise
+
+
 def test_registration_is_checked(server, ex):
     stub = pb_grpc.ModelExecutorStub(grpc.insecure_channel(server.target))
     obj = shared_memory.SharedMemory(create=True, size=4096)
+    empty = shared_memory.SharedMemory(create=True, size=1)
+    os.ftruncate(empty._fd, 0)  # noqa: SLF001 - an empty object, as a hostile caller makes it
     try:
-        def register(**fields):
-            call = stub.RegisterSharedMemory(pb.RegisterSharedMemoryRequest(**fields), timeout=10)
-            try:
-                return next(call)
-            finally:
-                call.cancel()
-
         for fields, why in [
-            (dict(name="r", key="no-such-object-xyz", byte_size=16), "no shared-memory object"),
-            (dict(name="r", key="../etc/passwd", byte_size=16), "key must name one"),
-            (dict(name="r", key=obj.name, byte_size=0), "byte_size must be > 0"),
-            (dict(name="r", key=obj.name, offset=4000, byte_size=200), "pass the end"),
-            (dict(name="", key=obj.name, byte_size=16), "name must be"),
+            (dict(name="r", key=obj.name, byte_size=16), "key and offset must be empty"),  # a caller-made object
+            (dict(name="r", key=empty.name, byte_size=16), "key and offset must be empty"),
+            (dict(name="r", key="../etc/passwd", byte_size=16), "key and offset must be empty"),
+            (dict(name="r", offset=16, byte_size=16), "key and offset must be empty"),
+            (dict(name="r", byte_size=0), "byte_size must be > 0"),
+            (dict(name="", byte_size=16), "name must be"),
+            (dict(name="a\x00b", byte_size=16), "name must be"),
         ]:
-            with pytest.raises(grpc.RpcError) as info:
-                register(**fields)
-            assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-            assert why in info.value.details()
+            for _ in range(3):
+                with pytest.raises(grpc.RpcError) as info:
+                    _register(stub, **fields)
+                assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+                assert why in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:  # past the tenant's bytes
+            _register(stub, name="huge", byte_size=5 << 30)
+        assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
         with ex.shared_memory(64, name="taken"):
             with pytest.raises(InvalidInput, match="registered already"):
                 ex.shared_memory(64, name="taken")
         assert len(server.app.servicer.shm) == 0  # nothing left behind by any refusal
+        assert obj.buf[:16] == bytes(16)  # the caller's own object was never opened for writing
     finally:
-        obj.close()
-        obj.unlink()
+        for o in (obj, empty):
+            o.close()
+            o.unlink()
+
+
+def test_the_server_creates_the_object_and_writes_only_there(server, ex):
+    seq = ex.prefill(PROMPT, logits=LogitsPolicy.argmax())
+    with ex.shared_memory(VOCAB * 4) as region:
+        assert region.key.startswith("/ferrum-logits-")
+        # the client unlinked the name once it had the object open: nobody else can open it now
+        with pytest.raises(FileNotFoundError):
+            shared_memory.SharedMemory(name=region.key)
+        out = ex.decode(1, seq.kv_cache, LogitsPolicy.full(shared_memory=region.target()))
+        assert out.logits.values.shape == (1, VOCAB) and np.isfinite(out.logits.values).all()
+    ex.release_cache(out.kv_cache)
 
 
 def test_close_and_unregister_end_the_registration(server, ex):

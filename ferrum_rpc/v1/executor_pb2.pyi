@@ -579,12 +579,14 @@ class RegisterSharedMemoryRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., key: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
 
 class RegisterSharedMemoryResponse(_message.Message):
-    __slots__ = ("name", "byte_size")
+    __slots__ = ("name", "byte_size", "key")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
     name: str
     byte_size: int
-    def __init__(self, name: _Optional[str] = ..., byte_size: _Optional[int] = ...) -> None: ...
+    key: str
+    def __init__(self, name: _Optional[str] = ..., byte_size: _Optional[int] = ..., key: _Optional[str] = ...) -> None: ...
 
 class UnregisterSharedMemoryRequest(_message.Message):
     __slots__ = ("name",)
