@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import time
 import uuid
@@ -110,6 +111,11 @@ class AppendPlan:
     steps: list[_Step]
     policy: LogitsPolicy
     kind: str
+
+
+# Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): logits / T would
+# overflow float32 (1e-40 makes every finite logit inf and the softmax NaN).
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 def _target_probs(rows: torch.Tensor, sampling: SpeculativeSampling) -> torch.Tensor:
@@ -621,15 +627,19 @@ class TorchExecutor:
             self.kv.shrink(seq, opened.origin, touch=False)
             seq.last_used = opened.clock
 
-    def undo_calls(self, changes: list[tuple[str, int | None]]) -> None:
+    def undo_calls(self, changes: list[tuple]) -> None:
         """Puts back what finished calls did when their callers never got the reply
         (cancelled, deadline passed, disconnected): each ``(cache_id, length)``
         sequence is forgotten if ``length`` is None (the call created it), else
-        truncated back to ``length``.  Sequences already gone are skipped."""
-        for cache_id, length in changes:
+        truncated back to ``length``.  Sequences already gone are skipped, and so
+        is a ``(cache_id, length, left_at)`` whose sequence is no longer at the
+        length ``left_at`` the call left it (a later call moved it on)."""
+        for cache_id, length, *left_at in changes:
             if cache_id not in self.kv:
                 continue
             seq = self.kv.get(cache_id)
+            if left_at and seq.length != left_at[0]:
+                continue
             if length is None:
                 self.kv.release(cache_id)
             elif length <= seq.length:
@@ -660,11 +670,22 @@ class TorchExecutor:
         if len(draft) + 1 > self.config.prefill_chunk:
             raise InvalidInput(f"{len(draft)} drafts exceed {self.config.prefill_chunk - 1} (one forward's chunk)")
         self._check_policy(policy, 1)
-        if sampling is not None and not (sampling.temperature > 0 and 0 <= sampling.top_p <= 1
-                                         and sampling.top_k >= 0):
-            raise InvalidInput("sampling needs temperature > 0, top_k >= 0 and top_p in [0, 1]")
+        if sampling is not None:
+            if not (math.isfinite(sampling.temperature) and sampling.temperature > 0 and 0 <= sampling.top_p <= 1
+                    and sampling.top_k >= 0):
+                raise InvalidInput("sampling needs a finite temperature > 0, top_k >= 0 and top_p in [0, 1]")
+            if sampling.temperature < GREEDY_BELOW_TEMPERATURE:  # logits / T would overflow float32: greedy
+                sampling = None
         base = kv_cache.sequence_length
         out = self.prefill([token_id] + list(draft), kv_cache, LogitsPolicy(LogitsKind.FULL, all_positions=True))
+        try:
+            return self._accept_drafts(out, draft, base, policy, sampling)
+        except BaseException:  # whatever fails after the forward: the sequence is put back as it was
+            self.undo_calls([(out.kv_cache.cache_id, base)])
+            raise
+
+    def _accept_drafts(self, out: PrefillOutput, draft: list[int], base: int, policy: LogitsPolicy,
+                       sampling: SpeculativeSampling | None) -> SpeculativeOutput:
         rows = out.logits.values  # (1 + len(draft), vocab) float32: row i predicts what follows input i
         if sampling is None:
             predicted = rows.argmax(dim=-1).tolist()

@@ -110,6 +110,56 @@ def _payload_bytes(logits) -> int:
     return size + (logits.token_ids.size * 5 if logits.token_ids is not None else 0)
 
 
+class _Undelivered:
+    """Changes made for results whose replies gRPC has not yet accepted for sending.
+
+    A streaming call registers each result's changes (``(cache_id, length)``
+    pairs, see ``TorchExecutor.undo_calls``) when the result is made and marks
+    them sent once its message is handed to gRPC; whatever is left when the
+    call ends (cancelled, disconnected, deadline passed, failed) is undone, so
+    a sequence never moves ahead of the last reply its caller could have.
+    HTTP/2 flow control stops accepting messages a caller does not read once
+    its window is full."""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, tuple[ModelWorker, list[tuple]]] = {}
+        self._keys = itertools.count()
+
+    def add(self, worker: ModelWorker, changes: list[tuple]) -> int:
+        key = next(self._keys)
+        self._pending[key] = (worker, changes)
+        return key
+
+    def confirm(self, handles: list[KvCacheHandle]) -> None:
+        """The caller shows it holds these handles: results it could only have learnt
+        from a reply are its own now (a DecodeSession's next step on a sequence)."""
+        held = {h.cache_id: h.sequence_length for h in handles}
+        for key, (_, changes) in list(self._pending.items()):
+            if all(c[0] in held and len(c) > 2 and c[2] <= held[c[0]] for c in changes):
+                del self._pending[key]
+
+    def settle(self, context) -> None:
+        """For a call whose replies were all handed to gRPC: what is left is kept if the
+        call ends OK, and undone if it ends cancelled (the caller went away before its
+        status arrived: a cancelled call changes no state, whatever it had read)."""
+        context.add_done_callback(lambda ctx: self.undo_rest() if ctx.cancelled() else self._pending.clear())
+
+    def undo(self, keys) -> None:
+        """Undoes these entries now (a result whose reply became an error)."""
+        rest, self._pending = self._pending, {k: self._pending[k] for k in keys if k in self._pending}
+        self.undo_rest()
+        self._pending = {k: v for k, v in rest.items() if k not in keys}
+
+    def undo_rest(self) -> None:
+        by_worker: dict[int, tuple[ModelWorker, list]] = {}
+        for worker, changes in self._pending.values():
+            by_worker.setdefault(id(worker), (worker, []))[1].extend(changes)
+        self._pending.clear()
+        for worker, changes in by_worker.values():
+            log.info("undoing %d result(s) whose replies were never sent (the call ended first)", len(changes))
+            worker.submit(worker.executor.undo_calls, changes)  # refused while stopping: they go with it
+
+
 def add_executor_service(servicer: ExecutorServicer, server: grpc.aio.Server) -> None:
     """Registers the ModelExecutor service with our deserializer and serializer
     (the generated ``add_ModelExecutorServicer_to_server`` would let a parse error
@@ -173,8 +223,9 @@ def _rpc(method):
                 _check_parsed(request)
                 self._enter_tenant(context)
                 with self._admit():
-                    async for reply in method(self, request, context):
-                        yield reply
+                    async with contextlib.aclosing(method(self, request, context)) as replies:
+                        async for reply in replies:  # closed at once if the call ends: its finally undoes
+                            yield reply
             except Exception as exc:
                 self._observe(method.__name__, exc, start)
                 await _abort(context, exc)
@@ -327,17 +378,26 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         finally:
             region.unpin()
 
-    async def _step_replies(self, cls, fields: dict, outs, received_ns: int, single: bool, targets: list):
+    async def _step_replies(self, cls, fields: dict, outs, received_ns: int, single: bool, targets: list,
+                            keys: list[int]):
         """A decode step's replies (``cls`` with ``fields``): one message per sequence,
-        tagged with its index, or with ``single`` one message whose ``results`` hold all."""
+        tagged with its index, or with ``single`` one message whose ``results`` hold all;
+        each with the ledger keys (see ``_Undelivered``) of the results it carries."""
         if single:
             reply = cls(**fields)
             for index, out in enumerate(outs):
                 self._result(reply.results.add(index=index, **fields), out, received_ns, targets[index])
-            yield reply
+            yield keys, reply
             return
         for index, out in enumerate(outs):
-            yield await self._reply(cls(index=index, **fields), out, received_ns, target=targets[index])
+            yield keys[index:index + 1], await self._reply(cls(index=index, **fields), out, received_ns,
+                                                           target=targets[index])
+
+    @staticmethod
+    def _register_decodes(ledger: _Undelivered, worker: ModelWorker, items: list[DecodeInput]) -> list[int]:
+        """One ledger entry per decoded sequence: back to its length, if nothing moved it since."""
+        return [ledger.add(worker, [(i.kv_cache.cache_id, i.kv_cache.sequence_length,
+                                     i.kv_cache.sequence_length + 1)]) for i in items]
 
     @staticmethod
     def _result(message, out, received_ns: int, target=None):
@@ -430,11 +490,18 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
     async def BatchDecode(self, request, context):
         received = time.perf_counter_ns()
         worker, items, policy = self._decode_batch(request)
+        ledger = _Undelivered()
         with self._logits_targets(policy, [1] * len(items), worker) as targets:
             outs = await worker.decode(items, policy, _deadline(context))
-            async for reply in self._step_replies(pb.BatchDecodeResponse, {}, outs, received, request.single_reply,
-                                                  targets):
-                yield reply
+            keys = self._register_decodes(ledger, worker, items)
+            try:
+                async for _, reply in self._step_replies(pb.BatchDecodeResponse, {}, outs, received,
+                                                         request.single_reply, targets, keys):
+                    yield reply
+            except BaseException:  # failed, cancelled or closed before its last reply: nothing stays
+                ledger.undo_rest()
+                raise
+            ledger.settle(context)
 
     @_rpc
     async def ForwardVerify(self, request, context):
@@ -515,10 +582,18 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 if done:
                     await worker.call(worker.executor.undo_calls, done)
                 raise failed
-            for index, (out, handle) in enumerate(zip(outs, handles)):
-                undo = [(out.kv_cache.cache_id, handle.sequence_length if handle else None)]
-                yield await self._reply(pb.BatchPrefillResponse(index=index, cached_tokens=out.cached_tokens), out,
-                                        received, worker, undo, targets[index])
+            ledger = _Undelivered()
+            for out, handle in zip(outs, handles):
+                ledger.add(worker, [(out.kv_cache.cache_id, handle.sequence_length if handle else None,
+                                     out.kv_cache.sequence_length)])
+            try:
+                for index, out in enumerate(outs):
+                    yield await self._reply(pb.BatchPrefillResponse(index=index, cached_tokens=out.cached_tokens),
+                                            out, received, target=targets[index])
+            except BaseException:  # all or nothing, up to the call's status (see _Undelivered.settle)
+                ledger.undo_rest()
+                raise
+            ledger.settle(context)
 
     async def DecodeSession(self, request_iterator, context):
         """Steps run as they arrive (steps on different sequences may be in flight
@@ -528,12 +603,20 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         Back-pressure: at most ``MAX_PENDING_STEPS`` steps may have replies the
         caller has not taken; past that the server stops reading requests, and
         gRPC's flow control holds the caller.  A caller that goes away has its
-        running steps cancelled (and undone)."""
+        running steps cancelled (and undone).
+
+        A step's result is confirmed when the caller's next step names its
+        sequence at the new length, or when the session ends cleanly (the
+        caller half-closes and reads to the end).  A session that ends
+        otherwise (cancelled, deadline, disconnect) undoes its unconfirmed
+        steps, at most the last step of each sequence, unless another call
+        moved that sequence on meanwhile: a cancelled call changes no state."""
         try:
             self._enter_tenant(context)  # steps run in tasks made here: they inherit it
         except Exception as exc:
             await _abort(context, exc)
         replies: asyncio.Queue = asyncio.Queue()
+        ledger = _Undelivered()  # steps' results until their replies are handed to gRPC
         window = asyncio.Semaphore(MAX_PENDING_STEPS)
         steps: set[asyncio.Task] = set()
         step_done = object()
@@ -542,21 +625,25 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         async def run_step(request) -> None:
             received = time.perf_counter_ns()
             step_id = getattr(request, "step_id", 0)
+            keys: list[int] = []
             try:
                 _check_parsed(request)
                 with contextlib.ExitStack() as pinned:  # a shared-memory region stays mapped to the end
                     with self._admit():
                         worker, items, policy = self._decode_batch(request)
+                        ledger.confirm([i.kv_cache for i in items])  # the caller read those replies
                         targets = pinned.enter_context(self._logits_targets(policy, [1] * len(items), worker))
                         outs = await worker.decode(items, policy, deadline)
-                    async for reply in self._step_replies(pb.DecodeSessionResponse, {"step_id": step_id}, outs,
-                                                          received, request.single_reply, targets):
-                        await replies.put(reply)
+                        keys = self._register_decodes(ledger, worker, items)  # no await since the decode
+                    async for sent, reply in self._step_replies(pb.DecodeSessionResponse, {"step_id": step_id},
+                                                                outs, received, request.single_reply, targets, keys):
+                        await replies.put((sent, reply))
                 self._observe("DecodeSession", None, received / 1e9, outs[0].timing if outs else None)
             except Exception as exc:
+                ledger.undo(keys)  # the step answers with an error: it changes nothing
                 self._observe("DecodeSession", exc, received / 1e9)
-                await replies.put(pb.DecodeSessionResponse(step_id=step_id,
-                                                           error=to_status_proto(_as_executor_error(exc))))
+                await replies.put(((), pb.DecodeSessionResponse(step_id=step_id,
+                                                                error=to_status_proto(_as_executor_error(exc)))))
             finally:
                 await replies.put(step_done)
 
@@ -577,16 +664,21 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
 
         reader = asyncio.create_task(read_all())
         try:
-            while (reply := await replies.get()) is not None:
-                if reply is step_done:
+            while (entry := await replies.get()) is not None:
+                if entry is step_done:
                     window.release()
                 else:
-                    yield reply
+                    yield entry[1]
             await reader  # surfaces a broken request stream
+        except BaseException:
+            ledger.undo_rest()  # unconfirmed steps (see the docstring)
+            raise
+        else:
+            ledger.settle(context)
         finally:
             reader.cancel()
             for task in list(steps):
-                task.cancel()
+                task.cancel()  # a step still at the worker undoes itself (ModelWorker._await)
 
     # -- the model registry --------------------------------------------------------
     def _check_admin(self) -> None:

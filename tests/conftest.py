@@ -28,7 +28,7 @@ TINY = dict(
 
 def _save_tiny(path, config_cls, model_cls, seed: int, **extra):
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**TINY, **extra)).eval()
+    model = model_cls(config_cls(**{**TINY, **extra})).eval()  # extra may override TINY
     model.save_pretrained(path)
     return path
 
@@ -46,6 +46,16 @@ def tiny_qwen3_dir(tmp_path_factory):
 
     return _save_tiny(tmp_path_factory.mktemp("tiny-qwen3"), Qwen3Config, Qwen3ForCausalLM, seed=1,
                       head_dim=16, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def wide_vocab_dir(tmp_path_factory):
+    """A tiny Llama with an 8,192-token vocabulary: a FULL float32 row is 32 KiB, so a few
+    replies fill an HTTP/2 flow-control window and 200 rows take the reply-builder thread."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _save_tiny(tmp_path_factory.mktemp("tiny-wide-vocab"), LlamaConfig, LlamaForCausalLM, seed=3,
+                      vocab_size=8192, max_position_embeddings=512)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,6 @@ import time
 
 import _posixshmem
 import grpc
-import numpy as np
 import pytest
 
 from ferrum_rpc.v1 import executor_pb2 as pb
@@ -22,19 +21,6 @@ from tests.test_replicas import Replica
 VOCAB = 8192  # rows of 32 KiB: a 200-position reply is built on the reply-builder thread
 PROMPT = list(range(3, 203))
 ALICE, BOB = "alice-token-aaaaaaaaaaaaaaaaaaaa", "bob-token-bbbbbbbbbbbbbbbbbbbbbbb"
-
-
-@pytest.fixture(scope="module")
-def wide_vocab_dir(tmp_path_factory):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(3)
-    path = tmp_path_factory.mktemp("tiny-wide-vocab")
-    LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2,
-                                 max_position_embeddings=512)).eval().save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
