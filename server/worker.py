@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -61,6 +62,7 @@ class _Job:
     queue_ns: int = 0
     deadline: float | None = None  # time.monotonic() past which the caller no longer waits
     abandoned: bool = False  # the caller went away: stop before the next part and undo
+    parked_at: float | None = None  # a prompt first found no room for the whole of it (see ModelWorker._may_wait)
     tenant: str = field(default_factory=current_tenant.get)  # who submitted it (see auth.py)
 
     @contextlib.contextmanager
@@ -100,6 +102,8 @@ class ModelWorker:
     """
 
     REAP_EVERY_S = 1.0
+    ADMISSION_WAIT_S = 2.0  # how long a prompt the pool cannot hold waits for other sequences to go
+    PARKED_POLL_S = 0.02
     DECODERS_ACTIVE_S = 1.0  # a decode forward this recent means decoders are active (see _take_prompts)
 
     def __init__(self, load: Callable[[], TorchExecutor], name: str = "model", batch_wait_ms: float = 0.0):
@@ -109,6 +113,10 @@ class ModelWorker:
         self._decoded_at = float("-inf")  # when the last forward with decodes ran
         self._decoders: dict[str, float] = {}  # sequence -> when it last decoded (the last second's)
         self._last_forward_s = 0.0  # how long the last forward with decodes took
+        self._prompt_turns: dict[str, int] = {}  # tenant -> when its prompts last got a part (see _fair)
+        self._parked: list[_Job] = []  # prompts waiting for room in the pool (see _may_wait)
+        self._unpark_at = float("inf")
+        self._turns = itertools.count()
         self._jobs: deque[_Job | None] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -229,9 +237,11 @@ class ModelWorker:
     def _loop(self) -> None:
         while True:
             with self._cond:
+                self._unpark()
                 while not self._jobs:
                     self._reap()
-                    self._cond.wait(self.REAP_EVERY_S)
+                    self._cond.wait(self.PARKED_POLL_S if self._parked else self.REAP_EVERY_S)
+                    self._unpark()
                 job = self._jobs[0]
                 if job is None:
                     self._jobs.popleft()
@@ -254,6 +264,7 @@ class ModelWorker:
                     self._run_step([], [(job, self.executor.config.prefill_chunk)])
                 else:
                     self._run(job)
+                    self._unpark_at = 0.0  # a release, truncate or expiry may have made room
                 continue
             if decodes and self.batch_wait_s:
                 self._wait_for_more(decodes)
@@ -262,6 +273,8 @@ class ModelWorker:
             with self._cond:
                 prompts = self._take_prompts(decodes)
             self._run_step(decodes, prompts)
+            if any(job.future.done() for job, _ in prompts):  # a prompt ended: waiting ones may fit now
+                self._unpark_at = 0.0
 
     def _window(self, decodes: bool, prompts: bool) -> list[_Job]:
         """The queued jobs a forward may take from (lock held): the run of decodes
@@ -356,14 +369,22 @@ class ModelWorker:
             window = self._window(decodes=True, prompts=True)
         seen = {i.kv_cache.cache_id for j in decodes for i in j.decode[0]}
         taken: list[tuple[_Job, int]] = []
-        for job in window:
+        # room in the pool not yet promised to prompts already started (they always finish first)
+        started = sum(self._blocks_to_finish(j) for j in self._jobs if j is not None and j.prompt is not None)
+        free = self.executor.kv.num_free - started
+        for job in self._fair([j for j in window if j.prefill and not j.analysis]):
             if room <= 0:
                 break
-            if not job.prefill or job.analysis:
-                continue
             seq = job.sequence() or f"new:{id(job)}"
             if seq in seen:
                 continue
+            if job.prompt is None:
+                need = self._blocks_to_finish(job)
+                if need > free and job.gone() is None and self._may_wait(job, started):
+                    self._park(job)  # it waits for room instead of taking blocks it cannot finish with
+                    continue
+                free -= need
+                started += need
             seen.add(seq)
             left = job.prompt.remaining if job.prompt is not None else len(job.prefill[0])
             part = min(left, room, cfg.prefill_chunk)
@@ -374,7 +395,55 @@ class ModelWorker:
             kept = [j for j in self._jobs if id(j) not in ids]
             self._jobs.clear()
             self._jobs.extend(kept)
+            for job, _ in taken:
+                self._prompt_turns[job.tenant] = next(self._turns)
         return taken
+
+    def _may_wait(self, job: _Job, started: int) -> bool:
+        """A prompt the pool cannot hold beside the started ones waits while they run
+        (they finish and free room, or their callers release it), and then at most
+        ADMISSION_WAIT_S for other sequences to go; after that it runs, and fails
+        with KV_CAPACITY_EXHAUSTED at once if the pool still has no room."""
+        if job.parked_at is None:
+            job.parked_at = time.monotonic()
+        if self._stopping:  # a drain finishes what is queued: no waiting
+            return False
+        return bool(started) or time.monotonic() - job.parked_at < self.ADMISSION_WAIT_S
+
+    def _park(self, job: _Job) -> None:  # lock held
+        self._jobs.remove(job)
+        self._parked.append(job)
+        self._unpark_at = min(self._unpark_at, time.monotonic() + self.PARKED_POLL_S)
+
+    def _unpark(self) -> None:
+        """Puts waiting prompts back at the end of the queue once the pool may have
+        changed (lock held).  Jobs behind a waiting prompt are never held up by it."""
+        if self._parked and (time.monotonic() >= self._unpark_at or self._stopping):
+            self._jobs.extend(self._parked)
+            self._parked.clear()
+            self._unpark_at = float("inf")
+
+    def _fair(self, prompts: list[_Job]) -> list[_Job]:
+        """Prompts in the order they get parts: round-robin across tenants, the tenant
+        served longest ago first, each tenant's in queue order (so a tenant with many
+        long prompts queued gets one seat per round, not every seat)."""
+        by_tenant: dict[str, list[_Job]] = {}
+        for job in prompts:
+            by_tenant.setdefault(job.tenant, []).append(job)
+        tenants = sorted(by_tenant, key=lambda t: self._prompt_turns.get(t, -1))
+        rounds = max((len(q) for q in by_tenant.values()), default=0)
+        return [by_tenant[t][i] for i in range(rounds) for t in tenants if i < len(by_tenant[t])]
+
+    def _blocks_to_finish(self, job: _Job) -> int:
+        """KV blocks a prompt still needs to finish (an upper bound: a cached prefix
+        may need fewer; a continuation that starts inside a shared block one more)."""
+        kv = self.executor.kv
+        if job.prompt is not None:
+            length = job.prompt.opened.seq.length
+            return kv.blocks_for(length + job.prompt.remaining) - kv.blocks_for(length)
+        tokens, handle = job.prefill[0], job.prefill[1]
+        start = handle.sequence_length if handle is not None else 0
+        return kv.blocks_for(start + len(tokens)) - kv.blocks_for(start) + (1 if start % kv.block_size else 0)
 
     def _wait_for_more(self, batch: list[_Job]) -> None:
         deadline = time.monotonic() + self.batch_wait_s
