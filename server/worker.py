@@ -43,6 +43,7 @@ from typing import Any, Callable
 
 from ferrum_rpc.errors import Cancelled, DeadlineExceeded, Draining, ExecutorError
 from ferrum_rpc.server.auth import current_tenant
+from ferrum_rpc.server import scheduler
 from ferrum_rpc.server.executor import PromptInParts, TorchExecutor, verify_policy
 from ferrum_rpc.types import DecodeInput, HiddenStatesRequest, KvCacheHandle, LogitsPolicy, VerifyOutput
 
@@ -62,7 +63,7 @@ class _Job:
     queue_ns: int = 0
     deadline: float | None = None  # time.monotonic() past which the caller no longer waits
     abandoned: bool = False  # the caller went away: stop before the next part and undo
-    parked_at: float | None = None  # a prompt first found no room for the whole of it (see ModelWorker._may_wait)
+    parked_at: float | None = None  # a prompt first found no room for the whole of it (see scheduler.take_prompts)
     tenant: str = field(default_factory=current_tenant.get)  # who submitted it (see auth.py)
 
     @contextlib.contextmanager
@@ -113,8 +114,8 @@ class ModelWorker:
         self._decoded_at = float("-inf")  # when the last forward with decodes ran
         self._decoders: dict[str, float] = {}  # sequence -> when it last decoded (the last second's)
         self._last_forward_s = 0.0  # how long the last forward with decodes took
-        self._prompt_turns: dict[str, int] = {}  # tenant -> when its prompts last got a part (see _fair)
-        self._parked: list[_Job] = []  # prompts waiting for room in the pool (see _may_wait)
+        self._prompt_turns: dict[str, int] = {}  # tenant -> when its prompts last got a part (see scheduler.fair)
+        self._parked: list[_Job] = []  # prompts waiting for room in the pool (see scheduler.take_prompts)
         self._unpark_at = float("inf")
         self._turns = itertools.count()
         self._jobs: deque[_Job | None] = deque()
@@ -276,163 +277,62 @@ class ModelWorker:
             if any(job.future.done() for job, _ in prompts):  # a prompt ended: waiting ones may fit now
                 self._unpark_at = 0.0
 
-    def _window(self, decodes: bool, prompts: bool) -> list[_Job]:
-        """The queued jobs a forward may take from (lock held): the run of decodes
-        and/or prompts at the head of the queue.  Any other job ends it, so a
-        caller's truncate, fork or release is never overtaken."""
-        window = []
-        for job in self._jobs:
-            if job is None or not ((decodes and job.decode) or (prompts and job.prefill)):
-                break
-            window.append(job)
-        return window
+    # -- the policy (scheduler.py) over a snapshot of the queue ---------------------
+    def _limits(self) -> scheduler.Limits:
+        cfg = self.executor.config
+        return scheduler.Limits(cfg.max_batch_size, cfg.step_token_budget, cfg.prefill_chunk)
 
-    def _fits(self, batch: list[_Job], job: _Job, busy: set[str]) -> bool:
-        """A decode job may join a forward if it adds no sequence twice, stays in
-        the max batch, and no prompt queued ahead of it continues one of its
-        sequences (``busy``)."""
-        ids = [i.kv_cache.cache_id for i in job.decode[0]]
-        seen = {i.kv_cache.cache_id for j in batch for i in j.decode[0]}
-        size = sum(len(j.decode[0]) for j in batch)
-        return (size + len(ids) <= self.executor.config.max_batch_size and seen.isdisjoint(ids)
-                and busy.isdisjoint(ids))
+    def _view(self, job: _Job | None) -> scheduler.Queued:
+        """How the policy sees a queued job (lock held)."""
+        if job is None or not (job.decode or job.prefill):
+            return scheduler.Queued(id(job), scheduler.Kind.OTHER)
+        if job.decode:
+            return scheduler.Queued(id(job), scheduler.Kind.DECODE, job.tenant,
+                                    tuple(i.kv_cache.cache_id for i in job.decode[0]))
+        seq = job.sequence()
+        patient = job.parked_at is None or time.monotonic() - job.parked_at < self.ADMISSION_WAIT_S
+        return scheduler.Queued(
+            id(job), scheduler.Kind.PROMPT, job.tenant, (seq,) if seq is not None else (),
+            remaining=job.prompt.remaining if job.prompt is not None else len(job.prefill[0]),
+            started=job.prompt is not None, blocks_to_finish=self._blocks_to_finish(job),
+            must_run=self._stopping or job.gone() is not None, patient=patient, analysis=job.analysis)
+
+    def _snapshot(self) -> tuple[list[scheduler.Queued], dict[int, _Job]]:
+        return [self._view(j) for j in self._jobs], {id(j): j for j in self._jobs if j is not None}
+
+    def _remove(self, jobs: list[_Job]) -> None:  # lock held
+        ids = {id(j) for j in jobs}
+        kept = [j for j in self._jobs if id(j) not in ids]
+        self._jobs.clear()
+        self._jobs.extend(kept)
 
     def _collect(self, batch: list[_Job]) -> bool:
         """Moves queued decodes into ``batch`` while they fit (lock held), fairly
-        across tenants.
-
-        Only decodes in the window (see ``_window``; with the unified forward off,
-        the run of decodes alone) are considered.  Within
-        it, jobs are taken round-robin by tenant, the tenant with the fewest jobs
-        in the batch first, each tenant's in arrival order: a tenant that floods
-        the queue gets its share of each forward, never all of it, while another
-        tenant's decode waits.  Returns True if the batch is closed (full, a job
-        that does not fit, or the window ends before the queue does).
-        """
-        cap = self.executor.config.max_batch_size
-        size = sum(len(j.decode[0]) for j in batch)
-        if size >= cap:
-            return True
-        window = self._window(decodes=True, prompts=self.executor.config.step_token_budget > 0)  # 0: decodes only
-        closed = len(window) < len(self._jobs)
-        by_tenant: dict[str, deque[_Job]] = {}
-        busy: dict[int, set[str]] = {}  # per decode: sequences continued by prompts queued ahead of it
-        ahead: set[str] = set()
-        for job in window:
-            if job.decode:
-                by_tenant.setdefault(job.tenant, deque()).append(job)
-                busy[id(job)] = set(ahead)
-            elif (seq := job.sequence()) is not None:
-                ahead.add(seq)
-        in_batch = {t: sum(1 for j in batch if j.tenant == t) for t in by_tenant}
-        taken: set[int] = set()
-        while size < cap:
-            ready = [t for t, q in by_tenant.items() if q]
-            if not ready:
-                break
-            tenant = min(ready, key=lambda t: in_batch[t])  # ties: the earliest arrival
-            job = by_tenant[tenant][0]
-            if not self._fits(batch, job, busy[id(job)]):
-                del by_tenant[tenant]  # its later jobs wait behind this one
-                closed = True
-                continue
-            by_tenant[tenant].popleft()
-            batch.append(job)
-            taken.add(id(job))
-            in_batch[tenant] += 1
-            size += len(job.decode[0])
-        if taken:
-            kept = [j for j in self._jobs if id(j) not in taken]
-            self._jobs.clear()
-            self._jobs.extend(kept)
-        return closed or size >= cap or any(by_tenant.values())
+        across tenants (``scheduler.take_decodes``).  Returns True if the batch is
+        closed (full, a job that does not fit, or the window ends before the queue does)."""
+        queue, jobs = self._snapshot()
+        taken, closed = scheduler.take_decodes(queue, [self._view(j) for j in batch], self._limits())
+        batch.extend(jobs[q.key] for q in taken)
+        self._remove([jobs[q.key] for q in taken])
+        return closed
 
     def _take_prompts(self, decodes: list[_Job]) -> list[tuple[_Job, int]]:
-        """Takes the prompts that get a part of this forward, and how many tokens each
-        may run (lock held): in queue order, while the budget lasts (see the
-        module docstring); never a sequence twice, never an analysis prompt
-        (those run alone)."""
-        cfg = self.executor.config
-        size = sum(len(j.decode[0]) for j in decodes)
-        if cfg.step_token_budget == 0:  # separate forwards: the prompts at the head share one chunk
-            room, window = (0 if decodes else cfg.prefill_chunk), self._window(decodes=False, prompts=True)
-        else:
-            budget = cfg.step_token_budget
-            if decodes:
-                room = max(budget - size, budget // 4, 1)
-            elif time.monotonic() - self._decoded_at < self.DECODERS_ACTIVE_S:
-                # decoders are between calls (their replies are on the way back): a budget-sized
-                # forward lets their next calls join the next forward instead of waiting out a chunk
-                room = budget
-            else:  # nobody is decoding: prompts run whole chunks
-                room = max(budget, cfg.prefill_chunk)
-            window = self._window(decodes=True, prompts=True)
-        seen = {i.kv_cache.cache_id for j in decodes for i in j.decode[0]}
-        taken: list[tuple[_Job, int]] = []
-        # room in the pool not yet promised to prompts already started (they always finish first)
-        started = sum(self._blocks_to_finish(j) for j in self._jobs if j is not None and j.prompt is not None)
-        free = self.executor.kv.num_free - started
-        for job in self._fair([j for j in window if j.prefill and not j.analysis]):
-            if room <= 0:
-                break
-            seq = job.sequence() or f"new:{id(job)}"
-            if seq in seen:
-                continue
-            if job.prompt is None:
-                need = self._blocks_to_finish(job)
-                if need > free and job.gone() is None and self._may_wait(job, started):
-                    self._park(job)  # it waits for room instead of taking blocks it cannot finish with
-                    continue
-                free -= need
-                started += need
-            seen.add(seq)
-            left = job.prompt.remaining if job.prompt is not None else len(job.prefill[0])
-            part = min(left, room, cfg.prefill_chunk)
-            taken.append((job, part))
-            room -= part
-        if taken:
-            ids = {id(j) for j, _ in taken}
-            kept = [j for j in self._jobs if id(j) not in ids]
-            self._jobs.clear()
-            self._jobs.extend(kept)
-            for job, _ in taken:
-                self._prompt_turns[job.tenant] = next(self._turns)
+        """Takes the prompts that get a part of this forward and how many tokens each
+        may run, and parks those the pool cannot hold yet (lock held; see scheduler.py)."""
+        limits = self._limits()
+        rows = sum(len(j.decode[0]) for j in decodes)
+        active = time.monotonic() - self._decoded_at < self.DECODERS_ACTIVE_S
+        queue, jobs = self._snapshot()
+        plan = scheduler.take_prompts(queue, [self._view(j) for j in decodes], limits,
+                                      scheduler.prompt_room(limits, rows, active), self.executor.kv.num_free,
+                                      self._prompt_turns)
+        for key in plan.parked:
+            self._park(jobs[key])
+        taken = [(jobs[key], tokens) for key, tokens in plan.parts]
+        self._remove([job for job, _ in taken])
+        for job, _ in taken:
+            self._prompt_turns[job.tenant] = next(self._turns)
         return taken
-
-    def _may_wait(self, job: _Job, started: int) -> bool:
-        """A prompt the pool cannot hold beside the started ones waits while they run
-        (they finish and free room, or their callers release it), and then at most
-        ADMISSION_WAIT_S for other sequences to go; after that it runs, and fails
-        with KV_CAPACITY_EXHAUSTED at once if the pool still has no room."""
-        if job.parked_at is None:
-            job.parked_at = time.monotonic()
-        if self._stopping:  # a drain finishes what is queued: no waiting
-            return False
-        return bool(started) or time.monotonic() - job.parked_at < self.ADMISSION_WAIT_S
-
-    def _park(self, job: _Job) -> None:  # lock held
-        self._jobs.remove(job)
-        self._parked.append(job)
-        self._unpark_at = min(self._unpark_at, time.monotonic() + self.PARKED_POLL_S)
-
-    def _unpark(self) -> None:
-        """Puts waiting prompts back at the end of the queue once the pool may have
-        changed (lock held).  Jobs behind a waiting prompt are never held up by it."""
-        if self._parked and (time.monotonic() >= self._unpark_at or self._stopping):
-            self._jobs.extend(self._parked)
-            self._parked.clear()
-            self._unpark_at = float("inf")
-
-    def _fair(self, prompts: list[_Job]) -> list[_Job]:
-        """Prompts in the order they get parts: round-robin across tenants, the tenant
-        served longest ago first, each tenant's in queue order (so a tenant with many
-        long prompts queued gets one seat per round, not every seat)."""
-        by_tenant: dict[str, list[_Job]] = {}
-        for job in prompts:
-            by_tenant.setdefault(job.tenant, []).append(job)
-        tenants = sorted(by_tenant, key=lambda t: self._prompt_turns.get(t, -1))
-        rounds = max((len(q) for q in by_tenant.values()), default=0)
-        return [by_tenant[t][i] for i in range(rounds) for t in tenants if i < len(by_tenant[t])]
 
     def _blocks_to_finish(self, job: _Job) -> int:
         """KV blocks a prompt still needs to finish (an upper bound: a cached prefix
@@ -444,6 +344,21 @@ class ModelWorker:
         tokens, handle = job.prefill[0], job.prefill[1]
         start = handle.sequence_length if handle is not None else 0
         return kv.blocks_for(start + len(tokens)) - kv.blocks_for(start) + (1 if start % kv.block_size else 0)
+
+    def _park(self, job: _Job) -> None:  # lock held
+        if job.parked_at is None:
+            job.parked_at = time.monotonic()  # its admission wait starts
+        self._jobs.remove(job)
+        self._parked.append(job)
+        self._unpark_at = min(self._unpark_at, time.monotonic() + self.PARKED_POLL_S)
+
+    def _unpark(self) -> None:
+        """Puts waiting prompts back at the end of the queue once the pool may have
+        changed (lock held).  Jobs behind a waiting prompt are never held up by it."""
+        if self._parked and (time.monotonic() >= self._unpark_at or self._stopping):
+            self._jobs.extend(self._parked)
+            self._parked.clear()
+            self._unpark_at = float("inf")
 
     def _wait_for_more(self, batch: list[_Job]) -> None:
         deadline = time.monotonic() + self.batch_wait_s
@@ -469,9 +384,8 @@ class ModelWorker:
         deadline = now + min(0.25 * self._last_forward_s, 0.05)
         with self._cond:
             while not self._collect(batch) and (left := deadline - time.monotonic()) > 0:
-                # a sequence with a prompt queued (a continuation) cannot decode before it is done
-                busy = {job.sequence() for job in self._jobs if job is not None and job.prefill}
-                if {i.kv_cache.cache_id for j in batch for i in j.decode[0]} | busy >= self._decoders.keys():
+                if not scheduler.still_waiting_for(set(self._decoders), [self._view(j) for j in batch],
+                                                   [self._view(j) for j in self._jobs]):
                     return
                 self._cond.wait(left)
 
