@@ -26,6 +26,10 @@ step under load costs about one budget-sized forward instead of waiting
 behind whole prompt chunks, and prompts still progress every step (at least
 a quarter of the budget is theirs).  A forward of decodes only stays a
 plain (B, 1) batch: the fastest decode path, fused whole-layer ops included.
+
+What shares a forward is decided by ``scheduler.py`` (pure functions over a
+snapshot of the queue, unit-tested without a model); this module holds the
+thread, the queue, the futures, cancellation and deadlines.
 """
 
 from __future__ import annotations
