@@ -10,7 +10,7 @@ replica set: placement by load, handle affinity, failover by replay
 (``ferrum_rpc.client.replicas``).
 """
 
-from ferrum_rpc.client.client import AsyncExecutorClient, ClientTls, ExecutorClient
+from ferrum_rpc.client.client import AsyncExecutorClient, ClientTls, ExecutorClient, Keepalive
 from ferrum_rpc.errors import (
     CacheNotFound,
     Draining,
@@ -35,6 +35,7 @@ __all__ = [
     "ExecutorError",
     "FailoverFailed",
     "InvalidInput",
+    "Keepalive",
     "KvCacheHandle",
     "KvCapacityExhausted",
     "LengthMismatch",

@@ -39,9 +39,11 @@ import grpc
 from ferrum_rpc.client.client import (
     AsyncExecutorClient,
     DecodeItem,
+    DEFAULT_KEEPALIVE,
     DEFAULT_MAX_MESSAGE_BYTES,
     ClientTls,
     ExecutorClient,
+    Keepalive,
 )
 from ferrum_rpc.errors import ExecutorError, FailoverFailed, KvCapacityExhausted, Reason, StaleHandle
 from ferrum_rpc.types import (
@@ -213,6 +215,9 @@ class _Sequence:
     tokens: array | None
     replica: _Replica
     keys: list[tuple[str, str]] = field(default_factory=list)  # (instance, cache id) of this and older handles
+    # A call on it ended DEADLINE_EXCEEDED in this client, so the server may have run it
+    # anyway (its reply came too late): a LENGTH_MISMATCH on the next call means "resync".
+    unsure: bool = False
 
 
 def _key(handle: KvCacheHandle) -> tuple[str, str]:
@@ -257,6 +262,7 @@ class _Fleet:
     def advance(self, seq: _Sequence, before: int, added: Sequence[int], handle: KvCacheHandle) -> None:
         """A call on ``seq`` succeeded: its KV held ``before`` tokens, then ``added`` went in."""
         with self.lock:
+            seq.unsure = False
             if seq.tokens is not None:
                 seq.tokens = seq.tokens[:before]
                 seq.tokens.extend(added)
@@ -385,12 +391,13 @@ class _Routing:
         return replicas
 
     # -- replica state --------------------------------------------------------------
-    def _mark(self, replica: _Replica, err: ExecutorError) -> None:
-        """Leaves a replica out of placement for a while (or, for a restart, asks it again)."""
+    def _mark(self, replica: _Replica, err: ExecutorError, unanswered: bool = False) -> None:
+        """Leaves a replica out of placement for a while (or, for a restart, asks it again);
+        ``unanswered``: a status probe's deadline passed (a hung or unreachable host)."""
         if err.reason is Reason.STALE_HANDLE:
             replica.status_at = float("-inf")  # a new instance: ask for its status before using it
             return
-        if isinstance(err, KvCapacityExhausted) or not moves_sequence(err):
+        if isinstance(err, KvCapacityExhausted) or not (moves_sequence(err) or unanswered):
             return
         if replica.healthy:  # once per outage; the probes after each cooldown log at debug level
             log.warning("replica %s left out (asked again every %.1fs): %s", replica.target,
@@ -406,7 +413,7 @@ class _Routing:
                                    for r in replicas])
         for replica, result in zip(replicas, results):
             if isinstance(result, ExecutorError):
-                self._mark(replica, result)
+                self._mark(replica, result, unanswered=result.code is grpc.StatusCode.DEADLINE_EXCEEDED)
                 continue
             if result.server_instance_id != replica.instance_id or not replica.block_size:
                 try:
@@ -537,11 +544,17 @@ class _Routing:
             try:
                 out = yield _Call(replica, op, (replica.client, send))
             except ExecutorError as err:
-                if seq is None or not self.failover or not moves_sequence(err) \
-                        or round_ == self.policy.max_attempts:
+                if seq is not None and err.code is grpc.StatusCode.DEADLINE_EXCEEDED:
+                    seq.unsure = True  # it may have run after all: the next call checks
+                if seq is None or not self.failover or round_ == self.policy.max_attempts:
                     raise
-                self._mark(replica, err)
-                send = yield from self._replay_flow(seq, send, err)
+                if self._resyncs(seq, err):
+                    send = yield from self._resync_flow(seq, send, err)
+                elif moves_sequence(err):
+                    self._mark(replica, err)
+                    send = yield from self._replay_flow(seq, send, err)
+                else:
+                    raise
                 replica = seq.replica
                 continue
             if seq is not None:
@@ -556,7 +569,8 @@ class _Routing:
             raise FailoverFailed(f"sequence {seq.handle.cache_id!r} cannot be moved: its history is not known "
                                  f"({cause})", cause=cause)
         old = seq.replica
-        exclude = set() if cause.reason is Reason.STALE_HANDLE else {old}  # a restarted replica may take it back
+        # A restarted replica may take it back; so may one that is fine but whose copy is out of step (a resync).
+        exclude = set() if cause.reason in (Reason.STALE_HANDLE, Reason.LENGTH_MISMATCH) else {old}
         start, attempts, last = time.monotonic(), 0, cause
         what = f"move sequence {seq.handle.cache_id!r} ({len(seq.tokens)} tokens) off {old.target}"
         while True:
@@ -583,6 +597,29 @@ class _Routing:
                         send.cache_id, len(seq.tokens), old.target, replica.target, out.kv_cache.cache_id,
                         1e3 * (time.monotonic() - start), cause)
             return replace(out.kv_cache, sequence_length=send.sequence_length)
+
+    @staticmethod
+    def _resyncs(seq: _Sequence | None, err: ExecutorError) -> bool:
+        """Whether ``err`` on a call on ``seq`` means its copy on the server is out of step
+        with this client because a call that timed out here ran there after all."""
+        return seq is not None and seq.unsure and bool(seq.tokens) and err.reason is Reason.LENGTH_MISMATCH
+
+    def _resync_flow(self, seq: _Sequence, send: KvCacheHandle, cause: ExecutorError) -> Flow:
+        """Rebuilds ``seq`` from the history this client knows (a replay, on any replica,
+        its own included) and releases the copy of unknown length it had; returns the
+        handle to send (with the caller's length)."""
+        old_replica, old_handle = seq.replica, seq.handle
+        seq.unsure = False
+        log.warning("sequence %s: a call that timed out here ran on %s after all (%s); rebuilding it from "
+                    "its %d remembered tokens", old_handle.cache_id, old_replica.target, cause, len(seq.tokens))
+        send = yield from self._replay_flow(seq, send, cause)
+        if _key(seq.handle) != _key(old_handle):
+            try:
+                yield _Call(old_replica, old_replica.client.release_cache, (old_handle,), False)
+            except ExecutorError as err:  # left to the server's idle timeout
+                log.info("could not release the old copy of %s on %s: %s", old_handle.cache_id,
+                         old_replica.target, err)
+        return send
 
     # -- split batches ---------------------------------------------------------------------
     def _items_flow(self, entries: Iterable[tuple[Sequence[int], KvCacheHandle | None]]) -> Flow:
@@ -639,7 +676,14 @@ class _Routing:
                         self._mark(replica, result)
                         on_group_lost(replica)
                         retry.extend((item, result) for item in group)
+                    elif failure is None and self.failover and round_ < self.policy.max_attempts and any(
+                            self._resyncs(item.seq, result) for item in group):
+                        retry.extend((item, result) for item in group)  # the unsure ones are rebuilt
                     else:
+                        if result.code is grpc.StatusCode.DEADLINE_EXCEEDED:
+                            for item in group:
+                                if item.seq is not None:
+                                    item.seq.unsure = True  # it may have run after all: the next call checks
                         failure = failure or result
                 if failure is not None:
                     raise failure
@@ -658,6 +702,11 @@ class _Routing:
             item.seq is not None and item.seq.tokens or item.send is None for item in group)
 
     def _relocate_flow(self, item: _Item, cause: ExecutorError) -> Flow:
+        if cause.reason is Reason.LENGTH_MISMATCH:  # a resync: only the sequences a timeout left unsure
+            if self._resyncs(item.seq, cause):
+                item.send = yield from self._resync_flow(item.seq, item.send, cause)
+                item.replica = item.seq.replica
+            return
         if item.seq is None:  # a new prompt: place it again, elsewhere
             replica = yield from self._place_flow(item.tokens, {item.replica})
             if replica is None:
@@ -770,10 +819,11 @@ class ReplicaSetClient(_Routing, ExecutorClient):
     def __init__(self, target: str | Sequence[str], *, model: str = "", timeout: float | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: ClientTls | None = None,
                  token: str | None = None, failover: bool = True, replica_policy: ReplicaPolicy | None = None,
-                 channel_options: Sequence[tuple[str, object]] = ()):
+                 channel_options: Sequence[tuple[str, object]] = (),
+                 keepalive: Keepalive | None = DEFAULT_KEEPALIVE):
         replicas = self._setup(ExecutorClient, target, failover, replica_policy, dict(
             model=model, timeout=timeout, max_message_bytes=max_message_bytes, tls=tls, token=token,
-            channel_options=channel_options))
+            channel_options=channel_options, keepalive=keepalive))
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(replicas)), thread_name_prefix="replicas")
 
     # -- the driver ------------------------------------------------------------------
@@ -957,10 +1007,11 @@ class AsyncReplicaSetClient(_Routing, AsyncExecutorClient):
     def __init__(self, target: str | Sequence[str], *, model: str = "", timeout: float | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: ClientTls | None = None,
                  token: str | None = None, failover: bool = True, replica_policy: ReplicaPolicy | None = None,
-                 channel_options: Sequence[tuple[str, object]] = ()):
+                 channel_options: Sequence[tuple[str, object]] = (),
+                 keepalive: Keepalive | None = DEFAULT_KEEPALIVE):
         self._setup(AsyncExecutorClient, target, failover, replica_policy, dict(
             model=model, timeout=timeout, max_message_bytes=max_message_bytes, tls=tls, token=token,
-            channel_options=channel_options))
+            channel_options=channel_options, keepalive=keepalive))
 
     async def _drive(self, flow: Flow) -> Any:
         value, error = None, None

@@ -42,6 +42,23 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
 
 
+# The clients ping every 2 s (2 s to answer; ferrum_rpc.client.Keepalive) so a server that
+# stops answering is left within ~4 s.  gRPC servers by default accept a ping without
+# data only every 5 minutes, and none on a connection with no call: past 2 such "strikes"
+# they close the connection with GOAWAY "too_many_pings".  Accept one a second, with or
+# without calls (half the clients' interval, so timer jitter never strikes), and keep the
+# strike limit against clients that ping faster.  (gRPC core 1.85 reads the receive side
+# as "grpc.http2.min_ping_interval_without_data_ms"; "min_recv_ping_interval..." and
+# "min_time_between_pings_ms" are not arguments it knows.)  The server's own pings (every
+# 30 s, 10 s to answer) find callers that vanished without a reset, so their calls are undone.
+KEEPALIVE_SERVER_OPTIONS = [
+    ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+]
+
+
 @dataclass
 class App:
     config: ServerConfig
@@ -125,7 +142,7 @@ async def build_server(config: ServerConfig) -> App:
     """Binds ``config.host:config.port`` (0 picks a free port) and starts serving health."""
     instance_id = uuid.uuid4().hex
     tokens = TokenTable.load(config.auth_tokens) if config.auth_tokens else None
-    server = grpc.aio.server(options=channel_options(config.executor.max_message_bytes),
+    server = grpc.aio.server(options=channel_options(config.executor.max_message_bytes) + KEEPALIVE_SERVER_OPTIONS,
                              interceptors=[AuthInterceptor(tokens)] if tokens else None)
     metrics = None
     if config.metrics_port is not None:

@@ -29,6 +29,7 @@ import grpc
 from ferrum_rpc import convert, tensor_codec
 from ferrum_rpc.errors import (
     AdminOnly,
+    DeadlineExceeded,
     Draining,
     ExecutorError,
     InvalidInput,
@@ -98,10 +99,34 @@ def _check_parsed(request) -> None:
         raise InvalidInput(request.why)
 
 
+DEADLINE_HEADER = "ferrum-deadline-unix-ns"  # optional: the caller's absolute deadline (see _deadline)
+
+
 def _deadline(context) -> float | None:
-    """The caller's deadline on the worker's clock (None: it waits forever)."""
+    """The caller's deadline on the worker's clock (None: it waits forever).
+
+    The earlier of gRPC's own (a relative timeout, which this server counts from when it
+    read the call's headers) and the absolute one a client may send as
+    ``ferrum-deadline-unix-ns`` (wall-clock ns since the epoch, counted from when the
+    caller sent the call; it relies on the two clocks agreeing, as on loopback).  Without
+    it, a call that sat in the socket of a frozen or stalled server past its deadline
+    would run on resume with a fresh one, after its caller gave up.  A call whose deadline
+    has passed is refused here, before it is queued, and changes nothing (the worker
+    refuses a queued job whose deadline passed, ``_Job.gone``)."""
+    now = time.monotonic()
     remaining = context.time_remaining()
-    return None if remaining is None else time.monotonic() + remaining
+    deadline = None if remaining is None else now + remaining
+    for key, value in context.invocation_metadata() or ():
+        if key == DEADLINE_HEADER:
+            try:
+                absolute = now + (int(value) - time.time_ns()) / 1e9
+            except ValueError:  # advisory: an unreadable value is ignored
+                break
+            deadline = absolute if deadline is None else min(deadline, absolute)
+            break
+    if deadline is not None and deadline <= now:
+        raise DeadlineExceeded("the caller's deadline passed before the call was read; nothing was done")
+    return deadline
 
 
 def _payload_bytes(logits) -> int:
