@@ -13,15 +13,23 @@ import importlib
 import logging
 import sys
 
+from ferrum_rpc.errors import StartupError
+
 EXTRA_FOR = {"serve": "server", "prepare": "server,text", "generate": "text"}
 
 
 def _command(module: str, name: str):
-    """A command function imported on use; a missing extra becomes a one-line hint."""
+    """A command function imported on use; a missing extra becomes a one-line hint,
+    and so does a server that cannot start as configured (:class:`StartupError`,
+    exit status 2, no traceback)."""
     def run(args: argparse.Namespace) -> int:
         try:
             func = getattr(importlib.import_module(module), name)
             return func(args)
+        except StartupError as exc:
+            message = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+            print(f"ferrum-rpc {args.command}: {message}", file=sys.stderr)
+            return 2
         except ModuleNotFoundError as exc:
             if exc.name and exc.name.split(".")[0] in ("torch", "safetensors", "transformers", "gguf",
                                                        "prometheus_client", "grpc_health", "grpc_reflection"):
@@ -32,13 +40,40 @@ def _command(module: str, name: str):
     return run
 
 
+def _one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Usage errors as one line on stderr (exit status 2), not the usage text and then the error."""
+    def error(message: str):
+        parser.exit(2, f"{parser.prog}: {message} (see {parser.prog} --help)\n")
+    parser.error = error
+    return parser
+
+
+def _non_negative_int(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise ValueError(value)
+    return number
+
+
+def _port(value: str) -> int:
+    number = int(value)
+    if not 0 <= number <= 65535:
+        raise ValueError(value)
+    return number
+
+
+_non_negative_int.__name__ = "non-negative integer"  # argparse's "invalid <name> value: '-1'"
+_port.__name__ = "port (0..65535)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferrum-rpc", description="Serve models over gRPC, prepare the "
                                      "embedded default model, generate text through a server.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    _one_line_errors(parser)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="serve models over gRPC")
+    s = _one_line_errors(sub.add_parser("serve", help="serve models over gRPC"))
     s.add_argument("--model", action="append", default=[], metavar="[NAME=]PATH",
                    help="HF-style folder (config.json + *.safetensors); repeatable. "
                         "Default: the embedded SmolLM2-135M-Instruct, prepared on first use")
@@ -53,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "'authorization: Bearer <token>'; sequences are private to their tenant")
     s.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --host without TLS and tokens (a trusted network only)")
-    s.add_argument("--metrics-port", type=int, default=None,
+    s.add_argument("--metrics-port", type=_port, default=None,
                    help="serve Prometheus metrics on this port (0: a free one, logged); off by default")
     s.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
     s.add_argument("--admin-tenants", default="",
@@ -65,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="live sequences in all, forks included (0: no cap)")
     s.add_argument("--tenant-max-sequences", type=int, default=0, help="live sequences per tenant (0: no cap)")
     s.add_argument("--tenant-kv-tokens", type=int, default=0, help="KV tokens one tenant may hold (0: no quota)")
-    s.add_argument("--port", type=int, default=50051, help="0 picks a free port (logged)")
+    s.add_argument("--port", type=_port, default=50051, help="0 picks a free port (logged)")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     s.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     s.add_argument("--kv-tokens", type=int, default=16384, help="KV pool capacity in tokens")
@@ -96,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-message-mb", type=int, default=256, help="largest reply (MiB)")
     s.add_argument("--batch-wait-ms", type=float, default=0.0, help="wait for more decodes to batch")
     s.add_argument("--grace", type=float, default=30.0, help="seconds in-flight calls get on SIGTERM")
-    s.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    s.add_argument("--threads", type=_non_negative_int, default=0,
+                   help="torch intra-op threads (0: torch's default)")
     s.add_argument("--no-warmup", action="store_true")
     s.set_defaults(func=_command("ferrum_rpc.server.cli", "cmd_serve"))
 

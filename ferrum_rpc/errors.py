@@ -189,6 +189,13 @@ class FailoverFailed(ExecutorError):
         self.cause, self.attempts = cause, attempts
 
 
+class StartupError(ValueError):
+    """Never on the wire: a server that cannot start as configured (a token or TLS
+    file missing, unreadable or invalid, a model folder that is none, an address it
+    cannot bind, options that do not go together).  The message names the problem
+    and the file or option; ``ferrum-rpc serve`` prints it as one line and exits 2."""
+
+
 ERROR_CLASSES: dict[Reason, type[ExecutorError]] = {
     cls.reason: cls
     for cls in (

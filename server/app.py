@@ -14,12 +14,14 @@ import signal
 import threading
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from ferrum_rpc.errors import StartupError
 from ferrum_rpc.server.auth import AuthInterceptor, TlsFiles, TokenTable
 from ferrum_rpc.server.config import ServerConfig
 from ferrum_rpc.server.executor import TorchExecutor
@@ -156,23 +158,98 @@ async def build_server(config: ServerConfig) -> App:
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection((SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
-    if config.tls_cert:
-        tls = TlsFiles(config.tls_cert, config.tls_key, config.tls_client_ca)
-        port = server.add_secure_port(address, tls.credentials())
-    else:
-        port = server.add_insecure_port(address)
+    try:
+        if config.tls_cert:
+            port = server.add_secure_port(address, _tls_credentials(config))
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError:  # gRPC says only "Failed to bind"; find out why
+        raise _bind_error(config.host, config.port) from None
     security = ("mTLS" if config.tls_client_ca else "TLS" if config.tls_cert else "plaintext") + \
         (", bearer tokens" if tokens else ", no authentication")
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
     log.info("listening on %s:%d (instance %s) with %s", config.host, port, instance_id, security)
-    metrics_port = metrics.serve(config.metrics_port, config.metrics_host) if metrics else None
+    try:
+        metrics_port = metrics.serve(config.metrics_port, config.metrics_host) if metrics else None
+    except OSError as exc:
+        await server.stop(None)
+        raise StartupError(f"cannot serve metrics on {config.metrics_host}:{config.metrics_port} "
+                           f"(--metrics-host/--metrics-port): {exc.strerror or exc}") from None
     return App(config, server, port, servicer, health, metrics_port)
 
 
+def _tls_credentials(config: ServerConfig) -> grpc.ServerCredentials:
+    """The server's TLS credentials, the files checked here first: gRPC's own failure
+    says only that it could not bind.  Each file must be readable PEM (the key
+    unencrypted) and the key must be the certificate's."""
+    import ssl
+
+    files = (("--tls-cert", config.tls_cert), ("--tls-key", config.tls_key), ("--tls-client-ca", config.tls_client_ca))
+    for option, path in files:
+        if path:
+            try:
+                Path(path).read_bytes()
+            except OSError as exc:
+                raise StartupError(f"cannot read the {option} file {path}: {exc.strerror or exc}") from None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    for option, path in (("--tls-cert", config.tls_cert), ("--tls-client-ca", config.tls_client_ca)):
+        if path:
+            try:
+                context.load_verify_locations(cafile=path)  # parses every certificate in it
+            except (ssl.SSLError, ValueError) as exc:
+                raise StartupError(f"the {option} file {path} holds no valid PEM certificate "
+                                   f"({getattr(exc, 'reason', None) or exc})") from None
+    try:  # the password callback fails an encrypted key instead of prompting on the terminal
+        context.load_cert_chain(config.tls_cert, config.tls_key, password=lambda: b"")
+    except (ssl.SSLError, ValueError) as exc:
+        reason = getattr(exc, "reason", None)
+        problem = "is not the private key of" if reason == "KEY_VALUES_MISMATCH" else \
+            f"is no unencrypted PEM private key{f' ({reason})' if reason else ''} for"
+        raise StartupError(f"the --tls-key file {config.tls_key} {problem} --tls-cert {config.tls_cert}") from None
+    return TlsFiles(config.tls_cert, config.tls_key, config.tls_client_ca).credentials()
+
+
+def _bind_error(host: str, port: int) -> StartupError:
+    """Why ``host:port`` cannot be bound, found by trying it with a plain socket."""
+    import socket
+
+    why = "gRPC could not bind it"
+    try:
+        for family, kind, proto, _, address in socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
+                                                                  flags=socket.AI_PASSIVE):
+            with socket.socket(family, kind, proto) as probe:
+                probe.bind(address)
+    except socket.gaierror as exc:
+        why = f"cannot resolve the address ({exc.strerror or exc})"
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+    except (OverflowError, ValueError, UnicodeError) as exc:
+        why = str(exc)
+    return StartupError(f"cannot listen on {host}:{port} (--host/--port): {why}")
+
+
+def _check_model_folders(config: ServerConfig) -> None:
+    """Refuses, before binding anything, a --model that is no model folder, or two with one name."""
+    for number, spec in enumerate(config.models):
+        where = f"--model {spec.name}={spec.path}"
+        if any(other.name == spec.name for other in config.models[:number]):
+            raise StartupError(f"{where}: a model named {spec.name!r} is given twice (name them: --model NAME=PATH)")
+        try:
+            if not Path(spec.path).is_dir():
+                raise StartupError(f"{where}: no such folder")
+            if not (Path(spec.path) / "config.json").is_file():
+                raise StartupError(f"{where}: not a model folder (no config.json)")
+        except OSError as exc:
+            raise StartupError(f"{where}: {exc.strerror or exc}") from None
+
+
 async def serve(config: ServerConfig) -> None:
-    """Runs until SIGTERM/SIGINT, then drains."""
+    """Runs until SIGTERM/SIGINT, then drains.  A server that cannot start (see
+    :class:`StartupError`: files, address, a model that does not load) raises
+    StartupError naming the problem and the file or option."""
+    _check_model_folders(config)
     app = await build_server(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -182,7 +259,13 @@ async def serve(config: ServerConfig) -> None:
     await asyncio.wait([loader, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if loader.done() and loader.exception():
         await app.server.stop(None)
-        raise loader.exception()
+        exc = loader.exception()
+        if isinstance(exc, StartupError):
+            raise exc
+        # loading is in order: the failed model is the first one not serving
+        spec = next((s for s in config.models if s.name not in app.servicer.workers), None)
+        where = f"--model {spec.name}={spec.path}" if spec else "--model"
+        raise StartupError(f"{where}: cannot load it: {type(exc).__name__}: {exc}") from exc
     await stop.wait()
     loader.cancel()
     await app.drain(config.grace_s)

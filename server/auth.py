@@ -23,7 +23,7 @@ from pathlib import Path
 
 import grpc
 
-from ferrum_rpc.errors import Unauthenticated, to_rpc_status
+from ferrum_rpc.errors import StartupError, Unauthenticated, to_rpc_status
 
 log = logging.getLogger(__name__)
 
@@ -46,25 +46,32 @@ class TokenTable:
 
     @classmethod
     def load(cls, path: str | Path) -> TokenTable:
-        """Parses a tokens file.  Errors name the line, never the token."""
+        """Parses a tokens file.  Errors (:class:`StartupError`) name the file and
+        line, never the token."""
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise StartupError(f"cannot read the --auth-tokens file {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise StartupError(f"the --auth-tokens file {path} is not UTF-8 text") from None
         entries, seen = [], set()
-        for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        for number, line in enumerate(text.splitlines(), 1):
             line = line.split("#", 1)[0].strip()
             if not line:
                 continue
             parts = line.split()
             if len(parts) != 2:
-                raise ValueError(f"{path}:{number}: expected '<tenant> <token>'")
+                raise StartupError(f"{path}:{number}: expected '<tenant> <token>'")
             tenant, token = parts
             if len(token) < _MIN_TOKEN_CHARS:
-                raise ValueError(f"{path}:{number}: tenant {tenant!r}'s token is shorter than "
-                                 f"{_MIN_TOKEN_CHARS} characters")
+                raise StartupError(f"{path}:{number}: tenant {tenant!r}'s token is shorter than "
+                                   f"{_MIN_TOKEN_CHARS} characters")
             if token in seen:
-                raise ValueError(f"{path}:{number}: tenant {tenant!r} reuses another line's token")
+                raise StartupError(f"{path}:{number}: tenant {tenant!r} reuses another line's token")
             seen.add(token)
             entries.append((tenant, token.encode()))
         if not entries:
-            raise ValueError(f"{path}: no tokens")
+            raise StartupError(f"{path}: no tokens")
         log.info("auth: %d token(s) for %d tenant(s) from %s", len(entries), len({t for t, _ in entries}), path)
         return cls(tuple(entries))
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ferrum_rpc.errors import StartupError
+
 MIB = 1 << 20
 LINEAR_KERNELS = ("auto", "onednn-packed", "aten")  # see kernels.py
 QUANTIZATIONS = ("none", "int8", "int4")  # see woq.py
@@ -74,25 +76,27 @@ class ExecutorConfig:
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be float32 or bfloat16, not {self.dtype!r}")
+            raise StartupError(f"dtype must be float32 or bfloat16, not {self.dtype!r}")
         if self.kv_tokens <= 0 or self.block_size <= 0 or self.max_batch_size <= 0:
-            raise ValueError("kv_tokens, block_size and max_batch_size must be positive")
+            raise StartupError("kv_tokens, block_size and max_batch_size (--kv-tokens, --block-size, --max-batch) "
+                               "must be positive")
         if not 0 <= self.kv_memory_fraction < 1:
-            raise ValueError("kv_memory_fraction must be in [0, 1)")
+            raise StartupError("kv_memory_fraction (--kv-memory-fraction) must be in [0, 1)")
         if self.prefill_chunk <= 0:
-            raise ValueError("prefill_chunk must be positive")
+            raise StartupError("prefill_chunk (--prefill-chunk) must be positive")
         if self.step_token_budget < 0:
-            raise ValueError("step_token_budget must be 0 (off) or positive")
+            raise StartupError("step_token_budget (--step-token-budget) must be 0 (off) or positive")
         if self.linear_kernel not in LINEAR_KERNELS:
-            raise ValueError(f"linear_kernel must be one of {LINEAR_KERNELS}, not {self.linear_kernel!r}")
+            raise StartupError(f"linear_kernel must be one of {LINEAR_KERNELS}, not {self.linear_kernel!r}")
         if self.step_ops not in STEP_OPS:
-            raise ValueError(f"step_ops must be one of {STEP_OPS}, not {self.step_ops!r}")
+            raise StartupError(f"step_ops must be one of {STEP_OPS}, not {self.step_ops!r}")
         if self.quantize not in QUANTIZATIONS:
-            raise ValueError(f"quantize must be one of {QUANTIZATIONS}, not {self.quantize!r}")
+            raise StartupError(f"quantize must be one of {QUANTIZATIONS}, not {self.quantize!r}")
         if self.quantize != "none" and not self.device.startswith("cpu"):
-            raise ValueError("--quantize is a CPU path; serve unquantized weights on " + self.device)
+            raise StartupError("--quantize is a CPU path; serve unquantized weights on " + self.device)
         if self.quantize != "none" and self.linear_kernel == "onednn-packed":
-            raise ValueError("quantized weights do not use the oneDNN packed linear; use --linear-kernel auto or aten")
+            raise StartupError("quantized weights do not use the oneDNN packed linear; "
+                               "use --linear-kernel auto or aten")
 
 
 @dataclass(frozen=True)
@@ -129,13 +133,13 @@ class ServerConfig:
 
     def __post_init__(self):
         if self.shared_memory not in ("auto", "on", "off"):
-            raise ValueError(f"shared_memory must be auto, on or off, got {self.shared_memory!r}")
+            raise StartupError(f"shared_memory must be auto, on or off, got {self.shared_memory!r}")
         if bool(self.tls_cert) != bool(self.tls_key):
-            raise ValueError("--tls-cert and --tls-key go together")
+            raise StartupError("--tls-cert and --tls-key go together")
         if self.tls_client_ca and not self.tls_cert:
-            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+            raise StartupError("--tls-client-ca needs --tls-cert and --tls-key")
         if not is_loopback(self.host) and not (self.tls_cert and self.auth_tokens) and not self.insecure:
-            raise ValueError(
+            raise StartupError(
                 f"refusing to serve on {self.host} without TLS and tokens: anyone who can reach it could "
                 f"read and drive every sequence.  Give --tls-cert/--tls-key and --auth-tokens, or --insecure "
                 f"if the network itself is trusted")

@@ -467,8 +467,8 @@ class TorchExecutor:
         """Validates a prefill and opens its sequence (taking any cached prefix),
         to be run in parts, each one step of some forward (see
         :class:`PromptInParts`); raises with no state change."""
-        if hidden is not None:
-            self._check_hidden(hidden, len(token_ids), kv_cache.sequence_length if kv_cache is not None else 0)
+        if hidden is not None:  # the handle is resolved first: its claimed length is not to be trusted
+            self._check_hidden(hidden, len(token_ids), self._resolve(kv_cache).length if kv_cache is not None else 0)
         opened = self._open_prefill(token_ids, kv_cache, policy, reuse_prefix=hidden is None)
         self.kv.pin(opened.seq)
         return PromptInParts(self, opened, list(token_ids), policy, hidden)

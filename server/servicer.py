@@ -722,6 +722,21 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                              is_default=name == self.default_model, status=convert.status_to_proto(status))
         return reply
 
+    @staticmethod
+    def _check_model_path(path: str) -> None:
+        """Refuses (INVALID_INPUT) a LoadModel path that is over 4,096 bytes, that the
+        OS refuses (ENAMETOOLONG, EACCES, ...) or that is no model folder; the error
+        shows a bounded prefix of the path, never the OS's own message with all of it."""
+        if len(path.encode()) > 4096:
+            raise InvalidInput(f"path {shown(path)} is over 4096 bytes")
+        try:
+            found = (Path(path) / "config.json").is_file()
+        except (OSError, ValueError) as exc:
+            why = getattr(exc, "strerror", None) or type(exc).__name__
+            raise InvalidInput(f"{shown(path)} is no model folder the server can read ({why})") from None
+        if not found:
+            raise InvalidInput(f"{shown(path)} is no model folder on the server (no config.json)")
+
     async def LoadModel(self, request, context):
         """Loads on a new worker thread while the other models serve; one progress
         message per stage.  A failed or abandoned load leaves nothing behind."""
@@ -736,8 +751,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 raise InvalidInput("name must be 1..=128 bytes")
             if name in self.workers or name in self.loading:
                 raise InvalidInput(f"a model named {shown(name)} is hosted already")
-            if not (Path(path) / "config.json").is_file():
-                raise InvalidInput(f"{shown(path)} is no model folder on the server (no config.json)")
+            self._check_model_path(path)
             if self.state is ServerState.DRAINING:
                 raise Draining("the server is shutting down")
             self.loading[name] = path
@@ -748,7 +762,8 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 except ExecutorError:
                     raise
                 except Exception as exc:
-                    raise InvalidInput(f"cannot load {shown(path)}: {type(exc).__name__}: {exc}") from None
+                    raise InvalidInput(f"cannot load {shown(path)}: {type(exc).__name__}: "
+                                       f"{shown(str(exc), 512)}") from None
                 yield stage("warming up")
                 await self.models.warm_model(worker)
                 await self.models.add_model(worker, path)
