@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 LARGE_REPLY_BYTES = 1 << 20  # replies at least this large are built off the event loop
 MAX_PENDING_STEPS = 8  # DecodeSession steps whose replies the caller has not taken yet
+SESSION_END_GRACE_S = 0.02  # a DecodeSession whose requests ended waits this long for a cancel (0.2 ms measured)
 
 
 class Malformed:
@@ -163,11 +164,14 @@ class _Undelivered:
             if all(c[0] in held and len(c) > 2 and c[2] <= held[c[0]] for c in changes):
                 del self._pending[key]
 
-    def settle(self, context) -> None:
-        """For a call whose replies were all handed to gRPC: what is left is kept if the
-        call ends OK, and undone if it ends cancelled (the caller went away before its
-        status arrived: a cancelled call changes no state, whatever it had read)."""
-        context.add_done_callback(lambda ctx: self.undo_rest() if ctx.cancelled() else self._pending.clear())
+    def keep(self) -> None:
+        """The call has handed every reply to gRPC and ends OK: its results stand.
+
+        gRPC's asyncio server does not tell a handler that its caller cancelled once
+        the last reply is out (``context.cancelled()`` only reports a status the
+        server set itself), so "delivered" means handed to gRPC: a cancel that
+        arrives while the replies are still on their way changes nothing."""
+        self._pending.clear()
 
     def undo(self, keys) -> None:
         """Undoes these entries now (a result whose reply became an error)."""
@@ -239,7 +243,16 @@ def _query(method):
 
 
 def _rpc(method):
-    """Admission (draining/loading), in-flight accounting and error mapping for one RPC."""
+    """Admission (draining/loading), in-flight accounting and error mapping for one RPC.
+
+    A streaming method is written as an async generator, but served as a coroutine
+    that hands each reply to ``context.write``: when the call ends early (cancelled,
+    deadline, disconnect) gRPC cancels this coroutine, the CancelledError rises from
+    the ``write`` it waits in, and the generator is closed there and then, so its
+    ``except``/``finally`` undo at once.  Served as a generator, a call cancelled
+    while gRPC was sending would leave the generator suspended at its ``yield`` until
+    the garbage collector found it (its undo, and its in-flight count, waited for
+    that)."""
     if inspect.isasyncgenfunction(method):
         @functools.wraps(method)
         async def stream(self, request, context):
@@ -249,8 +262,8 @@ def _rpc(method):
                 self._enter_tenant(context)
                 with self._admit():
                     async with contextlib.aclosing(method(self, request, context)) as replies:
-                        async for reply in replies:  # closed at once if the call ends: its finally undoes
-                            yield reply
+                        async for reply in replies:
+                            await context.write(reply)  # see the docstring
             except Exception as exc:
                 self._observe(method.__name__, exc, start)
                 await _abort(context, exc)
@@ -526,7 +539,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             except BaseException:  # failed, cancelled or closed before its last reply: nothing stays
                 ledger.undo_rest()
                 raise
-            ledger.settle(context)
+            ledger.keep()
 
     @_rpc
     async def ForwardVerify(self, request, context):
@@ -615,10 +628,10 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 for index, out in enumerate(outs):
                     yield await self._reply(pb.BatchPrefillResponse(index=index, cached_tokens=out.cached_tokens),
                                             out, received, target=targets[index])
-            except BaseException:  # all or nothing, up to the call's status (see _Undelivered.settle)
+            except BaseException:  # all or nothing, up to the last reply (see _Undelivered.keep)
                 ledger.undo_rest()
                 raise
-            ledger.settle(context)
+            ledger.keep()
 
     async def DecodeSession(self, request_iterator, context):
         """Steps run as they arrive (steps on different sequences may be in flight
@@ -693,13 +706,16 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 if entry is step_done:
                     window.release()
                 else:
-                    yield entry[1]
+                    await context.write(entry[1])  # not yielded: see _rpc's docstring
             await reader  # surfaces a broken request stream
+            # gRPC ends the request stream the same way for a half-close and a cancel (an
+            # RST_STREAM): the cancel shows as this task being cancelled a moment later
+            await asyncio.sleep(SESSION_END_GRACE_S)
         except BaseException:
             ledger.undo_rest()  # unconfirmed steps (see the docstring)
             raise
         else:
-            ledger.settle(context)
+            ledger.keep()
         finally:
             reader.cancel()
             for task in list(steps):
