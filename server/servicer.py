@@ -224,68 +224,72 @@ def _required_handle(message) -> KvCacheHandle:
     return convert.handle_from_proto(message.kv_cache)
 
 
-def _query(method):
-    """Error mapping only: queries are answered while draining too, so callers see the state."""
-    @functools.wraps(method)
-    async def unary(self, request, context):
-        start = time.perf_counter()
-        try:
-            _check_parsed(request)
+def _handler(*, admit: bool = True, admin: bool = False, observe: bool = True):
+    """The one wrapper around every RPC: a request that did not parse is refused,
+    the caller's tenant is entered, admin-only calls are checked, ``admit`` calls
+    pass admission (draining, loading) and count as in flight, the call is
+    observed for the metrics (``observe=False``: the method observes itself, per
+    step or at its answer), and any error becomes its status.
+
+    Queries (``admit=False``) are answered while draining too, so callers see the
+    state.  A streaming method is written as an async generator, but served as a
+    coroutine that hands each reply to ``context.write``: when the call ends early
+    (cancelled, deadline, disconnect) gRPC cancels this coroutine, the
+    CancelledError rises from the ``write`` it waits in, and the generator is
+    closed there and then, so its ``except``/``finally`` undo at once.  Served as
+    a generator, a call cancelled while gRPC was sending would leave the
+    generator suspended at its ``yield`` until the garbage collector found it."""
+
+    def wrap(method):
+        def enter(self, request, context, stack: contextlib.ExitStack) -> None:
+            if isinstance(request, Malformed):  # a client stream's messages are checked one by one
+                raise InvalidInput(request.why)
             self._enter_tenant(context)
-            reply = await method(self, request, context)
-        except Exception as exc:
-            self._observe(method.__name__, exc, start)
-            await _abort(context, exc)
-        else:
-            self._observe(method.__name__, None, start)
-            return reply
-    return unary
+            if admin:
+                self._check_admin()
+            if admit:
+                stack.enter_context(self._admit())
 
+        if inspect.isasyncgenfunction(method):
+            @functools.wraps(method)
+            async def stream(self, request, context):
+                start = time.perf_counter()
+                try:
+                    with contextlib.ExitStack() as stack:
+                        enter(self, request, context, stack)
+                        async with contextlib.aclosing(method(self, request, context)) as replies:
+                            async for reply in replies:
+                                await context.write(reply)  # see the docstring
+                except Exception as exc:
+                    if observe:
+                        self._observe(method.__name__, exc, start)
+                    await _abort(context, exc)
+                else:
+                    if observe:
+                        self._observe(method.__name__, None, start)
+            return stream
 
-def _rpc(method):
-    """Admission (draining/loading), in-flight accounting and error mapping for one RPC.
-
-    A streaming method is written as an async generator, but served as a coroutine
-    that hands each reply to ``context.write``: when the call ends early (cancelled,
-    deadline, disconnect) gRPC cancels this coroutine, the CancelledError rises from
-    the ``write`` it waits in, and the generator is closed there and then, so its
-    ``except``/``finally`` undo at once.  Served as a generator, a call cancelled
-    while gRPC was sending would leave the generator suspended at its ``yield`` until
-    the garbage collector found it (its undo, and its in-flight count, waited for
-    that)."""
-    if inspect.isasyncgenfunction(method):
         @functools.wraps(method)
-        async def stream(self, request, context):
+        async def unary(self, request, context):
             start = time.perf_counter()
             try:
-                _check_parsed(request)
-                self._enter_tenant(context)
-                with self._admit():
-                    async with contextlib.aclosing(method(self, request, context)) as replies:
-                        async for reply in replies:
-                            await context.write(reply)  # see the docstring
+                with contextlib.ExitStack() as stack:
+                    enter(self, request, context, stack)
+                    reply = await method(self, request, context)
             except Exception as exc:
-                self._observe(method.__name__, exc, start)
+                if observe:
+                    self._observe(method.__name__, exc, start)
                 await _abort(context, exc)
             else:
-                self._observe(method.__name__, None, start)
-        return stream
+                if observe:
+                    self._observe(method.__name__, None, start, getattr(reply, "timing", None))
+                return reply
+        return unary
+    return wrap
 
-    @functools.wraps(method)
-    async def unary(self, request, context):
-        start = time.perf_counter()
-        try:
-            _check_parsed(request)
-            self._enter_tenant(context)
-            with self._admit():
-                reply = await method(self, request, context)
-        except Exception as exc:
-            self._observe(method.__name__, exc, start)
-            await _abort(context, exc)
-        else:
-            self._observe(method.__name__, None, start, getattr(reply, "timing", None))
-            return reply
-    return unary
+
+_query = _handler(admit=False)
+_rpc = _handler()
 
 
 class ExecutorServicer(pb_grpc.ModelExecutorServicer):
@@ -633,6 +637,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 raise
             ledger.keep()
 
+    @_handler(admit=False, observe=False)  # each step is admitted and observed on its own
     async def DecodeSession(self, request_iterator, context):
         """Steps run as they arrive (steps on different sequences may be in flight
         together and share forwards); replies go out as steps finish.  A failed
@@ -649,11 +654,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         otherwise (cancelled, deadline, disconnect) undoes its unconfirmed
         steps, at most the last step of each sequence, unless another call
         moved that sequence on meanwhile: a cancelled call changes no state."""
-        try:
-            self._enter_tenant(context)  # steps run in tasks made here: they inherit it
-        except Exception as exc:
-            await _abort(context, exc)
-        replies: asyncio.Queue = asyncio.Queue()
+        replies: asyncio.Queue = asyncio.Queue()  # steps run in tasks made here: they inherit the tenant
         ledger = _Undelivered()  # steps' results until their replies are handed to gRPC
         window = asyncio.Semaphore(MAX_PENDING_STEPS)
         steps: set[asyncio.Task] = set()
@@ -753,73 +754,56 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         if not found:
             raise InvalidInput(f"{shown(path)} is no model folder on the server (no config.json)")
 
+    @_handler(admit=False, admin=True)
     async def LoadModel(self, request, context):
         """Loads on a new worker thread while the other models serve; one progress
         message per stage.  A failed or abandoned load leaves nothing behind."""
         start, worker = time.perf_counter(), None
         stage = lambda name: pb.LoadModelResponse(stage=name, elapsed_s=time.perf_counter() - start)  # noqa: E731
+        name, path = request.name, request.path
+        if not name or len(name.encode()) > 128:
+            raise InvalidInput("name must be 1..=128 bytes")
+        if name in self.workers or name in self.loading:
+            raise InvalidInput(f"a model named {shown(name)} is hosted already")
+        self._check_model_path(path)
+        if self.state is ServerState.DRAINING:
+            raise Draining("the server is shutting down")
+        self.loading[name] = path
         try:
-            _check_parsed(request)
-            self._enter_tenant(context)
-            self._check_admin()
-            name, path = request.name, request.path
-            if not name or len(name.encode()) > 128:
-                raise InvalidInput("name must be 1..=128 bytes")
-            if name in self.workers or name in self.loading:
-                raise InvalidInput(f"a model named {shown(name)} is hosted already")
-            self._check_model_path(path)
-            if self.state is ServerState.DRAINING:
-                raise Draining("the server is shutting down")
-            self.loading[name] = path
+            yield stage("loading")
             try:
-                yield stage("loading")
-                try:
-                    worker = await self.models.start_model(name, path)
-                except ExecutorError:
-                    raise
-                except Exception as exc:
-                    raise InvalidInput(f"cannot load {shown(path)}: {type(exc).__name__}: "
-                                       f"{shown(str(exc), 512)}") from None
-                yield stage("warming up")
-                await self.models.warm_model(worker)
-                await self.models.add_model(worker, path)
-                worker = None  # serving: no longer ours to clean up
-            finally:
-                self.loading.pop(name, None)
-                if worker is not None:  # failed or abandoned after loading: stop it
-                    asyncio.get_running_loop().run_in_executor(None, worker.stop)
-            self._observe("LoadModel", None, start)
-            yield stage("serving")
-        except Exception as exc:
-            self._observe("LoadModel", exc, start)
-            await _abort(context, exc)
+                worker = await self.models.start_model(name, path)
+            except ExecutorError:
+                raise
+            except Exception as exc:
+                raise InvalidInput(f"cannot load {shown(path)}: {type(exc).__name__}: "
+                                   f"{shown(str(exc), 512)}") from None
+            yield stage("warming up")
+            await self.models.warm_model(worker)
+            await self.models.add_model(worker, path)
+            worker = None  # serving: no longer ours to clean up
+        finally:
+            self.loading.pop(name, None)
+            if worker is not None:  # failed or abandoned after loading: stop it
+                asyncio.get_running_loop().run_in_executor(None, worker.stop)
+        yield stage("serving")
 
+    @_handler(admit=False, admin=True)
     async def UnloadModel(self, request, context):
-        start = time.perf_counter()
-        try:
-            _check_parsed(request)
-            self._enter_tenant(context)
-            self._check_admin()
-            if not request.name:
-                raise InvalidInput("name is required")
-            if request.name not in self.workers:
-                self._worker(request.name)  # the precise refusal: loading, unloaded, unknown
-            dropped = await self.models.remove_model(request.name)
-        except Exception as exc:
-            self._observe("UnloadModel", exc, start)
-            await _abort(context, exc)
-        self._observe("UnloadModel", None, start)
-        return pb.UnloadModelResponse(sequences_dropped=dropped)
+        if not request.name:
+            raise InvalidInput("name is required")
+        if request.name not in self.workers:
+            self._worker(request.name)  # the precise refusal: loading, unloaded, unknown
+        return pb.UnloadModelResponse(sequences_dropped=await self.models.remove_model(request.name))
 
     # -- shared memory -------------------------------------------------------------
+    @_handler(admit=False, observe=False)  # observed when it answers, not when the registration ends
     async def RegisterSharedMemory(self, request, context):
         """Registers the region, answers once, and holds the registration until the
         caller cancels, disconnects or unregisters it (or the server drains).  Not
         an in-flight call: a drain does not wait for it."""
         start = time.perf_counter()
         try:
-            _check_parsed(request)
-            self._enter_tenant(context)
             if not self.shared_memory:
                 raise ExecutorError("shared memory is off on this server (it serves it on loopback addresses, "
                                     "or with --shared-memory on)", code=grpc.StatusCode.UNIMPLEMENTED)
@@ -835,7 +819,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 raise
         except Exception as exc:
             self._observe("RegisterSharedMemory", exc, start)
-            await _abort(context, exc)
+            raise
         self._observe("RegisterSharedMemory", None, start)
         try:
             yield pb.RegisterSharedMemoryResponse(name=region.name, byte_size=region.byte_size, key=region.key)
