@@ -8,7 +8,6 @@ and flips health to SERVING.  ``serve`` is the CLI's entry point.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import signal
 import threading
@@ -24,9 +23,8 @@ from grpc_reflection.v1alpha import reflection
 from ferrum_rpc.errors import StartupError
 from ferrum_rpc.server.auth import AuthInterceptor, TlsFiles, TokenTable
 from ferrum_rpc.server.config import ServerConfig
-from ferrum_rpc.server.executor import TorchExecutor
+from ferrum_rpc.server.registry import Registry
 from ferrum_rpc.server.servicer import ExecutorServicer, add_executor_service
-from ferrum_rpc.server.worker import ModelWorker
 from ferrum_rpc.types import ServerState
 from ferrum_rpc.v1 import executor_pb2 as pb
 
@@ -72,15 +70,12 @@ class App:
 
     async def load(self) -> None:
         """Loads and warms every model, then reports SERVING."""
-        self.servicer.models = self  # LoadModel / UnloadModel come back here
         for spec in self.config.models:
-            worker = await self.start_model(spec.name, spec.path)
-            await self.warm_model(worker)
-            await self.add_model(worker, spec.path)
+            await self.registry.load(spec.name, spec.path)
         self.servicer.state = ServerState.SERVING
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving %s on port %d", ", ".join(self.servicer.workers), self.port)
+        log.info("serving %s on port %d", ", ".join(self.registry.workers), self.port)
 
     async def drain(self, grace_s: float) -> None:
         """Refuses new calls (UNAVAILABLE/DRAINING), lets in-flight ones finish, stops."""
@@ -97,47 +92,12 @@ class App:
         # with DRAINING instead.  It narrows the window; it cannot close it.
         await asyncio.sleep(DRAIN_SETTLE_S)
         await self.server.stop(grace=1.0)
-        for worker in self.servicer.workers.values():
-            worker.stop(timeout=grace_s)
+        self.registry.stop_all(timeout=grace_s)
         log.info("stopped")
 
-    async def start_model(self, name: str, path: str) -> ModelWorker:
-        """A worker thread with the model loaded on it (raises what loading raised)."""
-        load = functools.partial(TorchExecutor.from_path, name, path, self.config.executor, self.servicer.instance_id)
-        worker = ModelWorker(load, name, self.config.executor.batch_wait_ms)
-        try:
-            await asyncio.shield(worker.started())
-        except asyncio.CancelledError:  # abandoned (LoadModel's caller went away): stop it once loaded
-            worker.loaded.add_done_callback(
-                lambda f: None if f.exception() else threading.Thread(target=worker.stop, daemon=True).start())
-            raise
-        return worker
-
-    async def warm_model(self, worker: ModelWorker) -> None:
-        if self.config.warmup:
-            await worker.call(_warm_up, worker.executor)
-
-    async def add_model(self, worker: ModelWorker, path: str) -> None:
-        self.servicer.add_model(worker, path)
-        await self.health.set(worker.executor.name, health_pb2.HealthCheckResponse.SERVING)
-
-    async def remove_model(self, name: str) -> int:
-        """Unloads a model: refused to new calls at once, in-flight calls finish, then
-        its worker stops and its KV and weights go; returns the sequences it held."""
-        worker = self.servicer.remove_model(name)
-        await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        await asyncio.get_running_loop().run_in_executor(None, worker.stop)
-        dropped = len(worker.executor.kv)
-        worker.executor = None  # the model and its pool go with the last reference
-        log.info("unloaded %s (%d sequence(s) dropped)", name, dropped)
-        return dropped
-
-
-def _warm_up(executor: TorchExecutor) -> None:
-    out = executor.prefill([0] * 8)
-    executor.decode(0, out.kv_cache)
-    executor.release_cache(out.kv_cache.cache_id)
-    executor.measure_optimal_batch()
+    @property
+    def registry(self) -> Registry:
+        return self.servicer.registry
 
 
 async def build_server(config: ServerConfig) -> App:
@@ -151,9 +111,10 @@ async def build_server(config: ServerConfig) -> App:
         from ferrum_rpc.server.metrics import Metrics
 
         metrics = Metrics(lambda: [w.executor for w in list(servicer.workers.values())])
-    servicer = ExecutorServicer(instance_id, tokens, metrics, shared_memory=config.shared_memory_enabled,
-                                admin_tenants=config.admin_tenants)
     health = HealthServicer()
+    registry = Registry(config.executor, instance_id, health, warmup=config.warmup)
+    servicer = ExecutorServicer(instance_id, tokens, metrics, shared_memory=config.shared_memory_enabled,
+                                admin_tenants=config.admin_tenants, registry=registry)
     add_executor_service(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection((SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME), server)

@@ -22,7 +22,6 @@ import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 
@@ -40,6 +39,7 @@ from ferrum_rpc.errors import (
     to_status_proto,
 )
 from ferrum_rpc.server.auth import HANDLER_FACTORIES, TokenTable, current_tenant
+from ferrum_rpc.server.registry import Registry
 from ferrum_rpc.server.shm import SharedMemoryRegistry
 from ferrum_rpc.server.worker import ModelWorker
 from ferrum_rpc.types import DecodeInput, KvCacheHandle, LogitsPolicy, ServerState, SpeculativeSampling
@@ -296,41 +296,25 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
     """Routes each request to the worker of the model it names (empty = the default)."""
 
     def __init__(self, instance_id: str, tokens: TokenTable | None = None, metrics=None,
-                 shared_memory: bool = False, admin_tenants: tuple[str, ...] = ()):
+                 shared_memory: bool = False, admin_tenants: tuple[str, ...] = (), *, registry: Registry):
         self.instance_id = instance_id
         self.admin_tenants = frozenset(admin_tenants)
-        self.models = None  # the App: loads and unloads models (the registry RPCs)
-        self.paths: dict[str, str] = {}  # model -> the folder it came from
-        self.loading: dict[str, str] = {}  # models being loaded by LoadModel -> folder
-        self.unloaded: set[str] = set()  # names whose handles now get "was unloaded"
+        self.registry = registry  # the models hosted, and how they are loaded and unloaded
         self.shared_memory = shared_memory  # RegisterSharedMemory served
         self.shm = SharedMemoryRegistry()
         self.tokens = tokens  # None: auth off, every caller is tenant ""
         self.metrics = metrics  # server.metrics.Metrics, or None
         self.state = ServerState.LOADING
-        self.workers: dict[str, ModelWorker] = {}
-        self.default_model = ""
         self.inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
         # One thread: big replies are built one at a time, never on the event loop.
         self._reply_builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reply-builder")
 
-    def add_model(self, worker: ModelWorker, path: str = "") -> None:
-        name = worker.executor.name
-        self.workers[name] = worker
-        self.paths[name] = path
-        self.unloaded.discard(name)
-        self.default_model = self.default_model or name
-
-    def remove_model(self, name: str) -> ModelWorker:
-        """Takes a model off the routing table (new calls naming it are refused)."""
-        worker = self.workers.pop(name)
-        self.paths.pop(name, None)
-        self.unloaded.add(name)
-        if self.default_model == name:
-            self.default_model = next(iter(self.workers), "")
-        return worker
+    @property
+    def workers(self) -> dict[str, ModelWorker]:
+        """The serving models' workers by name (the registry's routing table)."""
+        return self.registry.workers
 
     # -- plumbing --------------------------------------------------------------
     def _observe(self, method: str, error: Exception | None, start: float, timing=None) -> None:
@@ -379,14 +363,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
     def _worker(self, model: str) -> ModelWorker:
         if self.state is ServerState.LOADING and not self.workers:
             raise ModelLoading("the model is still loading")
-        try:
-            return self.workers[model or self.default_model]
-        except KeyError:
-            if model in self.loading:
-                raise ModelLoading(f"model {shown(model)} is still loading") from None
-            if model in self.unloaded:
-                raise ModelNotFound(f"model {shown(model)} was unloaded; its sequences are gone") from None
-            raise ModelNotFound(f"no model named {shown(model)}; hosted: {sorted(self.workers)}") from None
+        return self.registry.worker(model)
 
     def _decode_batch(self, request) -> tuple[ModelWorker, list[DecodeInput], LogitsPolicy]:
         """BatchDecode / DecodeSession request -> its model's worker, the items and the policy."""
@@ -731,70 +708,29 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
     @_query
     async def ListModels(self, request, context):
         reply = pb.ListModelsResponse()
-        for name, path in self.loading.items():
-            reply.models.add(name=name, state="loading", path=path)
-        for name, worker in list(self.workers.items()):
-            status = await worker.call(worker.executor.status, self.state, worker.queue_depth)
-            reply.models.add(name=name, state="serving", path=self.paths.get(name, ""),
-                             is_default=name == self.default_model, status=convert.status_to_proto(status))
+        for model in self.registry.hosted():
+            if model.worker is None:
+                reply.models.add(name=model.name, state="loading", path=model.path)
+                continue
+            status = await model.worker.call(model.worker.executor.status, self.state, model.worker.queue_depth)
+            reply.models.add(name=model.name, state="serving", path=model.path, is_default=model.is_default,
+                             status=convert.status_to_proto(status))
         return reply
-
-    @staticmethod
-    def _check_model_path(path: str) -> None:
-        """Refuses (INVALID_INPUT) a LoadModel path that is over 4,096 bytes, that the
-        OS refuses (ENAMETOOLONG, EACCES, ...) or that is no model folder; the error
-        shows a bounded prefix of the path, never the OS's own message with all of it."""
-        if len(path.encode()) > 4096:
-            raise InvalidInput(f"path {shown(path)} is over 4096 bytes")
-        try:
-            found = (Path(path) / "config.json").is_file()
-        except (OSError, ValueError) as exc:
-            why = getattr(exc, "strerror", None) or type(exc).__name__
-            raise InvalidInput(f"{shown(path)} is no model folder the server can read ({why})") from None
-        if not found:
-            raise InvalidInput(f"{shown(path)} is no model folder on the server (no config.json)")
 
     @_handler(admit=False, admin=True)
     async def LoadModel(self, request, context):
-        """Loads on a new worker thread while the other models serve; one progress
-        message per stage.  A failed or abandoned load leaves nothing behind."""
-        start, worker = time.perf_counter(), None
-        stage = lambda name: pb.LoadModelResponse(stage=name, elapsed_s=time.perf_counter() - start)  # noqa: E731
-        name, path = request.name, request.path
-        if not name or len(name.encode()) > 128:
-            raise InvalidInput("name must be 1..=128 bytes")
-        if name in self.workers or name in self.loading:
-            raise InvalidInput(f"a model named {shown(name)} is hosted already")
-        self._check_model_path(path)
-        if self.state is ServerState.DRAINING:
-            raise Draining("the server is shutting down")
-        self.loading[name] = path
-        try:
-            yield stage("loading")
-            try:
-                worker = await self.models.start_model(name, path)
-            except ExecutorError:
-                raise
-            except Exception as exc:
-                raise InvalidInput(f"cannot load {shown(path)}: {type(exc).__name__}: "
-                                   f"{shown(str(exc), 512)}") from None
-            yield stage("warming up")
-            await self.models.warm_model(worker)
-            await self.models.add_model(worker, path)
-            worker = None  # serving: no longer ours to clean up
-        finally:
-            self.loading.pop(name, None)
-            if worker is not None:  # failed or abandoned after loading: stop it
-                asyncio.get_running_loop().run_in_executor(None, worker.stop)
-        yield stage("serving")
+        """One progress message per stage (see ``Registry.load_stages``)."""
+        start = time.perf_counter()
+        draining = self.state is ServerState.DRAINING
+        async with contextlib.aclosing(self.registry.load_stages(request.name, request.path, draining)) as stages:
+            async for stage in stages:  # closed with this call: an abandoned load is undone at once
+                yield pb.LoadModelResponse(stage=stage, elapsed_s=time.perf_counter() - start)
 
     @_handler(admit=False, admin=True)
     async def UnloadModel(self, request, context):
-        if not request.name:
-            raise InvalidInput("name is required")
-        if request.name not in self.workers:
+        if request.name:
             self._worker(request.name)  # the precise refusal: loading, unloaded, unknown
-        return pb.UnloadModelResponse(sequences_dropped=await self.models.remove_model(request.name))
+        return pb.UnloadModelResponse(sequences_dropped=await self.registry.unload(request.name))
 
     # -- shared memory -------------------------------------------------------------
     @_handler(admit=False, observe=False)  # observed when it answers, not when the registration ends
