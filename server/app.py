@@ -104,7 +104,10 @@ async def build_server(config: ServerConfig) -> App:
     """Binds ``config.host:config.port`` (0 picks a free port) and starts serving health."""
     instance_id = uuid.uuid4().hex
     tokens = TokenTable.load(config.auth_tokens) if config.auth_tokens else None
-    server = grpc.aio.server(options=channel_options(config.executor.max_message_bytes) + KEEPALIVE_SERVER_OPTIONS,
+    # no SO_REUSEPORT (gRPC sets it by default on Linux): a second server on a serving
+    # server's port must fail to start, not quietly take half of its connections
+    options = channel_options(config.executor.max_message_bytes) + KEEPALIVE_SERVER_OPTIONS + [("grpc.so_reuseport", 0)]
+    server = grpc.aio.server(options=options,
                              interceptors=[AuthInterceptor(tokens)] if tokens else None)
     metrics = None
     if config.metrics_port is not None:

@@ -149,6 +149,19 @@ def test_a_port_in_use_is_one_line_and_exit_2(tiny_llama_dir, taken_port, option
     assert option in lines[0] and str(taken_port) in lines[0] and "in use" in lines[0], lines[0]
 
 
+def test_a_port_another_ferrum_server_serves_is_one_line_and_exit_2(tiny_llama_dir):
+    """gRPC binds with SO_REUSEPORT unless told not to: a second server on a serving
+    server's port would start and take half its connections."""
+    from tests.conftest import running_server
+
+    with running_server(tiny_llama_dir) as server:
+        code, lines, stderr = _serve("--model", f"tiny={tiny_llama_dir}", "--host", "127.0.0.1",
+                                     "--port", str(server.app.port))
+    assert "Traceback" not in stderr, stderr
+    assert code == 2 and len(lines) == 1, stderr
+    assert "--port" in lines[0] and str(server.app.port) in lines[0] and "in use" in lines[0], lines[0]
+
+
 def test_a_well_configured_tls_server_still_starts(files, tiny_llama_dir):
     """The checks refuse only what is wrong: a matching certificate and key serve."""
     proc = subprocess.Popen([sys.executable, "-m", "ferrum_rpc.cli", "serve", "--port", "0", "--no-warmup",
