@@ -146,6 +146,11 @@ class ModelWorker:
     def queue_depth(self) -> int:
         return len(self._jobs)
 
+    @property
+    def stopping(self) -> bool:
+        """stop() was called: new jobs are refused (queued ones still finish)."""
+        return self._stopping
+
     def submit(self, fn: Callable[..., Any], *args: Any, deadline: float | None = None) -> Future:
         """Runs ``fn(*args)`` on the worker thread."""
         return self._put(_Job(fn, args, deadline=deadline)).future
@@ -156,6 +161,11 @@ class ModelWorker:
         the module docstring).  A caller that went away, or whose deadline
         passed, has the prompt stopped before its next part, which undoes it."""
         return self._put(self._prefill_job(token_ids, kv_cache, policy, deadline)).future
+
+    def submit_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy,
+                      deadline: float | None = None) -> Future:
+        """Runs a decode step, batched with the other decodes (and prompt parts) queued with it."""
+        return self._put(_Job(None, (), decode=(inputs, policy), deadline=deadline)).future
 
     def _prefill_job(self, token_ids, kv_cache, policy, deadline, hidden=None) -> _Job:
         return _Job(None, (), prefill=(token_ids, kv_cache, policy, hidden), deadline=deadline)
