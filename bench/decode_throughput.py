@@ -1,5 +1,6 @@
 """Decode throughput of the default model: transformers generate vs our executor
-in-process vs our executor through gRPC, side by side in one run.
+in-process (the model worker and executor the server runs, without gRPC) vs our
+executor through gRPC, side by side in one run.
 
 Prompt 32 tokens, 64 new tokens, greedy; output tokens per second end to end
 (prefill included, as a user sees it: a batch's prompts are sent together and
@@ -22,6 +23,7 @@ server process's resident memory after the run and at its peak (loading included
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import statistics
 import time
@@ -36,6 +38,7 @@ from ferrum_rpc.server.config import ExecutorConfig
 from ferrum_rpc.server.executor import TORCH_DTYPES, TorchExecutor
 from ferrum_rpc.server.prepare import find_gguf, prepare_default_model
 from ferrum_rpc.server.woq import QuantizedLinear
+from ferrum_rpc.server.worker import ModelWorker
 from ferrum_rpc.types import DecodeInput, LogitsPolicy
 
 GREEDY = LogitsPolicy.argmax()
@@ -63,11 +66,15 @@ def run_ours(prefill_all, batch_decode, release, batch_prompts: list[list[int]],
     return elapsed
 
 
-def run_executor(ex: TorchExecutor, batch_prompts: list[list[int]], new_tokens: int) -> float:
-    def prefill_all(prompts):  # one forward, as the worker does for prompts arriving together
-        return ex.run([ex.plan_prefill(p, None, GREEDY) for p in prompts])
+def run_executor(worker: ModelWorker, batch_prompts: list[list[int]], new_tokens: int) -> float:
+    """In process, through the worker entry points the servicer's handlers use."""
+    def prefill_all(prompts):  # submitted together, as BatchPrefill does: their parts share forwards
+        return [f.result() for f in [worker.submit_prefill(p, None, GREEDY) for p in prompts]]
 
-    return run_ours(prefill_all, lambda items: ex.batch_decode(items, GREEDY), ex.release_cache,
+    def release(cache_id):
+        return worker.submit(worker.executor.release_cache, cache_id).result()
+
+    return run_ours(prefill_all, lambda items: worker.submit_decode(items, GREEDY).result(), release,
                     batch_prompts, new_tokens)
 
 
@@ -165,18 +172,20 @@ def main(argv: list[str] | None = None) -> None:
 
     for variant in args.dtypes:
         dtype, quantize = ("float32", variant) if variant in ("int8", "int4") else (variant, "none")
-        runners, weight_bytes = {}, None
+        runners, weight_bytes, worker = {}, None, None
         if "transformers" in args.systems and quantize == "none":
             from transformers import AutoModelForCausalLM
 
             hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=TORCH_DTYPES[dtype]).eval()
             runners["transformers"] = lambda p, m=hf: run_transformers(m, p, args.new_tokens)
         if "executor" in args.systems or "grpc" in args.systems:  # the in-process one also counts weight bytes
-            ex = TorchExecutor.from_path("bench", model_dir,
-                                         ExecutorConfig(dtype=dtype, kv_tokens=32768, quantize=quantize))
+            config = ExecutorConfig(dtype=dtype, kv_tokens=32768, quantize=quantize)
+            worker = ModelWorker(functools.partial(TorchExecutor.from_path, "bench", model_dir, config), "bench",
+                                 config.batch_wait_ms)  # loads on its own thread, as the server does
+            ex = worker.loaded.result()
             weight_bytes, kv_mb = weight_bytes_per_step(ex.model), ex.pool.nbytes / 2**20
             if "executor" in args.systems:
-                runners["executor"] = lambda p, e=ex: run_executor(e, p, args.new_tokens)
+                runners["executor"] = lambda p, w=worker: run_executor(w, p, args.new_tokens)
         extra = ("--quantize", quantize)
         with served(model_dir, dtype, extra) if "grpc" in args.systems else _null() as target:
             if target:
@@ -198,6 +207,8 @@ def main(argv: list[str] | None = None) -> None:
                     rec["rss_mb"] = round(RSS_MB[target]["VmRSS"], 1)
                     rec["peak_rss_mb"] = round(RSS_MB[target]["VmHWM"], 1)
         runners.clear()
+        if worker is not None:
+            worker.stop()
     write_results(args.out, records)
     print_table(records)
     print_table(records, "decode_tokens_per_s")

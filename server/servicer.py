@@ -39,6 +39,7 @@ from ferrum_rpc.errors import (
     to_status_proto,
 )
 from ferrum_rpc.server.auth import HANDLER_FACTORIES, TokenTable, current_tenant
+from ferrum_rpc.server.executor import Undo
 from ferrum_rpc.server.registry import Registry
 from ferrum_rpc.server.shm import SharedMemoryRegistry
 from ferrum_rpc.server.worker import ModelWorker
@@ -137,31 +138,30 @@ def _payload_bytes(logits) -> int:
 
 
 class _Undelivered:
-    """Changes made for results whose replies gRPC has not yet accepted for sending.
+    """Undo records of results whose replies gRPC has not yet accepted for sending.
 
-    A streaming call registers each result's changes (``(cache_id, length)``
-    pairs, see ``TorchExecutor.undo_calls``) when the result is made and marks
-    them sent once its message is handed to gRPC; whatever is left when the
-    call ends (cancelled, disconnected, deadline passed, failed) is undone, so
-    a sequence never moves ahead of the last reply its caller could have.
-    HTTP/2 flow control stops accepting messages a caller does not read once
+    A streaming call registers each result's undo records (see ``Undo``) when
+    the result is made and marks them sent once its message is handed to gRPC;
+    whatever is left when the call ends (cancelled, disconnected, deadline
+    passed, failed) is undone, so a sequence never moves ahead of the last reply
+    its caller could have.  HTTP/2 flow control stops accepting messages a caller does not read once
     its window is full."""
 
     def __init__(self) -> None:
-        self._pending: dict[int, tuple[ModelWorker, list[tuple]]] = {}
+        self._pending: dict[int, tuple[ModelWorker, list[Undo]]] = {}
         self._keys = itertools.count()
 
-    def add(self, worker: ModelWorker, changes: list[tuple]) -> int:
+    def add(self, worker: ModelWorker, undos: list[Undo]) -> int:
         key = next(self._keys)
-        self._pending[key] = (worker, changes)
+        self._pending[key] = (worker, undos)
         return key
 
     def confirm(self, handles: list[KvCacheHandle]) -> None:
         """The caller shows it holds these handles: results it could only have learnt
         from a reply are its own now (a DecodeSession's next step on a sequence)."""
         held = {h.cache_id: h.sequence_length for h in handles}
-        for key, (_, changes) in list(self._pending.items()):
-            if all(c[0] in held and len(c) > 2 and c[2] <= held[c[0]] for c in changes):
+        for key, (_, undos) in list(self._pending.items()):
+            if all(u.cache_id in held and u.left_at is not None and u.left_at <= held[u.cache_id] for u in undos):
                 del self._pending[key]
 
     def keep(self) -> None:
@@ -180,13 +180,12 @@ class _Undelivered:
         self._pending = {k: v for k, v in rest.items() if k not in keys}
 
     def undo_rest(self) -> None:
-        by_worker: dict[int, tuple[ModelWorker, list]] = {}
-        for worker, changes in self._pending.values():
-            by_worker.setdefault(id(worker), (worker, []))[1].extend(changes)
+        by_worker: dict[int, tuple[ModelWorker, list[Undo]]] = {}
+        for worker, undos in self._pending.values():
+            by_worker.setdefault(id(worker), (worker, []))[1].extend(undos)
         self._pending.clear()
-        for worker, changes in by_worker.values():
-            log.info("undoing %d result(s) whose replies were never sent (the call ended first)", len(changes))
-            worker.submit(worker.executor.undo_calls, changes)  # refused while stopping: they go with it
+        for worker, undos in by_worker.values():
+            worker.undo(undos, "results whose replies were never sent (the call ended first)")
 
 
 def add_executor_service(servicer: ExecutorServicer, server: grpc.aio.Server) -> None:
@@ -413,10 +412,9 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                                                            target=targets[index])
 
     @staticmethod
-    def _register_decodes(ledger: _Undelivered, worker: ModelWorker, items: list[DecodeInput]) -> list[int]:
+    def _register_decodes(ledger: _Undelivered, worker: ModelWorker, items: list[DecodeInput], outs) -> list[int]:
         """One ledger entry per decoded sequence: back to its length, if nothing moved it since."""
-        return [ledger.add(worker, [(i.kv_cache.cache_id, i.kv_cache.sequence_length,
-                                     i.kv_cache.sequence_length + 1)]) for i in items]
+        return [ledger.add(worker, [Undo.of(i.kv_cache, o.kv_cache)]) for i, o in zip(items, outs)]
 
     @staticmethod
     def _result(message, out, received_ns: int, target=None):
@@ -429,12 +427,12 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         return message
 
     async def _reply(self, message, out, received_ns: int, worker: ModelWorker | None = None,
-                     changes: list[tuple[str, int | None]] = (), target=None):
+                     undo: list[Undo] = (), target=None):
         """:meth:`_result`, built and serialized on the reply-builder thread when large.
 
-        If the caller goes away while a large reply is being built, ``changes``
-        (see ``TorchExecutor.undo_calls``) are undone on ``worker``: nobody will
-        ever hold the handle this reply carries."""
+        If the caller goes away while a large reply is being built, ``undo``
+        (see ``Undo``) is applied on ``worker``: nobody will ever hold the handle
+        this reply carries."""
         if _payload_bytes(out.logits) < LARGE_REPLY_BYTES:
             return self._result(message, out, received_ns, target)
 
@@ -450,8 +448,8 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         try:
             return await asyncio.get_running_loop().run_in_executor(self._reply_builder, build)
         except asyncio.CancelledError:
-            if worker is not None and changes:
-                worker.submit(worker.executor.undo_calls, list(changes))
+            if worker is not None and undo:
+                worker.undo(list(undo), "a reply whose caller went away while it was built")
             raise
 
     # -- queries -----------------------------------------------------------------
@@ -486,7 +484,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             else None
         with self._logits_targets(policy, [rows], worker) as targets:
             out = await worker.prefill(list(request.token_ids), handle, policy, _deadline(context), hidden)
-            undo = [(out.kv_cache.cache_id, handle.sequence_length if handle else None)]
+            undo = [Undo.of(handle, out.kv_cache)]
             reply = pb.PrefillResponse(cached_tokens=out.cached_tokens)
             for array in out.hidden_states:
                 tensor_codec.encode_into(reply.hidden_states.add(), array)
@@ -502,7 +500,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         policy = convert.policy_from_proto(request.logits)
         with self._logits_targets(policy, [1], worker) as targets:
             (out,) = await worker.decode([item], policy, _deadline(context))
-            undo = [(item.kv_cache.cache_id, item.kv_cache.sequence_length)]
+            undo = [Undo.of(item.kv_cache, out.kv_cache)]
             return await self._reply(pb.DecodeResponse(), out, received, worker, undo, targets[0])
 
     @_rpc
@@ -512,7 +510,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         ledger = _Undelivered()
         with self._logits_targets(policy, [1] * len(items), worker) as targets:
             outs = await worker.decode(items, policy, _deadline(context))
-            keys = self._register_decodes(ledger, worker, items)
+            keys = self._register_decodes(ledger, worker, items, outs)
             try:
                 async for _, reply in self._step_replies(pb.BatchDecodeResponse, {}, outs, received,
                                                          request.single_reply, targets, keys):
@@ -530,7 +528,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         policy = convert.policy_from_proto(request.logits)
         with self._logits_targets(policy, [len(request.token_ids)], worker) as targets:
             out = await worker.verify(list(request.token_ids), handle, policy, _deadline(context))
-            undo = [(handle.cache_id, handle.sequence_length)]
+            undo = [Undo.of(handle, out.kv_cache)]
             return await self._reply(pb.ForwardVerifyResponse(), out, received, worker, undo,
                                      targets[0])
 
@@ -568,7 +566,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                                            _deadline(context), sampling)
             reply = pb.SpeculativeDecodeResponse(accepted_token_ids=out.accepted_token_ids,
                                                  next_token_id=out.next_token_id)
-            undo = [(handle.cache_id, handle.sequence_length)]
+            undo = [Undo.of(handle, out.kv_cache)]
             return await self._reply(reply, out, received, worker, undo, targets[0])
 
     @_rpc
@@ -596,15 +594,13 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                                           for item, handle in zip(request.items, handles)), return_exceptions=True)
             failed = next((o for o in outs if isinstance(o, BaseException)), None)
             if failed is not None:  # all or nothing: the prompts that ran are undone
-                done = [(o.kv_cache.cache_id, h.sequence_length if h else None)
-                        for o, h in zip(outs, handles) if not isinstance(o, BaseException)]
+                done = [Undo.of(h, o.kv_cache) for o, h in zip(outs, handles) if not isinstance(o, BaseException)]
                 if done:
-                    await worker.call(worker.executor.undo_calls, done)
+                    await worker.call(worker.executor.undo, done)
                 raise failed
             ledger = _Undelivered()
             for out, handle in zip(outs, handles):
-                ledger.add(worker, [(out.kv_cache.cache_id, handle.sequence_length if handle else None,
-                                     out.kv_cache.sequence_length)])
+                ledger.add(worker, [Undo.of(handle, out.kv_cache)])
             try:
                 for index, out in enumerate(outs):
                     yield await self._reply(pb.BatchPrefillResponse(index=index, cached_tokens=out.cached_tokens),
@@ -650,7 +646,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                         ledger.confirm([i.kv_cache for i in items])  # the caller read those replies
                         targets = pinned.enter_context(self._logits_targets(policy, [1] * len(items), worker))
                         outs = await worker.decode(items, policy, deadline)
-                        keys = self._register_decodes(ledger, worker, items)  # no await since the decode
+                        keys = self._register_decodes(ledger, worker, items, outs)  # no await since the decode
                     async for sent, reply in self._step_replies(pb.DecodeSessionResponse, {"step_id": step_id},
                                                                 outs, received, request.single_reply, targets, keys):
                         await replies.put((sent, reply))

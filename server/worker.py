@@ -48,7 +48,8 @@ from typing import Any, Callable
 from ferrum_rpc.errors import Cancelled, DeadlineExceeded, Draining, ExecutorError
 from ferrum_rpc.server.auth import current_tenant
 from ferrum_rpc.server import scheduler
-from ferrum_rpc.server.executor import PromptInParts, TorchExecutor, verify_policy
+from ferrum_rpc.server.executor import TorchExecutor, Undo, verify_policy
+from ferrum_rpc.server.prompt import PromptInParts
 from ferrum_rpc.types import DecodeInput, HiddenStatesRequest, KvCacheHandle, LogitsPolicy, VerifyOutput
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,11 @@ class ModelWorker:
     def queue_depth(self) -> int:
         return len(self._jobs)
 
+    @property
+    def stopping(self) -> bool:
+        """stop() was called: new jobs are refused (queued ones still finish)."""
+        return self._stopping
+
     def submit(self, fn: Callable[..., Any], *args: Any, deadline: float | None = None) -> Future:
         """Runs ``fn(*args)`` on the worker thread."""
         return self._put(_Job(fn, args, deadline=deadline)).future
@@ -157,6 +163,11 @@ class ModelWorker:
         passed, has the prompt stopped before its next part, which undoes it."""
         return self._put(self._prefill_job(token_ids, kv_cache, policy, deadline)).future
 
+    def submit_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy,
+                      deadline: float | None = None) -> Future:
+        """Runs a decode step, batched with the other decodes (and prompt parts) queued with it."""
+        return self._put(_Job(None, (), decode=(inputs, policy), deadline=deadline)).future
+
     def _prefill_job(self, token_ids, kv_cache, policy, deadline, hidden=None) -> _Job:
         return _Job(None, (), prefill=(token_ids, kv_cache, policy, hidden), deadline=deadline)
 
@@ -166,9 +177,8 @@ class ModelWorker:
 
     async def prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None, policy: LogitsPolicy,
                       deadline: float | None = None, hidden=None) -> Any:
-        origin = kv_cache.sequence_length if kv_cache is not None else None
         job = self._put(self._prefill_job(token_ids, kv_cache, policy, deadline, hidden))
-        return await self._await(job, lambda out: [(out.kv_cache.cache_id, origin)])
+        return await self._await(job, lambda out: [Undo.of(kv_cache, out.kv_cache)])
 
     async def verify(self, token_ids: list[int], kv_cache: KvCacheHandle, policy: LogitsPolicy,
                      deadline: float | None = None) -> VerifyOutput:
@@ -179,26 +189,25 @@ class ModelWorker:
 
     async def decode(self, inputs: list[DecodeInput], policy: LogitsPolicy, deadline: float | None = None) -> list:
         job = self._put(_Job(None, (), decode=(inputs, policy), deadline=deadline))
-        return await self._await(job, lambda _: [(i.kv_cache.cache_id, i.kv_cache.sequence_length)
-                                                 for i in inputs])
+        return await self._await(job, lambda outs: [Undo.of(i.kv_cache, o.kv_cache) for i, o in zip(inputs, outs)])
 
     async def speculative(self, token_id: int, draft: list[int], kv_cache: KvCacheHandle, policy: LogitsPolicy,
                           deadline: float | None = None, sampling=None) -> Any:
         """SpeculativeDecode: verify, accept and truncate as one job."""
         job = self._put(_Job(self.executor.speculative_decode, (token_id, draft, kv_cache, policy, sampling),
                              deadline=deadline))
-        return await self._await(job, lambda _: [(kv_cache.cache_id, kv_cache.sequence_length)])
+        return await self._await(job, lambda out: [Undo.of(kv_cache, out.kv_cache)])
 
     async def fork(self, kv_cache: KvCacheHandle, num_children: int, deadline: float | None = None) -> list:
         job = self._put(_Job(self.executor.fork_cache, (kv_cache, num_children), deadline=deadline))
-        return await self._await(job, lambda children: [(c.cache_id, None) for c in children])
+        return await self._await(job, lambda children: [Undo.of(None, c) for c in children])
 
-    async def _await(self, job: _Job, undo: Callable[[Any], list[tuple[str, int | None]]] | None = None) -> Any:
+    async def _await(self, job: _Job, undo: Callable[[Any], list[Undo]] | None = None) -> Any:
         """Waits for a job.  If the waiting coroutine is cancelled (gRPC cancels a
         handler whose caller cancelled, disconnected or ran out of time), a queued
         job is dropped, a running prompt is stopped before its next part and undone, and
-        one that finished anyway has its changes (``undo(result)``) put back, so a
-        reply nobody receives leaves no sequence behind."""
+        one that finished anyway has its records (``undo(result)``, see ``Undo``)
+        applied, so a reply nobody receives leaves no sequence behind."""
         try:
             return await asyncio.wrap_future(job.future)
         except asyncio.CancelledError:
@@ -207,12 +216,16 @@ class ModelWorker:
                 job.future.add_done_callback(lambda f: self._undo_if_done(f, undo))
             raise
 
-    def _undo_if_done(self, future: Future, undo: Callable[[Any], list]) -> None:
+    def _undo_if_done(self, future: Future, undo: Callable[[Any], list[Undo]]) -> None:
         if future.cancelled() or future.exception() is not None:
             return  # nothing was done, or it was undone already
-        changes = undo(future.result())
-        log.info("undoing a finished call whose caller went away (%d sequence(s))", len(changes))
-        self.submit(self.executor.undo_calls, changes)  # refused while stopping: they go with it
+        self.undo(undo(future.result()), "a finished call whose caller went away")
+
+    def undo(self, undos: list[Undo], why: str) -> Future:
+        """Applies undo records on the worker thread (``TorchExecutor.undo``); refused
+        while stopping (the sequences go with the executor)."""
+        log.info("undoing %s (%d sequence(s))", why, len(undos))
+        return self.submit(self.executor.undo, undos)
 
     def stop(self, timeout: float | None = None) -> None:
         """Refuses new jobs, finishes every queued one (unfinished prompts included), then
@@ -427,7 +440,7 @@ class ModelWorker:
             job.queue_ns = time.perf_counter_ns() - job.enqueued_ns
         if (gone := job.gone()) is not None:  # nobody waits for it: undo its parts so far
             if job.prompt is not None:
-                job.prompt.abort()
+                job.prompt.undo()
             job.future.set_exception(gone)
             return None
         try:
@@ -437,7 +450,7 @@ class ModelWorker:
                 return job.prompt.next_part(tokens)
         except BaseException as exc:
             if job.prompt is not None:
-                job.prompt.abort()
+                job.prompt.undo()
             job.future.set_exception(exc)
             return None
 
@@ -471,7 +484,7 @@ class ModelWorker:
                 log.exception("batched forward failed")
             for job, _ in planned:
                 if job.prompt is not None:
-                    job.prompt.abort()
+                    job.prompt.undo()
                 job.future.set_exception(exc)
             return
         forward_ns, steps = time.perf_counter_ns() - t0, sum(len(p.steps) for _, p in planned)

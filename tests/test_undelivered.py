@@ -208,12 +208,12 @@ def test_speculative_bad_temperatures_change_nothing(ex, temperature):
 
 def test_a_failure_after_the_speculative_forward_rolls_back(ex, monkeypatch):
     """Fault injection: the acceptance step raises after the forward wrote the drafts' KV."""
-    from ferrum_rpc.server import executor as executor_module
+    from ferrum_rpc.server import speculative
 
     def broken(*args):
         raise RuntimeError("injected failure after the forward")
 
-    monkeypatch.setattr(executor_module, "_accept_sampled", broken)
+    monkeypatch.setattr(speculative, "accept_sampled", broken)
     seq = ex.prefill([3, 14, 15, 92, 65], logits=LogitsPolicy.argmax())
     before = ex.status()
     with pytest.raises(ExecutorError) as info:

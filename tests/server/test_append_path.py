@@ -1,5 +1,5 @@
-"""The one append path (``TorchExecutor.run``): prefills, verifies, decodes and
-prompt chunks share one forward, each equal to transformers on its own
+"""The one append path (``TorchExecutor.run``): prompts' parts (prefills,
+verifies) and decodes share one forward, each equal to transformers on its own
 sequence; and a forward or LM head that fails leaves every sequence exactly
 as it was before its call (blocks, lengths, tokens, idle clocks)."""
 
@@ -30,13 +30,15 @@ def test_prefill_verify_and_decodes_in_one_forward_each_equal_transformers(ex, h
     ha = ex.prefill(a, None, LogitsPolicy.argmax()).kv_cache
     hb = ex.prefill(b, None, LogitsPolicy.argmax()).kv_cache
     verify = [4, 44, 144]
+    new, cont = ex.open_prefill(c, None, FULL), ex.open_prefill(verify, hb, verify_policy(FULL))
     plans = [
-        ex.plan_prefill(c, None, FULL),  # a new prompt: last position
-        ex.plan_prefill(verify, hb, verify_policy(FULL)),  # ForwardVerify: every position
+        new.next_part(len(c)),  # a new prompt, whole: last position
+        cont.next_part(len(verify)),  # ForwardVerify: every position
         ex.plan_decode([DecodeInput(99, ha)], FULL),  # a decode
     ]
     forwards = ex.forwards
-    prefill, verified, (decoded,) = ex.run(plans)
+    new_rows, cont_rows, (decoded,) = ex.run(plans)
+    prefill, verified = new.part_done(plans[0], new_rows), cont.part_done(plans[1], cont_rows)
     assert ex.forwards == forwards + 1  # one forward for all three kinds
     np.testing.assert_allclose(prefill.logits.values[0], oracle_rows(hf_tiny_llama, c)[-1], atol=ATOL, rtol=0)
     np.testing.assert_allclose(verified.logits.values, oracle_rows(hf_tiny_llama, b + verify)[-3:], atol=ATOL,
@@ -86,12 +88,14 @@ def test_a_failed_mixed_forward_leaves_every_sequence_as_it_was(ex, monkeypatch,
     child, = ex.fork_cache(ha, 1)  # shares ha's blocks: a write copies the shared one
     hb = ex.prefill([7, 8], None, LogitsPolicy.argmax()).kv_cache
     before = snapshot(ex)
-    plans = [ex.plan_prefill([9, 10, 11, 12, 13], None, FULL),
-             ex.plan_prefill([14, 15, 16], hb, verify_policy(FULL)),
+    new, cont = ex.open_prefill([9, 10, 11, 12, 13], None, FULL), ex.open_prefill([14, 15, 16], hb, verify_policy(FULL))
+    plans = [new.next_part(5), cont.next_part(3),
              ex.plan_decode([DecodeInput(17, ha), DecodeInput(18, child)], FULL)]
     (fail_forward if where == "forward" else fail_lm_head)(ex, monkeypatch)
     with pytest.raises(Boom):
         ex.run(plans)
+    new.undo()  # what the worker does for prompts whose forward failed
+    cont.undo()
     assert snapshot(ex) == before
     monkeypatch.undo()
     out = ex.decode(17, ha)  # and the sequences still serve

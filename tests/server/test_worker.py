@@ -39,7 +39,7 @@ def test_stop_finishes_a_chunked_job_requeued_behind_it(worker):
     chunked = worker.submit_prefill(list(range(1, 30)), None, LogitsPolicy.argmax())  # 8 slices
     stopper = threading.Thread(target=worker.stop, kwargs={"timeout": 30})
     stopper.start()  # the stop sentinel is queued behind the prefill's first slice
-    while not worker._stopping:
+    while not worker.stopping:
         time.sleep(0.001)
     gate.set()
     out = chunked.result(timeout=30)  # once hung forever: later slices queued behind the sentinel
@@ -68,7 +68,6 @@ def test_a_flooding_tenant_does_not_starve_another_tenants_decode(tiny_llama_dir
     tenant "a" and then one of tenant "b", at most 4 sequences a forward: b's
     runs in the first forward (first come, first served would make it the 11th)."""
     from ferrum_rpc.server.auth import current_tenant
-    from ferrum_rpc.server.worker import _Job
     from ferrum_rpc.types import DecodeInput
 
     config = ExecutorConfig(kv_tokens=2048, block_size=4, max_batch_size=4)
@@ -88,12 +87,12 @@ def test_a_flooding_tenant_does_not_starve_another_tenants_decode(tiny_llama_dir
         for tenant in ("a", "b"):
             current_tenant.set(tenant)
             for h in handles[tenant]:
-                job = _Job(None, (), decode=([DecodeInput(7, h)], policy))
-                job.future.add_done_callback(lambda f, t=tenant: ran_in[t].append(ex.forwards - start))
-                jobs.append(w._put(job))
+                future = w.submit_decode([DecodeInput(7, h)], policy)  # queued behind the gate
+                future.add_done_callback(lambda f, t=tenant: ran_in[t].append(ex.forwards - start))
+                jobs.append(future)
         gate.set()
-        for job in jobs:
-            assert job.future.result(timeout=60)[0].kv_cache.sequence_length == 3
+        for future in jobs:
+            assert future.result(timeout=60)[0].kv_cache.sequence_length == 3
         assert ran_in["b"] == [1]
         assert max(ran_in["a"]) == 11 and sorted(ran_in["a"]).count(1) == 3  # a got the other 3 seats
     finally:

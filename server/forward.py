@@ -1,0 +1,111 @@
+"""One forward over any mix of steps: each step a sequence's new tokens after its
+end (a decode's one token, a prompt's part), run as one padded (B, T) batch or
+ragged, then one LM-head GEMM over just the rows the steps ask for."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ferrum_rpc.server.kv_cache import KvPool, RaggedBatch
+from ferrum_rpc.server.kv_manager import SequenceState, WritePlan
+
+if TYPE_CHECKING:
+    from ferrum_rpc.server.executor import Opened
+
+
+class Rows(enum.Enum):
+    """Which of a step's hidden rows go through the LM head."""
+
+    ALL = "all"  # every position (ForwardVerify, a prompt asking for all positions)
+    LAST = "last"  # the last one (a decode, a prompt's last part)
+    NONE = "none"  # none (a prompt's earlier parts)
+
+    def count(self, tokens: int) -> int:
+        return tokens if self is Rows.ALL else 1 if self is Rows.LAST else 0
+
+
+@dataclass
+class Step:
+    """One sequence's part of a forward: ``tokens`` written from position ``start``."""
+
+    opened: Opened  # the call it belongs to: a failure puts the sequence back to that
+    tokens: list[int]
+    start: int
+    plan: WritePlan  # the KV room reserved for it
+    rows: Rows
+    # analysis: layer -> this step's hidden states (T, C), filled by run() for the layers asked
+    hidden: dict[int, torch.Tensor | None] | None = None
+    # analysis: decoder layer -> this step's attention weights (H, T, start + T) of the heads asked
+    attention: dict[int, torch.Tensor | None] | None = None
+    heads: tuple[int, ...] = ()
+
+    @property
+    def seq(self) -> SequenceState:
+        return self.opened.seq
+
+
+def forward(model: torch.nn.Module, pool: KvPool, steps: list[Step]) -> torch.Tensor | None:
+    """One forward over every step, then the LM head over the rows they ask for:
+    (rows, V) logits in step order (``Rows.count`` rows each), or None if no step asks."""
+    hidden, firsts = _hidden(model, pool, steps)  # (N, C), each step's first row
+    picked = []
+    for first, step in zip(firsts, steps):
+        n = len(step.tokens)
+        if step.rows is Rows.ALL:
+            picked.append(hidden[first:first + n])
+        elif step.rows is Rows.LAST:
+            picked.append(hidden[first + n - 1:first + n])
+    if not picked:
+        return None
+    with torch.inference_mode():
+        return model.logits(torch.cat(picked) if len(picked) > 1 else picked[0])
+
+
+def _hidden(model: torch.nn.Module, pool: KvPool, steps: list[Step]) -> tuple[torch.Tensor, list[int]]:
+    """Hidden states (N, C) of every step and each step's first row in them (its rows
+    are the next ``len(step.tokens)``).  Steps of one length run as one (B, T)
+    batch (the decode fast path, fused whole-layer ops included); steps of mixed
+    lengths (decodes beside prompt chunks) run ragged, each length a group, no
+    token padded (see ``RaggedBatch``).  Steps that ask for hidden states of some
+    layers get their rows of those (they run alone or with equal-length steps:
+    the worker sees to it)."""
+    counts = [len(s.tokens) for s in steps]
+    if len(set(counts)) > 1 and not any(s.hidden or s.attention for s in steps):
+        return _ragged(model, pool, steps)
+    width = max(counts)
+    device = pool.k.device
+    kv = pool.batch([s.seq.block_ids for s in steps], [s.start for s in steps], counts)
+    ids = torch.tensor([s.tokens + [0] * (width - len(s.tokens)) for s in steps], device=device)
+    layers = {layer for s in steps if s.hidden for layer in s.hidden}
+    capture = dict.fromkeys(layers) if layers else None
+    if attention := {layer for s in steps if s.attention for layer in s.attention}:
+        kv.attention = dict.fromkeys(attention)
+    with torch.inference_mode():
+        out = model(ids, kv.positions, kv, capture) if capture else model(ids, kv.positions, kv)
+    for b, step in enumerate(steps):
+        for layer in step.hidden or ():
+            step.hidden[layer] = capture[layer][b, :counts[b]].float().cpu()
+        heads = list(step.heads) or slice(None)
+        for layer in step.attention or ():  # keys past the sequence's end are padding: dropped
+            step.attention[layer] = kv.attention[layer][b, heads, :counts[b], :step.start + counts[b]].cpu()
+    return out.reshape(-1, out.shape[-1]), [b * width for b in range(len(steps))]
+
+
+def _ragged(model: torch.nn.Module, pool: KvPool, steps: list[Step]) -> tuple[torch.Tensor, list[int]]:
+    by_length: dict[int, list[int]] = {}
+    for i, step in enumerate(steps):
+        by_length.setdefault(len(step.tokens), []).append(i)
+    groups, ids, firsts = [], [], [0] * len(steps)
+    for width, members in by_length.items():
+        groups.append(([steps[i].seq.block_ids for i in members], [steps[i].start for i in members], width))
+        for i in members:
+            firsts[i] = len(ids)
+            ids.extend(steps[i].tokens)
+    kv = RaggedBatch(pool, groups)
+    with torch.inference_mode():
+        out = model(torch.tensor([ids], device=pool.k.device), None, kv)  # (1, N, C)
+    return out[0], firsts
