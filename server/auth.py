@@ -7,17 +7,16 @@ UNAUTHENTICATED / UNAUTHENTICATED before any handler runs (reflection follows
 the same rule as the service).  Tokens are compared in constant time (every
 known token is compared, whatever matches) and never logged.
 
-The tenant a call authenticated as is kept in ``current_tenant`` for the
-executor: a sequence belongs to the tenant that made it, and another tenant's
-cache id behaves exactly like an unknown one.  With auth off everyone is the
-tenant "".
+The servicer's one wrapper finds the tenant a call authenticated as and
+passes it explicitly to the worker and the executor: a sequence belongs to the
+tenant that made it, and another tenant's cache id behaves exactly like an
+unknown one.  With auth off everyone is the tenant "".
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
-from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +26,6 @@ from ferrum_rpc.errors import StartupError, Unauthenticated, to_rpc_status
 
 log = logging.getLogger(__name__)
 
-current_tenant: ContextVar[str] = ContextVar("ferrum_rpc_tenant", default="")
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)  # probes need these without credentials
 _MIN_TOKEN_CHARS = 16
 HANDLER_FACTORIES = {  # gRPC method-handler factories by (request streaming, response streaming)

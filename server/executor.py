@@ -38,7 +38,6 @@ from ferrum_rpc.errors import (
     shown,
 )
 from ferrum_rpc.server import speculative
-from ferrum_rpc.server.auth import current_tenant
 from ferrum_rpc.server.config import ExecutorConfig
 from ferrum_rpc.server.forward import Rows, Step, forward
 from ferrum_rpc.server.kv_cache import KvPool
@@ -242,10 +241,14 @@ class TorchExecutor:
 
     # -- the contract: validate, plan, run ------------------------------------------
     def prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None = None,
-                policy: LogitsPolicy = LogitsPolicy(), hidden: HiddenStatesRequest | None = None) -> PrefillOutput:
+                policy: LogitsPolicy = LogitsPolicy(), hidden: HiddenStatesRequest | None = None,
+                tenant: str = "") -> PrefillOutput:
         """Runs a prompt (or the next part of one, when ``kv_cache`` is given), in
-        forwards of up to ``config.prefill_chunk`` tokens."""
-        prompt = self.open_prefill(token_ids, kv_cache, policy, hidden)
+        forwards of up to ``config.prefill_chunk`` tokens.
+
+        ``tenant`` (every call that names or makes a sequence takes it): whose the
+        sequence is; another tenant's sequences are "not found" ("" = auth off)."""
+        prompt = self.open_prefill(token_ids, kv_cache, policy, hidden, tenant)
         try:
             while True:
                 plan = prompt.next_part(self.config.prefill_chunk)
@@ -259,13 +262,14 @@ class TorchExecutor:
 
     def open_prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None = None,
                      policy: LogitsPolicy = LogitsPolicy(),
-                     hidden: HiddenStatesRequest | None = None) -> PromptInParts:
+                     hidden: HiddenStatesRequest | None = None, tenant: str = "") -> PromptInParts:
         """Validates a prefill and opens its sequence (taking any cached prefix),
         to be run in parts, each one step of some forward (see
         :class:`PromptInParts`); raises with no state change."""
         if hidden is not None:  # the handle is resolved first: its claimed length is not to be trusted
-            self._check_hidden(hidden, len(token_ids), self._resolve(kv_cache).length if kv_cache is not None else 0)
-        opened = self._open_prefill(token_ids, kv_cache, policy, reuse_prefix=hidden is None)
+            start = self._resolve(kv_cache, tenant).length if kv_cache is not None else 0
+            self._check_hidden(hidden, len(token_ids), start)
+        opened = self._open_prefill(token_ids, kv_cache, policy, tenant, reuse_prefix=hidden is None)
         self.kv.pin(opened.seq)
         return PromptInParts(self, opened, list(token_ids), policy, hidden)
 
@@ -300,7 +304,7 @@ class TorchExecutor:
                                f"the {self.config.max_message_bytes}-byte message limit; ask for fewer layers, "
                                "heads or positions")
 
-    def plan_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy) -> AppendPlan:
+    def plan_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy, tenant: str = "") -> AppendPlan:
         """Validates a BatchDecode request and reserves its KV room; raises with no state change."""
         if not inputs:
             raise InvalidInput("batch_decode needs at least one input")
@@ -311,7 +315,7 @@ class TorchExecutor:
         if len(set(ids)) != len(ids):
             raise InvalidInput("a sequence appears more than once in one batch")
         self._check_tokens([i.token_id for i in inputs])
-        seqs = [self._resolve(i.kv_cache) for i in inputs]
+        seqs = [self._resolve(i.kv_cache, tenant) for i in inputs]
         for seq in seqs:
             self._check_length(seq.length, 1)
         steps: list[Step] = []
@@ -385,23 +389,24 @@ class TorchExecutor:
             self.undo([step.opened.undo])
 
     def decode(self, token_id: int, kv_cache: KvCacheHandle,
-               policy: LogitsPolicy = LogitsPolicy()) -> DecodeOutput:
-        return self.batch_decode([DecodeInput(token_id, kv_cache)], policy)[0]
+               policy: LogitsPolicy = LogitsPolicy(), tenant: str = "") -> DecodeOutput:
+        return self.batch_decode([DecodeInput(token_id, kv_cache)], policy, tenant)[0]
 
-    def batch_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy = LogitsPolicy()) -> list[DecodeOutput]:
+    def batch_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy = LogitsPolicy(),
+                     tenant: str = "") -> list[DecodeOutput]:
         """One batched forward over sequences of any lengths."""
-        return self.run([self.plan_decode(inputs, policy)])[0]
+        return self.run([self.plan_decode(inputs, policy, tenant)])[0]
 
     def forward_verify(self, token_ids: list[int], kv_cache: KvCacheHandle,
-                       policy: LogitsPolicy = LogitsPolicy()) -> VerifyOutput:
+                       policy: LogitsPolicy = LogitsPolicy(), tenant: str = "") -> VerifyOutput:
         """Appends N+1 tokens and returns N+1 logits rows: a continued prefill over
         every position (so a long verify runs in chunks like a prompt)."""
-        out = self.prefill(token_ids, kv_cache, verify_policy(policy))
+        out = self.prefill(token_ids, kv_cache, verify_policy(policy), tenant=tenant)
         return VerifyOutput(out.logits, out.kv_cache, out.timing)
 
     def speculative_decode(self, token_id: int, draft: list[int], kv_cache: KvCacheHandle,
                            policy: LogitsPolicy = LogitsPolicy(),
-                           sampling: SpeculativeSampling | None = None) -> SpeculativeOutput:
+                           sampling: SpeculativeSampling | None = None, tenant: str = "") -> SpeculativeOutput:
         """One round of speculative decoding: ``token_id`` and the drafts in one forward,
         the drafts kept that ``speculative.accept_drafts`` keeps (greedy: the longest
         prefix equal to greedy's choices), the rest truncated, and the logits after
@@ -411,12 +416,13 @@ class TorchExecutor:
             raise InvalidInput(f"{len(draft)} drafts exceed {self.config.prefill_chunk - 1} (one forward's chunk)")
         self._check_policy(policy, 1)
         sampling = speculative.checked_sampling(sampling)
-        out = self.prefill([token_id] + list(draft), kv_cache, LogitsPolicy(LogitsKind.FULL, all_positions=True))
+        out = self.prefill([token_id] + list(draft), kv_cache, LogitsPolicy(LogitsKind.FULL, all_positions=True),
+                           tenant=tenant)
         undo = Undo(out.kv_cache.cache_id, kv_cache.sequence_length)  # no left_at: the rejected drafts may be gone
         try:
             rows = out.logits.values  # (1 + len(draft), vocab) float32: row i predicts what follows input i
             agreed, following = speculative.accept_drafts(rows, draft, sampling)
-            seq = self.kv.get(out.kv_cache.cache_id, current_tenant.get())
+            seq = self.kv.get(out.kv_cache.cache_id, tenant)
             if agreed < len(draft):  # the rejected drafts' KV goes (their idle clock was restarted by the forward)
                 self.kv.shrink(seq, kv_cache.sequence_length + 1 + agreed)
             return SpeculativeOutput(tuple(draft[:agreed]), following,
@@ -425,24 +431,24 @@ class TorchExecutor:
             self.undo([undo])
             raise
 
-    def truncate_kv(self, kv_cache: KvCacheHandle, new_length: int) -> KvCacheHandle:
-        seq = self._resolve(kv_cache)
+    def truncate_kv(self, kv_cache: KvCacheHandle, new_length: int, tenant: str = "") -> KvCacheHandle:
+        seq = self._resolve(kv_cache, tenant)
         if not 0 <= new_length <= seq.length:
             raise InvalidInput(f"new_length {new_length} is outside 0..={seq.length}")
         self.kv.shrink(seq, new_length)
         return self.handle(seq)
 
-    def release_cache(self, cache_id: str) -> int:
+    def release_cache(self, cache_id: str, tenant: str = "") -> int:
         """Forgets a sequence; returns how many blocks went back to the pool."""
         self._check_id(cache_id, "cache_id")
-        self._check_not_busy(self.kv.get(cache_id, current_tenant.get()))
+        self._check_not_busy(self.kv.get(cache_id, tenant))
         return self.kv.release(cache_id)
 
-    def fork_cache(self, kv_cache: KvCacheHandle, num_children: int) -> list[KvCacheHandle]:
+    def fork_cache(self, kv_cache: KvCacheHandle, num_children: int, tenant: str = "") -> list[KvCacheHandle]:
         """N new sequences sharing the parent's blocks; the first write to a shared block copies it."""
         if not 1 <= num_children <= self.config.max_batch_size:
             raise InvalidInput(f"num_children must be in 1..={self.config.max_batch_size}, got {num_children}")
-        seq = self._resolve(kv_cache)
+        seq = self._resolve(kv_cache, tenant)
         self._check_sequence_room(seq.tenant, num_children)
         children = self.kv.fork(seq, [uuid.uuid4().hex for _ in range(num_children)])
         return [self.handle(c) for c in children]
@@ -495,7 +501,7 @@ class TorchExecutor:
         if len(value) > MAX_ID_BYTES:
             raise InvalidInput(f"{field} is {len(value)} characters long; at most {MAX_ID_BYTES}")
 
-    def _resolve(self, handle: KvCacheHandle) -> SequenceState:
+    def _resolve(self, handle: KvCacheHandle, tenant: str) -> SequenceState:
         """The sequence a handle names; validates without touching any state
         (the idle clock included: only a call that succeeds restarts it)."""
         self._check_id(handle.cache_id, "kv_cache.cache_id")
@@ -505,7 +511,7 @@ class TorchExecutor:
                 f"handle {shown(handle.cache_id)} was issued by server instance "
                 f"{shown(handle.server_instance_id)}, this is {self.instance_id!r}"
             )
-        seq = self.kv.get(handle.cache_id, current_tenant.get())  # another tenant's: "not found"
+        seq = self.kv.get(handle.cache_id, tenant)  # another tenant's: "not found"
         self._check_not_busy(seq)
         if handle.sequence_length != seq.length:
             raise LengthMismatch(
@@ -543,17 +549,16 @@ class TorchExecutor:
             raise InvalidInput(f"sequence {shown(seq.cache_id)} is in the middle of a chunked prefill")
 
     def _open_prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None,
-                      policy: LogitsPolicy, reuse_prefix: bool = True) -> Opened:
+                      policy: LogitsPolicy, tenant: str, reuse_prefix: bool = True) -> Opened:
         """Validates a prefill and finds (or creates, taking any cached prefix) its sequence."""
         self._check_tokens(token_ids)
         self._check_policy(policy, len(token_ids) if policy.all_positions else 1)
-        seq = self._resolve(kv_cache) if kv_cache is not None else None
+        seq = self._resolve(kv_cache, tenant) if kv_cache is not None else None
         start = seq.length if seq else 0
         self._check_length(start, len(token_ids))
         self._check_fits_pool(start + len(token_ids))
         if seq is not None:
             return Opened(seq, False, 0, seq.length, seq.last_used)
-        tenant = current_tenant.get()
         self._check_sequence_room(tenant, 1)
         seq = self.kv.create(uuid.uuid4().hex, tenant)
         cached = 0

@@ -38,7 +38,7 @@ from ferrum_rpc.errors import (
     shown,
     to_status_proto,
 )
-from ferrum_rpc.server.auth import HANDLER_FACTORIES, TokenTable, current_tenant
+from ferrum_rpc.server.auth import HANDLER_FACTORIES, TokenTable
 from ferrum_rpc.server.executor import Undo
 from ferrum_rpc.server.registry import Registry
 from ferrum_rpc.server.shm import SharedMemoryRegistry
@@ -225,7 +225,8 @@ def _required_handle(message) -> KvCacheHandle:
 
 def _handler(*, admit: bool = True, admin: bool = False, observe: bool = True):
     """The one wrapper around every RPC: a request that did not parse is refused,
-    the caller's tenant is entered, admin-only calls are checked, ``admit`` calls
+    the caller's tenant is found (and passed to the method as its last
+    argument: every call below takes it explicitly), admin-only calls are checked, ``admit`` calls
     pass admission (draining, loading) and count as in flight, the call is
     observed for the metrics (``observe=False``: the method observes itself, per
     step or at its answer), and any error becomes its status.
@@ -240,48 +241,50 @@ def _handler(*, admit: bool = True, admin: bool = False, observe: bool = True):
     generator suspended at its ``yield`` until the garbage collector found it."""
 
     def wrap(method):
-        def enter(self, request, context, stack: contextlib.ExitStack) -> None:
+        def enter(self, request, context, stack: contextlib.ExitStack) -> str:
+            """The caller's tenant, once the call may run."""
             if isinstance(request, Malformed):  # a client stream's messages are checked one by one
                 raise InvalidInput(request.why)
-            self._enter_tenant(context)
+            tenant = self._tenant_of(context)
             if admin:
-                self._check_admin()
+                self._check_admin(tenant)
             if admit:
                 stack.enter_context(self._admit())
+            return tenant
 
         if inspect.isasyncgenfunction(method):
             @functools.wraps(method)
             async def stream(self, request, context):
-                start = time.perf_counter()
+                start, tenant = time.perf_counter(), ""
                 try:
                     with contextlib.ExitStack() as stack:
-                        enter(self, request, context, stack)
-                        async with contextlib.aclosing(method(self, request, context)) as replies:
+                        tenant = enter(self, request, context, stack)
+                        async with contextlib.aclosing(method(self, request, context, tenant)) as replies:
                             async for reply in replies:
                                 await context.write(reply)  # see the docstring
                 except Exception as exc:
                     if observe:
-                        self._observe(method.__name__, exc, start)
+                        self._observe(method.__name__, tenant, exc, start)
                     await _abort(context, exc)
                 else:
                     if observe:
-                        self._observe(method.__name__, None, start)
+                        self._observe(method.__name__, tenant, None, start)
             return stream
 
         @functools.wraps(method)
         async def unary(self, request, context):
-            start = time.perf_counter()
+            start, tenant = time.perf_counter(), ""
             try:
                 with contextlib.ExitStack() as stack:
-                    enter(self, request, context, stack)
-                    reply = await method(self, request, context)
+                    tenant = enter(self, request, context, stack)
+                    reply = await method(self, request, context, tenant)
             except Exception as exc:
                 if observe:
-                    self._observe(method.__name__, exc, start)
+                    self._observe(method.__name__, tenant, exc, start)
                 await _abort(context, exc)
             else:
                 if observe:
-                    self._observe(method.__name__, None, start, getattr(reply, "timing", None))
+                    self._observe(method.__name__, tenant, None, start, getattr(reply, "timing", None))
                 return reply
         return unary
     return wrap
@@ -316,24 +319,26 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         return self.registry.workers
 
     # -- plumbing --------------------------------------------------------------
-    def _observe(self, method: str, error: Exception | None, start: float, timing=None) -> None:
+    def _observe(self, method: str, tenant: str, error: Exception | None, start: float, timing=None) -> None:
         if self.metrics is not None:
             if error is None:
                 code = "OK"
             else:
                 code = error.code.name if isinstance(error, ExecutorError) else grpc.StatusCode.INTERNAL.name
-            self.metrics.observe(method, code, current_tenant.get(), time.perf_counter() - start, timing)
+            self.metrics.observe(method, code, tenant, time.perf_counter() - start, timing)
 
-    def _enter_tenant(self, context) -> None:
-        """Sets ``current_tenant`` for this call's task (the AuthInterceptor already
-        refused calls without a known token; jobs carry the tenant to the worker)."""
-        if self.tokens is not None:
-            tenant = self.tokens.tenant_for(context.invocation_metadata())
-            if tenant is None:  # unreachable behind the interceptor; never serve as tenant ""
-                from ferrum_rpc.errors import Unauthenticated
+    def _tenant_of(self, context) -> str:
+        """The tenant the caller's bearer token names ("" with auth off).  The
+        AuthInterceptor has refused calls without a known token already (it guards
+        health and reflection too); this is the one place a handler reads it."""
+        if self.tokens is None:
+            return ""
+        tenant = self.tokens.tenant_for(context.invocation_metadata())
+        if tenant is None:  # unreachable behind the interceptor; never serve as tenant ""
+            from ferrum_rpc.errors import Unauthenticated
 
-                raise Unauthenticated("no known bearer token")
-            current_tenant.set(tenant)
+            raise Unauthenticated("no known bearer token")
+        return tenant
 
     class _Admission:
         def __init__(self, servicer: ExecutorServicer):
@@ -374,7 +379,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         return worker, items, policy
 
     @contextlib.contextmanager
-    def _logits_targets(self, policy: LogitsPolicy, rows: list[int], worker: ModelWorker):
+    def _logits_targets(self, policy: LogitsPolicy, rows: list[int], worker: ModelWorker, tenant: str):
         """Where each output's full logits go when ``policy`` names a shared-memory
         region: one ``(region, offset)`` per output, rows packed one after another.
         Everything is checked, and the region pinned, before the call runs: the
@@ -383,7 +388,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             yield [None] * len(rows)
             return
         target = policy.shared_memory
-        region = self.shm.get(current_tenant.get(), target.region)
+        region = self.shm.get(tenant, target.region)  # another tenant's region: "not found"
         element = 4 if policy.dtype == "float32" else 2
         if target.offset % element:
             raise InvalidInput(f"logits.shared_memory.offset must be a multiple of {element}, got {target.offset}")
@@ -454,18 +459,18 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
 
     # -- queries -----------------------------------------------------------------
     @_query
-    async def GetModelInfo(self, request, context):
+    async def GetModelInfo(self, request, context, tenant: str):
         return convert.model_info_to_proto(self._worker(request.model).executor.info())
 
     @_query
-    async def GetCapabilities(self, request, context):
+    async def GetCapabilities(self, request, context, tenant: str):
         caps = convert.capabilities_to_proto(self._worker(request.model).executor.capabilities())
         caps.models.extend(sorted(self.workers))
         caps.shared_memory = self.shared_memory
         return caps
 
     @_query
-    async def GetStatus(self, request, context):
+    async def GetStatus(self, request, context, tenant: str):
         if self.state is ServerState.LOADING and not self.workers:
             return pb.Status(state=pb.Status.STATE_LOADING, server_instance_id=self.instance_id)
         worker = self._worker(request.model)
@@ -474,7 +479,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
 
     # -- the contract ----------------------------------------------------------------
     @_rpc
-    async def Prefill(self, request, context):
+    async def Prefill(self, request, context, tenant: str):
         received = time.perf_counter_ns()
         worker = self._worker(request.model or request.kv_cache.model)
         handle = convert.handle_from_proto(request.kv_cache) if request.HasField("kv_cache") else None
@@ -482,8 +487,8 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         rows = len(request.token_ids) if policy.all_positions else 1
         hidden = convert.hidden_request_from_proto(request.hidden_states) if request.HasField("hidden_states") \
             else None
-        with self._logits_targets(policy, [rows], worker) as targets:
-            out = await worker.prefill(list(request.token_ids), handle, policy, _deadline(context), hidden)
+        with self._logits_targets(policy, [rows], worker, tenant) as targets:
+            out = await worker.prefill(list(request.token_ids), handle, policy, _deadline(context), hidden, tenant)
             undo = [Undo.of(handle, out.kv_cache)]
             reply = pb.PrefillResponse(cached_tokens=out.cached_tokens)
             for array in out.hidden_states:
@@ -493,23 +498,23 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             return await self._reply(reply, out, received, worker, undo, targets[0])
 
     @_rpc
-    async def Decode(self, request, context):
+    async def Decode(self, request, context, tenant: str):
         received = time.perf_counter_ns()
         worker = self._worker(request.model or request.kv_cache.model)
         item = DecodeInput(request.token_id, _required_handle(request))
         policy = convert.policy_from_proto(request.logits)
-        with self._logits_targets(policy, [1], worker) as targets:
-            (out,) = await worker.decode([item], policy, _deadline(context))
+        with self._logits_targets(policy, [1], worker, tenant) as targets:
+            (out,) = await worker.decode([item], policy, _deadline(context), tenant)
             undo = [Undo.of(item.kv_cache, out.kv_cache)]
             return await self._reply(pb.DecodeResponse(), out, received, worker, undo, targets[0])
 
     @_rpc
-    async def BatchDecode(self, request, context):
+    async def BatchDecode(self, request, context, tenant: str):
         received = time.perf_counter_ns()
         worker, items, policy = self._decode_batch(request)
         ledger = _Undelivered()
-        with self._logits_targets(policy, [1] * len(items), worker) as targets:
-            outs = await worker.decode(items, policy, _deadline(context))
+        with self._logits_targets(policy, [1] * len(items), worker, tenant) as targets:
+            outs = await worker.decode(items, policy, _deadline(context), tenant)
             keys = self._register_decodes(ledger, worker, items, outs)
             try:
                 async for _, reply in self._step_replies(pb.BatchDecodeResponse, {}, outs, received,
@@ -521,56 +526,56 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             ledger.keep()
 
     @_rpc
-    async def ForwardVerify(self, request, context):
+    async def ForwardVerify(self, request, context, tenant: str):
         received = time.perf_counter_ns()
         worker = self._worker(request.model or request.kv_cache.model)
         handle = _required_handle(request)
         policy = convert.policy_from_proto(request.logits)
-        with self._logits_targets(policy, [len(request.token_ids)], worker) as targets:
-            out = await worker.verify(list(request.token_ids), handle, policy, _deadline(context))
+        with self._logits_targets(policy, [len(request.token_ids)], worker, tenant) as targets:
+            out = await worker.verify(list(request.token_ids), handle, policy, _deadline(context), tenant)
             undo = [Undo.of(handle, out.kv_cache)]
             return await self._reply(pb.ForwardVerifyResponse(), out, received, worker, undo,
                                      targets[0])
 
     @_rpc
-    async def TruncateKv(self, request, context):
+    async def TruncateKv(self, request, context, tenant: str):
         worker = self._worker(request.kv_cache.model)
         handle = await worker.call(worker.executor.truncate_kv, _required_handle(request),
-                                   request.new_length, deadline=_deadline(context))
+                                   request.new_length, tenant, deadline=_deadline(context))
         return pb.TruncateKvResponse(kv_cache=convert.handle_to_proto(handle))
 
     @_rpc
-    async def ReleaseCache(self, request, context):
+    async def ReleaseCache(self, request, context, tenant: str):
         worker = self._worker(request.model)
-        freed = await worker.call(worker.executor.release_cache, request.cache_id)
+        freed = await worker.call(worker.executor.release_cache, request.cache_id, tenant)
         return pb.ReleaseCacheResponse(blocks_freed=freed)
 
     @_rpc
-    async def ForkCache(self, request, context):
+    async def ForkCache(self, request, context, tenant: str):
         worker = self._worker(request.kv_cache.model)
-        children = await worker.fork(_required_handle(request), request.num_children, _deadline(context))
+        children = await worker.fork(_required_handle(request), request.num_children, _deadline(context), tenant)
         return pb.ForkCacheResponse(children=[convert.handle_to_proto(c) for c in children])
 
     @_rpc
-    async def SpeculativeDecode(self, request, context):
+    async def SpeculativeDecode(self, request, context, tenant: str):
         received = time.perf_counter_ns()
         worker = self._worker(request.model or request.kv_cache.model)
         handle = _required_handle(request)
         policy = convert.policy_from_proto(request.logits)
-        with self._logits_targets(policy, [1], worker) as targets:
+        with self._logits_targets(policy, [1], worker, tenant) as targets:
             sampling = None
             if request.HasField("sampling"):
                 m = request.sampling
                 sampling = SpeculativeSampling(m.temperature, m.top_k, m.top_p, m.seed)
             out = await worker.speculative(request.token_id, list(request.draft_token_ids), handle, policy,
-                                           _deadline(context), sampling)
+                                           _deadline(context), sampling, tenant)
             reply = pb.SpeculativeDecodeResponse(accepted_token_ids=out.accepted_token_ids,
                                                  next_token_id=out.next_token_id)
             undo = [Undo.of(handle, out.kv_cache)]
             return await self._reply(reply, out, received, worker, undo, targets[0])
 
     @_rpc
-    async def BatchPrefill(self, request, context):
+    async def BatchPrefill(self, request, context, tenant: str):
         """Every prompt goes to the worker at once: their parts share forwards (ragged,
         under the step budget, with other callers' decodes); all or nothing."""
         received = time.perf_counter_ns()
@@ -589,8 +594,8 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         policy = convert.policy_from_proto(request.logits)
         rows = [len(i.token_ids) if policy.all_positions else 1 for i in request.items]
         deadline = _deadline(context)
-        with self._logits_targets(policy, rows, worker) as targets:
-            outs = await asyncio.gather(*(worker.prefill(list(item.token_ids), handle, policy, deadline)
+        with self._logits_targets(policy, rows, worker, tenant) as targets:
+            outs = await asyncio.gather(*(worker.prefill(list(item.token_ids), handle, policy, deadline, tenant=tenant)
                                           for item, handle in zip(request.items, handles)), return_exceptions=True)
             failed = next((o for o in outs if isinstance(o, BaseException)), None)
             if failed is not None:  # all or nothing: the prompts that ran are undone
@@ -611,7 +616,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             ledger.keep()
 
     @_handler(admit=False, observe=False)  # each step is admitted and observed on its own
-    async def DecodeSession(self, request_iterator, context):
+    async def DecodeSession(self, request_iterator, context, tenant: str):
         """Steps run as they arrive (steps on different sequences may be in flight
         together and share forwards); replies go out as steps finish.  A failed
         step answers with its error and the session goes on.
@@ -627,7 +632,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         otherwise (cancelled, deadline, disconnect) undoes its unconfirmed
         steps, at most the last step of each sequence, unless another call
         moved that sequence on meanwhile: a cancelled call changes no state."""
-        replies: asyncio.Queue = asyncio.Queue()  # steps run in tasks made here: they inherit the tenant
+        replies: asyncio.Queue = asyncio.Queue()
         ledger = _Undelivered()  # steps' results until their replies are handed to gRPC
         window = asyncio.Semaphore(MAX_PENDING_STEPS)
         steps: set[asyncio.Task] = set()
@@ -644,16 +649,16 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                     with self._admit():
                         worker, items, policy = self._decode_batch(request)
                         ledger.confirm([i.kv_cache for i in items])  # the caller read those replies
-                        targets = pinned.enter_context(self._logits_targets(policy, [1] * len(items), worker))
-                        outs = await worker.decode(items, policy, deadline)
+                        targets = pinned.enter_context(self._logits_targets(policy, [1] * len(items), worker, tenant))
+                        outs = await worker.decode(items, policy, deadline, tenant)
                         keys = self._register_decodes(ledger, worker, items, outs)  # no await since the decode
                     async for sent, reply in self._step_replies(pb.DecodeSessionResponse, {"step_id": step_id},
                                                                 outs, received, request.single_reply, targets, keys):
                         await replies.put((sent, reply))
-                self._observe("DecodeSession", None, received / 1e9, outs[0].timing if outs else None)
+                self._observe("DecodeSession", tenant, None, received / 1e9, outs[0].timing if outs else None)
             except Exception as exc:
                 ledger.undo(keys)  # the step answers with an error: it changes nothing
-                self._observe("DecodeSession", exc, received / 1e9)
+                self._observe("DecodeSession", tenant, exc, received / 1e9)
                 await replies.put(((), pb.DecodeSessionResponse(step_id=step_id,
                                                                 error=to_status_proto(_as_executor_error(exc)))))
             finally:
@@ -696,13 +701,13 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 task.cancel()  # a step still at the worker undoes itself (ModelWorker._await)
 
     # -- the model registry --------------------------------------------------------
-    def _check_admin(self) -> None:
-        if self.tokens is not None and current_tenant.get() not in self.admin_tenants:
+    def _check_admin(self, tenant: str) -> None:
+        if self.tokens is not None and tenant not in self.admin_tenants:
             raise AdminOnly(f"loading and unloading models is for admin tenants (--admin-tenants); "
-                            f"{shown(current_tenant.get())} is not one")
+                            f"{shown(tenant)} is not one")
 
     @_query
-    async def ListModels(self, request, context):
+    async def ListModels(self, request, context, tenant: str):
         reply = pb.ListModelsResponse()
         for model in self.registry.hosted():
             if model.worker is None:
@@ -714,7 +719,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         return reply
 
     @_handler(admit=False, admin=True)
-    async def LoadModel(self, request, context):
+    async def LoadModel(self, request, context, tenant: str):
         """One progress message per stage (see ``Registry.load_stages``)."""
         start = time.perf_counter()
         draining = self.state is ServerState.DRAINING
@@ -723,14 +728,14 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 yield pb.LoadModelResponse(stage=stage, elapsed_s=time.perf_counter() - start)
 
     @_handler(admit=False, admin=True)
-    async def UnloadModel(self, request, context):
+    async def UnloadModel(self, request, context, tenant: str):
         if request.name:
             self._worker(request.name)  # the precise refusal: loading, unloaded, unknown
         return pb.UnloadModelResponse(sequences_dropped=await self.registry.unload(request.name))
 
     # -- shared memory -------------------------------------------------------------
     @_handler(admit=False, observe=False)  # observed when it answers, not when the registration ends
-    async def RegisterSharedMemory(self, request, context):
+    async def RegisterSharedMemory(self, request, context, tenant: str):
         """Registers the region, answers once, and holds the registration until the
         caller cancels, disconnects or unregisters it (or the server drains).  Not
         an in-flight call: a drain does not wait for it."""
@@ -741,7 +746,6 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                                     "or with --shared-memory on)", code=grpc.StatusCode.UNIMPLEMENTED)
             if self.state is ServerState.DRAINING:
                 raise Draining("the server is shutting down")
-            tenant = current_tenant.get()
             creating = asyncio.get_running_loop().run_in_executor(  # reserving the pages may take a while
                 None, self.shm.register, tenant, request.name, request.key, request.offset, request.byte_size)
             try:
@@ -750,9 +754,9 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 creating.add_done_callback(lambda f: f.exception() or self.shm.unregister(tenant, region=f.result()))
                 raise
         except Exception as exc:
-            self._observe("RegisterSharedMemory", exc, start)
+            self._observe("RegisterSharedMemory", tenant, exc, start)
             raise
-        self._observe("RegisterSharedMemory", None, start)
+        self._observe("RegisterSharedMemory", tenant, None, start)
         try:
             yield pb.RegisterSharedMemoryResponse(name=region.name, byte_size=region.byte_size, key=region.key)
             await region.ended.wait()
@@ -760,9 +764,9 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             self.shm.unregister(region.tenant, region.name, region)
 
     @_query
-    async def UnregisterSharedMemory(self, request, context):
+    async def UnregisterSharedMemory(self, request, context, tenant: str):
         """Answers once no admitted call will write into the regions any more."""
-        gone = self.shm.unregister(current_tenant.get(), request.name)
+        gone = self.shm.unregister(tenant, request.name)
         for region in gone:
             await region.drained()
         return pb.UnregisterSharedMemoryResponse(unregistered=len(gone))

@@ -35,7 +35,6 @@ thread, the queue, the futures, cancellation and deadlines.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import threading
@@ -46,7 +45,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ferrum_rpc.errors import Cancelled, DeadlineExceeded, Draining, ExecutorError
-from ferrum_rpc.server.auth import current_tenant
 from ferrum_rpc.server import scheduler
 from ferrum_rpc.server.executor import TorchExecutor, Undo, verify_policy
 from ferrum_rpc.server.prompt import PromptInParts
@@ -69,16 +67,7 @@ class _Job:
     deadline: float | None = None  # time.monotonic() past which the caller no longer waits
     abandoned: bool = False  # the caller went away: stop before the next part and undo
     parked_at: float | None = None  # a prompt first found no room for the whole of it (see scheduler.take_prompts)
-    tenant: str = field(default_factory=current_tenant.get)  # who submitted it (see auth.py)
-
-    @contextlib.contextmanager
-    def as_tenant(self):
-        """Runs the job's executor calls as its submitter's tenant (on the worker thread)."""
-        token = current_tenant.set(self.tenant)
-        try:
-            yield
-        finally:
-            current_tenant.reset(token)
+    tenant: str = ""  # who submitted it ("" = auth off): its sequences, its fair share
 
     @property
     def analysis(self) -> bool:
@@ -152,54 +141,59 @@ class ModelWorker:
         """stop() was called: new jobs are refused (queued ones still finish)."""
         return self._stopping
 
+    # Every call that names or makes a sequence takes the caller's ``tenant`` ("" =
+    # auth off), from the servicer's edge to the executor: nothing ambient.
     def submit(self, fn: Callable[..., Any], *args: Any, deadline: float | None = None) -> Future:
         """Runs ``fn(*args)`` on the worker thread."""
         return self._put(_Job(fn, args, deadline=deadline)).future
 
     def submit_prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None,
-                       policy: LogitsPolicy, deadline: float | None = None) -> Future:
+                       policy: LogitsPolicy, deadline: float | None = None, tenant: str = "") -> Future:
         """Runs a prompt in parts that share forwards with other callers' work (see
         the module docstring).  A caller that went away, or whose deadline
         passed, has the prompt stopped before its next part, which undoes it."""
-        return self._put(self._prefill_job(token_ids, kv_cache, policy, deadline)).future
+        return self._put(self._prefill_job(token_ids, kv_cache, policy, deadline, tenant)).future
 
     def submit_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy,
-                      deadline: float | None = None) -> Future:
+                      deadline: float | None = None, tenant: str = "") -> Future:
         """Runs a decode step, batched with the other decodes (and prompt parts) queued with it."""
-        return self._put(_Job(None, (), decode=(inputs, policy), deadline=deadline)).future
+        return self._put(_Job(None, (), decode=(inputs, policy), deadline=deadline, tenant=tenant)).future
 
-    def _prefill_job(self, token_ids, kv_cache, policy, deadline, hidden=None) -> _Job:
-        return _Job(None, (), prefill=(token_ids, kv_cache, policy, hidden), deadline=deadline)
+    def _prefill_job(self, token_ids, kv_cache, policy, deadline, tenant, hidden=None) -> _Job:
+        return _Job(None, (), prefill=(token_ids, kv_cache, policy, hidden), deadline=deadline, tenant=tenant)
 
     # -- asyncio front: a cancelled await stops the job and undoes what it did ------
     async def call(self, fn: Callable[..., Any], *args: Any, deadline: float | None = None) -> Any:
         return await self._await(self._put(_Job(fn, args, deadline=deadline)))
 
     async def prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None, policy: LogitsPolicy,
-                      deadline: float | None = None, hidden=None) -> Any:
-        job = self._put(self._prefill_job(token_ids, kv_cache, policy, deadline, hidden))
+                      deadline: float | None = None, hidden=None, tenant: str = "") -> Any:
+        job = self._put(self._prefill_job(token_ids, kv_cache, policy, deadline, tenant, hidden))
         return await self._await(job, lambda out: [Undo.of(kv_cache, out.kv_cache)])
 
     async def verify(self, token_ids: list[int], kv_cache: KvCacheHandle, policy: LogitsPolicy,
-                     deadline: float | None = None) -> VerifyOutput:
+                     deadline: float | None = None, tenant: str = "") -> VerifyOutput:
         """ForwardVerify: a continued prefill over every position (chunked when long,
         batched with other prompts when short)."""
-        out = await self.prefill(token_ids, kv_cache, verify_policy(policy), deadline)
+        out = await self.prefill(token_ids, kv_cache, verify_policy(policy), deadline, tenant=tenant)
         return VerifyOutput(out.logits, out.kv_cache, out.timing)
 
-    async def decode(self, inputs: list[DecodeInput], policy: LogitsPolicy, deadline: float | None = None) -> list:
-        job = self._put(_Job(None, (), decode=(inputs, policy), deadline=deadline))
+    async def decode(self, inputs: list[DecodeInput], policy: LogitsPolicy, deadline: float | None = None,
+                     tenant: str = "") -> list:
+        job = self._put(_Job(None, (), decode=(inputs, policy), deadline=deadline, tenant=tenant))
         return await self._await(job, lambda outs: [Undo.of(i.kv_cache, o.kv_cache) for i, o in zip(inputs, outs)])
 
     async def speculative(self, token_id: int, draft: list[int], kv_cache: KvCacheHandle, policy: LogitsPolicy,
-                          deadline: float | None = None, sampling=None) -> Any:
+                          deadline: float | None = None, sampling=None, tenant: str = "") -> Any:
         """SpeculativeDecode: verify, accept and truncate as one job."""
-        job = self._put(_Job(self.executor.speculative_decode, (token_id, draft, kv_cache, policy, sampling),
-                             deadline=deadline))
+        job = self._put(_Job(self.executor.speculative_decode, (token_id, draft, kv_cache, policy, sampling, tenant),
+                             deadline=deadline, tenant=tenant))
         return await self._await(job, lambda out: [Undo.of(kv_cache, out.kv_cache)])
 
-    async def fork(self, kv_cache: KvCacheHandle, num_children: int, deadline: float | None = None) -> list:
-        job = self._put(_Job(self.executor.fork_cache, (kv_cache, num_children), deadline=deadline))
+    async def fork(self, kv_cache: KvCacheHandle, num_children: int, deadline: float | None = None,
+                   tenant: str = "") -> list:
+        job = self._put(_Job(self.executor.fork_cache, (kv_cache, num_children, tenant), deadline=deadline,
+                             tenant=tenant))
         return await self._await(job, lambda children: [Undo.of(None, c) for c in children])
 
     async def _await(self, job: _Job, undo: Callable[[Any], list[Undo]] | None = None) -> Any:
@@ -423,8 +417,7 @@ class ModelWorker:
             return
         queue_ns = time.perf_counter_ns() - job.enqueued_ns
         try:
-            with job.as_tenant():
-                result = job.fn(*job.args)
+            result = job.fn(*job.args)
         except BaseException as exc:  # handed to the caller, never lost
             job.future.set_exception(exc)
             return
@@ -444,10 +437,9 @@ class ModelWorker:
             job.future.set_exception(gone)
             return None
         try:
-            with job.as_tenant():
-                if job.prompt is None:
-                    job.prompt = ex.open_prefill(*job.prefill)
-                return job.prompt.next_part(tokens)
+            if job.prompt is None:
+                job.prompt = ex.open_prefill(*job.prefill, tenant=job.tenant)
+            return job.prompt.next_part(tokens)
         except BaseException as exc:
             if job.prompt is not None:
                 job.prompt.undo()
@@ -467,8 +459,7 @@ class ModelWorker:
                 job.future.set_exception(gone)
                 continue
             try:
-                with job.as_tenant():
-                    planned.append((job, self.executor.plan_decode(*job.decode)))
+                planned.append((job, self.executor.plan_decode(*job.decode, tenant=job.tenant)))
             except BaseException as exc:
                 job.future.set_exception(exc)
         for job, tokens in prompts:

@@ -67,7 +67,6 @@ def test_a_flooding_tenant_does_not_starve_another_tenants_decode(tiny_llama_dir
     """Fairness: decodes are batched round-robin by tenant.  40 queued decodes of
     tenant "a" and then one of tenant "b", at most 4 sequences a forward: b's
     runs in the first forward (first come, first served would make it the 11th)."""
-    from ferrum_rpc.server.auth import current_tenant
     from ferrum_rpc.types import DecodeInput
 
     config = ExecutorConfig(kv_tokens=2048, block_size=4, max_batch_size=4)
@@ -77,17 +76,15 @@ def test_a_flooding_tenant_does_not_starve_another_tenants_decode(tiny_llama_dir
     try:
         handles = {}
         for tenant, count in (("a", 40), ("b", 1)):
-            current_tenant.set(tenant)
-            handles[tenant] = [w.submit(ex.prefill, [i + 1, 2], None, policy).result(timeout=30).kv_cache
+            handles[tenant] = [w.submit_prefill([i + 1, 2], None, policy, tenant=tenant).result(timeout=30).kv_cache
                                for i in range(count)]
         gate = hold(w)
         start = ex.forwards
         ran_in: dict[str, list[int]] = {"a": [], "b": []}
         jobs = []
         for tenant in ("a", "b"):
-            current_tenant.set(tenant)
             for h in handles[tenant]:
-                future = w.submit_decode([DecodeInput(7, h)], policy)  # queued behind the gate
+                future = w.submit_decode([DecodeInput(7, h)], policy, tenant=tenant)  # queued behind the gate
                 future.add_done_callback(lambda f, t=tenant: ran_in[t].append(ex.forwards - start))
                 jobs.append(future)
         gate.set()
@@ -96,5 +93,4 @@ def test_a_flooding_tenant_does_not_starve_another_tenants_decode(tiny_llama_dir
         assert ran_in["b"] == [1]
         assert max(ran_in["a"]) == 11 and sorted(ran_in["a"]).count(1) == 3  # a got the other 3 seats
     finally:
-        current_tenant.set("")
         w.stop(timeout=10)
