@@ -8,13 +8,12 @@ import logging
 import platform
 import re
 import statistics
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
+
+from ferrum_rpc.harness import ServerProcess
 
 log = logging.getLogger("bench")
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -46,34 +45,24 @@ def median_of(runs: int, fn) -> tuple[float, list[float]]:
     return statistics.median(values), values
 
 
+def server_errors(line: str) -> bool:
+    """The server's stderr lines a benchmark shows (the rest is kept, not printed)."""
+    return "ERROR" in line or "Traceback" in line
+
+
+def bench_server(model_dir: str, dtype: str, kv_tokens: int, *extra: str) -> ServerProcess:
+    """``ferrum-rpc serve`` of ``model_dir`` as "bench" in its own process (as deployed)."""
+    return ServerProcess(f"bench={model_dir}", "--dtype", dtype, "--kv-tokens", str(kv_tokens), *extra,
+                         echo=server_errors)
+
+
 @contextlib.contextmanager
 def served(model_dir: str, dtype: str, extra: tuple[str, ...] = ()):
     """``ferrum-rpc serve`` in its own process (as deployed); yields "host:port"."""
-    cmd = [sys.executable, "-m", "ferrum_rpc.cli", "serve", "--model", f"bench={model_dir}",
-           "--port", "0", "--dtype", dtype, "--kv-tokens", "32768", *extra]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    port, ready = None, threading.Event()
-
-    def pump():
-        nonlocal port
-        for line in proc.stderr:
-            if m := re.search(r"listening on [\d.]+:(\d+)", line):
-                port = int(m.group(1))
-            if "serving" in line:
-                ready.set()
-            if "ERROR" in line or "Traceback" in line:
-                sys.stderr.write(line)
-
-    threading.Thread(target=pump, daemon=True).start()
-    try:
-        if not ready.wait(300):
-            raise RuntimeError("server did not come up")
-        target = f"127.0.0.1:{port}"
-        yield target
-        RSS_MB[target] = rss_mb(proc.pid)
-    finally:
-        proc.terminate()
-        proc.wait(60)
+    with bench_server(model_dir, dtype, 32768, *extra) as server:
+        server.wait_serving(300)
+        yield server.target
+        RSS_MB[server.target] = rss_mb(server.pid)
 
 
 def write_results(name: str, records: list[dict]) -> Path:

@@ -21,64 +21,19 @@ from __future__ import annotations
 import argparse
 import logging
 import random
-import re
 import statistics
-import subprocess
-import sys
-import threading
 import time
 
-from bench.common import log, write_results
+from bench.common import bench_server, log, write_results
 from ferrum_rpc.client import ExecutorClient, LogitsPolicy
 from ferrum_rpc.client.replicas import ReplicaPolicy
+from ferrum_rpc.harness import ServerProcess
 
 GREEDY = LogitsPolicy.argmax()
 WARM_STEPS = 4
 
 
-class Server:
-    """A ``ferrum-rpc serve`` process that can be killed and started again on its port."""
-
-    def __init__(self, model_dir: str, dtype: str, port: int = 0):
-        self.model_dir, self.dtype, self.port = model_dir, dtype, port
-        self.start()
-
-    def start(self) -> None:
-        cmd = [sys.executable, "-m", "ferrum_rpc.cli", "serve", "--model", f"bench={self.model_dir}",
-               "--port", str(self.port), "--dtype", self.dtype, "--kv-tokens", "16384"]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True)
-        ready = threading.Event()
-
-        def pump(proc=self.proc):
-            for line in proc.stderr:
-                if m := re.search(r"listening on [\d.]+:(\d+)", line):
-                    self.port = int(m.group(1))
-                if "serving" in line:
-                    ready.set()
-                if "ERROR" in line or "Traceback" in line:
-                    sys.stderr.write(line)
-
-        threading.Thread(target=pump, daemon=True).start()
-        if not ready.wait(300):
-            raise RuntimeError("server did not come up")
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(60)
-
-
-def one_run(ex: ExecutorClient, servers: dict[str, Server], history: int, seed: int, vocab: int) -> dict:
+def one_run(ex: ExecutorClient, servers: dict[str, ServerProcess], history: int, seed: int, vocab: int) -> dict:
     """Prefill + a few decodes, kill the owner, time the next decode; plus references."""
     rng = random.Random(seed)
     prompt = [rng.randrange(10, vocab) for _ in range(history - WARM_STEPS)]
@@ -106,7 +61,7 @@ def one_run(ex: ExecutorClient, servers: dict[str, Server], history: int, seed: 
         replay = one.prefill(other, logits=GREEDY)
         prefill = time.perf_counter() - t0
         one.release_cache(replay.kv_cache)
-    owner.start()  # back on its port for the next run
+    owner.restart(300)  # back on its port for the next run
     return {"history": history, "seed": seed, "failover_s": failover, "reaped_s": reaped,
             "decode_s": statistics.median(steps), "prefill_s": prefill}
 
@@ -124,9 +79,11 @@ def main() -> None:
         from ferrum_rpc.server.prepare import prepare_default_model
 
         args.model = str(prepare_default_model())
-    servers = [Server(args.model, args.dtype) for _ in range(2)]
+    servers = [bench_server(args.model, args.dtype, 16384) for _ in range(2)]
     records = []
     try:
+        for s in servers:
+            s.wait_serving(300)
         by_target = {s.target: s for s in servers}
         policy = ReplicaPolicy(down_cooldown_s=0.5, failover_timeout_s=120)
         with ExecutorClient(list(by_target), timeout=120, replica_policy=policy) as ex:
@@ -141,7 +98,7 @@ def main() -> None:
                              1e3 * record["reaped_s"], 1e3 * record["decode_s"], 1e3 * record["prefill_s"])
     finally:
         for s in servers:
-            s.stop()
+            s.close()
     write_results("failover", records)
     print_table(records)
 

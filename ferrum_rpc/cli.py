@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tenant-max-sequences", type=int, default=0, help="live sequences per tenant (0: no cap)")
     s.add_argument("--tenant-kv-tokens", type=int, default=0, help="KV tokens one tenant may hold (0: no quota)")
     s.add_argument("--port", type=_port, default=50051, help="0 picks a free port (logged)")
+    s.add_argument("--port-file", default="", metavar="PATH",
+                   help="once listening, write PATH (atomically) as JSON: address, port, instance_id, pid and "
+                        "state (listening, then serving once every model serves); removed on exit")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     s.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     s.add_argument("--kv-tokens", type=int, default=16384, help="KV pool capacity in tokens")

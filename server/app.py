@@ -8,7 +8,10 @@ and flips health to SERVING.  ``serve`` is the CLI's entry point.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
+import os
 import signal
 import threading
 import uuid
@@ -67,6 +70,7 @@ class App:
     servicer: ExecutorServicer
     health: HealthServicer
     metrics_port: int | None = None
+    port_file: PortFile | None = None
 
     async def load(self) -> None:
         """Loads and warms every model, then reports SERVING."""
@@ -76,6 +80,8 @@ class App:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %s on port %d", ", ".join(self.registry.workers), self.port)
+        if self.port_file:
+            self.port_file.write(state="serving")
 
     async def drain(self, grace_s: float) -> None:
         """Refuses new calls (UNAVAILABLE/DRAINING), lets in-flight ones finish, stops."""
@@ -98,6 +104,53 @@ class App:
     @property
     def registry(self) -> Registry:
         return self.servicer.registry
+
+
+class PortFile:
+    """``--port-file``: a JSON object saying where a server listens (address, host, port,
+    instance_id, pid, state), for whoever started it with port 0.  Each write goes to a
+    temporary file in the same folder and then replaces the file, so a reader never sees
+    half of one.  It is written once listening (state "listening"), again once every
+    model serves ("serving"), and removed when the server exits."""
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+        self.fields: dict = {}
+
+    def _put(self, text: str, keep: bool = True) -> None:
+        """Writes ``text`` to a temporary file beside the path, then moves it there (or,
+        with ``keep`` false, removes it: a test that the folder takes files)."""
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(text)
+            if keep:
+                os.replace(tmp, self.path)
+            else:
+                tmp.unlink()
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise StartupError(f"cannot write the --port-file {self.path}: {exc.strerror or exc}") from None
+
+    def check(self) -> None:
+        """Refuses, before binding anything, a path that cannot be written: its folder
+        missing or read-only, or the path a folder."""
+        if self.path.is_dir() or not self.path.parent.is_dir():
+            problem = "it is a folder" if self.path.is_dir() else f"no folder {self.path.parent}"
+            raise StartupError(f"cannot write the --port-file {self.path}: {problem}")
+        self._put("", keep=False)
+
+    def write(self, **fields) -> None:
+        self.fields.update(fields, pid=os.getpid())
+        self._put(json.dumps(self.fields) + "\n")
+
+    def remove(self) -> None:
+        """Removes the file if it is still the one this process wrote."""
+        try:
+            if self.fields and json.loads(self.path.read_text()).get("pid") == os.getpid():
+                self.path.unlink()
+        except (OSError, ValueError):
+            pass
 
 
 async def build_server(config: ServerConfig) -> App:
@@ -135,13 +188,22 @@ async def build_server(config: ServerConfig) -> App:
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
     log.info("listening on %s:%d (instance %s) with %s", config.host, port, instance_id, security)
+    port_file = PortFile(config.port_file) if config.port_file else None
+    if port_file:
+        host = f"[{config.host}]" if ":" in config.host and not config.host.startswith("[") else config.host
+        try:
+            port_file.write(address=f"{host}:{port}", host=config.host, port=port, instance_id=instance_id,
+                            state="listening")
+        except StartupError:
+            await server.stop(None)
+            raise
     try:
         metrics_port = metrics.serve(config.metrics_port, config.metrics_host) if metrics else None
     except OSError as exc:
         await server.stop(None)
         raise StartupError(f"cannot serve metrics on {config.metrics_host}:{config.metrics_port} "
                            f"(--metrics-host/--metrics-port): {exc.strerror or exc}") from None
-    return App(config, server, port, servicer, health, metrics_port)
+    return App(config, server, port, servicer, health, metrics_port, port_file)
 
 
 def _tls_credentials(config: ServerConfig) -> grpc.ServerCredentials:
@@ -214,7 +276,18 @@ async def serve(config: ServerConfig) -> None:
     :class:`StartupError`: files, address, a model that does not load) raises
     StartupError naming the problem and the file or option."""
     _check_model_folders(config)
+    if config.port_file:
+        PortFile(config.port_file).check()
     app = await build_server(config)
+    try:
+        await _run(app)
+    finally:
+        if app.port_file:
+            app.port_file.remove()
+
+
+async def _run(app: App) -> None:
+    config = app.config
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -59,7 +59,7 @@ def _server_config(args: argparse.Namespace, executor):
                           tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                           auth_tokens=args.auth_tokens, insecure=args.insecure,
                           metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-                          shared_memory=args.shared_memory,
+                          shared_memory=args.shared_memory, port_file=args.port_file,
                           admin_tenants=tuple(t for t in args.admin_tenants.split(",") if t))
 
 

@@ -126,6 +126,10 @@ class ServerConfig:
     # Tenants (of --auth-tokens) allowed to load and unload models; without
     # tokens every caller may (the server is then on loopback or --insecure).
     admin_tenants: tuple[str, ...] = ()
+    # Once listening, write {"address", "host", "port", "instance_id", "pid", "state"}
+    # here as JSON (atomically); rewritten with state "serving" once every model serves,
+    # removed when the server exits.  "": none.
+    port_file: str = ""
 
     @property
     def shared_memory_enabled(self) -> bool:

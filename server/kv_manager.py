@@ -21,7 +21,9 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from ferrum_rpc.errors import CacheExpired, CacheNotFound, KvCapacityExhausted, shown
 
@@ -47,6 +49,31 @@ class WritePlan:
     added: list[int] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) to copy before writing
     replaced: list[tuple[int, int]] = field(default_factory=list)  # (table index, old block)
+
+
+@dataclass(frozen=True)
+class SequenceView:
+    """A sequence as it was when :meth:`BlockManager.snapshot` was taken (see SequenceState)."""
+
+    cache_id: str
+    length: int
+    block_ids: tuple[int, ...]
+    tokens: tuple[int, ...]
+    hashes: tuple[bytes, ...]
+    last_used: float
+    pins: int
+    tenant: str
+
+
+@dataclass(frozen=True)
+class BlockSnapshot:
+    """The manager's books at one moment, read-only: for tests and debugging."""
+
+    sequences: Mapping[str, SequenceView]  # cache id -> sequence
+    refs: tuple[int, ...]  # block -> how many sequences hold it (0: free)
+    free: tuple[int, ...]  # the free blocks, in the order the free list hands them out
+    hash_of: Mapping[int, bytes]  # prefix-cache index: block -> hash of its full content
+    block_of: Mapping[bytes, int]  # and back: hash -> block
 
 
 class BlockManager:
@@ -90,6 +117,14 @@ class BlockManager:
     @property
     def num_cached_free(self) -> int:
         return sum(1 for b in self._free if b in self._hash_of)
+
+    def snapshot(self) -> BlockSnapshot:
+        """A read-only copy of the books (sequences, ref counts, free list, prefix-hash
+        index); later calls do not change it."""
+        seqs = {cid: SequenceView(cid, s.length, tuple(s.block_ids), tuple(s.tokens), tuple(s.hashes),
+                                  s.last_used, s.pins, s.tenant) for cid, s in self._seqs.items()}
+        return BlockSnapshot(MappingProxyType(seqs), tuple(self._refs), tuple(self._free),
+                             MappingProxyType(dict(self._hash_of)), MappingProxyType(dict(self._block_of)))
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -204,8 +239,9 @@ class BlockManager:
         so a cache hit tells a caller nothing about anyone else's prompts."""
         return hashlib.blake2b(b"tenant:" + tenant.encode(), digest_size=16).digest()
 
-    def _block_hashes(self, tokens: list[int], tenant: str) -> list[bytes]:
-        """Chained hashes of each full block of ``tokens`` (per tenant)."""
+    def block_hashes(self, tokens: list[int], tenant: str) -> list[bytes]:
+        """Chained hashes of each full block of ``tokens`` (per tenant): what a sequence
+        holding them has as its ``hashes``."""
         out, bs, parent = [], self.block_size, self._root(tenant)
         for i in range(len(tokens) // bs):
             parent = self._block_hash(parent, tokens[i * bs:(i + 1) * bs])
@@ -223,7 +259,7 @@ class BlockManager:
         self.queried_tokens += len(tokens)
         limit = max(0, min(max_tokens, len(tokens))) // self.block_size * self.block_size
         matched: list[int] = []
-        hashes = self._block_hashes(tokens[:limit], seq.tenant)
+        hashes = self.block_hashes(tokens[:limit], seq.tenant)
         for digest in hashes:
             block = self._block_of.get(digest)
             if block is None:

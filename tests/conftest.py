@@ -92,7 +92,7 @@ def oracle_rows(hf, ids: list[int]):
 def executor_snapshot(ex) -> dict:
     """Everything a failed call must leave as it was in a TorchExecutor's KV state."""
     seqs = {cid: (s.length, list(s.tokens), list(s.block_ids), s.last_used, s.pins)
-            for cid, s in ex.kv._seqs.items()}
+            for cid, s in ex.kv.snapshot().sequences.items()}
     return {"seqs": seqs, "used": ex.kv.num_used, "free": ex.kv.num_free}
 
 

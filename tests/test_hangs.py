@@ -34,6 +34,7 @@ from ferrum_rpc.client import client as client_module
 from ferrum_rpc.client.generate import generate_ids
 from ferrum_rpc.client.replicas import ReplicaPolicy
 from ferrum_rpc.errors import ExecutorError
+from ferrum_rpc.harness import all_serving
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 from tests.test_replicas import GREEDY, Replica, prompts
@@ -59,16 +60,13 @@ class Frozen:
 
 @pytest.fixture(scope="module")
 def pair(tiny_llama_dir):
-    replicas = [Replica(tiny_llama_dir) for _ in range(2)]
-    try:
-        for r in replicas:
-            r.wait_serving()
-        yield replicas
-    finally:
-        for r in replicas:
-            if r.alive():
-                os.kill(r.proc.pid, signal.SIGCONT)
-            r.kill()
+    with all_serving(*(Replica(tiny_llama_dir) for _ in range(2))) as replicas:
+        try:
+            yield replicas
+        finally:
+            for r in replicas:
+                if r.alive():
+                    os.kill(r.proc.pid, signal.SIGCONT)
 
 
 @pytest.fixture

@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -25,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
 from ferrum_rpc.client import ExecutorClient, ExecutorError, LogitsPolicy
+from ferrum_rpc.harness import ServerProcess
 from ferrum_rpc.server.app import build_server
 from ferrum_rpc.server.config import ExecutorConfig, ModelSpec, ServerConfig
 from ferrum_rpc.types import ServerState
@@ -226,50 +225,7 @@ async def _collect(stream) -> list:
 # -- a real process: SIGTERM ------------------------------------------------------------
 
 
-class ServerProcess:
-    """``python -m ferrum_rpc.cli serve`` with stderr read on a thread (no pipe deadlock)."""
-
-    LISTENING = re.compile(r"listening on [\w.:\[\]-]+:(\d+) \(instance (\w+)\)")
-    DRAINING = re.compile(r"draining: (\d+) call\(s\) in flight")
-
-    def __init__(self, args: list[str]):
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        self._cond = threading.Condition()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stderr:
-            with self._cond:
-                self.lines.append(line.rstrip("\n"))
-                self._cond.notify_all()
-        with self._cond:
-            self.lines.append("<EOF>")
-            self._cond.notify_all()
-
-    def wait_for(self, pattern: re.Pattern | str, timeout: float) -> re.Match:
-        pattern = re.compile(pattern) if isinstance(pattern, str) else pattern
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                for line in self.lines:
-                    if match := pattern.search(line):
-                        return match
-                left = deadline - time.monotonic()
-                if left <= 0 or (self.lines and self.lines[-1] == "<EOF>"):
-                    raise AssertionError(f"no {pattern.pattern!r} in server stderr:\n{self.log()}")
-                self._cond.wait(left)
-
-    def log(self) -> str:
-        with self._cond:
-            return "\n".join(self.lines)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+DRAINING = re.compile(r"draining: (\d+) call\(s\) in flight")
 
 
 @dataclass
@@ -310,19 +266,14 @@ def test_sigterm_drains_in_flight_calls_and_exits_zero(tiny_llama_dir):
     a second.  The signal goes out well after they were sent and well before
     the batch can have run.
     """
-    server = ServerProcess([
-        sys.executable, "-m", "ferrum_rpc.cli", "serve", "--model", f"tiny={tiny_llama_dir}",
-        "--port", "0", "--kv-tokens", "256", "--block-size", "4", "--grace", "10",
-        "--batch-wait-ms", str(int(BATCH_WAIT_S * 1000)),
-    ])
+    server = ServerProcess(f"tiny={tiny_llama_dir}", "--kv-tokens", "256", "--block-size", "4", "--grace", "10",
+                           "--batch-wait-ms", str(int(BATCH_WAIT_S * 1000)))
     calls: list[tuple[CallRecord, threading.Thread]] = []
     clients: list[ExecutorClient] = []
     health_channel = None
     try:
-        match = server.wait_for(ServerProcess.LISTENING, timeout=60)
-        port, instance = int(match.group(1)), match.group(2)
-        server.wait_for(r"serving tiny on port", timeout=60)
-        target = f"127.0.0.1:{port}"
+        server.wait_serving(timeout=60)
+        instance, target = server.instance, server.target
 
         def client() -> ExecutorClient:
             c = ExecutorClient(target, timeout=30)
@@ -350,7 +301,7 @@ def test_sigterm_drains_in_flight_calls_and_exits_zero(tiny_llama_dir):
         server.proc.send_signal(signal.SIGTERM)
 
         # the server counts all of them as in flight ...
-        in_flight = int(server.wait_for(ServerProcess.DRAINING, timeout=10).group(1))
+        in_flight = int(server.wait_for(DRAINING, timeout=10).group(1))
         assert in_flight == len(calls), server.log()
 
         # ... and, while it waits for them, refuses anything new

@@ -10,11 +10,8 @@ failover must not change them.
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +26,7 @@ from ferrum_rpc.client.replicas import AsyncReplicaSetClient, ReplicaPolicy, Rep
 from ferrum_rpc.client.sampling import SamplingParams
 from ferrum_rpc.client.speculative import NgramDrafter, speculative_generate
 from ferrum_rpc.errors import ExecutorError, FailoverFailed, StaleHandle
+from ferrum_rpc.harness import ServerProcess, all_serving
 from ferrum_rpc.types import ServerState
 
 GREEDY = SamplingParams(greedy=True)
@@ -36,62 +34,13 @@ SEEDED = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=11)
 FAST = ReplicaPolicy(status_ttl_s=0.5, down_cooldown_s=0.3, seed=0)
 
 
-class Replica:
-    """One ``ferrum-rpc serve`` process on a loopback port, restartable on that port."""
-
-    LISTENING = re.compile(r"listening on [\w.:\[\]-]+:(\d+) \(instance (\w+)\)")
+class Replica(ServerProcess):
+    """One ``ferrum-rpc serve`` process of the tiny model on a loopback port, restartable on
+    that port (:class:`~ferrum_rpc.harness.ServerProcess` with these tests' flags)."""
 
     def __init__(self, model_dir, *extra: str):
-        self.model_dir, self.extra = model_dir, extra
-        self.port = 0
-        self.start()
-
-    def start(self) -> None:
-        args = [sys.executable, "-m", "ferrum_rpc.cli", "serve", "--model", f"tiny={self.model_dir}",
-                "--port", str(self.port), "--kv-tokens", "1024", "--block-size", "4", "--no-warmup",
-                "--threads", "1", "--grace", "10", *self.extra]
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        self._cond = threading.Condition()
-        threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
-
-    def _read(self, proc) -> None:
-        for line in proc.stderr:
-            with self._cond:
-                self.lines.append(line.rstrip("\n"))
-                self._cond.notify_all()
-        with self._cond:
-            self.lines.append("<EOF>")
-            self._cond.notify_all()
-
-    def wait_serving(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while not any("serving tiny on port" in line for line in self.lines):
-                left = deadline - time.monotonic()
-                assert left > 0 and "<EOF>" not in self.lines, "server did not start:\n" + "\n".join(self.lines)
-                self._cond.wait(left)
-            match = next(m for m in map(self.LISTENING.search, self.lines) if m)
-            self.port, self.instance = int(match.group(1)), match.group(2)
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill(self) -> None:
-        if self.alive():
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def restart(self) -> None:
-        """Same port, new process (a new server instance id)."""
-        self.kill()
-        self.start()
-        self.wait_serving()
+        super().__init__(f"tiny={model_dir}", "--kv-tokens", "1024", "--block-size", "4", "--no-warmup",
+                         "--threads", "1", "--grace", "10", *extra)
 
 
 def free_port() -> int:
@@ -102,14 +51,8 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir):
-    replicas = [Replica(tiny_llama_dir) for _ in range(3)]
-    try:
-        for r in replicas:
-            r.wait_serving()
+    with all_serving(*(Replica(tiny_llama_dir) for _ in range(3))) as replicas:
         yield replicas
-    finally:
-        for r in replicas:
-            r.kill()
 
 
 @pytest.fixture

@@ -11,12 +11,16 @@ that fail while loading (on the model's worker thread) use the tiny random model
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import socket
 import subprocess
 import sys
 
 import pytest
+
+from ferrum_rpc.harness import ServerProcess
 
 LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ |[EWID]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+\] )")
 
@@ -112,6 +116,10 @@ CASES = [
     ("bad-kv-tokens", lambda d: ["--kv-tokens", "0"], ["--kv-tokens"]),
     ("bad-port", lambda d: ["--port", "70000"], ["--port", "70000"]),
     ("bad-threads", lambda d: ["--threads", "-1"], ["--threads"]),
+    ("port-file-no-folder", lambda d: ["--port-file", str(d / "nope" / "port.json")], ["--port-file", "nope"]),
+    ("port-file-under-a-file", lambda d: ["--port-file", str(d / "garbage.pem" / "port.json")],
+     ["--port-file", "garbage.pem"]),
+    ("port-file-a-folder", lambda d: ["--port-file", str(d / "tokens-folder")], ["--port-file", "tokens-folder"]),
     ("quantize-and-packed", lambda d: ["--quantize", "int8", "--linear-kernel", "onednn-packed"],
      ["--linear-kernel"]),
     ("unknown-option", lambda d: ["--no-such-option"], ["--no-such-option"]),
@@ -162,20 +170,29 @@ def test_a_port_another_ferrum_server_serves_is_one_line_and_exit_2(tiny_llama_d
     assert "--port" in lines[0] and str(server.app.port) in lines[0] and "in use" in lines[0], lines[0]
 
 
-def test_a_well_configured_tls_server_still_starts(files, tiny_llama_dir):
-    """The checks refuse only what is wrong: a matching certificate and key serve."""
-    proc = subprocess.Popen([sys.executable, "-m", "ferrum_rpc.cli", "serve", "--port", "0", "--no-warmup",
-                             "--kv-tokens", "256", "--model", f"tiny={tiny_llama_dir}", *_tls(files),
-                             "--tls-client-ca", str(files / "server.pem"), "--auth-tokens",
-                             str(files / "good.tokens")],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder")
+def test_a_read_only_port_file_folder_is_one_line_and_exit_2(tiny_llama_dir, tmp_path):
+    tmp_path.chmod(0o555)
     try:
-        for line in proc.stderr:
-            if "serving tiny on port" in line:
-                break
-            assert "Traceback" not in line and not line.startswith("ferrum-rpc serve:"), line
-        else:
-            pytest.fail(f"the server exited with {proc.wait(10)} before serving")
+        code, lines, stderr = _serve("--model", f"tiny={tiny_llama_dir}", "--port-file", str(tmp_path / "port.json"))
     finally:
-        proc.terminate()
-        proc.wait(30)
+        tmp_path.chmod(0o755)
+    assert "Traceback" not in stderr, stderr
+    assert code == 2 and len(lines) == 1, stderr
+    assert "--port-file" in lines[0] and "ermission" in lines[0], lines[0]
+
+
+def test_a_well_configured_tls_server_still_starts(files, tiny_llama_dir):
+    """The checks refuse only what is wrong: a matching certificate and key serve (and the
+    --port-file says where, until the server exits)."""
+    with ServerProcess(f"tiny={tiny_llama_dir}", "--no-warmup", "--kv-tokens", "256", *_tls(files),
+                       "--tls-client-ca", str(files / "server.pem"), "--auth-tokens",
+                       str(files / "good.tokens")) as server:
+        server.wait_serving()
+        for line in server.lines:
+            assert "Traceback" not in line and not line.startswith("ferrum-rpc serve:"), line
+        written = json.loads(server.port_file.read_text())
+        assert written == {"address": server.target, "host": "127.0.0.1", "port": server.port,
+                           "instance_id": server.instance, "pid": server.pid, "state": "serving"}, written
+        assert server.stop() == 0, server.log()
+        assert not server.port_file.exists()

@@ -28,45 +28,47 @@ GARBAGE = -1  # what a failed forward may leave in the slots it was given
 
 # -- helpers -------------------------------------------------------------------------
 def snapshot(m: BlockManager, free_order: bool = True) -> tuple:
-    """Everything observable about the manager, private books included."""
-    seqs = {
-        cid: (s.length, tuple(s.block_ids), tuple(s.tokens), tuple(s.hashes), s.last_used)
-        for cid, s in m._seqs.items()
-    }
-    free = tuple(m._free) if free_order else frozenset(m._free)
-    return (m.num_free, m.num_used, len(m), seqs, tuple(m._refs), free, dict(m._hash_of),
-            dict(m._block_of), m.queried_tokens, m.hit_tokens, m.expired_count)
+    """Everything observable about the manager, its books included."""
+    books = m.snapshot()
+    seqs = {cid: (s.length, s.block_ids, s.tokens, s.hashes, s.last_used) for cid, s in books.sequences.items()}
+    free = books.free if free_order else frozenset(books.free)
+    return (m.num_free, m.num_used, len(m), seqs, books.refs, free, dict(books.hash_of),
+            dict(books.block_of), m.queried_tokens, m.hit_tokens, m.expired_count)
 
 
 def tables(m: BlockManager) -> tuple:
     """Sequences, ref counts and the free set: what undo_write must restore."""
-    seqs = {cid: (s.length, tuple(s.block_ids), tuple(s.tokens), tuple(s.hashes)) for cid, s in m._seqs.items()}
-    return seqs, tuple(m._refs), frozenset(m._free)
+    books = m.snapshot()
+    seqs = {cid: (s.length, s.block_ids, s.tokens, s.hashes) for cid, s in books.sequences.items()}
+    return seqs, books.refs, frozenset(books.free)
 
 
 def refs(m: BlockManager, seq: SequenceState) -> list[int]:
-    return [m._refs[b] for b in seq.block_ids]
+    held = m.snapshot().refs
+    return [held[b] for b in seq.block_ids]
 
 
 def check_books(m: BlockManager) -> None:
     """Ref counts, free list and hash maps agree with the block tables."""
-    held = Counter(b for s in m._seqs.values() for b in s.block_ids)
-    for s in m._seqs.values():
+    books = m.snapshot()
+    held = Counter(b for s in books.sequences.values() for b in s.block_ids)
+    for s in books.sequences.values():
         assert len(set(s.block_ids)) == len(s.block_ids), f"{s.cache_id} holds a block twice"
         assert len(s.block_ids) == m.blocks_for(s.length), f"{s.cache_id} has stray blocks"
         assert len(s.tokens) == s.length
-    assert [m._refs[b] for b in range(m.num_blocks)] == [held.get(b, 0) for b in range(m.num_blocks)]
-    assert set(m._free) == {b for b in range(m.num_blocks) if m._refs[b] == 0}
+    assert [books.refs[b] for b in range(m.num_blocks)] == [held.get(b, 0) for b in range(m.num_blocks)]
+    assert set(books.free) == {b for b in range(m.num_blocks) if books.refs[b] == 0}
     assert (m.num_used, m.num_free) == (len(held), m.num_blocks - len(held))
     assert m.num_shared == sum(1 for n in held.values() if n > 1)
-    assert {d: b for b, d in m._hash_of.items()} == m._block_of, "hash maps disagree"
-    assert m.num_cached_free == sum(1 for b in m._free if b in m._hash_of)
+    assert {d: b for b, d in books.hash_of.items()} == books.block_of, "hash maps disagree"
+    assert m.num_cached_free == sum(1 for b in books.free if b in books.hash_of)
 
 
 def assert_all_free(m: BlockManager) -> None:
     assert m.num_free == m.num_blocks and m.num_used == 0 and len(m) == 0
-    assert sorted(m._free) == list(range(m.num_blocks))
-    assert all(r == 0 for r in m._refs)
+    books = m.snapshot()
+    assert sorted(books.free) == list(range(m.num_blocks))
+    assert all(r == 0 for r in books.refs)
     assert m.num_shared == 0
 
 
@@ -112,12 +114,12 @@ class Pool:
 
     def check(self) -> None:
         """Every live sequence reads back its own tokens; every hashed block holds its tokens."""
-        for s in self.m._seqs.values():
+        for s in self.m.sequences():
             assert self.read(s) == s.tokens, f"{s.cache_id} reads back the wrong KV"
             bs = self.m.block_size
-            assert s.hashes == self.m._block_hashes(s.tokens[:len(s.hashes) * bs], s.tenant)
+            assert s.hashes == self.m.block_hashes(s.tokens[:len(s.hashes) * bs], s.tenant)
         bs = self.m.block_size
-        for b, digest in self.m._hash_of.items():
+        for b, digest in self.m.snapshot().hash_of.items():
             assert tuple(self.slots[b * bs:(b + 1) * bs]) == self.known[digest], f"block {b} is stale"
 
 
@@ -210,10 +212,10 @@ def test_commit_records_tokens_and_registers_full_blocks():
     m.prepare_write(seq, 0, 6)
     m.commit(seq, 0, [1, 2, 3, 4, 5, 6])
     assert (seq.length, seq.tokens) == (6, [1, 2, 3, 4, 5, 6])
-    assert seq.hashes == m._block_hashes([1, 2, 3, 4], "") and len(seq.hashes) == 1
-    assert m._hash_of == {seq.block_ids[0]: seq.hashes[0]}, "a partial block was hashed"
+    assert seq.hashes == m.block_hashes([1, 2, 3, 4], "") and len(seq.hashes) == 1
+    assert m.snapshot().hash_of == {seq.block_ids[0]: seq.hashes[0]}, "a partial block was hashed"
     append(m, seq, [7, 8])
-    assert len(seq.hashes) == 2 and set(m._hash_of) == set(seq.block_ids)
+    assert len(seq.hashes) == 2 and set(m.snapshot().hash_of) == set(seq.block_ids)
     check_books(m)
 
 
@@ -276,7 +278,7 @@ def test_shrink_frees_blocks_past_the_new_length():
     assert m.shrink(seq, 5) == 1
     assert seq.length == 5 and seq.block_ids == first[:2] and seq.tokens == [1, 2, 3, 4, 5]
     assert len(seq.hashes) == 1
-    assert m.num_used == 2 and first[2] in m._free
+    assert m.num_used == 2 and first[2] in m.snapshot().free
     assert m.shrink(seq, 4) == 1 and seq.block_ids == first[:1] and seq.length == 4
     assert m.shrink(seq, 4) == 0  # no-op
     assert m.shrink(seq, 0) == 1 and seq.block_ids == [] and seq.length == 0 and seq.hashes == []
@@ -340,11 +342,11 @@ def test_released_blocks_are_reused():
 def test_ref_counts_track_ownership():
     m = BlockManager(6, 2)
     a = written(m, "a", [1, 2, 3, 4])
-    assert refs(m, a) == [1, 1] and sum(m._refs) == 2
+    assert refs(m, a) == [1, 1] and sum(m.snapshot().refs) == 2
     m.shrink(a, 2)
-    assert sum(m._refs) == 1 and m._refs[a.block_ids[0]] == 1
+    assert sum(m.snapshot().refs) == 1 and m.snapshot().refs[a.block_ids[0]] == 1
     m.release("a")
-    assert sum(m._refs) == 0
+    assert sum(m.snapshot().refs) == 0
 
 
 # -- prefix caching ------------------------------------------------------------------
@@ -387,14 +389,14 @@ def test_partial_blocks_are_never_shared():
     m = BlockManager(8, 4)
     prompt = [1, 2, 3, 4, 5, 6]  # 1 full block + 2 tokens
     a = written(m, "a", prompt)
-    assert len(m._hash_of) == 1
+    assert len(m.snapshot().hash_of) == 1
     b = m.create("b")
     assert m.adopt_prefix(b, prompt, len(prompt)) == 4
     assert b.block_ids == a.block_ids[:1] and refs(m, a) == [2, 1]
     # even a longer prompt that agrees with a's partial block gets only the full one
     c = m.create("c")
     assert m.adopt_prefix(c, prompt + [7, 8, 9], 9) == 4
-    assert a.block_ids[1] not in c.block_ids and m._refs[a.block_ids[1]] == 1
+    assert a.block_ids[1] not in c.block_ids and m.snapshot().refs[a.block_ids[1]] == 1
 
 
 def test_prefix_hashes_are_chained():
@@ -433,7 +435,7 @@ def test_adopt_prefix_only_fills_an_empty_sequence():
 def test_prefix_caching_off_shares_nothing():
     m = BlockManager(8, 4, prefix_caching=False)
     a = written(m, "a", [1, 2, 3, 4, 5, 6, 7, 8])
-    assert m._hash_of == {} and m._block_of == {} and a.hashes == []
+    assert m.snapshot().hash_of == {} and m.snapshot().block_of == {} and a.hashes == []
     b = m.create("b")
     assert m.adopt_prefix(b, [1, 2, 3, 4, 5, 6, 7, 8, 9], 8) == 0
     assert b.block_ids == [] and m.hit_tokens == 0 and m.num_shared == 0
@@ -448,9 +450,9 @@ def test_shared_block_is_freed_only_by_its_last_owner():
     b = m.create("b")
     assert m.adopt_prefix(b, [1, 2, 3], 2) == 2 and b.block_ids == [shared]
     assert m.release("a") == 1
-    assert shared not in m._free and m._refs[shared] == 1 and m.num_used == 1
+    assert shared not in m.snapshot().free and m.snapshot().refs[shared] == 1 and m.num_used == 1
     assert m.release("b") == 1
-    assert shared in m._free and m.num_free == 4 and m._refs[shared] == 0
+    assert shared in m.snapshot().free and m.num_free == 4 and m.snapshot().refs[shared] == 0
 
 
 def test_release_returns_only_the_blocks_actually_freed():
@@ -479,7 +481,7 @@ def test_freed_hashed_blocks_stay_reusable():
     assert m.adopt_prefix(b, prompt, 9) == 8
     assert b.block_ids == full, "the freed blocks were not found again"
     assert m.num_cached_free == 0 and m.num_free == 6 and refs(m, b) == [1, 1]
-    assert all(blk not in m._free for blk in full)
+    assert all(blk not in m.snapshot().free for blk in full)
     append(m, b, prompt[8:])
     check_books(m)
 
@@ -565,7 +567,7 @@ def test_copy_on_write_of_a_shared_partial_block():
     assert plan.copies == [(b1, new)] and plan.replaced == [(1, b1)] and plan.added == []
     assert c.block_ids == [b0, new]
     assert (p.length, p.block_ids, p.tokens, p.hashes) == tuple(parent_before), "the parent's table moved"
-    assert m._refs[b0] == 2 and m._refs[b1] == 1 and m._refs[new] == 1
+    assert m.snapshot().refs[b0] == 2 and m.snapshot().refs[b1] == 1 and m.snapshot().refs[new] == 1
     assert m.num_shared == 1 and m.num_used == 3
     m.undo_write(c, plan)
     # through the fake pool: the child's write lands in its copy only
@@ -608,10 +610,10 @@ def test_undo_write_after_the_other_owner_left_takes_the_block_back_from_the_fre
     (c,) = m.fork(p, ["c"])
     b0, b1 = p.block_ids
     plan = m.prepare_write(c, 6, 7)  # c copies b1; p is b1's only owner now
-    assert m.release("p") == 1 and b1 in m._free
+    assert m.release("p") == 1 and b1 in m.snapshot().free
     m.undo_write(c, plan)
     assert c.block_ids == [b0, b1] and refs(m, c) == [1, 1]
-    assert b1 not in m._free
+    assert b1 not in m.snapshot().free
     check_books(m)
     assert m.release("c") == 2
     assert_all_free(m)
@@ -666,7 +668,7 @@ def test_writing_into_a_hashed_block_after_shrink_unhashes_it():
     assert a.block_ids[1] == b1 and len(a.hashes) == 1
     pool.write(a, [50, 51])  # overwrites positions 6, 7 of b1 in place
     assert a.block_ids[1] == b1, "an exclusive block must be written in place"
-    assert stale not in m._block_of and m._hash_of[b1] == a.hashes[1] != stale
+    assert stale not in m.snapshot().block_of and m.snapshot().hash_of[b1] == a.hashes[1] != stale
     old = m.create("old")
     assert m.adopt_prefix(old, [1, 2, 3, 4, 5, 6, 7, 8, 9], 8) == 4, "a prompt matched stale KV"
     new = m.create("new")
