@@ -35,6 +35,9 @@ PAIRS = {
     pb.ForwardVerifyResponse: (t.VerifyOutput, {}),
     pb.SpeculativeDecodeResponse: (t.SpeculativeOutput, {}),
     pb.DecodeItem: (t.DecodeInput, {}),
+    pb.TokenChoice: (t.TokenChoice, {}),
+    pb.ChosenToken: (t.ChosenToken, {}),
+    pb.TokenLogprob: (t.TokenLogprob, {}),
 }
 
 
@@ -66,6 +69,7 @@ def test_every_response_message_with_a_handle_is_mirrored():
     (t.LogitsKind, pb.LogitsKind, "LOGITS_KIND_"),
     (t.ExecutorState, pb.Status.ExecutorState, "EXECUTOR_STATE_"),
     (t.ServerState, pb.Status.State, "STATE_"),
+    (t.LogprobsMode, pb.LogprobsMode, "LOGPROBS_MODE_"),
 ])
 def test_enums_carry_the_same_members(python, wire, prefix):
     names = {n.removeprefix(prefix): v for n, v in wire.items() if not n.endswith("UNSPECIFIED")}
