@@ -240,28 +240,28 @@ class ChosenTokens:
 
 
 class _Step:
-    """Per-row results as the paths fill them: the token, and in the distribution the
-    token was chosen from (PROCESSED) its log-normaliser, chosen logprob and top-n."""
+    """Per-row results as the paths fill them: the token, and in the distribution it
+    was chosen from (PROCESSED) the log-normaliser, the token's logprob and the top-n."""
 
-    def __init__(self, batch: int, n: int):
+    def __init__(self, batch: int, n: int, want_top: bool):
         self.token_ids = torch.zeros(batch, dtype=torch.int64)
-        self.log_norm = torch.zeros(batch)  # log of the normaliser of the processed logits
+        self.log_norm = torch.zeros(batch)  # log of the processed logits' normaliser
         self.chosen = torch.zeros(batch)  # processed logprob of the token
+        self.n = n if want_top else 0  # processed top-n wanted (some PROCESSED row asks)
         self.top_ids = torch.zeros(batch, n, dtype=torch.int64)
         self.top = torch.full((batch, n), -math.inf)
         self.raw_is_processed = [False] * batch  # the processed logits are the model's own
 
-    def put(self, rows, tokens, logits, log_norm, top=None, top_ids=None) -> None:
-        """rows: an index; logits (R, W) processed, tokens (R,) indices into them."""
-        self.log_norm[rows] = log_norm.float()
-        self.chosen[rows] = logits.gather(1, tokens.unsqueeze(-1)).squeeze(-1) - log_norm.float()
-        n = self.top.shape[1]
-        if n:
-            if top is None:
-                top, top_ids = logits.topk(min(n, logits.shape[1]), -1)
-            width = min(n, top.shape[1])
-            self.top[rows, :width] = top[:, :width] - log_norm.float().unsqueeze(-1)
-            self.top_ids[rows, :width] = top_ids[:, :width]
+    def put(self, index, tokens, chosen, log_norm, top=None, top_ids=None) -> None:
+        """index: the rows; tokens (R,) vocabulary ids; chosen and log_norm (R,);
+        top/top_ids (R, m): processed logprobs, descending, and their ids."""
+        self.token_ids[index] = tokens
+        self.chosen[index] = chosen.float()
+        self.log_norm[index] = log_norm.float()
+        if top is not None and self.n:
+            width = min(self.n, top.shape[1])
+            self.top[index, :width] = top[:, :width].float()
+            self.top_ids[index, :width] = top_ids[:, :width]
 
 
 def choose_tokens(
@@ -291,20 +291,34 @@ def choose_tokens(
     if len(choices) != batch or len(positions) != batch:
         raise ValueError(f"{batch} rows but {len(choices)} choices and {len(positions)} positions")
     shaped, touched = _shape(logits, choices, prompt_token_ids, output_token_ids)
-    step = _Step(batch, min(max(c.top_logprobs for c in choices), vocab))
-    greedy = [i for i, c in enumerate(choices) if c.is_greedy]
-    narrow = [i for i, c in enumerate(choices) if not c.is_greedy and 0 < c.top_k <= min(_CANDIDATES, vocab - 1)]
-    wide = [i for i, c in enumerate(choices) if not c.is_greedy and i not in set(narrow)]
+    n = min(max(c.top_logprobs for c in choices), vocab)
+    step = _Step(batch, n, any(c.top_logprobs and c.logprobs_mode is LogprobsMode.PROCESSED for c in choices))
+    greedy, narrow, wide = _routes(choices, vocab)
     if greedy:
         _choose_greedy(shaped, greedy, touched, step)
     if narrow:
-        wide += _sample_candidates(shaped, narrow, choices, positions, step)
+        wide = sorted(wide + _sample_candidates(shaped, narrow, choices, positions, step))
     if wide:
-        _sample_full(shaped, sorted(wide), choices, positions, touched, step)
+        _sample_full(shaped, wide, choices, positions, touched, step)
     return _finish(logits, choices, step)
 
 
 _CANDIDATES = 4096  # rows with top_k up to this choose among their top-k logits only
+_NUCLEUS = 256  # rows with top_p only try their 256 most likely tokens first
+
+
+def _routes(choices, vocab: int) -> tuple[list[int], list[int], list[int]]:
+    """Greedy rows; sampled rows that choose among candidates (a small top_k, or top_p
+    alone); the rest (whole rows)."""
+    greedy, narrow, wide = [], [], []
+    for i, c in enumerate(choices):
+        if c.is_greedy:
+            greedy.append(i)
+        elif 0 < c.top_k <= min(_CANDIDATES, vocab - 1) or (c.top_p < 1 and not 0 < c.top_k < vocab):
+            narrow.append(i)
+        else:
+            wide.append(i)
+    return greedy, narrow, wide
 
 
 def _index(rows: list[int], batch: int):
@@ -317,9 +331,9 @@ def _rows(t: torch.Tensor, index) -> torch.Tensor:
 
 
 def _log_normaliser(x: torch.Tensor) -> torch.Tensor:
-    """(R,) logsumexp of x (R, W) in two passes, cheaper than torch.logsumexp."""
+    """(R,) logsumexp of x (R, W), one buffer, cheaper than torch.logsumexp."""
     top = x.amax(-1, keepdim=True)
-    return (top + torch.exp(x - top).sum(-1, keepdim=True).log()).squeeze(-1)
+    return (top + torch.sub(x, top).exp_().sum(-1, keepdim=True).log()).squeeze(-1)
 
 
 def _choose_greedy(shaped, rows: list[int], touched: list[bool], step: _Step) -> None:
@@ -327,65 +341,91 @@ def _choose_greedy(shaped, rows: list[int], touched: list[bool], step: _Step) ->
     index = _index(rows, shaped.shape[0])
     x = _rows(shaped, index)
     tokens = x.argmax(-1)
-    step.token_ids[index] = tokens
-    step.put(index, tokens, x, _log_normaliser(x))
+    log_norm = _log_normaliser(x)
+    chosen = x.gather(1, tokens.unsqueeze(-1)).squeeze(-1) - log_norm
+    top, top_ids = x.topk(step.n, -1) if step.n else (None, None)
+    step.put(index, tokens, chosen, log_norm, None if top is None else top - log_norm.unsqueeze(-1), top_ids)
     for i in rows:
         step.raw_is_processed[i] = not touched[i]
 
 
 def _sample_full(shaped, rows: list[int], choices, positions, touched, step: _Step) -> None:
-    """Steps 4-6 over whole rows: temperature, the transformers-style filters (a full
-    sort, only for rows that ask for top-p or min-p without a small top-k), the draw."""
+    """Steps 4-6 over whole rows: temperature, the transformers-style filters (a sort
+    of the vocabulary, for the rare rows the candidate path cannot serve), the draw."""
     index = _index(rows, shaped.shape[0])
     x = _rows(shaped, index)
     policies = [choices[i] for i in rows]
-    temperature = torch.tensor([c.temperature for c in policies]).unsqueeze(-1)  # (R, 1)
-    z = x / temperature if bool((temperature != 1).any()) else x
+    inverse = 1 / torch.tensor([c.temperature for c in policies]).unsqueeze(-1)  # (R, 1)
     filtered = [r for r, c in enumerate(policies) if 0 < c.top_k < x.shape[1] or c.top_p < 1 or c.min_p > 0]
     if filtered:
-        z = z.clone() if z is x else z
+        z = x * inverse
         z[filtered] = _filter(z[filtered], [policies[r] for r in filtered])
-    top = z.amax(-1, keepdim=True)
-    tokens, total = _draw(torch.exp(z - top), _uniforms(choices, rows, positions))
-    step.token_ids[index] = tokens
-    step.put(index, tokens, z, top.squeeze(-1) + total.log())
+        top = z.amax(-1, keepdim=True)
+        weights = z.sub_(top).exp_()
+    else:  # exp((x - max) / T): one fused pass and an in-place exp
+        top = x.amax(-1, keepdim=True) * inverse
+        weights = torch.addcmul(-top, x, inverse).exp_()
+    tokens, total = _draw(weights, _uniforms(choices, rows, positions))
+    log_total = total.log().float()
+    chosen = weights.gather(1, tokens.unsqueeze(-1)).squeeze(-1).log() - log_total
+    top_w, top_ids = weights.topk(step.n, -1) if step.n else (None, None)
+    step.put(index, tokens, chosen, top.squeeze(-1) + log_total,
+             None if top_w is None else top_w.log() - log_total.unsqueeze(-1), top_ids)
     plain = set(filtered)
     for r, i in enumerate(rows):
         step.raw_is_processed[i] = not touched[i] and r not in plain and choices[i].temperature == 1
 
 
 def _sample_candidates(shaped, rows: list[int], choices, positions, step: _Step) -> list[int]:
-    """Steps 4-6 for rows with a small top_k, over their top-k logits only (no sort of
-    the vocabulary, no pass over it after the top-k). Returns the rows whose k-th logit
-    is tied with logits past it (top-k keeps every tie): they take the full path."""
+    """Steps 4-6 over each row's most likely tokens only (no sort of the vocabulary):
+    its top_k, or for top_p alone the 256 most likely when they hold more than top_p of
+    the mass (so every other token is outside the nucleus). Returns the rows this
+    cannot serve, for the full path: a k-th logit tied with logits past it (top-k keeps
+    every tie), or a nucleus wider than 256 tokens."""
     x = shaped[rows]  # (R, V)
     policies = [choices[i] for i in rows]
-    k = torch.tensor([c.top_k for c in policies]).unsqueeze(-1)  # (R, 1)
-    values, ids = x.topk(int(k.max()), -1)  # (R, K) descending
-    tied = (x >= values.gather(1, k - 1)).sum(-1) > k.squeeze(-1)
-    keep = [r for r in range(len(rows)) if not tied[r]]
-    if len(keep) < len(rows):
-        values, ids, k, policies = values[keep], ids[keep], k[keep], [policies[r] for r in keep]
-    if not keep:
-        return rows
-    temperature = torch.tensor([c.temperature for c in policies]).unsqueeze(-1)
-    z = (values / temperature).masked_fill(torch.arange(values.shape[1]) >= k, -math.inf)
-    z = _top_p_min_p_sorted(z, policies)
-    by_id = ids.argsort(-1)  # draw in vocabulary order, as the full path does: the same u, the same token
+    vocab = x.shape[1]
+    k = torch.tensor([c.top_k if 0 < c.top_k < vocab else 0 for c in policies]).unsqueeze(-1)  # (R, 1); 0: none
+    values, ids = x.topk(min(vocab, max(int(k.max()), _NUCLEUS if bool((k == 0).any()) else 0)), -1)  # (R, K)
+    inverse = 1 / torch.tensor([c.temperature for c in policies]).unsqueeze(-1)
+    z = values * inverse  # (R, K) descending
+    outside = torch.zeros(len(rows), 1)  # mass beyond the candidates, in the tempered distribution
+    serve = ~((x >= values.gather(1, (k - 1).clamp(min=0))).sum(-1, keepdim=True) > k) | (k == 0)
+    nucleus = (k == 0).squeeze(-1)
+    if bool(nucleus.any()):
+        full = _log_normaliser(x[nucleus] * inverse[nucleus])
+        outside[nucleus] = (1 - torch.exp(torch.logsumexp(z[nucleus], -1) - full)).clamp(min=0).unsqueeze(-1)
+        top_p = torch.tensor([c.top_p for c in policies]).unsqueeze(-1)
+        serve &= ~(nucleus.unsqueeze(-1) & (outside >= 1 - top_p - 1e-5))
+    keep = serve.squeeze(-1).nonzero().squeeze(-1)
+    if len(keep):
+        kept = [rows[r] for r in keep.tolist()]
+        z = z[keep].masked_fill(torch.arange(z.shape[1]) >= torch.where(k[keep] > 0, k[keep], z.shape[1]), -math.inf)
+        z = _top_p_min_p_sorted(z, [policies[r] for r in keep.tolist()], outside[keep])
+        _draw_candidates(z, ids[keep], kept, choices, positions, step)
+    return [rows[r] for r in (~serve.squeeze(-1)).nonzero().squeeze(-1).tolist()]
+
+
+def _draw_candidates(z, ids, rows: list[int], choices, positions, step: _Step) -> None:
+    """The draw over candidates z (R, K), descending, of vocabulary ids ``ids``; in
+    vocabulary order, as the full path draws: the same uniform, the same token."""
+    by_id = ids.argsort(-1)
     weights = torch.exp(z - z[:, :1]).gather(1, by_id)
-    drawn, total = _draw(weights, _uniforms(choices, [rows[r] for r in keep], positions))
-    index = torch.tensor([rows[r] for r in keep])
-    step.token_ids[index] = ids.gather(1, by_id.gather(1, drawn.unsqueeze(-1))).squeeze(-1)
-    step.put(index, by_id.gather(1, drawn.unsqueeze(-1)).squeeze(-1), z, z[:, 0] + total.log(), z, ids)
-    return [rows[r] for r in range(len(rows)) if tied[r]]
+    drawn, total = _draw(weights, _uniforms(choices, rows, positions))
+    slot = by_id.gather(1, drawn.unsqueeze(-1))  # (R, 1) into z
+    log_total = total.log().float()
+    chosen = z.gather(1, slot).squeeze(-1) - z[:, 0] - log_total
+    top = z[:, :step.n] - z[:, :1] - log_total.unsqueeze(-1)
+    step.put(torch.tensor(rows), ids.gather(1, slot).squeeze(-1), chosen, z[:, 0] + log_total, top, ids[:, :step.n])
 
 
-def _top_p_min_p_sorted(z: torch.Tensor, policies) -> torch.Tensor:
-    """top-p and min-p as transformers computes them, on rows sorted descending."""
+def _top_p_min_p_sorted(z: torch.Tensor, policies, outside: torch.Tensor) -> torch.Tensor:
+    """top-p and min-p as transformers computes them, on candidate rows sorted
+    descending; ``outside`` (R, 1) is the mass of the tokens not among them."""
     top_p = torch.tensor([c.top_p for c in policies]).unsqueeze(-1)
     if bool((top_p < 1).any()):
         ascending = z.flip(-1)
-        drop = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop = (ascending.softmax(-1) * (1 - outside)).cumsum(-1) + outside <= 1 - top_p
         drop[:, -1] = False
         z = z.masked_fill((drop & (top_p < 1)).flip(-1), -math.inf)
     min_p = torch.tensor([c.min_p for c in policies]).unsqueeze(-1)
