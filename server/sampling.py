@@ -251,6 +251,7 @@ class _Step:
         self.top_ids = torch.zeros(batch, n, dtype=torch.int64)
         self.top = torch.full((batch, n), -math.inf)
         self.raw_is_processed = [False] * batch  # the processed logits are the model's own
+        self.raw_max = torch.full((batch,), math.nan)  # each row's largest logit, where a path found it
 
     def put(self, index, tokens, chosen, log_norm, top=None, top_ids=None) -> None:
         """index: the rows; tokens (R,) vocabulary ids; chosen and log_norm (R,);
@@ -330,9 +331,10 @@ def _rows(t: torch.Tensor, index) -> torch.Tensor:
     return t if isinstance(index, slice) else t[index]
 
 
-def _log_normaliser(x: torch.Tensor) -> torch.Tensor:
-    """(R,) logsumexp of x (R, W), one buffer, cheaper than torch.logsumexp."""
-    top = x.amax(-1, keepdim=True)
+def _log_normaliser(x: torch.Tensor, top: torch.Tensor | None = None) -> torch.Tensor:
+    """(R,) logsumexp of x (R, W), one buffer, cheaper than torch.logsumexp; ``top``
+    (R, 1), when given, is x's row maximum."""
+    top = x.amax(-1, keepdim=True) if top is None else top
     return (top + torch.sub(x, top).exp_().sum(-1, keepdim=True).log()).squeeze(-1)
 
 
@@ -340,8 +342,9 @@ def _choose_greedy(shaped, rows: list[int], touched: list[bool], step: _Step) ->
     """Step 3: the argmax of the penalised, biased, masked logits."""
     index = _index(rows, shaped.shape[0])
     x = _rows(shaped, index)
-    tokens = x.argmax(-1)
-    log_norm = _log_normaliser(x)
+    largest, tokens = x.max(-1, keepdim=True)
+    tokens = tokens.squeeze(-1)
+    log_norm = _log_normaliser(x, largest)
     chosen = x.gather(1, tokens.unsqueeze(-1)).squeeze(-1) - log_norm
     top, top_ids = x.topk(step.n, -1) if step.n else (None, None)
     step.put(index, tokens, chosen, log_norm, None if top is None else top - log_norm.unsqueeze(-1), top_ids)
@@ -363,7 +366,10 @@ def _sample_full(shaped, rows: list[int], choices, positions, touched, step: _St
         top = z.amax(-1, keepdim=True)
         weights = z.sub_(top).exp_()
     else:  # exp((x - max) / T): one fused pass and an in-place exp
-        top = x.amax(-1, keepdim=True) * inverse
+        largest = x.amax(-1, keepdim=True)
+        untouched = [r for r, i in enumerate(rows) if not touched[i]]  # their maximum is the model's
+        step.raw_max[torch.tensor([rows[r] for r in untouched], dtype=torch.int64)] = largest.squeeze(-1)[untouched]
+        top = largest * inverse
         weights = torch.addcmul(-top, x, inverse).exp_()
     tokens, total = _draw(weights, _uniforms(choices, rows, positions))
     log_total = total.log().float()
@@ -524,14 +530,16 @@ def _finish(logits: torch.Tensor, choices, step: _Step) -> ChosenTokens:
         x = _rows(logits, index)
         fresh = [r for r, i in enumerate(raw) if not step.raw_is_processed[i]]
         log_norm = step.log_norm[index].clone()
-        if len(fresh) == len(raw):
-            log_norm = _log_normaliser(x)
-        elif fresh:
-            log_norm[fresh] = _log_normaliser(x[fresh])
+        if fresh:
+            known = step.raw_max[index][fresh]
+            largest = None if bool(known.isnan().any()) else known.unsqueeze(-1)
+            log_norm[fresh] = _log_normaliser(x if len(fresh) == len(raw) else x[fresh], largest)
         chosen = chosen.clone()
         chosen[index] = x.gather(1, step.token_ids[index].unsqueeze(-1)).squeeze(-1) - log_norm
-        if top.shape[1]:
-            values, ids = x.topk(top.shape[1], -1)
+        listed = [r for r, i in enumerate(raw) if choices[i].top_logprobs]
+        if listed and top.shape[1]:
+            values, ids = (x if len(listed) == len(raw) else x[listed]).topk(top.shape[1], -1)
+            at = torch.tensor([raw[r] for r in listed])
             top, top_ids = top.clone(), top_ids.clone()
-            top[index], top_ids[index] = values - log_norm.unsqueeze(-1), ids
+            top[at], top_ids[at] = values - log_norm[listed].unsqueeze(-1), ids
     return ChosenTokens(step.token_ids, chosen, top_ids, top, tuple(c.top_logprobs for c in choices))
