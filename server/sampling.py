@@ -388,15 +388,17 @@ def _sample_candidates(shaped, rows: list[int], choices, positions, step: _Step)
     the mass (so every other token is outside the nucleus). Returns the rows this
     cannot serve, for the full path: a k-th logit tied with logits past it (top-k keeps
     every tie), or a nucleus wider than 256 tokens."""
-    x = shaped[rows]  # (R, V)
+    x = _rows(shaped, _index(rows, shaped.shape[0]))  # (R, V)
     policies = [choices[i] for i in rows]
     vocab = x.shape[1]
     k = torch.tensor([c.top_k if 0 < c.top_k < vocab else 0 for c in policies]).unsqueeze(-1)  # (R, 1); 0: none
-    values, ids = x.topk(min(vocab, max(int(k.max()), _NUCLEUS if bool((k == 0).any()) else 0)), -1)  # (R, K)
+    width = min(vocab, max(int(k.max()) + 1, _NUCLEUS if bool((k == 0).any()) else 0))
+    values, ids = x.topk(width, -1)  # (R, K) descending; one past the largest k, to see ties
+    tied = values.gather(1, k.clamp(max=width - 1)) == values.gather(1, (k - 1).clamp(min=0))  # k-th == (k+1)-th
     inverse = 1 / torch.tensor([c.temperature for c in policies]).unsqueeze(-1)
     z = values * inverse  # (R, K) descending
     outside = torch.zeros(len(rows), 1)  # mass beyond the candidates, in the tempered distribution
-    serve = ~((x >= values.gather(1, (k - 1).clamp(min=0))).sum(-1, keepdim=True) > k) | (k == 0)
+    serve = ~tied | (k == 0)
     nucleus = (k == 0).squeeze(-1)
     if bool(nucleus.any()):
         full = _log_normaliser(x[nucleus] * inverse[nucleus])
