@@ -51,14 +51,15 @@ def main() -> None:
     positions = list(range(100, 100 + batch))
     cases = {
         "sampling T=0.8 (raw logprob)": [TokenChoice(temperature=0.8, seed=i) for i in range(batch)],
-        "sampling T=0.8 (processed logprob)": [TokenChoice(temperature=0.8, seed=i,
-                                                           logprobs_mode=LogprobsMode.PROCESSED) for i in range(batch)],
+        "sampling T=0.8 (processed logprob)": [
+            TokenChoice(temperature=0.8, seed=i, logprobs_mode=LogprobsMode.PROCESSED) for i in range(batch)],
         "sampling T=1": [TokenChoice(seed=i) for i in range(batch)],
         "greedy": [TokenChoice.greedy() for _ in range(batch)],
         "top_k=50 top_p=0.9 T=0.8": [TokenChoice(temperature=0.8, top_k=50, top_p=0.9, seed=i) for i in range(batch)],
         "sampling T=0.8 + 5 top logprobs": [TokenChoice(temperature=0.8, seed=i, top_logprobs=5) for i in range(batch)],
     }
-    print(f"{batch} x {vocab} float32, {torch.get_num_threads()} thread(s), {platform.processor() or platform.machine()}")
+    threads = torch.get_num_threads()
+    print(f"{batch} x {vocab} float32, {threads} thread(s), {platform.processor() or platform.machine()}")
     softmax = _median_ms(lambda: torch.softmax(logits, -1), args.repeats)
     print(f"  {'yardstick: torch.softmax':40s} {softmax:7.2f} ms")
     generators = [torch.Generator().manual_seed(i) for i in range(batch)]

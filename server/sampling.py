@@ -25,9 +25,21 @@ Order of operations per row (vLLM's sampler; transformers' processor order):
 5. top-k, then top-p, then min-p, each exactly as transformers' warpers compute it
    (ties at the k-th logit kept; top-p's ascending cumulative sum; min-p against
    the most likely token's probability; at least one token always kept).
-6. the draw (see :func:`uniform_for`): inverse CDF with one uniform per row.
+6. the draw: inverse CDF in vocabulary order with one uniform per row, keyed by
+   (seed, position) (:func:`uniform_for`, :func:`_draw`).
 
-A fast path skips 1, 2 and 5 when no row of the batch uses them.
+Paths: steps 1-2 are skipped (no copy of the logits) when no row uses them. Rows
+with a top_k up to 4096, or top_p alone whose 256 most likely tokens hold more
+than top_p of the mass, filter and draw among those candidates only (one top-k,
+no sort of the vocabulary); other filtered rows sort their rows as transformers
+does. Plain sampling is exp((x - max) / T) in one fused pass, an in-place exp,
+and float32 block sums. Every path draws in vocabulary order, so the same uniform
+picks the same token whichever path a row takes.
+
+Logprobs: RAW by default (the model's log-softmax, vLLM's default; see
+``LogprobsMode``); its normaliser costs one more exp pass over rows whose
+processed logits differ from the model's (temperature != 1, penalties, ...).
+PROCESSED logprobs come from the distribution the draw used, at no extra pass.
 """
 
 from __future__ import annotations
@@ -43,7 +55,6 @@ import torch
 
 from ferrum_rpc.errors import InvalidInput
 from ferrum_rpc.types import (
-    GREEDY_BELOW_TEMPERATURE,
     MAX_TOP_LOGPROBS,
     ChosenToken,
     LogprobsMode,
@@ -58,7 +69,7 @@ __all__ = [
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound; exp(-200) is 0 in float32, so +-100 forces or bans any token
 MAX_PENALTY = 2.0  # presence and frequency, OpenAI's range
-_BLOCK = 256  # the draw's first level: block sums in float64, then one block's cumulative sum
+_BLOCK = 256  # the draw's first level: float32 sums of 256-wide blocks, then one block's cumulative sum
 _HASH_TAG = b"ferrum-rpc/token-choice/v1"
 
 
@@ -141,7 +152,8 @@ def unpack_allowed_tokens(mask: bytes, vocab_size: int) -> np.ndarray:
 
 def _unpack_rows(masks: list[bytes], vocab_size: int) -> torch.Tensor:
     """(R, vocab_size) bool from R bitmasks, vectorised: shift each word by 0..31."""
-    words = torch.from_numpy(np.frombuffer(b"".join(masks), dtype="<i4").astype(np.int32).reshape(len(masks), -1))  # (R, W)
+    words = np.frombuffer(b"".join(masks), dtype="<i4").astype(np.int32).reshape(len(masks), -1)
+    words = torch.from_numpy(words)  # (R, W)
     bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # (R, W, 32)
     return bits.reshape(len(masks), -1)[:, :vocab_size].bool()
 

@@ -235,8 +235,9 @@ def test_raw_logprobs_full_vocab_plain_sampling():
     assert out.row(2).token_id == int(rows[2].argmax())
 
 
-@given(seed=st.integers(0, 2**64 - 1), position=st.integers(0, 2**31), temperature=st.sampled_from([0.0, 0.5, 1.0, 3.0]),
-       top_k=st.sampled_from([0, 1, 3, 30]), top_p=st.sampled_from([1.0, 0.9, 0.2]), min_p=st.sampled_from([0.0, 0.3]),
+@given(seed=st.integers(0, 2**64 - 1), position=st.integers(0, 2**31),
+       temperature=st.sampled_from([0.0, 0.5, 1.0, 3.0]), top_k=st.sampled_from([0, 1, 3, 30]),
+       top_p=st.sampled_from([1.0, 0.9, 0.2]), min_p=st.sampled_from([0.0, 0.3]),
        allowed=st.sets(st.integers(0, 69), min_size=1, max_size=70), mode=st.sampled_from(list(LogprobsMode)))
 @settings(max_examples=60, deadline=None)
 def test_any_policy_chooses_an_allowed_token_of_positive_probability(seed, position, temperature, top_k, top_p,
