@@ -63,7 +63,8 @@ from ferrum_rpc.types import (
 )
 
 __all__ = [
-    "ChosenTokens", "TokenChoice", "LogprobsMode", "MAX_LOGIT_BIAS", "MAX_TOP_LOGPROBS", "choose_tokens",
+    "ChosenTokens", "TokenChoice", "LogprobsMode", "MAX_LOGIT_BIAS", "MAX_TOP_LOGPROBS", "accept_drafts",
+    "choose_tokens",
     "pack_allowed_tokens", "uniform_for", "unpack_allowed_tokens", "validate_token_choice",
 ]
 
@@ -314,6 +315,35 @@ def choose_tokens(
     if wide:
         _sample_full(shaped, wide, choices, positions, touched, step)
     return _finish(logits, choices, step)
+
+
+def accept_drafts(
+    rows: torch.Tensor,
+    draft_token_ids: Sequence[int],
+    choice: TokenChoice,
+    first_position: int,
+    prompt_token_ids: Sequence[int] = (),
+    output_token_ids: Sequence[int] = (),
+) -> tuple[int, list[ChosenToken]]:
+    """Speculative acceptance by the policy's own choice (SpeculativeDecode with a
+    token_choice): row i of ``rows`` (N+1, V) is the distribution after the first i
+    drafts; draft i is kept while it equals what ``choice`` chooses at position
+    first_position + i with drafts[:i] appended to the output. As each choice depends
+    only on its row, (seed, position) and that history, the kept drafts and the next
+    token are exactly those of one-at-a-time decoding, in one batched step.
+
+    Returns:
+        The number of drafts kept, and the choices: one per kept draft, then the next
+        token (the choice after the last kept draft).
+    """
+    drafts = list(draft_token_ids)
+    histories = [list(output_token_ids) + drafts[:i] for i in range(len(drafts) + 1)]
+    chosen = choose_tokens(rows, [choice] * len(histories), range(first_position, first_position + len(histories)),
+                           [prompt_token_ids] * len(histories), histories).rows()
+    kept = 0
+    while kept < len(drafts) and chosen[kept].token_id == drafts[kept]:
+        kept += 1
+    return kept, chosen[:kept + 1]
 
 
 _CANDIDATES = 4096  # rows with top_k up to this choose among their top-k logits only

@@ -29,6 +29,7 @@ from transformers.generation.logits_process import (
 from ferrum_rpc.errors import InvalidInput
 from ferrum_rpc.server.sampling import (
     LogprobsMode,
+    accept_drafts,
     TokenChoice,
     choose_tokens,
     pack_allowed_tokens,
@@ -326,6 +327,27 @@ def test_candidate_and_full_paths_draw_the_same_token():
         narrow = choose_tokens(row, [TokenChoice(seed=seed, top_k=5)], [3]).token_ids
         wide = choose_tokens(row, [TokenChoice(seed=seed)], [3]).token_ids
         assert torch.equal(narrow, wide)
+
+
+@pytest.mark.parametrize("choice", [TokenChoice(seed=5, temperature=0.7, top_k=4, repetition_penalty=1.3,
+                                                presence_penalty=0.5, top_logprobs=2),
+                                    TokenChoice.greedy(frequency_penalty=1.0)], ids=["sampled", "greedy"])
+def test_accept_drafts_equals_one_at_a_time_decoding(choice):
+    """Drafts built from the sequential choices, with a wrong one at index 3: the
+    first three are kept and the next token is the sequential choice there."""
+    rows = _small_rows(6, seed=17)
+    prompt, output, start = [1, 2], [3], 10
+    sequential = []
+    for i in range(6):
+        sequential.append(choose_tokens(rows[i:i + 1], [choice], [start + i], [prompt],
+                                        [output + [c.token_id for c in sequential]]).row(0))
+    drafts = [c.token_id for c in sequential[:5]]
+    kept, chosen = accept_drafts(rows, drafts, choice, start, prompt, output)
+    assert kept == 5 and [c.token_id for c in chosen] == [c.token_id for c in sequential]
+    assert [c.logprob for c in chosen] == pytest.approx([c.logprob for c in sequential], abs=1e-6)
+    wrong = drafts[:3] + [(drafts[3] + 1) % SMALL] + drafts[4:]
+    kept, chosen = accept_drafts(rows, wrong, choice, start, prompt, output)
+    assert kept == 3 and [c.token_id for c in chosen] == [c.token_id for c in sequential[:4]]
 
 
 # ---------------------------------------------------------------------------- a real grammar's bitmask
