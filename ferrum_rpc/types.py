@@ -362,6 +362,7 @@ class Capabilities:
     continuous_batching: bool = True
     memory: MemoryRequirements = field(default_factory=MemoryRequirements)
     optimal_batch_size: int = 0
+    token_choice: bool = False  # the server chooses tokens for requests with a TokenChoice (issue 22)
 
     def supports_batch_size(self, batch_size: int) -> bool:
         """Whether one forward may carry ``batch_size`` sequences (the trait's check)."""
