@@ -16,6 +16,10 @@ from ferrum_rpc.errors import InvalidInput
 from ferrum_rpc.types import (
     BlockTable,
     Capabilities,
+    ChosenToken,
+    LogprobsMode,
+    TokenChoice,
+    TokenLogprob,
     ExecutorStatus,
     KvCacheHandle,
     Logits,
@@ -93,6 +97,56 @@ def policy_from_proto(m: pb.LogitsPolicy) -> LogitsPolicy:
             raise InvalidInput("logits.shared_memory needs LOGITS_KIND_FULL (top-k and argmax rows are small)")
         target = SharedMemoryTarget(m.shared_memory.region, m.shared_memory.offset)
     return LogitsPolicy(kind=kind, dtype=dtype, top_k=m.top_k, all_positions=m.all_positions, shared_memory=target)
+
+
+_LOGPROBS_MODE_TO_PROTO = {LogprobsMode.RAW: pb.LOGPROBS_MODE_RAW, LogprobsMode.PROCESSED: pb.LOGPROBS_MODE_PROCESSED}
+_LOGPROBS_MODE_FROM_PROTO = {v: k for k, v in _LOGPROBS_MODE_TO_PROTO.items()}
+_LOGPROBS_MODE_FROM_PROTO[pb.LOGPROBS_MODE_UNSPECIFIED] = LogprobsMode.RAW
+
+
+def token_choice_to_proto(c: TokenChoice) -> pb.TokenChoice:
+    """Defaults stay unset on the wire (temperature 1, top_p 1, repetition 1, no seed)."""
+    m = pb.TokenChoice(top_k=c.top_k, min_p=c.min_p, presence_penalty=c.presence_penalty,
+                       frequency_penalty=c.frequency_penalty, logit_bias=dict(c.logit_bias),
+                       allowed_token_bitmask=bytes(c.allowed_token_bitmask), top_logprobs=c.top_logprobs,
+                       logprobs_mode=_LOGPROBS_MODE_TO_PROTO[c.logprobs_mode])
+    for name, default in (("temperature", 1.0), ("top_p", 1.0), ("repetition_penalty", 1.0)):
+        if getattr(c, name) != default:
+            setattr(m, name, getattr(c, name))
+    if c.seed is not None:
+        m.seed = c.seed
+    return m
+
+
+def token_choice_from_proto(m: pb.TokenChoice) -> TokenChoice:
+    """The wire's policy; ranges are checked by the server's validate_token_choice."""
+    mode = _LOGPROBS_MODE_FROM_PROTO.get(m.logprobs_mode)
+    if mode is None:
+        raise InvalidInput(f"token_choice.logprobs_mode: unknown value {m.logprobs_mode}")
+    return TokenChoice(
+        temperature=m.temperature if m.HasField("temperature") else 1.0,
+        top_k=m.top_k,
+        top_p=m.top_p if m.HasField("top_p") else 1.0,
+        min_p=m.min_p,
+        seed=m.seed if m.HasField("seed") else None,
+        repetition_penalty=m.repetition_penalty if m.HasField("repetition_penalty") else 1.0,
+        presence_penalty=m.presence_penalty,
+        frequency_penalty=m.frequency_penalty,
+        logit_bias=dict(m.logit_bias),
+        allowed_token_bitmask=m.allowed_token_bitmask,
+        top_logprobs=m.top_logprobs,
+        logprobs_mode=mode,
+    )
+
+
+def chosen_to_proto(c: ChosenToken) -> pb.ChosenToken:
+    return pb.ChosenToken(token_id=c.token_id, logprob=c.logprob,
+                          top_logprobs=[pb.TokenLogprob(token_id=t.token_id, logprob=t.logprob)
+                                        for t in c.top_logprobs])
+
+
+def chosen_from_proto(m: pb.ChosenToken) -> ChosenToken:
+    return ChosenToken(m.token_id, m.logprob, tuple(TokenLogprob(t.token_id, t.logprob) for t in m.top_logprobs))
 
 
 def logits_to_proto(logits: Logits) -> pb.Logits:

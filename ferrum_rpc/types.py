@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,98 @@ class LogitsPolicy:
         return cls(LogitsKind.ARGMAX, all_positions=all_positions)
 
 
+class LogprobsMode(enum.Enum):
+    """Which distribution a chosen token's logprobs describe.
+
+    RAW (the default, as vLLM's ``logprobs_mode="raw_logprobs"``): the model's own
+    log-softmax over the logits row, before any penalty, bias, mask, temperature or
+    filter: it describes the model, not the sampler, so it is comparable across
+    requests with different settings, agrees with ``log_softmax`` of the FULL logits a
+    caller may ask for alongside, and serves scoring/perplexity. PROCESSED: the
+    distribution the token was actually chosen from (after penalties, bias and mask,
+    and for sampled rows temperature and top-k/top-p/min-p); tokens it excludes are
+    never listed.
+    """
+
+    RAW = 1
+    PROCESSED = 2
+
+
+MAX_TOP_LOGPROBS = 20  # the bound on TokenChoice.top_logprobs (OpenAI's)
+# Below this temperature the choice is greedy (vLLM's _SAMPLING_EPS): logits / T would
+# overflow float32 for T much smaller.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+
+@dataclass(frozen=True)
+class TokenChoice:
+    """The executor chooses the next token of a sequence (instead of returning logits
+    only). Defaults are OpenAI's and vLLM's; see ``ferrum_rpc.server.sampling`` for
+    the order of operations and ``validate_token_choice`` for the ranges.
+
+    Args:
+        temperature: >= 0, finite; below 1e-5 (0 included) the choice is greedy: the
+            argmax after penalties, bias and mask.
+        top_k: keep the k highest logits (ties at the k-th kept); 0: off.
+        top_p: keep the smallest set of most likely tokens whose mass reaches top_p;
+            in (0, 1], 1: off.
+        min_p: drop tokens less likely than min_p times the most likely; [0, 1], 0: off.
+        seed: the draw at position p is a function of (seed, p) and the distribution
+            only: the same token alone, in any batch, after a restart. None: fresh
+            randomness each call (not reproducible).
+        repetition_penalty: > 0; logits of tokens in prompt + output divided by it
+            where positive, multiplied where negative (CTRL, vLLM); 1: off.
+        presence_penalty: [-2, 2]; subtracted once from each token in the output.
+        frequency_penalty: [-2, 2]; subtracted once per occurrence in the output.
+        logit_bias: {token id: bias}, bias finite in [-100, 100], added to the logits.
+        allowed_token_bitmask: packed little-endian int32 words, bit i of word j
+            allows token 32*j + i (xgrammar's and llguidance's layout); exactly
+            4 * ceil(vocab / 32) bytes; empty: every token allowed.
+        top_logprobs: also return the n most likely tokens with their logprobs,
+            0 ..= MAX_TOP_LOGPROBS.
+        logprobs_mode: which distribution the logprobs describe (RAW by default).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    allowed_token_bitmask: bytes = b""
+    top_logprobs: int = 0
+    logprobs_mode: LogprobsMode = LogprobsMode.RAW
+
+    @classmethod
+    def greedy(cls, **kwargs) -> TokenChoice:
+        """The argmax (after any penalties, bias and mask given in kwargs)."""
+        return cls(temperature=0.0, **kwargs)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class ChosenToken:
+    """The token the executor chose for a sequence, its logprob and, when asked, the
+    most likely alternatives (descending), all in the TokenChoice's logprobs_mode."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[TokenLogprob, ...] = ()
+
+
 @dataclass(frozen=True)
 class Logits:
     """Logits for one or more positions, shaped (positions, ...).
@@ -129,25 +221,28 @@ class HiddenStatesRequest:
 
 @dataclass(frozen=True)
 class PrefillOutput:
-    logits: Logits
+    logits: Logits | None
     kv_cache: KvCacheHandle
     timing: Timing = field(default_factory=Timing)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     hidden_states: tuple = ()  # with a HiddenStatesRequest: (positions, hidden) arrays, one per layer
     attention_weights: tuple = ()  # with attention_layers: (heads, positions, sequence_length) arrays, one per layer
+    chosen: ChosenToken | None = None  # with a TokenChoice: the next token the executor chose
 
 
 @dataclass(frozen=True)
 class DecodeInput:
     token_id: int
     kv_cache: KvCacheHandle
+    token_choice: TokenChoice | None = None  # set: the executor chooses this sequence's next token
 
 
 @dataclass(frozen=True)
 class DecodeOutput:
-    logits: Logits
+    logits: Logits | None
     kv_cache: KvCacheHandle
     timing: Timing = field(default_factory=Timing)
+    chosen: ChosenToken | None = None  # with a TokenChoice: the next token the executor chose
 
 
 @dataclass(frozen=True)
@@ -205,9 +300,10 @@ class SpeculativeOutput:
 
     accepted_token_ids: tuple[int, ...]
     next_token_id: int
-    logits: Logits
+    logits: Logits | None
     kv_cache: KvCacheHandle
     timing: Timing = field(default_factory=Timing)
+    chosen: tuple[ChosenToken, ...] = ()  # with a TokenChoice: each accepted draft, then the next token
 
 
 @dataclass(frozen=True)
@@ -266,6 +362,7 @@ class Capabilities:
     continuous_batching: bool = True
     memory: MemoryRequirements = field(default_factory=MemoryRequirements)
     optimal_batch_size: int = 0
+    token_choice: bool = False  # the server chooses tokens for requests with a TokenChoice (issue 22)
 
     def supports_batch_size(self, batch_size: int) -> bool:
         """Whether one forward may carry ``batch_size`` sequences (the trait's check)."""

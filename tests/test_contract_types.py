@@ -35,6 +35,9 @@ PAIRS = {
     pb.ForwardVerifyResponse: (t.VerifyOutput, {}),
     pb.SpeculativeDecodeResponse: (t.SpeculativeOutput, {}),
     pb.DecodeItem: (t.DecodeInput, {}),
+    pb.TokenChoice: (t.TokenChoice, {}),
+    pb.ChosenToken: (t.ChosenToken, {}),
+    pb.TokenLogprob: (t.TokenLogprob, {}),
 }
 
 
@@ -66,7 +69,25 @@ def test_every_response_message_with_a_handle_is_mirrored():
     (t.LogitsKind, pb.LogitsKind, "LOGITS_KIND_"),
     (t.ExecutorState, pb.Status.ExecutorState, "EXECUTOR_STATE_"),
     (t.ServerState, pb.Status.State, "STATE_"),
+    (t.LogprobsMode, pb.LogprobsMode, "LOGPROBS_MODE_"),
 ])
 def test_enums_carry_the_same_members(python, wire, prefix):
     names = {n.removeprefix(prefix): v for n, v in wire.items() if not n.endswith("UNSPECIFIED")}
     assert {m.name: m.value for m in python} == names
+
+
+def test_token_choice_and_chosen_token_round_trip_the_wire():
+    from ferrum_rpc import convert
+
+    choice = t.TokenChoice(temperature=0.5, top_k=3, top_p=0.25, min_p=0.125, seed=2**64 - 1,
+                           repetition_penalty=1.25, presence_penalty=-0.5, frequency_penalty=2.0,
+                           logit_bias={3: -1.5, 0: 100.0}, allowed_token_bitmask=b"\x01\x00\x00\x80",
+                           top_logprobs=20, logprobs_mode=t.LogprobsMode.PROCESSED)
+    assert convert.token_choice_from_proto(convert.token_choice_to_proto(choice)) == choice
+    default = convert.token_choice_to_proto(t.TokenChoice())
+    assert not default.HasField("temperature") and not default.HasField("seed") and not default.HasField("top_p")
+    assert convert.token_choice_from_proto(pb.TokenChoice()) == t.TokenChoice()  # unset: OpenAI's defaults
+    assert convert.token_choice_from_proto(pb.TokenChoice(temperature=0.0)).is_greedy
+    assert convert.token_choice_from_proto(pb.TokenChoice(top_p=0.0)).top_p == 0.0  # set 0 reaches validation
+    chosen = t.ChosenToken(7, -0.5, (t.TokenLogprob(7, -0.5), t.TokenLogprob(2, -1.25)))
+    assert convert.chosen_from_proto(convert.chosen_to_proto(chosen)) == chosen

@@ -24,6 +24,12 @@ class LogitsKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LOGITS_KIND_FULL: _ClassVar[LogitsKind]
     LOGITS_KIND_TOP_K: _ClassVar[LogitsKind]
     LOGITS_KIND_ARGMAX: _ClassVar[LogitsKind]
+
+class LogprobsMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LOGPROBS_MODE_UNSPECIFIED: _ClassVar[LogprobsMode]
+    LOGPROBS_MODE_RAW: _ClassVar[LogprobsMode]
+    LOGPROBS_MODE_PROCESSED: _ClassVar[LogprobsMode]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
@@ -35,6 +41,9 @@ LOGITS_KIND_UNSPECIFIED: LogitsKind
 LOGITS_KIND_FULL: LogitsKind
 LOGITS_KIND_TOP_K: LogitsKind
 LOGITS_KIND_ARGMAX: LogitsKind
+LOGPROBS_MODE_UNSPECIFIED: LogprobsMode
+LOGPROBS_MODE_RAW: LogprobsMode
+LOGPROBS_MODE_PROCESSED: LogprobsMode
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
@@ -126,6 +135,59 @@ class SharedMemoryLocation(_message.Message):
     byte_size: int
     def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
 
+class TokenChoice(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "allowed_token_bitmask", "top_logprobs", "logprobs_mode")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_BITMASK_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    allowed_token_bitmask: bytes
+    top_logprobs: int
+    logprobs_mode: LogprobsMode
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_bitmask: _Optional[bytes] = ..., top_logprobs: _Optional[int] = ..., logprobs_mode: _Optional[_Union[LogprobsMode, str]] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class ChosenToken(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+
 class Timing(_message.Message):
     __slots__ = ("queue_ns", "forward_ns", "total_ns", "batch_size")
     QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
@@ -183,7 +245,7 @@ class GetCapabilitiesRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("model", "max_batch_size", "max_sequence_length", "kv_block_size", "kv_num_blocks", "kv_capacity_tokens", "logits_kinds", "logits_dtypes", "chunked_prefill", "forward_verify", "truncate_kv", "max_message_bytes", "models", "idle_timeout_s", "prefill_chunk_tokens", "decode_session", "prefix_cache", "fork_cache", "mixture_of_experts", "architecture", "kv_bytes", "kernel_path", "cpu_capability", "quantization", "shared_memory", "speculative_decode", "batch_prefill", "attention_mechanisms", "supported_dtypes", "supported_devices", "tensor_parallel", "pipeline_parallel", "dynamic_batching", "continuous_batching", "memory", "optimal_batch_size")
+    __slots__ = ("model", "max_batch_size", "max_sequence_length", "kv_block_size", "kv_num_blocks", "kv_capacity_tokens", "logits_kinds", "logits_dtypes", "chunked_prefill", "forward_verify", "truncate_kv", "max_message_bytes", "models", "idle_timeout_s", "prefill_chunk_tokens", "decode_session", "prefix_cache", "fork_cache", "mixture_of_experts", "architecture", "kv_bytes", "kernel_path", "cpu_capability", "quantization", "shared_memory", "speculative_decode", "batch_prefill", "attention_mechanisms", "supported_dtypes", "supported_devices", "tensor_parallel", "pipeline_parallel", "dynamic_batching", "continuous_batching", "memory", "optimal_batch_size", "token_choice")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +282,7 @@ class Capabilities(_message.Message):
     CONTINUOUS_BATCHING_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     OPTIMAL_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_CHOICE_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_batch_size: int
     max_sequence_length: int
@@ -256,7 +319,8 @@ class Capabilities(_message.Message):
     continuous_batching: bool
     memory: MemoryRequirements
     optimal_batch_size: int
-    def __init__(self, model: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., logits_kinds: _Optional[_Iterable[_Union[LogitsKind, str]]] = ..., logits_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., chunked_prefill: _Optional[bool] = ..., forward_verify: _Optional[bool] = ..., truncate_kv: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., idle_timeout_s: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., decode_session: _Optional[bool] = ..., prefix_cache: _Optional[bool] = ..., fork_cache: _Optional[bool] = ..., mixture_of_experts: _Optional[bool] = ..., architecture: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., kernel_path: _Optional[str] = ..., cpu_capability: _Optional[str] = ..., quantization: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., speculative_decode: _Optional[bool] = ..., batch_prefill: _Optional[bool] = ..., attention_mechanisms: _Optional[_Iterable[str]] = ..., supported_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., supported_devices: _Optional[_Iterable[str]] = ..., tensor_parallel: _Optional[bool] = ..., pipeline_parallel: _Optional[bool] = ..., dynamic_batching: _Optional[bool] = ..., continuous_batching: _Optional[bool] = ..., memory: _Optional[_Union[MemoryRequirements, _Mapping]] = ..., optimal_batch_size: _Optional[int] = ...) -> None: ...
+    token_choice: bool
+    def __init__(self, model: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., logits_kinds: _Optional[_Iterable[_Union[LogitsKind, str]]] = ..., logits_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., chunked_prefill: _Optional[bool] = ..., forward_verify: _Optional[bool] = ..., truncate_kv: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., idle_timeout_s: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., decode_session: _Optional[bool] = ..., prefix_cache: _Optional[bool] = ..., fork_cache: _Optional[bool] = ..., mixture_of_experts: _Optional[bool] = ..., architecture: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., kernel_path: _Optional[str] = ..., cpu_capability: _Optional[str] = ..., quantization: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., speculative_decode: _Optional[bool] = ..., batch_prefill: _Optional[bool] = ..., attention_mechanisms: _Optional[_Iterable[str]] = ..., supported_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., supported_devices: _Optional[_Iterable[str]] = ..., tensor_parallel: _Optional[bool] = ..., pipeline_parallel: _Optional[bool] = ..., dynamic_batching: _Optional[bool] = ..., continuous_batching: _Optional[bool] = ..., memory: _Optional[_Union[MemoryRequirements, _Mapping]] = ..., optimal_batch_size: _Optional[int] = ..., token_choice: _Optional[bool] = ...) -> None: ...
 
 class MemoryRequirements(_message.Message):
     __slots__ = ("parameter_bytes", "kv_bytes_per_token_per_layer", "activation_bytes_per_token", "overhead_bytes", "num_layers")
@@ -359,18 +423,20 @@ class Status(_message.Message):
     def __init__(self, state: _Optional[_Union[Status.State, str]] = ..., server_instance_id: _Optional[str] = ..., model: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., active_sequences: _Optional[int] = ..., queue_depth: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., uptime_s: _Optional[float] = ..., kv_blocks_shared: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., sequences_expired: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., executor_state: _Optional[_Union[Status.ExecutorState, str]] = ..., prefill_operations: _Optional[int] = ..., decode_operations: _Optional[int] = ..., avg_prefill_ms: _Optional[float] = ..., avg_decode_ms: _Optional[float] = ..., memory_allocated_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_peak_bytes: _Optional[int] = ..., memory_utilization: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("model", "token_ids", "kv_cache", "logits", "hidden_states")
+    __slots__ = ("model", "token_ids", "kv_cache", "logits", "hidden_states", "token_choice")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_CHOICE_FIELD_NUMBER: _ClassVar[int]
     model: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_cache: KvCacheHandle
     logits: LogitsPolicy
     hidden_states: HiddenStatesRequest
-    def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., logits: _Optional[_Union[LogitsPolicy, _Mapping]] = ..., hidden_states: _Optional[_Union[HiddenStatesRequest, _Mapping]] = ...) -> None: ...
+    token_choice: TokenChoice
+    def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., logits: _Optional[_Union[LogitsPolicy, _Mapping]] = ..., hidden_states: _Optional[_Union[HiddenStatesRequest, _Mapping]] = ..., token_choice: _Optional[_Union[TokenChoice, _Mapping]] = ...) -> None: ...
 
 class HiddenStatesRequest(_message.Message):
     __slots__ = ("layers", "positions", "attention_layers", "attention_heads")
@@ -385,50 +451,58 @@ class HiddenStatesRequest(_message.Message):
     def __init__(self, layers: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., attention_layers: _Optional[_Iterable[int]] = ..., attention_heads: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("logits", "kv_cache", "timing", "cached_tokens", "hidden_states", "attention_weights")
+    __slots__ = ("logits", "kv_cache", "timing", "cached_tokens", "hidden_states", "attention_weights", "chosen")
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    CHOSEN_FIELD_NUMBER: _ClassVar[int]
     logits: Logits
     kv_cache: KvCacheHandle
     timing: Timing
     cached_tokens: int
     hidden_states: _containers.RepeatedCompositeFieldContainer[Tensor]
     attention_weights: _containers.RepeatedCompositeFieldContainer[Tensor]
-    def __init__(self, logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., hidden_states: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., attention_weights: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+    chosen: ChosenToken
+    def __init__(self, logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., hidden_states: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., attention_weights: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., chosen: _Optional[_Union[ChosenToken, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("model", "token_id", "kv_cache", "logits")
+    __slots__ = ("model", "token_id", "kv_cache", "logits", "token_choice")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_CHOICE_FIELD_NUMBER: _ClassVar[int]
     model: str
     token_id: int
     kv_cache: KvCacheHandle
     logits: LogitsPolicy
-    def __init__(self, model: _Optional[str] = ..., token_id: _Optional[int] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., logits: _Optional[_Union[LogitsPolicy, _Mapping]] = ...) -> None: ...
+    token_choice: TokenChoice
+    def __init__(self, model: _Optional[str] = ..., token_id: _Optional[int] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., logits: _Optional[_Union[LogitsPolicy, _Mapping]] = ..., token_choice: _Optional[_Union[TokenChoice, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("logits", "kv_cache", "timing")
+    __slots__ = ("logits", "kv_cache", "timing", "chosen")
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    CHOSEN_FIELD_NUMBER: _ClassVar[int]
     logits: Logits
     kv_cache: KvCacheHandle
     timing: Timing
-    def __init__(self, logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+    chosen: ChosenToken
+    def __init__(self, logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., chosen: _Optional[_Union[ChosenToken, _Mapping]] = ...) -> None: ...
 
 class DecodeItem(_message.Message):
-    __slots__ = ("token_id", "kv_cache")
+    __slots__ = ("token_id", "kv_cache", "token_choice")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_CHOICE_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     kv_cache: KvCacheHandle
-    def __init__(self, token_id: _Optional[int] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ...) -> None: ...
+    token_choice: TokenChoice
+    def __init__(self, token_id: _Optional[int] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., token_choice: _Optional[_Union[TokenChoice, _Mapping]] = ...) -> None: ...
 
 class BatchDecodeRequest(_message.Message):
     __slots__ = ("model", "items", "logits", "single_reply")
@@ -443,18 +517,20 @@ class BatchDecodeRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., items: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ..., logits: _Optional[_Union[LogitsPolicy, _Mapping]] = ..., single_reply: _Optional[bool] = ...) -> None: ...
 
 class BatchDecodeResponse(_message.Message):
-    __slots__ = ("index", "logits", "kv_cache", "timing", "results")
+    __slots__ = ("index", "logits", "kv_cache", "timing", "results", "chosen")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    CHOSEN_FIELD_NUMBER: _ClassVar[int]
     index: int
     logits: Logits
     kv_cache: KvCacheHandle
     timing: Timing
     results: _containers.RepeatedCompositeFieldContainer[BatchDecodeResponse]
-    def __init__(self, index: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., results: _Optional[_Iterable[_Union[BatchDecodeResponse, _Mapping]]] = ...) -> None: ...
+    chosen: ChosenToken
+    def __init__(self, index: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., results: _Optional[_Iterable[_Union[BatchDecodeResponse, _Mapping]]] = ..., chosen: _Optional[_Union[ChosenToken, _Mapping]] = ...) -> None: ...
 
 class DecodeSessionRequest(_message.Message):
     __slots__ = ("step_id", "model", "items", "logits", "single_reply")
@@ -471,7 +547,7 @@ class DecodeSessionRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., model: _Optional[str] = ..., items: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ..., logits: _Optional[_Union[LogitsPolicy, _Mapping]] = ..., single_reply: _Optional[bool] = ...) -> None: ...
 
 class DecodeSessionResponse(_message.Message):
-    __slots__ = ("step_id", "index", "logits", "kv_cache", "timing", "error", "results")
+    __slots__ = ("step_id", "index", "logits", "kv_cache", "timing", "error", "results", "chosen")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
@@ -479,6 +555,7 @@ class DecodeSessionResponse(_message.Message):
     TIMING_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    CHOSEN_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     index: int
     logits: Logits
@@ -486,7 +563,8 @@ class DecodeSessionResponse(_message.Message):
     timing: Timing
     error: _status_pb2.Status
     results: _containers.RepeatedCompositeFieldContainer[DecodeSessionResponse]
-    def __init__(self, step_id: _Optional[int] = ..., index: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., results: _Optional[_Iterable[_Union[DecodeSessionResponse, _Mapping]]] = ...) -> None: ...
+    chosen: ChosenToken
+    def __init__(self, step_id: _Optional[int] = ..., index: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., results: _Optional[_Iterable[_Union[DecodeSessionResponse, _Mapping]]] = ..., chosen: _Optional[_Union[ChosenToken, _Mapping]] = ...) -> None: ...
 
 class ForkCacheRequest(_message.Message):
     __slots__ = ("kv_cache", "num_children")
@@ -601,20 +679,22 @@ class UnregisterSharedMemoryResponse(_message.Message):
     def __init__(self, unregistered: _Optional[int] = ...) -> None: ...
 
 class SpeculativeDecodeRequest(_message.Message):
-    __slots__ = ("model", "kv_cache", "token_id", "draft_token_ids", "logits", "sampling")
+    __slots__ = ("model", "kv_cache", "token_id", "draft_token_ids", "logits", "sampling", "token_choice")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_CHOICE_FIELD_NUMBER: _ClassVar[int]
     model: str
     kv_cache: KvCacheHandle
     token_id: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logits: LogitsPolicy
     sampling: SpeculativeSampling
-    def __init__(self, model: _Optional[str] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., token_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., logits: _Optional[_Union[LogitsPolicy, _Mapping]] = ..., sampling: _Optional[_Union[SpeculativeSampling, _Mapping]] = ...) -> None: ...
+    token_choice: TokenChoice
+    def __init__(self, model: _Optional[str] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., token_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., logits: _Optional[_Union[LogitsPolicy, _Mapping]] = ..., sampling: _Optional[_Union[SpeculativeSampling, _Mapping]] = ..., token_choice: _Optional[_Union[TokenChoice, _Mapping]] = ...) -> None: ...
 
 class SpeculativeSampling(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed")
@@ -629,26 +709,30 @@ class SpeculativeSampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class SpeculativeDecodeResponse(_message.Message):
-    __slots__ = ("accepted_token_ids", "next_token_id", "logits", "kv_cache", "timing")
+    __slots__ = ("accepted_token_ids", "next_token_id", "logits", "kv_cache", "timing", "chosen")
     ACCEPTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    CHOSEN_FIELD_NUMBER: _ClassVar[int]
     accepted_token_ids: _containers.RepeatedScalarFieldContainer[int]
     next_token_id: int
     logits: Logits
     kv_cache: KvCacheHandle
     timing: Timing
-    def __init__(self, accepted_token_ids: _Optional[_Iterable[int]] = ..., next_token_id: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+    chosen: _containers.RepeatedCompositeFieldContainer[ChosenToken]
+    def __init__(self, accepted_token_ids: _Optional[_Iterable[int]] = ..., next_token_id: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., chosen: _Optional[_Iterable[_Union[ChosenToken, _Mapping]]] = ...) -> None: ...
 
 class PrefillItem(_message.Message):
-    __slots__ = ("token_ids", "kv_cache")
+    __slots__ = ("token_ids", "kv_cache", "token_choice")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_CHOICE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_cache: KvCacheHandle
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ...) -> None: ...
+    token_choice: TokenChoice
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., token_choice: _Optional[_Union[TokenChoice, _Mapping]] = ...) -> None: ...
 
 class BatchPrefillRequest(_message.Message):
     __slots__ = ("model", "items", "logits")
@@ -661,18 +745,20 @@ class BatchPrefillRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., items: _Optional[_Iterable[_Union[PrefillItem, _Mapping]]] = ..., logits: _Optional[_Union[LogitsPolicy, _Mapping]] = ...) -> None: ...
 
 class BatchPrefillResponse(_message.Message):
-    __slots__ = ("index", "logits", "kv_cache", "timing", "cached_tokens")
+    __slots__ = ("index", "logits", "kv_cache", "timing", "cached_tokens", "chosen")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHOSEN_FIELD_NUMBER: _ClassVar[int]
     index: int
     logits: Logits
     kv_cache: KvCacheHandle
     timing: Timing
     cached_tokens: int
-    def __init__(self, index: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    chosen: ChosenToken
+    def __init__(self, index: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., chosen: _Optional[_Union[ChosenToken, _Mapping]] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,463 @@
+"""server/sampling.py against transformers as the oracle: the distribution each row
+is drawn from (temperature, top-k, top-p, min-p warpers; repetition penalty and
+sequence bias processors), OpenAI's presence/frequency formula computed here,
+draws whose frequencies pass a chi-square test, draws that depend on (seed,
+position) only, a real grammar library's bitmask, and one validation test per bad
+input. Tiny vocabularies plus a few rows of SmolLM2's 49,152."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from ferrum_rpc.errors import InvalidInput
+from ferrum_rpc.server.sampling import (
+    LogprobsMode,
+    accept_drafts,
+    TokenChoice,
+    choose_tokens,
+    pack_allowed_tokens,
+    uniform_for,
+    unpack_allowed_tokens,
+    validate_token_choice,
+)
+
+SMALL = 20  # == MAX_TOP_LOGPROBS: top_logprobs=20 PROCESSED lists a row's whole distribution
+BIG = 49_152
+PROCESSED = LogprobsMode.PROCESSED
+
+
+def _small_rows(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, SMALL, generator=torch.Generator().manual_seed(seed)) * 2.5
+
+
+def _peaked_rows(n: int, seed: int = 0) -> torch.Tensor:
+    """(n, BIG) logits shaped like a language model's: a bulk and ~15 standouts."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(n, BIG, generator=g) * 2
+    for row in rows:
+        row[torch.randint(0, BIG, (15,), generator=g)] += torch.rand(15, generator=g) * 6 + 8
+    return rows
+
+
+def _reference(row: torch.Tensor, c: TokenChoice, prompt=(), output=()) -> torch.Tensor:
+    """(V,) the distribution transformers' processors (and OpenAI's formula) give."""
+    scores = row.clone().unsqueeze(0)
+    ids = torch.tensor([list(prompt) + list(output) or [0]])
+    if c.logit_bias:
+        scores = SequenceBiasLogitsProcessor([[[t], b] for t, b in c.logit_bias.items()])(ids, scores)
+    if c.repetition_penalty != 1 and (prompt or output):
+        scores = RepetitionPenaltyLogitsProcessor(float(c.repetition_penalty))(ids, scores)
+    for token, count in Counter(output).items():  # OpenAI: mu[j] -= c[j] * frequency + (c[j] > 0) * presence
+        scores[0, token] -= count * c.frequency_penalty + c.presence_penalty
+    if c.allowed_token_bitmask:
+        scores[0, ~torch.from_numpy(unpack_allowed_tokens(c.allowed_token_bitmask, row.shape[0]))] = -math.inf
+    if not c.is_greedy:
+        warpers = [TemperatureLogitsWarper(c.temperature)]
+        warpers += [TopKLogitsWarper(c.top_k)] if c.top_k else []
+        warpers += [TopPLogitsWarper(c.top_p)] if c.top_p < 1 else []
+        warpers += [MinPLogitsWarper(c.min_p)] if c.min_p else []
+        for warper in warpers:
+            scores = warper(ids, scores)
+    return scores.softmax(-1)[0]
+
+
+def _processed(logits, choices, prompts=None, outputs=None) -> list[dict[int, float]]:
+    """Each row's processed distribution as {token: probability} (PROCESSED top-20)."""
+    out = choose_tokens(logits, choices, [7] * len(choices), prompts, outputs)
+    return [{t.token_id: math.exp(t.logprob) for t in row.top_logprobs} for row in out.rows()]
+
+
+def _assert_close(ours: dict[int, float], reference: torch.Tensor, tol=1e-5) -> None:
+    dense = torch.zeros_like(reference)
+    for token, p in ours.items():
+        dense[token] = p
+    assert torch.allclose(dense, reference, atol=tol, rtol=0), (dense - reference).abs().max()
+
+
+WARPED = [
+    TokenChoice(temperature=0.7),
+    TokenChoice(temperature=1.3, top_k=5),
+    TokenChoice(temperature=1.0, top_p=0.8),
+    TokenChoice(temperature=0.9, min_p=0.15),
+    TokenChoice(temperature=0.6, top_k=8, top_p=0.9, min_p=0.05),
+    TokenChoice(temperature=2.0, top_p=0.3),
+    TokenChoice(temperature=1.0, top_k=1),
+    TokenChoice(temperature=0.0),  # greedy: the processed distribution is the row's softmax
+]
+
+
+@pytest.mark.parametrize("choice", WARPED, ids=repr)
+def test_warped_distribution_matches_transformers_small_vocab(choice):
+    rows = _small_rows(6, seed=1)
+    choices = [TokenChoice(**{**choice.__dict__, "top_logprobs": SMALL, "logprobs_mode": PROCESSED})] * len(rows)
+    for row, ours in zip(rows, _processed(rows, choices)):
+        _assert_close(ours, _reference(row, choices[0]))
+
+
+@pytest.mark.parametrize("choice", [
+    TokenChoice(temperature=0.8, top_k=12),  # the candidate path
+    TokenChoice(temperature=1.0, top_p=0.6),  # the full path, a sort of the vocabulary
+    TokenChoice(temperature=0.7, min_p=0.1),
+    TokenChoice(temperature=1.1, top_k=30, top_p=0.7, min_p=0.02),
+], ids=repr)
+def test_warped_distribution_matches_transformers_full_vocab(choice):
+    """On SmolLM2-sized rows the filtered distribution has at most 20 tokens: all listed."""
+    rows = _peaked_rows(2, seed=2)
+    choice = TokenChoice(**{**choice.__dict__, "top_logprobs": 20, "logprobs_mode": PROCESSED})
+    for row, ours in zip(rows, _processed(rows, [choice] * 2)):
+        reference = _reference(row, choice)
+        assert int((reference > 0).sum()) <= 20
+        _assert_close(ours, reference)
+
+
+@pytest.mark.parametrize("choice", [
+    TokenChoice(temperature=1.0, top_p=0.5),  # a nucleus of thousands: the sort of the vocabulary
+    TokenChoice(temperature=0.9, top_k=5000, min_p=0.3),  # top_k past the candidate path's 4096
+], ids=repr)
+def test_wide_filters_match_transformers_on_their_top_20(choice):
+    rows = torch.randn(2, BIG, generator=torch.Generator().manual_seed(16)) * 0.5
+    choice = TokenChoice(**{**choice.__dict__, "top_logprobs": 20, "logprobs_mode": PROCESSED})
+    out = choose_tokens(rows, [choice] * 2, [1, 2])
+    for row, got in zip(rows, out.rows()):
+        reference = _reference(row, choice)
+        assert int((reference > 0).sum()) > 256
+        top = reference.topk(20)
+        assert [t.token_id for t in got.top_logprobs] == top.indices.tolist()
+        assert [math.exp(t.logprob) for t in got.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-6)
+        assert math.exp(got.logprob) == pytest.approx(float(reference[got.token_id]), abs=1e-6)
+
+
+def test_top_k_keeps_ties_at_the_kth_logit_as_transformers():
+    row = torch.tensor([[5.0, 3.0, 3.0, 3.0, 1.0, 0.0] + [-1.0] * 14])
+    choice = TokenChoice(top_k=2, top_logprobs=SMALL, logprobs_mode=PROCESSED)
+    (ours,) = _processed(row, [choice])
+    assert sorted(ours) == [0, 1, 2, 3]
+    _assert_close(ours, _reference(row[0], choice))
+
+
+def test_repetition_penalty_matches_transformers_over_prompt_and_output():
+    rows = _small_rows(4, seed=3)
+    prompts, outputs = [[1, 2, 3], [4], [5, 5, 6], []], [[7, 1], [], [8], [9, 9]]
+    for penalty in (1.3, 0.7):
+        choice = TokenChoice.greedy(repetition_penalty=penalty, top_logprobs=SMALL, logprobs_mode=PROCESSED)
+        ours = _processed(rows, [choice] * 4, prompts, outputs)
+        for row, p, o, got in zip(rows, prompts, outputs, ours):
+            _assert_close(got, _reference(row, choice, p, o))
+
+
+def test_repetition_penalty_differs_from_transformers_on_padding():
+    """transformers penalises every id in input_ids: in a left-padded batch that
+    includes the pad id, which is no token of the sequence; ours sees only the
+    sequence's own prompt and output."""
+    row, pad = _small_rows(1, seed=4), 0
+    prompt = [3, 4]
+    choice = TokenChoice.greedy(repetition_penalty=2.0, top_logprobs=SMALL, logprobs_mode=PROCESSED)
+    (ours,) = _processed(row, [choice], [prompt], [[]])
+    padded = RepetitionPenaltyLogitsProcessor(2.0)(torch.tensor([[pad, pad] + prompt]), row.clone()).softmax(-1)[0]
+    _assert_close(ours, _reference(row[0], choice, prompt))
+    assert ours[pad] > 5 * float(padded[pad])  # transformers made the pad id ~10x less likely
+
+
+def test_logit_bias_matches_sequence_bias_processor():
+    rows = _small_rows(3, seed=5)
+    choice = TokenChoice(temperature=0.9, logit_bias={2: 3.5, 7: -100.0, 11: 0.25}, top_logprobs=SMALL,
+                         logprobs_mode=PROCESSED)
+    for row, ours in zip(rows, _processed(rows, [choice] * 3, [[1]] * 3)):
+        _assert_close(ours, _reference(row, choice, [1]))
+        assert 7 not in ours or ours[7] < 1e-30
+
+
+def test_presence_and_frequency_penalties_follow_openai():
+    rows = _small_rows(3, seed=6)
+    outputs = [[1, 1, 1, 2], [3], []]
+    choice = TokenChoice.greedy(presence_penalty=0.5, frequency_penalty=-0.75, top_logprobs=SMALL,
+                                logprobs_mode=PROCESSED)
+    ours = _processed(rows, [choice] * 3, [[4, 4, 5]] * 3, outputs)  # prompt tokens: no presence/frequency
+    for row, output, got in zip(rows, outputs, ours):
+        expected = row.clone().double()
+        for token, count in Counter(output).items():
+            expected[token] -= count * -0.75 + 0.5
+        _assert_close(got, expected.softmax(-1).float())
+
+
+def test_every_stage_together_in_vllm_order():
+    rows = _small_rows(4, seed=7)
+    mask = pack_allowed_tokens([0, 2, 3, 5, 8, 9, 13, 17, 19], SMALL)
+    choice = TokenChoice(temperature=0.8, top_k=6, top_p=0.95, min_p=0.01, repetition_penalty=1.2,
+                         presence_penalty=0.3, frequency_penalty=0.2, logit_bias={5: 1.5, 9: -0.5},
+                         allowed_token_bitmask=mask, top_logprobs=SMALL, logprobs_mode=PROCESSED)
+    prompt, output = [2, 3, 3], [5, 5, 9]
+    for row, ours in zip(rows, _processed(rows, [choice] * 4, [prompt] * 4, [output] * 4)):
+        _assert_close(ours, _reference(row, choice, prompt, output))
+
+
+def test_raw_logprobs_are_the_models_log_softmax_whatever_the_policy():
+    rows = torch.cat([_small_rows(3, seed=8), _small_rows(3, seed=9)])
+    choices = [TokenChoice(top_logprobs=5), TokenChoice(temperature=0.5, top_k=3, top_logprobs=20),
+               TokenChoice.greedy(repetition_penalty=1.5, top_logprobs=1),
+               TokenChoice(allowed_token_bitmask=pack_allowed_tokens([4], SMALL), top_logprobs=3),
+               TokenChoice(temperature=1.7, min_p=0.2), TokenChoice(top_p=0.5, top_logprobs=2)]
+    out = choose_tokens(rows, choices, range(6), [[1, 2]] * 6, [[3]] * 6)
+    expected = torch.log_softmax(rows.double(), -1)
+    for i, (row, choice) in enumerate(zip(out.rows(), choices)):
+        assert row.logprob == pytest.approx(float(expected[i, row.token_id]), abs=1e-5)
+        top = expected[i].topk(choice.top_logprobs)
+        assert [t.token_id for t in row.top_logprobs] == top.indices.tolist()
+        assert [t.logprob for t in row.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-5)
+    assert out.row(3).token_id == 4
+
+
+def test_raw_logprobs_full_vocab_plain_sampling():
+    rows = _peaked_rows(3, seed=10)
+    choices = [TokenChoice(temperature=1.0, seed=1, top_logprobs=4), TokenChoice(temperature=0.6, seed=2),
+               TokenChoice.greedy(top_logprobs=2)]
+    out = choose_tokens(rows, choices, [3, 4, 5])
+    expected = torch.log_softmax(rows.double(), -1)
+    for i, row in enumerate(out.rows()):
+        assert row.logprob == pytest.approx(float(expected[i, row.token_id]), abs=1e-4)
+        assert [t.token_id for t in row.top_logprobs] == expected[i].topk(choices[i].top_logprobs).indices.tolist()
+    assert out.row(2).token_id == int(rows[2].argmax())
+
+
+@given(seed=st.integers(0, 2**64 - 1), position=st.integers(0, 2**31),
+       temperature=st.sampled_from([0.0, 0.5, 1.0, 3.0]), top_k=st.sampled_from([0, 1, 3, 30]),
+       top_p=st.sampled_from([1.0, 0.9, 0.2]), min_p=st.sampled_from([0.0, 0.3]),
+       allowed=st.sets(st.integers(0, 69), min_size=1, max_size=70), mode=st.sampled_from(list(LogprobsMode)))
+@settings(max_examples=60, deadline=None)
+def test_any_policy_chooses_an_allowed_token_of_positive_probability(seed, position, temperature, top_k, top_p,
+                                                                      min_p, allowed, mode):
+    row = torch.randn(1, 70, generator=torch.Generator().manual_seed(seed % 1000)) * 3
+    choice = TokenChoice(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                         allowed_token_bitmask=pack_allowed_tokens(allowed, 70), top_logprobs=5, logprobs_mode=mode)
+    validate_token_choice(choice, 70)
+    got = choose_tokens(row, [choice], [position]).row(0)
+    assert got.token_id in allowed and math.isfinite(got.logprob) and got.logprob <= 1e-6
+    if mode is PROCESSED:
+        assert all(t.token_id in allowed for t in got.top_logprobs)
+
+
+def _chi_square_bound(df: int, z: float = 4.7534) -> float:
+    """The chi-square quantile for a false-failure probability of 1e-6 (z is the
+    standard normal's 1 - 1e-6 quantile), by Wilson and Hilferty's approximation."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize("choice, logits", [
+    (TokenChoice(temperature=0.9), "small"),
+    (TokenChoice(temperature=1.2, top_k=6, top_p=0.9), "small"),
+    (TokenChoice(temperature=1.0, top_k=10), "big"),
+    (TokenChoice(temperature=1.0, top_p=0.9), "big"),
+], ids=lambda v: repr(v) if isinstance(v, TokenChoice) else v)
+def test_draw_frequencies_pass_chi_square(choice, logits):
+    """N draws with seeds 0..N-1 (one batched call): Pearson's statistic over the
+    categories expected at least 5 times (the rest pooled) stays under the 1 - 1e-6
+    quantile, so a correct sampler fails this test once in a million runs."""
+    n = 20_000 if logits == "small" else 2_000
+    row = _small_rows(1, seed=11)[0] if logits == "small" else _peaked_rows(1, seed=12)[0]
+    probs = _reference(row, choice).double()
+    policies = [TokenChoice(**{**choice.__dict__, "seed": s}) for s in range(n)]
+    chunk = 4_000 if logits == "small" else 200  # draws do not depend on the batch: chunks keep memory small
+    drawn = torch.cat([choose_tokens(row.expand(len(policies[i:i + chunk]), -1), policies[i:i + chunk],
+                                     [41] * len(policies[i:i + chunk])).token_ids for i in range(0, n, chunk)])
+    assert bool((probs[drawn] > 0).all()), "drew a token the distribution excludes"
+    counts = torch.bincount(drawn, minlength=row.shape[0]).double()
+    expected = probs * n
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[~big].sum().unsqueeze(0)])
+    wanted = torch.cat([expected[big], expected[~big].sum().unsqueeze(0)])
+    keep = wanted > 0
+    statistic = float(((observed[keep] - wanted[keep]) ** 2 / wanted[keep]).sum())
+    assert statistic < _chi_square_bound(int(keep.sum()) - 1)
+
+
+def test_same_seed_and_position_same_token_alone_and_in_a_shuffled_mixed_batch():
+    small, big = _small_rows(8, seed=13), _peaked_rows(2, seed=14)
+    rows = [torch.nn.functional.pad(r, (0, BIG - SMALL), value=-30.0) for r in small] + list(big)
+    mask = pack_allowed_tokens(range(0, BIG, 3), BIG)
+    kinds = [TokenChoice(temperature=0.8), TokenChoice(top_k=5), TokenChoice(top_p=0.7, temperature=1.3),
+             TokenChoice.greedy(), TokenChoice(min_p=0.05), TokenChoice(repetition_penalty=1.4, presence_penalty=1.0),
+             TokenChoice(allowed_token_bitmask=mask), TokenChoice(logit_bias={3: 2.0}, top_logprobs=3),
+             TokenChoice(temperature=0.5, top_k=200, logprobs_mode=PROCESSED, top_logprobs=2)]
+    cases = [(rows[i % len(rows)], TokenChoice(**{**kinds[i % len(kinds)].__dict__, "seed": 1000 + i}), 5 + i,
+              [1, 2, 3], [i % 7, 4]) for i in range(16)]
+    alone = [choose_tokens(r.unsqueeze(0), [c], [p], [pr], [o]).row(0) for r, c, p, pr, o in cases]
+    order = list(range(16))
+    random.Random(0).shuffle(order)
+    batch = choose_tokens(torch.stack([cases[i][0] for i in order]), [cases[i][1] for i in order],
+                          [cases[i][2] for i in order], [cases[i][3] for i in order], [cases[i][4] for i in order])
+    for slot, i in enumerate(order):
+        got = batch.row(slot)
+        assert got.token_id == alone[i].token_id
+        assert got.logprob == pytest.approx(alone[i].logprob, abs=1e-5)
+
+
+def test_draw_is_keyed_by_seed_and_position():
+    row = _small_rows(1, seed=15).expand(64, -1)
+    by_seed = choose_tokens(row, [TokenChoice(seed=s) for s in range(64)], [9] * 64).token_ids
+    by_position = choose_tokens(row, [TokenChoice(seed=3)] * 64, range(64)).token_ids
+    assert len(set(by_seed.tolist())) > 3 and len(set(by_position.tolist())) > 3
+    again = choose_tokens(row, [TokenChoice(seed=s) for s in range(64)], [9] * 64).token_ids
+    assert torch.equal(by_seed, again)
+    assert uniform_for(3, 9) == uniform_for(3, 9) != uniform_for(3, 10)
+    assert uniform_for(2**64 - 1, 2**40) < 1.0
+
+
+def test_candidate_and_full_paths_draw_the_same_token():
+    """A row with top_k takes the top-k candidates only, a row without draws over the
+    vocabulary; both walk the tokens in vocabulary order, so when top-k removes
+    nothing with mass the same uniform picks the same token."""
+    row = torch.full((1, BIG), -1e4)
+    row[0, torch.tensor([5, 900, 31_000, 40_000, 49_000])] = torch.tensor([1.0, 2.0, 0.5, 1.5, 0.1])
+    for seed in range(50):
+        narrow = choose_tokens(row, [TokenChoice(seed=seed, top_k=5)], [3]).token_ids
+        wide = choose_tokens(row, [TokenChoice(seed=seed)], [3]).token_ids
+        assert torch.equal(narrow, wide)
+
+
+@pytest.mark.parametrize("choice", [TokenChoice(seed=5, temperature=0.7, top_k=4, repetition_penalty=1.3,
+                                                presence_penalty=0.5, top_logprobs=2),
+                                    TokenChoice.greedy(frequency_penalty=1.0)], ids=["sampled", "greedy"])
+def test_accept_drafts_equals_one_at_a_time_decoding(choice):
+    """Drafts built from the sequential choices, with a wrong one at index 3: the
+    first three are kept and the next token is the sequential choice there."""
+    rows = _small_rows(6, seed=17)
+    prompt, output, start = [1, 2], [3], 10
+    sequential = []
+    for i in range(6):
+        sequential.append(choose_tokens(rows[i:i + 1], [choice], [start + i], [prompt],
+                                        [output + [c.token_id for c in sequential]]).row(0))
+    drafts = [c.token_id for c in sequential[:5]]
+    kept, chosen = accept_drafts(rows, drafts, choice, start, prompt, output)
+    assert kept == 5 and [c.token_id for c in chosen] == [c.token_id for c in sequential]
+    assert [c.logprob for c in chosen] == pytest.approx([c.logprob for c in sequential], abs=1e-6)
+    wrong = drafts[:3] + [(drafts[3] + 1) % SMALL] + drafts[4:]
+    kept, chosen = accept_drafts(rows, wrong, choice, start, prompt, output)
+    assert kept == 3 and [c.token_id for c in chosen] == [c.token_id for c in sequential[:4]]
+
+
+# ---------------------------------------------------------------------------- a real grammar's bitmask
+
+GRAMMAR_TOKENS = [b"<eos>", b"{", b"}", b'"', b"a", b"b", b":", b",", b"0", b"1", b"2", b" ", b"true", b"false",
+                  b"[", b"]", b'"a"', b"null", b"12", b"x"] + [bytes([c]) for c in b"cdefghijklmnopqrstuvwyz"] \
+                 + [b"ab", b"ba", b"aa", b"bb", b"10", b"21", b"}}", b"{{", b"::", b",,", b"01"]
+
+
+class _TinyTokenizer:
+    """A 58-token vocabulary (two bitmask words) for llguidance's TokenizerWrapper."""
+
+    eos_token_id = 0
+    bos_token_id = None
+    tokens = GRAMMAR_TOKENS
+    special_token_ids = [0]
+
+    def __call__(self, text):
+        data = text.encode() if isinstance(text, str) else text
+        return [GRAMMAR_TOKENS.index(bytes([b])) for b in data if bytes([b]) in GRAMMAR_TOKENS]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_llguidance_json_mask_is_never_violated(seed):
+    llguidance = pytest.importorskip("llguidance")
+    vocab = len(GRAMMAR_TOKENS)
+    tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TinyTokenizer()))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
+              "required": ["a", "b"], "additionalProperties": False}
+    matcher = llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema)),
+                                   log_level=0)
+    generator = torch.Generator().manual_seed(seed)
+    text, policy = [], TokenChoice(temperature=1.5, seed=seed, repetition_penalty=1.1) if seed % 2 else \
+        TokenChoice(temperature=0.0)
+    for position in range(200):
+        if matcher.is_stopped():
+            break
+        mask = matcher.compute_bitmask()
+        allowed = unpack_allowed_tokens(mask, vocab)
+        assert allowed.tolist() == [matcher.validate_tokens([t]) == 1 for t in range(vocab)]  # the layout
+        logits = torch.randn(1, vocab, generator=generator) * 3
+        logits[0, 0] -= 4  # the end only when a random walk would choose it
+        choice = TokenChoice(**{**policy.__dict__, "allowed_token_bitmask": mask})
+        validate_token_choice(choice, vocab)
+        token = choose_tokens(logits, [choice], [position], [[]], [text]).row(0).token_id
+        assert allowed[token], f"chose disallowed token {GRAMMAR_TOKENS[token]!r}"
+        assert matcher.consume_token(token), matcher.get_error()
+        text.append(token)
+    assert matcher.is_stopped() and not matcher.is_error()
+    document = b"".join(GRAMMAR_TOKENS[t] for t in text if t != 0)
+    assert set(json.loads(document)) == {"a", "b"}
+
+
+def test_pack_and_unpack_agree_with_the_documented_layout():
+    mask = pack_allowed_tokens([0, 31, 32, 69], 70)
+    words = np.frombuffer(mask, dtype="<i4")
+    assert len(words) == 3 and words[0] == np.int32(-2147483647) and words[1] == 1 and words[2] == 1 << 5
+    assert np.flatnonzero(unpack_allowed_tokens(mask, 70)).tolist() == [0, 31, 32, 69]
+
+
+# ---------------------------------------------------------------------------- validation
+
+@pytest.mark.parametrize("choice, message", [
+    (TokenChoice(temperature=math.nan), "token_choice.temperature must be finite and >= 0"),
+    (TokenChoice(temperature=-0.5), "token_choice.temperature must be finite and >= 0"),
+    (TokenChoice(temperature=math.inf), "token_choice.temperature must be finite and >= 0"),
+    (TokenChoice(top_p=0.0), "token_choice.top_p must be in (0, 1]"),
+    (TokenChoice(top_p=1.5), "token_choice.top_p must be in (0, 1]"),
+    (TokenChoice(top_p=math.nan), "token_choice.top_p must be in (0, 1]"),
+    (TokenChoice(min_p=-0.1), "token_choice.min_p must be in [0, 1]"),
+    (TokenChoice(min_p=1.01), "token_choice.min_p must be in [0, 1]"),
+    (TokenChoice(top_k=-1), "token_choice.top_k must be an integer >= 0"),
+    (TokenChoice(repetition_penalty=0.0), "token_choice.repetition_penalty must be finite and > 0"),
+    (TokenChoice(repetition_penalty=-1.0), "token_choice.repetition_penalty must be finite and > 0"),
+    (TokenChoice(repetition_penalty=math.inf), "token_choice.repetition_penalty must be finite and > 0"),
+    (TokenChoice(presence_penalty=2.5), "token_choice.presence_penalty must be in [-2, 2]"),
+    (TokenChoice(frequency_penalty=-2.01), "token_choice.frequency_penalty must be in [-2, 2]"),
+    (TokenChoice(frequency_penalty=math.nan), "token_choice.frequency_penalty must be in [-2, 2]"),
+    (TokenChoice(top_logprobs=21), "token_choice.top_logprobs must be in 0 ..= 20"),
+    (TokenChoice(top_logprobs=-1), "token_choice.top_logprobs must be in 0 ..= 20"),
+    (TokenChoice(seed=-1), "token_choice.seed must be an unsigned 64-bit integer"),
+    (TokenChoice(seed=2**64), "token_choice.seed must be an unsigned 64-bit integer"),
+    (TokenChoice(logit_bias={70: 1.0}), "token_choice.logit_bias names token 70, outside the vocabulary (0 ..= 69)"),
+    (TokenChoice(logit_bias={-1: 1.0}), "token_choice.logit_bias names token -1, outside the vocabulary"),
+    (TokenChoice(logit_bias={3: math.inf}), "token_choice.logit_bias[3] must be finite and in [-100, 100]"),
+    (TokenChoice(logit_bias={3: math.nan}), "token_choice.logit_bias[3] must be finite and in [-100, 100]"),
+    (TokenChoice(logit_bias={3: -100.5}), "token_choice.logit_bias[3] must be finite and in [-100, 100]"),
+    (TokenChoice(allowed_token_bitmask=b"\xff" * 8),
+     "token_choice.allowed_token_bitmask must be ceil(70 / 32) = 3 int32 words (12 bytes), got 8 bytes"),
+    (TokenChoice(allowed_token_bitmask=b"\xff" * 13), "must be ceil(70 / 32) = 3 int32 words (12 bytes), got 13"),
+    (TokenChoice(allowed_token_bitmask=bytes(12)), "token_choice.allowed_token_bitmask allows no token of the 70"),
+    (TokenChoice(allowed_token_bitmask=bytes(8) + b"\x00\x00\x00\xff"),  # bits past the vocabulary only
+     "token_choice.allowed_token_bitmask allows no token of the 70"),
+])
+def test_each_bad_input_is_refused_with_a_precise_message(choice, message):
+    with pytest.raises(InvalidInput) as raised:
+        validate_token_choice(choice, 70)
+    assert message in raised.value.message
+
+
+def test_the_message_names_the_item():
+    with pytest.raises(InvalidInput, match=r"items\[3\]\.token_choice\.top_p"):
+        validate_token_choice(TokenChoice(top_p=2.0), 70, field="items[3].token_choice")
+
+
+def test_good_policies_pass():
+    for choice in WARPED + [TokenChoice(seed=0), TokenChoice(seed=2**64 - 1), TokenChoice(top_logprobs=20),
+                            TokenChoice(logit_bias={0: -100.0, 69: 100.0}, presence_penalty=-2.0),
+                            TokenChoice(allowed_token_bitmask=pack_allowed_tokens([69], 70)),
+                            TokenChoice(top_k=10_000)]:
+        validate_token_choice(choice, 70)
