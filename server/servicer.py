@@ -99,6 +99,18 @@ def _serialize(message) -> bytes:
 def _check_parsed(request) -> None:
     if isinstance(request, Malformed):
         raise InvalidInput(request.why)
+    _refuse_token_choice(request)
+
+
+def _refuse_token_choice(request) -> None:
+    """``token_choice`` is in the contract (server/sampling.py implements it) but not
+    served yet: refused, never ignored (Capabilities.token_choice says so)."""
+    if not hasattr(request, "DESCRIPTOR"):
+        return
+    for message in (request, *getattr(request, "items", ())):
+        if "token_choice" in message.DESCRIPTOR.fields_by_name and message.HasField("token_choice"):
+            raise ExecutorError("token_choice is not served by this server yet (Capabilities.token_choice "
+                                "is false): choose tokens from the logits", code=grpc.StatusCode.UNIMPLEMENTED)
 
 
 DEADLINE_HEADER = "ferrum-deadline-unix-ns"  # optional: the caller's absolute deadline (see _deadline)
@@ -243,8 +255,7 @@ def _handler(*, admit: bool = True, admin: bool = False, observe: bool = True):
     def wrap(method):
         def enter(self, request, context, stack: contextlib.ExitStack) -> str:
             """The caller's tenant, once the call may run."""
-            if isinstance(request, Malformed):  # a client stream's messages are checked one by one
-                raise InvalidInput(request.why)
+            _check_parsed(request)  # a client stream's messages are checked one by one
             tenant = self._tenant_of(context)
             if admin:
                 self._check_admin(tenant)
