@@ -251,12 +251,7 @@ class ExecutorClient(_Client):
         try:
             call = method(request, **options)
             if rpc.stream:
-                replies = []
-                for message in call:
-                    if rpc.each is not None:
-                        rpc.each(self, message, *args, **kwargs)
-                    replies.append(message)
-                call = replies
+                call = [rpc.seen(self, message, args, kwargs) for message in call]
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
         return rpc.reply(self, call)
@@ -299,12 +294,7 @@ class AsyncExecutorClient(_Client):
         try:
             call = method(request, **options)
             if rpc.stream:
-                replies = []
-                async for message in call:
-                    if rpc.each is not None:
-                        rpc.each(self, message, *args, **kwargs)
-                    replies.append(message)
-                call = replies
+                call = [rpc.seen(self, message, args, kwargs) async for message in call]
             else:
                 call = await call
         except grpc.RpcError as exc:

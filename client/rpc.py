@@ -66,6 +66,12 @@ class Rpc:
     stream: bool = False
     each: Callable[..., None] | None = None
 
+    def seen(self, client, message, args: tuple, kwargs: dict):
+        """A streamed message as it arrives: shown to ``each``, then kept."""
+        if self.each is not None:
+            self.each(client, message, *args, **kwargs)
+        return message
+
 
 # -- what the builders and parsers read of a client: ``model`` and ``_regions`` --------------
 

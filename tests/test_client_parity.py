@@ -8,14 +8,17 @@ Intended differences are listed below with their reasons; anything else fails.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 
+import grpc
 import pytest
 
 from ferrum_rpc.client import AsyncExecutorClient, AsyncReplicaSetClient, ExecutorClient, ReplicaSetClient
 from ferrum_rpc.client.client import AsyncDecodeSession, DecodeSession
 from ferrum_rpc.client.replicas import AsyncReplicaDecodeSession, ReplicaDecodeSession
 from ferrum_rpc.client.rpc import RPCS
+from tests.test_replicas import free_port
 
 PAIRS = [
     (ExecutorClient, AsyncExecutorClient),
@@ -123,3 +126,17 @@ def test_the_check_sees_a_drift():
     assert any(p.startswith("a:") for p in problems)
     assert any("lacks b" in p for p in problems)
     assert any("Async.c is not a coroutine" in p for p in problems)
+
+
+def test_wait_ready_times_out_alike():
+    """Nothing listens on the port: both clients raise grpc.FutureTimeoutError."""
+    target = f"127.0.0.1:{free_port()}"
+    with ExecutorClient(target) as ex, pytest.raises(grpc.FutureTimeoutError):
+        ex.wait_ready(0.2)
+
+    async def run():
+        async with AsyncExecutorClient(target) as aex:
+            with pytest.raises(grpc.FutureTimeoutError):
+                await aex.wait_ready(0.2)
+
+    asyncio.run(run())
