@@ -902,6 +902,22 @@ DRIVEN = {name: _driven(flow) for name, flow in vars(_Contract).items() if inspe
 # -- the drivers ---------------------------------------------------------------------------------
 
 
+@dataclass
+class _Done:
+    """A flow returned ``value``."""
+
+    value: Any
+
+
+def _resume(flow: Flow, outcome: Any) -> Any:
+    """Resumes ``flow`` with its last request's outcome (a value, or an ExecutorError to
+    raise in it): its next request, or :class:`_Done` with what it returned."""
+    try:
+        return flow.throw(outcome) if isinstance(outcome, ExecutorError) else flow.send(outcome)
+    except StopIteration as stop:
+        return _Done(stop.value)
+
+
 class _SyncDriver:
     """Runs flows on the caller's thread; parallel calls on a small pool."""
 
@@ -909,23 +925,18 @@ class _SyncDriver:
     _pool: ThreadPoolExecutor
 
     def _drive(self, flow: Flow) -> Any:
-        value, error = None, None
-        while True:
-            try:
-                request = flow.throw(error) if error is not None else flow.send(value)
-            except StopIteration as stop:
-                return stop.value
-            value, error = None, None
+        request = _resume(flow, None)
+        while not isinstance(request, _Done):
             if isinstance(request, _Call):
-                try:
-                    value = self._run(request)
-                except ExecutorError as err:
-                    error = err
+                outcome = self._outcome(request)
             elif isinstance(request, _Parallel):
                 calls = request.calls
-                value = [self._outcome(calls[0])] if len(calls) == 1 else list(self._pool.map(self._outcome, calls))
+                outcome = [self._outcome(calls[0])] if len(calls) == 1 else list(self._pool.map(self._outcome, calls))
             else:
                 time.sleep(request.seconds)
+                outcome = None
+            request = _resume(flow, outcome)
+        return request.value
 
     def _run(self, call: _Call) -> Any:
         if call.counted:
@@ -949,22 +960,17 @@ class _AsyncDriver:
     """Awaits flows on the event loop; parallel calls gathered."""
 
     async def _drive(self, flow: Flow) -> Any:
-        value, error = None, None
-        while True:
-            try:
-                request = flow.throw(error) if error is not None else flow.send(value)
-            except StopIteration as stop:
-                return stop.value
-            value, error = None, None
+        request = _resume(flow, None)
+        while not isinstance(request, _Done):
             if isinstance(request, _Call):
-                try:
-                    value = await self._run(request)
-                except ExecutorError as err:
-                    error = err
+                outcome = await self._outcome(request)
             elif isinstance(request, _Parallel):
-                value = list(await asyncio.gather(*(self._outcome(c) for c in request.calls)))
+                outcome = list(await asyncio.gather(*(self._outcome(c) for c in request.calls)))
             else:
                 await asyncio.sleep(request.seconds)
+                outcome = None
+            request = _resume(flow, outcome)
+        return request.value
 
     async def _run(self, call: _Call) -> Any:
         if call.counted:
