@@ -25,7 +25,7 @@ import statistics
 import time
 
 from bench.common import bench_server, log, write_results
-from ferrum_rpc.client import ExecutorClient, LogitsPolicy
+from ferrum_rpc.client import ExecutorClient, LogitsPolicy, connect
 from ferrum_rpc.client.replicas import ReplicaPolicy
 from ferrum_rpc.harness import ServerProcess
 
@@ -86,7 +86,7 @@ def main() -> None:
             s.wait_serving(300)
         by_target = {s.target: s for s in servers}
         policy = ReplicaPolicy(down_cooldown_s=0.5, failover_timeout_s=120)
-        with ExecutorClient(list(by_target), timeout=120, replica_policy=policy) as ex:
+        with connect(list(by_target), timeout=120, replica_policy=policy) as ex:
             vocab = ex.info().vocab_size
             ex.decode(0, ex.prefill([1, 2, 3], logits=GREEDY).kv_cache, logits=GREEDY)  # connect, warm
             for history in args.history:

@@ -5,12 +5,13 @@
         out = ex.prefill(token_ids)
         step = ex.decode(next_id, out.kv_cache)
 
-Several targets (``ExecutorClient(["10.0.0.1:50051", "10.0.0.2:50051"])``) give a
-replica set: placement by load, handle affinity, failover by replay
-(``ferrum_rpc.client.replicas``).
+Several targets (``connect(["10.0.0.1:50051", "10.0.0.2:50051"])``) give a replica
+set: placement by load, handle affinity, failover by replay
+(``ferrum_rpc.client.replicas``); ``connect`` of one target is an ExecutorClient.
 """
 
 from ferrum_rpc.client.client import AsyncExecutorClient, ClientTls, ExecutorClient, Keepalive
+from ferrum_rpc.client.replicas import AsyncReplicaSetClient, ReplicaPolicy, ReplicaSetClient, connect, connect_async
 from ferrum_rpc.errors import (
     CacheNotFound,
     Draining,
@@ -27,6 +28,7 @@ from ferrum_rpc.types import DecodeInput, KvCacheHandle, LogitsKind, LogitsPolic
 
 __all__ = [
     "AsyncExecutorClient",
+    "AsyncReplicaSetClient",
     "ClientTls",
     "CacheNotFound",
     "DecodeInput",
@@ -42,6 +44,10 @@ __all__ = [
     "LogitsKind",
     "LogitsPolicy",
     "ModelNotFound",
+    "ReplicaPolicy",
+    "ReplicaSetClient",
     "SequenceTooLong",
     "StaleHandle",
+    "connect",
+    "connect_async",
 ]

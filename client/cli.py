@@ -21,7 +21,7 @@ def targets_of(args: argparse.Namespace) -> str | list[str]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ferrum_rpc.client import ExecutorClient
+    from ferrum_rpc.client import connect
     from ferrum_rpc.client.generate import encode_prompt, generate_ids, load_tokenizer, stream_text
     from ferrum_rpc.client.sampling import SamplingParams
     from ferrum_rpc.paths import default_model_dir
@@ -38,7 +38,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     token = os.environ.get("FERRUM_RPC_TOKEN") or None
     if args.token_file:
         token = Path(args.token_file).read_text().strip()
-    with ExecutorClient(targets_of(args), model=args.model, timeout=args.timeout, tls=tls, token=token) as client:
+    with connect(targets_of(args), model=args.model, timeout=args.timeout, tls=tls, token=token) as client:
         info = client.info()
         stop = set(info.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         if args.speculative:
@@ -65,12 +65,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _speculative(args, client, tokenizer, prompt_ids: list[int], stop: set[int]) -> int:
     """Greedy speculative generation, then plain greedy for comparison: same tokens, fewer forwards."""
-    from ferrum_rpc.client import ExecutorClient
+    from ferrum_rpc.client import connect
     from ferrum_rpc.client.generate import generate_ids
     from ferrum_rpc.client.sampling import SamplingParams
     from ferrum_rpc.client.speculative import ModelDrafter, NgramDrafter, speculative_generate
 
-    draft_client = ExecutorClient(targets_of(args), model=args.draft_model, timeout=args.timeout) if args.draft_model else None
+    draft_client = connect(targets_of(args), model=args.draft_model, timeout=args.timeout) if args.draft_model else None
     drafter = ModelDrafter(draft_client) if draft_client else NgramDrafter()
     result = speculative_generate(client, prompt_ids, args.max_tokens, k=args.speculative,
                                   drafter=drafter, stop_ids=frozenset(stop))

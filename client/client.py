@@ -1,47 +1,47 @@
-"""Sync and asyncio clients over the same request builders and reply parsers.
+"""The single-target clients: :class:`ExecutorClient` (blocking) and
+:class:`AsyncExecutorClient` (asyncio).
 
-Both hide the stubs, return the typed objects of ``ferrum_rpc.types`` and turn
-``grpc.RpcError`` into the error table's exceptions with one helper
-(``ferrum_rpc.errors.from_rpc_error``).
+Their RPC methods come from one table (``ferrum_rpc.client.rpc.RPCS``: request
+builder, reply parser, streaming shape), each driven by the class's invoker
+(``_invoke``): the call's deadline and its ``ferrum-deadline-unix-ns`` header, and
+``grpc.RpcError`` turned into the error table's exceptions
+(``ferrum_rpc.errors.from_rpc_error``).  Replica sets build on these clients
+(``ferrum_rpc.client.replicas``; :func:`~ferrum_rpc.client.replicas.connect`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import socket
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence, Union
+from typing import Any, Iterable, Sequence
+from urllib.parse import urlsplit
 
 import grpc
 
-from ferrum_rpc import convert, tensor_codec
-from ferrum_rpc.errors import ExecutorError, from_status_proto, from_rpc_error
-from ferrum_rpc.types import (
-    Capabilities,
-    DecodeInput,
-    DecodeOutput,
-    ExecutorStatus,
-    KvCacheHandle,
-    LogitsKind,
-    LogitsPolicy,
-    ModelInfo,
-    HiddenStatesRequest,
-    PrefillOutput,
-    SpeculativeOutput,
-    SpeculativeSampling,
-    VerifyOutput,
-)
+from ferrum_rpc.client import rpc as rpcs
+from ferrum_rpc.client.rpc import INVOKED, STATUS, DecodeItem, Rpc, with_methods
 from ferrum_rpc.client.shm import AsyncSharedMemoryRegion, SharedMemoryRegion
+from ferrum_rpc.errors import ExecutorError, from_rpc_error, from_status_proto
+from ferrum_rpc.types import DecodeOutput, LogitsPolicy
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 
+log = logging.getLogger(__name__)
+
 DEFAULT_MAX_MESSAGE_BYTES = 512 << 20  # above the server's default 256 MiB reply limit
-DecodeItem = Union[DecodeInput, tuple[int, KvCacheHandle]]
 # The caller's deadline as wall-clock time (ns since the Unix epoch), sent beside gRPC's
 # relative timeout: gRPC sends "N seconds from now" and the server counts from when it
 # reads the headers, so a call that sat in a frozen server's socket past its deadline
 # would run with a fresh one on resume.  Optional; relies on synchronized clocks.
 DEADLINE_HEADER = "ferrum-deadline-unix-ns"
+GRPC_DEFAULT_PORT = 443  # what gRPC's dns resolver assumes when a target names no port
+_CLIENT_TIMEOUT = object()  # _invoke: the client's own timeout
+
+__all__ = ["AsyncExecutorClient", "ClientTls", "DecodeItem", "ExecutorClient", "Keepalive", "resolve_targets"]
 
 
 @dataclass(frozen=True)
@@ -140,153 +140,58 @@ def _channel(target: str, options: list, tls: ClientTls | None, token: str | Non
     return grpc_mod.secure_channel(target, creds, options=options)
 
 
+def resolve_targets(target: str | Sequence[str]) -> list[str]:
+    """The replica addresses a target names, in order, without duplicates.
+
+    A list gives its items (each resolved in turn); ``ipv4:a:p,b:p`` and
+    ``ipv6:[a]:p,[b]:p`` give their addresses; ``dns:[//authority/]host[:port]``
+    gives every address the name resolves to (one address: the target as given,
+    so TLS names and gRPC's own resolution stay as they were).  Anything else is
+    one target."""
+    if not isinstance(target, str):
+        found = [t for item in target for t in resolve_targets(item)]
+        return list(dict.fromkeys(found))
+    scheme, _, rest = target.partition(":")
+    if scheme in ("ipv4", "ipv6") and "," in rest:
+        return list(dict.fromkeys(a.strip() for a in rest.split(",") if a.strip()))
+    if scheme == "dns":
+        addresses = _resolve_dns(rest)
+        return addresses if len(addresses) > 1 else [target]
+    return [target]
+
+
+def _resolve_dns(rest: str) -> list[str]:
+    name = rest.split("/", 3)[-1] if rest.startswith("//") else rest
+    parts = urlsplit(f"//{name}")
+    host, port = parts.hostname, parts.port or GRPC_DEFAULT_PORT
+    if not host:
+        return []
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        log.warning("could not resolve %s (%s); using it as one target", host, exc)
+        return []
+    out = []
+    for family, *_, address in infos:
+        ip = address[0]
+        out.append(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
+    return list(dict.fromkeys(out))
+
+
 def _single(target: str | Sequence[str]) -> str:
-    """The one address of a single-target client (a list of one, or a plain string)."""
-    if isinstance(target, str):
-        return target
-    (only,) = target
-    return only
+    """The one address of a single-target client (a plain string, or a list of one)."""
+    targets = resolve_targets(target)
+    if len(targets) != 1:
+        raise ValueError(f"{target!r} names {len(targets)} servers; a single-target client takes one "
+                         "(ferrum_rpc.client.connect(targets) gives a replica-set client)")
+    return target if isinstance(target, str) else targets[0]
 
 
-def _replica_class(cls: type, target: str | Sequence[str], aio: bool) -> type:
-    """The class a client constructor builds: ``cls`` itself, or the replica-set
-    client when ``target`` names several servers (only for the public classes, so
-    subclasses and the replica set's own per-replica clients are left alone)."""
-    if cls not in (ExecutorClient, AsyncExecutorClient):
-        return cls
-    from ferrum_rpc.client import replicas
+class _Client:
+    """What both single-target clients share: the channel, the stub, the model addressed
+    and the shared-memory regions registered (which the reply parsers read)."""
 
-    if len(replicas.resolve_targets(target)) < 2:
-        return cls
-    return replicas.AsyncReplicaSetClient if aio else replicas.ReplicaSetClient
-
-
-class _Codec:
-    """Request builders and reply parsers shared by both clients."""
-
-    model: str
-    _regions: dict  # shared-memory regions this client registered, by name
-
-    def _read_region(self, location: pb.SharedMemoryLocation) -> memoryview:
-        region = self._regions.get(location.region)
-        if region is None:
-            raise ExecutorError(f"logits were written to shared-memory region {location.region!r}, "
-                                "which this client did not register")
-        return region.view(location)
-
-    def _prefill_req(self, token_ids, kv_cache, logits, hidden_states=None) -> pb.PrefillRequest:
-        req = pb.PrefillRequest(model=self.model, token_ids=token_ids, logits=convert.policy_to_proto(logits))
-        if kv_cache is not None:
-            req.kv_cache.CopyFrom(convert.handle_to_proto(kv_cache))
-        if hidden_states is not None:
-            req.hidden_states.CopyFrom(convert.hidden_request_to_proto(hidden_states))
-        return req
-
-    def _decode_req(self, token_id, kv_cache, logits) -> pb.DecodeRequest:
-        return pb.DecodeRequest(model=self.model, token_id=token_id, kv_cache=convert.handle_to_proto(kv_cache),
-                                logits=convert.policy_to_proto(logits))
-
-    def _batch_req(self, items: Iterable[DecodeItem], logits) -> pb.BatchDecodeRequest:
-        # Small rows (top-k, argmax, rows in shared memory) come back in one message
-        # (a stream message per sequence costs ~0.35 ms); full rows stay one message each.
-        small = logits.kind is not LogitsKind.FULL or logits.shared_memory is not None
-        req = pb.BatchDecodeRequest(model=self.model, logits=convert.policy_to_proto(logits), single_reply=small)
-        for item in items:
-            token_id, handle = (item.token_id, item.kv_cache) if isinstance(item, DecodeInput) else item
-            req.items.add(token_id=token_id, kv_cache=convert.handle_to_proto(handle))
-        return req
-
-    def _verify_req(self, token_ids, kv_cache, logits) -> pb.ForwardVerifyRequest:
-        return pb.ForwardVerifyRequest(model=self.model, token_ids=token_ids,
-                                       kv_cache=convert.handle_to_proto(kv_cache),
-                                       logits=convert.policy_to_proto(logits))
-
-    def _session_req(self, step_id: int, items: Iterable[DecodeItem], logits) -> pb.DecodeSessionRequest:
-        batch = self._batch_req(items, logits)
-        return pb.DecodeSessionRequest(step_id=step_id, model=batch.model, items=batch.items, logits=batch.logits,
-                                       single_reply=batch.single_reply)
-
-    def _speculative_req(self, token_id, draft, kv_cache, logits, sampling=None) -> pb.SpeculativeDecodeRequest:
-        req = pb.SpeculativeDecodeRequest(model=self.model, token_id=token_id, draft_token_ids=list(draft),
-                                          kv_cache=convert.handle_to_proto(kv_cache),
-                                          logits=convert.policy_to_proto(logits))
-        if sampling is not None:
-            req.sampling.CopyFrom(pb.SpeculativeSampling(temperature=sampling.temperature, top_k=sampling.top_k,
-                                                         top_p=sampling.top_p, seed=sampling.seed))
-        return req
-
-    def _batch_prefill_req(self, prompts, logits) -> pb.BatchPrefillRequest:
-        req = pb.BatchPrefillRequest(model=self.model, logits=convert.policy_to_proto(logits))
-        for prompt in prompts:
-            continues = isinstance(prompt, tuple) and len(prompt) == 2 and isinstance(prompt[1], KvCacheHandle)
-            token_ids, handle = prompt if continues else (prompt, None)
-            item = req.items.add(token_ids=token_ids)
-            if handle is not None:
-                item.kv_cache.CopyFrom(convert.handle_to_proto(handle))
-        return req
-
-    def _speculative_output(self, reply: pb.SpeculativeDecodeResponse) -> SpeculativeOutput:
-        out = self._output(DecodeOutput, reply)
-        return SpeculativeOutput(tuple(reply.accepted_token_ids), reply.next_token_id, out.logits, out.kv_cache,
-                                 out.timing)
-
-    def _batch_prefill_outputs(self, replies) -> list[PrefillOutput]:
-        return [self._prefill_output(r) for r in sorted(replies, key=lambda r: r.index)]
-
-    def _release_req(self, cache) -> pb.ReleaseCacheRequest:
-        if isinstance(cache, KvCacheHandle):
-            return pb.ReleaseCacheRequest(cache_id=cache.cache_id, model=cache.model)
-        return pb.ReleaseCacheRequest(cache_id=cache, model=self.model)
-
-    def _output(self, cls, reply):
-        return cls(convert.logits_from_proto(reply.logits, self._read_region),
-                   convert.handle_from_proto(reply.kv_cache), convert.timing_from_proto(reply.timing))
-
-    def _prefill_output(self, reply: pb.PrefillResponse) -> PrefillOutput:
-        out = self._output(PrefillOutput, reply)
-        hidden = tuple(tensor_codec.to_numpy(t) for t in getattr(reply, "hidden_states", ()))
-        weights = tuple(tensor_codec.to_numpy(t) for t in getattr(reply, "attention_weights", ()))
-        return replace(out, cached_tokens=reply.cached_tokens, hidden_states=hidden, attention_weights=weights)
-
-    def _batch_outputs(self, replies: Sequence[pb.BatchDecodeResponse]) -> list[DecodeOutput]:
-        replies = [r for reply in replies for r in (reply.results or [reply])]  # single_reply: one message
-        ordered = sorted(replies, key=lambda r: r.index)
-        return [self._output(DecodeOutput, r) for r in ordered]
-
-
-class ExecutorClient(_Codec):
-    """Blocking client.
-
-    Args:
-        target: "host:port" of a ferrum-rpc server, or several replicas: a list of
-            targets, or gRPC's multi-address forms ("ipv4:10.0.0.1:5001,10.0.0.2:5001",
-            "ipv6:[::1]:5001,[::1]:5002", "dns:///host:port" resolving to several
-            addresses).  Several replicas give a
-            :class:`~ferrum_rpc.client.replicas.ReplicaSetClient` (placement by load,
-            handle affinity, failover by history replay); one target behaves as always.
-        model: the hosted model to address; "" means the server's default.
-        timeout: per-call deadline in seconds (None: no deadline).
-        max_message_bytes: largest reply accepted.
-        tls: connect with TLS (and a client certificate for mTLS); None: plaintext.
-        token: bearer token sent on every call (servers run with ``--auth-tokens``);
-            only over TLS or to a loopback address.
-        failover: several replicas only: move a sequence to another replica by replaying
-            its history when its owner dies, restarts or drains (False: the error
-            reaches the caller).
-        replica_policy: several replicas only: placement and failover bounds
-            (:class:`~ferrum_rpc.client.replicas.ReplicaPolicy`; None: the defaults).
-        channel_options: extra gRPC channel arguments.
-        keepalive: HTTP/2 keepalive pings (:class:`Keepalive`: every 2 s, 2 s to answer),
-            so a server that stops answering ends the calls on it with UNAVAILABLE
-            within a few seconds; None: gRPC's defaults (no pings).
-
-    With a ``timeout``, each call also carries its absolute deadline (metadata
-    ``ferrum-deadline-unix-ns``), so a server that reads the call late (it was frozen
-    or stalled) refuses it instead of running it after the caller gave up.
-    """
-
-    def __new__(cls, target: str | Sequence[str], *args, **kwargs):
-        return super().__new__(_replica_class(cls, target, aio=False))
+    _aio: bool
 
     def __init__(self, target: str | Sequence[str], *, model: str = "", timeout: float | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: ClientTls | None = None,
@@ -295,121 +200,69 @@ class ExecutorClient(_Codec):
                  keepalive: Keepalive | None = DEFAULT_KEEPALIVE):
         self.model, self.timeout = model, timeout
         options = _options(max_message_bytes, keepalive) + list(channel_options)
-        self._channel = _channel(_single(target), options, tls, token, aio=False)
+        self._channel = _channel(_single(target), options, tls, token, aio=self._aio)
         self._stub = pb_grpc.ModelExecutorStub(self._channel)
-        self._regions: dict[str, SharedMemoryRegion] = {}
+        self._regions: dict[str, Any] = {}
 
-    def _status_probe(self, timeout: float) -> ExecutorStatus:
-        """GetStatus with its own deadline (replica sets probe with a short one)."""
+    def _status_probe(self, timeout: float):
+        """GetStatus with its own deadline (replica sets probe with a short one); awaitable
+        on the asyncio client."""
+        return self._invoke(STATUS, (), {}, timeout)
+
+    def _call_args(self, rpc: Rpc, args: tuple, kwargs: dict, timeout) -> tuple[Any, Any, dict]:
+        """The stub method, request and call options of one call."""
+        timeout = self.timeout if timeout is _CLIENT_TIMEOUT else timeout
+        request = rpc.request(self, *args, **kwargs)
+        return getattr(self._stub, rpc.method), request, dict(timeout=timeout, metadata=_deadline_metadata(timeout))
+
+
+@with_methods(INVOKED, aio=False)
+class ExecutorClient(_Client):
+    """Blocking client of one server (several: :func:`~ferrum_rpc.client.replicas.connect`).
+
+    Args:
+        target: "host:port" of a ferrum-rpc server (or a list of one).
+        model: the hosted model to address; "" means the server's default.
+        timeout: per-call deadline in seconds (None: no deadline).
+        max_message_bytes: largest reply accepted.
+        tls: connect with TLS (and a client certificate for mTLS); None: plaintext.
+        token: bearer token sent on every call (servers run with ``--auth-tokens``);
+            only over TLS or to a loopback address.
+        failover, replica_policy: replica sets only
+            (:class:`~ferrum_rpc.client.replicas.ReplicaSetClient`); ignored here.
+        channel_options: extra gRPC channel arguments.
+        keepalive: HTTP/2 keepalive pings (:class:`Keepalive`: every 2 s, 2 s to answer),
+            so a server that stops answering ends the calls on it with UNAVAILABLE
+            within a few seconds; None: gRPC's defaults (no pings).
+
+    With a ``timeout``, each call also carries its absolute deadline (metadata
+    ``ferrum-deadline-unix-ns``), so a server that reads the call late (it was frozen
+    or stalled) refuses it instead of running it after the caller gave up.
+
+    The RPC methods (``prefill``, ``decode``, ...) are those of
+    ``ferrum_rpc.client.rpc.RPCS``.
+    """
+
+    _aio = False
+
+    def _invoke(self, rpc: Rpc, args: tuple, kwargs: dict, timeout=_CLIENT_TIMEOUT):
+        """The sync invoker: one call of ``rpc``, its reply (or replies) parsed."""
+        method, request, options = self._call_args(rpc, args, kwargs, timeout)
         try:
-            reply = self._stub.GetStatus(pb.GetStatusRequest(model=self.model), timeout=timeout,
-                                         metadata=_deadline_metadata(timeout))
+            call = method(request, **options)
+            if rpc.stream:
+                call = [rpc.seen(self, message, args, kwargs) for message in call]
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
-        return convert.status_from_proto(reply)
-
-    def _call(self, method, request):
-        try:
-            return method(request, timeout=self.timeout, metadata=_deadline_metadata(self.timeout))
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
+        return rpc.reply(self, call)
 
     def wait_ready(self, timeout: float = 30.0) -> None:
-        """Blocks until the channel connects."""
+        """Blocks until the channel connects (``grpc.FutureTimeoutError`` after ``timeout``)."""
         grpc.channel_ready_future(self._channel).result(timeout=timeout)
-
-    def info(self) -> ModelInfo:
-        return convert.model_info_from_proto(self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(model=self.model)))
-
-    def capabilities(self) -> Capabilities:
-        return convert.capabilities_from_proto(
-            self._call(self._stub.GetCapabilities, pb.GetCapabilitiesRequest(model=self.model)))
-
-    def status(self) -> ExecutorStatus:
-        return convert.status_from_proto(self._call(self._stub.GetStatus, pb.GetStatusRequest(model=self.model)))
-
-    def prefill(self, token_ids: Sequence[int], kv_cache: KvCacheHandle | None = None,
-                logits: LogitsPolicy = LogitsPolicy(),
-                hidden_states: HiddenStatesRequest | None = None) -> PrefillOutput:
-        """Runs a prompt, or continues ``kv_cache`` with the next chunk of one; with
-        ``hidden_states``, also returns those layers' hidden states (``out.hidden_states``)."""
-        reply = self._call(self._stub.Prefill, self._prefill_req(token_ids, kv_cache, logits, hidden_states))
-        return self._prefill_output(reply)
-
-    def decode(self, token_id: int, kv_cache: KvCacheHandle, logits: LogitsPolicy = LogitsPolicy()) -> DecodeOutput:
-        reply = self._call(self._stub.Decode, self._decode_req(token_id, kv_cache, logits))
-        return self._output(DecodeOutput, reply)
-
-    def batch_decode(self, items: Iterable[DecodeItem], logits: LogitsPolicy = LogitsPolicy()) -> list[DecodeOutput]:
-        """One batched forward; outputs in the order of ``items``."""
-        try:
-            replies = list(self._stub.BatchDecode(self._batch_req(items, logits), timeout=self.timeout,
-                                                  metadata=_deadline_metadata(self.timeout)))
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
-        return self._batch_outputs(replies)
-
-    def forward_verify(self, token_ids: Sequence[int], kv_cache: KvCacheHandle,
-                       logits: LogitsPolicy = LogitsPolicy()) -> VerifyOutput:
-        reply = self._call(self._stub.ForwardVerify, self._verify_req(token_ids, kv_cache, logits))
-        return self._output(VerifyOutput, reply)
-
-    def speculative_decode(self, token_id: int, draft: Sequence[int], kv_cache: KvCacheHandle,
-                           logits: LogitsPolicy = LogitsPolicy(),
-                           sampling: SpeculativeSampling | None = None) -> SpeculativeOutput:
-        """One round of server-side speculative decoding: ``token_id`` (the last sampled
-        token) and ``draft`` verified in one forward, the agreeing drafts kept (greedy),
-        or with ``sampling`` the drafts probabilistic acceptance keeps."""
-        reply = self._call(self._stub.SpeculativeDecode,
-                           self._speculative_req(token_id, draft, kv_cache, logits, sampling))
-        return self._speculative_output(reply)
-
-    def batch_prefill(self, prompts: Iterable[Sequence[int] | tuple[Sequence[int], KvCacheHandle]],
-                      logits: LogitsPolicy = LogitsPolicy()) -> list[PrefillOutput]:
-        """Several prompts (token ids, or ``(token_ids, handle)`` to continue one) in one
-        call, run as shared forwards; outputs in order.  All or nothing."""
-        try:
-            replies = list(self._stub.BatchPrefill(self._batch_prefill_req(prompts, logits), timeout=self.timeout,
-                                                   metadata=_deadline_metadata(self.timeout)))
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
-        return self._batch_prefill_outputs(replies)
-
-    def truncate_kv(self, kv_cache: KvCacheHandle, new_length: int) -> KvCacheHandle:
-        req = pb.TruncateKvRequest(kv_cache=convert.handle_to_proto(kv_cache), new_length=new_length)
-        return convert.handle_from_proto(self._call(self._stub.TruncateKv, req).kv_cache)
-
-    def release_cache(self, cache: KvCacheHandle | str) -> int:
-        """Frees a sequence (handle or cache_id); returns the blocks freed."""
-        return self._call(self._stub.ReleaseCache, self._release_req(cache)).blocks_freed
-
-    def fork_cache(self, kv_cache: KvCacheHandle, num_children: int) -> list[KvCacheHandle]:
-        """N handles sharing ``kv_cache``'s blocks (copied on first divergent write)."""
-        req = pb.ForkCacheRequest(kv_cache=convert.handle_to_proto(kv_cache), num_children=num_children)
-        return [convert.handle_from_proto(h) for h in self._call(self._stub.ForkCache, req).children]
 
     def decode_session(self) -> DecodeSession:
         """Opens a DecodeSession stream: ``session.step(items)`` per step, no per-call setup."""
         return DecodeSession(self._stub, self.model, self.timeout, self._regions)
-
-    def list_models(self) -> list[pb.ModelEntry]:
-        """Every hosted model: name, state, folder, default flag and live status."""
-        return list(self._call(self._stub.ListModels, pb.ListModelsRequest()).models)
-
-    def load_model(self, name: str, path: str, progress=None) -> None:
-        """Loads the model in ``path`` (a folder on the server) as ``name``; returns once
-        it serves.  ``progress(stage, elapsed_s)`` sees each stage."""
-        try:
-            for message in self._stub.LoadModel(pb.LoadModelRequest(name=name, path=path), timeout=self.timeout,
-                                                metadata=_deadline_metadata(self.timeout)):
-                if progress is not None:
-                    progress(message.stage, message.elapsed_s)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
-
-    def unload_model(self, name: str) -> int:
-        """Stops serving ``name`` (its sequences go); returns how many sequences it held."""
-        return self._call(self._stub.UnloadModel, pb.UnloadModelRequest(name=name)).sequences_dropped
 
     def shared_memory(self, byte_size: int, name: str | None = None) -> SharedMemoryRegion:
         """Creates a POSIX shared-memory object of ``byte_size`` bytes and registers it
@@ -429,99 +282,32 @@ class ExecutorClient(_Codec):
         self.close()
 
 
-class AsyncExecutorClient(_Codec):
+@with_methods(INVOKED, aio=True)
+class AsyncExecutorClient(_Client):
     """asyncio client with the same methods as :class:`ExecutorClient`, awaitable."""
 
-    def __new__(cls, target: str | Sequence[str], *args, **kwargs):
-        return super().__new__(_replica_class(cls, target, aio=True))
+    _aio = True
 
-    def __init__(self, target: str | Sequence[str], *, model: str = "", timeout: float | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: ClientTls | None = None,
-                 token: str | None = None, failover: bool = True, replica_policy=None,
-                 channel_options: Sequence[tuple[str, object]] = (),
-                 keepalive: Keepalive | None = DEFAULT_KEEPALIVE):
-        self.model, self.timeout = model, timeout
-        options = _options(max_message_bytes, keepalive) + list(channel_options)
-        self._channel = _channel(_single(target), options, tls, token, aio=True)
-        self._stub = pb_grpc.ModelExecutorStub(self._channel)
-        self._regions: dict[str, AsyncSharedMemoryRegion] = {}
-
-    async def _status_probe(self, timeout: float) -> ExecutorStatus:
+    async def _invoke(self, rpc: Rpc, args: tuple, kwargs: dict, timeout=_CLIENT_TIMEOUT):
+        """The asyncio invoker: :meth:`ExecutorClient._invoke`, awaited."""
+        method, request, options = self._call_args(rpc, args, kwargs, timeout)
         try:
-            reply = await self._stub.GetStatus(pb.GetStatusRequest(model=self.model), timeout=timeout,
-                                               metadata=_deadline_metadata(timeout))
+            call = method(request, **options)
+            if rpc.stream:
+                call = [rpc.seen(self, message, args, kwargs) async for message in call]
+            else:
+                call = await call
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
-        return convert.status_from_proto(reply)
+        return rpc.reply(self, call)
 
-    async def _call(self, method, request):
+    async def wait_ready(self, timeout: float = 30.0) -> None:
+        """Waits until the channel connects (``grpc.FutureTimeoutError`` after ``timeout``,
+        as :meth:`ExecutorClient.wait_ready`)."""
         try:
-            return await method(request, timeout=self.timeout, metadata=_deadline_metadata(self.timeout))
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
-
-    async def info(self) -> ModelInfo:
-        return convert.model_info_from_proto(
-            await self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(model=self.model)))
-
-    async def capabilities(self) -> Capabilities:
-        return convert.capabilities_from_proto(
-            await self._call(self._stub.GetCapabilities, pb.GetCapabilitiesRequest(model=self.model)))
-
-    async def status(self) -> ExecutorStatus:
-        return convert.status_from_proto(await self._call(self._stub.GetStatus, pb.GetStatusRequest(model=self.model)))
-
-    async def prefill(self, token_ids: Sequence[int], kv_cache: KvCacheHandle | None = None,
-                      logits: LogitsPolicy = LogitsPolicy(),
-                      hidden_states: HiddenStatesRequest | None = None) -> PrefillOutput:
-        reply = await self._call(self._stub.Prefill, self._prefill_req(token_ids, kv_cache, logits, hidden_states))
-        return self._prefill_output(reply)
-
-    async def decode(self, token_id: int, kv_cache: KvCacheHandle,
-                     logits: LogitsPolicy = LogitsPolicy()) -> DecodeOutput:
-        reply = await self._call(self._stub.Decode, self._decode_req(token_id, kv_cache, logits))
-        return self._output(DecodeOutput, reply)
-
-    async def batch_decode(self, items: Iterable[DecodeItem],
-                           logits: LogitsPolicy = LogitsPolicy()) -> list[DecodeOutput]:
-        try:
-            replies = [r async for r in self._stub.BatchDecode(self._batch_req(items, logits), timeout=self.timeout,
-                                                               metadata=_deadline_metadata(self.timeout))]
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
-        return self._batch_outputs(replies)
-
-    async def forward_verify(self, token_ids: Sequence[int], kv_cache: KvCacheHandle,
-                             logits: LogitsPolicy = LogitsPolicy()) -> VerifyOutput:
-        reply = await self._call(self._stub.ForwardVerify, self._verify_req(token_ids, kv_cache, logits))
-        return self._output(VerifyOutput, reply)
-
-    async def speculative_decode(self, token_id: int, draft: Sequence[int], kv_cache: KvCacheHandle,
-                                 logits: LogitsPolicy = LogitsPolicy(),
-                                 sampling: SpeculativeSampling | None = None) -> SpeculativeOutput:
-        reply = await self._call(self._stub.SpeculativeDecode,
-                                 self._speculative_req(token_id, draft, kv_cache, logits, sampling))
-        return self._speculative_output(reply)
-
-    async def batch_prefill(self, prompts, logits: LogitsPolicy = LogitsPolicy()) -> list[PrefillOutput]:
-        try:
-            replies = [r async for r in self._stub.BatchPrefill(self._batch_prefill_req(prompts, logits),
-                                                                timeout=self.timeout,
-                                                                metadata=_deadline_metadata(self.timeout))]
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
-        return self._batch_prefill_outputs(replies)
-
-    async def truncate_kv(self, kv_cache: KvCacheHandle, new_length: int) -> KvCacheHandle:
-        req = pb.TruncateKvRequest(kv_cache=convert.handle_to_proto(kv_cache), new_length=new_length)
-        return convert.handle_from_proto((await self._call(self._stub.TruncateKv, req)).kv_cache)
-
-    async def release_cache(self, cache: KvCacheHandle | str) -> int:
-        return (await self._call(self._stub.ReleaseCache, self._release_req(cache))).blocks_freed
-
-    async def fork_cache(self, kv_cache: KvCacheHandle, num_children: int) -> list[KvCacheHandle]:
-        req = pb.ForkCacheRequest(kv_cache=convert.handle_to_proto(kv_cache), num_children=num_children)
-        return [convert.handle_from_proto(h) for h in (await self._call(self._stub.ForkCache, req)).children]
+            await asyncio.wait_for(self._channel.channel_ready(), timeout)
+        except asyncio.TimeoutError:
+            raise grpc.FutureTimeoutError() from None
 
     def decode_session(self) -> AsyncDecodeSession:
         """Opens a DecodeSession stream: ``await session.step(items)`` per step."""
@@ -543,7 +329,26 @@ class AsyncExecutorClient(_Codec):
         await self.close()
 
 
-class DecodeSession(_Codec):
+class _Session:
+    """What both DecodeSession flavours share: a step's request and its replies."""
+
+    def __init__(self, model: str, regions: dict | None):
+        self.model, self._regions = model, regions if regions is not None else {}
+        self._next_step = 0
+
+    def _request(self, items: Iterable[DecodeItem], logits: LogitsPolicy) -> pb.DecodeSessionRequest:
+        self._next_step += 1
+        return rpcs.session_request(self, self._next_step, items, logits)
+
+    @staticmethod
+    def _take(replies: list, reply: pb.DecodeSessionResponse) -> None:
+        """Adds a reply's results to ``replies``; a step's error raises its table exception."""
+        if reply.HasField("error"):
+            raise from_status_proto(reply.error)
+        replies.extend(reply.results or [reply])
+
+
+class DecodeSession(_Session):
     """A bidirectional decode stream used step by step from one thread.
 
     Each :meth:`step` sends one request (any number of sequences) and waits for
@@ -557,26 +362,21 @@ class DecodeSession(_Codec):
                  regions: dict | None = None):
         import queue
 
-        self.model, self._regions = model, regions if regions is not None else {}
+        super().__init__(model, regions)
         self._requests: queue.Queue = queue.Queue()
         self._responses = stub.DecodeSession(iter(self._requests.get, self._END), timeout=timeout,
                                              metadata=_deadline_metadata(timeout))
-        self._next_step = 0
 
     def step(self, items: Iterable[DecodeItem], logits: LogitsPolicy = LogitsPolicy()) -> list[DecodeOutput]:
-        self._next_step += 1
-        request = self._session_req(self._next_step, items, logits)
+        request = self._request(items, logits)
         self._requests.put(request)
-        replies = []
+        replies: list = []
         try:
             while len(replies) < len(request.items):
-                reply = next(self._responses)
-                if reply.HasField("error"):
-                    raise from_status_proto(reply.error)
-                replies.extend(reply.results or [reply])
+                self._take(replies, next(self._responses))
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
-        return self._batch_outputs(replies)
+        return rpcs.batch_outputs(self, replies)
 
     def close(self) -> None:
         self._requests.put(self._END)
@@ -590,31 +390,27 @@ class DecodeSession(_Codec):
         self.close()
 
 
-class AsyncDecodeSession(_Codec):
+class AsyncDecodeSession(_Session):
     """:class:`DecodeSession` for asyncio: ``async with client.decode_session() as s``."""
 
     def __init__(self, stub: pb_grpc.ModelExecutorStub, model: str, timeout: float | None,
                  regions: dict | None = None):
-        self.model, self._regions = model, regions if regions is not None else {}
+        super().__init__(model, regions)
         self._call = stub.DecodeSession(timeout=timeout, metadata=_deadline_metadata(timeout))
-        self._next_step = 0
 
     async def step(self, items: Iterable[DecodeItem], logits: LogitsPolicy = LogitsPolicy()) -> list[DecodeOutput]:
-        self._next_step += 1
-        request = self._session_req(self._next_step, items, logits)
-        replies = []
+        request = self._request(items, logits)
+        replies: list = []
         try:
             await self._call.write(request)
             while len(replies) < len(request.items):
                 reply = await self._call.read()
                 if reply is grpc.aio.EOF:
                     raise ExecutorError("the session stream ended", code=grpc.StatusCode.UNAVAILABLE)
-                if reply.HasField("error"):
-                    raise from_status_proto(reply.error)
-                replies.extend(reply.results or [reply])
+                self._take(replies, reply)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
-        return self._batch_outputs(replies)
+        return rpcs.batch_outputs(self, replies)
 
     async def close(self) -> None:
         await self._call.done_writing()

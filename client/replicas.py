@@ -14,8 +14,12 @@ new handle, and the old handle keeps working as an alias.
 
 The routing logic is written once, as generators ("flows") that yield the calls
 they need (:class:`_Call`, :class:`_Parallel`, :class:`_Sleep`) and get back results
-or have the call's exception thrown in.  The blocking client drives them on the
-caller's thread (parallel calls on a small pool); the asyncio client awaits them.
+or have the call's exception thrown in; every public call is one such flow
+(:class:`_Contract`).  A replica-set client holds one single-target client per
+replica; the blocking one drives the flows on the caller's thread (parallel calls on
+a small pool), the asyncio one awaits them.  :func:`connect` (and
+:func:`connect_async`) build a single-target client for one server and a replica set
+for several.
 """
 
 from __future__ import annotations
@@ -25,36 +29,38 @@ import inspect
 from array import array
 import logging
 import random
-import socket
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Generator, Iterable, Sequence
-from urllib.parse import urlsplit
 
 import grpc
 
 from ferrum_rpc.client.client import (
     AsyncExecutorClient,
-    DecodeItem,
     DEFAULT_KEEPALIVE,
     DEFAULT_MAX_MESSAGE_BYTES,
     ClientTls,
     ExecutorClient,
     Keepalive,
+    resolve_targets,
 )
+from ferrum_rpc.client.rpc import RPCS, DecodeItem, Prompt, method, split_prompt, with_methods
 from ferrum_rpc.errors import ExecutorError, FailoverFailed, KvCapacityExhausted, Reason, StaleHandle
 from ferrum_rpc.types import (
     DecodeInput,
-    DecodeOutput,
     ExecutorStatus,
+    HiddenStatesRequest,
     KvCacheHandle,
     LogitsPolicy,
-    PrefillOutput,
     ServerState,
+    SpeculativeSampling,
 )
+
+__all__ = ["AsyncReplicaSetClient", "ReplicaPolicy", "ReplicaSetClient", "TrackedSequence", "connect",
+           "connect_async", "resolve_targets"]
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +69,6 @@ REPLAY_LOGITS = LogitsPolicy.argmax()  # a replay only needs the KV; its logits 
 # reconnect backoff grows to two minutes).
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                      ("grpc.max_reconnect_backoff_ms", 1000)]
-GRPC_DEFAULT_PORT = 443  # what gRPC's dns resolver assumes when a target names no port
 
 
 @dataclass(frozen=True)
@@ -102,44 +107,6 @@ class ReplicaPolicy:
     prefix_entries: int = 4096
     locality_slack: float = 2.0
     seed: int | None = None
-
-
-def resolve_targets(target: str | Sequence[str]) -> list[str]:
-    """The replica addresses a target names, in order, without duplicates.
-
-    A list gives its items (each resolved in turn); ``ipv4:a:p,b:p`` and
-    ``ipv6:[a]:p,[b]:p`` give their addresses; ``dns:[//authority/]host[:port]``
-    gives every address the name resolves to (one address: the target as given,
-    so TLS names and gRPC's own resolution stay as they were).  Anything else is
-    one target."""
-    if not isinstance(target, str):
-        found = [t for item in target for t in resolve_targets(item)]
-        return list(dict.fromkeys(found))
-    scheme, _, rest = target.partition(":")
-    if scheme in ("ipv4", "ipv6") and "," in rest:
-        return list(dict.fromkeys(a.strip() for a in rest.split(",") if a.strip()))
-    if scheme == "dns":
-        addresses = _resolve_dns(rest)
-        return addresses if len(addresses) > 1 else [target]
-    return [target]
-
-
-def _resolve_dns(rest: str) -> list[str]:
-    name = rest.split("/", 3)[-1] if rest.startswith("//") else rest
-    parts = urlsplit(f"//{name}")
-    host, port = parts.hostname, parts.port or GRPC_DEFAULT_PORT
-    if not host:
-        return []
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        log.warning("could not resolve %s (%s); using it as one target", host, exc)
-        return []
-    out = []
-    for family, *_, address in infos:
-        ip = address[0]
-        out.append(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
-    return list(dict.fromkeys(out))
 
 
 def moves_sequence(err: ExecutorError) -> bool:
@@ -364,11 +331,29 @@ class _Item:
 
 
 class _Routing:
-    """Placement, affinity and failover as flows, shared by the blocking and asyncio clients."""
+    """Placement, affinity and failover as flows, shared by the blocking and asyncio
+    replica sets, and what they share besides: construction, the replicas' clients."""
 
-    _fleet: _Fleet
-    policy: ReplicaPolicy
-    failover: bool
+    _client_class: type  # the single-target client of each replica
+    _session_class: type  # what decode_session opens
+
+    def __init__(self, target: str | Sequence[str], *, model: str = "", timeout: float | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: ClientTls | None = None,
+                 token: str | None = None, failover: bool = True, replica_policy: ReplicaPolicy | None = None,
+                 channel_options: Sequence[tuple[str, object]] = (),
+                 keepalive: Keepalive | None = DEFAULT_KEEPALIVE):
+        """One single-target client per replica (channels that reconnect within a second);
+        the other arguments are :class:`~ferrum_rpc.client.client.ExecutorClient`'s."""
+        self.model, self.timeout, self.failover = model, timeout, failover
+        self.policy = replica_policy or ReplicaPolicy()
+        options = list(channel_options) + RECONNECT_OPTIONS
+        self._fleet = _Fleet([_Replica(t, self._client_class(
+            t, model=model, timeout=timeout, max_message_bytes=max_message_bytes, tls=tls, token=token,
+            channel_options=options, keepalive=keepalive)) for t in resolve_targets(target)], self.policy)
+        self._opened()
+
+    def _opened(self) -> None:
+        """Called once the replicas' clients exist."""
 
     @property
     def replicas(self) -> list[str]:
@@ -379,16 +364,9 @@ class _Routing:
         """The sequences this client tracks (prefilled or forked, not released)."""
         return self._fleet.live()
 
-    def _setup(self, client_cls: type, target, failover: bool, policy: ReplicaPolicy | None,
-               kwargs: dict) -> list[_Replica]:
-        """One single-target client per replica (channels that reconnect within a second)."""
-        self.model, self.timeout, self.failover = kwargs["model"], kwargs["timeout"], failover
-        self.policy = policy or ReplicaPolicy()
-        self._regions: dict = {}
-        options = list(kwargs.pop("channel_options", ())) + RECONNECT_OPTIONS
-        replicas = [_Replica(t, client_cls(t, channel_options=options, **kwargs)) for t in resolve_targets(target)]
-        self._fleet = _Fleet(replicas, self.policy)
-        return replicas
+    def decode_session(self):
+        """A DecodeSession over the set: one stream per owning replica (see :class:`ReplicaDecodeSession`)."""
+        return self._session_class(self)
 
     # -- replica state --------------------------------------------------------------
     def _mark(self, replica: _Replica, err: ExecutorError, unanswered: bool = False) -> None:
@@ -796,55 +774,169 @@ def _entries(items: Iterable[DecodeItem]) -> list[tuple[list[int], KvCacheHandle
     return [([token], handle) for token, handle in pairs]
 
 
-def _prompt_entries(prompts) -> list[tuple[list[int], KvCacheHandle | None]]:
-    out = []
-    for prompt in prompts:
-        continues = isinstance(prompt, tuple) and len(prompt) == 2 and isinstance(prompt[1], KvCacheHandle)
-        out.append((list(prompt[0]), prompt[1]) if continues else (list(prompt), None))
-    return out
+def _prompt_entries(prompts: Iterable[Prompt]) -> list[tuple[list[int], KvCacheHandle | None]]:
+    return [(list(tokens), handle) for tokens, handle in map(split_prompt, prompts)]
 
 
-class ReplicaSetClient(_Routing, ExecutorClient):
-    """:class:`ExecutorClient` over several replicas: ``ExecutorClient([a, b, c])`` builds one.
+# -- the public calls, once --------------------------------------------------------------------
 
-    New sequences are placed by load (power of two choices over cached GetStatus
-    answers) or prefix locality; every call on a handle goes to its owner; batches
-    and sessions are split by owner and merged back in order; with ``failover``
-    (the default) a sequence whose owner dies, restarts or drains is replayed on
-    another replica and the call goes on there (logged; bounded by the policy;
-    :class:`~ferrum_rpc.errors.FailoverFailed` when it cannot be).  Thread-safe
-    across sequences; each sequence is used by one thread at a time.
-    """
 
-    def __init__(self, target: str | Sequence[str], *, model: str = "", timeout: float | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: ClientTls | None = None,
-                 token: str | None = None, failover: bool = True, replica_policy: ReplicaPolicy | None = None,
-                 channel_options: Sequence[tuple[str, object]] = (),
-                 keepalive: Keepalive | None = DEFAULT_KEEPALIVE):
-        replicas = self._setup(ExecutorClient, target, failover, replica_policy, dict(
-            model=model, timeout=timeout, max_message_bytes=max_message_bytes, tls=tls, token=token,
-            channel_options=channel_options, keepalive=keepalive))
-        self._pool = ThreadPoolExecutor(max_workers=max(2, len(replicas)), thread_name_prefix="replicas")
+class _Contract:
+    """A replica set's public calls, each written once as a flow (the replica set is
+    ``self``); :class:`ReplicaSetClient` and :class:`AsyncReplicaSetClient` get one
+    method per function here (:data:`DRIVEN`), which drives the flow."""
 
-    # -- the driver ------------------------------------------------------------------
+    def replica_of(self, handle: KvCacheHandle):
+        """The target that owns ``handle``'s sequence now (after any failover); a handle
+        this client does not track goes by its instance id, replicas not yet asked
+        probed first (StaleHandle when it is none of them)."""
+        seq, _ = self._fleet.resolve(handle)
+        owner = seq.replica if seq is not None else (yield from self._owner_flow(handle))
+        return owner.target
+
+    def replica_status(self):
+        """Every replica's GetStatus now (or the error asking it gave)."""
+        return {r.target: out for r, out in zip(self._fleet.replicas, (yield from self._statuses_flow()))}
+
+    def wait_ready(self, timeout: float = 30.0):
+        """Waits until every replica's channel connects (each within ``timeout``)."""
+        for replica in self._fleet.replicas:
+            yield _Call(replica, replica.client.wait_ready, (timeout,), False)
+
+    def info(self):
+        return (yield from self._any_flow(lambda c: c.info()))
+
+    def capabilities(self):
+        return (yield from self._any_flow(lambda c: c.capabilities()))
+
+    def status(self):
+        """One usable replica's status (see :meth:`replica_status` for all)."""
+        return (yield from self._any_flow(lambda c: c.status()))
+
+    def prefill(self, token_ids: Sequence[int], kv_cache: KvCacheHandle | None = None,
+                logits: LogitsPolicy = LogitsPolicy(), hidden_states: HiddenStatesRequest | None = None):
+        """A new prompt placed by load (or prefix locality); a continuation on its owner."""
+        tokens = list(token_ids)
+        if kv_cache is None:
+            return (yield from self._new_sequence_flow(
+                tokens, lambda c: c.prefill(tokens, None, logits, hidden_states)))
+        return (yield from self._sequence_flow(
+            kv_cache, lambda c, h: c.prefill(tokens, h, logits, hidden_states), lambda out: tokens))
+
+    def decode(self, token_id: int, kv_cache: KvCacheHandle, logits: LogitsPolicy = LogitsPolicy()):
+        return (yield from self._sequence_flow(
+            kv_cache, lambda c, h: c.decode(token_id, h, logits), lambda out: [token_id]))
+
+    def batch_decode(self, items: Iterable[DecodeItem], logits: LogitsPolicy = LogitsPolicy()):
+        """One batched forward per owning replica, in parallel; outputs in the order of ``items``."""
+        def call_for(replica, group):
+            return _Call(replica, replica.client.batch_decode, ([(i.tokens[0], i.send) for i in group], logits))
+        return (yield from self._batch_flow(_entries(items), call_for))
+
+    def forward_verify(self, token_ids: Sequence[int], kv_cache: KvCacheHandle,
+                       logits: LogitsPolicy = LogitsPolicy()):
+        tokens = list(token_ids)
+        return (yield from self._sequence_flow(
+            kv_cache, lambda c, h: c.forward_verify(tokens, h, logits), lambda out: tokens))
+
+    def speculative_decode(self, token_id: int, draft: Sequence[int], kv_cache: KvCacheHandle,
+                           logits: LogitsPolicy = LogitsPolicy(), sampling: SpeculativeSampling | None = None):
+        return (yield from self._sequence_flow(
+            kv_cache, lambda c, h: c.speculative_decode(token_id, draft, h, logits, sampling),
+            lambda out: [token_id, *out.accepted_token_ids]))
+
+    def batch_prefill(self, prompts: Iterable[Prompt], logits: LogitsPolicy = LogitsPolicy()):
+        """New prompts placed by load, continuations on their owners; one call per replica."""
+        def call_for(replica, group):
+            return _Call(replica, replica.client.batch_prefill,
+                         ([i.tokens if i.send is None else (i.tokens, i.send) for i in group], logits))
+        return (yield from self._batch_flow(_prompt_entries(prompts), call_for))
+
+    def truncate_kv(self, kv_cache: KvCacheHandle, new_length: int):
+        return (yield from self._sequence_flow(
+            kv_cache, lambda c, h: c.truncate_kv(h, new_length), lambda out: (), result_handle=lambda out: out,
+            keep=new_length))
+
+    def release_cache(self, cache: KvCacheHandle | str):
+        return (yield from self._release_flow(cache))
+
+    def fork_cache(self, kv_cache: KvCacheHandle, num_children: int):
+        return (yield from self._fork_flow(kv_cache, num_children))
+
+    def list_models(self):
+        return (yield from self._any_flow(lambda c: c.list_models()))
+
+    def load_model(self, name: str, path: str, progress=None):
+        """Loads the model on every replica, one after another."""
+        for replica in self._fleet.replicas:
+            yield _Call(replica, replica.client.load_model, (name, path, progress), False)
+
+    def unload_model(self, name: str):
+        """Unloads the model on every replica; returns the sequences dropped in all."""
+        dropped = 0
+        for replica in self._fleet.replicas:
+            dropped += yield _Call(replica, replica.client.unload_model, (name,), False)
+        return dropped
+
+    def shared_memory(self, byte_size: int, name: str | None = None):
+        raise ExecutorError("shared-memory regions belong to one server: open them on a single-target client",
+                            code=grpc.StatusCode.FAILED_PRECONDITION)
+        yield  # never reached: makes this a flow
+
+
+_RESULTS = {rpc.name: rpc.returns for rpc in RPCS}  # a replica set's calls return what a server's do
+
+
+def _driven(flow: Callable[..., Flow], name: str | None = None) -> Callable[[bool], Callable]:
+    """``make(aio)`` for the method (named ``name``, by default the flow's) that runs
+    ``flow`` with its object's ``_drive``."""
+    name = name or flow.__name__
+    return lambda aio: method(name, flow, _RESULTS.get(name, inspect.Signature.empty),
+                              lambda self, *args, **kwargs: self._drive(flow(self, *args, **kwargs)), aio)
+
+
+# What ReplicaSetClient and AsyncReplicaSetClient get: a method per call of _Contract.
+DRIVEN = {name: _driven(flow) for name, flow in vars(_Contract).items() if inspect.isfunction(flow)}
+
+
+# -- the drivers ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Done:
+    """A flow returned ``value``."""
+
+    value: Any
+
+
+def _resume(flow: Flow, outcome: Any) -> Any:
+    """Resumes ``flow`` with its last request's outcome (a value, or an ExecutorError to
+    raise in it): its next request, or :class:`_Done` with what it returned."""
+    try:
+        return flow.throw(outcome) if isinstance(outcome, ExecutorError) else flow.send(outcome)
+    except StopIteration as stop:
+        return _Done(stop.value)
+
+
+class _SyncDriver:
+    """Runs flows on the caller's thread; parallel calls on a small pool."""
+
+    _fleet: _Fleet
+    _pool: ThreadPoolExecutor
+
     def _drive(self, flow: Flow) -> Any:
-        value, error = None, None
-        while True:
-            try:
-                request = flow.throw(error) if error is not None else flow.send(value)
-            except StopIteration as stop:
-                return stop.value
-            value, error = None, None
+        request = _resume(flow, None)
+        while not isinstance(request, _Done):
             if isinstance(request, _Call):
-                try:
-                    value = self._run(request)
-                except ExecutorError as err:
-                    error = err
+                outcome = self._outcome(request)
             elif isinstance(request, _Parallel):
                 calls = request.calls
-                value = [self._outcome(calls[0])] if len(calls) == 1 else list(self._pool.map(self._outcome, calls))
+                outcome = [self._outcome(calls[0])] if len(calls) == 1 else list(self._pool.map(self._outcome, calls))
             else:
                 time.sleep(request.seconds)
+                outcome = None
+            request = _resume(flow, outcome)
+        return request.value
 
     def _run(self, call: _Call) -> Any:
         if call.counted:
@@ -863,173 +955,22 @@ class ReplicaSetClient(_Routing, ExecutorClient):
         except ExecutorError as err:
             return err
 
-    # -- the contract ----------------------------------------------------------------
-    def replica_of(self, handle: KvCacheHandle) -> str:
-        """The target that owns ``handle``'s sequence now (after any failover)."""
-        seq, _ = self._fleet.resolve(handle)
-        return seq.replica.target if seq is not None else self._drive(self._owner_flow(handle)).target
 
-    def replica_status(self) -> dict[str, ExecutorStatus | ExecutorError]:
-        """Every replica's GetStatus now (or the error asking it gave)."""
-        return {r.target: out for r, out in zip(self._fleet.replicas, self._drive(self._statuses_flow()))}
-
-    def wait_ready(self, timeout: float = 30.0) -> None:
-        """Blocks until every replica's channel connects."""
-        for replica in self._fleet.replicas:
-            replica.client.wait_ready(timeout)
-
-    def info(self):
-        return self._drive(self._any_flow(lambda c: c.info()))
-
-    def capabilities(self):
-        return self._drive(self._any_flow(lambda c: c.capabilities()))
-
-    def status(self) -> ExecutorStatus:
-        """One usable replica's status (see :meth:`replica_status` for all)."""
-        return self._drive(self._any_flow(lambda c: c.status()))
-
-    def prefill(self, token_ids: Sequence[int], kv_cache: KvCacheHandle | None = None,
-                logits: LogitsPolicy = LogitsPolicy(), hidden_states=None) -> PrefillOutput:
-        tokens = list(token_ids)
-        if kv_cache is None:
-            return self._drive(self._new_sequence_flow(
-                tokens, lambda c: c.prefill(tokens, None, logits, hidden_states)))
-        return self._drive(self._sequence_flow(
-            kv_cache, lambda c, h: c.prefill(tokens, h, logits, hidden_states), lambda out: tokens))
-
-    def decode(self, token_id: int, kv_cache: KvCacheHandle, logits: LogitsPolicy = LogitsPolicy()) -> DecodeOutput:
-        return self._drive(self._sequence_flow(
-            kv_cache, lambda c, h: c.decode(token_id, h, logits), lambda out: [token_id]))
-
-    def batch_decode(self, items: Iterable[DecodeItem], logits: LogitsPolicy = LogitsPolicy()) -> list[DecodeOutput]:
-        """One batched forward per owning replica, in parallel; outputs in the order of ``items``."""
-        def call_for(replica, group):
-            return _Call(replica, replica.client.batch_decode, ([(i.tokens[0], i.send) for i in group], logits))
-        return self._drive(self._batch_flow(_entries(items), call_for))
-
-    def forward_verify(self, token_ids: Sequence[int], kv_cache: KvCacheHandle, logits: LogitsPolicy = LogitsPolicy()):
-        tokens = list(token_ids)
-        return self._drive(self._sequence_flow(
-            kv_cache, lambda c, h: c.forward_verify(tokens, h, logits), lambda out: tokens))
-
-    def speculative_decode(self, token_id: int, draft: Sequence[int], kv_cache: KvCacheHandle,
-                           logits: LogitsPolicy = LogitsPolicy(), sampling=None):
-        return self._drive(self._sequence_flow(
-            kv_cache, lambda c, h: c.speculative_decode(token_id, draft, h, logits, sampling),
-            lambda out: [token_id, *out.accepted_token_ids]))
-
-    def batch_prefill(self, prompts, logits: LogitsPolicy = LogitsPolicy()) -> list[PrefillOutput]:
-        """New prompts placed by load, continuations on their owners; one call per replica."""
-        def call_for(replica, group):
-            return _Call(replica, replica.client.batch_prefill,
-                         ([i.tokens if i.send is None else (i.tokens, i.send) for i in group], logits))
-        return self._drive(self._batch_flow(_prompt_entries(prompts), call_for))
-
-    def truncate_kv(self, kv_cache: KvCacheHandle, new_length: int) -> KvCacheHandle:
-        return self._drive(self._sequence_flow(
-            kv_cache, lambda c, h: c.truncate_kv(h, new_length), lambda out: (), result_handle=lambda out: out,
-            keep=new_length))
-
-    def release_cache(self, cache: KvCacheHandle | str) -> int:
-        return self._drive(self._release_flow(cache))
-
-    def fork_cache(self, kv_cache: KvCacheHandle, num_children: int) -> list[KvCacheHandle]:
-        return self._drive(self._fork_flow(kv_cache, num_children))
-
-    def decode_session(self) -> ReplicaDecodeSession:
-        return ReplicaDecodeSession(self)
-
-    def list_models(self):
-        return self._drive(self._any_flow(lambda c: c.list_models()))
-
-    def load_model(self, name: str, path: str, progress=None) -> None:
-        """Loads the model on every replica, one after another."""
-        for replica in self._fleet.replicas:
-            replica.client.load_model(name, path, progress)
-
-    def unload_model(self, name: str) -> int:
-        """Unloads the model on every replica; returns the sequences dropped in all."""
-        return sum(replica.client.unload_model(name) for replica in self._fleet.replicas)
-
-    def shared_memory(self, byte_size: int, name: str | None = None):
-        raise ExecutorError("shared-memory regions belong to one server: open them on a single-target client",
-                            code=grpc.StatusCode.FAILED_PRECONDITION)
-
-    def close(self) -> None:
-        for replica in self._fleet.replicas:
-            replica.client.close()
-        self._pool.shutdown(wait=False)
-
-
-class ReplicaDecodeSession:
-    """A DecodeSession over a replica set: one stream per owning replica, opened on
-    first use; a step is split by owner, run in parallel and merged in order."""
-
-    def __init__(self, client: ReplicaSetClient):
-        self._client = client
-        self._sessions: dict[_Replica, Any] = {}
-        self._lock = threading.Lock()
-
-    def _session(self, replica: _Replica):
-        with self._lock:
-            if replica not in self._sessions:
-                self._sessions[replica] = replica.client.decode_session()
-            return self._sessions[replica]
-
-    def _lost(self, replica: _Replica) -> None:
-        with self._lock:
-            session = self._sessions.pop(replica, None)
-        if session is not None:
-            try:
-                session.close()
-            except (ExecutorError, grpc.RpcError) as err:
-                log.debug("closing the session on %s: %s", replica.target, err)
-
-    def step(self, items: Iterable[DecodeItem], logits: LogitsPolicy = LogitsPolicy()) -> list[DecodeOutput]:
-        def call_for(replica, group):
-            return _Call(replica, self._session(replica).step, ([(i.tokens[0], i.send) for i in group], logits))
-        return self._client._drive(self._client._batch_flow(_entries(items), call_for, self._lost))
-
-    def close(self) -> None:
-        for replica in list(self._sessions):
-            self._lost(replica)
-
-    def __enter__(self) -> ReplicaDecodeSession:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class AsyncReplicaSetClient(_Routing, AsyncExecutorClient):
-    """:class:`AsyncExecutorClient` over several replicas (as :class:`ReplicaSetClient`)."""
-
-    def __init__(self, target: str | Sequence[str], *, model: str = "", timeout: float | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: ClientTls | None = None,
-                 token: str | None = None, failover: bool = True, replica_policy: ReplicaPolicy | None = None,
-                 channel_options: Sequence[tuple[str, object]] = (),
-                 keepalive: Keepalive | None = DEFAULT_KEEPALIVE):
-        self._setup(AsyncExecutorClient, target, failover, replica_policy, dict(
-            model=model, timeout=timeout, max_message_bytes=max_message_bytes, tls=tls, token=token,
-            channel_options=channel_options, keepalive=keepalive))
+class _AsyncDriver:
+    """Awaits flows on the event loop; parallel calls gathered."""
 
     async def _drive(self, flow: Flow) -> Any:
-        value, error = None, None
-        while True:
-            try:
-                request = flow.throw(error) if error is not None else flow.send(value)
-            except StopIteration as stop:
-                return stop.value
-            value, error = None, None
+        request = _resume(flow, None)
+        while not isinstance(request, _Done):
             if isinstance(request, _Call):
-                try:
-                    value = await self._run(request)
-                except ExecutorError as err:
-                    error = err
+                outcome = await self._outcome(request)
             elif isinstance(request, _Parallel):
-                value = list(await asyncio.gather(*(self._outcome(c) for c in request.calls)))
+                outcome = list(await asyncio.gather(*(self._outcome(c) for c in request.calls)))
             else:
                 await asyncio.sleep(request.seconds)
+                outcome = None
+            request = _resume(flow, outcome)
+        return request.value
 
     async def _run(self, call: _Call) -> Any:
         if call.counted:
@@ -1047,111 +988,74 @@ class AsyncReplicaSetClient(_Routing, AsyncExecutorClient):
         except ExecutorError as err:
             return err
 
-    def replica_of(self, handle: KvCacheHandle) -> str:
-        """The target that owns ``handle``'s sequence now (tracked sequences only)."""
-        seq, _ = self._fleet.resolve(handle)
-        if seq is None:
-            owner = self._fleet.owner(handle)
-            return owner.target if owner is not None else ""
-        return seq.replica.target
 
-    async def replica_status(self) -> dict[str, ExecutorStatus | ExecutorError]:
-        return {r.target: out for r, out in zip(self._fleet.replicas, await self._drive(
-            self._statuses_flow()))}
-
-    async def info(self):
-        return await self._drive(self._any_flow(lambda c: c.info()))
-
-    async def capabilities(self):
-        return await self._drive(self._any_flow(lambda c: c.capabilities()))
-
-    async def status(self) -> ExecutorStatus:
-        return await self._drive(self._any_flow(lambda c: c.status()))
-
-    async def prefill(self, token_ids: Sequence[int], kv_cache: KvCacheHandle | None = None,
-                      logits: LogitsPolicy = LogitsPolicy(), hidden_states=None) -> PrefillOutput:
-        tokens = list(token_ids)
-        if kv_cache is None:
-            return await self._drive(self._new_sequence_flow(
-                tokens, lambda c: c.prefill(tokens, None, logits, hidden_states)))
-        return await self._drive(self._sequence_flow(
-            kv_cache, lambda c, h: c.prefill(tokens, h, logits, hidden_states), lambda out: tokens))
-
-    async def decode(self, token_id: int, kv_cache: KvCacheHandle,
-                     logits: LogitsPolicy = LogitsPolicy()) -> DecodeOutput:
-        return await self._drive(self._sequence_flow(
-            kv_cache, lambda c, h: c.decode(token_id, h, logits), lambda out: [token_id]))
-
-    async def batch_decode(self, items: Iterable[DecodeItem],
-                           logits: LogitsPolicy = LogitsPolicy()) -> list[DecodeOutput]:
-        def call_for(replica, group):
-            return _Call(replica, replica.client.batch_decode, ([(i.tokens[0], i.send) for i in group], logits))
-        return await self._drive(self._batch_flow(_entries(items), call_for))
-
-    async def forward_verify(self, token_ids: Sequence[int], kv_cache: KvCacheHandle,
-                             logits: LogitsPolicy = LogitsPolicy()):
-        tokens = list(token_ids)
-        return await self._drive(self._sequence_flow(
-            kv_cache, lambda c, h: c.forward_verify(tokens, h, logits), lambda out: tokens))
-
-    async def speculative_decode(self, token_id: int, draft: Sequence[int], kv_cache: KvCacheHandle,
-                                 logits: LogitsPolicy = LogitsPolicy(), sampling=None):
-        return await self._drive(self._sequence_flow(
-            kv_cache, lambda c, h: c.speculative_decode(token_id, draft, h, logits, sampling),
-            lambda out: [token_id, *out.accepted_token_ids]))
-
-    async def batch_prefill(self, prompts, logits: LogitsPolicy = LogitsPolicy()) -> list[PrefillOutput]:
-        def call_for(replica, group):
-            return _Call(replica, replica.client.batch_prefill,
-                         ([i.tokens if i.send is None else (i.tokens, i.send) for i in group], logits))
-        return await self._drive(self._batch_flow(_prompt_entries(prompts), call_for))
-
-    async def truncate_kv(self, kv_cache: KvCacheHandle, new_length: int) -> KvCacheHandle:
-        return await self._drive(self._sequence_flow(
-            kv_cache, lambda c, h: c.truncate_kv(h, new_length), lambda out: (), result_handle=lambda out: out,
-            keep=new_length))
-
-    async def release_cache(self, cache: KvCacheHandle | str) -> int:
-        return await self._drive(self._release_flow(cache))
-
-    async def fork_cache(self, kv_cache: KvCacheHandle, num_children: int) -> list[KvCacheHandle]:
-        return await self._drive(self._fork_flow(kv_cache, num_children))
-
-    def decode_session(self) -> AsyncReplicaDecodeSession:
-        return AsyncReplicaDecodeSession(self)
-
-    async def shared_memory(self, byte_size: int, name: str | None = None):
-        raise ExecutorError("shared-memory regions belong to one server: open them on a single-target client",
-                            code=grpc.StatusCode.FAILED_PRECONDITION)
-
-    async def close(self) -> None:
-        for replica in self._fleet.replicas:
-            await replica.client.close()
+# -- the clients -------------------------------------------------------------------------------
 
 
-class AsyncReplicaDecodeSession:
-    """:class:`ReplicaDecodeSession` for asyncio."""
+class _ReplicaSessions:
+    """A DecodeSession over a replica set: one stream per owning replica, opened on
+    first use; a step is split by owner, run in parallel and merged in order."""
 
-    def __init__(self, client: AsyncReplicaSetClient):
+    def __init__(self, client: _Routing):
         self._client = client
         self._sessions: dict[_Replica, Any] = {}
-        self._closing: list = []
+        self._lock = threading.Lock()
+
+    @property
+    def _drive(self):
+        return self._client._drive
 
     def _session(self, replica: _Replica):
-        if replica not in self._sessions:
-            self._sessions[replica] = replica.client.decode_session()
-        return self._sessions[replica]
+        with self._lock:
+            if replica not in self._sessions:
+                self._sessions[replica] = replica.client.decode_session()
+            return self._sessions[replica]
+
+    def _step_flow(self, items: Iterable[DecodeItem], logits: LogitsPolicy = LogitsPolicy()) -> Flow:
+        """One step: split by owner, one stream step per replica in parallel, merged in order."""
+        def call_for(replica, group):
+            return _Call(replica, self._session(replica).step, ([(i.tokens[0], i.send) for i in group], logits))
+        return (yield from self._client._batch_flow(_entries(items), call_for, self._lost))
+
+    def _lost(self, replica: _Replica) -> None:
+        """Drops the stream to a replica that cannot hold its sequences any more."""
+        raise NotImplementedError
+
+
+class ReplicaDecodeSession(_ReplicaSessions):
+    __doc__ = _ReplicaSessions.__doc__
+
+    step = _driven(_ReplicaSessions._step_flow, "step")(False)
+
+    def _lost(self, replica: _Replica) -> None:
+        with self._lock:
+            session = self._sessions.pop(replica, None)
+        if session is not None:
+            try:
+                session.close()
+            except (ExecutorError, grpc.RpcError) as err:
+                log.debug("closing the session on %s: %s", replica.target, err)
+
+    def close(self) -> None:
+        for replica in list(self._sessions):
+            self._lost(replica)
+
+    def __enter__(self) -> ReplicaDecodeSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncReplicaDecodeSession(_ReplicaSessions):
+    """:class:`ReplicaDecodeSession` for asyncio."""
+
+    step = _driven(_ReplicaSessions._step_flow, "step")(True)
 
     def _lost(self, replica: _Replica) -> None:
         session = self._sessions.pop(replica, None)
         if session is not None:
             session._call.cancel()  # its stream is dead or its server is stopping
-
-    async def step(self, items: Iterable[DecodeItem], logits: LogitsPolicy = LogitsPolicy()) -> list[DecodeOutput]:
-        def call_for(replica, group):
-            return _Call(replica, self._session(replica).step, ([(i.tokens[0], i.send) for i in group], logits))
-        return await self._client._drive(self._client._batch_flow(_entries(items), call_for,
-                                                                      self._lost))
 
     async def close(self) -> None:
         for replica in list(self._sessions):
@@ -1166,3 +1070,67 @@ class AsyncReplicaDecodeSession:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+@with_methods(DRIVEN, aio=False)
+class ReplicaSetClient(_SyncDriver, _Routing):
+    """:class:`ExecutorClient`'s methods over several replicas, each reached through its
+    own ExecutorClient; :func:`connect` builds one for several targets.
+
+    New sequences are placed by load (power of two choices over cached GetStatus
+    answers) or prefix locality; every call on a handle goes to its owner; batches
+    and sessions are split by owner and merged back in order; with ``failover``
+    (the default) a sequence whose owner dies, restarts or drains is replayed on
+    another replica and the call goes on there (logged; bounded by the policy;
+    :class:`~ferrum_rpc.errors.FailoverFailed` when it cannot be).  Thread-safe
+    across sequences; each sequence is used by one thread at a time.
+    """
+
+    _client_class = ExecutorClient
+    _session_class = ReplicaDecodeSession
+
+    def _opened(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=max(2, len(self._fleet.replicas)), thread_name_prefix="replicas")
+
+    def close(self) -> None:
+        for replica in self._fleet.replicas:
+            replica.client.close()
+        self._pool.shutdown(wait=False)
+
+    def __enter__(self) -> ReplicaSetClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@with_methods(DRIVEN, aio=True)
+class AsyncReplicaSetClient(_AsyncDriver, _Routing):
+    """:class:`ReplicaSetClient` for asyncio, over AsyncExecutorClients: the same methods, awaitable."""
+
+    _client_class = AsyncExecutorClient
+    _session_class = AsyncReplicaDecodeSession
+
+    async def close(self) -> None:
+        for replica in self._fleet.replicas:
+            await replica.client.close()
+
+    async def __aenter__(self) -> AsyncReplicaSetClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+def connect(target: str | Sequence[str], **options) -> ExecutorClient | ReplicaSetClient:
+    """A blocking client for ``target``: an :class:`ExecutorClient` for one server, a
+    :class:`ReplicaSetClient` when it names several (a list of targets, or gRPC's
+    multi-address forms: "ipv4:10.0.0.1:5001,10.0.0.2:5001", "ipv6:[::1]:5001,[::1]:5002",
+    "dns:///host:port" resolving to several addresses).  ``options``: the keywords of
+    :class:`ExecutorClient` (``failover`` and ``replica_policy`` matter to a replica set)."""
+    return (ReplicaSetClient if len(resolve_targets(target)) > 1 else ExecutorClient)(target, **options)
+
+
+def connect_async(target: str | Sequence[str], **options) -> AsyncExecutorClient | AsyncReplicaSetClient:
+    """:func:`connect` for asyncio: an :class:`AsyncExecutorClient` or an :class:`AsyncReplicaSetClient`."""
+    return (AsyncReplicaSetClient if len(resolve_targets(target)) > 1 else AsyncExecutorClient)(target, **options)

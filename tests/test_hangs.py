@@ -29,7 +29,7 @@ import grpc
 import pytest
 
 from ferrum_rpc import convert
-from ferrum_rpc.client import ExecutorClient, LengthMismatch, LogitsPolicy
+from ferrum_rpc.client import ExecutorClient, LengthMismatch, LogitsPolicy, connect
 from ferrum_rpc.client import client as client_module
 from ferrum_rpc.client.generate import generate_ids
 from ferrum_rpc.client.replicas import ReplicaPolicy
@@ -91,7 +91,7 @@ def test_sigstopped_replica_is_left_and_its_generations_fail_over(fresh_pair):
     ps = prompts(6)
     with ExecutorClient(targets[1], timeout=30) as one:
         want = [list(generate_ids(one, list(p), 20, GREEDY)) for p in ps]
-    ex = ExecutorClient(targets, replica_policy=FAST)  # no timeout: only keepalive can tell
+    ex = connect(targets, replica_policy=FAST)  # no timeout: only keepalive can tell
     owners: dict[int, str] = {}
     frozen: list[Frozen] = []
     stopped_at: list[float] = []
@@ -261,7 +261,7 @@ def test_replica_client_resyncs_a_sequence_its_timed_out_call_changed(fresh_pair
     try:
         targets = [proxy.target, b.target]
         before = {r.target: _free_blocks(r.target) for r in fresh_pair}
-        with ExecutorClient(targets, timeout=2, keepalive=None, replica_policy=FAST) as ex:
+        with connect(targets, timeout=2, keepalive=None, replica_policy=FAST) as ex:
             for prompt in map(list, prompts(8)):  # until one lands behind the proxy
                 out = ex.prefill(prompt, logits=LogitsPolicy.argmax())
                 if ex.replica_of(out.kv_cache) == proxy.target:

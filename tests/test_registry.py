@@ -4,11 +4,12 @@ only when tokens are on; failed loads leave nothing behind."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
 
-from ferrum_rpc.client import ExecutorClient, LogitsPolicy
+from ferrum_rpc.client import AsyncExecutorClient, ExecutorClient, LogitsPolicy
 from ferrum_rpc.errors import AdminOnly, CacheNotFound, InvalidInput, ModelNotFound
 from tests.conftest import running_server
 
@@ -54,6 +55,26 @@ def test_load_use_unload_and_reload_while_the_first_model_serves(tiny_llama_dir,
         assert again.logits.argmax() == seq.logits.argmax()  # the same weights, served afresh
         with pytest.raises(CacheNotFound):  # the old handle stays dead: the new instance never had it
             second.decode(1, seq.kv_cache, GREEDY)
+
+
+def test_the_asyncio_client_loads_lists_and_unloads(tiny_llama_dir, tiny_qwen3_dir):
+    """The same registry calls awaited (they come from the table the blocking client uses)."""
+    async def run():
+        async with AsyncExecutorClient(server.target, timeout=60) as aex, \
+                AsyncExecutorClient(server.target, model="second", timeout=60) as second:
+            await aex.wait_ready(10)
+            stages = []
+            await aex.load_model("second", str(tiny_qwen3_dir), progress=lambda stage, s: stages.append(stage))
+            assert stages == ["loading", "warming up", "serving"]
+            assert [m.name for m in await aex.list_models()] == ["first", "second"]
+            await second.prefill([4, 5, 6], logits=GREEDY)
+            assert await aex.unload_model("second") == 1
+            assert [m.name for m in await aex.list_models()] == ["first"]
+            with pytest.raises(ModelNotFound):
+                await aex.unload_model("second")
+
+    with running_server(tiny_llama_dir, name="first") as server:
+        asyncio.run(run())
 
 
 def test_bad_loads_leave_nothing_behind(tiny_llama_dir, tmp_path):

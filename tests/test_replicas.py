@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 import pytest
 
-from ferrum_rpc.client import AsyncExecutorClient, ExecutorClient, LogitsPolicy
+from ferrum_rpc.client import AsyncExecutorClient, ExecutorClient, LogitsPolicy, connect, connect_async
 from ferrum_rpc.client.generate import generate_ids
 from ferrum_rpc.client.replicas import AsyncReplicaSetClient, ReplicaPolicy, ReplicaSetClient, resolve_targets
 from ferrum_rpc.client.sampling import SamplingParams
@@ -101,8 +101,8 @@ def test_target_forms_resolve_to_replicas():
     assert resolve_targets("dns:///localhost:5001") in (["dns:///localhost:5001"],
                                                         ["127.0.0.1:5001", "[::1]:5001"],
                                                         ["[::1]:5001", "127.0.0.1:5001"])
-    assert type(ExecutorClient(["127.0.0.1:1"])) is ExecutorClient  # one target: the plain client
-    several = ExecutorClient(["127.0.0.1:1", "127.0.0.1:2"])
+    assert type(connect(["127.0.0.1:1"])) is ExecutorClient  # one target: the plain client
+    several = connect(["127.0.0.1:1", "127.0.0.1:2"])
     assert isinstance(several, ReplicaSetClient) and several.replicas == ["127.0.0.1:1", "127.0.0.1:2"]
     several.close()
 
@@ -123,7 +123,7 @@ def test_cli_takes_several_targets():
 def test_placement_spreads_and_calls_follow_the_handle(healthy, reference):
     targets = [r.target for r in healthy]
     instance = {r.target: r.instance for r in healthy}
-    with ExecutorClient(targets, timeout=30, replica_policy=FAST) as ex:
+    with connect(targets, timeout=30, replica_policy=FAST) as ex:
         outs = [ex.prefill(p, logits=LogitsPolicy.argmax()) for p in prompts(12)]
         owners = [ex.replica_of(o.kv_cache) for o in outs]
         assert set(owners) == set(targets), owners  # every replica took some
@@ -140,7 +140,7 @@ def test_prefix_locality_prefers_the_replica_holding_the_prefix(healthy):
     targets = [r.target for r in healthy]
     shared = list(range(1, 17))  # four 4-token blocks
     policy = ReplicaPolicy(prefix_tokens=16, locality_slack=2.0, seed=1)
-    with ExecutorClient(targets, timeout=30, replica_policy=policy) as ex:
+    with connect(targets, timeout=30, replica_policy=policy) as ex:
         outs = [ex.prefill(shared + [100 + i, 200 + i], logits=LogitsPolicy.argmax()) for i in range(6)]
         owners = {ex.replica_of(o.kv_cache) for o in outs}
         assert len(owners) == 1, owners
@@ -151,7 +151,7 @@ def test_prefix_locality_prefers_the_replica_holding_the_prefix(healthy):
 
 def test_mixed_batch_across_owners_equals_decoding_each_alone(healthy):
     targets = "ipv4:" + ",".join(r.target for r in healthy)  # gRPC's multi-address form
-    with ExecutorClient(targets, timeout=30, replica_policy=FAST) as ex, \
+    with connect(targets, timeout=30, replica_policy=FAST) as ex, \
             ExecutorClient(healthy[0].target, timeout=30) as one:
         assert isinstance(ex, ReplicaSetClient)
         ps = prompts(7)
@@ -180,13 +180,13 @@ def test_async_client_routes_and_splits(healthy):
     targets = [r.target for r in healthy]
 
     async def run():
-        async with AsyncExecutorClient(targets, timeout=30, replica_policy=FAST) as ex, \
+        async with connect_async(targets, timeout=30, replica_policy=FAST) as ex, \
                 AsyncExecutorClient(targets[0], timeout=30) as one:
             assert isinstance(ex, AsyncReplicaSetClient)
             ps = prompts(6)
             outs = [await ex.prefill(p, logits=LogitsPolicy.argmax()) for p in ps]
             solo = [await one.prefill(p, logits=LogitsPolicy.argmax()) for p in ps]
-            assert len({ex.replica_of(o.kv_cache) for o in outs}) >= 2
+            assert len({await ex.replica_of(o.kv_cache) for o in outs}) >= 2
             tokens = [o.logits.argmax()[0] for o in solo]
             got = await ex.batch_decode(list(zip(tokens, [o.kv_cache for o in outs])), LogitsPolicy.argmax())
             want = [await one.decode(t, o.kv_cache, LogitsPolicy.argmax()) for t, o in zip(tokens, solo)]
@@ -213,7 +213,7 @@ def test_sigkill_mid_generation_replays_on_survivors(healthy, reference):
     params = [SEEDED if i in (2, 5) else GREEDY for i in range(8)]
     want = [reference(p, 20, sp) for p, sp in zip(ps, params)]
     before = free_blocks(targets)
-    ex = ExecutorClient(targets, timeout=30, replica_policy=FAST)
+    ex = connect(targets, timeout=30, replica_policy=FAST)
     owners: dict[int, str] = {}
     victim: list[str] = []
 
@@ -262,7 +262,7 @@ def test_speculative_generate_survives_its_owner_dying(healthy, reference):
                 by_target[seq.replica].kill()
             return super().draft(context, k)
 
-    with ExecutorClient(targets, timeout=30, replica_policy=FAST) as ex:
+    with connect(targets, timeout=30, replica_policy=FAST) as ex:
         for server_side in (True, False):
             result = speculative_generate(ex, prompt, 24, k=3, drafter=KillingDrafter(), server_side=server_side)
             assert result.tokens == want
@@ -279,7 +279,7 @@ def test_sigterm_drain_moves_new_and_in_flight_work(tiny_llama_dir, healthy, ref
         others = [r.target for r in healthy[:2]]
         prompt = prompts(1)[0]
         want = reference(prompt, 8)
-        with ExecutorClient([draining.target, *others], timeout=30, replica_policy=FAST) as ex:
+        with connect([draining.target, *others], timeout=30, replica_policy=FAST) as ex:
             handle = None
             for _ in range(20):  # place until one lands on the slow replica
                 o = ex.prefill(list(prompt), logits=LogitsPolicy.argmax())
@@ -336,7 +336,7 @@ def test_restart_under_same_address_replays_opt_out_raises_and_bounds_hold(healt
         return handle
 
     async def async_part(handle_tokens):
-        async with AsyncExecutorClient(targets, timeout=30, replica_policy=patient) as aex:
+        async with connect_async(targets, timeout=30, replica_policy=patient) as aex:
             out = await aex.prefill(list(prompt), logits=LogitsPolicy.argmax())
             handle_tokens.append((aex, out.kv_cache, [out.logits.argmax()[0]]))
             await resume.wait()
@@ -344,13 +344,13 @@ def test_restart_under_same_address_replays_opt_out_raises_and_bounds_hold(healt
             while len(tokens) < 10:
                 out = await aex.decode(tokens[-1], handle, logits=LogitsPolicy.argmax())
                 handle, tokens = out.kv_cache, tokens + [out.logits.argmax()[0]]
-            assert aex.replica_of(handle) == c.target
+            assert await aex.replica_of(handle) == c.target
             await aex.release_cache(handle)
             return tokens
 
-    with ExecutorClient(targets, timeout=10, replica_policy=patient) as ex, \
-            ExecutorClient(targets, timeout=10, failover=False, replica_policy=FAST) as opt_out, \
-            ExecutorClient(targets, timeout=10, replica_policy=bounded) as quick:
+    with connect(targets, timeout=10, replica_policy=patient) as ex, \
+            connect(targets, timeout=10, failover=False, replica_policy=FAST) as opt_out, \
+            connect(targets, timeout=10, replica_policy=bounded) as quick:
         h, toks = start(ex)
         h = steps(ex, h, toks, 3)
         h_out, toks_out = start(opt_out)
@@ -399,7 +399,7 @@ def test_batches_forks_and_truncations_survive_a_kill(healthy):
     targets = [r.target for r in healthy]
     by_target = {r.target: r for r in healthy}
     argmax = LogitsPolicy.argmax()
-    with ExecutorClient(targets, timeout=30, replica_policy=FAST) as ex, \
+    with connect(targets, timeout=30, replica_policy=FAST) as ex, \
             ExecutorClient(targets[0], timeout=30) as one:
 
         def build(c):
@@ -443,7 +443,7 @@ def test_failed_split_batch_changes_nothing(healthy):
     targets = [r.target for r in healthy]
     by_target = {r.target: r for r in healthy}
     argmax = LogitsPolicy.argmax()
-    with ExecutorClient(targets, timeout=30, failover=False, replica_policy=FAST) as ex:
+    with connect(targets, timeout=30, failover=False, replica_policy=FAST) as ex:
         outs = [ex.prefill(list(p), logits=argmax) for p in prompts(6)]
         owners = [ex.replica_of(o.kv_cache) for o in outs]
         assert len(set(owners)) >= 2

@@ -1,0 +1,311 @@
+"""The client's RPCs, each written once: :data:`RPCS` holds, for every unary and
+server-streaming call, its request builder, its reply parser and its streaming shape.
+
+:class:`~ferrum_rpc.client.client.ExecutorClient` and
+:class:`~ferrum_rpc.client.client.AsyncExecutorClient` get one public method per
+entry (:data:`INVOKED`), each calling its class's invoker
+(``_invoke``: deadline, deadline header, error mapping), so a new RPC is one entry
+here and the two clients cannot drift.  The bidirectional DecodeSession and the
+shared-memory registration stream hold state across messages and are objects of
+their own (``client.py``, ``shm.py``); they use the builders and parsers below.
+
+A builder's parameters, after the client, are the public method's (names, defaults
+and annotations), and its docstring is the method's.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterable, Sequence, Union
+
+from ferrum_rpc import convert, tensor_codec
+from ferrum_rpc.errors import ExecutorError
+from ferrum_rpc.types import (  # the table's `returns` name some of these
+    Capabilities,
+    DecodeInput,
+    DecodeOutput,
+    ExecutorStatus,
+    HiddenStatesRequest,
+    KvCacheHandle,
+    LogitsKind,
+    LogitsPolicy,
+    ModelInfo,
+    PrefillOutput,
+    SpeculativeOutput,
+    SpeculativeSampling,
+    VerifyOutput,
+)
+from ferrum_rpc.v1 import executor_pb2 as pb
+
+DecodeItem = Union[DecodeInput, tuple[int, KvCacheHandle]]
+Prompt = Union[Sequence[int], tuple[Sequence[int], KvCacheHandle]]
+
+
+@dataclass(frozen=True)
+class Rpc:
+    """One RPC as the clients call it.
+
+    Attributes:
+        name: the client method.
+        method: the stub method (the proto's rpc name).
+        request: ``(client, *args, **kwargs) -> request message``; its parameters are
+            the method's, and its docstring is the method's.
+        reply: ``(client, reply) -> result``; for a stream, ``(client, [replies]) -> result``.
+        returns: the result's type, as the method's return annotation.
+        stream: the server streams its replies; the invoker collects them in order.
+        each: stream only: ``(client, message, *args, **kwargs)``, called as each
+            message arrives (progress callbacks).
+    """
+
+    name: str
+    method: str
+    request: Callable[..., Any]
+    reply: Callable[[Any, Any], Any]
+    returns: str
+    stream: bool = False
+    each: Callable[..., None] | None = None
+
+    def seen(self, client, message, args: tuple, kwargs: dict):
+        """A streamed message as it arrives: shown to ``each``, then kept."""
+        if self.each is not None:
+            self.each(client, message, *args, **kwargs)
+        return message
+
+
+# -- what the builders and parsers read of a client: ``model`` and ``_regions`` --------------
+
+
+def read_region(c, location: pb.SharedMemoryLocation) -> memoryview:
+    region = c._regions.get(location.region)
+    if region is None:
+        raise ExecutorError(f"logits were written to shared-memory region {location.region!r}, "
+                            "which this client did not register")
+    return region.view(location)
+
+
+def output(c, cls, reply):
+    return cls(convert.logits_from_proto(reply.logits, lambda loc: read_region(c, loc)),
+               convert.handle_from_proto(reply.kv_cache), convert.timing_from_proto(reply.timing))
+
+
+def batch_request(c, items: Iterable[DecodeItem], logits: LogitsPolicy) -> pb.BatchDecodeRequest:
+    # Small rows (top-k, argmax, rows in shared memory) come back in one message
+    # (a stream message per sequence costs ~0.35 ms); full rows stay one message each.
+    small = logits.kind is not LogitsKind.FULL or logits.shared_memory is not None
+    req = pb.BatchDecodeRequest(model=c.model, logits=convert.policy_to_proto(logits), single_reply=small)
+    for item in items:
+        token_id, handle = (item.token_id, item.kv_cache) if isinstance(item, DecodeInput) else item
+        req.items.add(token_id=token_id, kv_cache=convert.handle_to_proto(handle))
+    return req
+
+
+def session_request(c, step_id: int, items: Iterable[DecodeItem], logits: LogitsPolicy) -> pb.DecodeSessionRequest:
+    batch = batch_request(c, items, logits)
+    return pb.DecodeSessionRequest(step_id=step_id, model=batch.model, items=batch.items, logits=batch.logits,
+                                   single_reply=batch.single_reply)
+
+
+def batch_outputs(c, replies: Sequence[pb.BatchDecodeResponse]) -> list[DecodeOutput]:
+    replies = [r for reply in replies for r in (reply.results or [reply])]  # single_reply: one message
+    return [output(c, DecodeOutput, r) for r in sorted(replies, key=lambda r: r.index)]
+
+
+def prefill_output(c, reply: pb.PrefillResponse) -> PrefillOutput:
+    out = output(c, PrefillOutput, reply)
+    hidden = tuple(tensor_codec.to_numpy(t) for t in getattr(reply, "hidden_states", ()))
+    weights = tuple(tensor_codec.to_numpy(t) for t in getattr(reply, "attention_weights", ()))
+    return replace(out, cached_tokens=reply.cached_tokens, hidden_states=hidden, attention_weights=weights)
+
+
+def split_prompt(prompt: Prompt) -> tuple[Sequence[int], KvCacheHandle | None]:
+    """A batch_prefill prompt as (token ids, the handle it continues or None)."""
+    continues = isinstance(prompt, tuple) and len(prompt) == 2 and isinstance(prompt[1], KvCacheHandle)
+    return prompt if continues else (prompt, None)
+
+
+# -- builders (their signatures are the public methods') ------------------------------------
+
+
+def _info(c) -> pb.GetModelInfoRequest:
+    return pb.GetModelInfoRequest(model=c.model)
+
+
+def _capabilities(c) -> pb.GetCapabilitiesRequest:
+    return pb.GetCapabilitiesRequest(model=c.model)
+
+
+def _status(c) -> pb.GetStatusRequest:
+    return pb.GetStatusRequest(model=c.model)
+
+
+def _prefill(c, token_ids: Sequence[int], kv_cache: KvCacheHandle | None = None,
+             logits: LogitsPolicy = LogitsPolicy(),
+             hidden_states: HiddenStatesRequest | None = None) -> pb.PrefillRequest:
+    """Runs a prompt, or continues ``kv_cache`` with the next chunk of one; with
+    ``hidden_states``, also returns those layers' hidden states (``out.hidden_states``)."""
+    req = pb.PrefillRequest(model=c.model, token_ids=token_ids, logits=convert.policy_to_proto(logits))
+    if kv_cache is not None:
+        req.kv_cache.CopyFrom(convert.handle_to_proto(kv_cache))
+    if hidden_states is not None:
+        req.hidden_states.CopyFrom(convert.hidden_request_to_proto(hidden_states))
+    return req
+
+
+def _decode(c, token_id: int, kv_cache: KvCacheHandle, logits: LogitsPolicy = LogitsPolicy()) -> pb.DecodeRequest:
+    return pb.DecodeRequest(model=c.model, token_id=token_id, kv_cache=convert.handle_to_proto(kv_cache),
+                            logits=convert.policy_to_proto(logits))
+
+
+def _batch_decode(c, items: Iterable[DecodeItem], logits: LogitsPolicy = LogitsPolicy()) -> pb.BatchDecodeRequest:
+    """One batched forward; outputs in the order of ``items``."""
+    return batch_request(c, items, logits)
+
+
+def _forward_verify(c, token_ids: Sequence[int], kv_cache: KvCacheHandle,
+                    logits: LogitsPolicy = LogitsPolicy()) -> pb.ForwardVerifyRequest:
+    return pb.ForwardVerifyRequest(model=c.model, token_ids=token_ids, kv_cache=convert.handle_to_proto(kv_cache),
+                                   logits=convert.policy_to_proto(logits))
+
+
+def _speculative_decode(c, token_id: int, draft: Sequence[int], kv_cache: KvCacheHandle,
+                        logits: LogitsPolicy = LogitsPolicy(),
+                        sampling: SpeculativeSampling | None = None) -> pb.SpeculativeDecodeRequest:
+    """One round of server-side speculative decoding: ``token_id`` (the last sampled
+    token) and ``draft`` verified in one forward, the agreeing drafts kept (greedy),
+    or with ``sampling`` the drafts probabilistic acceptance keeps."""
+    req = pb.SpeculativeDecodeRequest(model=c.model, token_id=token_id, draft_token_ids=list(draft),
+                                      kv_cache=convert.handle_to_proto(kv_cache),
+                                      logits=convert.policy_to_proto(logits))
+    if sampling is not None:
+        req.sampling.CopyFrom(pb.SpeculativeSampling(temperature=sampling.temperature, top_k=sampling.top_k,
+                                                     top_p=sampling.top_p, seed=sampling.seed))
+    return req
+
+
+def _batch_prefill(c, prompts: Iterable[Prompt], logits: LogitsPolicy = LogitsPolicy()) -> pb.BatchPrefillRequest:
+    """Several prompts (token ids, or ``(token_ids, handle)`` to continue one) in one
+    call, run as shared forwards; outputs in order.  All or nothing."""
+    req = pb.BatchPrefillRequest(model=c.model, logits=convert.policy_to_proto(logits))
+    for prompt in prompts:
+        token_ids, handle = split_prompt(prompt)
+        item = req.items.add(token_ids=token_ids)
+        if handle is not None:
+            item.kv_cache.CopyFrom(convert.handle_to_proto(handle))
+    return req
+
+
+def _truncate_kv(c, kv_cache: KvCacheHandle, new_length: int) -> pb.TruncateKvRequest:
+    return pb.TruncateKvRequest(kv_cache=convert.handle_to_proto(kv_cache), new_length=new_length)
+
+
+def _release_cache(c, cache: KvCacheHandle | str) -> pb.ReleaseCacheRequest:
+    """Frees a sequence (handle or cache_id); returns the blocks freed."""
+    if isinstance(cache, KvCacheHandle):
+        return pb.ReleaseCacheRequest(cache_id=cache.cache_id, model=cache.model)
+    return pb.ReleaseCacheRequest(cache_id=cache, model=c.model)
+
+
+def _fork_cache(c, kv_cache: KvCacheHandle, num_children: int) -> pb.ForkCacheRequest:
+    """N handles sharing ``kv_cache``'s blocks (copied on first divergent write)."""
+    return pb.ForkCacheRequest(kv_cache=convert.handle_to_proto(kv_cache), num_children=num_children)
+
+
+def _list_models(c) -> pb.ListModelsRequest:
+    """Every hosted model: name, state, folder, default flag and live status."""
+    return pb.ListModelsRequest()
+
+
+def _load_model(c, name: str, path: str, progress=None) -> pb.LoadModelRequest:
+    """Loads the model in ``path`` (a folder on the server) as ``name``; returns once
+    it serves.  ``progress(stage, elapsed_s)`` sees each stage."""
+    return pb.LoadModelRequest(name=name, path=path)
+
+
+def _load_progress(c, message: pb.LoadModelResponse, name: str, path: str, progress=None) -> None:
+    if progress is not None:
+        progress(message.stage, message.elapsed_s)
+
+
+def _unload_model(c, name: str) -> pb.UnloadModelRequest:
+    """Stops serving ``name`` (its sequences go); returns how many sequences it held."""
+    return pb.UnloadModelRequest(name=name)
+
+
+# -- the table ------------------------------------------------------------------------------
+
+
+def _handles(c, reply: pb.ForkCacheResponse) -> list[KvCacheHandle]:
+    return [convert.handle_from_proto(h) for h in reply.children]
+
+
+def _speculative_output(c, reply: pb.SpeculativeDecodeResponse) -> SpeculativeOutput:
+    out = output(c, DecodeOutput, reply)
+    return SpeculativeOutput(tuple(reply.accepted_token_ids), reply.next_token_id, out.logits, out.kv_cache,
+                             out.timing)
+
+
+STATUS = Rpc("status", "GetStatus", _status, lambda c, r: convert.status_from_proto(r), "ExecutorStatus")
+
+RPCS: tuple[Rpc, ...] = (
+    Rpc("info", "GetModelInfo", _info, lambda c, r: convert.model_info_from_proto(r), "ModelInfo"),
+    Rpc("capabilities", "GetCapabilities", _capabilities, lambda c, r: convert.capabilities_from_proto(r),
+        "Capabilities"),
+    STATUS,
+    Rpc("prefill", "Prefill", _prefill, prefill_output, "PrefillOutput"),
+    Rpc("decode", "Decode", _decode, lambda c, r: output(c, DecodeOutput, r), "DecodeOutput"),
+    Rpc("batch_decode", "BatchDecode", _batch_decode, batch_outputs, "list[DecodeOutput]", stream=True),
+    Rpc("forward_verify", "ForwardVerify", _forward_verify, lambda c, r: output(c, VerifyOutput, r), "VerifyOutput"),
+    Rpc("speculative_decode", "SpeculativeDecode", _speculative_decode, _speculative_output, "SpeculativeOutput"),
+    Rpc("batch_prefill", "BatchPrefill", _batch_prefill,
+        lambda c, rs: [prefill_output(c, r) for r in sorted(rs, key=lambda r: r.index)], "list[PrefillOutput]",
+        stream=True),
+    Rpc("truncate_kv", "TruncateKv", _truncate_kv, lambda c, r: convert.handle_from_proto(r.kv_cache),
+        "KvCacheHandle"),
+    Rpc("release_cache", "ReleaseCache", _release_cache, lambda c, r: r.blocks_freed, "int"),
+    Rpc("fork_cache", "ForkCache", _fork_cache, _handles, "list[KvCacheHandle]"),
+    Rpc("list_models", "ListModels", _list_models, lambda c, r: list(r.models), "list[pb.ModelEntry]"),
+    Rpc("load_model", "LoadModel", _load_model, lambda c, rs: None, "None", stream=True, each=_load_progress),
+    Rpc("unload_model", "UnloadModel", _unload_model, lambda c, r: r.sequences_dropped, "int"),
+)
+
+
+# -- one method per entry ----------------------------------------------------------------------
+
+
+def method(name: str, like: Callable, returns: Any, run: Callable, aio: bool) -> Callable:
+    """A method named ``name`` returning ``run(self, *args, **kwargs)`` (awaited when
+    ``aio``), with ``like``'s parameters (its first renamed ``self``) as its signature,
+    ``returns`` as its return annotation and ``like``'s docstring."""
+    if aio:
+        async def call(self, *args, **kwargs):
+            return await run(self, *args, **kwargs)
+    else:
+        def call(self, *args, **kwargs):
+            return run(self, *args, **kwargs)
+    sig = inspect.signature(like)
+    first, *rest = sig.parameters.values()
+    call.__signature__ = sig.replace(parameters=[first.replace(name="self"), *rest], return_annotation=returns)
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = like.__doc__
+    return call
+
+
+def with_methods(calls: dict[str, Callable[[bool], Callable]], aio: bool) -> Callable[[type], type]:
+    """Class decorator: the method ``make(aio)`` for every ``name: make`` of ``calls``."""
+    def decorate(cls: type) -> type:
+        for name, make in calls.items():
+            made = make(aio)
+            made.__qualname__, made.__module__ = f"{cls.__qualname__}.{name}", cls.__module__
+            setattr(cls, name, made)
+        return cls
+    return decorate
+
+
+def _invoked(rpc: Rpc) -> Callable[[bool], Callable]:
+    return lambda aio: method(rpc.name, rpc.request, rpc.returns,
+                              lambda self, *args, **kwargs: self._invoke(rpc, args, kwargs), aio)
+
+
+# What ExecutorClient and AsyncExecutorClient get: a method per RPC, calling their ``_invoke``.
+INVOKED = {rpc.name: _invoked(rpc) for rpc in RPCS}
