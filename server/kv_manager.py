@@ -40,6 +40,15 @@ class SequenceState:
     last_used: float = field(default_factory=time.monotonic)  # end of its last successful call
     pins: int = 0  # jobs using it right now (a chunked prefill, a long verify): never reaped
     tenant: str = ""  # who made it: nobody else can see it (auth off: everyone is tenant "")
+    # (start, end) of each Prefill that ran on it, in order: the penalties' prompt/output
+    # split (issue 22). Everything up to the last Prefill's end is prompt, what came after
+    # (decode steps, verified drafts) is output; shrink keeps it consistent.
+    prompt_spans: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def output_start(self) -> int:
+        """Where the output starts: tokens[:output_start] are prompt, the rest output."""
+        return min(self.prompt_spans[-1][1], self.length) if self.prompt_spans else 0
 
 
 @dataclass
@@ -335,11 +344,22 @@ class BlockManager:
         seq.last_used = time.monotonic()
         self._register(seq)
 
+    @staticmethod
+    def mark_prompt(seq: SequenceState, start: int, end: int) -> None:
+        """Records that a Prefill appended [start, end): every token up to ``end`` is prompt."""
+        seq.prompt_spans.append((start, end))
+
     def shrink(self, seq: SequenceState, new_length: int, touch: bool = True) -> int:
         """Sets the length to ``new_length`` and drops blocks past it; returns blocks freed.
 
-        ``touch=False`` (a rollback) leaves the idle clock as it was.
+        ``touch=False`` (a rollback) leaves the idle clock as it was. Prefills that
+        started at or after ``new_length`` are forgotten (undoing a Prefill puts the
+        prompt/output split back where it was), one cut through is clipped.
         """
+        while seq.prompt_spans and seq.prompt_spans[-1][0] >= new_length:
+            seq.prompt_spans.pop()
+        if seq.prompt_spans and seq.prompt_spans[-1][1] > new_length:
+            seq.prompt_spans[-1] = (seq.prompt_spans[-1][0], new_length)
         keep = self.blocks_for(new_length)
         dropped = seq.block_ids[keep:]
         del seq.block_ids[keep:]
@@ -359,7 +379,8 @@ class BlockManager:
             for block in seq.block_ids:
                 self._ref(block)
             child = self._seqs[cid] = SequenceState(
-                cid, seq.length, list(seq.block_ids), list(seq.tokens), list(seq.hashes), tenant=seq.tenant
+                cid, seq.length, list(seq.block_ids), list(seq.tokens), list(seq.hashes), tenant=seq.tenant,
+                prompt_spans=list(seq.prompt_spans),
             )
             children.append(child)
         seq.last_used = time.monotonic()

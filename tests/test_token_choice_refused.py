@@ -1,6 +1,7 @@
-"""Until the executor serves it, a ``token_choice`` (issue 22's contract, implemented in
-server/sampling.py) is refused with UNIMPLEMENTED wherever a request may carry one,
-and the refused call changes no state: never silently ignored."""
+"""Token choice is served on Prefill, Decode, BatchDecode, DecodeSession and
+BatchPrefill (tests/test_token_choice.py); SpeculativeDecode's acceptance by the
+server's own choice is not yet: a ``token_choice`` there is refused with
+UNIMPLEMENTED, and the refused call changes no state: never silently ignored."""
 
 from __future__ import annotations
 
@@ -20,34 +21,17 @@ def stub(tiny_server):
         yield pb_grpc.ModelExecutorStub(channel)
 
 
-def _refused(call) -> None:
-    with pytest.raises(grpc.RpcError) as info:
-        result = call()
-        if hasattr(result, "__iter__") and not isinstance(result, pb.PrefillResponse):
-            list(result)
-    assert info.value.code() is grpc.StatusCode.UNIMPLEMENTED, info.value
-    assert "token_choice is not served" in info.value.details()
-
-
-def test_every_request_with_a_token_choice_is_refused_and_changes_nothing(stub):
+def test_speculative_decode_with_a_token_choice_is_refused_and_changes_nothing(stub):
     caps = stub.GetCapabilities(pb.GetCapabilitiesRequest(), timeout=30)
-    assert not caps.token_choice
+    assert caps.token_choice  # served elsewhere
     handle = stub.Prefill(pb.PrefillRequest(token_ids=[3, 7, 11], logits=ARGMAX), timeout=30).kv_cache
     before = stub.GetStatus(pb.GetStatusRequest(), timeout=30)
 
-    _refused(lambda: stub.Prefill(pb.PrefillRequest(token_ids=[3, 7], token_choice=CHOICE), timeout=30))
-    _refused(lambda: stub.Decode(pb.DecodeRequest(kv_cache=handle, token_id=2, token_choice=CHOICE), timeout=30))
-    _refused(lambda: stub.BatchDecode(pb.BatchDecodeRequest(
-        items=[pb.DecodeItem(kv_cache=handle, token_id=2, token_choice=CHOICE)]), timeout=30))
-    _refused(lambda: stub.BatchPrefill(pb.BatchPrefillRequest(
-        items=[pb.PrefillItem(token_ids=[5, 6], token_choice=CHOICE)]), timeout=30))
-    _refused(lambda: stub.SpeculativeDecode(pb.SpeculativeDecodeRequest(
-        kv_cache=handle, token_id=2, draft_token_ids=[4], token_choice=CHOICE), timeout=30))
-    session = stub.DecodeSession(iter([pb.DecodeSessionRequest(
-        step_id=1, items=[pb.DecodeItem(kv_cache=handle, token_id=2, token_choice=CHOICE)])]), timeout=30)
-    (reply,) = list(session)  # a session answers a failed step with its error and goes on
-    assert reply.error.code == grpc.StatusCode.UNIMPLEMENTED.value[0]
-    assert "token_choice is not served" in reply.error.message
+    with pytest.raises(grpc.RpcError) as info:
+        stub.SpeculativeDecode(pb.SpeculativeDecodeRequest(
+            kv_cache=handle, token_id=2, draft_token_ids=[4], token_choice=CHOICE), timeout=30)
+    assert info.value.code() is grpc.StatusCode.UNIMPLEMENTED, info.value
+    assert "token_choice is not served on SpeculativeDecode" in info.value.details()
 
     after = stub.GetStatus(pb.GetStatusRequest(), timeout=30)
     assert (after.active_sequences, after.kv_blocks_used) == (before.active_sequences, before.kv_blocks_used)
