@@ -864,9 +864,10 @@ class _Contract:
             kv_cache, lambda c, h: c.forward_verify(tokens, h, logits), lambda out: tokens))
 
     def speculative_decode(self, token_id: int, draft: Sequence[int], kv_cache: KvCacheHandle,
-                           logits: LogitsPolicy = LogitsPolicy(), sampling: SpeculativeSampling | None = None):
+                           logits: LogitsPolicy | None = None, sampling: SpeculativeSampling | None = None,
+                           token_choice: TokenChoice | None = None):
         return (yield from self._sequence_flow(
-            kv_cache, lambda c, h: c.speculative_decode(token_id, draft, h, logits, sampling),
+            kv_cache, lambda c, h: c.speculative_decode(token_id, draft, h, logits, sampling, token_choice),
             lambda out: [token_id, *out.accepted_token_ids]))
 
     def batch_prefill(self, prompts: Iterable[Prompt], logits: LogitsPolicy | None = None,

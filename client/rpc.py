@@ -212,14 +212,19 @@ def _forward_verify(c, token_ids: Sequence[int], kv_cache: KvCacheHandle,
 
 
 def _speculative_decode(c, token_id: int, draft: Sequence[int], kv_cache: KvCacheHandle,
-                        logits: LogitsPolicy = LogitsPolicy(),
-                        sampling: SpeculativeSampling | None = None) -> pb.SpeculativeDecodeRequest:
+                        logits: LogitsPolicy | None = None,
+                        sampling: SpeculativeSampling | None = None,
+                        token_choice: TokenChoice | None = None) -> pb.SpeculativeDecodeRequest:
     """One round of server-side speculative decoding: ``token_id`` (the last sampled
     token) and ``draft`` verified in one forward, the agreeing drafts kept (greedy),
-    or with ``sampling`` the drafts probabilistic acceptance keeps."""
+    or with ``sampling`` the drafts probabilistic acceptance keeps, or with
+    ``token_choice`` the drafts equal to the server's own choices (``out.chosen``:
+    each kept draft's, then the next token's; the tokens Decode steps with that
+    choice would give). ``logits`` None: full float32, none with a token_choice."""
     req = pb.SpeculativeDecodeRequest(model=c.model, token_id=token_id, draft_token_ids=list(draft),
-                                      kv_cache=convert.handle_to_proto(kv_cache),
-                                      logits=convert.policy_to_proto(logits))
+                                      kv_cache=convert.handle_to_proto(kv_cache))
+    set_logits(req, logits)
+    set_choice(req, token_choice)
     if sampling is not None:
         req.sampling.CopyFrom(pb.SpeculativeSampling(temperature=sampling.temperature, top_k=sampling.top_k,
                                                      top_p=sampling.top_p, seed=sampling.seed))
@@ -295,7 +300,7 @@ def _handles(c, reply: pb.ForkCacheResponse) -> list[KvCacheHandle]:
 def _speculative_output(c, reply: pb.SpeculativeDecodeResponse) -> SpeculativeOutput:
     out = output(c, DecodeOutput, reply)
     return SpeculativeOutput(tuple(reply.accepted_token_ids), reply.next_token_id, out.logits, out.kv_cache,
-                             out.timing)
+                             out.timing, tuple(convert.chosen_from_proto(m) for m in reply.chosen))
 
 
 STATUS = Rpc("status", "GetStatus", _status, lambda c, r: convert.status_from_proto(r), "ExecutorStatus")

@@ -38,6 +38,7 @@ from ferrum_rpc.errors import (
     shown,
 )
 from ferrum_rpc.server import speculative
+from ferrum_rpc.server.sampling import accept_drafts as choose_drafts
 from ferrum_rpc.server.sampling import choose_tokens, validate_token_choice
 from ferrum_rpc.server.config import ExecutorConfig
 from ferrum_rpc.server.forward import Rows, Step, forward
@@ -474,15 +475,26 @@ class TorchExecutor:
         return VerifyOutput(out.logits, out.kv_cache, out.timing)
 
     def speculative_decode(self, token_id: int, draft: list[int], kv_cache: KvCacheHandle,
-                           policy: LogitsPolicy = LogitsPolicy(),
-                           sampling: SpeculativeSampling | None = None, tenant: str = "") -> SpeculativeOutput:
+                           policy: LogitsPolicy | None = LogitsPolicy(),
+                           sampling: SpeculativeSampling | None = None, tenant: str = "",
+                           choice: TokenChoice | None = None) -> SpeculativeOutput:
         """One round of speculative decoding: ``token_id`` and the drafts in one forward,
         the drafts kept that ``speculative.accept_drafts`` keeps (greedy: the longest
         prefix equal to greedy's choices), the rest truncated, and the logits after
-        the kept ones in ``policy``.  Fails with no state change; it is one worker
+        the kept ones in ``policy``.  With ``choice`` (not with ``sampling``), drafts
+        are kept while they equal what the policy chooses (``sampling.accept_drafts``:
+        the tokens of Decode steps with that choice) and ``out.chosen`` holds each
+        kept draft's choice, then the next token's; ``policy=None``: no logits with a
+        choice, else full float32.  Fails with no state change; it is one worker
         job, so nobody sees the drafts' KV."""
         if len(draft) + 1 > self.config.prefill_chunk:
             raise InvalidInput(f"{len(draft)} drafts exceed {self.config.prefill_chunk - 1} (one forward's chunk)")
+        if choice is not None:
+            if sampling is not None:
+                raise InvalidInput("token_choice and sampling are exclusive: give one acceptance rule")
+            self.check_token_choice(choice)
+        want_logits = policy is not None or choice is None
+        policy = LogitsPolicy() if policy is None else policy
         self._check_policy(policy, 1)
         sampling = speculative.checked_sampling(sampling)
         out = self.prefill([token_id] + list(draft), kv_cache, LogitsPolicy(LogitsKind.FULL, all_positions=True),
@@ -490,12 +502,20 @@ class TorchExecutor:
         undo = Undo(out.kv_cache.cache_id, kv_cache.sequence_length)  # no left_at: the rejected drafts may be gone
         try:
             rows = out.logits.values  # (1 + len(draft), vocab) float32: row i predicts what follows input i
-            agreed, following = speculative.accept_drafts(rows, draft, sampling)
             seq = self.kv.get(out.kv_cache.cache_id, tenant)
+            chosen: tuple = ()
+            if choice is not None:  # the policy's own choices, batched over the rows
+                last = kv_cache.sequence_length + 1  # token_id is in: output for the penalties
+                split = seq.output_start
+                agreed, picks = choose_drafts(rows, draft, choice, last, seq.tokens[:split], seq.tokens[split:last])
+                following, chosen = picks[-1].token_id, tuple(picks)
+            else:
+                agreed, following = speculative.accept_drafts(rows, draft, sampling)
             if agreed < len(draft):  # the rejected drafts' KV goes (their idle clock was restarted by the forward)
                 self.kv.shrink(seq, kv_cache.sequence_length + 1 + agreed)
-            return SpeculativeOutput(tuple(draft[:agreed]), following,
-                                     self.apply_policy(rows[agreed:agreed + 1], policy), self.handle(seq), out.timing)
+            logits = self.apply_policy(rows[agreed:agreed + 1], policy) if want_logits else None
+            return SpeculativeOutput(tuple(draft[:agreed]), following, logits, self.handle(seq), out.timing,
+                                     chosen=chosen)
         except BaseException:  # whatever fails after the forward: the sequence is put back as it was
             self.undo([undo])
             raise

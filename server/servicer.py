@@ -107,16 +107,6 @@ def _serialize(message) -> bytes:
 def _check_parsed(request) -> None:
     if isinstance(request, Malformed):
         raise InvalidInput(request.why)
-    _refuse_token_choice(request)
-
-
-def _refuse_token_choice(request) -> None:
-    """Token choice is served on Prefill, Decode, BatchDecode, DecodeSession and
-    BatchPrefill; SpeculativeDecode's (acceptance by the server's own choice) is not
-    yet: refused there, never ignored."""
-    if isinstance(request, pb.SpeculativeDecodeRequest) and request.HasField("token_choice"):
-        raise ExecutorError("token_choice is not served on SpeculativeDecode yet: use Decode steps with the "
-                            "token_choice, or SpeculativeSampling", code=grpc.StatusCode.UNIMPLEMENTED)
 
 
 def _policy_or_unset(message) -> LogitsPolicy | None:
@@ -601,16 +591,18 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         received = time.perf_counter_ns()
         worker = self._worker(request.model or request.kv_cache.model)
         handle = _required_handle(request)
-        policy = convert.policy_from_proto(request.logits)
+        policy = _policy_or_unset(request)
+        choice = _choice(worker, request)
         with self._logits_targets(policy, [1], worker, tenant) as targets:
             sampling = None
             if request.HasField("sampling"):
                 m = request.sampling
                 sampling = SpeculativeSampling(m.temperature, m.top_k, m.top_p, m.seed)
             out = await worker.speculative(request.token_id, list(request.draft_token_ids), handle, policy,
-                                           _deadline(context), sampling, tenant)
+                                           _deadline(context), sampling, tenant, choice)
             reply = pb.SpeculativeDecodeResponse(accepted_token_ids=out.accepted_token_ids,
-                                                 next_token_id=out.next_token_id)
+                                                 next_token_id=out.next_token_id,
+                                                 chosen=[convert.chosen_to_proto(c) for c in out.chosen])
             undo = [Undo.of(handle, out.kv_cache)]
             return await self._reply(reply, out, received, worker, undo, targets[0])
 

@@ -190,10 +190,13 @@ class ModelWorker:
         job = self._put(_Job(None, (), decode=(inputs, policy), deadline=deadline, tenant=tenant))
         return await self._await(job, lambda outs: [Undo.of(i.kv_cache, o.kv_cache) for i, o in zip(inputs, outs)])
 
-    async def speculative(self, token_id: int, draft: list[int], kv_cache: KvCacheHandle, policy: LogitsPolicy,
-                          deadline: float | None = None, sampling=None, tenant: str = "") -> Any:
-        """SpeculativeDecode: verify, accept and truncate as one job."""
-        job = self._put(_Job(self.executor.speculative_decode, (token_id, draft, kv_cache, policy, sampling, tenant),
+    async def speculative(self, token_id: int, draft: list[int], kv_cache: KvCacheHandle,
+                          policy: LogitsPolicy | None, deadline: float | None = None, sampling=None,
+                          tenant: str = "", choice=None) -> Any:
+        """SpeculativeDecode: verify, accept (by ``choice``, a TokenChoice, when given) and
+        truncate as one job."""
+        job = self._put(_Job(self.executor.speculative_decode,
+                             (token_id, draft, kv_cache, policy, sampling, tenant, choice),
                              deadline=deadline, tenant=tenant))
         return await self._await(job, lambda out: [Undo.of(kv_cache, out.kv_cache)])
 

@@ -304,3 +304,45 @@ def test_bad_token_choice_is_invalid_input_and_changes_nothing(stub, client):
     assert not out.HasField("logits") and out.HasField("chosen")
     for h in (out.kv_cache, other):
         stub.ReleaseCache(pb.ReleaseCacheRequest(cache_id=h.cache_id), timeout=30)
+
+
+def test_speculative_decode_by_the_servers_choice_gives_the_decode_steps_tokens(client):
+    choice = TokenChoice(temperature=0.9, top_k=30, seed=77, repetition_penalty=1.2, presence_penalty=0.7,
+                         top_logprobs=2)
+    reference = _generate_alone(client, PROMPT, choice, 16)
+    tokens = [c.token_id for c in reference]
+    out = client.prefill(PROMPT, token_choice=choice)
+    got, handle = [out.chosen], out.kv_cache
+    rounds = 0
+    while len(got) < 16:
+        at = len(got)
+        draft = tokens[at:at + 3]
+        if rounds % 2 and len(draft) > 1:
+            draft[1] = (draft[1] + 1) % 320  # a wrong draft: rejected, the rest dropped
+        spec = client.speculative_decode(got[-1].token_id, draft, handle, token_choice=choice)
+        assert spec.logits is None and len(spec.chosen) == len(spec.accepted_token_ids) + 1
+        assert list(spec.accepted_token_ids) == [c.token_id for c in spec.chosen[:-1]]
+        assert spec.next_token_id == spec.chosen[-1].token_id
+        got.extend(spec.chosen)
+        handle = spec.kv_cache
+        assert handle.sequence_length == len(PROMPT) + len(got) - 1
+        rounds += 1
+    _same_draws(got[:16], reference)
+    assert rounds < 15  # drafts were kept
+    client.release_cache(handle)
+
+
+def test_speculative_decode_takes_a_token_choice_or_sampling_not_both(stub):
+    handle = stub.Prefill(pb.PrefillRequest(token_ids=[3, 7, 11], logits=pb.LogitsPolicy(
+        kind=pb.LOGITS_KIND_ARGMAX)), timeout=30).kv_cache
+    before = _status(stub)
+    _invalid(lambda: stub.SpeculativeDecode(pb.SpeculativeDecodeRequest(
+        kv_cache=handle, token_id=2, draft_token_ids=[4], token_choice=pb.TokenChoice(seed=1),
+        sampling=pb.SpeculativeSampling(temperature=1.0, seed=1)), timeout=30), "exclusive")
+    _invalid(lambda: stub.SpeculativeDecode(pb.SpeculativeDecodeRequest(
+        kv_cache=handle, token_id=2, draft_token_ids=[4], token_choice=pb.TokenChoice(top_p=1.5)), timeout=30),
+        "token_choice.top_p")
+    assert _status(stub) == before
+    out = stub.Decode(pb.DecodeRequest(kv_cache=handle, token_id=2), timeout=30)
+    assert out.kv_cache.sequence_length == handle.sequence_length + 1 and out.HasField("logits")
+    stub.ReleaseCache(pb.ReleaseCacheRequest(cache_id=handle.cache_id), timeout=30)
