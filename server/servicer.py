@@ -399,8 +399,9 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         worker, policy = self._worker(request.model or first), _policy_or_unset(request)
         items = [DecodeInput(i.token_id, _required_handle(i), _choice(worker, i, f"items[{n}].token_choice"))
                  for n, i in enumerate(request.items)]
-        if request.single_reply:  # every row in one message: it must fit the limit as a whole
-            worker.executor.check_reply_fits(policy or LogitsPolicy(), len(items))
+        rows = sum(1 for i in items if policy is not None or i.token_choice is None)  # chosen only: no row
+        if request.single_reply and rows:  # every row in one message: it must fit the limit as a whole
+            worker.executor.check_reply_fits(policy or LogitsPolicy(), rows)
         return worker, items, policy
 
     @contextlib.contextmanager

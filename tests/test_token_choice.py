@@ -346,3 +346,56 @@ def test_speculative_decode_takes_a_token_choice_or_sampling_not_both(stub):
     out = stub.Decode(pb.DecodeRequest(kv_cache=handle, token_id=2), timeout=30)
     assert out.kv_cache.sequence_length == handle.sequence_length + 1 and out.HasField("logits")
     stub.ReleaseCache(pb.ReleaseCacheRequest(cache_id=handle.cache_id), timeout=30)
+
+
+def test_the_asyncio_client_chooses_alike(tiny_server, client):
+    import asyncio
+
+    from ferrum_rpc.client import AsyncExecutorClient
+
+    expected = _generate_alone(client, PROMPT, SAMPLED, 4)
+
+    async def run():
+        async with AsyncExecutorClient(tiny_server.target, timeout=60) as ex:
+            out = await ex.prefill(PROMPT, token_choice=SAMPLED)
+            got, handle = [out.chosen], out.kv_cache
+            async with ex.decode_session() as session:
+                for _ in range(3):
+                    (step,) = await session.step([(got[-1].token_id, handle)], token_choice=SAMPLED)
+                    got.append(step.chosen)
+                    handle = step.kv_cache
+            await ex.release_cache(handle)
+            return got
+
+    _same_draws(asyncio.run(run()), expected)
+
+
+def test_a_replica_set_passes_each_items_token_choice(tiny_server, tiny_llama_dir, client):
+    from conftest import running_server
+
+    from ferrum_rpc.client import ReplicaSetClient
+
+    prompts, choices = _mixed_prompts()
+    prompts, choices = prompts[:4], [SAMPLED, choices[0], None, choices[3]]
+    expected = [_generate_alone(client, p, c, 3) if c is not None else None for p, c in zip(prompts, choices)]
+    with running_server(tiny_llama_dir) as second, \
+            ReplicaSetClient([tiny_server.target, second.target], timeout=60) as ex:
+        outs = ex.batch_prefill(prompts, token_choice=choices)
+        got = [[o.chosen] for o in outs]
+        handles = [o.kv_cache for o in outs]
+        nexts = [o.chosen.token_id if o.chosen else int(np.argmax(o.logits.values[0])) for o in outs]
+        with ex.decode_session() as session:
+            for step in range(2):
+                items = [DecodeInput(t, h, c) for t, h, c in zip(nexts, handles, choices)]
+                step_outs = ex.batch_decode(items) if step == 0 else session.step(items)
+                for g, o in zip(got, step_outs):
+                    g.append(o.chosen)
+                handles = [o.kv_cache for o in step_outs]
+                nexts = [o.chosen.token_id if o.chosen else int(np.argmax(o.logits.values[0])) for o in step_outs]
+        for g, e in zip(got, expected):
+            if e is None:
+                assert g == [None] * 3
+            else:
+                _same_draws(g, e)
+        for h in handles:
+            ex.release_cache(h)
