@@ -371,7 +371,7 @@ def test_the_asyncio_client_chooses_alike(tiny_server, client):
 
 
 def test_a_replica_set_passes_each_items_token_choice(tiny_server, tiny_llama_dir, client):
-    from conftest import running_server
+    from tests.conftest import running_server
 
     from ferrum_rpc.client import ReplicaSetClient
 
