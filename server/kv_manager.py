@@ -72,6 +72,7 @@ class SequenceView:
     last_used: float
     pins: int
     tenant: str
+    prompt_spans: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,8 @@ class BlockManager:
         """A read-only copy of the books (sequences, ref counts, free list, prefix-hash
         index); later calls do not change it."""
         seqs = {cid: SequenceView(cid, s.length, tuple(s.block_ids), tuple(s.tokens), tuple(s.hashes),
-                                  s.last_used, s.pins, s.tenant) for cid, s in self._seqs.items()}
+                                  s.last_used, s.pins, s.tenant, tuple(s.prompt_spans))
+                for cid, s in self._seqs.items()}
         return BlockSnapshot(MappingProxyType(seqs), tuple(self._refs), tuple(self._free),
                              MappingProxyType(dict(self._hash_of)), MappingProxyType(dict(self._block_of)))
 
