@@ -399,3 +399,23 @@ def test_a_replica_set_passes_each_items_token_choice(tiny_server, tiny_llama_di
                 _same_draws(g, e)
         for h in handles:
             ex.release_cache(h)
+
+
+def test_an_undone_continuation_prefill_puts_the_split_back(client):
+    """BatchPrefill is all or nothing: a continuation that ran is undone when another
+    prompt fails, and the sequence's output starts where it did before."""
+    choice = TokenChoice.greedy(presence_penalty=2.0, frequency_penalty=2.0)
+    out = client.prefill(PROMPT, logits=LogitsPolicy.full(), token_choice=choice)
+    tokens, handle = list(PROMPT), out.kv_cache
+    for _ in range(3):
+        tokens.append(out.chosen.token_id)
+        out = client.decode(out.chosen.token_id, handle, logits=LogitsPolicy.full(), token_choice=choice)
+        handle = out.kv_cache
+    with pytest.raises(InvalidInput):
+        client.batch_prefill([([4, 5], handle), [999]], token_choice=choice)  # 999 is past the vocabulary
+    tokens.append(out.chosen.token_id)
+    out = client.decode(out.chosen.token_id, handle, logits=LogitsPolicy.full(), token_choice=choice)
+    expected = choose_tokens(torch.tensor(out.logits.values), [choice], [len(tokens)],
+                             [tokens[:len(PROMPT)]], [tokens[len(PROMPT):]]).row(0)
+    assert out.chosen.token_id == expected.token_id
+    client.release_cache(out.kv_cache)
