@@ -24,13 +24,23 @@ from ferrum_rpc.errors import (
     SequenceTooLong,
     StaleHandle,
 )
-from ferrum_rpc.types import DecodeInput, KvCacheHandle, LogitsKind, LogitsPolicy
+from ferrum_rpc.types import (
+    ChosenToken,
+    DecodeInput,
+    KvCacheHandle,
+    LogitsKind,
+    LogitsPolicy,
+    LogprobsMode,
+    TokenChoice,
+    TokenLogprob,
+)
 
 __all__ = [
     "AsyncExecutorClient",
     "AsyncReplicaSetClient",
     "ClientTls",
     "CacheNotFound",
+    "ChosenToken",
     "DecodeInput",
     "Draining",
     "ExecutorClient",
@@ -43,11 +53,14 @@ __all__ = [
     "LengthMismatch",
     "LogitsKind",
     "LogitsPolicy",
+    "LogprobsMode",
     "ModelNotFound",
     "ReplicaPolicy",
     "ReplicaSetClient",
     "SequenceTooLong",
     "StaleHandle",
+    "TokenChoice",
+    "TokenLogprob",
     "connect",
     "connect_async",
 ]

@@ -26,7 +26,7 @@ from ferrum_rpc.client import rpc as rpcs
 from ferrum_rpc.client.rpc import INVOKED, STATUS, DecodeItem, Rpc, with_methods
 from ferrum_rpc.client.shm import AsyncSharedMemoryRegion, SharedMemoryRegion
 from ferrum_rpc.errors import ExecutorError, from_rpc_error, from_status_proto
-from ferrum_rpc.types import DecodeOutput, LogitsPolicy
+from ferrum_rpc.types import DecodeOutput, LogitsPolicy, TokenChoice
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 
@@ -336,9 +336,10 @@ class _Session:
         self.model, self._regions = model, regions if regions is not None else {}
         self._next_step = 0
 
-    def _request(self, items: Iterable[DecodeItem], logits: LogitsPolicy) -> pb.DecodeSessionRequest:
+    def _request(self, items: Iterable[DecodeItem], logits: LogitsPolicy | None,
+                 token_choice: TokenChoice | None = None) -> pb.DecodeSessionRequest:
         self._next_step += 1
-        return rpcs.session_request(self, self._next_step, items, logits)
+        return rpcs.session_request(self, self._next_step, items, logits, token_choice)
 
     @staticmethod
     def _take(replies: list, reply: pb.DecodeSessionResponse) -> None:
@@ -367,8 +368,12 @@ class DecodeSession(_Session):
         self._responses = stub.DecodeSession(iter(self._requests.get, self._END), timeout=timeout,
                                              metadata=_deadline_metadata(timeout))
 
-    def step(self, items: Iterable[DecodeItem], logits: LogitsPolicy = LogitsPolicy()) -> list[DecodeOutput]:
-        request = self._request(items, logits)
+    def step(self, items: Iterable[DecodeItem], logits: LogitsPolicy | None = None,
+             token_choice: TokenChoice | None = None) -> list[DecodeOutput]:
+        """One step; an item's token choice is its ``DecodeInput.token_choice``, else
+        ``token_choice`` (``out.chosen``); ``logits`` None: full float32 logits for items
+        without a choice, none for those with one."""
+        request = self._request(items, logits, token_choice)
         self._requests.put(request)
         replies: list = []
         try:
@@ -398,8 +403,10 @@ class AsyncDecodeSession(_Session):
         super().__init__(model, regions)
         self._call = stub.DecodeSession(timeout=timeout, metadata=_deadline_metadata(timeout))
 
-    async def step(self, items: Iterable[DecodeItem], logits: LogitsPolicy = LogitsPolicy()) -> list[DecodeOutput]:
-        request = self._request(items, logits)
+    async def step(self, items: Iterable[DecodeItem], logits: LogitsPolicy | None = None,
+                   token_choice: TokenChoice | None = None) -> list[DecodeOutput]:
+        """:meth:`DecodeSession.step`."""
+        request = self._request(items, logits, token_choice)
         replies: list = []
         try:
             await self._call.write(request)

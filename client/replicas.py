@@ -57,6 +57,7 @@ from ferrum_rpc.types import (
     LogitsPolicy,
     ServerState,
     SpeculativeSampling,
+    TokenChoice,
 )
 
 __all__ = ["AsyncReplicaSetClient", "ReplicaPolicy", "ReplicaSetClient", "TrackedSequence", "connect",
@@ -778,6 +779,22 @@ def _prompt_entries(prompts: Iterable[Prompt]) -> list[tuple[list[int], KvCacheH
     return [(list(tokens), handle) for tokens, handle in map(split_prompt, prompts)]
 
 
+def _item_choices(items: list, token_choice: TokenChoice | None) -> list[TokenChoice | None]:
+    """Each decode item's token choice: its own (DecodeInput.token_choice), else ``token_choice``."""
+    return [i.token_choice if isinstance(i, DecodeInput) and i.token_choice is not None else token_choice
+            for i in items]
+
+
+def _prompt_choices(count: int, token_choice) -> list[TokenChoice | None]:
+    """batch_prefill's ``token_choice``: one for every prompt, or one per prompt."""
+    if token_choice is None or isinstance(token_choice, TokenChoice):
+        return [token_choice] * count
+    choices = list(token_choice)
+    if len(choices) != count:
+        raise ValueError(f"{len(choices)} token choices for {count} prompts")
+    return choices
+
+
 # -- the public calls, once --------------------------------------------------------------------
 
 
@@ -814,23 +831,30 @@ class _Contract:
         return (yield from self._any_flow(lambda c: c.status()))
 
     def prefill(self, token_ids: Sequence[int], kv_cache: KvCacheHandle | None = None,
-                logits: LogitsPolicy = LogitsPolicy(), hidden_states: HiddenStatesRequest | None = None):
+                logits: LogitsPolicy | None = None, hidden_states: HiddenStatesRequest | None = None,
+                token_choice: TokenChoice | None = None):
         """A new prompt placed by load (or prefix locality); a continuation on its owner."""
         tokens = list(token_ids)
         if kv_cache is None:
             return (yield from self._new_sequence_flow(
-                tokens, lambda c: c.prefill(tokens, None, logits, hidden_states)))
+                tokens, lambda c: c.prefill(tokens, None, logits, hidden_states, token_choice)))
         return (yield from self._sequence_flow(
-            kv_cache, lambda c, h: c.prefill(tokens, h, logits, hidden_states), lambda out: tokens))
+            kv_cache, lambda c, h: c.prefill(tokens, h, logits, hidden_states, token_choice), lambda out: tokens))
 
-    def decode(self, token_id: int, kv_cache: KvCacheHandle, logits: LogitsPolicy = LogitsPolicy()):
+    def decode(self, token_id: int, kv_cache: KvCacheHandle, logits: LogitsPolicy | None = None,
+               token_choice: TokenChoice | None = None):
         return (yield from self._sequence_flow(
-            kv_cache, lambda c, h: c.decode(token_id, h, logits), lambda out: [token_id]))
+            kv_cache, lambda c, h: c.decode(token_id, h, logits, token_choice), lambda out: [token_id]))
 
-    def batch_decode(self, items: Iterable[DecodeItem], logits: LogitsPolicy = LogitsPolicy()):
+    def batch_decode(self, items: Iterable[DecodeItem], logits: LogitsPolicy | None = None,
+                     token_choice: TokenChoice | None = None):
         """One batched forward per owning replica, in parallel; outputs in the order of ``items``."""
+        items = list(items)
+        choices = _item_choices(items, token_choice)
+
         def call_for(replica, group):
-            return _Call(replica, replica.client.batch_decode, ([(i.tokens[0], i.send) for i in group], logits))
+            return _Call(replica, replica.client.batch_decode,
+                         ([DecodeInput(i.tokens[0], i.send, choices[i.index]) for i in group], logits))
         return (yield from self._batch_flow(_entries(items), call_for))
 
     def forward_verify(self, token_ids: Sequence[int], kv_cache: KvCacheHandle,
@@ -840,16 +864,22 @@ class _Contract:
             kv_cache, lambda c, h: c.forward_verify(tokens, h, logits), lambda out: tokens))
 
     def speculative_decode(self, token_id: int, draft: Sequence[int], kv_cache: KvCacheHandle,
-                           logits: LogitsPolicy = LogitsPolicy(), sampling: SpeculativeSampling | None = None):
+                           logits: LogitsPolicy | None = None, sampling: SpeculativeSampling | None = None,
+                           token_choice: TokenChoice | None = None):
         return (yield from self._sequence_flow(
-            kv_cache, lambda c, h: c.speculative_decode(token_id, draft, h, logits, sampling),
+            kv_cache, lambda c, h: c.speculative_decode(token_id, draft, h, logits, sampling, token_choice),
             lambda out: [token_id, *out.accepted_token_ids]))
 
-    def batch_prefill(self, prompts: Iterable[Prompt], logits: LogitsPolicy = LogitsPolicy()):
+    def batch_prefill(self, prompts: Iterable[Prompt], logits: LogitsPolicy | None = None,
+                      token_choice: TokenChoice | Sequence[TokenChoice | None] | None = None):
         """New prompts placed by load, continuations on their owners; one call per replica."""
+        prompts = list(prompts)
+        choices = _prompt_choices(len(prompts), token_choice)
+
         def call_for(replica, group):
             return _Call(replica, replica.client.batch_prefill,
-                         ([i.tokens if i.send is None else (i.tokens, i.send) for i in group], logits))
+                         ([i.tokens if i.send is None else (i.tokens, i.send) for i in group], logits,
+                          [choices[i.index] for i in group]))
         return (yield from self._batch_flow(_prompt_entries(prompts), call_for))
 
     def truncate_kv(self, kv_cache: KvCacheHandle, new_length: int):
@@ -1011,10 +1041,15 @@ class _ReplicaSessions:
                 self._sessions[replica] = replica.client.decode_session()
             return self._sessions[replica]
 
-    def _step_flow(self, items: Iterable[DecodeItem], logits: LogitsPolicy = LogitsPolicy()) -> Flow:
+    def _step_flow(self, items: Iterable[DecodeItem], logits: LogitsPolicy | None = None,
+                   token_choice: TokenChoice | None = None) -> Flow:
         """One step: split by owner, one stream step per replica in parallel, merged in order."""
+        items = list(items)
+        choices = _item_choices(items, token_choice)
+
         def call_for(replica, group):
-            return _Call(replica, self._session(replica).step, ([(i.tokens[0], i.send) for i in group], logits))
+            return _Call(replica, self._session(replica).step,
+                         ([DecodeInput(i.tokens[0], i.send, choices[i.index]) for i in group], logits))
         return (yield from self._client._batch_flow(_entries(items), call_for, self._lost))
 
     def _lost(self, replica: _Replica) -> None:

@@ -34,6 +34,7 @@ from ferrum_rpc.types import (  # the table's `returns` name some of these
     PrefillOutput,
     SpeculativeOutput,
     SpeculativeSampling,
+    TokenChoice,
     VerifyOutput,
 )
 from ferrum_rpc.v1 import executor_pb2 as pb
@@ -85,34 +86,63 @@ def read_region(c, location: pb.SharedMemoryLocation) -> memoryview:
 
 
 def output(c, cls, reply):
-    return cls(convert.logits_from_proto(reply.logits, lambda loc: read_region(c, loc)),
-               convert.handle_from_proto(reply.kv_cache), convert.timing_from_proto(reply.timing))
+    logits = convert.logits_from_proto(reply.logits, lambda loc: read_region(c, loc)) \
+        if reply.HasField("logits") else None  # unset: a chosen token only (issue 22)
+    return cls(logits, convert.handle_from_proto(reply.kv_cache), convert.timing_from_proto(reply.timing))
 
 
-def batch_request(c, items: Iterable[DecodeItem], logits: LogitsPolicy) -> pb.BatchDecodeRequest:
-    # Small rows (top-k, argmax, rows in shared memory) come back in one message
-    # (a stream message per sequence costs ~0.35 ms); full rows stay one message each.
-    small = logits.kind is not LogitsKind.FULL or logits.shared_memory is not None
-    req = pb.BatchDecodeRequest(model=c.model, logits=convert.policy_to_proto(logits), single_reply=small)
+def chosen_output(c, cls, reply):
+    """:func:`output`, with the token the server chose (``.chosen``; None without a token_choice)."""
+    out = output(c, cls, reply)
+    return replace(out, chosen=convert.chosen_from_proto(reply.chosen)) if reply.HasField("chosen") else out
+
+
+def set_logits(req, logits: LogitsPolicy | None) -> None:
+    """None leaves the field unset: full float32 rows, none where a token_choice is given."""
+    if logits is not None:
+        req.logits.CopyFrom(convert.policy_to_proto(logits))
+
+
+def set_choice(message, choice: TokenChoice | None) -> None:
+    if choice is not None:
+        message.token_choice.CopyFrom(convert.token_choice_to_proto(choice))
+
+
+def batch_request(c, items: Iterable[DecodeItem], logits: LogitsPolicy | None,
+                  token_choice: TokenChoice | None = None) -> pb.BatchDecodeRequest:
+    # Small rows (top-k, argmax, rows in shared memory, a chosen token only) come back in
+    # one message (a stream message per sequence costs ~0.35 ms); full rows stay one message each.
+    req = pb.BatchDecodeRequest(model=c.model)
+    set_logits(req, logits)
     for item in items:
-        token_id, handle = (item.token_id, item.kv_cache) if isinstance(item, DecodeInput) else item
-        req.items.add(token_id=token_id, kv_cache=convert.handle_to_proto(handle))
+        token_id, handle, choice = (item.token_id, item.kv_cache, item.token_choice) \
+            if isinstance(item, DecodeInput) else (*item, None)
+        message = req.items.add(token_id=token_id, kv_cache=convert.handle_to_proto(handle))
+        set_choice(message, choice if choice is not None else token_choice)
+    if logits is None:
+        req.single_reply = bool(req.items) and all(i.HasField("token_choice") for i in req.items)
+    else:
+        req.single_reply = logits.kind is not LogitsKind.FULL or logits.shared_memory is not None
     return req
 
 
-def session_request(c, step_id: int, items: Iterable[DecodeItem], logits: LogitsPolicy) -> pb.DecodeSessionRequest:
-    batch = batch_request(c, items, logits)
-    return pb.DecodeSessionRequest(step_id=step_id, model=batch.model, items=batch.items, logits=batch.logits,
-                                   single_reply=batch.single_reply)
+def session_request(c, step_id: int, items: Iterable[DecodeItem], logits: LogitsPolicy | None,
+                    token_choice: TokenChoice | None = None) -> pb.DecodeSessionRequest:
+    batch = batch_request(c, items, logits, token_choice)
+    req = pb.DecodeSessionRequest(step_id=step_id, model=batch.model, items=batch.items,
+                                  single_reply=batch.single_reply)
+    if batch.HasField("logits"):
+        req.logits.CopyFrom(batch.logits)
+    return req
 
 
 def batch_outputs(c, replies: Sequence[pb.BatchDecodeResponse]) -> list[DecodeOutput]:
     replies = [r for reply in replies for r in (reply.results or [reply])]  # single_reply: one message
-    return [output(c, DecodeOutput, r) for r in sorted(replies, key=lambda r: r.index)]
+    return [chosen_output(c, DecodeOutput, r) for r in sorted(replies, key=lambda r: r.index)]
 
 
 def prefill_output(c, reply: pb.PrefillResponse) -> PrefillOutput:
-    out = output(c, PrefillOutput, reply)
+    out = chosen_output(c, PrefillOutput, reply)
     hidden = tuple(tensor_codec.to_numpy(t) for t in getattr(reply, "hidden_states", ()))
     weights = tuple(tensor_codec.to_numpy(t) for t in getattr(reply, "attention_weights", ()))
     return replace(out, cached_tokens=reply.cached_tokens, hidden_states=hidden, attention_weights=weights)
@@ -140,11 +170,16 @@ def _status(c) -> pb.GetStatusRequest:
 
 
 def _prefill(c, token_ids: Sequence[int], kv_cache: KvCacheHandle | None = None,
-             logits: LogitsPolicy = LogitsPolicy(),
-             hidden_states: HiddenStatesRequest | None = None) -> pb.PrefillRequest:
+             logits: LogitsPolicy | None = None,
+             hidden_states: HiddenStatesRequest | None = None,
+             token_choice: TokenChoice | None = None) -> pb.PrefillRequest:
     """Runs a prompt, or continues ``kv_cache`` with the next chunk of one; with
-    ``hidden_states``, also returns those layers' hidden states (``out.hidden_states``)."""
-    req = pb.PrefillRequest(model=c.model, token_ids=token_ids, logits=convert.policy_to_proto(logits))
+    ``hidden_states``, also returns those layers' hidden states (``out.hidden_states``).
+    With ``token_choice``, the server also chooses the token after it (``out.chosen``);
+    ``logits`` None: full float32 logits, none with a token_choice."""
+    req = pb.PrefillRequest(model=c.model, token_ids=token_ids)
+    set_logits(req, logits)
+    set_choice(req, token_choice)
     if kv_cache is not None:
         req.kv_cache.CopyFrom(convert.handle_to_proto(kv_cache))
     if hidden_states is not None:
@@ -152,14 +187,22 @@ def _prefill(c, token_ids: Sequence[int], kv_cache: KvCacheHandle | None = None,
     return req
 
 
-def _decode(c, token_id: int, kv_cache: KvCacheHandle, logits: LogitsPolicy = LogitsPolicy()) -> pb.DecodeRequest:
-    return pb.DecodeRequest(model=c.model, token_id=token_id, kv_cache=convert.handle_to_proto(kv_cache),
-                            logits=convert.policy_to_proto(logits))
+def _decode(c, token_id: int, kv_cache: KvCacheHandle, logits: LogitsPolicy | None = None,
+            token_choice: TokenChoice | None = None) -> pb.DecodeRequest:
+    """Appends ``token_id``; with ``token_choice`` the server also chooses the next
+    token (``out.chosen``); ``logits`` None: full float32 logits, none with a token_choice."""
+    req = pb.DecodeRequest(model=c.model, token_id=token_id, kv_cache=convert.handle_to_proto(kv_cache))
+    set_logits(req, logits)
+    set_choice(req, token_choice)
+    return req
 
 
-def _batch_decode(c, items: Iterable[DecodeItem], logits: LogitsPolicy = LogitsPolicy()) -> pb.BatchDecodeRequest:
-    """One batched forward; outputs in the order of ``items``."""
-    return batch_request(c, items, logits)
+def _batch_decode(c, items: Iterable[DecodeItem], logits: LogitsPolicy | None = None,
+                  token_choice: TokenChoice | None = None) -> pb.BatchDecodeRequest:
+    """One batched forward; outputs in the order of ``items``. An item's token choice is
+    its ``DecodeInput.token_choice``, else ``token_choice``; ``logits`` None: full
+    float32 logits for items without a choice, none for those with one."""
+    return batch_request(c, items, logits, token_choice)
 
 
 def _forward_verify(c, token_ids: Sequence[int], kv_cache: KvCacheHandle,
@@ -169,29 +212,44 @@ def _forward_verify(c, token_ids: Sequence[int], kv_cache: KvCacheHandle,
 
 
 def _speculative_decode(c, token_id: int, draft: Sequence[int], kv_cache: KvCacheHandle,
-                        logits: LogitsPolicy = LogitsPolicy(),
-                        sampling: SpeculativeSampling | None = None) -> pb.SpeculativeDecodeRequest:
+                        logits: LogitsPolicy | None = None,
+                        sampling: SpeculativeSampling | None = None,
+                        token_choice: TokenChoice | None = None) -> pb.SpeculativeDecodeRequest:
     """One round of server-side speculative decoding: ``token_id`` (the last sampled
     token) and ``draft`` verified in one forward, the agreeing drafts kept (greedy),
-    or with ``sampling`` the drafts probabilistic acceptance keeps."""
+    or with ``sampling`` the drafts probabilistic acceptance keeps, or with
+    ``token_choice`` the drafts equal to the server's own choices (``out.chosen``:
+    each kept draft's, then the next token's; the tokens Decode steps with that
+    choice would give). ``logits`` None: full float32, none with a token_choice."""
     req = pb.SpeculativeDecodeRequest(model=c.model, token_id=token_id, draft_token_ids=list(draft),
-                                      kv_cache=convert.handle_to_proto(kv_cache),
-                                      logits=convert.policy_to_proto(logits))
+                                      kv_cache=convert.handle_to_proto(kv_cache))
+    set_logits(req, logits)
+    set_choice(req, token_choice)
     if sampling is not None:
         req.sampling.CopyFrom(pb.SpeculativeSampling(temperature=sampling.temperature, top_k=sampling.top_k,
                                                      top_p=sampling.top_p, seed=sampling.seed))
     return req
 
 
-def _batch_prefill(c, prompts: Iterable[Prompt], logits: LogitsPolicy = LogitsPolicy()) -> pb.BatchPrefillRequest:
+def _batch_prefill(c, prompts: Iterable[Prompt], logits: LogitsPolicy | None = None,
+                   token_choice: TokenChoice | Sequence[TokenChoice | None] | None = None) -> pb.BatchPrefillRequest:
     """Several prompts (token ids, or ``(token_ids, handle)`` to continue one) in one
-    call, run as shared forwards; outputs in order.  All or nothing."""
-    req = pb.BatchPrefillRequest(model=c.model, logits=convert.policy_to_proto(logits))
-    for prompt in prompts:
+    call, run as shared forwards; outputs in order.  All or nothing. ``token_choice``:
+    one for every prompt, or one (or None) per prompt; ``logits`` None: full float32
+    logits, none for prompts with a token_choice."""
+    req = pb.BatchPrefillRequest(model=c.model)
+    set_logits(req, logits)
+    prompts = list(prompts)
+    choices = [token_choice] * len(prompts) if token_choice is None or isinstance(token_choice, TokenChoice) \
+        else list(token_choice)
+    if len(choices) != len(prompts):
+        raise ValueError(f"{len(choices)} token choices for {len(prompts)} prompts")
+    for prompt, choice in zip(prompts, choices):
         token_ids, handle = split_prompt(prompt)
         item = req.items.add(token_ids=token_ids)
         if handle is not None:
             item.kv_cache.CopyFrom(convert.handle_to_proto(handle))
+        set_choice(item, choice)
     return req
 
 
@@ -242,7 +300,7 @@ def _handles(c, reply: pb.ForkCacheResponse) -> list[KvCacheHandle]:
 def _speculative_output(c, reply: pb.SpeculativeDecodeResponse) -> SpeculativeOutput:
     out = output(c, DecodeOutput, reply)
     return SpeculativeOutput(tuple(reply.accepted_token_ids), reply.next_token_id, out.logits, out.kv_cache,
-                             out.timing)
+                             out.timing, tuple(convert.chosen_from_proto(m) for m in reply.chosen))
 
 
 STATUS = Rpc("status", "GetStatus", _status, lambda c, r: convert.status_from_proto(r), "ExecutorStatus")
@@ -253,7 +311,7 @@ RPCS: tuple[Rpc, ...] = (
         "Capabilities"),
     STATUS,
     Rpc("prefill", "Prefill", _prefill, prefill_output, "PrefillOutput"),
-    Rpc("decode", "Decode", _decode, lambda c, r: output(c, DecodeOutput, r), "DecodeOutput"),
+    Rpc("decode", "Decode", _decode, lambda c, r: chosen_output(c, DecodeOutput, r), "DecodeOutput"),
     Rpc("batch_decode", "BatchDecode", _batch_decode, batch_outputs, "list[DecodeOutput]", stream=True),
     Rpc("forward_verify", "ForwardVerify", _forward_verify, lambda c, r: output(c, VerifyOutput, r), "VerifyOutput"),
     Rpc("speculative_decode", "SpeculativeDecode", _speculative_decode, _speculative_output, "SpeculativeOutput"),

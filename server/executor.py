@@ -38,6 +38,8 @@ from ferrum_rpc.errors import (
     shown,
 )
 from ferrum_rpc.server import speculative
+from ferrum_rpc.server.sampling import accept_drafts as choose_drafts
+from ferrum_rpc.server.sampling import choose_tokens, validate_token_choice
 from ferrum_rpc.server.config import ExecutorConfig
 from ferrum_rpc.server.forward import Rows, Step, forward
 from ferrum_rpc.server.kv_cache import KvPool
@@ -64,6 +66,7 @@ from ferrum_rpc.types import (
     SpeculativeOutput,
     SpeculativeSampling,
     Timing,
+    TokenChoice,
     VerifyOutput,
 )
 
@@ -237,18 +240,22 @@ class TorchExecutor:
             supported_dtypes=tuple(d for d in TORCH_DTYPES if d != "float16"),
             supported_devices=("cpu", "cuda") if torch.cuda.is_available() else ("cpu",),
             memory=self.memory_requirements(), optimal_batch_size=self.optimal_batch_size,
+            token_choice=True,
         )
 
     # -- the contract: validate, plan, run ------------------------------------------
     def prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None = None,
-                policy: LogitsPolicy = LogitsPolicy(), hidden: HiddenStatesRequest | None = None,
-                tenant: str = "") -> PrefillOutput:
+                policy: LogitsPolicy | None = LogitsPolicy(), hidden: HiddenStatesRequest | None = None,
+                tenant: str = "", choice: TokenChoice | None = None, as_output: bool = False) -> PrefillOutput:
         """Runs a prompt (or the next part of one, when ``kv_cache`` is given), in
         forwards of up to ``config.prefill_chunk`` tokens.
 
         ``tenant`` (every call that names or makes a sequence takes it): whose the
-        sequence is; another tenant's sequences are "not found" ("" = auth off)."""
-        prompt = self.open_prefill(token_ids, kv_cache, policy, hidden, tenant)
+        sequence is; another tenant's sequences are "not found" ("" = auth off).
+        ``choice``: also choose the token after the prompt (``out.chosen``); with it,
+        ``policy=None`` returns no logits. ``as_output``: the tokens are output for the
+        penalties (verified drafts), not prompt."""
+        prompt = self.open_prefill(token_ids, kv_cache, policy, hidden, tenant, choice=choice, as_output=as_output)
         try:
             while True:
                 plan = prompt.next_part(self.config.prefill_chunk)
@@ -261,17 +268,28 @@ class TorchExecutor:
             raise
 
     def open_prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None = None,
-                     policy: LogitsPolicy = LogitsPolicy(),
-                     hidden: HiddenStatesRequest | None = None, tenant: str = "") -> PromptInParts:
+                     policy: LogitsPolicy | None = LogitsPolicy(),
+                     hidden: HiddenStatesRequest | None = None, tenant: str = "",
+                     choice: TokenChoice | None = None, as_output: bool = False) -> PromptInParts:
         """Validates a prefill and opens its sequence (taking any cached prefix),
         to be run in parts, each one step of some forward (see
-        :class:`PromptInParts`); raises with no state change."""
+        :class:`PromptInParts`); raises with no state change. ``policy=None``: the
+        logits field was unset (full float32 rows, none with a ``choice``)."""
+        if choice is not None:
+            self.check_token_choice(choice)
+        want_logits = policy is not None or choice is None
+        policy = LogitsPolicy() if policy is None else policy
         if hidden is not None:  # the handle is resolved first: its claimed length is not to be trusted
             start = self._resolve(kv_cache, tenant).length if kv_cache is not None else 0
             self._check_hidden(hidden, len(token_ids), start)
         opened = self._open_prefill(token_ids, kv_cache, policy, tenant, reuse_prefix=hidden is None)
         self.kv.pin(opened.seq)
-        return PromptInParts(self, opened, list(token_ids), policy, hidden)
+        return PromptInParts(self, opened, list(token_ids), policy, hidden, choice=choice,
+                             want_logits=want_logits, as_output=as_output)
+
+    def check_token_choice(self, choice: TokenChoice, field: str = "token_choice") -> None:
+        """INVALID_INPUT naming the first bad field of ``choice`` (reads no state: any thread)."""
+        validate_token_choice(choice, self.model_config.vocab_size, field)
 
     def plan_part(self, opened: Opened, tokens: list[int], rows: Rows, policy: LogitsPolicy) -> AppendPlan:
         """Plans an opened prompt's next ``tokens`` (reserving their KV room); raises with
@@ -304,12 +322,20 @@ class TorchExecutor:
                                f"the {self.config.max_message_bytes}-byte message limit; ask for fewer layers, "
                                "heads or positions")
 
-    def plan_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy, tenant: str = "") -> AppendPlan:
-        """Validates a BatchDecode request and reserves its KV room; raises with no state change."""
+    def plan_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy | None, tenant: str = "") -> AppendPlan:
+        """Validates a BatchDecode request and reserves its KV room; raises with no state change.
+        ``policy=None``: the logits field was unset: full float32 rows for the items
+        without a token_choice, none for those with one."""
         if not inputs:
             raise InvalidInput("batch_decode needs at least one input")
         if len(inputs) > self.config.max_batch_size:
             raise InvalidInput(f"{len(inputs)} sequences exceed max batch size {self.config.max_batch_size}")
+        for n, item in enumerate(inputs):
+            if item.token_choice is not None:
+                self.check_token_choice(item.token_choice, "token_choice" if len(inputs) == 1
+                                        else f"items[{n}].token_choice")
+        wants = [policy is not None or item.token_choice is None for item in inputs]
+        policy = LogitsPolicy() if policy is None else policy
         self._check_policy(policy, 1)
         ids = [i.kv_cache.cache_id for i in inputs]
         if len(set(ids)) != len(ids):
@@ -320,8 +346,9 @@ class TorchExecutor:
             self._check_length(seq.length, 1)
         steps: list[Step] = []
         try:
-            for seq, item in zip(seqs, inputs):
+            for seq, item, want in zip(seqs, inputs, wants):
                 steps.append(self._step(Opened(seq, False, 0, seq.length, seq.last_used), [item.token_id], Rows.LAST))
+                steps[-1].choice, steps[-1].logits = item.token_choice, want
         except BaseException:
             self._unplan(steps)
             raise
@@ -348,6 +375,12 @@ class TorchExecutor:
         self.stats.failed = False
         self.stats.count_forward(all(p.kind is PlanKind.DECODE for p in plans), time.perf_counter_ns() - t0,
                                  len(steps), sum(len(s.tokens) for s in steps))
+        try:
+            self._choose(steps, logits)
+        except BaseException:  # nothing is half done: the appends are undone as a failed forward's
+            for step in steps:
+                self.undo([step.opened.undo])
+            raise
         timing = Timing(forward_ns=time.perf_counter_ns() - t0, batch_size=len(steps))
         results, at = [], 0  # each plan's rows in ``logits`` are adjacent
         for plan in plans:
@@ -356,13 +389,49 @@ class TorchExecutor:
             at += n
             if plan.kind is PlanKind.PART:
                 results.append(rows)
-            else:  # the policy over all of the plan's rows at once, then a row each
-                both = self.apply_policy(rows, plan.policy)
-                results.append([DecodeOutput(Logits(both.kind, both.values[j:j + 1],
-                                                    None if both.token_ids is None else both.token_ids[j:j + 1],
-                                                    both.vocab_size), self.handle(step.seq), timing)
-                                for j, step in enumerate(plan.steps)])
+                continue
+            # the policy over the rows that go back as logits at once, then a row each
+            wanted = [j for j, step in enumerate(plan.steps) if step.logits]
+            both = None
+            if wanted:
+                both = self.apply_policy(rows if len(wanted) == len(plan.steps) else rows[wanted], plan.policy)
+            outs, k = [], 0
+            for step in plan.steps:
+                got = None
+                if step.logits:
+                    got = Logits(both.kind, both.values[k:k + 1],
+                                 None if both.token_ids is None else both.token_ids[k:k + 1], both.vocab_size)
+                    k += 1
+                outs.append(DecodeOutput(got, self.handle(step.seq), timing, chosen=step.chosen))
+            results.append(outs)
         return results
+
+    def _choose(self, steps: list[Step], logits: torch.Tensor | None) -> None:
+        """Token choice (issue 22): one ``choose_tokens`` over every row of this forward
+        that asks for one (a decode's row, a prompt's last row), after the appends are
+        committed: the position is the new length, the histories the sequence's tokens,
+        split into prompt and output at ``SequenceState.output_start`` (a prompt's own
+        row: all prompt)."""
+        rows, choices, positions, prompts, outputs, asking, at = [], [], [], [], [], [], 0
+        for step in steps:
+            n = step.rows.count(len(step.tokens))
+            if step.choice is not None and n:
+                seq, c = step.seq, step.choice
+                rows.append(at + n - 1)
+                choices.append(c)
+                positions.append(seq.length)
+                penalised = c.repetition_penalty != 1 or c.presence_penalty or c.frequency_penalty
+                split = seq.length if step.prompt else seq.output_start
+                prompts.append(seq.tokens[:split] if penalised else ())
+                outputs.append(seq.tokens[split:seq.length] if penalised else ())
+                asking.append(step)
+            at += n
+        if not asking:
+            return
+        picked = logits[torch.tensor(rows, device=logits.device)] if len(rows) < logits.shape[0] else logits
+        chosen = choose_tokens(picked.float().cpu(), choices, positions, prompts, outputs)
+        for i, step in enumerate(asking):
+            step.chosen = chosen.row(i)
 
     def undo(self, undos: Iterable[Undo]) -> None:
         """THE undo: puts each record's sequence back as it was before its call (see
@@ -389,10 +458,11 @@ class TorchExecutor:
             self.undo([step.opened.undo])
 
     def decode(self, token_id: int, kv_cache: KvCacheHandle,
-               policy: LogitsPolicy = LogitsPolicy(), tenant: str = "") -> DecodeOutput:
-        return self.batch_decode([DecodeInput(token_id, kv_cache)], policy, tenant)[0]
+               policy: LogitsPolicy | None = LogitsPolicy(), tenant: str = "",
+               choice: TokenChoice | None = None) -> DecodeOutput:
+        return self.batch_decode([DecodeInput(token_id, kv_cache, choice)], policy, tenant)[0]
 
-    def batch_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy = LogitsPolicy(),
+    def batch_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy | None = LogitsPolicy(),
                      tenant: str = "") -> list[DecodeOutput]:
         """One batched forward over sequences of any lengths."""
         return self.run([self.plan_decode(inputs, policy, tenant)])[0]
@@ -401,32 +471,51 @@ class TorchExecutor:
                        policy: LogitsPolicy = LogitsPolicy(), tenant: str = "") -> VerifyOutput:
         """Appends N+1 tokens and returns N+1 logits rows: a continued prefill over
         every position (so a long verify runs in chunks like a prompt)."""
-        out = self.prefill(token_ids, kv_cache, verify_policy(policy), tenant=tenant)
+        out = self.prefill(token_ids, kv_cache, verify_policy(policy), tenant=tenant, as_output=True)
         return VerifyOutput(out.logits, out.kv_cache, out.timing)
 
     def speculative_decode(self, token_id: int, draft: list[int], kv_cache: KvCacheHandle,
-                           policy: LogitsPolicy = LogitsPolicy(),
-                           sampling: SpeculativeSampling | None = None, tenant: str = "") -> SpeculativeOutput:
+                           policy: LogitsPolicy | None = LogitsPolicy(),
+                           sampling: SpeculativeSampling | None = None, tenant: str = "",
+                           choice: TokenChoice | None = None) -> SpeculativeOutput:
         """One round of speculative decoding: ``token_id`` and the drafts in one forward,
         the drafts kept that ``speculative.accept_drafts`` keeps (greedy: the longest
         prefix equal to greedy's choices), the rest truncated, and the logits after
-        the kept ones in ``policy``.  Fails with no state change; it is one worker
+        the kept ones in ``policy``.  With ``choice`` (not with ``sampling``), drafts
+        are kept while they equal what the policy chooses (``sampling.accept_drafts``:
+        the tokens of Decode steps with that choice) and ``out.chosen`` holds each
+        kept draft's choice, then the next token's; ``policy=None``: no logits with a
+        choice, else full float32.  Fails with no state change; it is one worker
         job, so nobody sees the drafts' KV."""
         if len(draft) + 1 > self.config.prefill_chunk:
             raise InvalidInput(f"{len(draft)} drafts exceed {self.config.prefill_chunk - 1} (one forward's chunk)")
+        if choice is not None:
+            if sampling is not None:
+                raise InvalidInput("token_choice and sampling are exclusive: give one acceptance rule")
+            self.check_token_choice(choice)
+        want_logits = policy is not None or choice is None
+        policy = LogitsPolicy() if policy is None else policy
         self._check_policy(policy, 1)
         sampling = speculative.checked_sampling(sampling)
         out = self.prefill([token_id] + list(draft), kv_cache, LogitsPolicy(LogitsKind.FULL, all_positions=True),
-                           tenant=tenant)
+                           tenant=tenant, as_output=True)
         undo = Undo(out.kv_cache.cache_id, kv_cache.sequence_length)  # no left_at: the rejected drafts may be gone
         try:
             rows = out.logits.values  # (1 + len(draft), vocab) float32: row i predicts what follows input i
-            agreed, following = speculative.accept_drafts(rows, draft, sampling)
             seq = self.kv.get(out.kv_cache.cache_id, tenant)
+            chosen: tuple = ()
+            if choice is not None:  # the policy's own choices, batched over the rows
+                last = kv_cache.sequence_length + 1  # token_id is in: output for the penalties
+                split = seq.output_start
+                agreed, picks = choose_drafts(rows, draft, choice, last, seq.tokens[:split], seq.tokens[split:last])
+                following, chosen = picks[-1].token_id, tuple(picks)
+            else:
+                agreed, following = speculative.accept_drafts(rows, draft, sampling)
             if agreed < len(draft):  # the rejected drafts' KV goes (their idle clock was restarted by the forward)
                 self.kv.shrink(seq, kv_cache.sequence_length + 1 + agreed)
-            return SpeculativeOutput(tuple(draft[:agreed]), following,
-                                     self.apply_policy(rows[agreed:agreed + 1], policy), self.handle(seq), out.timing)
+            logits = self.apply_policy(rows[agreed:agreed + 1], policy) if want_logits else None
+            return SpeculativeOutput(tuple(draft[:agreed]), following, logits, self.handle(seq), out.timing,
+                                     chosen=chosen)
         except BaseException:  # whatever fails after the forward: the sequence is put back as it was
             self.undo([undo])
             raise

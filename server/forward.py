@@ -12,6 +12,7 @@ import torch
 
 from ferrum_rpc.server.kv_cache import KvPool, RaggedBatch
 from ferrum_rpc.server.kv_manager import SequenceState, WritePlan
+from ferrum_rpc.types import ChosenToken, TokenChoice
 
 if TYPE_CHECKING:
     from ferrum_rpc.server.executor import Opened
@@ -42,6 +43,12 @@ class Step:
     # analysis: decoder layer -> this step's attention weights (H, T, start + T) of the heads asked
     attention: dict[int, torch.Tensor | None] | None = None
     heads: tuple[int, ...] = ()
+    # token choice (issue 22): the policy choosing the token after this step's last row
+    # (a decode, a prompt's final part), and what run() chose
+    choice: TokenChoice | None = None
+    chosen: ChosenToken | None = None
+    logits: bool = True  # its rows go back as logits (False: a chosen token only)
+    prompt: bool = False  # a Prefill's part: the sequence's tokens are all prompt for the penalties
 
     @property
     def seq(self) -> SequenceState:

@@ -40,6 +40,15 @@ class SequenceState:
     last_used: float = field(default_factory=time.monotonic)  # end of its last successful call
     pins: int = 0  # jobs using it right now (a chunked prefill, a long verify): never reaped
     tenant: str = ""  # who made it: nobody else can see it (auth off: everyone is tenant "")
+    # (start, end) of each Prefill that ran on it, in order: the penalties' prompt/output
+    # split (issue 22). Everything up to the last Prefill's end is prompt, what came after
+    # (decode steps, verified drafts) is output; shrink keeps it consistent.
+    prompt_spans: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def output_start(self) -> int:
+        """Where the output starts: tokens[:output_start] are prompt, the rest output."""
+        return min(self.prompt_spans[-1][1], self.length) if self.prompt_spans else 0
 
 
 @dataclass
@@ -63,6 +72,7 @@ class SequenceView:
     last_used: float
     pins: int
     tenant: str
+    prompt_spans: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -122,7 +132,8 @@ class BlockManager:
         """A read-only copy of the books (sequences, ref counts, free list, prefix-hash
         index); later calls do not change it."""
         seqs = {cid: SequenceView(cid, s.length, tuple(s.block_ids), tuple(s.tokens), tuple(s.hashes),
-                                  s.last_used, s.pins, s.tenant) for cid, s in self._seqs.items()}
+                                  s.last_used, s.pins, s.tenant, tuple(s.prompt_spans))
+                for cid, s in self._seqs.items()}
         return BlockSnapshot(MappingProxyType(seqs), tuple(self._refs), tuple(self._free),
                              MappingProxyType(dict(self._hash_of)), MappingProxyType(dict(self._block_of)))
 
@@ -335,11 +346,22 @@ class BlockManager:
         seq.last_used = time.monotonic()
         self._register(seq)
 
+    @staticmethod
+    def mark_prompt(seq: SequenceState, start: int, end: int) -> None:
+        """Records that a Prefill appended [start, end): every token up to ``end`` is prompt."""
+        seq.prompt_spans.append((start, end))
+
     def shrink(self, seq: SequenceState, new_length: int, touch: bool = True) -> int:
         """Sets the length to ``new_length`` and drops blocks past it; returns blocks freed.
 
-        ``touch=False`` (a rollback) leaves the idle clock as it was.
+        ``touch=False`` (a rollback) leaves the idle clock as it was. Prefills that
+        started at or after ``new_length`` are forgotten (undoing a Prefill puts the
+        prompt/output split back where it was), one cut through is clipped.
         """
+        while seq.prompt_spans and seq.prompt_spans[-1][0] >= new_length:
+            seq.prompt_spans.pop()
+        if seq.prompt_spans and seq.prompt_spans[-1][1] > new_length:
+            seq.prompt_spans[-1] = (seq.prompt_spans[-1][0], new_length)
         keep = self.blocks_for(new_length)
         dropped = seq.block_ids[keep:]
         del seq.block_ids[keep:]
@@ -359,7 +381,8 @@ class BlockManager:
             for block in seq.block_ids:
                 self._ref(block)
             child = self._seqs[cid] = SequenceState(
-                cid, seq.length, list(seq.block_ids), list(seq.tokens), list(seq.hashes), tenant=seq.tenant
+                cid, seq.length, list(seq.block_ids), list(seq.tokens), list(seq.hashes), tenant=seq.tenant,
+                prompt_spans=list(seq.prompt_spans),
             )
             children.append(child)
         seq.last_used = time.monotonic()

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ferrum_rpc.server.forward import Rows
-from ferrum_rpc.types import HiddenStatesRequest, LogitsPolicy, PrefillOutput, Timing
+from ferrum_rpc.types import HiddenStatesRequest, LogitsPolicy, PrefillOutput, Timing, TokenChoice
 
 if TYPE_CHECKING:
     from ferrum_rpc.server.executor import AppendPlan, Opened, TorchExecutor
@@ -28,8 +28,13 @@ class PromptInParts:
     """
 
     def __init__(self, executor: TorchExecutor, opened: Opened, tokens: list[int], policy: LogitsPolicy,
-                 hidden: HiddenStatesRequest | None):
+                 hidden: HiddenStatesRequest | None, choice: TokenChoice | None = None, want_logits: bool = True,
+                 as_output: bool = False):
         self.executor, self.opened, self.tokens, self.policy, self.hidden = executor, opened, tokens, policy, hidden
+        # token choice: chosen after the last part; logits only when asked; as_output:
+        # the tokens are output for the penalties (verified drafts), else a prompt
+        self.choice, self.want_logits, self.as_output = choice, want_logits, as_output
+        self.chosen = None
         self.offset = opened.cached  # tokens done (cached prefix included)
         self.rows: list[torch.Tensor] = []
         self.states: dict[int, list[torch.Tensor]] = {layer: [] for layer in (hidden.layers if hidden else ())}
@@ -55,6 +60,9 @@ class PromptInParts:
         rows = Rows.ALL if self.policy.all_positions else Rows.LAST if final else Rows.NONE
         plan = self.executor.plan_part(self.opened, self.tokens[self.offset:self.offset + n], rows, self.policy)
         (step,) = plan.steps
+        step.prompt = not self.as_output
+        if final:
+            step.choice = self.choice
         step.hidden = dict.fromkeys(self.states) if self.states else None
         if self.weights:
             step.attention, step.heads = dict.fromkeys(self.weights), tuple(self.hidden.attention_heads)
@@ -68,6 +76,8 @@ class PromptInParts:
         self.forward_ns += forward_ns
         if rows is not None:
             self.rows.append(rows)
+        if step.chosen is not None:
+            self.chosen = step.chosen
         for layer in self.states:
             self.states[layer].append(step.hidden[layer])
         for layer in self.weights:
@@ -76,7 +86,9 @@ class PromptInParts:
             return None
         ex, hidden = self.executor, self.hidden
         try:
-            logits = ex.apply_policy(torch.cat(self.rows) if len(self.rows) > 1 else self.rows[0], self.policy)
+            logits = None
+            if self.want_logits:
+                logits = ex.apply_policy(torch.cat(self.rows) if len(self.rows) > 1 else self.rows[0], self.policy)
             picked = list(hidden.positions) if hidden and hidden.positions else slice(None)
             states = tuple(torch.cat(self.states[layer])[picked].numpy() for layer in (hidden.layers if hidden else ()))
             length = self.opened.seq.length  # earlier parts saw fewer keys: zero-padded (causal) to all of them
@@ -86,10 +98,13 @@ class PromptInParts:
             self.undo()
             raise
         self.open = False
+        if not self.as_output:  # the penalties' prompt now ends here
+            ex.kv.mark_prompt(self.opened.seq, self.opened.origin, self.opened.seq.length)
         ex.kv.unpin(self.opened.seq, touch=True)
         return PrefillOutput(logits, ex.handle(self.opened.seq), Timing(forward_ns=self.forward_ns,
                                                                         batch_size=batch_size),
-                             cached_tokens=self.opened.cached, hidden_states=states, attention_weights=weights)
+                             cached_tokens=self.opened.cached, hidden_states=states, attention_weights=weights,
+                             chosen=self.chosen)
 
     def undo(self) -> None:
         """Undoes every part run so far (safe to call twice, and after a failed forward)."""

@@ -43,7 +43,15 @@ from ferrum_rpc.server.executor import Undo
 from ferrum_rpc.server.registry import Registry
 from ferrum_rpc.server.shm import SharedMemoryRegistry
 from ferrum_rpc.server.worker import ModelWorker
-from ferrum_rpc.types import DecodeInput, KvCacheHandle, LogitsPolicy, ServerState, SpeculativeSampling
+from ferrum_rpc.types import (
+    ChosenToken,
+    DecodeInput,
+    KvCacheHandle,
+    LogitsPolicy,
+    ServerState,
+    SpeculativeSampling,
+    TokenChoice,
+)
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 
@@ -99,18 +107,21 @@ def _serialize(message) -> bytes:
 def _check_parsed(request) -> None:
     if isinstance(request, Malformed):
         raise InvalidInput(request.why)
-    _refuse_token_choice(request)
 
 
-def _refuse_token_choice(request) -> None:
-    """``token_choice`` is in the contract (server/sampling.py implements it) but not
-    served yet: refused, never ignored (Capabilities.token_choice says so)."""
-    if not hasattr(request, "DESCRIPTOR"):
-        return
-    for message in (request, *getattr(request, "items", ())):
-        if "token_choice" in message.DESCRIPTOR.fields_by_name and message.HasField("token_choice"):
-            raise ExecutorError("token_choice is not served by this server yet (Capabilities.token_choice "
-                                "is false): choose tokens from the logits", code=grpc.StatusCode.UNIMPLEMENTED)
+def _policy_or_unset(message) -> LogitsPolicy | None:
+    """A request's logits policy; None when the field is unset (full float32 rows for
+    requests without a token_choice, no logits for those with one)."""
+    return convert.policy_from_proto(message.logits) if message.HasField("logits") else None
+
+
+def _choice(worker: ModelWorker, message, field: str = "token_choice") -> TokenChoice | None:
+    """A message's token_choice, validated (INVALID_INPUT naming ``field``); None if unset."""
+    if not message.HasField("token_choice"):
+        return None
+    choice = convert.token_choice_from_proto(message.token_choice)
+    worker.executor.check_token_choice(choice, field)
+    return choice
 
 
 DEADLINE_HEADER = "ferrum-deadline-unix-ns"  # optional: the caller's absolute deadline (see _deadline)
@@ -144,6 +155,8 @@ def _deadline(context) -> float | None:
 
 
 def _payload_bytes(logits) -> int:
+    if logits is None:  # a chosen token only
+        return 0
     values = logits.values
     size = values.numel() * values.element_size() if hasattr(values, "numel") else values.nbytes
     return size + (logits.token_ids.size * 5 if logits.token_ids is not None else 0)
@@ -383,10 +396,12 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
     def _decode_batch(self, request) -> tuple[ModelWorker, list[DecodeInput], LogitsPolicy]:
         """BatchDecode / DecodeSession request -> its model's worker, the items and the policy."""
         first = request.items[0].kv_cache.model if request.items else ""
-        items = [DecodeInput(i.token_id, _required_handle(i)) for i in request.items]
-        worker, policy = self._worker(request.model or first), convert.policy_from_proto(request.logits)
-        if request.single_reply:  # every row in one message: it must fit the limit as a whole
-            worker.executor.check_reply_fits(policy, len(items))
+        worker, policy = self._worker(request.model or first), _policy_or_unset(request)
+        items = [DecodeInput(i.token_id, _required_handle(i), _choice(worker, i, f"items[{n}].token_choice"))
+                 for n, i in enumerate(request.items)]
+        rows = sum(1 for i in items if policy is not None or i.token_choice is None)  # chosen only: no row
+        if request.single_reply and rows:  # every row in one message: it must fit the limit as a whole
+            worker.executor.check_reply_fits(policy or LogitsPolicy(), rows)
         return worker, items, policy
 
     @contextlib.contextmanager
@@ -395,7 +410,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         region: one ``(region, offset)`` per output, rows packed one after another.
         Everything is checked, and the region pinned, before the call runs: the
         write after it cannot fail.  Without shared memory every output's target is None."""
-        if policy.shared_memory is None:
+        if policy is None or policy.shared_memory is None:
             yield [None] * len(rows)
             return
         target = policy.shared_memory
@@ -436,7 +451,10 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
     def _result(message, out, received_ns: int, target=None):
         """Fills a reply's logits, handle and timing in place (large logits are copied once,
         into the reply or into shared memory)."""
-        convert.fill_logits(message.logits, out.logits, target)
+        if out.logits is not None:
+            convert.fill_logits(message.logits, out.logits, target)
+        if isinstance(getattr(out, "chosen", None), ChosenToken):  # SpeculativeOutput's is a tuple
+            message.chosen.CopyFrom(convert.chosen_to_proto(out.chosen))
         message.kv_cache.CopyFrom(convert.handle_to_proto(out.kv_cache))
         message.timing.CopyFrom(convert.timing_to_proto(out.timing))
         message.timing.total_ns = time.perf_counter_ns() - received_ns
@@ -494,12 +512,14 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         received = time.perf_counter_ns()
         worker = self._worker(request.model or request.kv_cache.model)
         handle = convert.handle_from_proto(request.kv_cache) if request.HasField("kv_cache") else None
-        policy = convert.policy_from_proto(request.logits)
-        rows = len(request.token_ids) if policy.all_positions else 1
+        policy = _policy_or_unset(request)
+        choice = _choice(worker, request)
+        rows = len(request.token_ids) if policy is not None and policy.all_positions else 1
         hidden = convert.hidden_request_from_proto(request.hidden_states) if request.HasField("hidden_states") \
             else None
         with self._logits_targets(policy, [rows], worker, tenant) as targets:
-            out = await worker.prefill(list(request.token_ids), handle, policy, _deadline(context), hidden, tenant)
+            out = await worker.prefill(list(request.token_ids), handle, policy, _deadline(context), hidden, tenant,
+                                       choice)
             undo = [Undo.of(handle, out.kv_cache)]
             reply = pb.PrefillResponse(cached_tokens=out.cached_tokens)
             for array in out.hidden_states:
@@ -512,8 +532,8 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
     async def Decode(self, request, context, tenant: str):
         received = time.perf_counter_ns()
         worker = self._worker(request.model or request.kv_cache.model)
-        item = DecodeInput(request.token_id, _required_handle(request))
-        policy = convert.policy_from_proto(request.logits)
+        item = DecodeInput(request.token_id, _required_handle(request), _choice(worker, request))
+        policy = _policy_or_unset(request)
         with self._logits_targets(policy, [1], worker, tenant) as targets:
             (out,) = await worker.decode([item], policy, _deadline(context), tenant)
             undo = [Undo.of(item.kv_cache, out.kv_cache)]
@@ -572,16 +592,18 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         received = time.perf_counter_ns()
         worker = self._worker(request.model or request.kv_cache.model)
         handle = _required_handle(request)
-        policy = convert.policy_from_proto(request.logits)
+        policy = _policy_or_unset(request)
+        choice = _choice(worker, request)
         with self._logits_targets(policy, [1], worker, tenant) as targets:
             sampling = None
             if request.HasField("sampling"):
                 m = request.sampling
                 sampling = SpeculativeSampling(m.temperature, m.top_k, m.top_p, m.seed)
             out = await worker.speculative(request.token_id, list(request.draft_token_ids), handle, policy,
-                                           _deadline(context), sampling, tenant)
+                                           _deadline(context), sampling, tenant, choice)
             reply = pb.SpeculativeDecodeResponse(accepted_token_ids=out.accepted_token_ids,
-                                                 next_token_id=out.next_token_id)
+                                                 next_token_id=out.next_token_id,
+                                                 chosen=[convert.chosen_to_proto(c) for c in out.chosen])
             undo = [Undo.of(handle, out.kv_cache)]
             return await self._reply(reply, out, received, worker, undo, targets[0])
 
@@ -602,12 +624,15 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         ids = [h.cache_id for h in handles if h is not None]
         if len(set(ids)) != len(ids):
             raise InvalidInput("a sequence may be continued at most once per BatchPrefill")
-        policy = convert.policy_from_proto(request.logits)
-        rows = [len(i.token_ids) if policy.all_positions else 1 for i in request.items]
+        policy = _policy_or_unset(request)
+        choices = [_choice(worker, item, f"items[{n}].token_choice") for n, item in enumerate(request.items)]
+        rows = [len(i.token_ids) if policy is not None and policy.all_positions else 1 for i in request.items]
         deadline = _deadline(context)
         with self._logits_targets(policy, rows, worker, tenant) as targets:
-            outs = await asyncio.gather(*(worker.prefill(list(item.token_ids), handle, policy, deadline, tenant=tenant)
-                                          for item, handle in zip(request.items, handles)), return_exceptions=True)
+            outs = await asyncio.gather(*(worker.prefill(list(item.token_ids), handle, policy, deadline, tenant=tenant,
+                                                         choice=choice)
+                                          for item, handle, choice in zip(request.items, handles, choices)),
+                                        return_exceptions=True)
             failed = next((o for o in outs if isinstance(o, BaseException)), None)
             if failed is not None:  # all or nothing: the prompts that ran are undone
                 done = [Undo.of(h, o.kv_cache) for o, h in zip(outs, handles) if not isinstance(o, BaseException)]

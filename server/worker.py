@@ -68,6 +68,8 @@ class _Job:
     abandoned: bool = False  # the caller went away: stop before the next part and undo
     parked_at: float | None = None  # a prompt first found no room for the whole of it (see scheduler.take_prompts)
     tenant: str = ""  # who submitted it ("" = auth off): its sequences, its fair share
+    choice: Any = None  # a prompt's TokenChoice: the token after it is chosen (issue 22)
+    as_output: bool = False  # a prompt whose tokens are output for the penalties (ForwardVerify)
 
     @property
     def analysis(self) -> bool:
@@ -159,23 +161,28 @@ class ModelWorker:
         """Runs a decode step, batched with the other decodes (and prompt parts) queued with it."""
         return self._put(_Job(None, (), decode=(inputs, policy), deadline=deadline, tenant=tenant)).future
 
-    def _prefill_job(self, token_ids, kv_cache, policy, deadline, tenant, hidden=None) -> _Job:
-        return _Job(None, (), prefill=(token_ids, kv_cache, policy, hidden), deadline=deadline, tenant=tenant)
+    def _prefill_job(self, token_ids, kv_cache, policy, deadline, tenant, hidden=None, choice=None,
+                     as_output=False) -> _Job:
+        return _Job(None, (), prefill=(token_ids, kv_cache, policy, hidden), deadline=deadline, tenant=tenant,
+                    choice=choice, as_output=as_output)
 
     # -- asyncio front: a cancelled await stops the job and undoes what it did ------
     async def call(self, fn: Callable[..., Any], *args: Any, deadline: float | None = None) -> Any:
         return await self._await(self._put(_Job(fn, args, deadline=deadline)))
 
-    async def prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None, policy: LogitsPolicy,
-                      deadline: float | None = None, hidden=None, tenant: str = "") -> Any:
-        job = self._put(self._prefill_job(token_ids, kv_cache, policy, deadline, tenant, hidden))
+    async def prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None, policy: LogitsPolicy | None,
+                      deadline: float | None = None, hidden=None, tenant: str = "", choice=None,
+                      as_output: bool = False) -> Any:
+        """A prompt; ``choice`` (a TokenChoice): also the token after it, chosen on this
+        thread right after the forward; ``policy=None``: the logits field was unset."""
+        job = self._put(self._prefill_job(token_ids, kv_cache, policy, deadline, tenant, hidden, choice, as_output))
         return await self._await(job, lambda out: [Undo.of(kv_cache, out.kv_cache)])
 
     async def verify(self, token_ids: list[int], kv_cache: KvCacheHandle, policy: LogitsPolicy,
                      deadline: float | None = None, tenant: str = "") -> VerifyOutput:
         """ForwardVerify: a continued prefill over every position (chunked when long,
         batched with other prompts when short)."""
-        out = await self.prefill(token_ids, kv_cache, verify_policy(policy), deadline, tenant=tenant)
+        out = await self.prefill(token_ids, kv_cache, verify_policy(policy), deadline, tenant=tenant, as_output=True)
         return VerifyOutput(out.logits, out.kv_cache, out.timing)
 
     async def decode(self, inputs: list[DecodeInput], policy: LogitsPolicy, deadline: float | None = None,
@@ -183,10 +190,13 @@ class ModelWorker:
         job = self._put(_Job(None, (), decode=(inputs, policy), deadline=deadline, tenant=tenant))
         return await self._await(job, lambda outs: [Undo.of(i.kv_cache, o.kv_cache) for i, o in zip(inputs, outs)])
 
-    async def speculative(self, token_id: int, draft: list[int], kv_cache: KvCacheHandle, policy: LogitsPolicy,
-                          deadline: float | None = None, sampling=None, tenant: str = "") -> Any:
-        """SpeculativeDecode: verify, accept and truncate as one job."""
-        job = self._put(_Job(self.executor.speculative_decode, (token_id, draft, kv_cache, policy, sampling, tenant),
+    async def speculative(self, token_id: int, draft: list[int], kv_cache: KvCacheHandle,
+                          policy: LogitsPolicy | None, deadline: float | None = None, sampling=None,
+                          tenant: str = "", choice=None) -> Any:
+        """SpeculativeDecode: verify, accept (by ``choice``, a TokenChoice, when given) and
+        truncate as one job."""
+        job = self._put(_Job(self.executor.speculative_decode,
+                             (token_id, draft, kv_cache, policy, sampling, tenant, choice),
                              deadline=deadline, tenant=tenant))
         return await self._await(job, lambda out: [Undo.of(kv_cache, out.kv_cache)])
 
@@ -438,7 +448,8 @@ class ModelWorker:
             return None
         try:
             if job.prompt is None:
-                job.prompt = ex.open_prefill(*job.prefill, tenant=job.tenant)
+                job.prompt = ex.open_prefill(*job.prefill, tenant=job.tenant, choice=job.choice,
+                                             as_output=job.as_output)
             return job.prompt.next_part(tokens)
         except BaseException as exc:
             if job.prompt is not None:
