@@ -53,32 +53,50 @@ from ferrum_rpc.types import DecodeInput, HiddenStatesRequest, KvCacheHandle, Lo
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class DecodeWork:
+    """A decode step: one token for each sequence, and what each reply carries."""
+    inputs: list[DecodeInput]
+    policy: LogitsPolicy
+
+
+@dataclass(frozen=True)
+class PromptWork:
+    """A prompt, run in parts: its tokens, the sequence it continues (None: a new one),
+    what its reply carries, the hidden states asked for, the token choice after it
+    (issue 22), and whether its tokens count as output for the penalties (ForwardVerify)."""
+    token_ids: list[int]
+    kv_cache: KvCacheHandle | None
+    policy: LogitsPolicy
+    hidden: HiddenStatesRequest | None = None
+    choice: Any = None
+    as_output: bool = False
+
+
 @dataclass
 class _Job:
+    """One queued piece of work: a call (``fn(*args)``), a decode step or a prompt."""
     fn: Callable[..., Any] | None
     args: tuple
     future: Future = field(default_factory=Future)
     enqueued_ns: int = field(default_factory=time.perf_counter_ns)
-    decode: tuple[list[DecodeInput], LogitsPolicy] | None = None
-    # a prompt: (tokens, handle or None, policy, hidden-states request or None), run in parts
-    prefill: tuple[list[int], KvCacheHandle | None, LogitsPolicy, HiddenStatesRequest | None] | None = None
+    decode: DecodeWork | None = None
+    prefill: PromptWork | None = None
     prompt: PromptInParts | None = None  # once its first part is planned
     queue_ns: int = 0
     deadline: float | None = None  # time.monotonic() past which the caller no longer waits
     abandoned: bool = False  # the caller went away: stop before the next part and undo
     parked_at: float | None = None  # a prompt first found no room for the whole of it (see scheduler.take_prompts)
     tenant: str = ""  # who submitted it ("" = auth off): its sequences, its fair share
-    choice: Any = None  # a prompt's TokenChoice: the token after it is chosen (issue 22)
-    as_output: bool = False  # a prompt whose tokens are output for the penalties (ForwardVerify)
 
     @property
     def analysis(self) -> bool:
         """A prompt asking for hidden states: its parts run in forwards of their own."""
-        return self.prefill is not None and self.prefill[3] is not None
+        return self.prefill is not None and self.prefill.hidden is not None
 
     def sequence(self) -> str | None:
         """The existing sequence a prompt continues (None: a new one)."""
-        return self.prefill[1].cache_id if self.prefill and self.prefill[1] is not None else None
+        return self.prefill.kv_cache.cache_id if self.prefill and self.prefill.kv_cache is not None else None
 
     def gone(self) -> ExecutorError | None:
         """Why this job's caller no longer waits for it, or None while it does."""
@@ -159,12 +177,12 @@ class ModelWorker:
     def submit_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy,
                       deadline: float | None = None, tenant: str = "") -> Future:
         """Runs a decode step, batched with the other decodes (and prompt parts) queued with it."""
-        return self._put(_Job(None, (), decode=(inputs, policy), deadline=deadline, tenant=tenant)).future
+        return self._put(_Job(None, (), decode=DecodeWork(inputs, policy), deadline=deadline, tenant=tenant)).future
 
     def _prefill_job(self, token_ids, kv_cache, policy, deadline, tenant, hidden=None, choice=None,
                      as_output=False) -> _Job:
-        return _Job(None, (), prefill=(token_ids, kv_cache, policy, hidden), deadline=deadline, tenant=tenant,
-                    choice=choice, as_output=as_output)
+        return _Job(None, (), prefill=PromptWork(token_ids, kv_cache, policy, hidden, choice, as_output),
+                    deadline=deadline, tenant=tenant)
 
     # -- asyncio front: a cancelled await stops the job and undoes what it did ------
     async def call(self, fn: Callable[..., Any], *args: Any, deadline: float | None = None) -> Any:
@@ -187,7 +205,7 @@ class ModelWorker:
 
     async def decode(self, inputs: list[DecodeInput], policy: LogitsPolicy, deadline: float | None = None,
                      tenant: str = "") -> list:
-        job = self._put(_Job(None, (), decode=(inputs, policy), deadline=deadline, tenant=tenant))
+        job = self._put(_Job(None, (), decode=DecodeWork(inputs, policy), deadline=deadline, tenant=tenant))
         return await self._await(job, lambda outs: [Undo.of(i.kv_cache, o.kv_cache) for i, o in zip(inputs, outs)])
 
     async def speculative(self, token_id: int, draft: list[int], kv_cache: KvCacheHandle,
@@ -309,12 +327,12 @@ class ModelWorker:
             return scheduler.Queued(id(job), scheduler.Kind.OTHER)
         if job.decode:
             return scheduler.Queued(id(job), scheduler.Kind.DECODE, job.tenant,
-                                    tuple(i.kv_cache.cache_id for i in job.decode[0]))
+                                    tuple(i.kv_cache.cache_id for i in job.decode.inputs))
         seq = job.sequence()
         patient = job.parked_at is None or time.monotonic() - job.parked_at < self.ADMISSION_WAIT_S
         return scheduler.Queued(
             id(job), scheduler.Kind.PROMPT, job.tenant, (seq,) if seq is not None else (),
-            remaining=job.prompt.remaining if job.prompt is not None else len(job.prefill[0]),
+            remaining=job.prompt.remaining if job.prompt is not None else len(job.prefill.token_ids),
             started=job.prompt is not None, blocks_to_finish=self._blocks_to_finish(job),
             must_run=self._stopping or job.gone() is not None, patient=patient, analysis=job.analysis)
 
@@ -341,7 +359,7 @@ class ModelWorker:
         """Takes the prompts that get a part of this forward and how many tokens each
         may run, and parks those the pool cannot hold yet (lock held; see scheduler.py)."""
         limits = self._limits()
-        rows = sum(len(j.decode[0]) for j in decodes)
+        rows = sum(len(j.decode.inputs) for j in decodes)
         active = time.monotonic() - self._decoded_at < self.DECODERS_ACTIVE_S
         queue, jobs = self._snapshot()
         plan = scheduler.take_prompts(queue, [self._view(j) for j in decodes], limits,
@@ -362,7 +380,7 @@ class ModelWorker:
         if job.prompt is not None:
             length = job.prompt.opened.seq.length
             return kv.blocks_for(length + job.prompt.remaining) - kv.blocks_for(length)
-        tokens, handle = job.prefill[0], job.prefill[1]
+        tokens, handle = job.prefill.token_ids, job.prefill.kv_cache
         start = handle.sequence_length if handle is not None else 0
         return kv.blocks_for(start + len(tokens)) - kv.blocks_for(start) + (1 if start % kv.block_size else 0)
 
@@ -448,8 +466,9 @@ class ModelWorker:
             return None
         try:
             if job.prompt is None:
-                job.prompt = ex.open_prefill(*job.prefill, tenant=job.tenant, choice=job.choice,
-                                             as_output=job.as_output)
+                p = job.prefill
+                job.prompt = ex.open_prefill(p.token_ids, p.kv_cache, p.policy, p.hidden, tenant=job.tenant,
+                                             choice=p.choice, as_output=p.as_output)
             return job.prompt.next_part(tokens)
         except BaseException as exc:
             if job.prompt is not None:
@@ -470,7 +489,8 @@ class ModelWorker:
                 job.future.set_exception(gone)
                 continue
             try:
-                planned.append((job, self.executor.plan_decode(*job.decode, tenant=job.tenant)))
+                planned.append((job, self.executor.plan_decode(job.decode.inputs, job.decode.policy,
+                                                                       tenant=job.tenant)))
             except BaseException as exc:
                 job.future.set_exception(exc)
         for job, tokens in prompts:
@@ -494,7 +514,7 @@ class ModelWorker:
             self._decoded_at = now = time.monotonic()
             self._last_forward_s = forward_ns / 1e9
             for job in decodes:
-                for item in job.decode[0]:
+                for item in job.decode.inputs:
                     self._decoders[item.kv_cache.cache_id] = now
         for (job, plan), result in zip(planned, results):
             if job.decode:
