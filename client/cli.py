@@ -48,7 +48,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         def counted():
             nonlocal count
-            for token in generate_ids(client, prompt_ids, args.max_tokens, params, stop):
+            server_side = False if getattr(args, "caller_side", False) else None
+            for token in generate_ids(client, prompt_ids, args.max_tokens, params, stop, server_side):
                 count += 1
                 yield token
 
@@ -73,14 +74,16 @@ def _speculative(args, client, tokenizer, prompt_ids: list[int], stop: set[int])
     draft_client = connect(targets_of(args), model=args.draft_model, timeout=args.timeout) if args.draft_model else None
     drafter = ModelDrafter(draft_client) if draft_client else NgramDrafter()
     result = speculative_generate(client, prompt_ids, args.max_tokens, k=args.speculative,
-                                  drafter=drafter, stop_ids=frozenset(stop))
+                                  drafter=drafter, stop_ids=frozenset(stop),
+                                  token_choice=False if getattr(args, "caller_side", False) else None)
     if draft_client:
         draft_client.close()
     text = tokenizer.decode([t for t in result.tokens if t not in stop], skip_special_tokens=True)
     sys.stdout.write(text + "\n")
     sys.stdout.flush()
     start = time.perf_counter()
-    plain = list(generate_ids(client, prompt_ids, args.max_tokens, SamplingParams(greedy=True), stop))
+    plain = list(generate_ids(client, prompt_ids, args.max_tokens, SamplingParams(greedy=True), stop,
+                              False if getattr(args, "caller_side", False) else None))
     plain_s = time.perf_counter() - start
     log.info("speculative (k=%d, %s drafts): %d tokens in %.2fs, %d target forwards, acceptance %.0f%% "
              "(%d/%d); plain greedy %.2fs: speed-up %.2fx; outputs %s",

@@ -1,7 +1,11 @@
-"""Text generation on the caller side: tokenize, prefill, sample, decode, detokenize.
+"""Text generation: tokenize, prefill, choose, decode, detokenize.
 
-The server only runs forwards; everything here (chat template, sampling,
-stopping) is the caller's, as in the Ferrum engine.
+The chat template, stopping and detokenizing are the caller's, as in the Ferrum
+engine.  The next token is chosen on the server (a ``TokenChoice`` built from the
+sampling parameters; the replies carry the chosen token, no logits) where the
+server offers it (``Capabilities.token_choice``), else, or with
+``server_side=False``, on the caller side from the logits the server returns
+(:class:`~ferrum_rpc.client.sampling.Sampler`).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from typing import Iterator
 
 from ferrum_rpc.client.client import ExecutorClient
 from ferrum_rpc.client.sampling import Sampler, SamplingParams
+from ferrum_rpc.types import TokenChoice
 
 
 def load_tokenizer(path: str | Path):
@@ -29,9 +34,31 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
     return tokenizer.encode(prompt, add_special_tokens=False)
 
 
+def chooses_on_server(client: ExecutorClient, server_side: bool | None) -> bool:
+    """``server_side`` as given, or (None) whether the server offers token choice."""
+    if server_side is None:
+        return bool(getattr(client.capabilities(), "token_choice", False))
+    return server_side
+
+
 def generate_ids(client: ExecutorClient, prompt_ids: list[int], max_tokens: int,
-                 params: SamplingParams, stop_ids: set[int] = frozenset()) -> Iterator[int]:
-    """Yields sampled token ids until a stop id or ``max_tokens``; releases the KV at the end."""
+                 params: SamplingParams, stop_ids: set[int] = frozenset(),
+                 server_side: bool | None = None, token_choice: TokenChoice | None = None) -> Iterator[int]:
+    """Yields token ids until a stop id or ``max_tokens``; releases the KV at the end.
+
+    ``server_side``: True, the server chooses each token (``params.token_choice()``;
+    no logits on the wire); False, the caller samples from the logits the server
+    returns; None (the default): the server where its capabilities say it chooses
+    tokens.  Greedy gives the same tokens either way; a seed gives the same tokens
+    on every run of the same path (the two samplers differ, so not across paths).
+    ``token_choice``: the server's policy in full (penalties, logit bias, bitmask)
+    instead of the one ``params`` give; it needs the server path."""
+    if token_choice is not None and server_side is False:
+        raise ValueError("a token_choice is the server's: it needs server_side True or None")
+    if token_choice is not None or chooses_on_server(client, server_side):
+        choice = token_choice if token_choice is not None else params.token_choice()
+        yield from _generate_on_server(client, prompt_ids, max_tokens, choice, stop_ids)
+        return
     sample = Sampler(params)
     policy = params.logits_policy()
     out = client.prefill(prompt_ids, logits=policy)
@@ -45,6 +72,24 @@ def generate_ids(client: ExecutorClient, prompt_ids: list[int], max_tokens: int,
             step = client.decode(token, handle, logits=policy)
             handle = step.kv_cache
             token = sample(step.logits)
+    finally:
+        client.release_cache(handle)
+
+
+def _generate_on_server(client: ExecutorClient, prompt_ids: list[int], max_tokens: int,
+                        choice: TokenChoice, stop_ids: set[int]) -> Iterator[int]:
+    """The server chooses: each reply's ``chosen`` token is the next step's input."""
+    out = client.prefill(prompt_ids, token_choice=choice)
+    handle = out.kv_cache
+    try:
+        token = out.chosen.token_id
+        for produced in range(max_tokens):
+            yield token
+            if token in stop_ids or produced + 1 == max_tokens:
+                break
+            step = client.decode(token, handle, token_choice=choice)
+            handle = step.kv_cache
+            token = step.chosen.token_id
     finally:
         client.release_cache(handle)
 

@@ -7,10 +7,13 @@ random replicas by their cached GetStatus (queue depth, KV blocks), unless a
 recently placed prompt with the same first tokens points at a replica that already
 holds that prefix in its cache (locality).  And since the client remembers every
 token it has sent on a live sequence (prompt, decoded tokens, truncations; forks
-copy the history), it can rebuild a sequence on another replica by prefilling that
+copy the history), it can rebuild a sequence on another replica by replaying that
 history when the owner dies (UNAVAILABLE), restarts (STALE_HANDLE) or drains
-(DRAINING): the caller's call returns what it would have returned, carrying the
-new handle, and the old handle keeps working as an alias.
+(DRAINING): the tokens Prefills appended as Prefills, the rest (decoded, verified)
+as ForwardVerify calls, so the rebuilt sequence splits prompt from output as the
+server did (the split a ``TokenChoice``'s presence and frequency penalties use).
+The caller's call returns what it would have returned, carrying the new handle,
+and the old handle keeps working as an alias.
 
 The routing logic is written once, as generators ("flows") that yield the calls
 they need (:class:`_Call`, :class:`_Parallel`, :class:`_Sleep`) and get back results
@@ -66,6 +69,7 @@ __all__ = ["AsyncReplicaSetClient", "ReplicaPolicy", "ReplicaSetClient", "Tracke
 log = logging.getLogger(__name__)
 
 REPLAY_LOGITS = LogitsPolicy.argmax()  # a replay only needs the KV; its logits are dropped
+Span = tuple[int, int]
 # A replica that went away should be retried soon when it comes back (gRPC's default
 # reconnect backoff grows to two minutes).
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
@@ -167,6 +171,7 @@ class TrackedSequence:
     handle: KvCacheHandle
     replica: str
     tokens: tuple[int, ...] | None
+    prompt_spans: tuple[tuple[int, int], ...] = ()  # [start, end) of what Prefills appended; the rest is output
 
 
 def _history(tokens: Iterable[int]) -> array:
@@ -186,6 +191,37 @@ class _Sequence:
     # A call on it ended DEADLINE_EXCEEDED in this client, so the server may have run it
     # anyway (its reply came too late): a LENGTH_MISMATCH on the next call means "resync".
     unsure: bool = False
+    # [start, end) of the tokens each Prefill appended, as the server records them
+    # (kv_manager's prompt_spans): the rest is output.  A replay rebuilds them.
+    spans: list[Span] = field(default_factory=list)
+
+
+def shrink_spans(spans: list[Span], length: int) -> None:
+    """The server's rule (``BlockManager.shrink``) for a sequence cut to ``length``."""
+    while spans and spans[-1][0] >= length:
+        spans.pop()
+    if spans and spans[-1][1] > length:
+        spans[-1] = (spans[-1][0], length)
+
+
+def replay_pieces(length: int, spans: Sequence[Span]) -> list[tuple[int, int, bool]]:
+    """How a history of ``length`` tokens is replayed: (start, end, prompt) pieces, a
+    Prefill each prompt span and a ForwardVerify (output) each gap between and after
+    them.  Spans that do not start at 0 (unknown): one Prefill of everything."""
+    if not spans or spans[0][0] != 0:
+        return [(0, length, True)]
+    pieces, at = [], 0
+    for start, end in spans:
+        end = min(end, length)
+        if start >= end:
+            continue
+        if start > at:
+            pieces.append((at, start, False))
+        pieces.append((start, end, True))
+        at = end
+    if at < length:
+        pieces.append((at, length, False))
+    return pieces
 
 
 def _key(handle: KvCacheHandle) -> tuple[str, str]:
@@ -220,17 +256,27 @@ class _Fleet:
     def owner(self, handle: KvCacheHandle) -> _Replica | None:
         return next((r for r in self.replicas if r.instance_id == handle.server_instance_id), None)
 
-    def track(self, replica: _Replica, tokens: Sequence[int] | None, handle: KvCacheHandle) -> _Sequence:
-        seq = _Sequence(handle, _history(tokens) if tokens is not None else None, replica, [_key(handle)])
+    def track(self, replica: _Replica, tokens: Sequence[int] | None, handle: KvCacheHandle,
+              spans: Sequence[Span] | None = None) -> _Sequence:
+        """A new sequence: by default one a Prefill of ``tokens`` made (all prompt)."""
+        if spans is None:
+            spans = [(0, len(tokens))] if tokens else []
+        seq = _Sequence(handle, _history(tokens) if tokens is not None else None, replica, [_key(handle)],
+                        spans=list(spans))
         with self.lock:
             self._sequences[_key(handle)] = seq
         self.learn(replica, handle.server_instance_id)
         return seq
 
-    def advance(self, seq: _Sequence, before: int, added: Sequence[int], handle: KvCacheHandle) -> None:
-        """A call on ``seq`` succeeded: its KV held ``before`` tokens, then ``added`` went in."""
+    def advance(self, seq: _Sequence, before: int, added: Sequence[int], handle: KvCacheHandle,
+                prompt: bool = False) -> None:
+        """A call on ``seq`` succeeded: its KV held ``before`` tokens, then ``added`` went in
+        (by a Prefill when ``prompt``: prompt tokens; else output)."""
         with self.lock:
             seq.unsure = False
+            shrink_spans(seq.spans, before)
+            if prompt and added:
+                seq.spans.append((before, before + len(added)))
             if seq.tokens is not None:
                 seq.tokens = seq.tokens[:before]
                 seq.tokens.extend(added)
@@ -261,8 +307,8 @@ class _Fleet:
     def live(self) -> list[TrackedSequence]:
         with self.lock:
             unique = {id(s): s for s in self._sequences.values()}.values()
-            return [TrackedSequence(s.handle, s.replica.target, tuple(s.tokens) if s.tokens is not None else None)
-                    for s in unique]
+            return [TrackedSequence(s.handle, s.replica.target, tuple(s.tokens) if s.tokens is not None else None,
+                                    tuple(s.spans)) for s in unique]
 
     def learn(self, replica: _Replica, instance_id: str) -> None:
         replica.instance_id = instance_id or replica.instance_id
@@ -329,6 +375,7 @@ class _Item:
     replica: _Replica | None
     before: int = 0
     created: bool = False  # a new sequence made by this call (undone by releasing it)
+    prompt: bool = False  # what it adds is prompt (a BatchPrefill), not output
 
 
 class _Routing:
@@ -512,7 +559,7 @@ class _Routing:
 
     def _sequence_flow(self, handle: KvCacheHandle, op: Callable[[Any, KvCacheHandle], Any],
                        added: Callable[[Any], Sequence[int]], result_handle=lambda out: out.kv_cache,
-                       keep: int | None = None) -> Flow:
+                       keep: int | None = None, prompt: bool = False) -> Flow:
         """``op(client, handle)`` on the sequence's owner.  On success the sequence's history
         grows by ``added(output)`` (after the first ``keep`` tokens, for a truncation;
         by default all that the handle sent holds).  When the owner cannot hold the sequence any more, its history is
@@ -538,12 +585,34 @@ class _Routing:
                 continue
             if seq is not None:
                 new = result_handle(out)
-                self._fleet.advance(seq, send.sequence_length if keep is None else keep, added(out), new)
+                self._fleet.advance(seq, send.sequence_length if keep is None else keep, added(out), new, prompt)
             return out
 
+    def _rebuild_flow(self, replica: _Replica, seq: _Sequence) -> Flow:
+        """``seq``'s history on ``replica``: its prompt spans as Prefills, the tokens after
+        them as ForwardVerify (output), so the server splits prompt from output as
+        before; returns the last call's output.  A half-built copy is released unless
+        the replica is gone."""
+        tokens = seq.tokens.tolist()
+        handle, out = None, None
+        try:
+            for start, end, prompt in replay_pieces(len(tokens), seq.spans):
+                call = replica.client.prefill if prompt else replica.client.forward_verify
+                out = yield _Call(replica, call, (tokens[start:end], handle, REPLAY_LOGITS))
+                handle = out.kv_cache
+        except ExecutorError as err:
+            if handle is not None and not moves_sequence(err):
+                try:
+                    yield _Call(replica, replica.client.release_cache, (handle,), False)
+                except ExecutorError as release_err:  # left to the server's idle timeout
+                    log.info("could not release a half-replayed %s on %s: %s", handle.cache_id,
+                             replica.target, release_err)
+            raise
+        return out
+
     def _replay_flow(self, seq: _Sequence, send: KvCacheHandle, cause: ExecutorError) -> Flow:
-        """Rebuilds ``seq`` on a healthy replica by prefilling its history; returns the
-        handle to send there (with the caller's length).  Raises FailoverFailed."""
+        """Rebuilds ``seq`` on a healthy replica by replaying its history (``_rebuild_flow``);
+        returns the handle to send there (with the caller's length).  Raises FailoverFailed."""
         if not seq.tokens:
             raise FailoverFailed(f"sequence {seq.handle.cache_id!r} cannot be moved: its history is not known "
                                  f"({cause})", cause=cause)
@@ -561,7 +630,7 @@ class _Routing:
                 continue
             attempts += 1
             try:
-                out = yield _Call(replica, replica.client.prefill, (seq.tokens.tolist(), None, REPLAY_LOGITS))
+                out = yield from self._rebuild_flow(replica, seq)
             except ExecutorError as err:
                 if not (moves_sequence(err) or isinstance(err, KvCapacityExhausted)):
                     raise FailoverFailed(f"could not {what}: {err}", cause=err, attempts=attempts) from err
@@ -601,7 +670,8 @@ class _Routing:
         return send
 
     # -- split batches ---------------------------------------------------------------------
-    def _items_flow(self, entries: Iterable[tuple[Sequence[int], KvCacheHandle | None]]) -> Flow:
+    def _items_flow(self, entries: Iterable[tuple[Sequence[int], KvCacheHandle | None]],
+                    prompt: bool = False) -> Flow:
         """Batch entries -> items with their replica: a handle goes to its owner, a new
         prompt where placement puts it."""
         items = []
@@ -611,16 +681,17 @@ class _Routing:
                 replica = yield from self._place_flow(tokens)
                 if replica is None:
                     replica = min(self._fleet.replicas, key=lambda r: r.unusable_until)
-                items.append(_Item(index, tokens, None, None, replica))
+                items.append(_Item(index, tokens, None, None, replica, prompt=prompt))
                 continue
             seq, send = self._fleet.resolve(handle)
             replica = seq.replica if seq is not None else (yield from self._owner_flow(handle))
-            items.append(_Item(index, tokens, seq, send, replica, before=send.sequence_length))
+            items.append(_Item(index, tokens, seq, send, replica, before=send.sequence_length, prompt=prompt))
         return items
 
-    def _batch_flow(self, entries, call_for, on_group_lost=lambda replica: None) -> Flow:
-        """A batch's entries placed or routed, then run split by replica (``_grouped_flow``)."""
-        items = yield from self._items_flow(entries)
+    def _batch_flow(self, entries, call_for, on_group_lost=lambda replica: None, prompt: bool = False) -> Flow:
+        """A batch's entries placed or routed, then run split by replica (``_grouped_flow``);
+        ``prompt``: the entries add prompt tokens (a BatchPrefill)."""
+        items = yield from self._items_flow(entries, prompt)
         return (yield from self._grouped_flow(items, call_for, on_group_lost))
 
     def _statuses_flow(self) -> Flow:
@@ -700,7 +771,7 @@ class _Routing:
             item.seq, item.created = self._fleet.track(item.replica, item.tokens, out.kv_cache), True
             self._fleet.remember_prefix(item.tokens, item.replica)
         elif item.seq is not None:
-            self._fleet.advance(item.seq, item.before, item.tokens, out.kv_cache)
+            self._fleet.advance(item.seq, item.before, item.tokens, out.kv_cache, item.prompt)
 
     def _undo_flow(self, done: list[_Item]) -> Flow:
         """Takes back what the succeeded part of a failed batch did (best effort, logged)."""
@@ -766,7 +837,9 @@ class _Routing:
         if seq is not None:
             for child in children:
                 history = seq.tokens[:child.sequence_length] if seq.tokens is not None else None
-                self._fleet.track(seq.replica, history, child)
+                spans = list(seq.spans)
+                shrink_spans(spans, child.sequence_length)
+                self._fleet.track(seq.replica, history, child, spans)
         return children
 
 
@@ -839,7 +912,8 @@ class _Contract:
             return (yield from self._new_sequence_flow(
                 tokens, lambda c: c.prefill(tokens, None, logits, hidden_states, token_choice)))
         return (yield from self._sequence_flow(
-            kv_cache, lambda c, h: c.prefill(tokens, h, logits, hidden_states, token_choice), lambda out: tokens))
+            kv_cache, lambda c, h: c.prefill(tokens, h, logits, hidden_states, token_choice), lambda out: tokens,
+            prompt=True))
 
     def decode(self, token_id: int, kv_cache: KvCacheHandle, logits: LogitsPolicy | None = None,
                token_choice: TokenChoice | None = None):
@@ -880,7 +954,7 @@ class _Contract:
             return _Call(replica, replica.client.batch_prefill,
                          ([i.tokens if i.send is None else (i.tokens, i.send) for i in group], logits,
                           [choices[i.index] for i in group]))
-        return (yield from self._batch_flow(_prompt_entries(prompts), call_for))
+        return (yield from self._batch_flow(_prompt_entries(prompts), call_for, prompt=True))
 
     def truncate_kv(self, kv_cache: KvCacheHandle, new_length: int):
         return (yield from self._sequence_flow(

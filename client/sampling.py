@@ -1,4 +1,6 @@
-"""Caller-side sampling over the logits the server returns (numpy only)."""
+"""Sampling parameters, and caller-side sampling over the logits the server returns
+(numpy only); :meth:`SamplingParams.token_choice` hands the same parameters to the
+server instead."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ferrum_rpc.types import Logits, LogitsKind, LogitsPolicy
+from ferrum_rpc.types import Logits, LogitsKind, LogitsPolicy, TokenChoice
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,14 @@ class SamplingParams:
             raise ValueError("temperature must be > 0 (use greedy for argmax)")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
+
+    def token_choice(self) -> TokenChoice:
+        """The same parameters for the server's sampler (``TokenChoice``): greedy is the
+        server's argmax; a seed keys each draw by (seed, position), None draws fresh
+        randomness."""
+        if self.greedy:
+            return TokenChoice.greedy()
+        return TokenChoice(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
 
     def logits_policy(self) -> LogitsPolicy:
         """The least the server needs to send for this sampler."""

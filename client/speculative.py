@@ -5,7 +5,9 @@ back with TruncateKv.
 Greedy only: the output is token for token what plain greedy decoding gives,
 in fewer target forwards when drafts are accepted.  Drafts come from the
 context itself (prompt lookup / n-gram) or from a smaller model on the same
-server.
+server.  Where the server chooses tokens (``Capabilities.token_choice``) the
+prefill and SpeculativeDecode carry a greedy ``TokenChoice`` and read the chosen
+tokens (no logits on the wire); the same tokens as the argmax of logits.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ferrum_rpc.client.client import ExecutorClient
-from ferrum_rpc.types import KvCacheHandle, LogitsPolicy
+from ferrum_rpc.types import KvCacheHandle, LogitsPolicy, TokenChoice
 
 GREEDY = LogitsPolicy.argmax()
+GREEDY_CHOICE = TokenChoice.greedy()
 
 
 class Drafter(Protocol):
@@ -103,7 +106,7 @@ class SpeculativeResult:
 
 def speculative_generate(client: ExecutorClient, prompt_ids: list[int], max_tokens: int, k: int = 4,
                          drafter: Drafter | None = None, stop_ids: frozenset[int] = frozenset(),
-                         server_side: bool | None = None) -> SpeculativeResult:
+                         server_side: bool | None = None, token_choice: bool | None = None) -> SpeculativeResult:
     """Greedy generation of up to ``max_tokens`` tokens with drafts verified in one forward each.
 
     Args:
@@ -116,24 +119,39 @@ def speculative_generate(client: ExecutorClient, prompt_ids: list[int], max_toke
         server_side: one SpeculativeDecode call a round (verify, accept and truncate
             on the server) instead of ForwardVerify + TruncateKv; None: where the
             server's capabilities say it has it.
+        token_choice: the server chooses the tokens (a greedy ``TokenChoice``: the prefill's
+            and each SpeculativeDecode's ``chosen``, no logits on the wire) instead of the
+            caller taking the argmax of returned logits; None: where the server's
+            capabilities say it chooses tokens.  The same tokens either way.  (The
+            ForwardVerify path always reads argmax logits.)
 
     Returns:
         The tokens plus drafted/accepted counts and the number of target forwards.
     """
     drafter = drafter or NgramDrafter()
+    caps = client.capabilities() if server_side is None or token_choice is None else None
     if server_side is None:
-        server_side = client.capabilities().speculative_decode
+        server_side = caps.speculative_decode
+    if token_choice is None:
+        token_choice = bool(getattr(caps, "token_choice", False))
     result = SpeculativeResult()
     start = time.perf_counter()
-    out = client.prefill(prompt_ids, logits=GREEDY)
-    handle, generated = out.kv_cache, [out.logits.argmax()[0]]
+    if token_choice:
+        out = client.prefill(prompt_ids, token_choice=GREEDY_CHOICE)
+        handle, generated = out.kv_cache, [out.chosen.token_id]
+    else:
+        out = client.prefill(prompt_ids, logits=GREEDY)
+        handle, generated = out.kv_cache, [out.logits.argmax()[0]]
     result.target_forwards = 1
     drafter.start(prompt_ids)
     try:
         while len(generated) < max_tokens and generated[-1] not in stop_ids:
             context = prompt_ids + generated
             draft = drafter.draft(context, min(k, max_tokens - len(generated) - 1))
-            if server_side:  # one round trip: the server verifies, accepts and truncates
+            if server_side and token_choice:  # one round trip; the server's greedy choice, no logits
+                spec = client.speculative_decode(generated[-1], draft, handle, token_choice=GREEDY_CHOICE)
+                handle, agreed, following = spec.kv_cache, len(spec.accepted_token_ids), spec.chosen[-1].token_id
+            elif server_side:  # one round trip: the server verifies, accepts and truncates
                 spec = client.speculative_decode(generated[-1], draft, handle, logits=GREEDY)
                 handle, agreed, following = spec.kv_cache, len(spec.accepted_token_ids), spec.next_token_id
             else:

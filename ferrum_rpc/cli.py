@@ -157,7 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.7)
     g.add_argument("--top-k", type=int, default=50)
     g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None,
+                   help="the same seed gives the same tokens on every run (default: fresh randomness)")
+    g.add_argument("--caller-side", action="store_true",
+                   help="sample here from logits the server returns, instead of the server choosing each "
+                        "token (the default where the server offers token choice: no logits on the wire)")
     g.add_argument("--timeout", type=float, default=60.0, help="per-call deadline (s)")
     g.add_argument("--tls-ca", default="", help="PEM CA bundle to verify the server with (TLS)")
     g.add_argument("--tls-cert", default="", help="PEM client certificate (servers that require mTLS)")
