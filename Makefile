@@ -42,6 +42,7 @@ bench: prepare
 	$(BIN)/python -m bench.wire
 	$(BIN)/python -m bench.mixed
 	$(BIN)/python -m bench.failover
+	$(BIN)/python -m bench.token_choice
 	$(BIN)/python -m bench.plot
 	$(BIN)/python -m bench.report
 

@@ -108,7 +108,14 @@ def main() -> None:
     print(concurrency_table(_load("concurrency")), end="\n\n")
     print(wire_lines(_load("wire")), end="\n\n")
     print(mixed_table(_load("mixed")), end="\n\n")
-    print(failover_table(_load("failover")))
+    print(failover_table(_load("failover")), end="\n\n")
+    token_choice = _load("token_choice")
+    if token_choice:
+        from bench.token_choice import markdown
+
+        summary = next((r for r in token_choice if "cpu" in r), {})
+        meta = json.loads((RESULTS / "token_choice.json").read_text())["meta"]
+        print(markdown(token_choice, summary.get("cpu", "?"), meta["time"]))
 
 
 if __name__ == "__main__":

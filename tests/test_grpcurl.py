@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ferrum_rpc.client import ExecutorClient, LogitsPolicy
+from ferrum_rpc.client import ExecutorClient, LogitsPolicy, TokenChoice
 
 SERVICE = "ferrum.executor.v1.ModelExecutor"
 HEALTH = "grpc.health.v1.Health"
@@ -207,6 +207,36 @@ def test_batch_decode_streams_one_message_per_sequence(target):
     finally:
         for h in (a, b):
             call(target, "ReleaseCache", {"cache_id": h["kv_cache"]["cache_id"]})
+
+
+def test_token_choice_replies_carry_chosen_as_plain_numbers(target):
+    """A Prefill and a Decode with a seeded token_choice: `chosen` prints as JSON numbers
+    (token id, logprob, top logprobs), no logits, and the tokens the Python client gets."""
+    choice = {"temperature": 0.8, "top_k": 20, "seed": 7, "top_logprobs": 3}
+    raw = call_raw(target, "Prefill", {"token_ids": PROMPT, "token_choice": choice})
+    reply = snake_keys(raw)
+    assert "logits" not in reply  # logits unset: the chosen token only
+    chosen = {"token_id": 0, **reply["chosen"]}  # a zero is the JSON default, left out
+    assert isinstance(chosen["token_id"], int) and isinstance(chosen["logprob"], (int, float)), chosen
+    assert chosen["logprob"] <= 0
+    tops = chosen["top_logprobs"]
+    assert len(tops) == 3
+    assert all(isinstance(t.get("token_id", 0), int) and isinstance(t["logprob"], (int, float)) for t in tops), tops
+    assert [t["logprob"] for t in tops] == sorted((t["logprob"] for t in tops), reverse=True)
+    printed_handle = raw["kv_cache"] if "kv_cache" in raw else raw["kvCache"]
+    step = call(target, "Decode", {"token_id": chosen["token_id"], "kv_cache": printed_handle, "token_choice": choice})
+    step_token = step["chosen"].get("token_id", 0)
+    assert "logits" not in step and isinstance(step_token, int)
+    call(target, "ReleaseCache", {"cache_id": step["kv_cache"]["cache_id"]})
+
+    py_choice = TokenChoice(temperature=0.8, top_k=20, seed=7, top_logprobs=3)
+    with ExecutorClient(target, timeout=30) as client:
+        out = client.prefill(PROMPT, token_choice=py_choice)
+        nxt = client.decode(out.chosen.token_id, out.kv_cache, token_choice=py_choice)
+        client.release_cache(nxt.kv_cache)
+    assert [chosen["token_id"], step_token] == [out.chosen.token_id, nxt.chosen.token_id]
+    assert chosen["logprob"] == pytest.approx(out.chosen.logprob, rel=1e-5, abs=1e-5)
+    assert [t.get("token_id", 0) for t in tops] == [t.token_id for t in out.chosen.top_logprobs]
 
 
 def test_forward_is_unimplemented(target):

@@ -8,6 +8,12 @@
 // from a failed call. Errors come as a google.rpc.Status in the binary trailer
 // "grpc-status-details-bin" (unary calls) or in DecodeSessionResponse.error
 // (session steps); both decode with the protos from google-proto-files.
+//
+// `generateSampled(client, promptIds, {temperature, topK, topP, seed, maxNewTokens})`
+// lets the server choose each token (a seeded TokenChoice; no logits on the wire);
+// `sample.js` runs it from the command line:
+//
+//   node sample.js 127.0.0.1:50051 1 2 3 4 --tokens 16 --temperature 0.8 --top-k 20 --seed 7
 "use strict";
 
 const path = require("path");
@@ -135,6 +141,50 @@ function greedySession(client, prompt, tokens) {
   }));
 }
 
+/** A TokenChoice message from camelCase options (unset ones take the proto's defaults). */
+function tokenChoiceOf({ temperature, topK, topP, minP, seed, repetitionPenalty, presencePenalty,
+  frequencyPenalty, logitBias, topLogprobs, logprobsMode } = {}) {
+  const choice = {};
+  const set = (field, value) => { if (value !== undefined && value !== null) choice[field] = value; };
+  set("temperature", temperature);
+  set("top_k", topK);
+  set("top_p", topP);
+  set("min_p", minP);
+  set("seed", seed);  // uint64: a Number (below 2^53) or a decimal string
+  set("repetition_penalty", repetitionPenalty);
+  set("presence_penalty", presencePenalty);
+  set("frequency_penalty", frequencyPenalty);
+  set("logit_bias", logitBias);  // {tokenId: bias}
+  set("top_logprobs", topLogprobs);
+  set("logprobs_mode", logprobsMode);  // "LOGPROBS_MODE_RAW" or "LOGPROBS_MODE_PROCESSED"
+  return choice;
+}
+
+/** Sampled generation with the server choosing every token (Prefill + Decode with a
+ * `token_choice`, `logits` unset: the replies carry `chosen`, no logits). With a seed,
+ * the token at each position depends only on (seed, position) and the model, so the
+ * same call gives the same tokens, here or from any other client. Releases the
+ * sequence. Returns {tokens, logprobs} (logprobs: each chosen token's, RAW by default). */
+async function generateSampled(client, promptIds, options = {}) {
+  const { maxNewTokens = 16, ...rest } = options;
+  const token_choice = tokenChoiceOf(rest);
+  const first = await unary(client, "Prefill", { token_ids: promptIds, token_choice });
+  let handle = first.kv_cache;
+  const tokens = [first.chosen.token_id];
+  const logprobs = [first.chosen.logprob];
+  try {
+    while (tokens.length < maxNewTokens) {
+      const step = await unary(client, "Decode", { token_id: tokens[tokens.length - 1], kv_cache: handle, token_choice });
+      handle = step.kv_cache;
+      tokens.push(step.chosen.token_id);
+      logprobs.push(step.chosen.logprob);
+    }
+  } finally {
+    await unary(client, "ReleaseCache", { cache_id: handle.cache_id });
+  }
+  return { tokens, logprobs };
+}
+
 async function main(argv) {
   const target = argv[0];
   const rest = argv.slice(1);
@@ -161,7 +211,9 @@ async function main(argv) {
   }) + "\n");
 }
 
-module.exports = { ModelExecutor, reasonOf, errorInfoOf, greedyDecode, greedyBatch, greedySession };
+module.exports = {
+  ModelExecutor, reasonOf, errorInfoOf, greedyDecode, greedyBatch, greedySession, tokenChoiceOf, generateSampled,
+};
 
 if (require.main === module) {
   main(process.argv.slice(2)).catch((err) => { console.error(err); process.exit(1); });
