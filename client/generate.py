@@ -57,39 +57,29 @@ def generate_ids(client: ExecutorClient, prompt_ids: list[int], max_tokens: int,
         raise ValueError("a token_choice is the server's: it needs server_side True or None")
     if token_choice is not None or chooses_on_server(client, server_side):
         choice = token_choice if token_choice is not None else params.token_choice()
-        yield from _generate_on_server(client, prompt_ids, max_tokens, choice, stop_ids)
+        yield from _generate(client, prompt_ids, max_tokens, stop_ids, {"token_choice": choice},
+                             lambda reply: reply.chosen.token_id)
         return
     sample = Sampler(params)
-    policy = params.logits_policy()
-    out = client.prefill(prompt_ids, logits=policy)
+    yield from _generate(client, prompt_ids, max_tokens, stop_ids, {"logits": params.logits_policy()},
+                         lambda reply: sample(reply.logits))
+
+
+def _generate(client: ExecutorClient, prompt_ids: list[int], max_tokens: int, stop_ids: set[int],
+              ask: dict, pick) -> Iterator[int]:
+    """Prefill, then decode each token ``pick`` takes from the last reply (the server's
+    ``chosen`` token, or one sampled from its logits); ``ask``: what each call asks for."""
+    out = client.prefill(prompt_ids, **ask)
     handle = out.kv_cache
     try:
-        token = sample(out.logits)
+        token = pick(out)
         for produced in range(max_tokens):
             yield token
             if token in stop_ids or produced + 1 == max_tokens:
                 break
-            step = client.decode(token, handle, logits=policy)
+            step = client.decode(token, handle, **ask)
             handle = step.kv_cache
-            token = sample(step.logits)
-    finally:
-        client.release_cache(handle)
-
-
-def _generate_on_server(client: ExecutorClient, prompt_ids: list[int], max_tokens: int,
-                        choice: TokenChoice, stop_ids: set[int]) -> Iterator[int]:
-    """The server chooses: each reply's ``chosen`` token is the next step's input."""
-    out = client.prefill(prompt_ids, token_choice=choice)
-    handle = out.kv_cache
-    try:
-        token = out.chosen.token_id
-        for produced in range(max_tokens):
-            yield token
-            if token in stop_ids or produced + 1 == max_tokens:
-                break
-            step = client.decode(token, handle, token_choice=choice)
-            handle = step.kv_cache
-            token = step.chosen.token_id
+            token = pick(step)
     finally:
         client.release_cache(handle)
 
