@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 import grpc
 
 from ferrum_rpc.client import rpc as rpcs
+from ferrum_rpc.client.ahead import AsyncDecodeAhead, DecodeAhead, ahead_request
 from ferrum_rpc.client.rpc import INVOKED, STATUS, DecodeItem, Rpc, with_methods
 from ferrum_rpc.client.shm import AsyncSharedMemoryRegion, SharedMemoryRegion
 from ferrum_rpc.errors import ExecutorError, from_rpc_error, from_status_proto
@@ -383,6 +384,15 @@ class DecodeSession(_Session):
             raise from_rpc_error(exc) from None
         return rpcs.batch_outputs(self, replies)
 
+    def decode_ahead(self, items: Iterable[DecodeItem], max_new_tokens: int,
+                     token_choice: TokenChoice | None = None, stop_token_ids: Iterable[int] = ()) -> DecodeAhead:
+        """Starts decoding ahead (see :mod:`ferrum_rpc.client.ahead`): the server chooses
+        and appends up to ``max_new_tokens`` tokens per item on its own, streaming each;
+        iterate the run (to its end) before the next step on this session."""
+        request = ahead_request(self, items, max_new_tokens, token_choice, stop_token_ids)
+        self._requests.put(request)
+        return DecodeAhead(self, request)
+
     def close(self) -> None:
         self._requests.put(self._END)
         for _ in self._responses:  # let the server finish the stream cleanly
@@ -418,6 +428,17 @@ class AsyncDecodeSession(_Session):
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
         return rpcs.batch_outputs(self, replies)
+
+    async def decode_ahead(self, items: Iterable[DecodeItem], max_new_tokens: int,
+                           token_choice: TokenChoice | None = None,
+                           stop_token_ids: Iterable[int] = ()) -> AsyncDecodeAhead:
+        """:meth:`DecodeSession.decode_ahead`: ``async for index, chosen in run``."""
+        request = ahead_request(self, items, max_new_tokens, token_choice, stop_token_ids)
+        try:
+            await self._call.write(request)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        return AsyncDecodeAhead(self, request)
 
     async def close(self) -> None:
         await self._call.done_writing()

@@ -10,12 +10,14 @@ server offers it (``Capabilities.token_choice``), else, or with
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Iterator
 
 from ferrum_rpc.client.client import ExecutorClient
+from ferrum_rpc.errors import ExecutorError
 from ferrum_rpc.client.sampling import Sampler, SamplingParams
-from ferrum_rpc.types import TokenChoice
+from ferrum_rpc.types import DecodeInput, TokenChoice
 
 
 def load_tokenizer(path: str | Path):
@@ -41,9 +43,19 @@ def chooses_on_server(client: ExecutorClient, server_side: bool | None) -> bool:
     return server_side
 
 
+def decodes_ahead(client, max_tokens: int, ahead: bool | None) -> bool:
+    """``ahead`` as given, or (None) whether ``client`` is one server's client whose
+    server decodes ahead as far as ``max_tokens`` asks (replica sets decode step by
+    step: each step is what their failover replays)."""
+    if ahead is not None:
+        return ahead
+    return isinstance(client, ExecutorClient) and client.capabilities().max_decode_ahead >= max_tokens - 1
+
+
 def generate_ids(client: ExecutorClient, prompt_ids: list[int], max_tokens: int,
                  params: SamplingParams, stop_ids: set[int] = frozenset(),
-                 server_side: bool | None = None, token_choice: TokenChoice | None = None) -> Iterator[int]:
+                 server_side: bool | None = None, token_choice: TokenChoice | None = None,
+                 ahead: bool | None = None) -> Iterator[int]:
     """Yields token ids until a stop id or ``max_tokens``; releases the KV at the end.
 
     ``server_side``: True, the server chooses each token (``params.token_choice()``;
@@ -52,11 +64,18 @@ def generate_ids(client: ExecutorClient, prompt_ids: list[int], max_tokens: int,
     tokens.  Greedy gives the same tokens either way; a seed gives the same tokens
     on every run of the same path (the two samplers differ, so not across paths).
     ``token_choice``: the server's policy in full (penalties, logit bias, bitmask)
-    instead of the one ``params`` give; it needs the server path."""
+    instead of the one ``params`` give; it needs the server path.
+    ``ahead`` (server path only): True, after the prompt the server decodes on its
+    own and streams the tokens (one DecodeSession step, no round trip per token;
+    the same tokens as step by step); False, one Decode call per token; None: ahead
+    where :func:`decodes_ahead` says it can."""
     if token_choice is not None and server_side is False:
         raise ValueError("a token_choice is the server's: it needs server_side True or None")
     if token_choice is not None or chooses_on_server(client, server_side):
         choice = token_choice if token_choice is not None else params.token_choice()
+        if decodes_ahead(client, max_tokens, ahead):
+            yield from _generate_ahead(client, prompt_ids, max_tokens, stop_ids, choice)
+            return
         yield from _generate(client, prompt_ids, max_tokens, stop_ids, {"token_choice": choice},
                              lambda reply: reply.chosen.token_id)
         return
@@ -82,6 +101,31 @@ def _generate(client: ExecutorClient, prompt_ids: list[int], max_tokens: int, st
             token = pick(step)
     finally:
         client.release_cache(handle)
+
+
+def _generate_ahead(client: ExecutorClient, prompt_ids: list[int], max_tokens: int, stop_ids: set[int],
+                    choice: TokenChoice) -> Iterator[int]:
+    """Prefill with the choice, then one decode-ahead step for the rest.  A caller that
+    stops reading early stops the run (the server ends it after its current forward)."""
+    out = client.prefill(prompt_ids, token_choice=choice)
+    try:
+        token = out.chosen.token_id
+        yield token
+        if token in stop_ids or max_tokens <= 1:
+            return
+        with client.decode_session() as session:
+            run = session.decode_ahead([DecodeInput(token, out.kv_cache, choice)], max_tokens - 1,
+                                       stop_token_ids=sorted(stop_ids))
+            try:
+                for _, chosen in run:
+                    yield chosen.token_id
+            finally:
+                if not run.finished:  # the caller stopped reading: end the run before the release
+                    run.stop()
+                    with contextlib.suppress(ExecutorError):
+                        run.wait()
+    finally:
+        client.release_cache(out.kv_cache)  # by its id: whatever length the run left it at
 
 
 def stream_text(tokenizer, ids: Iterator[int], stop_ids: set[int]) -> Iterator[str]:

@@ -363,6 +363,7 @@ class Capabilities:
     memory: MemoryRequirements = field(default_factory=MemoryRequirements)
     optimal_batch_size: int = 0
     token_choice: bool = False  # the server chooses tokens for requests with a TokenChoice (issue 22)
+    max_decode_ahead: int = 0  # DecodeSession steps may decode ahead up to this many tokens (0: not served)
 
     def supports_batch_size(self, batch_size: int) -> bool:
         """Whether one forward may carry ``batch_size`` sequences (the trait's check)."""

@@ -60,6 +60,9 @@ log = logging.getLogger(__name__)
 LARGE_REPLY_BYTES = 1 << 20  # replies at least this large are built off the event loop
 MAX_PENDING_STEPS = 8  # DecodeSession steps whose replies the caller has not taken yet
 SESSION_END_GRACE_S = 0.02  # a DecodeSession whose requests ended waits this long for a cancel (0.2 ms measured)
+MAX_DECODE_AHEAD = 4096  # DecodeSessionRequest.max_new_tokens bound (Capabilities.max_decode_ahead)
+MAX_STOP_TOKENS = 64  # DecodeSessionRequest.stop_token_ids bound
+AHEAD_UNREAD = 32  # a decode-ahead step's responses that may wait unread before it pauses
 
 
 class Malformed:
@@ -197,6 +200,11 @@ class _Undelivered:
         server set itself), so "delivered" means handed to gRPC: a cancel that
         arrives while the replies are still on their way changes nothing."""
         self._pending.clear()
+
+    def drop(self, key: int) -> None:
+        """Forgets an entry a later one of the same call covers (decoding ahead keeps one
+        per sequence, from where the call found it to where it is now)."""
+        self._pending.pop(key, None)
 
     def undo(self, keys) -> None:
         """Undoes these entries now (a result whose reply became an error)."""
@@ -496,6 +504,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         caps = convert.capabilities_to_proto(self._worker(request.model).executor.capabilities())
         caps.models.extend(sorted(self.workers))
         caps.shared_memory = self.shared_memory
+        caps.max_decode_ahead = MAX_DECODE_AHEAD
         return caps
 
     @_query
@@ -668,10 +677,11 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         otherwise (cancelled, deadline, disconnect) undoes its unconfirmed
         steps, at most the last step of each sequence, unless another call
         moved that sequence on meanwhile: a cancelled call changes no state."""
-        replies: asyncio.Queue = asyncio.Queue()
+        replies: asyncio.Queue = asyncio.Queue()  # (reply, called once it is handed to gRPC or None)
         ledger = _Undelivered()  # steps' results until their replies are handed to gRPC
         window = asyncio.Semaphore(MAX_PENDING_STEPS)
         steps: set[asyncio.Task] = set()
+        ahead: dict[int, asyncio.Event] = {}  # running decode-ahead steps by step_id: set = stop
         step_done = object()
         deadline = _deadline(context)
 
@@ -681,24 +691,77 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             keys: list[int] = []
             try:
                 _check_parsed(request)
+                if request.stop:
+                    self._check_stop_message(request)
+                    if step_id in ahead:
+                        ahead[step_id].set()
+                    return
                 with contextlib.ExitStack() as pinned:  # a shared-memory region stays mapped to the end
                     with self._admit():
                         worker, items, policy = self._decode_batch(request)
                         ledger.confirm([i.kv_cache for i in items])  # the caller read those replies
-                        targets = pinned.enter_context(self._logits_targets(policy, [1] * len(items), worker, tenant))
-                        outs = await worker.decode(items, policy, deadline, tenant)
-                        keys = self._register_decodes(ledger, worker, items, outs)  # no await since the decode
-                    async for sent, reply in self._step_replies(pb.DecodeSessionResponse, {"step_id": step_id},
-                                                                outs, received, request.single_reply, targets, keys):
-                        await replies.put((sent, reply))
+                        if request.max_new_tokens:
+                            self._check_ahead(request, worker, items)
+                            outs = await decode_ahead(request, worker, items, keys)
+                        else:
+                            targets = pinned.enter_context(
+                                self._logits_targets(policy, [1] * len(items), worker, tenant))
+                            outs = await worker.decode(items, policy, deadline, tenant)
+                            keys = self._register_decodes(ledger, worker, items, outs)  # no await since the decode
+                    if not request.max_new_tokens:
+                        async for _, reply in self._step_replies(pb.DecodeSessionResponse, {"step_id": step_id},
+                                                                 outs, received, request.single_reply, targets, keys):
+                            await replies.put((reply, None))
                 self._observe("DecodeSession", tenant, None, received / 1e9, outs[0].timing if outs else None)
             except Exception as exc:
                 ledger.undo(keys)  # the step answers with an error: it changes nothing
                 self._observe("DecodeSession", tenant, exc, received / 1e9)
-                await replies.put(((), pb.DecodeSessionResponse(step_id=step_id,
-                                                                error=to_status_proto(_as_executor_error(exc)))))
+                await replies.put((pb.DecodeSessionResponse(step_id=step_id,
+                                                            error=to_status_proto(_as_executor_error(exc))), None))
             finally:
                 await replies.put(step_done)
+
+        async def decode_ahead(request, worker: ModelWorker, items: list[DecodeInput], keys: list[int]) -> list:
+            """Decodes up to ``max_new_tokens`` steps on the server, each a seat of the shared
+            forward, streaming each chosen token as it comes.  ``keys`` holds, per item, the
+            ledger entry from where the step found it to where it is now (undone if the step
+            fails or the session is cancelled).  Returns each item's last output."""
+            step_id, limit = request.step_id, request.max_new_tokens
+            stop_ids, max_len = frozenset(request.stop_token_ids), worker.executor.max_seq_len
+            stop = ahead.setdefault(step_id, asyncio.Event())
+            unread = asyncio.Semaphore(AHEAD_UNREAD)  # an unread stream pauses the step, not memory
+            keys.extend(ledger.add(worker, []) for _ in items)
+            emitted, last = [0] * len(items), [None] * len(items)
+            live = list(enumerate(items))
+            try:
+                while live:
+                    outs = await worker.decode([item for _, item in live], None, deadline, tenant)
+                    going = []
+                    for (index, item), out in zip(live, outs):
+                        ledger.drop(keys[index])
+                        keys[index] = ledger.add(worker, [Undo.of(items[index].kv_cache, out.kv_cache)])
+                        emitted[index] += 1
+                        last[index] = out
+                        reply = pb.DecodeSessionResponse(step_id=step_id, index=index)
+                        reply.chosen.CopyFrom(convert.chosen_to_proto(out.chosen))
+                        token = out.chosen.token_id
+                        reason = (pb.FINISH_REASON_STOP_TOKEN if token in stop_ids
+                                  else pb.FINISH_REASON_LENGTH if emitted[index] == limit
+                                  else pb.FINISH_REASON_STOPPED if stop.is_set()
+                                  else pb.FINISH_REASON_MAX_SEQUENCE_LENGTH if out.kv_cache.sequence_length >= max_len
+                                  else None)
+                        if reason is None:
+                            going.append((index, DecodeInput(token, out.kv_cache, item.token_choice)))
+                        else:
+                            reply.finish_reason = reason
+                            reply.kv_cache.CopyFrom(convert.handle_to_proto(out.kv_cache))
+                            reply.timing.CopyFrom(convert.timing_to_proto(out.timing))
+                        await unread.acquire()
+                        await replies.put((reply, unread.release))
+                    live = going
+            finally:
+                ahead.pop(step_id, None)
+            return last
 
         async def read_all() -> None:
             requests = request_iterator.__aiter__()
@@ -721,7 +784,9 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 if entry is step_done:
                     window.release()
                 else:
-                    await context.write(entry[1])  # not yielded: see _rpc's docstring
+                    await context.write(entry[0])  # not yielded: see _rpc's docstring
+                    if entry[1] is not None:
+                        entry[1]()
             await reader  # surfaces a broken request stream
             # gRPC ends the request stream the same way for a half-close and a cancel (an
             # RST_STREAM): the cancel shows as this task being cancelled a moment later
@@ -735,6 +800,29 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             reader.cancel()
             for task in list(steps):
                 task.cancel()  # a step still at the worker undoes itself (ModelWorker._await)
+
+    @staticmethod
+    def _check_stop_message(request) -> None:
+        if request.items or request.max_new_tokens or request.stop_token_ids or request.HasField("logits") \
+                or request.single_reply or request.model:
+            raise InvalidInput("a DecodeSession stop message carries its step_id and stop only")
+
+    @staticmethod
+    def _check_ahead(request, worker: ModelWorker, items: list[DecodeInput]) -> None:
+        """Decoding ahead's own rules (DecodeSessionRequest.max_new_tokens), before anything runs."""
+        if request.max_new_tokens > MAX_DECODE_AHEAD:
+            raise InvalidInput(f"max_new_tokens must be at most {MAX_DECODE_AHEAD}, got {request.max_new_tokens}")
+        if request.HasField("logits") or request.single_reply:
+            raise InvalidInput("decoding ahead streams chosen tokens only: logits and single_reply must be unset")
+        missing = [n for n, item in enumerate(items) if item.token_choice is None]
+        if missing:
+            raise InvalidInput(f"decoding ahead needs a token_choice on every item (items {missing} have none)")
+        if len(request.stop_token_ids) > MAX_STOP_TOKENS:
+            raise InvalidInput(f"stop_token_ids holds at most {MAX_STOP_TOKENS} ids, got {len(request.stop_token_ids)}")
+        vocab = worker.executor.model_config.vocab_size
+        bad = [t for t in request.stop_token_ids if t >= vocab]
+        if bad:
+            raise InvalidInput(f"stop_token_ids {bad[:4]} are outside the vocabulary (size {vocab})")
 
     # -- the model registry --------------------------------------------------------
     def _check_admin(self, tenant: str) -> None:

@@ -1,0 +1,137 @@
+"""Decoding ahead on a DecodeSession: the server keeps choosing and appending tokens
+on its own and streams each one back as it is chosen (``DecodeSessionRequest.max_new_tokens``).
+
+A run is iterated for ``(index, ChosenToken)`` pairs as they arrive; ``stop()``
+asks the server to end it after its current forward, and iterating on then
+yields the tokens chosen until then.  Once every item has ended, ``results`` holds
+each item's handle (covering exactly the emitted tokens: the last one is the next
+step's token) and why it ended.  A failed run raises the table's exception and
+its sequences are where the run found them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator, Iterable, Iterator
+
+import grpc
+
+from ferrum_rpc import convert
+from ferrum_rpc.client import rpc as rpcs
+from ferrum_rpc.errors import ExecutorError, from_rpc_error, from_status_proto
+from ferrum_rpc.types import ChosenToken, KvCacheHandle, TokenChoice
+from ferrum_rpc.v1 import executor_pb2 as pb
+
+FINISH_REASONS = {
+    pb.FINISH_REASON_LENGTH: "length",  # max_new_tokens emitted
+    pb.FINISH_REASON_STOP_TOKEN: "stop_token",  # a stop token emitted (the last token)
+    pb.FINISH_REASON_STOPPED: "stopped",  # stop() ended it
+    pb.FINISH_REASON_MAX_SEQUENCE_LENGTH: "max_sequence_length",  # the sequence is full
+}
+
+
+@dataclass(frozen=True)
+class AheadResult:
+    """One item's end: its handle (length = before + len(chosen)), why, and every token
+    the run chose for it, in order (the last is not in the KV yet)."""
+
+    kv_cache: KvCacheHandle
+    finish_reason: str
+    chosen: tuple[ChosenToken, ...]
+
+
+def ahead_request(session, items: Iterable[rpcs.DecodeItem], max_new_tokens: int,
+                  token_choice: TokenChoice | None, stop_token_ids: Iterable[int]) -> pb.DecodeSessionRequest:
+    request = session._request(items, None, token_choice)
+    request.single_reply = False
+    request.max_new_tokens = max_new_tokens
+    request.stop_token_ids.extend(stop_token_ids)
+    return request
+
+
+class _Run:
+    """What both flavours share: the replies of one run, item by item."""
+
+    def __init__(self, session, request: pb.DecodeSessionRequest):
+        self._session, self.step_id = session, request.step_id
+        self._chosen: list[list[ChosenToken]] = [[] for _ in request.items]
+        self._results: list[AheadResult | None] = [None] * len(request.items)
+        self._left = len(request.items)
+
+    @property
+    def finished(self) -> bool:
+        return self._left == 0
+
+    @property
+    def results(self) -> list[AheadResult]:
+        """Every item's end, in item order (read the run to its end first)."""
+        if not self.finished:
+            raise RuntimeError("the run has not ended: iterate it to its end first")
+        return list(self._results)
+
+    def _stop_request(self) -> pb.DecodeSessionRequest:
+        return pb.DecodeSessionRequest(step_id=self.step_id, stop=True)
+
+    def _take(self, reply: pb.DecodeSessionResponse) -> tuple[int, ChosenToken]:
+        if reply.HasField("error"):
+            self._left = 0
+            raise from_status_proto(reply.error)
+        if reply.step_id != self.step_id:
+            raise ExecutorError(f"a reply of step {reply.step_id} during decode-ahead step {self.step_id}",
+                                code=grpc.StatusCode.INTERNAL)
+        chosen = convert.chosen_from_proto(reply.chosen)
+        self._chosen[reply.index].append(chosen)
+        if reply.HasField("kv_cache"):
+            handle = convert.handle_from_proto(reply.kv_cache)
+            self._results[reply.index] = AheadResult(handle, FINISH_REASONS.get(reply.finish_reason, "unknown"),
+                                                     tuple(self._chosen[reply.index]))
+            self._left -= 1
+        return reply.index, chosen
+
+
+class DecodeAhead(_Run):
+    """A decode-ahead run on a :class:`~ferrum_rpc.client.client.DecodeSession`."""
+
+    def __iter__(self) -> Iterator[tuple[int, ChosenToken]]:
+        while not self.finished:
+            try:
+                reply = next(self._session._responses)
+            except StopIteration:
+                raise ExecutorError("the session stream ended", code=grpc.StatusCode.UNAVAILABLE) from None
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc) from None
+            yield self._take(reply)
+
+    def stop(self) -> None:
+        """Ends the run after the server's current forward; read on for the last tokens."""
+        if not self.finished:
+            self._session._requests.put(self._stop_request())
+
+    def wait(self) -> list[AheadResult]:
+        """Reads the run to its end; every item's result."""
+        for _ in self:
+            pass
+        return self.results
+
+
+class AsyncDecodeAhead(_Run):
+    """:class:`DecodeAhead` on an :class:`~ferrum_rpc.client.client.AsyncDecodeSession`."""
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, ChosenToken]]:
+        while not self.finished:
+            try:
+                reply = await self._session._call.read()
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc) from None
+            if reply is grpc.aio.EOF:
+                raise ExecutorError("the session stream ended", code=grpc.StatusCode.UNAVAILABLE)
+            yield self._take(reply)
+
+    async def stop(self) -> None:
+        if not self.finished:
+            await self._session._call.write(self._stop_request())
+
+    async def wait(self) -> list[AheadResult]:
+        async for _ in self:
+            pass
+        return self.results

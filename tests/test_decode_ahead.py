@@ -1,0 +1,207 @@
+"""Decoding ahead (issue 22) through real gRPC: a DecodeSession step with
+``max_new_tokens`` lets the server choose, append and stream tokens on its own.
+N server-side steps equal N single steps token for token (greedy and seeded, one
+item and a batch of mixed lengths); a stop token ends it; a stop message ends it
+with a handle covering exactly the tokens received; a cancelled session leaves the
+sequence where the step found it; a caller that stops reading pauses the step;
+bad requests are refused with no state change."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from ferrum_rpc import convert
+from ferrum_rpc.client import DecodeInput, ExecutorClient, TokenChoice
+from ferrum_rpc.v1 import executor_pb2 as pb
+from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
+from tests.conftest import executor_snapshot
+
+PROMPTS = ([1, 17, 42, 99, 5, 230, 17, 8], [3, 4, 5], [200, 201, 9, 9, 9, 12, 40, 41, 42, 43, 44])
+GREEDY = TokenChoice(temperature=0.0)
+SEEDED = TokenChoice(temperature=0.9, top_k=40, top_p=0.95, seed=77, presence_penalty=0.5)
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server):
+    with ExecutorClient(tiny_server.target, timeout=60) as c:
+        yield c
+
+
+def _executor(server):
+    return server.app.servicer.workers["tiny"].executor
+
+
+def _single_steps(client, prompt, choice, n):
+    """The reference: Prefill, then n Decode calls each feeding the last chosen token."""
+    out = client.prefill(prompt, token_choice=choice)
+    tokens, handle = [out.chosen.token_id], out.kv_cache
+    for _ in range(n):
+        out = client.decode(tokens[-1], handle, token_choice=choice)
+        tokens.append(out.chosen.token_id)
+        handle = out.kv_cache
+    client.release_cache(handle)
+    return tokens
+
+
+@pytest.mark.parametrize("choice", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_decoding_ahead_equals_single_steps(client, choice):
+    n = 20
+    want = [_single_steps(client, p, choice, n) for p in PROMPTS]
+    outs = [client.prefill(p, token_choice=choice) for p in PROMPTS]
+    with client.decode_session() as session:
+        run = session.decode_ahead([DecodeInput(o.chosen.token_id, o.kv_cache, choice) for o in outs], n)
+        got = [[o.chosen.token_id] for o in outs]
+        for index, chosen in run:
+            got[index].append(chosen.token_id)
+        results = run.results
+    assert got == want
+    for prompt, out, result in zip(PROMPTS, outs, results):
+        assert result.finish_reason == "length"
+        assert [c.token_id for c in result.chosen] == got[PROMPTS.index(prompt)][1:]
+        assert result.kv_cache.sequence_length == len(prompt) + n  # the last token is the next step's
+        step = client.decode(result.chosen[-1].token_id, result.kv_cache, token_choice=choice)
+        assert step.kv_cache.sequence_length == len(prompt) + n + 1
+        client.release_cache(step.kv_cache)
+
+
+def test_a_stop_token_ends_the_item_and_is_emitted(client):
+    want = _single_steps(client, PROMPTS[0], GREEDY, 16)
+    stop_at = next(i for i in range(4, 16) if want[i] not in want[1:i])  # its first occurrence
+    out = client.prefill(PROMPTS[0], token_choice=GREEDY)
+    with client.decode_session() as session:
+        run = session.decode_ahead([DecodeInput(out.chosen.token_id, out.kv_cache, GREEDY)], 100,
+                                   stop_token_ids=[want[stop_at]])
+        (result,) = run.wait()
+    assert result.finish_reason == "stop_token"
+    assert [c.token_id for c in result.chosen] == want[1:stop_at + 1]
+    assert result.kv_cache.sequence_length == len(PROMPTS[0]) + stop_at
+    client.release_cache(result.kv_cache)
+
+
+def test_a_stop_message_leaves_a_handle_covering_the_tokens_received(client, tiny_server):
+    """Stop after 5 tokens received: the run ends after the server's current forward,
+    every token it chose is received, and the handle covers exactly them; the sequence
+    goes on from there as if it had been decoded step by step."""
+    want = _single_steps(client, PROMPTS[2], GREEDY, 200)
+    out = client.prefill(PROMPTS[2], token_choice=GREEDY)
+    with client.decode_session() as session:
+        run = session.decode_ahead([DecodeInput(out.chosen.token_id, out.kv_cache, GREEDY)], 200)
+        received = []
+        for _, chosen in run:
+            received.append(chosen.token_id)
+            if len(received) == 5:
+                run.stop()
+        (result,) = run.results
+        assert result.finish_reason == "stopped"
+        assert 5 <= len(received) < 200
+        assert received == want[1:len(received) + 1]
+        assert result.kv_cache.sequence_length == len(PROMPTS[2]) + len(received)
+        seq = _executor(tiny_server).kv.snapshot().sequences[result.kv_cache.cache_id]
+        assert seq.length == result.kv_cache.sequence_length
+        (step,) = session.step([DecodeInput(received[-1], result.kv_cache, GREEDY)])  # the session goes on
+        assert step.chosen.token_id == want[len(received) + 1]
+    client.release_cache(step.kv_cache)
+
+
+def test_a_cancelled_session_leaves_the_sequence_where_the_step_found_it(client, tiny_server):
+    out = client.prefill(PROMPTS[0], token_choice=GREEDY)
+    before = _executor(tiny_server).kv.snapshot().sequences[out.kv_cache.cache_id].length
+    with grpc.insecure_channel(tiny_server.target) as channel:
+        stub = pb_grpc.ModelExecutorStub(channel)
+        request = pb.DecodeSessionRequest(step_id=1, max_new_tokens=200)
+        item = request.items.add(token_id=out.chosen.token_id, kv_cache=convert.handle_to_proto(out.kv_cache))
+        item.token_choice.CopyFrom(convert.token_choice_to_proto(GREEDY))
+        call = stub.DecodeSession(iter([request]), timeout=30)
+        for n, reply in enumerate(call):
+            assert reply.HasField("chosen") and not reply.HasField("error")
+            if n == 3:
+                call.cancel()
+                break
+    deadline = time.monotonic() + 10
+    while _executor(tiny_server).kv.snapshot().sequences[out.kv_cache.cache_id].length != before:
+        assert time.monotonic() < deadline, "the cancelled run was not undone"
+        time.sleep(0.02)
+    step = client.decode(out.chosen.token_id, out.kv_cache, token_choice=GREEDY)  # the old handle holds
+    client.release_cache(step.kv_cache)
+
+
+def test_a_caller_that_stops_reading_pauses_the_run(tiny_server):
+    """The caller's receive window is 1 KiB and each reply carries 20 logprobs: once
+    the window, gRPC's buffers and the step's 32 unread replies are full, the server
+    decodes no further until the caller reads (the sequence stops growing)."""
+    options = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+    choice = TokenChoice(temperature=0.0, top_logprobs=20)
+    with ExecutorClient(tiny_server.target, timeout=60, channel_options=options) as c:
+        out = c.prefill(PROMPTS[1], token_choice=choice)
+        ex = _executor(tiny_server)
+        with c.decode_session() as session:
+            run = session.decode_ahead([DecodeInput(out.chosen.token_id, out.kv_cache, choice)], 240)
+
+            def length():
+                return ex.kv.snapshot().sequences[out.kv_cache.cache_id].length
+
+            time.sleep(1.0)
+            paused = length()
+            time.sleep(1.0)
+            assert length() == paused < len(PROMPTS[1]) + 240, "the unread run kept decoding"
+            (result,) = run.wait()  # reading lets it finish
+        assert result.finish_reason == "length" and len(result.chosen) == 240
+        c.release_cache(result.kv_cache)
+
+
+@pytest.mark.parametrize("change, why", [
+    (lambda r: setattr(r, "max_new_tokens", 4097), "at most 4096"),
+    (lambda r: r.items[0].ClearField("token_choice"), "needs a token_choice"),
+    (lambda r: r.logits.CopyFrom(pb.LogitsPolicy(kind=pb.LOGITS_KIND_ARGMAX)), "logits and single_reply"),
+    (lambda r: setattr(r, "single_reply", True), "logits and single_reply"),
+    (lambda r: r.stop_token_ids.append(320), "outside the vocabulary"),
+    (lambda r: r.stop_token_ids.extend(range(65)), "at most 64"),
+])
+def test_bad_decode_ahead_requests_change_nothing(client, tiny_server, change, why):
+    out = client.prefill(PROMPTS[0], token_choice=GREEDY)
+    before = executor_snapshot(_executor(tiny_server))
+    with grpc.insecure_channel(tiny_server.target) as channel:
+        stub = pb_grpc.ModelExecutorStub(channel)
+        request = pb.DecodeSessionRequest(step_id=9, max_new_tokens=10)
+        item = request.items.add(token_id=out.chosen.token_id, kv_cache=convert.handle_to_proto(out.kv_cache))
+        item.token_choice.CopyFrom(convert.token_choice_to_proto(GREEDY))
+        change(request)
+        (reply,) = list(stub.DecodeSession(iter([request]), timeout=30))
+    assert reply.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and why in reply.error.message
+    assert executor_snapshot(_executor(tiny_server)) == before
+    client.release_cache(out.kv_cache)
+
+
+def test_a_stop_message_with_anything_else_is_refused(tiny_server):
+    with grpc.insecure_channel(tiny_server.target) as channel:
+        stub = pb_grpc.ModelExecutorStub(channel)
+        (reply,) = list(stub.DecodeSession(iter([pb.DecodeSessionRequest(step_id=3, stop=True,
+                                                                         max_new_tokens=4)]), timeout=30))
+    assert reply.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "stop only" in reply.error.message
+
+
+def test_the_server_advertises_its_bound(client):
+    assert client.capabilities().max_decode_ahead == 4096
+
+
+def test_generate_decodes_ahead_by_default_with_the_step_by_step_tokens(client):
+    """``generate_ids`` on one server's client decodes ahead (one session step, no
+    Decode call per token) and yields what one Decode per token yields; a caller that
+    stops reading early stops the run and the sequence is released."""
+    from ferrum_rpc.client.generate import decodes_ahead, generate_ids
+    from ferrum_rpc.client.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.8, top_k=30, seed=5)
+    assert decodes_ahead(client, 40, None)
+    stepped = list(generate_ids(client, PROMPTS[0], 40, params, ahead=False))
+    assert list(generate_ids(client, PROMPTS[0], 40, params)) == stepped
+    stops = {stepped[12]}
+    assert list(generate_ids(client, PROMPTS[0], 40, params, stop_ids=stops)) == \
+        stepped[:stepped.index(stepped[12]) + 1]
+    tokens = generate_ids(client, PROMPTS[0], 200, params)
+    assert [next(tokens) for _ in range(3)] == stepped[:3]
+    tokens.close()  # stops reading after 3: the run is stopped, the KV released
+    assert client.status().active_sequences == 0
