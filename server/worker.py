@@ -168,11 +168,13 @@ class ModelWorker:
         return self._put(_Job(fn, args, deadline=deadline)).future
 
     def submit_prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None,
-                       policy: LogitsPolicy, deadline: float | None = None, tenant: str = "") -> Future:
+                       policy: LogitsPolicy | None, deadline: float | None = None, tenant: str = "",
+                       choice=None) -> Future:
         """Runs a prompt in parts that share forwards with other callers' work (see
         the module docstring).  A caller that went away, or whose deadline
-        passed, has the prompt stopped before its next part, which undoes it."""
-        return self._put(self._prefill_job(token_ids, kv_cache, policy, deadline, tenant)).future
+        passed, has the prompt stopped before its next part, which undoes it.
+        ``choice``: a TokenChoice, the next token chosen on the worker."""
+        return self._put(self._prefill_job(token_ids, kv_cache, policy, deadline, tenant, choice=choice)).future
 
     def submit_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy,
                       deadline: float | None = None, tenant: str = "") -> Future:
