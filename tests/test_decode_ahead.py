@@ -205,3 +205,32 @@ def test_generate_decodes_ahead_by_default_with_the_step_by_step_tokens(client):
     assert [next(tokens) for _ in range(3)] == stepped[:3]
     tokens.close()  # stops reading after 3: the run is stopped, the KV released
     assert client.status().active_sequences == 0
+
+
+def test_the_asyncio_session_decodes_ahead_and_stops(tiny_server, client):
+    import asyncio
+
+    from ferrum_rpc.client import AsyncExecutorClient
+
+    want = _single_steps(client, PROMPTS[1], SEEDED, 30)
+
+    async def main():
+        async with AsyncExecutorClient(tiny_server.target, timeout=60) as ac:
+            out = await ac.prefill(PROMPTS[1], token_choice=SEEDED)
+            async with ac.decode_session() as session:
+                run = await session.decode_ahead([DecodeInput(out.chosen.token_id, out.kv_cache, SEEDED)], 30)
+                whole = [c.token_id async for _, c in run]
+                (result,) = run.results
+                run = await session.decode_ahead([DecodeInput(whole[-1], result.kv_cache, SEEDED)], 100)
+                more = []
+                async for _, chosen in run:
+                    more.append(chosen.token_id)
+                    if len(more) == 2:
+                        await run.stop()
+                (after,) = run.results
+            await ac.release_cache(after.kv_cache)
+            return whole, result, more, after
+
+    whole, result, more, after = asyncio.run(main())
+    assert whole == want[1:] and result.finish_reason == "length"
+    assert after.finish_reason == "stopped" and after.kv_cache.sequence_length == len(PROMPTS[1]) + 30 + len(more)
