@@ -11,6 +11,7 @@ its sequences are where the run found them.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import AsyncIterator, Iterable, Iterator
 
@@ -19,8 +20,10 @@ import grpc
 from ferrum_rpc import convert
 from ferrum_rpc.client import rpc as rpcs
 from ferrum_rpc.errors import ExecutorError, from_rpc_error, from_status_proto
-from ferrum_rpc.types import ChosenToken, KvCacheHandle, TokenChoice
+from ferrum_rpc.types import ChosenToken, DecodeInput, KvCacheHandle, LogitsPolicy, TokenChoice
 from ferrum_rpc.v1 import executor_pb2 as pb
+
+_ARGMAX = LogitsPolicy.argmax()  # a resumed run's catch-up only needs the KV
 
 FINISH_REASONS = {
     pb.FINISH_REASON_LENGTH: "length",  # max_new_tokens emitted
@@ -135,3 +138,85 @@ class AsyncDecodeAhead(_Run):
         async for _ in self:
             pass
         return self.results
+
+
+# -- a whole run as one call (every client, replica sets included) ----------------------
+
+def _finished_early(got: list[ChosenToken], max_new_tokens: int, stop_ids: frozenset[int],
+                    stopped: bool) -> str | None:
+    """Why a run resumed after ``got`` has nothing left to do (None: it goes on)."""
+    if got and got[-1].token_id in stop_ids:
+        return "stop_token"
+    if len(got) >= max_new_tokens:
+        return "length"
+    return "stopped" if stopped else None
+
+
+def _resume_args(got: list[ChosenToken], token_id: int) -> tuple[list[int], int]:
+    """What a resumed run appends first (the tokens a lost run had already emitted, all
+    but its last) and the token it then goes on from."""
+    return [token_id] + [c.token_id for c in got[:-1]], got[-1].token_id
+
+
+def run_ahead(client, kv_cache: KvCacheHandle, token_id: int, token_choice: TokenChoice, max_new_tokens: int,
+              stop_token_ids: Iterable[int], got: list[ChosenToken], on_token, stopped: list[bool]) -> AheadResult:
+    """One decode-ahead run on ``client``'s server, to its end.  ``got`` holds (and
+    receives) the tokens emitted so far: when it is not empty the run resumes a lost
+    one, first appending those tokens (ForwardVerify, as output) so the server's
+    sequence and choices go on exactly where the lost run left off.  ``on_token(chosen)``
+    sees each new token; a truthy return asks the server to stop (``stopped[0]``)."""
+    stop_ids = frozenset(stop_token_ids)
+    handle, token = kv_cache, token_id
+    if got:
+        appended, token = _resume_args(got, token_id)
+        handle = client.forward_verify(appended, handle, logits=_ARGMAX).kv_cache
+        done = _finished_early(got, max_new_tokens, stop_ids, stopped[0])
+        if done:
+            return AheadResult(handle, done, tuple(got))
+    session = client.decode_session()
+    try:
+        run = session.decode_ahead([DecodeInput(token, handle, token_choice)], max_new_tokens - len(got),
+                                   token_choice, sorted(stop_ids))
+        for _, chosen in run:
+            got.append(chosen)
+            if on_token is not None and on_token(chosen) and not stopped[0]:
+                stopped[0] = True
+                run.stop()
+        (result,) = run.results
+    except BaseException:
+        session.cancel()  # the server undoes the run: a failed call changes nothing
+        raise
+    session.close()
+    return AheadResult(result.kv_cache, result.finish_reason, tuple(got))
+
+
+async def run_ahead_async(client, kv_cache: KvCacheHandle, token_id: int, token_choice: TokenChoice,
+                          max_new_tokens: int, stop_token_ids: Iterable[int], got: list[ChosenToken], on_token,
+                          stopped: list[bool]) -> AheadResult:
+    """:func:`run_ahead` on an asyncio client (``on_token`` may be a coroutine function)."""
+    stop_ids = frozenset(stop_token_ids)
+    handle, token = kv_cache, token_id
+    if got:
+        appended, token = _resume_args(got, token_id)
+        handle = (await client.forward_verify(appended, handle, logits=_ARGMAX)).kv_cache
+        done = _finished_early(got, max_new_tokens, stop_ids, stopped[0])
+        if done:
+            return AheadResult(handle, done, tuple(got))
+    session = client.decode_session()
+    try:
+        run = await session.decode_ahead([DecodeInput(token, handle, token_choice)], max_new_tokens - len(got),
+                                         token_choice, sorted(stop_ids))
+        async for _, chosen in run:
+            got.append(chosen)
+            wants_stop = on_token(chosen) if on_token is not None else None
+            if inspect.isawaitable(wants_stop):
+                wants_stop = await wants_stop
+            if wants_stop and not stopped[0]:
+                stopped[0] = True
+                await run.stop()
+        (result,) = run.results
+    except BaseException:
+        session.cancel()
+        raise
+    await session.close()
+    return AheadResult(result.kv_cache, result.finish_reason, tuple(got))

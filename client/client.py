@@ -23,11 +23,18 @@ from urllib.parse import urlsplit
 import grpc
 
 from ferrum_rpc.client import rpc as rpcs
-from ferrum_rpc.client.ahead import AsyncDecodeAhead, DecodeAhead, ahead_request
+from ferrum_rpc.client.ahead import (
+    AheadResult,
+    AsyncDecodeAhead,
+    DecodeAhead,
+    ahead_request,
+    run_ahead,
+    run_ahead_async,
+)
 from ferrum_rpc.client.rpc import INVOKED, STATUS, DecodeItem, Rpc, with_methods
 from ferrum_rpc.client.shm import AsyncSharedMemoryRegion, SharedMemoryRegion
 from ferrum_rpc.errors import ExecutorError, from_rpc_error, from_status_proto
-from ferrum_rpc.types import DecodeOutput, LogitsPolicy, TokenChoice
+from ferrum_rpc.types import DecodeOutput, KvCacheHandle, LogitsPolicy, TokenChoice
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 
@@ -265,6 +272,16 @@ class ExecutorClient(_Client):
         """Opens a DecodeSession stream: ``session.step(items)`` per step, no per-call setup."""
         return DecodeSession(self._stub, self.model, self.timeout, self._regions)
 
+    def decode_ahead(self, token_id: int, kv_cache: KvCacheHandle, token_choice: TokenChoice,
+                     max_new_tokens: int, stop_token_ids: Sequence[int] = (), on_token=None) -> AheadResult:
+        """Appends ``token_id`` and lets the server choose and append up to ``max_new_tokens``
+        tokens on its own (one DecodeSession step, each token streamed as it is chosen;
+        see :mod:`ferrum_rpc.client.ahead`), to the end of the run.  ``on_token(chosen)``
+        sees each token as it arrives; returning True stops the run after the server's
+        current forward.  On a replica set a run whose owner is lost goes on elsewhere."""
+        return run_ahead(self, kv_cache, token_id, token_choice, max_new_tokens, stop_token_ids, [], on_token,
+                         [False])
+
     def shared_memory(self, byte_size: int, name: str | None = None) -> SharedMemoryRegion:
         """Creates a POSIX shared-memory object of ``byte_size`` bytes and registers it
         with the server (same host only); requests whose full-logits policy names
@@ -313,6 +330,12 @@ class AsyncExecutorClient(_Client):
     def decode_session(self) -> AsyncDecodeSession:
         """Opens a DecodeSession stream: ``await session.step(items)`` per step."""
         return AsyncDecodeSession(self._stub, self.model, self.timeout, self._regions)
+
+    async def decode_ahead(self, token_id: int, kv_cache: KvCacheHandle, token_choice: TokenChoice,
+                           max_new_tokens: int, stop_token_ids: Sequence[int] = (), on_token=None) -> AheadResult:
+        """:meth:`ExecutorClient.decode_ahead` (``on_token`` may be a coroutine function)."""
+        return await run_ahead_async(self, kv_cache, token_id, token_choice, max_new_tokens, stop_token_ids, [],
+                                     on_token, [False])
 
     async def shared_memory(self, byte_size: int, name: str | None = None) -> AsyncSharedMemoryRegion:
         """As :meth:`ExecutorClient.shared_memory`; close with ``await region.aclose()``."""
@@ -398,6 +421,12 @@ class DecodeSession(_Session):
         for _ in self._responses:  # let the server finish the stream cleanly
             pass
 
+    def cancel(self) -> None:
+        """Ends the stream at once (a cancel): the server undoes the session's unconfirmed
+        steps.  For a session that failed or that its caller abandons."""
+        self._requests.put(self._END)
+        self._responses.cancel()
+
     def __enter__(self) -> DecodeSession:
         return self
 
@@ -439,6 +468,10 @@ class AsyncDecodeSession(_Session):
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
         return AsyncDecodeAhead(self, request)
+
+    def cancel(self) -> None:
+        """:meth:`DecodeSession.cancel`."""
+        self._call.cancel()
 
     async def close(self) -> None:
         await self._call.done_writing()

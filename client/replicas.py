@@ -41,6 +41,7 @@ from typing import Any, Callable, Generator, Iterable, Sequence
 
 import grpc
 
+from ferrum_rpc.client.ahead import AheadResult, run_ahead, run_ahead_async
 from ferrum_rpc.client.client import (
     AsyncExecutorClient,
     DEFAULT_KEEPALIVE,
@@ -931,6 +932,21 @@ class _Contract:
                          ([DecodeInput(i.tokens[0], i.send, choices[i.index]) for i in group], logits))
         return (yield from self._batch_flow(_entries(items), call_for))
 
+    def decode_ahead(self, token_id: int, kv_cache: KvCacheHandle, token_choice: TokenChoice,
+                     max_new_tokens: int, stop_token_ids: Sequence[int] = (), on_token=None):
+        """Decoding ahead on the sequence's owner (:meth:`ExecutorClient.decode_ahead`).  If
+        the owner is lost mid-run, the sequence is rebuilt elsewhere from its history and
+        the run goes on there from the last token received: the tokens already emitted
+        are appended first, so a greedy or seeded choice gives the tokens the lost run
+        would have given (an unseeded one draws afresh from there)."""
+        got, stopped = [], [False]
+
+        def op(client, send):
+            run = run_ahead_async if isinstance(client, AsyncExecutorClient) else run_ahead
+            return run(client, send, token_id, token_choice, max_new_tokens, stop_token_ids, got, on_token, stopped)
+        return (yield from self._sequence_flow(
+            kv_cache, op, lambda out: [token_id] + [c.token_id for c in out.chosen[:-1]]))
+
     def forward_verify(self, token_ids: Sequence[int], kv_cache: KvCacheHandle,
                        logits: LogitsPolicy = LogitsPolicy()):
         tokens = list(token_ids)
@@ -989,6 +1005,7 @@ class _Contract:
 
 
 _RESULTS = {rpc.name: rpc.returns for rpc in RPCS}  # a replica set's calls return what a server's do
+_RESULTS["decode_ahead"] = AheadResult
 
 
 def _driven(flow: Callable[..., Flow], name: str | None = None) -> Callable[[bool], Callable]:

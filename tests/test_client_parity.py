@@ -35,6 +35,8 @@ NOT_AWAITED = {
     "decode_session": "returns the session object (its stream opens on first use): `async with c.decode_session()`",
     "live_sequences": "reads this client's own bookkeeping, no I/O",
     "replicas": "a property: the targets the set was built with",
+    "cancel": "a session's cancel only asks gRPC to end the stream (grpc.aio's call.cancel is not awaited); "
+              "usable from an except block or a finally",
 }
 
 # What only a replica set has (ExecutorClient has no counterpart), and why.

@@ -226,3 +226,63 @@ def _run_single(ex, choice, steps):
         handle = out.kv_cache
     ex.release_cache(handle)
     return got, None, None
+
+
+@pytest.mark.parametrize("choice", [TokenChoice(temperature=0.8, top_k=20, seed=7), PENALISED],
+                         ids=["seeded", "seeded+penalties"])
+def test_decoding_ahead_on_a_replica_set_survives_a_sigkill_with_the_same_tokens(pair, choice):
+    """A decode-ahead run whose owner is SIGKILLed after 10 tokens goes on on the other
+    replica (its history replayed, the 10 tokens appended) and gives the tokens of an
+    uninterrupted run; the sequence's history and prompt spans come out right (a decode
+    after the run continues the tokens of step-by-step decoding)."""
+    by_target = {r.target: r for r in pair}
+    try:
+        with connect([r.target for r in pair], timeout=30, replica_policy=FAST) as ex:
+            want, _, _ = _run(ex, choice, 41)
+            out = ex.prefill(PROMPT, token_choice=choice)
+            owner = ex.replica_of(out.kv_cache)
+            seen = []
+
+            def on_token(chosen):
+                seen.append(chosen.token_id)
+                if len(seen) == 10:
+                    by_target[owner].kill()
+
+            result = ex.decode_ahead(out.chosen.token_id, out.kv_cache, choice, 39, on_token=on_token)
+            assert ex.replica_of(result.kv_cache) != owner  # it moved
+            assert [out.chosen.token_id] + [c.token_id for c in result.chosen] == want[:40] == \
+                [out.chosen.token_id] + seen
+            assert result.finish_reason == "length" and result.kv_cache.sequence_length == len(PROMPT) + 39
+            step = ex.decode(result.chosen[-1].token_id, result.kv_cache, token_choice=choice)
+            assert step.chosen.token_id == want[40]
+            (seq,) = ex.live_sequences()
+            assert seq.prompt_spans == ((0, len(PROMPT)),) and len(seq.tokens) == len(PROMPT) + 40
+            ex.release_cache(step.kv_cache)
+    finally:
+        _restart_dead(pair)
+
+
+def test_decoding_ahead_on_an_asyncio_replica_set_stops_on_request(pair):
+    import asyncio
+
+    from ferrum_rpc.client import connect_async
+
+    choice = TokenChoice(temperature=0.8, top_k=20, seed=7)
+    with connect([r.target for r in pair], timeout=30, replica_policy=FAST) as ex:
+        want, _, _ = _run(ex, choice, 30)
+
+    async def main():
+        async with connect_async([r.target for r in pair], timeout=30, replica_policy=FAST) as ax:
+            out = await ax.prefill(PROMPT, token_choice=choice)
+
+            async def on_token(chosen):
+                return chosen.token_id == want[5]  # stop once this token arrives
+
+            result = await ax.decode_ahead(out.chosen.token_id, out.kv_cache, choice, 25, on_token=on_token)
+            await ax.release_cache(result.kv_cache)
+            return out, result
+
+    out, result = asyncio.run(main())
+    got = [out.chosen.token_id] + [c.token_id for c in result.chosen]
+    assert result.finish_reason in ("stopped", "length") and got == want[:len(got)]
+    assert 6 <= len(got) < 26 and result.kv_cache.sequence_length == len(PROMPT) + len(got) - 1
