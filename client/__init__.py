@@ -10,6 +10,7 @@ set: placement by load, handle affinity, failover by replay
 (``ferrum_rpc.client.replicas``); ``connect`` of one target is an ExecutorClient.
 """
 
+from ferrum_rpc.client.ahead import AheadResult
 from ferrum_rpc.client.client import AsyncExecutorClient, ClientTls, ExecutorClient, Keepalive
 from ferrum_rpc.client.replicas import AsyncReplicaSetClient, ReplicaPolicy, ReplicaSetClient, connect, connect_async
 from ferrum_rpc.errors import (
@@ -36,6 +37,7 @@ from ferrum_rpc.types import (
 )
 
 __all__ = [
+    "AheadResult",
     "AsyncExecutorClient",
     "AsyncReplicaSetClient",
     "ClientTls",
