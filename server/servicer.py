@@ -728,7 +728,9 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             fails or the session is cancelled).  Returns each item's last output."""
             step_id, limit = request.step_id, request.max_new_tokens
             stop_ids, max_len = frozenset(request.stop_token_ids), worker.executor.max_seq_len
-            stop = ahead.setdefault(step_id, asyncio.Event())
+            if step_id in ahead:  # a stop message must name one run
+                raise InvalidInput(f"step_id {step_id} names a decode-ahead step still running")
+            stop = ahead[step_id] = asyncio.Event()
             unread = asyncio.Semaphore(AHEAD_UNREAD)  # an unread stream pauses the step, not memory
             keys.extend(ledger.add(worker, []) for _ in items)
             emitted, last = [0] * len(items), [None] * len(items)

@@ -234,3 +234,27 @@ def test_the_asyncio_session_decodes_ahead_and_stops(tiny_server, client):
     whole, result, more, after = asyncio.run(main())
     assert whole == want[1:] and result.finish_reason == "length"
     assert after.finish_reason == "stopped" and after.kv_cache.sequence_length == len(PROMPTS[1]) + 30 + len(more)
+
+
+def test_a_second_run_under_a_running_step_id_is_refused(client):
+    outs = [client.prefill(p, token_choice=GREEDY) for p in PROMPTS[:2]]
+    with client.decode_session() as session:
+        first = session.decode_ahead([DecodeInput(outs[0].chosen.token_id, outs[0].kv_cache, GREEDY)], 200)
+        session._next_step -= 1  # the next request reuses the running step's id
+        second = session.decode_ahead([DecodeInput(outs[1].chosen.token_id, outs[1].kv_cache, GREEDY)], 5)
+        assert first.step_id == second.step_id
+        first.stop()
+        error = None
+        while not first.finished:
+            reply = next(session._responses)
+            if reply.HasField("error"):
+                error = reply.error
+            else:
+                first._take(reply)
+        while error is None:
+            reply = next(session._responses)
+            error = reply.error if reply.HasField("error") else None
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "still running" in error.message
+    assert first.results[0].finish_reason == "stopped"
+    for out in outs:
+        client.release_cache(out.kv_cache)
