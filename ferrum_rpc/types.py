@@ -363,6 +363,8 @@ class Capabilities:
     memory: MemoryRequirements = field(default_factory=MemoryRequirements)
     optimal_batch_size: int = 0
     token_choice: bool = False  # the server chooses tokens for requests with a TokenChoice (issue 22)
+    tensor_parallel_degree: int = 1  # ranks the model is split over (issue 24)
+    tensor_parallel_fallbacks: tuple[str, ...] = ()  # fast paths that cannot run sharded, and what runs
 
     def supports_batch_size(self, batch_size: int) -> bool:
         """Whether one forward may carry ``batch_size`` sequences (the trait's check)."""
