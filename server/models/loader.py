@@ -77,7 +77,8 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     with torch.device("meta"):
         model = MODEL_CLASSES[cfg.architecture](cfg if shard is None else shard.local_config())
         if shard is not None:  # embeddings stay whole on every rank (see tp.py)
-            model.model.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            model.model.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
     model.load_state_dict(state, strict=True, assign=True)
     model.config = cfg
     model.init_rope(device)
