@@ -108,11 +108,14 @@ class Shard:
                     if "rotary_emb" in name:
                         continue
                     tensor = self._slice(name.removeprefix("_orig_mod."), sf.get_slice(name))
-                    state[name.removeprefix("_orig_mod.")] = tensor.to(device=device, dtype=dtype).clone()
+                    owned = tensor.to(device=device, dtype=dtype)
+                    if owned.data_ptr() == tensor.data_ptr():  # possibly the file's mapping: own a copy
+                        owned = owned.clone()
+                    state[name.removeprefix("_orig_mod.")] = owned
         return state
 
     def _slice(self, name: str, sl) -> torch.Tensor:
-        cfg, r, n = self.config, self.rank, self.degree
+        r, n = self.rank, self.degree
         shape = sl.get_shape()
 
         def part(dim: int, size: int) -> torch.Tensor:
