@@ -257,6 +257,19 @@ def test_token_choice_equals_the_unsplit_executor(servers, folders):
     assert got == expected
 
 
+def test_load_and_unload_model_are_refused_and_the_model_keeps_serving(servers, folders):
+    """The ranks hold the one model they started with: UNIMPLEMENTED, nothing changes."""
+    with _client(servers, "llama") as ex:
+        for call in (lambda: ex.load_model("other", str(folders["qwen3"])), lambda: ex.unload_model("tiny")):
+            with pytest.raises(ExecutorError) as err:
+                call()
+            assert err.value.code.name == "UNIMPLEMENTED" and "--tensor-parallel" in str(err.value)
+        before = ex.status().active_sequences
+        handle = ex.prefill([1, 2, 3], logits=LogitsPolicy.argmax()).kv_cache
+        assert ex.status().active_sequences == before + 1
+        ex.release_cache(handle)
+
+
 def test_head_counts_the_degree_does_not_divide_are_refused_at_start(tiny_llama_dir):
     """4 heads and 2 KV heads do not split 3 ways: one line, exit code 2, no rank started."""
     proc = subprocess.run([sys.executable, "-m", "ferrum_rpc.cli", "serve", "--model", str(tiny_llama_dir),
@@ -323,14 +336,16 @@ def test_smollm2_at_degree_3_gives_degree_1s_32_greedy_tokens():
 
     folder = prepare_default_model()
     prompt = [1, 504, 3458, 282, 253, 3575, 282, 4649, 47]
-    one = TorchExecutor.from_path("smol", folder, ExecutorConfig(kv_tokens=256, block_size=16))
+    kernels = dict(linear_kernel="aten", step_ops="eager")  # no load-time probes: 3 ranks share 2 cores here
+    one = TorchExecutor.from_path("smol", folder, ExecutorConfig(kv_tokens=256, block_size=16, **kernels))
     out = one.prefill(prompt, policy=LogitsPolicy.argmax())
     expected, handle = [int(out.logits.token_ids[0, 0])], out.kv_cache
     for _ in range(31):
         step = one.decode(expected[-1], handle, LogitsPolicy.argmax())
         expected.append(int(step.logits.token_ids[0, 0]))
         handle = step.kv_cache
-    with ServerProcess(f"smol={folder}", "--tensor-parallel", "3", "--kv-tokens", "256", "--no-warmup") as server:
+    with ServerProcess(f"smol={folder}", "--tensor-parallel", "3", "--kv-tokens", "256", "--no-warmup",
+                       "--linear-kernel", "aten", "--step-ops", "eager") as server:
         server.wait_serving(300)
         with ExecutorClient(server.target, timeout=60) as ex:
             out = ex.prefill(prompt, logits=LogitsPolicy.argmax())
