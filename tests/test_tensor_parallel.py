@@ -270,6 +270,32 @@ def test_load_and_unload_model_are_refused_and_the_model_keeps_serving(servers, 
         ex.release_cache(handle)
 
 
+def test_ranks_started_apart_join_at_a_rendezvous_address(tiny_llama_dir, oracles):
+    """As across machines: each rank its own ``serve`` (rank 1 not a child of rank 0),
+    joined at --tp-master; rank 0 serves gRPC, rank 1 exits 0 when rank 0 stops."""
+    from ferrum_rpc.server.tp import free_port
+
+    master = f"127.0.0.1:{free_port()}"
+    flags = ["--kv-tokens", "256", "--block-size", "4", "--no-warmup", "--linear-kernel", "aten",
+             "--step-ops", "eager", "--tensor-parallel", "2", "--tp-master", master]
+    rank1 = subprocess.Popen([sys.executable, "-m", "ferrum_rpc.cli", "serve", "--model", f"tiny={tiny_llama_dir}",
+                              *flags, "--tp-rank", "1"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        with ServerProcess(f"tiny={tiny_llama_dir}", *flags, "--tp-rank", "0") as server:
+            server.wait_serving(120)
+            assert not _rank_processes(server)
+            with ExecutorClient(server.target, timeout=60) as ex:
+                out = ex.prefill(PROMPT, logits=ALL)
+                np.testing.assert_allclose(out.logits.values, oracle_rows(oracles["llama"], PROMPT), atol=ATOL,
+                                           rtol=0)
+            assert server.stop() == 0
+        assert rank1.wait(30) == 0
+        assert "rank 1: stopping" in rank1.stderr.read()
+    finally:
+        rank1.kill()
+
+
 def test_head_counts_the_degree_does_not_divide_are_refused_at_start(tiny_llama_dir):
     """4 heads and 2 KV heads do not split 3 ways: one line, exit code 2, no rank started."""
     proc = subprocess.run([sys.executable, "-m", "ferrum_rpc.cli", "serve", "--model", str(tiny_llama_dir),
