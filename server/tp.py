@@ -8,8 +8,8 @@ states (forward hooks on ``self_attn`` and ``mlp``).  The KV pool splits by KV
 head with the heads.  The LM head is vocabulary-parallel: ARGMAX and TOP_K
 reduce each rank's own top-k (k values a row cross the wire, not V); FULL rows
 and the server-side token choice gather whole rows.  Embeddings stay whole on
-every rank (a lookup reads one row a token; sharding them costs a third all-
-reduce a layer's worth of traffic for no bandwidth saved).
+every rank: a lookup reads one row a token, so sharding them would save memory but
+no bandwidth, and cost one more all-reduce a forward.
 
 Qwen3-MoE experts shard by expert *columns*: every rank holds every expert's
 1/N of gate/up columns and down rows.  The router then runs identically on every
