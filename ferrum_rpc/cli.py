@@ -137,6 +137,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=_non_negative_int, default=0,
                    help="torch intra-op threads (0: torch's default)")
     s.add_argument("--no-warmup", action="store_true")
+    s.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model over N ranks (torch.distributed: gloo on CPU, NCCL on CUDA); "
+                        "without --tp-master, N local rank processes on this machine")
+    s.add_argument("--tensor-parallel-timeout", type=float, default=30.0, metavar="S",
+                   help="a forward waiting this long for the other ranks fails the server closed")
+    s.add_argument("--tp-master", default="", metavar="HOST:PORT",
+                   help="join ranks across machines at rank 0's rendezvous address (default: "
+                        "$MASTER_ADDR:$MASTER_PORT as torchrun sets them, else a local launch)")
+    s.add_argument("--tp-rank", type=int, default=None, metavar="R",
+                   help="this process's rank with --tp-master (default: $RANK; rank 0 serves gRPC)")
     s.set_defaults(func=_command("ferrum_rpc.server.cli", "cmd_serve"))
 
     p = sub.add_parser("prepare", help="convert the embedded default model once; prints its folder")

@@ -257,6 +257,8 @@ def capabilities_from_proto(m: pb.Capabilities) -> Capabilities:
     fields["attention_mechanisms"] = tuple(m.attention_mechanisms)
     fields["supported_dtypes"] = tuple(tensor_codec.dtype_from_proto(d) for d in m.supported_dtypes)
     fields["supported_devices"] = tuple(m.supported_devices)
+    fields["tensor_parallel_fallbacks"] = tuple(m.tensor_parallel_fallbacks)
+    fields["tensor_parallel_degree"] = m.tensor_parallel_degree or 1
     fields["memory"] = MemoryRequirements(**_fields_of(MemoryRequirements, m.memory))
     return Capabilities(**fields)
 

@@ -33,6 +33,7 @@ class Reason(str, enum.Enum):
     TENANT_QUOTA_EXCEEDED = "TENANT_QUOTA_EXCEEDED"
     SHARED_MEMORY_NOT_FOUND = "SHARED_MEMORY_NOT_FOUND"
     ADMIN_ONLY = "ADMIN_ONLY"
+    TENSOR_PARALLEL_RANK_LOST = "TENSOR_PARALLEL_RANK_LOST"
 
 
 STATUS_FOR_REASON: dict[Reason, grpc.StatusCode] = {
@@ -51,6 +52,7 @@ STATUS_FOR_REASON: dict[Reason, grpc.StatusCode] = {
     Reason.TENANT_QUOTA_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Reason.SHARED_MEMORY_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     Reason.ADMIN_ONLY: grpc.StatusCode.PERMISSION_DENIED,
+    Reason.TENSOR_PARALLEL_RANK_LOST: grpc.StatusCode.UNAVAILABLE,
 }
 
 
@@ -172,6 +174,13 @@ class AdminOnly(ExecutorError):
     reason = Reason.ADMIN_ONLY
 
 
+class RankLost(ExecutorError):
+    """A tensor-parallel rank died or hung: the server no longer serves (it exits so a
+    supervisor restarts it); its sequences are gone, as with any dead server."""
+
+    reason = Reason.TENSOR_PARALLEL_RANK_LOST
+
+
 class FailoverFailed(ExecutorError):
     """Client side, never on the wire: a replica-set client could not move a sequence
     (or place a new one) onto a healthy replica within its bounds (attempts, seconds).
@@ -214,6 +223,7 @@ ERROR_CLASSES: dict[Reason, type[ExecutorError]] = {
         TenantQuotaExceeded,
         SharedMemoryNotFound,
         AdminOnly,
+        RankLost,
     )
 }
 

@@ -364,6 +364,8 @@ class Capabilities:
     optimal_batch_size: int = 0
     token_choice: bool = False  # the server chooses tokens for requests with a TokenChoice (issue 22)
     max_decode_ahead: int = 0  # DecodeSession steps may decode ahead up to this many tokens (0: not served)
+    tensor_parallel_degree: int = 1  # ranks the model is split over (issue 24)
+    tensor_parallel_fallbacks: tuple[str, ...] = ()  # fast paths that cannot run sharded, and what runs
 
     def supports_batch_size(self, batch_size: int) -> bool:
         """Whether one forward may carry ``batch_size`` sequences (the trait's check)."""

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from ferrum_rpc.errors import StartupError
+from ferrum_rpc.errors import ExecutorError, StartupError
 from ferrum_rpc.server.auth import AuthInterceptor, TlsFiles, TokenTable
 from ferrum_rpc.server.config import ServerConfig
 from ferrum_rpc.server.registry import Registry
@@ -37,6 +37,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ModelExecutor"].full_name
 HEALTH_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 MESSAGE_SLACK = 1 << 20  # room for handles/timing around the largest logits payload
 DRAIN_SETTLE_S = 0.2
+FAIL_SETTLE_S = 0.5  # a lost tensor-parallel group: time for the failed calls' statuses to go out
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -100,6 +101,18 @@ class App:
         await self.server.stop(grace=1.0)
         self.registry.stop_all(timeout=grace_s)
         log.info("stopped")
+
+    async def fail_closed(self, error: ExecutorError) -> None:
+        """A tensor-parallel rank is lost (``tp.fail``): health NOT_SERVING, every call
+        unanswered and every new one fails UNAVAILABLE/TENSOR_PARALLEL_RANK_LOST, then
+        the server stops (the CLI exits non-zero so a supervisor restarts it)."""
+        self.servicer.lost = error
+        for name in ("", SERVICE_NAME, *self.registry.workers):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        for worker in list(self.registry.workers.values()):
+            worker.fail_all(error)
+        await asyncio.sleep(FAIL_SETTLE_S)  # the failed calls' statuses go out
+        await self.server.stop(grace=FAIL_SETTLE_S)
 
     @property
     def registry(self) -> Registry:
@@ -292,8 +305,21 @@ async def _run(app: App) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    lost: asyncio.Future = loop.create_future()
+    if config.executor.tensor_parallel > 1:
+        from ferrum_rpc.server import tp
+
+        tp.on_lost(lambda error: loop.call_soon_threadsafe(
+            lambda: None if lost.done() else lost.set_result(error)))
     loader = asyncio.create_task(app.load())
-    await asyncio.wait([loader, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait([loader, stopped, lost], return_when=asyncio.FIRST_COMPLETED)
+    if not lost.done() and loader.done() and not loader.exception():
+        await asyncio.wait([stopped, lost], return_when=asyncio.FIRST_COMPLETED)
+    if lost.done():
+        loader.cancel()
+        await app.fail_closed(lost.result())
+        raise lost.result()
     if loader.done() and loader.exception():
         await app.server.stop(None)
         exc = loader.exception()
@@ -303,7 +329,6 @@ async def _run(app: App) -> None:
         spec = next((s for s in config.models if s.name not in app.servicer.workers), None)
         where = f"--model {spec.name}={spec.path}" if spec else "--model"
         raise StartupError(f"{where}: cannot load it: {type(exc).__name__}: {exc}") from exc
-    await stop.wait()
     loader.cancel()
     await app.drain(config.grace_s)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import os
 import sys
 
 
@@ -41,13 +43,65 @@ def cmd_serve(args: argparse.Namespace) -> int:
         linear_kernel="aten" if args.no_packed_weights else args.linear_kernel, quantize=args.quantize,
         step_ops=args.step_ops, max_sequences=args.max_sequences,
         tenant_max_sequences=args.tenant_max_sequences, tenant_kv_tokens=args.tenant_kv_tokens,
+        tensor_parallel=args.tensor_parallel, tensor_parallel_timeout_s=args.tensor_parallel_timeout,
     )
     try:
         config = _server_config(args, executor)
     except ValueError as exc:
         print(f"ferrum-rpc serve: {exc}", file=sys.stderr)
         return 2
+    if args.tensor_parallel > 1:
+        return _serve_tensor_parallel(args, config)
     asyncio.run(serve(config))
+    return 0
+
+
+def _serve_tensor_parallel(args: argparse.Namespace, config) -> int:
+    """``--tensor-parallel N``: rank 0 serves gRPC over the group; another rank (with
+    --tp-master) serves rank 0's plans.  A lost rank exits 3, after the server has
+    failed its calls (see ``App.fail_closed``)."""
+    from ferrum_rpc.errors import RankLost, StartupError
+    from ferrum_rpc.server import tp
+    from ferrum_rpc.server.app import serve
+    from ferrum_rpc.server.models.config import ModelConfig
+
+    degree = args.tensor_parallel
+    if len(config.models) != 1:
+        raise StartupError(f"--tensor-parallel serves one model; {len(config.models)} --model given")
+    path = config.models[0].path
+    try:
+        tp.check_divisible(ModelConfig.from_dir(path), degree)
+    except (OSError, ValueError, KeyError) as exc:
+        if isinstance(exc, StartupError):
+            raise
+        raise StartupError(f"--model {path}: cannot read its config.json: {exc}") from None
+    master = args.tp_master or (f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+                                if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ else "")
+    rank = args.tp_rank if args.tp_rank is not None else int(os.environ.get("RANK", 0)) if master else 0
+    if not 0 <= rank < degree:
+        raise StartupError(f"--tp-rank {rank} is outside 0..{degree - 1}")
+    group = tp.Group(rank, degree, master or f"127.0.0.1:{tp.free_port()}", config.executor.tensor_parallel_timeout_s)
+    threads = args.threads
+    if not master and not threads and config.executor.device.startswith("cpu"):
+        threads = max(1, (os.cpu_count() or 1) // degree)  # the ranks share this machine's cores
+        import torch
+
+        torch.set_num_threads(threads)
+    if rank != 0:
+        tp.rank_main(group, path, config.executor, logging.getLogger().level, threads=threads)
+        return 0  # rank_main exits the process itself
+    if master:
+        tp.join(group, config.executor.device)
+        tp.start_remote_watchdog(group)
+    else:
+        tp.launch_local(group, path, config.executor, threads)
+    try:
+        asyncio.run(serve(config))
+    except RankLost as exc:
+        logging.getLogger(__name__).error("exiting: %s", exc.message)
+        logging.shutdown()
+        os._exit(3)  # the worker may be stuck in a collective: no thread is waited for
+    tp.shutdown()
     return 0
 
 

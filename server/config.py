@@ -73,6 +73,10 @@ class ExecutorConfig:
     max_sequences: int = 10_000  # live sequences in all, forks included (0: no cap); ~17 KB each
     tenant_max_sequences: int = 0  # live sequences per tenant (0: no cap)
     tenant_kv_tokens: int = 0  # KV tokens one tenant may hold (0: no quota)
+    # tensor parallelism (server/tp.py): ranks the model is split over (1: not split), and
+    # the longest a forward waits for the other ranks before the server fails closed
+    tensor_parallel: int = 1
+    tensor_parallel_timeout_s: float = 30.0
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
@@ -94,6 +98,8 @@ class ExecutorConfig:
             raise StartupError(f"quantize must be one of {QUANTIZATIONS}, not {self.quantize!r}")
         if self.quantize != "none" and not self.device.startswith("cpu"):
             raise StartupError("--quantize is a CPU path; serve unquantized weights on " + self.device)
+        if self.tensor_parallel < 1 or self.tensor_parallel_timeout_s <= 0:
+            raise StartupError("--tensor-parallel must be at least 1 and --tensor-parallel-timeout positive")
         if self.quantize != "none" and self.linear_kernel == "onednn-packed":
             raise StartupError("quantized weights do not use the oneDNN packed linear; "
                                "use --linear-kernel auto or aten")

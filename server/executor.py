@@ -155,10 +155,20 @@ class TorchExecutor:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.max_seq_len = min(config.max_seq_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        # tensor parallel (tp.py): this rank's shard of the model and of the pool (its KV heads);
+        # every forward and block copy goes through the runner, which sends it to the other ranks
+        self.shard = getattr(model, "tp", None)
+        self.kv_heads = mc.num_kv_heads // (self.shard.degree if self.shard else 1)
         num_blocks = -(-self._kv_tokens(config, mc) // config.block_size)
         self.kv = BlockManager(num_blocks, config.block_size, prefix_caching=config.prefix_caching)
-        self.pool = KvPool(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads,
+        self.pool = KvPool(mc.num_layers, num_blocks, config.block_size, self.kv_heads,
                            mc.head_dim, self.dtype, self.device)
+        self.runner = None
+        if self.shard is not None:
+            from ferrum_rpc.server import tp
+
+            self.runner = tp.Runner(self.shard, self.device)
+            tp.send_pool(self.runner, num_blocks, config.block_size)
         self.stats = Stats(self)
         self.optimal_batch_size = 0  # measured by measure_optimal_batch (the server's warm-up)
         log.info("%s: KV pool of %d blocks x %d tokens (%.1f MiB on %s)", name, num_blocks,
@@ -171,7 +181,7 @@ class TorchExecutor:
             available = torch.cuda.mem_get_info(self.device)[0]
         else:
             available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        per_token = KvPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        per_token = KvPool.bytes_per_token(mc.num_layers, self.kv_heads, mc.head_dim, self.dtype)
         tokens = int(available * config.kv_memory_fraction) // per_token
         log.info("KV pool sized to %.0f%% of %.1f GiB available: %d tokens",
                  100 * config.kv_memory_fraction, available / 2**30, tokens)
@@ -181,8 +191,14 @@ class TorchExecutor:
     def from_path(cls, name: str, path: str | Path, config: ExecutorConfig,
                   instance_id: str | None = None) -> TorchExecutor:
         device = torch.device(config.device)
+        tp = None
+        if config.tensor_parallel > 1:  # rank 0 of a group that tp.launch_local / tp.join set up
+            from ferrum_rpc.server.tp import CURRENT
+
+            group = CURRENT["group"]
+            device, tp = group.device(config.device), (group.rank, group.degree)
         model = load_model(path, TORCH_DTYPES[config.dtype], device, config.linear_kernel, config.quantize,
-                           config.step_ops)
+                           config.step_ops, tp=tp)
         return cls(name, model, config, instance_id or uuid.uuid4().hex)
 
     # -- statistics (stats.py) ------------------------------------------------------
@@ -240,7 +256,18 @@ class TorchExecutor:
             supported_dtypes=tuple(d for d in TORCH_DTYPES if d != "float16"),
             supported_devices=("cpu", "cuda") if torch.cuda.is_available() else ("cpu",),
             memory=self.memory_requirements(), optimal_batch_size=self.optimal_batch_size,
-            token_choice=True,
+            token_choice=True, tensor_parallel=self.shard is not None,
+            tensor_parallel_degree=self.shard.degree if self.shard else 1,
+            tensor_parallel_fallbacks=self._fallbacks(),
+        )
+
+    def _fallbacks(self) -> tuple[str, ...]:
+        """What runs instead of the fast paths that cannot run sharded (none unsplit)."""
+        if self.shard is None:
+            return ()
+        return self.shard.fallbacks + (
+            "FULL logits and token choice: gather whole rows from every rank (ARGMAX/TOP_K reduce top-k only)",
+            "whole-layer fused decode op: per-op path (each layer ends in all-reduces)",
         )
 
     # -- the contract: validate, plan, run ------------------------------------------
@@ -365,7 +392,10 @@ class TorchExecutor:
         steps = [s for p in plans for s in p.steps]
         t0 = time.perf_counter_ns()
         try:
-            logits = forward(self.model, self.pool, steps)
+            if self.runner is None:
+                logits = forward(self.model, self.pool, steps)
+            else:
+                logits = self.runner.forward(self.model, self.pool, steps, self._top_only(plans, steps))
         except BaseException as exc:
             self._unplan(steps)
             self.stats.failed = not isinstance(exc, (ExecutorError, GeneratorExit, KeyboardInterrupt))
@@ -405,6 +435,15 @@ class TorchExecutor:
                 outs.append(DecodeOutput(got, self.handle(step.seq), timing, chosen=step.chosen))
             results.append(outs)
         return results
+
+    @staticmethod
+    def _top_only(plans: list[AppendPlan], steps: list[Step]) -> int | None:
+        """Tensor parallel: the k best per row every consumer of this forward's rows
+        needs (ARGMAX 1, TOP_K k), so only those cross between ranks; None when some
+        row goes back FULL or feeds a token choice (whole rows are gathered)."""
+        if any(s.choice is not None for s in steps) or any(p.policy.kind is LogitsKind.FULL for p in plans):
+            return None
+        return max(p.policy.top_k if p.policy.kind is LogitsKind.TOP_K else 1 for p in plans)
 
     def _choose(self, steps: list[Step], logits: torch.Tensor | None) -> None:
         """Token choice (issue 22): one ``choose_tokens`` over every row of this forward
@@ -666,7 +705,10 @@ class TorchExecutor:
                 raise TenantQuotaExceeded(
                     f"your tenant would hold {held * self.kv.block_size} KV tokens ({held} blocks), over its "
                     f"quota of {quota}; release or truncate sequences")
-        self.pool.copy_blocks(plan.copies)
+        if self.runner is None:
+            self.pool.copy_blocks(plan.copies)
+        else:
+            self.runner.copy_blocks(self.pool, plan.copies)
         return Step(opened, list(tokens), seq.length, plan, rows)
 
     def apply_policy(self, rows: torch.Tensor, policy: LogitsPolicy) -> Logits:

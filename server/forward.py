@@ -54,6 +54,11 @@ class Step:
     def seq(self) -> SequenceState:
         return self.opened.seq
 
+    @property
+    def block_ids(self) -> list[int]:
+        """The blocks the forward reads and writes (a tensor-parallel plan carries these)."""
+        return self.seq.block_ids
+
 
 def forward(model: torch.nn.Module, pool: KvPool, steps: list[Step]) -> torch.Tensor | None:
     """One forward over every step, then the LM head over the rows they ask for:
@@ -85,7 +90,7 @@ def _hidden(model: torch.nn.Module, pool: KvPool, steps: list[Step]) -> tuple[to
         return _ragged(model, pool, steps)
     width = max(counts)
     device = pool.k.device
-    kv = pool.batch([s.seq.block_ids for s in steps], [s.start for s in steps], counts)
+    kv = pool.batch([s.block_ids for s in steps], [s.start for s in steps], counts)
     ids = torch.tensor([s.tokens + [0] * (width - len(s.tokens)) for s in steps], device=device)
     layers = {layer for s in steps if s.hidden for layer in s.hidden}
     capture = dict.fromkeys(layers) if layers else None
@@ -108,7 +113,7 @@ def _ragged(model: torch.nn.Module, pool: KvPool, steps: list[Step]) -> tuple[to
         by_length.setdefault(len(step.tokens), []).append(i)
     groups, ids, firsts = [], [], [0] * len(steps)
     for width, members in by_length.items():
-        groups.append(([steps[i].seq.block_ids for i in members], [steps[i].start for i in members], width))
+        groups.append(([steps[i].block_ids for i in members], [steps[i].start for i in members], width))
         for i in members:
             firsts[i] = len(ids)
             ids.extend(steps[i].tokens)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
 
+import grpc
 from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 
@@ -100,6 +101,7 @@ class Registry:
         """LoadModel: yields each stage as it starts ("loading", "warming up") and
         "serving" at the end, while the other models serve.  A failed or abandoned
         load leaves nothing behind."""
+        self._check_not_split("LoadModel")
         self.check_new(name, path)
         if draining:
             raise Draining("the server is shutting down")
@@ -127,6 +129,7 @@ class Registry:
     async def unload(self, name: str) -> int:
         """Unloads a model: refused to new calls at once, in-flight calls finish, then
         its worker stops and its KV and weights go; returns the sequences it held."""
+        self._check_not_split("UnloadModel")
         if not name:
             raise InvalidInput("name is required")
         self.worker(name)  # the precise refusal: loading, unloaded, unknown
@@ -141,6 +144,12 @@ class Registry:
         worker.executor = None  # the model and its pool go with the last reference
         log.info("unloaded %s (%d sequence(s) dropped)", name, dropped)
         return dropped
+
+    def _check_not_split(self, rpc: str) -> None:
+        """A tensor-parallel server's ranks hold the one model they started with."""
+        if self.config.tensor_parallel > 1:
+            raise ExecutorError(f"{rpc} is not served with --tensor-parallel: every rank holds the model it "
+                                f"started with", code=grpc.StatusCode.UNIMPLEMENTED)
 
     def stop_all(self, timeout: float) -> None:
         for worker in self.workers.values():

@@ -277,6 +277,8 @@ def _handler(*, admit: bool = True, admin: bool = False, observe: bool = True):
         def enter(self, request, context, stack: contextlib.ExitStack) -> str:
             """The caller's tenant, once the call may run."""
             _check_parsed(request)  # a client stream's messages are checked one by one
+            if self.lost is not None:  # a tensor-parallel rank is gone: nothing is answered again
+                raise self.lost
             tenant = self._tenant_of(context)
             if admin:
                 self._check_admin(tenant)
@@ -339,6 +341,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         self.tokens = tokens  # None: auth off, every caller is tenant ""
         self.metrics = metrics  # server.metrics.Metrics, or None
         self.state = ServerState.LOADING
+        self.lost: ExecutorError | None = None  # set once a tensor-parallel rank is lost (App.fail_closed)
         self.inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()

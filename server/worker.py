@@ -40,7 +40,7 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -133,6 +133,7 @@ class ModelWorker:
         self._unpark_at = float("inf")
         self._turns = itertools.count()
         self._jobs: deque[_Job | None] = deque()
+        self._unanswered: set[Future] = set()  # every job's future until it resolves (see fail_all)
         self._cond = threading.Condition()
         self._stopping = False
         self.loaded: Future = Future()  # resolves to the executor once the thread has built it
@@ -260,7 +261,18 @@ class ModelWorker:
             self._cond.notify()
         self._thread.join(timeout)
 
+    def fail_all(self, error: ExecutorError) -> None:
+        """Fails every call not yet answered with ``error``: for a worker that will never
+        answer them (a tensor-parallel rank lost, this thread stuck in a collective)."""
+        for future in list(self._unanswered):
+            try:
+                future.set_exception(error)
+            except InvalidStateError:  # answered meanwhile
+                pass
+
     def _put(self, job: _Job) -> _Job:
+        self._unanswered.add(job.future)
+        job.future.add_done_callback(self._unanswered.discard)
         with self._cond:
             if self._stopping:
                 job.future.set_exception(Draining("the model worker is stopping"))

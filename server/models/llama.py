@@ -124,6 +124,7 @@ def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
 
 class Attention(nn.Module):
     has_qk_norm = False
+    gather_heads = None  # tensor parallel: (B, H/N, T, S) weights of this rank's heads -> all heads (tp.py)
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -203,7 +204,7 @@ class Attention(nn.Module):
         keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)  # (B, H, S, D)
         scores = q.transpose(1, 2).float() @ keys.float().transpose(-1, -2) / math.sqrt(D)  # (B, H, T, S)
         weights = scores.masked_fill(~kv.mask, float("-inf")).softmax(dim=-1)
-        kv.attention[self.layer] = weights
+        kv.attention[self.layer] = weights if self.gather_heads is None else self.gather_heads(weights)
         out = weights.to(values.dtype) @ values  # (B, H, T, D)
         return out.transpose(1, 2).reshape(B, T, -1)
 
@@ -251,7 +252,10 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_cls: type[DecoderLayer]):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # given a weight, Embedding skips its random init, whose normal_ on the meta device
+        # imports torch._dynamo (~5 s of every load); the checkpoint's weight replaces it anyway
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(layer_cls(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

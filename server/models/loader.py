@@ -43,16 +43,65 @@ def _return_freed_memory() -> None:
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
-               linear_kernel: str = "auto", quantize: str = "none", step_ops: str = "auto") -> LlamaForCausalLM:
+               linear_kernel: str = "auto", quantize: str = "none", step_ops: str = "auto",
+               tp: tuple[int, int] | None = None) -> LlamaForCausalLM:
     """Loads weights onto ``device`` in ``dtype``, computes the RoPE tables, fuses the
     projections and puts them on the linear kernel probed for this CPU (``kernels.py``),
-    or quantizes them (``woq.py``); the choice is kept as ``model.kernels``."""
+    or quantizes them (``woq.py``); the choice is kept as ``model.kernels``.
+
+    ``tp``: (rank, degree) of a tensor-parallel group: only this rank's shard is read
+    and built (see ``server/tp.py``); ``model.tp`` is then its ``Shard``."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
     start = time.perf_counter()
+    shard = None
+    if tp is not None:
+        from ferrum_rpc.server.tp import Shard, check_divisible
+
+        check_divisible(cfg, tp[1])
+        shard = Shard(tp[0], tp[1], cfg)
+        if quantize != "none":  # the int8/int4 kernels and the whole-layer decode op assume whole layers
+            log.warning("tensor parallel: --quantize %s cannot run sharded; serving %s weights unquantized",
+                        quantize, dtype)
+            shard.fallbacks += (f"quantize {quantize} -> none (quantized kernels run unsharded only)",)
+            quantize = "none"
+    state = _read_state(files, dtype, device) if shard is None else shard.read(files, dtype, device)
+    if cfg.num_experts:
+        fuse_expert_weights(state, cfg)
+    if cfg.tie_word_embeddings or "lm_head.weight" not in state:
+        embed = state["model.embed_tokens.weight"]
+        state["lm_head.weight"] = embed if shard is None else embed[slice(*shard.vocab)].clone()
+    with torch.device("meta"):
+        model = MODEL_CLASSES[cfg.architecture](cfg if shard is None else shard.local_config())
+        if shard is not None:  # embeddings stay whole on every rank (see tp.py)
+            model.model.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+    model.load_state_dict(state, strict=True, assign=True)
+    model.config = cfg
+    model.init_rope(device)
+    model.eval().requires_grad_(False)
+    _choose_kernels(model, path, dtype, device, linear_kernel, quantize, step_ops)
+    if shard is not None:
+        shard.install(model)
+    params = sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())  # tied count once
+    tied = state["lm_head.weight"] is state["model.embed_tokens.weight"]
+    params += sum(m.in_features * m.out_features for name, m in model.named_modules()  # quantized or packed
+                  if (isinstance(m, woq.QuantizedLinear) or getattr(m, "packed", None) is not None
+                      and m.weight is None) and not (name == "lm_head" and tied))
+    model.parameter_count = params
+    _return_freed_memory()
+    log.info(
+        "loaded %s (%s, %.1fM params%s, %s on %s) in %.1fs", path.name, cfg.architecture, params / 1e6,
+        f" in rank {shard.rank}'s shard of {shard.degree}" if shard else "", dtype, device,
+        time.perf_counter() - start,
+    )
+    return model
+
+
+def _read_state(files: list[Path], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for i, f in enumerate(files, 1):
         log.info("loading %s (%d/%d)", f.name, i, len(files))
@@ -63,15 +112,11 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
             if owned.data_ptr() == tensor.data_ptr():  # still the file's mmap: copy, so the mapping goes
                 owned = owned.clone()
             state[name.removeprefix("_orig_mod.")] = owned
-    if cfg.num_experts:
-        fuse_expert_weights(state, cfg)
-    if cfg.tie_word_embeddings or "lm_head.weight" not in state:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    with torch.device("meta"):
-        model = MODEL_CLASSES[cfg.architecture](cfg)
-    model.load_state_dict(state, strict=True, assign=True)
-    model.init_rope(device)
-    model.eval().requires_grad_(False)
+    return state
+
+
+def _choose_kernels(model, path: Path, dtype: torch.dtype, device: torch.device, linear_kernel: str,
+                    quantize: str, step_ops: str) -> None:
     if quantize == "none":
         model.kernels = choose_linear(linear_kernel, dtype, device)
         model.optimize_for_inference(model.kernels.linear == ONEDNN_PACKED)
@@ -86,15 +131,3 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     model.kernels = dataclasses.replace(model.kernels, step=why)
     log.info("%s: kernel path %s on CPU capability %s", path.name, model.kernels.describe(),
              model.kernels.cpu_capability)
-    params = sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())  # tied count once
-    tied = state["lm_head.weight"] is state["model.embed_tokens.weight"]
-    params += sum(m.in_features * m.out_features for name, m in model.named_modules()  # quantized or packed
-                  if (isinstance(m, woq.QuantizedLinear) or getattr(m, "packed", None) is not None
-                      and m.weight is None) and not (name == "lm_head" and tied))
-    model.parameter_count = params
-    _return_freed_memory()
-    log.info(
-        "loaded %s (%s, %.1fM params, %s on %s) in %.1fs",
-        path.name, cfg.architecture, params / 1e6, dtype, device, time.perf_counter() - start,
-    )
-    return model

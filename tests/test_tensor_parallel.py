@@ -1,0 +1,383 @@
+"""Tensor parallelism (issue 24): real ``serve --tensor-parallel N`` processes whose
+ranks are real processes joined by torch.distributed (gloo), driven through real
+gRPC; every row equals transformers on the same weights (float32, 1e-4) and the
+unsplit executor.  A rank that dies or hangs fails the server closed.
+
+One degree-2 server per architecture serves every parity test (started together,
+once per module): the split's cost here is start-up, not forwards."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+from ferrum_rpc.client import ExecutorClient, LogitsPolicy
+from ferrum_rpc.errors import ExecutorError, Reason
+from ferrum_rpc.harness import ServerProcess, all_serving
+from ferrum_rpc.server.config import ExecutorConfig
+from ferrum_rpc.server.executor import TorchExecutor
+from ferrum_rpc.types import HiddenStatesRequest, TokenChoice
+from tests.conftest import oracle_rows
+
+ATOL = 1e-4
+FULL = LogitsPolicy.full()
+ALL = LogitsPolicy.full(all_positions=True)
+ARCHS = ["llama", "qwen3", "qwen3_moe"]
+PROMPT = [5, 17, 101, 3, 250, 42, 7, 9, 300, 11, 64, 2, 77]
+TIMEOUT_S = 4.0  # --tensor-parallel-timeout: a forward waiting this long for a rank fails the server
+FLAGS = ("--tensor-parallel", "2", "--kv-tokens", "1024", "--block-size", "4", "--prefill-chunk", "8",
+         "--no-warmup", "--tensor-parallel-timeout", str(TIMEOUT_S))
+
+
+@pytest.fixture(scope="module")
+def folders(tiny_llama_dir, tiny_qwen3_dir, tiny_moe_dir):
+    return {"llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir, "qwen3_moe": tiny_moe_dir}
+
+
+@pytest.fixture(scope="module")
+def servers(folders):
+    """Degree-2 servers: Llama on the probed fast paths, Qwen3 and Qwen3-MoE on the fallbacks."""
+    procs = {arch: ServerProcess(f"tiny={folder}", *FLAGS, *(() if arch == "llama" else
+                                                             ("--linear-kernel", "aten", "--step-ops", "eager")))
+             for arch, folder in folders.items()}
+    with all_serving(*procs.values(), timeout=180):
+        yield procs
+
+
+@pytest.fixture(scope="module")
+def oracles(folders):
+    from transformers import AutoModelForCausalLM
+
+    return {arch: AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+            for arch, folder in folders.items()}
+
+
+def _client(servers, arch: str) -> ExecutorClient:
+    return ExecutorClient(servers[arch].target, timeout=60)
+
+
+def _children(server: ServerProcess) -> list[psutil.Process]:
+    return psutil.Process(server.pid).children(recursive=True)
+
+
+def _rank_processes(server: ServerProcess) -> list[psutil.Process]:
+    """The rank processes (multiprocessing's spawned children; not its resource tracker)."""
+    return [p for p in _children(server) if "spawn_main" in " ".join(p.cmdline())]
+
+
+def _alive(procs: list[psutil.Process]) -> list[int]:
+    return [p.pid for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_capabilities_report_the_split_and_every_rank_is_a_process(servers):
+    for server in servers.values():
+        with _client(servers, "llama") as ex:
+            caps = ex.capabilities()
+        assert caps.tensor_parallel and caps.tensor_parallel_degree == 2
+        assert any("token choice" in f for f in caps.tensor_parallel_fallbacks)
+        assert len(_rank_processes(server)) == 1
+    log = servers["llama"].log()
+    assert "rank 1 of 2 joined (gloo" in log and "in rank 1's shard of 2" in log
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_and_16_greedy_steps_equal_transformers(servers, oracles, arch):
+    """FULL rows gathered over the vocabulary shards, and ARGMAX reduced from each
+    rank's best: both equal transformers at every step."""
+    hf = oracles[arch]
+    with _client(servers, arch) as ex:
+        out = ex.prefill(PROMPT, logits=ALL)
+        np.testing.assert_allclose(out.logits.values, oracle_rows(hf, PROMPT), atol=ATOL, rtol=0)
+        ids, handle = list(PROMPT), out.kv_cache
+        token = int(out.logits.values[-1].argmax())
+        for i in range(16):
+            ids.append(token)
+            step = ex.decode(token, handle, FULL if i % 2 else LogitsPolicy.argmax())
+            ref = oracle_rows(hf, ids)[-1]
+            if i % 2:
+                np.testing.assert_allclose(step.logits.values[0], ref, atol=ATOL, rtol=0)
+            else:
+                assert step.logits.token_ids[0, 0] == ref.argmax()
+                np.testing.assert_allclose(step.logits.values[0, 0], ref.max(), atol=ATOL, rtol=0)
+            handle, token = step.kv_cache, int(ref.argmax())
+        ex.release_cache(handle)
+
+
+def test_top_k_is_reduced_across_vocabulary_shards(servers, oracles):
+    """TOP_K over ranks' own top-k: the global top-k, sorted, values and ids."""
+    with _client(servers, "llama") as ex:
+        out = ex.prefill(PROMPT, logits=LogitsPolicy.topk(20, all_positions=True))
+        ref = torch.from_numpy(oracle_rows(oracles["llama"], PROMPT)).topk(20, dim=-1)
+        np.testing.assert_array_equal(out.logits.token_ids, ref.indices.numpy())
+        np.testing.assert_allclose(out.logits.values, ref.values.numpy(), atol=ATOL, rtol=0)
+        ex.release_cache(out.kv_cache)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batched_decode_of_mixed_lengths_equals_transformers(servers, oracles, arch):
+    prompts = [[1, 2, 3], list(range(10, 31)), [7], list(range(40, 52)), [300, 200, 100, 5, 6]]
+    with _client(servers, arch) as ex:
+        handles = [ex.prefill(p, logits=LogitsPolicy.argmax()).kv_cache for p in prompts]
+        outs = ex.batch_decode([(11 * (i + 1), h) for i, h in enumerate(handles)], FULL)
+        for i, (out, prompt) in enumerate(zip(outs, prompts)):
+            assert out.timing.batch_size == len(prompts)
+            np.testing.assert_allclose(out.logits.values[0], oracle_rows(oracles[arch], prompt + [11 * (i + 1)])[-1],
+                                       atol=ATOL, rtol=0)
+            ex.release_cache(out.kv_cache)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_prompt_parts_share_forwards_with_decodes_and_equal_transformers(servers, oracles, arch):
+    """The unified forward, ragged, with chunked prompts (8-token parts) beside
+    decodes of other callers; each row equals transformers on its own sequence."""
+    hf, errors = oracles[arch], []
+
+    def decoder(i: int) -> None:
+        try:
+            with _client(servers, arch) as c:
+                ids = [7 + i, 8 + i, 9 + i]
+                out = c.prefill(ids, logits=FULL)
+                handle, token = out.kv_cache, int(out.logits.values[0].argmax())
+                for _ in range(8):
+                    ids.append(token)
+                    step = c.decode(token, handle, FULL)
+                    np.testing.assert_allclose(step.logits.values[0], oracle_rows(hf, ids)[-1], atol=ATOL, rtol=0)
+                    handle, token = step.kv_cache, int(step.logits.values[0].argmax())
+                c.release_cache(handle)
+        except BaseException as exc:
+            errors.append(exc)
+
+    def prompter() -> None:
+        try:
+            with _client(servers, arch) as c:
+                ids = [(11 * j) % 300 + 1 for j in range(45)]
+                out = c.prefill(ids, logits=ALL)
+                np.testing.assert_allclose(out.logits.values, oracle_rows(hf, ids), atol=ATOL, rtol=0)
+                c.release_cache(out.kv_cache)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=decoder, args=(i,)) for i in range(2)] + [threading.Thread(target=prompter)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+def test_chunked_prefill_verify_truncate_and_speculative_decode(servers, oracles):
+    hf = oracles["llama"]
+    with _client(servers, "llama") as ex:
+        first = ex.prefill(PROMPT[:5], logits=LogitsPolicy.argmax())
+        cont = ex.prefill(PROMPT[5:], first.kv_cache, logits=FULL)  # a caller's chunk after a chunk
+        np.testing.assert_allclose(cont.logits.values[0], oracle_rows(hf, PROMPT)[-1], atol=ATOL, rtol=0)
+        drafts = [3, 250, 42]
+        verify = ex.forward_verify(drafts, cont.kv_cache, FULL)
+        np.testing.assert_allclose(verify.logits.values, oracle_rows(hf, PROMPT + drafts)[-3:], atol=ATOL, rtol=0)
+        back = ex.truncate_kv(verify.kv_cache, len(PROMPT))
+        again = ex.decode(9, back, FULL)
+        np.testing.assert_allclose(again.logits.values[0], oracle_rows(hf, PROMPT + [9])[-1], atol=ATOL, rtol=0)
+        greedy = [int(oracle_rows(hf, PROMPT + [9])[-1].argmax())]
+        greedy.append(int(oracle_rows(hf, PROMPT + [9] + greedy)[-1].argmax()))
+        spec = ex.speculative_decode(greedy[0], [greedy[1], 299], again.kv_cache, FULL)
+        assert spec.accepted_token_ids == (greedy[1],)  # the greedy draft kept, the wrong one dropped
+        np.testing.assert_allclose(spec.logits.values[0], oracle_rows(hf, PROMPT + [9] + greedy)[-1], atol=ATOL,
+                                   rtol=0)
+        assert spec.kv_cache.sequence_length == len(PROMPT) + 3
+        ex.release_cache(spec.kv_cache)
+        assert ex.status().kv_blocks_used == 0
+
+
+def test_forks_and_prefix_hits_equal_transformers(servers, oracles):
+    """Fork children share the parent's blocks on every rank (copied on write, the copy
+    sent to every rank); a prompt sharing full blocks reads them from the cache."""
+    hf = oracles["llama"]
+    with _client(servers, "llama") as ex:
+        parent = ex.prefill(PROMPT, logits=LogitsPolicy.argmax()).kv_cache  # 13 tokens: block 3 part-full
+        children = ex.fork_cache(parent, 2)
+        for child, token in zip(children, (4, 5)):
+            step = ex.decode(token, child, FULL)
+            np.testing.assert_allclose(step.logits.values[0], oracle_rows(hf, PROMPT + [token])[-1], atol=ATOL,
+                                       rtol=0)
+            ex.release_cache(step.kv_cache)
+        hit = ex.prefill(PROMPT[:12] + [8, 8], logits=FULL)
+        assert hit.cached_tokens == 12
+        np.testing.assert_allclose(hit.logits.values[0], oracle_rows(hf, PROMPT[:12] + [8, 8])[-1], atol=ATOL, rtol=0)
+        ex.release_cache(hit.kv_cache)
+        ex.release_cache(parent)
+
+
+def test_hidden_states_and_attention_weights_of_every_head(servers, oracles):
+    """Attention weights are computed per rank for its heads and gathered in head order."""
+    hf = oracles["qwen3"]
+    layers, heads = hf.config.num_hidden_layers, hf.config.num_attention_heads
+    with torch.no_grad():
+        hf.set_attn_implementation("eager")
+        ref = hf(torch.tensor([PROMPT]), output_hidden_states=True, output_attentions=True)
+        hf.set_attn_implementation("sdpa")
+    with _client(servers, "qwen3") as ex:
+        ask = HiddenStatesRequest(layers=tuple(range(layers + 1)), attention_layers=tuple(range(layers)))
+        out = ex.prefill(PROMPT, logits=LogitsPolicy.argmax(), hidden_states=ask)
+        for got, want in zip(out.hidden_states, ref.hidden_states):
+            np.testing.assert_allclose(got, want[0].numpy(), atol=ATOL, rtol=0)
+        for got, want in zip(out.attention_weights, ref.attentions):
+            assert got.shape == (heads, len(PROMPT), len(PROMPT))
+            np.testing.assert_allclose(got, want[0].numpy(), atol=ATOL, rtol=0)
+        ex.release_cache(out.kv_cache)
+
+
+def test_token_choice_equals_the_unsplit_executor(servers, folders):
+    """Seeded sampling with penalties on degree 2 chooses what degree 1 chooses."""
+    choice = TokenChoice(temperature=0.8, top_p=0.9, seed=7, repetition_penalty=1.2, top_logprobs=3)
+    one = TorchExecutor.from_path("tiny", folders["llama"], ExecutorConfig(kv_tokens=256, block_size=4))
+    out = one.prefill(PROMPT, policy=None, choice=choice)
+    expected, handle = [out.chosen.token_id], out.kv_cache
+    for _ in range(8):
+        step = one.decode(expected[-1], handle, policy=None, choice=choice)
+        expected.append(step.chosen.token_id)
+        handle = step.kv_cache
+    with _client(servers, "llama") as ex:
+        out = ex.prefill(PROMPT, token_choice=choice)
+        got, handle = [out.chosen.token_id], out.kv_cache
+        for _ in range(8):
+            step = ex.decode(got[-1], handle, token_choice=choice)
+            got.append(step.chosen.token_id)
+            handle = step.kv_cache
+        ex.release_cache(handle)
+    assert got == expected
+
+
+def test_load_and_unload_model_are_refused_and_the_model_keeps_serving(servers, folders):
+    """The ranks hold the one model they started with: UNIMPLEMENTED, nothing changes."""
+    with _client(servers, "llama") as ex:
+        for call in (lambda: ex.load_model("other", str(folders["qwen3"])), lambda: ex.unload_model("tiny")):
+            with pytest.raises(ExecutorError) as err:
+                call()
+            assert err.value.code.name == "UNIMPLEMENTED" and "--tensor-parallel" in str(err.value)
+        before = ex.status().active_sequences
+        handle = ex.prefill([1, 2, 3], logits=LogitsPolicy.argmax()).kv_cache
+        assert ex.status().active_sequences == before + 1
+        ex.release_cache(handle)
+
+
+def test_ranks_started_apart_join_at_a_rendezvous_address(tiny_llama_dir, oracles):
+    """As across machines: each rank its own ``serve`` (rank 1 not a child of rank 0),
+    joined at --tp-master; rank 0 serves gRPC, rank 1 exits 0 when rank 0 stops."""
+    from ferrum_rpc.server.tp import free_port
+
+    master = f"127.0.0.1:{free_port()}"
+    flags = ["--kv-tokens", "256", "--block-size", "4", "--no-warmup", "--linear-kernel", "aten",
+             "--step-ops", "eager", "--tensor-parallel", "2", "--tp-master", master]
+    rank1 = subprocess.Popen([sys.executable, "-m", "ferrum_rpc.cli", "serve", "--model", f"tiny={tiny_llama_dir}",
+                              *flags, "--tp-rank", "1"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        with ServerProcess(f"tiny={tiny_llama_dir}", *flags, "--tp-rank", "0") as server:
+            server.wait_serving(120)
+            assert not _rank_processes(server)
+            with ExecutorClient(server.target, timeout=60) as ex:
+                out = ex.prefill(PROMPT, logits=ALL)
+                np.testing.assert_allclose(out.logits.values, oracle_rows(oracles["llama"], PROMPT), atol=ATOL,
+                                           rtol=0)
+            assert server.stop() == 0
+        assert rank1.wait(30) == 0
+        assert "rank 1: stopping" in rank1.stderr.read()
+    finally:
+        rank1.kill()
+
+
+def test_head_counts_the_degree_does_not_divide_are_refused_at_start(tiny_llama_dir):
+    """4 heads and 2 KV heads do not split 3 ways: one line, exit code 2, no rank started."""
+    proc = subprocess.run([sys.executable, "-m", "ferrum_rpc.cli", "serve", "--model", str(tiny_llama_dir),
+                           "--tensor-parallel", "3", "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--tensor-parallel 3 does not divide" in lines[0], proc.stderr
+
+
+def _decode_until_failure(target: str, started: threading.Event, result: dict) -> None:
+    try:
+        with ExecutorClient(target, timeout=30) as ex:
+            handle = ex.prefill(PROMPT, logits=LogitsPolicy.argmax()).kv_cache
+            started.set()
+            while True:
+                handle = ex.decode(1, handle, LogitsPolicy.argmax()).kv_cache
+                if handle.sequence_length > 200:
+                    handle = ex.truncate_kv(handle, len(PROMPT))
+    except ExecutorError as exc:
+        result["error"] = exc
+        result["at"] = time.monotonic()
+
+
+# -- last in the module: these end the servers they test --------------------------------------
+@pytest.mark.parametrize("arch, how", [("qwen3", "killed"), ("qwen3_moe", "hung")])
+def test_a_lost_rank_fails_the_server_closed(servers, arch, how):
+    """A rank killed mid-decode (or stopped: it hangs) ends serving within a bound:
+    the caller's call fails UNAVAILABLE with TENSOR_PARALLEL_RANK_LOST (or finds the
+    server gone), the server exits 3, and no rank process outlives it."""
+    server = servers[arch]
+    ranks, children = _rank_processes(server), _children(server)
+    assert len(ranks) == 1
+    started, result = threading.Event(), {}
+    caller = threading.Thread(target=_decode_until_failure, args=(server.target, started, result), daemon=True)
+    caller.start()
+    assert started.wait(30)
+    time.sleep(0.3)  # decoding
+    lost_at = time.monotonic()
+    os.kill(ranks[0].pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+    bound = 2.0 + (TIMEOUT_S if how == "hung" else 0.0)
+    assert server.proc.wait(bound + 5) == 3
+    exited_at = time.monotonic()
+    caller.join(10)
+    error = result["error"]
+    assert error.code.name == "UNAVAILABLE"
+    if how == "hung":  # the worker is stuck in a collective: the call is failed for it, with the reason
+        assert error.reason is Reason.TENSOR_PARALLEL_RANK_LOST, error
+    else:  # the collective errs at once: the reason, or (racing the exit) the server gone
+        assert error.reason is Reason.TENSOR_PARALLEL_RANK_LOST or \
+            re.search(r"connect|Socket closed|unavailable", str(error), re.I), error
+    assert result["at"] - lost_at < bound and exited_at - lost_at < bound + 1.5, \
+        (result["at"] - lost_at, exited_at - lost_at)
+    assert "tensor parallelism lost" in server.log()
+    deadline = time.monotonic() + 5
+    while _alive(children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(children)  # the ranks (and multiprocessing's helper) went with the server
+
+
+@pytest.mark.slow
+def test_smollm2_at_degree_3_gives_degree_1s_32_greedy_tokens():
+    """The real SmolLM2-135M (9 heads, 3 KV heads) split 3 ways."""
+    from ferrum_rpc.server.prepare import prepare_default_model
+
+    folder = prepare_default_model()
+    prompt = [1, 504, 3458, 282, 253, 3575, 282, 4649, 47]
+    kernels = dict(linear_kernel="aten", step_ops="eager")  # no load-time probes: 3 ranks share 2 cores here
+    one = TorchExecutor.from_path("smol", folder, ExecutorConfig(kv_tokens=256, block_size=16, **kernels))
+    out = one.prefill(prompt, policy=LogitsPolicy.argmax())
+    expected, handle = [int(out.logits.token_ids[0, 0])], out.kv_cache
+    for _ in range(31):
+        step = one.decode(expected[-1], handle, LogitsPolicy.argmax())
+        expected.append(int(step.logits.token_ids[0, 0]))
+        handle = step.kv_cache
+    with ServerProcess(f"smol={folder}", "--tensor-parallel", "3", "--kv-tokens", "256", "--no-warmup",
+                       "--linear-kernel", "aten", "--step-ops", "eager") as server:
+        server.wait_serving(300)
+        with ExecutorClient(server.target, timeout=60) as ex:
+            out = ex.prefill(prompt, logits=LogitsPolicy.argmax())
+            got, handle = [int(out.logits.token_ids[0, 0])], out.kv_cache
+            for _ in range(31):
+                step = ex.decode(got[-1], handle, LogitsPolicy.argmax())
+                got.append(int(step.logits.token_ids[0, 0]))
+                handle = step.kv_cache
+    assert got == expected
