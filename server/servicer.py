@@ -740,10 +740,19 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             live = list(enumerate(items))
             try:
                 while live:
+                    # The forward about to run, covered before it runs: if the session is cancelled
+                    # while it is at the worker, it may still finish, and the sequence must go back
+                    # from the length it leaves too (the record whose length does not match is skipped).
+                    running = {index: ledger.add(worker, [Undo(item.kv_cache.cache_id,
+                                                               items[index].kv_cache.sequence_length,
+                                                               item.kv_cache.sequence_length + 1)])
+                               for index, item in live}
+                    keys.extend(running.values())
                     outs = await worker.decode([item for _, item in live], None, deadline, tenant)
                     going = []
                     for (index, item), out in zip(live, outs):
                         ledger.drop(keys[index])
+                        ledger.drop(running[index])
                         keys[index] = ledger.add(worker, [Undo.of(items[index].kv_cache, out.kv_cache)])
                         emitted[index] += 1
                         last[index] = out
