@@ -118,11 +118,12 @@ def token_choice_to_proto(c: TokenChoice) -> pb.TokenChoice:
     return m
 
 
-def token_choice_from_proto(m: pb.TokenChoice) -> TokenChoice:
-    """The wire's policy; ranges are checked by the server's validate_token_choice."""
+def token_choice_from_proto(m: pb.TokenChoice, field: str = "token_choice") -> TokenChoice:
+    """The wire's policy; ranges are checked by the server's validate_token_choice.
+    ``field`` names the policy in the error, as validation does ("items[3].token_choice")."""
     mode = _LOGPROBS_MODE_FROM_PROTO.get(m.logprobs_mode)
     if mode is None:
-        raise InvalidInput(f"token_choice.logprobs_mode: unknown value {m.logprobs_mode}")
+        raise InvalidInput(f"{field}.logprobs_mode: unknown value {m.logprobs_mode}")
     return TokenChoice(
         temperature=m.temperature if m.HasField("temperature") else 1.0,
         top_k=m.top_k,

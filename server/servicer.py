@@ -122,7 +122,7 @@ def _choice(worker: ModelWorker, message, field: str = "token_choice") -> TokenC
     """A message's token_choice, validated (INVALID_INPUT naming ``field``); None if unset."""
     if not message.HasField("token_choice"):
         return None
-    choice = convert.token_choice_from_proto(message.token_choice)
+    choice = convert.token_choice_from_proto(message.token_choice, field)
     worker.executor.check_token_choice(choice, field)
     return choice
 
