@@ -50,6 +50,7 @@ from ferrum_rpc.client.client import (
     Keepalive,
     resolve_targets,
 )
+from ferrum_rpc import sequence_file
 from ferrum_rpc.client.rpc import RPCS, DecodeItem, Prompt, method, split_prompt, with_methods
 from ferrum_rpc.errors import ExecutorError, FailoverFailed, KvCapacityExhausted, Reason, StaleHandle
 from ferrum_rpc.types import (
@@ -868,6 +869,14 @@ def _prompt_choices(count: int, token_choice) -> list[TokenChoice | None]:
     return choices
 
 
+def _export_header(data):
+    """The header of an export held as bytes (None for a file: it is read once, as it goes)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        return None
+    first = next(iter(sequence_file.messages(data)), None)
+    return first.header if first is not None and first.HasField("header") else None
+
+
 # -- the public calls, once --------------------------------------------------------------------
 
 
@@ -981,6 +990,40 @@ class _Contract:
         for replica in self._fleet.replicas:
             dropped += yield _Call(replica, replica.client.unload_model, (name,), False)
         return dropped
+
+    def export_sequence(self, kv_cache: KvCacheHandle, file=None, chunk_bytes: int = 0):
+        """Reads the sequence out of the replica that owns it (see ExecutorClient.export_sequence)."""
+        seq, send = self._fleet.resolve(kv_cache)
+        replica = seq.replica if seq is not None else (yield from self._owner_flow(kv_cache))
+        return (yield _Call(replica, replica.client.export_sequence, (send, file, chunk_bytes)))
+
+    def import_sequence(self, data):
+        """Into a replica placed as for a new sequence, and tracked from then on (its history,
+        for a replay, is the export's when ``data`` is bytes; a file's is not kept)."""
+        header = _export_header(data)
+        tokens = list(header.token_ids) if header is not None else None
+        replica = yield from self._place_flow(tokens or [])
+        if replica is None:
+            replica = min(self._fleet.replicas, key=lambda r: r.unusable_until)
+        handle = yield _Call(replica, replica.client.import_sequence, (data,))
+        spans = list(zip(header.prompt_spans[::2], header.prompt_spans[1::2])) if header is not None else []
+        self._fleet.track(replica, tokens, handle, spans)
+        return handle
+
+    def create_import_ticket(self, fingerprint: str = "", ttl_s: float = 0.0):
+        raise ExecutorError("an import ticket belongs to one server: ask that server's single-target client",
+                            code=grpc.StatusCode.FAILED_PRECONDITION)
+        yield  # never reached: makes this a flow
+
+    def push_sequence(self, kv_cache: KvCacheHandle, target: str, ticket: str, move: bool = False,
+                      chunk_bytes: int = 0):
+        """The owner pushes the sequence to ``target``; a move stops tracking it here."""
+        seq, send = self._fleet.resolve(kv_cache)
+        replica = seq.replica if seq is not None else (yield from self._owner_flow(kv_cache))
+        out = yield _Call(replica, replica.client.push_sequence, (send, target, ticket, move, chunk_bytes))
+        if seq is not None and out.released:
+            self._fleet.forget(seq)
+        return out
 
     def shared_memory(self, byte_size: int, name: str | None = None):
         raise ExecutorError("shared-memory regions belong to one server: open them on a single-target client",

@@ -363,6 +363,8 @@ class Capabilities:
     memory: MemoryRequirements = field(default_factory=MemoryRequirements)
     optimal_batch_size: int = 0
     token_choice: bool = False  # the server chooses tokens for requests with a TokenChoice (issue 22)
+    accepts_imports: bool = False  # ImportSequence is served (issue 23)
+    kv_fingerprint: str = ""  # the KV compatibility fingerprint's digest: exports import where it is equal
 
     def supports_batch_size(self, batch_size: int) -> bool:
         """Whether one forward may carry ``batch_size`` sequences (the trait's check)."""
@@ -373,6 +375,16 @@ class ServerState(enum.Enum):
     LOADING = 1
     SERVING = 2
     DRAINING = 3
+
+
+@dataclass(frozen=True)
+class SequencePush:
+    """What PushSequence did (issue 23): the sequence's handle on the receiver, the bytes
+    sent, and whether the sender released its copy (a move)."""
+
+    kv_cache: KvCacheHandle
+    bytes_sent: int
+    released: bool
 
 
 @dataclass(frozen=True)

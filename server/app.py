@@ -26,6 +26,8 @@ from grpc_reflection.v1alpha import reflection
 from ferrum_rpc.errors import StartupError
 from ferrum_rpc.server.auth import AuthInterceptor, TlsFiles, TokenTable
 from ferrum_rpc.server.config import ServerConfig
+from ferrum_rpc.server.migration import PushConfig
+from ferrum_rpc.server.transfer import parse_allow
 from ferrum_rpc.server.registry import Registry
 from ferrum_rpc.server.servicer import ExecutorServicer, add_executor_service
 from ferrum_rpc.types import ServerState
@@ -169,8 +171,10 @@ async def build_server(config: ServerConfig) -> App:
         metrics = Metrics(lambda: [w.executor for w in list(servicer.workers.values())])
     health = HealthServicer()
     registry = Registry(config.executor, instance_id, health, warmup=config.warmup)
+    push = PushConfig(parse_allow(config.push_allow), tls=bool(config.tls_cert), ca=config.push_ca,
+                      cert=config.tls_cert, key=config.tls_key, max_message_bytes=config.executor.max_message_bytes)
     servicer = ExecutorServicer(instance_id, tokens, metrics, shared_memory=config.shared_memory_enabled,
-                                admin_tenants=config.admin_tenants, registry=registry)
+                                admin_tenants=config.admin_tenants, registry=registry, push=push)
     add_executor_service(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection((SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME), server)

@@ -1,0 +1,301 @@
+"""Sequences that move (issue 23), through real server processes on loopback.
+
+Export from A, import into B: the next decode's float32 logits equal A's bit for
+bit, and greedy decoding goes on with the same tokens (forked and truncated
+sequences too, and an export kept as bytes imported after A restarts).  Every
+refused import (fingerprint, sizes, checksum, truncation, pool, quota, a cancel
+mid-stream) leaves the importing server's blocks, sequences and prefix cache as
+they were.  Servers run with two tenants' tokens, so exports and tickets are
+checked against the tenant too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+
+from ferrum_rpc import sequence_file
+from ferrum_rpc.client import AsyncExecutorClient, ExecutorClient, LogitsPolicy
+from ferrum_rpc.errors import (
+    CacheNotFound,
+    ExecutorError,
+    FingerprintMismatch,
+    InvalidInput,
+    KvCapacityExhausted,
+    PushTargetRefused,
+    TenantQuotaExceeded,
+    TicketExpired,
+    TicketNotFound,
+    TicketUsed,
+    TransferCorrupted,
+    from_rpc_error,
+)
+from ferrum_rpc.harness import ServerProcess, all_serving
+from ferrum_rpc.v1 import executor_pb2 as pb
+from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
+
+TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789ab"}
+FLAGS = ("--block-size", "4", "--no-warmup", "--threads", "1", "--grace", "5")
+
+
+@pytest.fixture(scope="module")
+def tokens_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("migration") / "tokens"
+    path.write_text("".join(f"{tenant} {token}\n" for tenant, token in TOKENS.items()))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_llama_dir, tokens_file):
+    """A and B (the same model), M (block size 8: another fingerprint), S (a pool of 8
+    blocks, a tenant quota of 16 tokens)."""
+    auth = ("--auth-tokens", tokens_file)
+    a = ServerProcess(f"tiny={tiny_llama_dir}", *FLAGS, "--kv-tokens", "1024", *auth)
+    b = ServerProcess(f"tiny={tiny_llama_dir}", *FLAGS, "--kv-tokens", "1024", *auth)
+    m = ServerProcess(f"tiny={tiny_llama_dir}", *FLAGS, "--kv-tokens", "1024", "--block-size", "8", *auth)
+    s = ServerProcess(f"tiny={tiny_llama_dir}", *FLAGS, "--kv-tokens", "32", "--tenant-kv-tokens", "16", *auth)
+    with all_serving(a, b, m, s) as running:
+        yield dict(zip("abms", running))
+
+
+def connect(server: ServerProcess, tenant: str = "alice") -> ExecutorClient:
+    return ExecutorClient(server.target, timeout=30, token=TOKENS[tenant])
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return [(37 * i + 11 + 101 * seed) % 320 for i in range(n)]
+
+
+def bits(out) -> np.ndarray:
+    """A full float32 logits row as its bit patterns: equal means bit-identical."""
+    return np.asarray(out.logits.values, dtype=np.float32).view(np.uint32)
+
+
+def state(c: ExecutorClient) -> tuple:
+    """What a refused import must leave as it was: blocks, sequences, prefix cache."""
+    s = c.status()
+    return (s.kv_blocks_used, s.kv_blocks_free, s.active_sequences, s.kv_blocks_cached, s.kv_blocks_shared,
+            s.prefill_operations, s.prefix_cache_queried_tokens)
+
+
+def greedy(c: ExecutorClient, token: int, handle, n: int) -> tuple[list[int], list[np.ndarray], object]:
+    """n greedy steps from ``token``: the tokens chosen, every row's bits, the last handle."""
+    out_tokens, rows = [], []
+    for _ in range(n):
+        out = c.decode(token, handle)
+        rows.append(bits(out))
+        token, handle = int(out.logits.argmax()[0]), out.kv_cache
+        out_tokens.append(token)
+    return out_tokens, rows, handle
+
+
+def assert_moves_exactly(src: ExecutorClient, dst: ExecutorClient, handle, token: int, steps: int = 4):
+    """Exports ``handle`` from src, imports it into dst, and decodes ``steps`` greedy steps
+    from ``token`` on both: every logits row bit-identical, the same tokens."""
+    data = src.export_sequence(handle)
+    moved = dst.import_sequence(data)
+    assert moved.sequence_length == handle.sequence_length
+    assert moved.server_instance_id != handle.server_instance_id
+    there = greedy(dst, token, moved, steps)
+    here = greedy(src, token, handle, steps)
+    assert there[0] == here[0]
+    for mine, theirs in zip(here[1], there[1]):
+        assert np.array_equal(mine, theirs)
+    return here[2], there[2]
+
+
+# -- export and import ---------------------------------------------------------------------------
+
+
+def test_capabilities_say_imports_are_accepted_and_give_the_fingerprint(servers):
+    with connect(servers["a"]) as a, connect(servers["b"]) as b, connect(servers["m"]) as m:
+        ca, cb, cm = a.capabilities(), b.capabilities(), m.capabilities()
+    assert ca.accepts_imports and cb.accepts_imports
+    assert len(ca.kv_fingerprint) == 32 and ca.kv_fingerprint == cb.kv_fingerprint
+    assert cm.kv_fingerprint != ca.kv_fingerprint  # another block size
+
+
+def test_moved_sequence_decodes_bit_identically_and_joins_the_prefix_cache(servers):
+    with connect(servers["a"]) as a, connect(servers["b"]) as b:
+        out = a.prefill(prompt(10))  # two full blocks and a partial one
+        token = int(out.logits.argmax()[0])
+        handle = a.decode(token, out.kv_cache).kv_cache  # a decoded token in the KV too
+        before = b.status()
+        a_end, b_end = assert_moves_exactly(a, b, handle, 7)
+        after = b.status()
+        assert after.prefill_operations == before.prefill_operations  # moved, not recomputed
+        # its full blocks joined B's prefix cache under alice: a prompt sharing them hits
+        hit = b.prefill(prompt(10)[:8] + [1, 2, 3], logits=LogitsPolicy.argmax())
+        assert hit.cached_tokens == 8
+        with connect(servers["b"], "bob") as bob:  # never another tenant's
+            assert bob.prefill(prompt(10)[:8] + [1, 2, 3], logits=LogitsPolicy.argmax()).cached_tokens == 0
+        for c, h in ((a, a_end), (b, b_end), (b, hit.kv_cache)):
+            c.release_cache(h)
+
+
+def test_forked_and_truncated_sequences_move(servers):
+    with connect(servers["a"]) as a, connect(servers["b"]) as b:
+        parent = a.prefill(prompt(9, seed=1)).kv_cache
+        child, other = a.fork_cache(parent, 2)
+        child = a.decode(5, child).kv_cache  # diverges inside a shared block (copy on write)
+        ends = list(assert_moves_exactly(a, b, child, 9))
+        longer = a.forward_verify([3, 4, 5, 6, 7], other).kv_cache
+        cut = a.truncate_kv(longer, 11)
+        ends += assert_moves_exactly(a, b, cut, 8)
+        a.release_cache(parent)
+        for h in ends:
+            (a if h.server_instance_id == servers["a"].instance else b).release_cache(h)
+
+
+def test_export_to_a_file_and_async_clients(servers, tmp_path):
+    async def run():
+        async with AsyncExecutorClient(servers["a"].target, timeout=30, token=TOKENS["alice"]) as a, \
+                AsyncExecutorClient(servers["b"].target, timeout=30, token=TOKENS["alice"]) as b:
+            out = await a.prefill(prompt(6, seed=2))
+            path = tmp_path / "seq.ferrum"
+            with open(path, "wb") as f:
+                written = await a.export_sequence(out.kv_cache, f, 64)  # small chunks: many messages
+            assert written == path.stat().st_size
+            assert len(list(sequence_file.messages(path.read_bytes()))) > 3
+            with open(path, "rb") as f:
+                moved = await b.import_sequence(f)
+            x, y = await a.decode(3, out.kv_cache), await b.decode(3, moved)
+            assert np.array_equal(bits(x), bits(y))
+            await a.release_cache(x.kv_cache)
+            await b.release_cache(y.kv_cache)
+    asyncio.run(run())
+
+
+def test_an_export_kept_as_bytes_imports_after_the_exporter_restarts(tiny_llama_dir, tokens_file):
+    with all_serving(ServerProcess(f"tiny={tiny_llama_dir}", *FLAGS, "--auth-tokens", tokens_file)) as (a,):
+        with connect(a) as c:
+            out = c.prefill(prompt(13, seed=3))
+            data = c.export_sequence(out.kv_cache)
+            want = bits(c.decode(2, out.kv_cache))
+        a.restart()
+        with connect(a) as c:
+            moved = c.import_sequence(data)
+            assert moved.server_instance_id == a.instance
+            assert np.array_equal(bits(c.decode(2, moved)), want)
+
+
+def test_another_tenants_sequence_cannot_be_exported(servers):
+    with connect(servers["a"]) as alice, connect(servers["a"], "bob") as bob:
+        handle = alice.prefill(prompt(5)).kv_cache
+        with pytest.raises(CacheNotFound):
+            bob.export_sequence(handle)
+        alice.release_cache(handle)
+
+
+# -- refusals change nothing ---------------------------------------------------------------------
+
+
+def frames(data: bytes) -> list[pb.SequenceChunk]:
+    return list(sequence_file.messages(data))
+
+
+def joined(messages) -> bytes:
+    return b"".join(sequence_file.frame(m) for m in messages)
+
+
+def refused(c: ExecutorClient, data: bytes, cls: type[ExecutorError]) -> ExecutorError:
+    before = state(c)
+    with pytest.raises(ExecutorError) as info:
+        c.import_sequence(data)
+    assert type(info.value) is cls, info.value
+    assert state(c) == before
+    return info.value
+
+
+@pytest.fixture(scope="module")
+def export(servers):
+    """An export of 20 tokens from A (alice's), in chunks of 2 tokens."""
+    with connect(servers["a"]) as a:
+        out = a.prefill(prompt(20, seed=4), logits=LogitsPolicy.argmax())
+        data = a.export_sequence(out.kv_cache, None, 2 * 2 * 2 * 2 * 16 * 4)
+        a.release_cache(out.kv_cache)
+    return data
+
+
+def test_a_corrupted_truncated_or_misshapen_stream_is_refused(servers, export):
+    messages = frames(export)
+    kinds = [m.WhichOneof("part") for m in messages]
+    assert kinds == ["header"] + ["kv"] * 10 + ["trailer"]
+    with connect(servers["b"]) as b:
+        flipped = [pb.SequenceChunk.FromString(m.SerializeToString()) for m in messages]
+        data = bytearray(flipped[3].kv.data)
+        data[5] ^= 1
+        flipped[3].kv.data = bytes(data)
+        assert "checksum" in refused(b, joined(flipped), TransferCorrupted).message
+        assert "truncated" in refused(b, joined(messages[:-1]), TransferCorrupted).message
+        assert "truncated" in refused(b, joined(messages[:4]), TransferCorrupted).message
+        wrong = pb.SequenceChunk.FromString(messages[0].SerializeToString())
+        wrong.header.kv_bytes += 4
+        assert "kv_bytes" in refused(b, joined([wrong, *messages[1:]]), InvalidInput).message
+        short = pb.SequenceChunk.FromString(messages[0].SerializeToString())
+        del short.header.token_ids[-1]
+        refused(b, joined([short, *messages[1:]]), InvalidInput)
+        refused(b, joined([messages[0], messages[2], *messages[1:]]), InvalidInput)  # chunks out of order
+        refused(b, joined(messages[1:]), InvalidInput)  # no header
+        forged = pb.SequenceChunk.FromString(messages[0].SerializeToString())
+        forged.header.fingerprint.block_size = 8  # says another layout but keeps the digest
+        refused(b, joined([forged, *messages[1:]]), TransferCorrupted)
+
+
+def test_a_fingerprint_mismatch_is_refused(servers, export):
+    with connect(servers["m"]) as m:
+        err = refused(m, export, FingerprintMismatch)
+        assert "block_size" in err.message
+
+
+def test_larger_than_the_pool_or_the_quota_is_refused(servers, export):
+    with connect(servers["a"]) as a:
+        out = a.prefill(prompt(14, seed=5), logits=LogitsPolicy.argmax())
+        small = a.export_sequence(out.kv_cache)  # 4 blocks = 16 tokens: within the quota
+        a.release_cache(out.kv_cache)
+        out = a.prefill(prompt(40, seed=6), logits=LogitsPolicy.argmax())
+        large = a.export_sequence(out.kv_cache)  # 10 blocks: more than S's whole pool of 8
+        a.release_cache(out.kv_cache)
+    with connect(servers["s"]) as s:
+        refused(s, large, KvCapacityExhausted)
+        refused(s, export, TenantQuotaExceeded)  # 20 tokens: 5 blocks, over 16 tokens of quota
+        first = s.import_sequence(small)
+        refused(s, small, TenantQuotaExceeded)  # a second one would pass alice's quota
+        with connect(servers["s"], "bob") as bob:
+            second = bob.import_sequence(small)  # bob has his own quota
+            refused(bob, small, KvCapacityExhausted)  # ... but the pool is full now
+            bob.release_cache(second)
+        s.release_cache(first)
+
+
+def test_an_import_cancelled_mid_stream_changes_nothing(servers, export):
+    messages = frames(export)
+
+    async def run():
+        async with grpc.aio.insecure_channel(servers["b"].target) as channel:
+            stub = pb_grpc.ModelExecutorStub(channel)
+            sent = asyncio.Event()
+
+            async def some_then_wait():
+                for m in messages[:-1]:
+                    yield m
+                sent.set()
+                await asyncio.sleep(30)
+                yield messages[-1]
+
+            call = stub.ImportSequence(some_then_wait(), metadata=(("authorization", f"Bearer {TOKENS['alice']}"),))
+            await sent.wait()
+            await asyncio.sleep(0.3)  # the server has read everything but the trailer
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+
+    with connect(servers["b"]) as b:
+        before = state(b)
+        asyncio.run(run())
+        assert state(b) == before
+        moved = b.import_sequence(export)  # and the same stream, whole, imports
+        b.release_cache(moved)
