@@ -12,6 +12,7 @@ checked against the tenant too.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import numpy as np
@@ -169,19 +170,6 @@ def test_export_to_a_file_and_async_clients(servers, tmp_path):
     asyncio.run(run())
 
 
-def test_an_export_kept_as_bytes_imports_after_the_exporter_restarts(tiny_llama_dir, tokens_file):
-    with all_serving(ServerProcess(f"tiny={tiny_llama_dir}", *FLAGS, "--auth-tokens", tokens_file)) as (a,):
-        with connect(a) as c:
-            out = c.prefill(prompt(13, seed=3))
-            data = c.export_sequence(out.kv_cache)
-            want = bits(c.decode(2, out.kv_cache))
-        a.restart()
-        with connect(a) as c:
-            moved = c.import_sequence(data)
-            assert moved.server_instance_id == a.instance
-            assert np.array_equal(bits(c.decode(2, moved)), want)
-
-
 def test_another_tenants_sequence_cannot_be_exported(servers):
     with connect(servers["a"]) as alice, connect(servers["a"], "bob") as bob:
         handle = alice.prefill(prompt(5)).kv_cache
@@ -299,3 +287,84 @@ def test_an_import_cancelled_mid_stream_changes_nothing(servers, export):
         assert state(b) == before
         moved = b.import_sequence(export)  # and the same stream, whole, imports
         b.release_cache(moved)
+
+
+# -- direct migration: A pushes to B with a ticket B issued ----------------------------------------
+
+
+def test_push_copies_or_moves_a_sequence_with_a_single_use_ticket(servers):
+    with connect(servers["a"]) as a, connect(servers["b"]) as b:
+        out = a.prefill(prompt(11, seed=7))
+        handle = a.decode(int(out.logits.argmax()[0]), out.kv_cache).kv_cache
+        ticket = b.create_import_ticket(a.capabilities().kv_fingerprint).ticket
+        before = b.status()
+        copy = a.push_sequence(handle, servers["b"].target, ticket)
+        assert not copy.released and copy.bytes_sent > handle.sequence_length * 512
+        assert copy.kv_cache.server_instance_id == servers["b"].instance
+        assert b.status().prefill_operations == before.prefill_operations
+        x, y = a.decode(4, handle), b.decode(4, copy.kv_cache)  # both keep it, and agree bit for bit
+        assert np.array_equal(bits(x), bits(y))
+        # the ticket was used: a second push with it is refused and changes nothing
+        unchanged = state(b)
+        with pytest.raises(TicketUsed):
+            a.push_sequence(x.kv_cache, servers["b"].target, ticket)
+        assert state(b) == unchanged
+        moved = a.push_sequence(x.kv_cache, servers["b"].target, b.create_import_ticket().ticket, move=True)
+        assert moved.released
+        with pytest.raises(CacheNotFound):
+            a.decode(5, x.kv_cache)
+        z = b.decode(5, moved.kv_cache)
+        assert np.array_equal(bits(z), bits(b.decode(5, y.kv_cache)))
+        b.release_cache(z.kv_cache)
+        b.release_cache(copy.kv_cache)
+
+
+def test_tickets_refused_expired_other_tenants_unknown_or_for_another_fingerprint(servers):
+    with connect(servers["a"]) as a, connect(servers["b"]) as b, connect(servers["b"], "bob") as bob, \
+            connect(servers["m"]) as m:
+        handle = a.prefill(prompt(6, seed=8), logits=LogitsPolicy.argmax()).kv_cache
+        target = servers["b"].target
+        unchanged, mine = state(b), state(a)
+        short = b.create_import_ticket(ttl_s=0.2).ticket
+        bobs = bob.create_import_ticket().ticket
+        time.sleep(0.4)
+        for ticket, cls in ((short, TicketExpired), (bobs, TicketNotFound), ("no-such-ticket", TicketNotFound)):
+            with pytest.raises(ExecutorError) as info:
+                a.push_sequence(handle, target, ticket)
+            assert type(info.value) is cls, info.value
+        with pytest.raises(FingerprintMismatch):
+            b.create_import_ticket("0" * 32)
+        # a push whose stream does not match the ticket's fingerprint; the ticket survives it
+        ticket = b.create_import_ticket().ticket
+        other = m.prefill(prompt(6, seed=8), logits=LogitsPolicy.argmax()).kv_cache
+        with pytest.raises(FingerprintMismatch):
+            m.push_sequence(other, target, ticket, move=True)
+        assert m.export_sequence(other)  # a failed move keeps the sequence
+        assert state(b) == unchanged and state(a) == mine
+        moved = a.push_sequence(handle, target, ticket, move=True)
+        b.release_cache(moved.kv_cache)
+        m.release_cache(other)
+
+
+def test_a_push_goes_only_where_the_operator_allows(servers):
+    with connect(servers["a"]) as a:
+        handle = a.prefill(prompt(4, seed=9), logits=LogitsPolicy.argmax()).kv_cache
+        with pytest.raises(PushTargetRefused):  # --push-allow is loopback by default
+            a.push_sequence(handle, "10.255.255.1:50051", "some-ticket")
+        with pytest.raises(InvalidInput):
+            a.push_sequence(handle, "no port here", "some-ticket")
+        a.release_cache(handle)
+
+
+def test_an_export_kept_as_bytes_imports_after_the_exporter_restarts(servers):
+    a = servers["a"]
+    with connect(a) as c:
+        out = c.prefill(prompt(13, seed=3))
+        data = c.export_sequence(out.kv_cache)
+        want = bits(c.decode(2, out.kv_cache))
+    a.restart()
+    with connect(a) as c:
+        moved = c.import_sequence(data)
+        assert moved.server_instance_id == a.instance
+        assert np.array_equal(bits(c.decode(2, moved)), want)
+        c.release_cache(moved)
