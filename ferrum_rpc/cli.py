@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--push-ca", default="",
                    help="PEM CA bundle receivers' certificates must chain to when pushing over TLS "
                         "(default: the system roots; pushes use TLS when this server does)")
-    s.add_argument("--export-grace", type=float, default=10.0,
+    s.add_argument("--export-grace", type=float, default=0.0,
                    help="on SIGTERM, seconds the server keeps answering ExportSequence/PushSequence for its "
                         "live sequences (so callers move them instead of recomputing), at most 300; 0: none")
     s.add_argument("--threads", type=_non_negative_int, default=0,

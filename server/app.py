@@ -95,6 +95,7 @@ class App:
             await asyncio.wait_for(self.servicer.wait_idle(), grace_s)
         except asyncio.TimeoutError:
             log.warning("grace period over with %d call(s) in flight", self.servicer.inflight)
+        await self._export_grace(self.config.export_grace_s)
         # Calls gRPC core accepted but had not yet handed to us would be CANCELLED
         # by server.stop (grpc/grpc#41785); a short pause lets them in to be refused
         # with DRAINING instead.  It narrows the window; it cannot close it.
@@ -102,6 +103,29 @@ class App:
         await self.server.stop(grace=1.0)
         self.registry.stop_all(timeout=grace_s)
         log.info("stopped")
+
+    def _live_sequences(self) -> int:
+        return sum(len(w.executor.kv) for w in list(self.registry.workers.values()) if w.executor is not None)
+
+    async def _export_grace(self, grace_s: float) -> None:
+        """Keeps answering ExportSequence / PushSequence (issue 23) while live sequences
+        remain, for at most ``grace_s`` (``--export-grace``), so their callers move them
+        elsewhere instead of recomputing them; ends early once every sequence has left
+        and no transfer is running."""
+        live = self._live_sequences()
+        if not grace_s or not live:
+            return
+        log.info("draining: %d live sequence(s) may be exported or pushed for up to %.1fs (--export-grace)",
+                 live, grace_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while (self._live_sequences() or self.servicer.transfers) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        left = self._live_sequences()
+        if left:
+            log.warning("export grace over: %d sequence(s) were not moved and go with this process", left)
+        else:
+            log.info("export grace: every live sequence has left")
 
     @property
     def registry(self) -> Registry:

@@ -136,7 +136,7 @@ class ServerConfig:
     # certificates chain to, and how long a draining server keeps answering exports.
     push_allow: str = "loopback"
     push_ca: str = ""
-    export_grace_s: float = 10.0
+    export_grace_s: float = 0.0  # off by default: a drain ends as soon as in-flight calls do
 
     @property
     def shared_memory_enabled(self) -> bool:

@@ -62,6 +62,15 @@ class TransferRpcs:
 
     tickets: transfer.TicketBook
     push: PushConfig
+    transfers = 0  # exports and pushes running now (a draining server waits for them: App.drain)
+
+    @contextlib.contextmanager
+    def _transfer(self):
+        self.transfers += 1
+        try:
+            yield
+        finally:
+            self.transfers -= 1
 
     def _chunk_bytes(self, worker, asked: int) -> int:
         limit = worker.executor.config.max_message_bytes
@@ -77,9 +86,10 @@ class TransferRpcs:
 
     async def ExportSequence(self, request, context, tenant: str):
         """Header, KV chunks, trailer (see ``transfer.export_messages``); the sequence is unchanged."""
-        worker, snap = await self._snapshot(request, context, tenant)
-        for message in transfer.export_messages(snap, self._chunk_bytes(worker, request.chunk_bytes)):
-            yield message
+        with self._transfer():
+            worker, snap = await self._snapshot(request, context, tenant)
+            for message in transfer.export_messages(snap, self._chunk_bytes(worker, request.chunk_bytes)):
+                yield message
 
     @contextlib.contextmanager
     def redeemed(self, secret: str, stated_tenant: str):
@@ -143,6 +153,10 @@ class TransferRpcs:
         """Streams a snapshot of the sequence to the receiver's ImportSequence; with
         ``move`` releases it here once the receiver confirmed (unless a call changed it
         meanwhile: then it stays and ``released`` is false)."""
+        with self._transfer():
+            return await self._push(request, context, tenant)
+
+    async def _push(self, request, context, tenant: str):
         if not request.ticket:
             raise InvalidInput("ticket is required: ask the receiver for one (CreateImportTicket)")
         loop = asyncio.get_running_loop()

@@ -12,6 +12,7 @@ checked against the tenant too.
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 import grpc
@@ -368,3 +369,58 @@ def test_an_export_kept_as_bytes_imports_after_the_exporter_restarts(servers):
         assert moved.server_instance_id == a.instance
         assert np.array_equal(bits(c.decode(2, moved)), want)
         c.release_cache(moved)
+
+
+# -- the replica client drains by migration -----------------------------------------------------------
+
+
+def test_a_drained_replicas_sequence_migrates_with_no_prefill_on_the_other(servers, tiny_llama_dir, tokens_file):
+    """SIGTERM on a replica holding a sequence: the replica set's next decode finds it
+    DRAINING, has it pushed to the other replica (whose prefill counter does not move)
+    and goes on there; every logits row equals a run that stayed on A, bit for bit;
+    the drained server logs its export grace and exits 0 once the sequence has left."""
+    from ferrum_rpc.client import ReplicaPolicy, ReplicaSetClient
+
+    draining = ServerProcess(f"tiny={tiny_llama_dir}", *FLAGS, "--kv-tokens", "1024", "--auth-tokens", tokens_file,
+                             "--export-grace", "20")
+    try:
+        draining.wait_serving()
+        with connect(servers["a"]) as a:  # the reference: the same steps on one server
+            out = a.prefill(prompt(10, seed=10))
+            want_tokens, want_rows, end = greedy(a, int(out.logits.argmax()[0]), out.kv_cache, 6)
+            a.release_cache(end)
+        policy = ReplicaPolicy(status_ttl_s=0.5, down_cooldown_s=0.3, seed=0)
+        with ReplicaSetClient([draining.target, servers["b"].target], timeout=30, token=TOKENS["alice"],
+                              replica_policy=policy) as rs, connect(servers["b"]) as b:
+            handle = None
+            for _ in range(20):  # place until one lands on the replica to drain
+                o = rs.prefill(prompt(10, seed=10))
+                if rs.replica_of(o.kv_cache) == draining.target:
+                    handle = o.kv_cache
+                    break
+                rs.release_cache(o.kv_cache)
+            assert handle is not None, "no sequence was placed on the replica to drain"
+            token, rows, tokens = int(o.logits.argmax()[0]), [], []
+            for _ in range(3):
+                step = rs.decode(token, handle)
+                rows.append(bits(step))
+                token, handle = int(step.logits.argmax()[0]), step.kv_cache
+                tokens.append(token)
+            prefills = b.status().prefill_operations
+            draining.proc.send_signal(signal.SIGTERM)
+            draining.wait_for("may be exported or pushed", timeout=10)
+            for _ in range(3):
+                step = rs.decode(token, handle)
+                rows.append(bits(step))
+                token, handle = int(step.logits.argmax()[0]), step.kv_cache
+                tokens.append(token)
+            assert rs.replica_of(handle) == servers["b"].target
+            assert b.status().prefill_operations == prefills  # moved, not replayed
+            assert tokens == want_tokens
+            assert all(np.array_equal(x, y) for x, y in zip(rows, want_rows))
+            rs.release_cache(handle)
+        assert draining.proc.wait(30) == 0
+        draining.wait_for("every live sequence has left", timeout=1)
+        draining.wait_for(r"pushed \w+ \(\d+ tokens", timeout=1)
+    finally:
+        draining.kill()
