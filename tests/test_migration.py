@@ -424,3 +424,37 @@ def test_a_drained_replicas_sequence_migrates_with_no_prefill_on_the_other(serve
         draining.wait_for(r"pushed \w+ \(\d+ tokens", timeout=1)
     finally:
         draining.kill()
+
+
+# -- no server: the byte format and the ticket book ------------------------------------------------
+
+
+def test_the_export_framing_round_trips_and_refuses_a_cut_file():
+    import io
+
+    chunks = [pb.SequenceChunk(kv=pb.KvChunk(first_token=i, num_tokens=1, data=bytes(300 * i))) for i in range(4)]
+    data = b"".join(sequence_file.frame(c) for c in chunks)
+    assert list(sequence_file.messages(data)) == chunks
+    assert list(sequence_file.messages(io.BytesIO(data))) == chunks
+    with pytest.raises(InvalidInput):
+        list(sequence_file.messages(data[:-5]))  # ends inside a message
+    with pytest.raises(InvalidInput):
+        list(sequence_file.messages(data + b"\x80"))  # ends inside a length prefix
+
+
+def test_tickets_are_single_use_bound_to_their_tenant_and_given_back_on_failure():
+    from ferrum_rpc.server.transfer import TicketBook
+
+    book = TicketBook()
+    ticket = book.issue("alice", "tiny", "f" * 32, 0)
+    with pytest.raises(TicketNotFound):
+        book.claim(ticket.secret, "bob")
+    claimed = book.claim(ticket.secret, "alice")
+    with pytest.raises(TicketUsed):  # in use by a running import
+        book.claim(ticket.secret, "alice")
+    book.finish(claimed, ok=False)  # that import failed: the ticket is good again
+    book.finish(book.claim(ticket.secret, "alice"), ok=True)
+    with pytest.raises(TicketUsed):
+        book.claim(ticket.secret, "alice")
+    with pytest.raises(InvalidInput):
+        book.issue("alice", "tiny", "f" * 32, 301)
