@@ -38,6 +38,7 @@ from ferrum_rpc.errors import (
 from ferrum_rpc.harness import ServerProcess, all_serving
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
+from tests.test_security import pki  # noqa: F401  (a fixture: a CA and a server certificate)
 
 TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789ab"}
 FLAGS = ("--block-size", "4", "--no-warmup", "--threads", "1", "--grace", "5")
@@ -458,3 +459,29 @@ def test_tickets_are_single_use_bound_to_their_tenant_and_given_back_on_failure(
         book.claim(ticket.secret, "alice")
     with pytest.raises(InvalidInput):
         book.issue("alice", "tiny", "f" * 32, 301)
+
+
+def test_a_push_between_tls_servers_goes_over_verified_tls(tiny_llama_dir, pki):
+    """Both servers serve TLS only (in-process servers, real sockets): the push reaches B
+    over TLS, B's certificate verified against A's --push-ca; with a CA that did not
+    sign it the push fails (ABORTED) and changes nothing on either side."""
+    from ferrum_rpc.client import ClientTls
+    from tests.conftest import running_server
+
+    files = dict(tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"))
+    tls = ClientTls(ca=str(pki / "ca.pem"))
+    with running_server(tiny_llama_dir, server_kwargs={**files, "push_ca": str(pki / "ca.pem")}) as a, \
+            running_server(tiny_llama_dir, server_kwargs={**files, "push_ca": str(pki / "rogue-ca.pem")}) as rogue, \
+            running_server(tiny_llama_dir, server_kwargs=files) as b:
+        with ExecutorClient(a.target, timeout=30, tls=tls) as ca, ExecutorClient(b.target, timeout=30, tls=tls) as cb, \
+                ExecutorClient(rogue.target, timeout=30, tls=tls) as cr:
+            handle = ca.prefill(prompt(7, seed=11)).kv_cache
+            copy = ca.push_sequence(handle, b.target, cb.create_import_ticket().ticket)
+            assert np.array_equal(bits(ca.decode(3, handle)), bits(cb.decode(3, copy.kv_cache)))
+            other = cr.prefill(prompt(7, seed=11), logits=LogitsPolicy.argmax()).kv_cache
+            unchanged = state(cb)
+            with pytest.raises(ExecutorError) as info:
+                cr.push_sequence(other, b.target, cb.create_import_ticket().ticket, move=True)
+            assert info.value.code is grpc.StatusCode.ABORTED, info.value
+            assert state(cb) == unchanged
+            assert cr.export_sequence(other)  # still there
