@@ -127,7 +127,7 @@ def main() -> None:
     finally:
         for s in servers:
             s.close()
-    write_results("failover", records)
+    write_results("failover" if args.modes == ["kill"] else "failover_migration", records)
     print_table(records)
 
 
