@@ -338,8 +338,11 @@ class ModelExecutorServicer:
 
     def ImportSequence(self, request_iterator, context):
         """Writes an exported stream into this server: a new sequence of the caller's
-        tenant (or, with an import ticket in the "ferrum-import-ticket" header, of
-        the ticket's tenant), its full blocks in the prefix cache. Everything is
+        tenant, its full blocks in the prefix cache. A push from another server
+        carries, instead of a bearer token, the metadata "ferrum-import-ticket" (a
+        ticket this server issued) and "ferrum-import-tenant" (the tenant the pusher's
+        caller is; it must be the ticket's): the sequence is the ticket's tenant's,
+        and the ticket is used up if the import succeeds. Everything is
         checked (fingerprint, sizes, checksum, pool room, quotas) before a block is
         taken; a refused, truncated or cancelled import changes nothing.
         """
