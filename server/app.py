@@ -25,9 +25,8 @@ from grpc_reflection.v1alpha import reflection
 
 from ferrum_rpc.errors import StartupError
 from ferrum_rpc.server.auth import AuthInterceptor, TlsFiles, TokenTable
-from ferrum_rpc.server.config import ServerConfig
+from ferrum_rpc.server.config import ServerConfig, parse_allow
 from ferrum_rpc.server.migration import PushConfig
-from ferrum_rpc.server.transfer import parse_allow
 from ferrum_rpc.server.registry import Registry
 from ferrum_rpc.server.servicer import ExecutorServicer, add_executor_service
 from ferrum_rpc.types import ServerState

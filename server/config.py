@@ -174,7 +174,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def parse_allow(spec: str) -> tuple["ipaddress.IPv4Network | ipaddress.IPv6Network", ...]:
+def parse_allow(spec: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
     """``--push-allow``: comma-separated networks (CIDR or addresses); "loopback" for
     127.0.0.0/8 and ::1, "none" for nothing."""
     nets = []

@@ -22,6 +22,7 @@ import grpc
 from ferrum_rpc import convert
 from ferrum_rpc.errors import ExecutorError, FingerprintMismatch, InvalidInput, from_rpc_error
 from ferrum_rpc.server import transfer
+from ferrum_rpc.server.config import parse_allow
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 
@@ -40,7 +41,7 @@ class PushConfig:
         max_message_bytes: the channel's message limit.
     """
 
-    allowed: tuple = transfer.parse_allow("loopback")
+    allowed: tuple = parse_allow("loopback")
     tls: bool = False
     ca: str = ""
     cert: str = ""

@@ -33,7 +33,6 @@ from ferrum_rpc.errors import (
     TicketNotFound,
     TicketUsed,
     TransferCorrupted,
-    from_rpc_error,
 )
 from ferrum_rpc.harness import ServerProcess, all_serving
 from ferrum_rpc.v1 import executor_pb2 as pb
@@ -53,15 +52,19 @@ def tokens_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(tiny_llama_dir, tokens_file):
-    """A and B (the same model), M (block size 8: another fingerprint), S (a pool of 8
-    blocks, a tenant quota of 16 tokens)."""
+    """A and B (the same model, server processes), M (block size 8: another fingerprint)
+    and S (a pool of 8 blocks, a tenant quota of 16 tokens), both in-process servers
+    (real gRPC on loopback; they only ever refuse or take an import)."""
+    from tests.conftest import running_server
+
     auth = ("--auth-tokens", tokens_file)
     a = ServerProcess(f"tiny={tiny_llama_dir}", *FLAGS, "--kv-tokens", "1024", *auth)
     b = ServerProcess(f"tiny={tiny_llama_dir}", *FLAGS, "--kv-tokens", "1024", *auth)
-    m = ServerProcess(f"tiny={tiny_llama_dir}", *FLAGS, "--kv-tokens", "1024", "--block-size", "8", *auth)
-    s = ServerProcess(f"tiny={tiny_llama_dir}", *FLAGS, "--kv-tokens", "32", "--tenant-kv-tokens", "16", *auth)
-    with all_serving(a, b, m, s) as running:
-        yield dict(zip("abms", running))
+    tokens = {"auth_tokens": tokens_file, "warmup": False}
+    with running_server(tiny_llama_dir, server_kwargs=tokens, block_size=8) as m, \
+            running_server(tiny_llama_dir, server_kwargs=tokens, kv_tokens=32, tenant_kv_tokens=16) as s, \
+            all_serving(a, b) as (a, b):
+        yield {"a": a, "b": b, "m": m, "s": s}
 
 
 def connect(server: ServerProcess, tenant: str = "alice") -> ExecutorClient:
