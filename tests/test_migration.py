@@ -488,3 +488,15 @@ def test_a_push_between_tls_servers_goes_over_verified_tls(tiny_llama_dir, pki):
             assert info.value.code is grpc.StatusCode.ABORTED, info.value
             assert state(cb) == unchanged
             assert cr.export_sequence(other)  # still there
+
+
+def test_a_bad_push_allow_or_export_grace_is_a_startup_error():
+    """Refused when the configuration is built (the CLI prints the one line and exits 2)."""
+    from ferrum_rpc.errors import StartupError
+    from ferrum_rpc.server.config import ServerConfig
+
+    with pytest.raises(StartupError, match="--push-allow"):
+        ServerConfig(models=(), push_allow="loopback,not-a-network")
+    with pytest.raises(StartupError, match="--export-grace"):
+        ServerConfig(models=(), export_grace_s=301)
+    assert ServerConfig(models=(), push_allow="10.0.3.0/24,none").push_allow
