@@ -13,7 +13,13 @@ killed replica is restarted on its port before the next run.  Beside it, the sam
 sequence's ordinary decode step and a plain prefill of the history on the
 survivor, so the added latency splits into detection + replay prefill + the step.
 
+Drain (issue 23): the owner gets SIGTERM instead (it serves with --export-grace) and
+the next Decode is timed from the signal, once with the replica set migrating the
+sequence (the owner pushes its KV to the survivor: nothing recomputed) and once
+replaying it (``ReplicaPolicy(migrate=False)``), with the bytes the push moved.
+
     python -m bench.failover [--history 16 128 512 1024] [--runs 3] [--model DIR] [--dtype float32]
+                             [--modes kill drain-migrate drain-replay]
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from __future__ import annotations
 import argparse
 import logging
 import random
+import re
+import signal
 import statistics
 import time
 
@@ -33,8 +41,13 @@ GREEDY = LogitsPolicy.argmax()
 WARM_STEPS = 4
 
 
-def one_run(ex: ExecutorClient, servers: dict[str, ServerProcess], history: int, seed: int, vocab: int) -> dict:
-    """Prefill + a few decodes, kill the owner, time the next decode; plus references."""
+PUSHED = re.compile(r"pushed \w+ \((\d+) tokens, (\d+) bytes\)")
+MODES = ("kill", "drain-migrate", "drain-replay")
+
+
+def one_run(ex: ExecutorClient, servers: dict[str, ServerProcess], history: int, seed: int, vocab: int,
+            mode: str = "kill") -> dict:
+    """Prefill + a few decodes, kill (or drain) the owner, time the next decode; plus references."""
     rng = random.Random(seed)
     prompt = [rng.randrange(10, vocab) for _ in range(history - WARM_STEPS)]
     out = ex.prefill(prompt, logits=GREEDY)
@@ -48,12 +61,23 @@ def one_run(ex: ExecutorClient, servers: dict[str, ServerProcess], history: int,
     owner = servers[ex.replica_of(handle)]
     survivor = next(s for s in servers.values() if s is not owner)
     t0 = time.perf_counter()
-    owner.kill()
-    reaped = time.perf_counter() - t0  # the kernel closes its sockets after freeing its memory
+    if mode == "kill":
+        owner.kill()
+        reaped = time.perf_counter() - t0  # the kernel closes its sockets after freeing its memory
+    else:
+        owner.proc.send_signal(signal.SIGTERM)
+        reaped = 0.0
     step = ex.decode(token, handle, logits=GREEDY)
     failover = time.perf_counter() - t0
     assert ex.replica_of(step.kv_cache) == survivor.target
     ex.release_cache(step.kv_cache)
+    moved = 0
+    if mode == "drain-migrate":
+        owner.proc.wait(60)  # it exits once the sequence has left
+        pushed = [PUSHED.search(line) for line in owner.lines]
+        match = next((m for m in pushed if m), None)
+        assert match is not None, "the drained owner pushed nothing: the sequence was replayed"
+        moved = int(match.group(2))
     # The replay on its own: a plain prefill of a history as long (another random one).
     with ExecutorClient(survivor.target, timeout=120) as one:
         other = [rng.randrange(10, vocab) for _ in range(history)]
@@ -62,8 +86,8 @@ def one_run(ex: ExecutorClient, servers: dict[str, ServerProcess], history: int,
         prefill = time.perf_counter() - t0
         one.release_cache(replay.kv_cache)
     owner.restart(300)  # back on its port for the next run
-    return {"history": history, "seed": seed, "failover_s": failover, "reaped_s": reaped,
-            "decode_s": statistics.median(steps), "prefill_s": prefill}
+    return {"mode": mode, "history": history, "seed": seed, "failover_s": failover, "reaped_s": reaped,
+            "decode_s": statistics.median(steps), "prefill_s": prefill, "bytes_moved": moved}
 
 
 def main() -> None:
@@ -72,6 +96,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M)")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--modes", nargs="+", default=["kill"], choices=MODES)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("ferrum_rpc.client.replicas").setLevel(logging.ERROR)  # one failover per run, by design
@@ -79,33 +104,47 @@ def main() -> None:
         from ferrum_rpc.server.prepare import prepare_default_model
 
         args.model = str(prepare_default_model())
-    servers = [bench_server(args.model, args.dtype, 16384) for _ in range(2)]
+    # --no-warmup: the crossover measurement is no part of this run (the first decode warms up)
+    servers = [bench_server(args.model, args.dtype, 16384, "--export-grace", "60", "--no-warmup") for _ in range(2)]
     records = []
     try:
         for s in servers:
             s.wait_serving(300)
         by_target = {s.target: s for s in servers}
-        policy = ReplicaPolicy(down_cooldown_s=0.5, failover_timeout_s=120)
-        with connect(list(by_target), timeout=120, replica_policy=policy) as ex:
-            vocab = ex.info().vocab_size
-            ex.decode(0, ex.prefill([1, 2, 3], logits=GREEDY).kv_cache, logits=GREEDY)  # connect, warm
-            for history in args.history:
-                for run in range(args.runs):
-                    record = one_run(ex, by_target, history, seed=1000 * history + run, vocab=vocab)
-                    records.append(record)
-                    log.info("history %d run %d: kill -> next token %.1f ms (process gone after %.1f ms; "
-                             "step %.1f ms, prefill %.1f ms)", history, run + 1, 1e3 * record["failover_s"],
-                             1e3 * record["reaped_s"], 1e3 * record["decode_s"], 1e3 * record["prefill_s"])
+        for mode in args.modes:
+            policy = ReplicaPolicy(down_cooldown_s=0.5, failover_timeout_s=120, migrate=mode != "drain-replay")
+            with connect(list(by_target), timeout=120, replica_policy=policy) as ex:
+                vocab = ex.info().vocab_size
+                ex.decode(0, ex.prefill([1, 2, 3], logits=GREEDY).kv_cache, logits=GREEDY)  # connect, warm
+                for history in args.history:
+                    for run in range(args.runs):
+                        record = one_run(ex, by_target, history, seed=1000 * history + run, vocab=vocab, mode=mode)
+                        records.append(record)
+                        log.info("%s, history %d run %d: signal -> next token %.1f ms (process gone after "
+                                 "%.1f ms; step %.1f ms, prefill %.1f ms; %d bytes moved)", mode, history, run + 1,
+                                 1e3 * record["failover_s"], 1e3 * record["reaped_s"], 1e3 * record["decode_s"],
+                                 1e3 * record["prefill_s"], record["bytes_moved"])
     finally:
         for s in servers:
             s.close()
-    write_results("failover", records)
+    write_results("failover" if args.modes == ["kill"] else "failover_migration", records)
     print_table(records)
 
 
 def print_table(records: list[dict]) -> None:
-    print("\n| history tokens | decode step ms | prefill of the history ms | kill -> process gone ms "
-          "| kill -> next token ms | added ms | added per 1k tokens of history ms |")
+    for mode in dict.fromkeys(r.get("mode", "kill") for r in records):
+        print(f"\n{mode}:")
+        print_mode([r for r in records if r.get("mode", "kill") == mode])
+    migrate = {r["history"]: r for r in records if r.get("mode") == "drain-migrate"}
+    if migrate:
+        print("\n| history tokens | bytes moved per token |\n| --- | --- |")
+        for history, r in sorted(migrate.items()):
+            print(f"| {history} | {r['bytes_moved'] / history:.0f} |")
+
+
+def print_mode(records: list[dict]) -> None:
+    print("\n| history tokens | decode step ms | prefill of the history ms | signal -> process gone ms "
+          "| signal -> next token ms | added ms | added per 1k tokens of history ms |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     points = []
     for history in sorted({r["history"] for r in records}):

@@ -262,7 +262,7 @@ class ExecutorClient(_Client):
                 call = [rpc.seen(self, message, args, kwargs) for message in call]
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
-        return rpc.reply(self, call)
+        return rpc.result(self, call, args, kwargs)
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Blocks until the channel connects (``grpc.FutureTimeoutError`` after ``timeout``)."""
@@ -317,7 +317,7 @@ class AsyncExecutorClient(_Client):
                 call = await call
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
-        return rpc.reply(self, call)
+        return rpc.result(self, call, args, kwargs)
 
     async def wait_ready(self, timeout: float = 30.0) -> None:
         """Waits until the channel connects (``grpc.FutureTimeoutError`` after ``timeout``,

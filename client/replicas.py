@@ -51,6 +51,7 @@ from ferrum_rpc.client.client import (
     Keepalive,
     resolve_targets,
 )
+from ferrum_rpc import sequence_file
 from ferrum_rpc.client.rpc import RPCS, DecodeItem, Prompt, method, split_prompt, with_methods
 from ferrum_rpc.errors import ExecutorError, FailoverFailed, KvCapacityExhausted, Reason, StaleHandle
 from ferrum_rpc.types import (
@@ -102,6 +103,11 @@ class ReplicaPolicy:
             better of the two random ones by more than this (load: queued calls plus
             this client's calls in flight, plus the used fraction of the KV pool).
         seed: seeds the random choice of the two (None: unseeded).
+        migrate: a sequence whose owner is draining (alive, refusing new work) moves by
+            migration: the owner pushes its KV to the new replica (PushSequence, with a
+            ticket the new replica issued), nothing recomputed; replay is the fallback
+            (the owner is dead, or the push failed).  Owners need ``--export-grace`` to
+            answer pushes once their in-flight calls are done.
     """
 
     max_attempts: int = 3
@@ -113,6 +119,7 @@ class ReplicaPolicy:
     prefix_entries: int = 4096
     locality_slack: float = 2.0
     seed: int | None = None
+    migrate: bool = True
 
 
 def moves_sequence(err: ExecutorError) -> bool:
@@ -614,6 +621,10 @@ class _Routing:
     def _replay_flow(self, seq: _Sequence, send: KvCacheHandle, cause: ExecutorError) -> Flow:
         """Rebuilds ``seq`` on a healthy replica by replaying its history (``_rebuild_flow``);
         returns the handle to send there (with the caller's length).  Raises FailoverFailed."""
+        if cause.reason is Reason.DRAINING and self.policy.migrate:
+            moved = yield from self._migrate_flow(seq, send, cause)
+            if moved is not None:
+                return moved
         if not seq.tokens:
             raise FailoverFailed(f"sequence {seq.handle.cache_id!r} cannot be moved: its history is not known "
                                  f"({cause})", cause=cause)
@@ -646,6 +657,34 @@ class _Routing:
                         send.cache_id, len(seq.tokens), old.target, replica.target, out.kv_cache.cache_id,
                         1e3 * (time.monotonic() - start), cause)
             return replace(out.kv_cache, sequence_length=send.sequence_length)
+
+    def _migrate_flow(self, seq: _Sequence, send: KvCacheHandle, cause: ExecutorError) -> Flow:
+        """Moves ``seq`` off its draining owner by a push (its KV, bit for bit) to a replica
+        placed as for a replay; returns the handle to send there (with the caller's
+        length), or None when it could not (the caller replays instead)."""
+        old, start = seq.replica, time.monotonic()
+        replica = yield from self._place_flow(seq.tokens if seq.tokens is not None else [], {old})
+        if replica is None:
+            return None
+        try:
+            ticket = yield _Call(replica, replica.client.create_import_ticket, (), False)
+            out = yield _Call(old, old.client.push_sequence, (seq.handle, replica.target, ticket.ticket, True), False)
+        except ExecutorError as err:
+            log.info("could not migrate %s off %s (%s); replaying it instead", seq.handle.cache_id, old.target, err)
+            return None
+        if not out.released:  # it changed on the owner meanwhile: the copy is not it
+            try:
+                yield _Call(replica, replica.client.release_cache, (out.kv_cache,), False)
+            except ExecutorError as err:  # left to the server's idle timeout
+                log.info("could not release a stale migrated copy on %s: %s", replica.target, err)
+            return None
+        self._fleet.rebind(seq, replica, out.kv_cache)
+        if seq.tokens is not None:
+            self._fleet.remember_prefix(seq.tokens, replica)  # its full blocks are in the new replica's cache
+        log.warning("drain: sequence %s (%d tokens) migrated from %s to %s as %s in %.1f ms, %d bytes (%s)",
+                    send.cache_id, out.kv_cache.sequence_length, old.target, replica.target, out.kv_cache.cache_id,
+                    1e3 * (time.monotonic() - start), out.bytes_sent, cause)
+        return replace(out.kv_cache, sequence_length=send.sequence_length)
 
     @staticmethod
     def _resyncs(seq: _Sequence | None, err: ExecutorError) -> bool:
@@ -869,6 +908,14 @@ def _prompt_choices(count: int, token_choice) -> list[TokenChoice | None]:
     return choices
 
 
+def _export_header(data):
+    """The header of an export held as bytes (None for a file: it is read once, as it goes)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        return None
+    first = next(iter(sequence_file.messages(data)), None)
+    return first.header if first is not None and first.HasField("header") else None
+
+
 # -- the public calls, once --------------------------------------------------------------------
 
 
@@ -997,6 +1044,40 @@ class _Contract:
         for replica in self._fleet.replicas:
             dropped += yield _Call(replica, replica.client.unload_model, (name,), False)
         return dropped
+
+    def export_sequence(self, kv_cache: KvCacheHandle, file=None, chunk_bytes: int = 0):
+        """Reads the sequence out of the replica that owns it (see ExecutorClient.export_sequence)."""
+        seq, send = self._fleet.resolve(kv_cache)
+        replica = seq.replica if seq is not None else (yield from self._owner_flow(kv_cache))
+        return (yield _Call(replica, replica.client.export_sequence, (send, file, chunk_bytes)))
+
+    def import_sequence(self, data):
+        """Into a replica placed as for a new sequence, and tracked from then on (its history,
+        for a replay, is the export's when ``data`` is bytes; a file's is not kept)."""
+        header = _export_header(data)
+        tokens = list(header.token_ids) if header is not None else None
+        replica = yield from self._place_flow(tokens or [])
+        if replica is None:
+            replica = min(self._fleet.replicas, key=lambda r: r.unusable_until)
+        handle = yield _Call(replica, replica.client.import_sequence, (data,))
+        spans = list(zip(header.prompt_spans[::2], header.prompt_spans[1::2])) if header is not None else []
+        self._fleet.track(replica, tokens, handle, spans)
+        return handle
+
+    def create_import_ticket(self, fingerprint: str = "", ttl_s: float = 0.0):
+        raise ExecutorError("an import ticket belongs to one server: ask that server's single-target client",
+                            code=grpc.StatusCode.FAILED_PRECONDITION)
+        yield  # never reached: makes this a flow
+
+    def push_sequence(self, kv_cache: KvCacheHandle, target: str, ticket: str, move: bool = False,
+                      chunk_bytes: int = 0):
+        """The owner pushes the sequence to ``target``; a move stops tracking it here."""
+        seq, send = self._fleet.resolve(kv_cache)
+        replica = seq.replica if seq is not None else (yield from self._owner_flow(kv_cache))
+        out = yield _Call(replica, replica.client.push_sequence, (send, target, ticket, move, chunk_bytes))
+        if seq is not None and out.released:
+            self._fleet.forget(seq)
+        return out
 
     def shared_memory(self, byte_size: int, name: str | None = None):
         raise ExecutorError("shared-memory regions belong to one server: open them on a single-target client",

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, Sequence, Union
+from typing import Any, BinaryIO, Callable, Iterable, Sequence, Union
 
-from ferrum_rpc import convert, tensor_codec
+from ferrum_rpc import convert, sequence_file, tensor_codec
 from ferrum_rpc.errors import ExecutorError
 from ferrum_rpc.types import (  # the table's `returns` name some of these
     Capabilities,
@@ -32,6 +32,7 @@ from ferrum_rpc.types import (  # the table's `returns` name some of these
     LogitsPolicy,
     ModelInfo,
     PrefillOutput,
+    SequencePush,
     SpeculativeOutput,
     SpeculativeSampling,
     TokenChoice,
@@ -57,6 +58,8 @@ class Rpc:
         stream: the server streams its replies; the invoker collects them in order.
         each: stream only: ``(client, message, *args, **kwargs)``, called as each
             message arrives (progress callbacks).
+        with_args: ``reply`` also gets the call's arguments: ``(client, reply, *args, **kwargs)``.
+        keep: stream only: keep each message for ``reply`` (False: ``each`` took it already).
     """
 
     name: str
@@ -66,12 +69,17 @@ class Rpc:
     returns: str
     stream: bool = False
     each: Callable[..., None] | None = None
+    with_args: bool = False
 
     def seen(self, client, message, args: tuple, kwargs: dict):
         """A streamed message as it arrives: shown to ``each``, then kept."""
         if self.each is not None:
             self.each(client, message, *args, **kwargs)
         return message
+
+    def result(self, client, reply, args: tuple, kwargs: dict):
+        """The call's result from its reply (or replies)."""
+        return self.reply(client, reply, *args, **kwargs) if self.with_args else self.reply(client, reply)
 
 
 # -- what the builders and parsers read of a client: ``model`` and ``_regions`` --------------
@@ -290,6 +298,54 @@ def _unload_model(c, name: str) -> pb.UnloadModelRequest:
     return pb.UnloadModelRequest(name=name)
 
 
+def _export_sequence(c, kv_cache: KvCacheHandle, file: BinaryIO | None = None,
+                     chunk_bytes: int = 0) -> pb.ExportSequenceRequest:
+    """Reads a sequence out (it is unchanged on the server): its tokens, KV and
+    compatibility fingerprint in the export byte format (``ferrum_rpc.sequence_file``).
+    Returns the bytes; with ``file`` (a binary file), writes them there as they
+    arrive and returns how many.  ``chunk_bytes``: KV per message (0: 4 MiB)."""
+    return pb.ExportSequenceRequest(model=c.model or kv_cache.model, kv_cache=convert.handle_to_proto(kv_cache),
+                                    chunk_bytes=chunk_bytes)
+
+
+def _export_each(c, message: pb.SequenceChunk, kv_cache, file=None, chunk_bytes: int = 0) -> None:
+    if file is not None:
+        file.write(sequence_file.frame(message))
+
+
+def _export_result(c, messages, kv_cache, file=None, chunk_bytes: int = 0) -> bytes | int:
+    if file is not None:
+        return sum(len(sequence_file.frame(m)) for m in messages)
+    return b"".join(sequence_file.frame(m) for m in messages)
+
+
+def _import_sequence(c, data: bytes | BinaryIO):
+    """Writes an export (bytes, or a binary file read as it goes) into the server: a new
+    sequence of the caller's tenant, as long as the exported one, whose next decode
+    gives what the exporter's would have.  Checked whole before anything is taken."""
+    return sequence_file.messages(data)
+
+
+def _create_import_ticket(c, fingerprint: str = "", ttl_s: float = 0.0) -> pb.CreateImportTicketRequest:
+    """A single-use ticket (``.ticket``) that lets another server push one sequence here
+    for this caller's tenant within ``ttl_s`` seconds (0: 30); ``fingerprint``: the
+    digest the pushed sequence must have (empty: this server's)."""
+    return pb.CreateImportTicketRequest(model=c.model, fingerprint=fingerprint, ttl_s=ttl_s)
+
+
+def _push_sequence(c, kv_cache: KvCacheHandle, target: str, ticket: str, move: bool = False,
+                   chunk_bytes: int = 0) -> pb.PushSequenceRequest:
+    """Has the server stream ``kv_cache`` straight to the server at ``target`` (which
+    issued ``ticket``); with ``move``, released here once the receiver has it.
+    Returns the receiver's handle, the bytes sent and whether it was released."""
+    return pb.PushSequenceRequest(model=c.model or kv_cache.model, kv_cache=convert.handle_to_proto(kv_cache),
+                                  target=target, ticket=ticket, move=move, chunk_bytes=chunk_bytes)
+
+
+def _pushed(c, reply: pb.PushSequenceResponse) -> SequencePush:
+    return SequencePush(convert.handle_from_proto(reply.kv_cache), reply.bytes_sent, reply.released)
+
+
 # -- the table ------------------------------------------------------------------------------
 
 
@@ -325,6 +381,12 @@ RPCS: tuple[Rpc, ...] = (
     Rpc("list_models", "ListModels", _list_models, lambda c, r: list(r.models), "list[pb.ModelEntry]"),
     Rpc("load_model", "LoadModel", _load_model, lambda c, rs: None, "None", stream=True, each=_load_progress),
     Rpc("unload_model", "UnloadModel", _unload_model, lambda c, r: r.sequences_dropped, "int"),
+    Rpc("export_sequence", "ExportSequence", _export_sequence, _export_result, "bytes | int", stream=True,
+        each=_export_each, with_args=True),
+    Rpc("import_sequence", "ImportSequence", _import_sequence, lambda c, r: convert.handle_from_proto(r.kv_cache),
+        "KvCacheHandle"),
+    Rpc("create_import_ticket", "CreateImportTicket", _create_import_ticket, lambda c, r: r, "pb.ImportTicket"),
+    Rpc("push_sequence", "PushSequence", _push_sequence, _pushed, "SequencePush"),
 )
 
 

@@ -134,6 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-message-mb", type=int, default=256, help="largest reply (MiB)")
     s.add_argument("--batch-wait-ms", type=float, default=0.0, help="wait for more decodes to batch")
     s.add_argument("--grace", type=float, default=30.0, help="seconds in-flight calls get on SIGTERM")
+    s.add_argument("--push-allow", default="loopback", metavar="NETWORKS",
+                   help="where PushSequence may connect (the caller names the address): comma-separated CIDR "
+                        "networks or addresses, 'loopback' (the default), 'none'")
+    s.add_argument("--push-ca", default="",
+                   help="PEM CA bundle receivers' certificates must chain to when pushing over TLS "
+                        "(default: the system roots; pushes use TLS when this server does)")
+    s.add_argument("--export-grace", type=float, default=0.0,
+                   help="on SIGTERM, seconds the server keeps answering ExportSequence/PushSequence for its "
+                        "live sequences (so callers move them instead of recomputing), at most 300; 0: none")
     s.add_argument("--threads", type=_non_negative_int, default=0,
                    help="torch intra-op threads (0: torch's default)")
     s.add_argument("--no-warmup", action="store_true")

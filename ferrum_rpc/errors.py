@@ -34,6 +34,12 @@ class Reason(str, enum.Enum):
     SHARED_MEMORY_NOT_FOUND = "SHARED_MEMORY_NOT_FOUND"
     ADMIN_ONLY = "ADMIN_ONLY"
     TENSOR_PARALLEL_RANK_LOST = "TENSOR_PARALLEL_RANK_LOST"
+    FINGERPRINT_MISMATCH = "FINGERPRINT_MISMATCH"
+    TRANSFER_CORRUPTED = "TRANSFER_CORRUPTED"
+    TICKET_NOT_FOUND = "TICKET_NOT_FOUND"
+    TICKET_EXPIRED = "TICKET_EXPIRED"
+    TICKET_USED = "TICKET_USED"
+    PUSH_TARGET_REFUSED = "PUSH_TARGET_REFUSED"
 
 
 STATUS_FOR_REASON: dict[Reason, grpc.StatusCode] = {
@@ -53,6 +59,12 @@ STATUS_FOR_REASON: dict[Reason, grpc.StatusCode] = {
     Reason.SHARED_MEMORY_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     Reason.ADMIN_ONLY: grpc.StatusCode.PERMISSION_DENIED,
     Reason.TENSOR_PARALLEL_RANK_LOST: grpc.StatusCode.UNAVAILABLE,
+    Reason.FINGERPRINT_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.TRANSFER_CORRUPTED: grpc.StatusCode.DATA_LOSS,
+    Reason.TICKET_NOT_FOUND: grpc.StatusCode.PERMISSION_DENIED,
+    Reason.TICKET_EXPIRED: grpc.StatusCode.PERMISSION_DENIED,
+    Reason.TICKET_USED: grpc.StatusCode.PERMISSION_DENIED,
+    Reason.PUSH_TARGET_REFUSED: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -179,6 +191,41 @@ class RankLost(ExecutorError):
     supervisor restarts it); its sequences are gone, as with any dead server."""
 
     reason = Reason.TENSOR_PARALLEL_RANK_LOST
+class FingerprintMismatch(ExecutorError):
+    """An export from a server whose KV is not compatible with this one's (weights,
+    dtype, quantization, KV layout, block size or tensor-parallel degree differ)."""
+
+    reason = Reason.FINGERPRINT_MISMATCH
+
+
+class TransferCorrupted(ExecutorError):
+    """An import stream whose checksum does not match, or that ended before its trailer."""
+
+    reason = Reason.TRANSFER_CORRUPTED
+
+
+class TicketNotFound(ExecutorError):
+    """No import ticket of that value for this tenant (never issued, or another tenant's)."""
+
+    reason = Reason.TICKET_NOT_FOUND
+
+
+class TicketExpired(ExecutorError):
+    """The import ticket's time to live has passed."""
+
+    reason = Reason.TICKET_EXPIRED
+
+
+class TicketUsed(ExecutorError):
+    """The import ticket was used already (or is being used by another push now)."""
+
+    reason = Reason.TICKET_USED
+
+
+class PushTargetRefused(ExecutorError):
+    """PushSequence named a receiver this server may not connect to (``--push-allow``)."""
+
+    reason = Reason.PUSH_TARGET_REFUSED
 
 
 class FailoverFailed(ExecutorError):
@@ -224,6 +271,12 @@ ERROR_CLASSES: dict[Reason, type[ExecutorError]] = {
         SharedMemoryNotFound,
         AdminOnly,
         RankLost,
+        FingerprintMismatch,
+        TransferCorrupted,
+        TicketNotFound,
+        TicketExpired,
+        TicketUsed,
+        PushTargetRefused,
     )
 }
 

@@ -366,6 +366,8 @@ class Capabilities:
     max_decode_ahead: int = 0  # DecodeSession steps may decode ahead up to this many tokens (0: not served)
     tensor_parallel_degree: int = 1  # ranks the model is split over (issue 24)
     tensor_parallel_fallbacks: tuple[str, ...] = ()  # fast paths that cannot run sharded, and what runs
+    accepts_imports: bool = False  # ImportSequence is served (issue 23)
+    kv_fingerprint: str = ""  # the KV compatibility fingerprint's digest: exports import where it is equal
 
     def supports_batch_size(self, batch_size: int) -> bool:
         """Whether one forward may carry ``batch_size`` sequences (the trait's check)."""
@@ -376,6 +378,16 @@ class ServerState(enum.Enum):
     LOADING = 1
     SERVING = 2
     DRAINING = 3
+
+
+@dataclass(frozen=True)
+class SequencePush:
+    """What PushSequence did (issue 23): the sequence's handle on the receiver, the bytes
+    sent, and whether the sender released its copy (a move)."""
+
+    kv_cache: KvCacheHandle
+    bytes_sent: int
+    released: bool
 
 
 @dataclass(frozen=True)

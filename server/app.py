@@ -25,7 +25,8 @@ from grpc_reflection.v1alpha import reflection
 
 from ferrum_rpc.errors import ExecutorError, StartupError
 from ferrum_rpc.server.auth import AuthInterceptor, TlsFiles, TokenTable
-from ferrum_rpc.server.config import ServerConfig
+from ferrum_rpc.server.config import ServerConfig, parse_allow
+from ferrum_rpc.server.migration import PushConfig
 from ferrum_rpc.server.registry import Registry
 from ferrum_rpc.server.servicer import ExecutorServicer, add_executor_service
 from ferrum_rpc.types import ServerState
@@ -94,6 +95,7 @@ class App:
             await asyncio.wait_for(self.servicer.wait_idle(), grace_s)
         except asyncio.TimeoutError:
             log.warning("grace period over with %d call(s) in flight", self.servicer.inflight)
+        await self._export_grace(self.config.export_grace_s)
         # Calls gRPC core accepted but had not yet handed to us would be CANCELLED
         # by server.stop (grpc/grpc#41785); a short pause lets them in to be refused
         # with DRAINING instead.  It narrows the window; it cannot close it.
@@ -113,6 +115,28 @@ class App:
             worker.fail_all(error)
         await asyncio.sleep(FAIL_SETTLE_S)  # the failed calls' statuses go out
         await self.server.stop(grace=FAIL_SETTLE_S)
+    def _live_sequences(self) -> int:
+        return sum(len(w.executor.kv) for w in list(self.registry.workers.values()) if w.executor is not None)
+
+    async def _export_grace(self, grace_s: float) -> None:
+        """Keeps answering ExportSequence / PushSequence (issue 23) while live sequences
+        remain, for at most ``grace_s`` (``--export-grace``), so their callers move them
+        elsewhere instead of recomputing them; ends early once every sequence has left
+        and no transfer is running."""
+        live = self._live_sequences()
+        if not grace_s or not live:
+            return
+        log.info("draining: %d live sequence(s) may be exported or pushed for up to %.1fs (--export-grace)",
+                 live, grace_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while (self._live_sequences() or self.servicer.transfers) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        left = self._live_sequences()
+        if left:
+            log.warning("export grace over: %d sequence(s) were not moved and go with this process", left)
+        else:
+            log.info("export grace: every live sequence has left")
 
     @property
     def registry(self) -> Registry:
@@ -182,8 +206,10 @@ async def build_server(config: ServerConfig) -> App:
         metrics = Metrics(lambda: [w.executor for w in list(servicer.workers.values())])
     health = HealthServicer()
     registry = Registry(config.executor, instance_id, health, warmup=config.warmup)
+    push = PushConfig(parse_allow(config.push_allow), tls=bool(config.tls_cert), ca=config.push_ca,
+                      cert=config.tls_cert, key=config.tls_key, max_message_bytes=config.executor.max_message_bytes)
     servicer = ExecutorServicer(instance_id, tokens, metrics, shared_memory=config.shared_memory_enabled,
-                                admin_tenants=config.admin_tenants, registry=registry)
+                                admin_tenants=config.admin_tenants, registry=registry, push=push)
     add_executor_service(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection((SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME), server)

@@ -27,6 +27,9 @@ from ferrum_rpc.errors import StartupError, Unauthenticated, to_rpc_status
 log = logging.getLogger(__name__)
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)  # probes need these without credentials
+# A push from another server carries an import ticket instead of a token (the servicer checks it)
+TICKETED_METHODS = ("/ferrum.executor.v1.ModelExecutor/ImportSequence",)
+TICKET_HEADER = "ferrum-import-ticket"
 _MIN_TOKEN_CHARS = 16
 HANDLER_FACTORIES = {  # gRPC method-handler factories by (request streaming, response streaming)
     (False, False): grpc.unary_unary_rpc_method_handler,
@@ -93,7 +96,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self.tokens = tokens
 
     async def intercept_service(self, continuation, details):
-        if details.method.startswith(OPEN_PREFIXES) or self.tokens.tenant_for(details.invocation_metadata):
+        if details.method.startswith(OPEN_PREFIXES) or self.tokens.tenant_for(details.invocation_metadata) or (
+                details.method in TICKETED_METHODS
+                and any(key == TICKET_HEADER for key, _ in details.invocation_metadata or ())):
             return await continuation(details)
         handler = await continuation(details)
         if handler is None:

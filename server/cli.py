@@ -114,7 +114,8 @@ def _server_config(args: argparse.Namespace, executor):
                           auth_tokens=args.auth_tokens, insecure=args.insecure,
                           metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                           shared_memory=args.shared_memory, port_file=args.port_file,
-                          admin_tenants=tuple(t for t in args.admin_tenants.split(",") if t))
+                          admin_tenants=tuple(t for t in args.admin_tenants.split(",") if t),
+                          push_allow=args.push_allow, push_ca=args.push_ca, export_grace_s=args.export_grace)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 
 from ferrum_rpc.errors import StartupError
@@ -136,6 +137,12 @@ class ServerConfig:
     # here as JSON (atomically); rewritten with state "serving" once every model serves,
     # removed when the server exits.  "": none.
     port_file: str = ""
+    # Sequences that move (issue 23): the networks PushSequence may connect to (the caller
+    # names the address, so by default only this machine), the CA receivers' TLS
+    # certificates chain to, and how long a draining server keeps answering exports.
+    push_allow: str = "loopback"
+    push_ca: str = ""
+    export_grace_s: float = 0.0  # off by default: a drain ends as soon as in-flight calls do
 
     @property
     def shared_memory_enabled(self) -> bool:
@@ -148,6 +155,12 @@ class ServerConfig:
             raise StartupError("--tls-cert and --tls-key go together")
         if self.tls_client_ca and not self.tls_cert:
             raise StartupError("--tls-client-ca needs --tls-cert and --tls-key")
+        if not 0 <= self.export_grace_s <= 300:
+            raise StartupError(f"--export-grace must be in 0..=300 seconds, got {self.export_grace_s}")
+        try:
+            parse_allow(self.push_allow)
+        except ValueError as exc:
+            raise StartupError(f"--push-allow {self.push_allow!r}: {exc}") from None
         if not is_loopback(self.host) and not (self.tls_cert and self.auth_tokens) and not self.insecure:
             raise StartupError(
                 f"refusing to serve on {self.host} without TLS and tokens: anyone who can reach it could "
@@ -165,3 +178,15 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def parse_allow(spec: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """``--push-allow``: comma-separated networks (CIDR or addresses); "loopback" for
+    127.0.0.0/8 and ::1, "none" for nothing."""
+    nets = []
+    for item in (s.strip() for s in spec.split(",")):
+        if item == "loopback":
+            nets += [ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128")]
+        elif item and item != "none":
+            nets.append(ipaddress.ip_network(item, strict=False))
+    return tuple(nets)

@@ -47,6 +47,7 @@ from ferrum_rpc.server.kv_manager import BlockManager, SequenceState
 from ferrum_rpc.server.models import load_model
 from ferrum_rpc.server.prompt import PromptInParts
 from ferrum_rpc.server.stats import Stats, measure_optimal_batch
+from ferrum_rpc.server.transfer import fingerprint, weights_digest
 from ferrum_rpc.types import (
     LOGITS_DTYPES,
     BlockTable,
@@ -171,6 +172,7 @@ class TorchExecutor:
             tp.send_pool(self.runner, num_blocks, config.block_size)
         self.stats = Stats(self)
         self.optimal_batch_size = 0  # measured by measure_optimal_batch (the server's warm-up)
+        self.weights_digest = ""  # of the model folder's files (transfer.weights_digest): the KV fingerprint
         log.info("%s: KV pool of %d blocks x %d tokens (%.1f MiB on %s)", name, num_blocks,
                  config.block_size, self.pool.nbytes / 2**20, self.device)
 
@@ -199,7 +201,9 @@ class TorchExecutor:
             device, tp = group.device(config.device), (group.rank, group.degree)
         model = load_model(path, TORCH_DTYPES[config.dtype], device, config.linear_kernel, config.quantize,
                            config.step_ops, tp=tp)
-        return cls(name, model, config, instance_id or uuid.uuid4().hex)
+        executor = cls(name, model, config, instance_id or uuid.uuid4().hex)
+        executor.weights_digest = weights_digest(path)
+        return executor
 
     # -- statistics (stats.py) ------------------------------------------------------
     @property
@@ -257,6 +261,7 @@ class TorchExecutor:
             supported_devices=("cpu", "cuda") if torch.cuda.is_available() else ("cpu",),
             memory=self.memory_requirements(), optimal_batch_size=self.optimal_batch_size,
             token_choice=True, tensor_parallel=self.shard is not None,
+            accepts_imports=self.shard is None, kv_fingerprint=fingerprint(self).digest,
             tensor_parallel_degree=self.shard.degree if self.shard else 1,
             tensor_parallel_fallbacks=self._fallbacks(),
         )

@@ -39,7 +39,9 @@ from ferrum_rpc.errors import (
     to_status_proto,
 )
 from ferrum_rpc.server.auth import HANDLER_FACTORIES, TokenTable
+from ferrum_rpc.server import transfer
 from ferrum_rpc.server.executor import Undo
+from ferrum_rpc.server.migration import PushConfig, TransferRpcs
 from ferrum_rpc.server.registry import Registry
 from ferrum_rpc.server.shm import SharedMemoryRegistry
 from ferrum_rpc.server.worker import ModelWorker
@@ -256,7 +258,7 @@ def _required_handle(message) -> KvCacheHandle:
     return convert.handle_from_proto(message.kv_cache)
 
 
-def _handler(*, admit: bool = True, admin: bool = False, observe: bool = True):
+def _handler(*, admit: bool = True, admin: bool = False, observe: bool = True, ticketed: bool = False):
     """The one wrapper around every RPC: a request that did not parse is refused,
     the caller's tenant is found (and passed to the method as its last
     argument: every call below takes it explicitly), admin-only calls are checked, ``admit`` calls
@@ -271,7 +273,10 @@ def _handler(*, admit: bool = True, admin: bool = False, observe: bool = True):
     CancelledError rises from the ``write`` it waits in, and the generator is
     closed there and then, so its ``except``/``finally`` undo at once.  Served as
     a generator, a call cancelled while gRPC was sending would leave the
-    generator suspended at its ``yield`` until the garbage collector found it."""
+    generator suspended at its ``yield`` until the garbage collector found it.
+
+    ``ticketed`` (ImportSequence): a call carrying an import ticket runs as the
+    ticket's tenant, the ticket claimed for the call and used up if it succeeds."""
 
     def wrap(method):
         def enter(self, request, context, stack: contextlib.ExitStack) -> str:
@@ -279,6 +284,11 @@ def _handler(*, admit: bool = True, admin: bool = False, observe: bool = True):
             _check_parsed(request)  # a client stream's messages are checked one by one
             if self.lost is not None:  # a tensor-parallel rank is gone: nothing is answered again
                 raise self.lost
+            presented = transfer.ticket_of(context.invocation_metadata()) if ticketed else None
+            if presented is not None:
+                if admit:
+                    stack.enter_context(self._admit())
+                return stack.enter_context(self.redeemed(*presented)).tenant
             tenant = self._tenant_of(context)
             if admin:
                 self._check_admin(tenant)
@@ -328,11 +338,14 @@ _query = _handler(admit=False)
 _rpc = _handler()
 
 
-class ExecutorServicer(pb_grpc.ModelExecutorServicer):
+class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
     """Routes each request to the worker of the model it names (empty = the default)."""
 
     def __init__(self, instance_id: str, tokens: TokenTable | None = None, metrics=None,
-                 shared_memory: bool = False, admin_tenants: tuple[str, ...] = (), *, registry: Registry):
+                 shared_memory: bool = False, admin_tenants: tuple[str, ...] = (), *, registry: Registry,
+                 push: PushConfig = PushConfig()):
+        self.tickets = transfer.TicketBook()  # import tickets issued here (issue 23)
+        self.push = push  # where PushSequence may connect, and how
         self.instance_id = instance_id
         self.admin_tenants = frozenset(admin_tenants)
         self.registry = registry  # the models hosted, and how they are loaded and unloaded
@@ -837,6 +850,13 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         bad = [t for t in request.stop_token_ids if t >= vocab]
         if bad:
             raise InvalidInput(f"stop_token_ids {bad[:4]} are outside the vocabulary (size {vocab})")
+    # -- sequences that move (issue 23; the bodies are migration.TransferRpcs') ---------
+    # Exports and pushes are answered while draining too: a drained replica's sequences
+    # leave by them (see App.drain's export grace).
+    ExportSequence = _handler(admit=False)(TransferRpcs.ExportSequence)
+    ImportSequence = _handler(ticketed=True)(TransferRpcs.ImportSequence)
+    CreateImportTicket = _rpc(TransferRpcs.CreateImportTicket)
+    PushSequence = _handler(admit=False)(TransferRpcs.PushSequence)
 
     # -- the model registry --------------------------------------------------------
     def _check_admin(self, tenant: str) -> None:

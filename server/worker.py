@@ -227,6 +227,13 @@ class ModelWorker:
                              tenant=tenant))
         return await self._await(job, lambda children: [Undo.of(None, c) for c in children])
 
+    async def create(self, fn: Callable[..., KvCacheHandle], *args: Any, deadline: float | None = None,
+                     tenant: str = "") -> KvCacheHandle:
+        """A call that makes one new sequence and returns its handle (ImportSequence):
+        released again if its caller went away."""
+        job = self._put(_Job(fn, args, deadline=deadline, tenant=tenant))
+        return await self._await(job, lambda handle: [Undo.of(None, handle)])
+
     async def _await(self, job: _Job, undo: Callable[[Any], list[Undo]] | None = None) -> Any:
         """Waits for a job.  If the waiting coroutine is cancelled (gRPC cancels a
         handler whose caller cancelled, disconnected or ran out of time), a queued

@@ -38,6 +38,7 @@ PAIRS = {
     pb.TokenChoice: (t.TokenChoice, {}),
     pb.ChosenToken: (t.ChosenToken, {}),
     pb.TokenLogprob: (t.TokenLogprob, {}),
+    pb.PushSequenceResponse: (t.SequencePush, {}),
 }
 
 
@@ -56,7 +57,7 @@ def test_every_response_message_with_a_handle_is_mirrored():
     mirrored = {m.DESCRIPTOR.name for m in PAIRS}
     handled_elsewhere = {  # replies the client turns into one of the mirrored types, or a plain handle
         "BatchDecodeResponse", "BatchPrefillResponse", "DecodeSessionResponse", "TruncateKvResponse",
-        "ForkCacheResponse",
+        "ForkCacheResponse", "ImportSequenceResponse",
     }
     carriers = {m.name for m in pb.DESCRIPTOR.message_types_by_name.values()
                 if m.name.endswith(("Response", "Result"))

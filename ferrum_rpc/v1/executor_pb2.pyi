@@ -258,7 +258,7 @@ class GetCapabilitiesRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("model", "max_batch_size", "max_sequence_length", "kv_block_size", "kv_num_blocks", "kv_capacity_tokens", "logits_kinds", "logits_dtypes", "chunked_prefill", "forward_verify", "truncate_kv", "max_message_bytes", "models", "idle_timeout_s", "prefill_chunk_tokens", "decode_session", "prefix_cache", "fork_cache", "mixture_of_experts", "architecture", "kv_bytes", "kernel_path", "cpu_capability", "quantization", "shared_memory", "speculative_decode", "batch_prefill", "attention_mechanisms", "supported_dtypes", "supported_devices", "tensor_parallel", "pipeline_parallel", "dynamic_batching", "continuous_batching", "memory", "optimal_batch_size", "token_choice", "max_decode_ahead", "tensor_parallel_degree", "tensor_parallel_fallbacks")
+    __slots__ = ("model", "max_batch_size", "max_sequence_length", "kv_block_size", "kv_num_blocks", "kv_capacity_tokens", "logits_kinds", "logits_dtypes", "chunked_prefill", "forward_verify", "truncate_kv", "max_message_bytes", "models", "idle_timeout_s", "prefill_chunk_tokens", "decode_session", "prefix_cache", "fork_cache", "mixture_of_experts", "architecture", "kv_bytes", "kernel_path", "cpu_capability", "quantization", "shared_memory", "speculative_decode", "batch_prefill", "attention_mechanisms", "supported_dtypes", "supported_devices", "tensor_parallel", "pipeline_parallel", "dynamic_batching", "continuous_batching", "memory", "optimal_batch_size", "token_choice", "max_decode_ahead", "tensor_parallel_degree", "tensor_parallel_fallbacks", "accepts_imports", "kv_fingerprint")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -299,6 +299,8 @@ class Capabilities(_message.Message):
     MAX_DECODE_AHEAD_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_DEGREE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_IMPORTS_FIELD_NUMBER: _ClassVar[int]
+    KV_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_batch_size: int
     max_sequence_length: int
@@ -339,7 +341,9 @@ class Capabilities(_message.Message):
     max_decode_ahead: int
     tensor_parallel_degree: int
     tensor_parallel_fallbacks: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., logits_kinds: _Optional[_Iterable[_Union[LogitsKind, str]]] = ..., logits_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., chunked_prefill: _Optional[bool] = ..., forward_verify: _Optional[bool] = ..., truncate_kv: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., idle_timeout_s: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., decode_session: _Optional[bool] = ..., prefix_cache: _Optional[bool] = ..., fork_cache: _Optional[bool] = ..., mixture_of_experts: _Optional[bool] = ..., architecture: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., kernel_path: _Optional[str] = ..., cpu_capability: _Optional[str] = ..., quantization: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., speculative_decode: _Optional[bool] = ..., batch_prefill: _Optional[bool] = ..., attention_mechanisms: _Optional[_Iterable[str]] = ..., supported_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., supported_devices: _Optional[_Iterable[str]] = ..., tensor_parallel: _Optional[bool] = ..., pipeline_parallel: _Optional[bool] = ..., dynamic_batching: _Optional[bool] = ..., continuous_batching: _Optional[bool] = ..., memory: _Optional[_Union[MemoryRequirements, _Mapping]] = ..., optimal_batch_size: _Optional[int] = ..., token_choice: _Optional[bool] = ..., max_decode_ahead: _Optional[int] = ..., tensor_parallel_degree: _Optional[int] = ..., tensor_parallel_fallbacks: _Optional[_Iterable[str]] = ...) -> None: ...
+    accepts_imports: bool
+    kv_fingerprint: str
+    def __init__(self, model: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., logits_kinds: _Optional[_Iterable[_Union[LogitsKind, str]]] = ..., logits_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., chunked_prefill: _Optional[bool] = ..., forward_verify: _Optional[bool] = ..., truncate_kv: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., idle_timeout_s: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., decode_session: _Optional[bool] = ..., prefix_cache: _Optional[bool] = ..., fork_cache: _Optional[bool] = ..., mixture_of_experts: _Optional[bool] = ..., architecture: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., kernel_path: _Optional[str] = ..., cpu_capability: _Optional[str] = ..., quantization: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., speculative_decode: _Optional[bool] = ..., batch_prefill: _Optional[bool] = ..., attention_mechanisms: _Optional[_Iterable[str]] = ..., supported_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., supported_devices: _Optional[_Iterable[str]] = ..., tensor_parallel: _Optional[bool] = ..., pipeline_parallel: _Optional[bool] = ..., dynamic_batching: _Optional[bool] = ..., continuous_batching: _Optional[bool] = ..., memory: _Optional[_Union[MemoryRequirements, _Mapping]] = ..., optimal_batch_size: _Optional[int] = ..., token_choice: _Optional[bool] = ..., max_decode_ahead: _Optional[int] = ..., tensor_parallel_degree: _Optional[int] = ..., tensor_parallel_fallbacks: _Optional[_Iterable[str]] = ..., accepts_imports: _Optional[bool] = ..., kv_fingerprint: _Optional[str] = ...) -> None: ...
 
 class MemoryRequirements(_message.Message):
     __slots__ = ("parameter_bytes", "kv_bytes_per_token_per_layer", "activation_bytes_per_token", "overhead_bytes", "num_layers")
@@ -838,3 +842,129 @@ class UnloadModelResponse(_message.Message):
     SEQUENCES_DROPPED_FIELD_NUMBER: _ClassVar[int]
     sequences_dropped: int
     def __init__(self, sequences_dropped: _Optional[int] = ...) -> None: ...
+
+class KvFingerprint(_message.Message):
+    __slots__ = ("weights_digest", "dtype", "quantization", "kv_layout", "block_size", "tensor_parallel", "digest")
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    weights_digest: str
+    dtype: DType
+    quantization: str
+    kv_layout: str
+    block_size: int
+    tensor_parallel: int
+    digest: str
+    def __init__(self, weights_digest: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., quantization: _Optional[str] = ..., kv_layout: _Optional[str] = ..., block_size: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
+
+class ExportSequenceRequest(_message.Message):
+    __slots__ = ("kv_cache", "model", "chunk_bytes")
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    kv_cache: KvCacheHandle
+    model: str
+    chunk_bytes: int
+    def __init__(self, kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., model: _Optional[str] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class SequenceChunk(_message.Message):
+    __slots__ = ("header", "kv", "trailer")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    header: SequenceHeader
+    kv: KvChunk
+    trailer: SequenceTrailer
+    def __init__(self, header: _Optional[_Union[SequenceHeader, _Mapping]] = ..., kv: _Optional[_Union[KvChunk, _Mapping]] = ..., trailer: _Optional[_Union[SequenceTrailer, _Mapping]] = ...) -> None: ...
+
+class SequenceHeader(_message.Message):
+    __slots__ = ("format_version", "fingerprint", "token_ids", "sequence_length", "prompt_spans", "kv_bytes", "kv_bytes_per_token", "model")
+    FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_SPANS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    format_version: int
+    fingerprint: KvFingerprint
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sequence_length: int
+    prompt_spans: _containers.RepeatedScalarFieldContainer[int]
+    kv_bytes: int
+    kv_bytes_per_token: int
+    model: str
+    def __init__(self, format_version: _Optional[int] = ..., fingerprint: _Optional[_Union[KvFingerprint, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sequence_length: _Optional[int] = ..., prompt_spans: _Optional[_Iterable[int]] = ..., kv_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+
+class KvChunk(_message.Message):
+    __slots__ = ("first_token", "num_tokens", "data")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    num_tokens: int
+    data: bytes
+    def __init__(self, first_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class SequenceTrailer(_message.Message):
+    __slots__ = ("checksum",)
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    checksum: bytes
+    def __init__(self, checksum: _Optional[bytes] = ...) -> None: ...
+
+class ImportSequenceResponse(_message.Message):
+    __slots__ = ("kv_cache",)
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    kv_cache: KvCacheHandle
+    def __init__(self, kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ...) -> None: ...
+
+class CreateImportTicketRequest(_message.Message):
+    __slots__ = ("model", "fingerprint", "ttl_s")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    fingerprint: str
+    ttl_s: float
+    def __init__(self, model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class ImportTicket(_message.Message):
+    __slots__ = ("ticket", "ttl_s", "model")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ticket: str
+    ttl_s: float
+    model: str
+    def __init__(self, ticket: _Optional[str] = ..., ttl_s: _Optional[float] = ..., model: _Optional[str] = ...) -> None: ...
+
+class PushSequenceRequest(_message.Message):
+    __slots__ = ("kv_cache", "model", "target", "ticket", "move", "chunk_bytes")
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    MOVE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    kv_cache: KvCacheHandle
+    model: str
+    target: str
+    ticket: str
+    move: bool
+    chunk_bytes: int
+    def __init__(self, kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., model: _Optional[str] = ..., target: _Optional[str] = ..., ticket: _Optional[str] = ..., move: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class PushSequenceResponse(_message.Message):
+    __slots__ = ("kv_cache", "bytes_sent", "released")
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    kv_cache: KvCacheHandle
+    bytes_sent: int
+    released: bool
+    def __init__(self, kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., bytes_sent: _Optional[int] = ..., released: _Optional[bool] = ...) -> None: ...

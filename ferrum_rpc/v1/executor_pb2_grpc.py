@@ -132,6 +132,26 @@ class ModelExecutorStub:
                 request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.UnregisterSharedMemoryRequest.SerializeToString,
                 response_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.UnregisterSharedMemoryResponse.FromString,
                 _registered_method=True)
+        self.ExportSequence = channel.unary_stream(
+                '/ferrum.executor.v1.ModelExecutor/ExportSequence',
+                request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.ExportSequenceRequest.SerializeToString,
+                response_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.SequenceChunk.FromString,
+                _registered_method=True)
+        self.ImportSequence = channel.stream_unary(
+                '/ferrum.executor.v1.ModelExecutor/ImportSequence',
+                request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.SequenceChunk.SerializeToString,
+                response_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.ImportSequenceResponse.FromString,
+                _registered_method=True)
+        self.CreateImportTicket = channel.unary_unary(
+                '/ferrum.executor.v1.ModelExecutor/CreateImportTicket',
+                request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.CreateImportTicketRequest.SerializeToString,
+                response_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.ImportTicket.FromString,
+                _registered_method=True)
+        self.PushSequence = channel.unary_unary(
+                '/ferrum.executor.v1.ModelExecutor/PushSequence',
+                request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.PushSequenceRequest.SerializeToString,
+                response_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.PushSequenceResponse.FromString,
+                _registered_method=True)
 
 
 class ModelExecutorServicer:
@@ -304,6 +324,50 @@ class ModelExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportSequence(self, request, context):
+        """Sequences that move (issue 23). Reads a sequence out as a stream: one
+        `header` (tokens, length, the compatibility fingerprint), its KV in
+        `kv` chunks (the pool's dtype, at most ExportSequenceRequest.chunk_bytes
+        each), one `trailer` (a checksum). The sequence is unchanged. The messages
+        written one after another, each prefixed with its length as a varint
+        (protobuf's "delimited" framing), are the export file format.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportSequence(self, request_iterator, context):
+        """Writes an exported stream into this server: a new sequence of the caller's
+        tenant, its full blocks in the prefix cache. A push from another server
+        carries, instead of a bearer token, the metadata "ferrum-import-ticket" (a
+        ticket this server issued) and "ferrum-import-tenant" (the tenant the pusher's
+        caller is; it must be the ticket's): the sequence is the ticket's tenant's,
+        and the ticket is used up if the import succeeds. Everything is
+        checked (fingerprint, sizes, checksum, pool room, quotas) before a block is
+        taken; a refused, truncated or cancelled import changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateImportTicket(self, request, context):
+        """Issues a single-use, short-lived ticket that lets another server push one
+        sequence into this one for the caller's tenant (see PushSequence).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushSequence(self, request, context):
+        """Streams a sequence of the caller's straight to another server (its
+        address and a ticket it issued given by the caller): this server is the
+        client of that one's ImportSequence. With `move`, the sequence is released
+        here once the receiver confirmed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -401,6 +465,26 @@ def add_ModelExecutorServicer_to_server(servicer, server):
                     servicer.UnregisterSharedMemory,
                     request_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.UnregisterSharedMemoryRequest.FromString,
                     response_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.UnregisterSharedMemoryResponse.SerializeToString,
+            ),
+            'ExportSequence': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportSequence,
+                    request_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.ExportSequenceRequest.FromString,
+                    response_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.SequenceChunk.SerializeToString,
+            ),
+            'ImportSequence': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportSequence,
+                    request_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.SequenceChunk.FromString,
+                    response_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.ImportSequenceResponse.SerializeToString,
+            ),
+            'CreateImportTicket': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateImportTicket,
+                    request_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.CreateImportTicketRequest.FromString,
+                    response_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.ImportTicket.SerializeToString,
+            ),
+            'PushSequence': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushSequence,
+                    request_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.PushSequenceRequest.FromString,
+                    response_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.PushSequenceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -919,6 +1003,114 @@ class ModelExecutor:
             '/ferrum.executor.v1.ModelExecutor/UnregisterSharedMemory',
             ferrum__rpc_dot_v1_dot_executor__pb2.UnregisterSharedMemoryRequest.SerializeToString,
             ferrum__rpc_dot_v1_dot_executor__pb2.UnregisterSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportSequence(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/ExportSequence',
+            ferrum__rpc_dot_v1_dot_executor__pb2.ExportSequenceRequest.SerializeToString,
+            ferrum__rpc_dot_v1_dot_executor__pb2.SequenceChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportSequence(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/ImportSequence',
+            ferrum__rpc_dot_v1_dot_executor__pb2.SequenceChunk.SerializeToString,
+            ferrum__rpc_dot_v1_dot_executor__pb2.ImportSequenceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateImportTicket(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/CreateImportTicket',
+            ferrum__rpc_dot_v1_dot_executor__pb2.CreateImportTicketRequest.SerializeToString,
+            ferrum__rpc_dot_v1_dot_executor__pb2.ImportTicket.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushSequence(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/PushSequence',
+            ferrum__rpc_dot_v1_dot_executor__pb2.PushSequenceRequest.SerializeToString,
+            ferrum__rpc_dot_v1_dot_executor__pb2.PushSequenceResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,204 @@
+"""The RPCs of sequences that move (issue 23): ExportSequence, ImportSequence,
+CreateImportTicket and PushSequence, mixed into the servicer.
+
+They translate, as every handler does; what a stream holds and how it is checked
+is ``transfer.py``.  A push makes this server the client of the receiver's
+ImportSequence: it presents only the ticket the receiver issued to the caller's
+tenant (and says which tenant that is, so a ticket of another tenant is refused),
+never the caller's credentials, over TLS when this server serves TLS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from ferrum_rpc import convert
+from ferrum_rpc.errors import ExecutorError, FingerprintMismatch, InvalidInput, from_rpc_error
+from ferrum_rpc.server import transfer
+from ferrum_rpc.server.config import parse_allow
+from ferrum_rpc.v1 import executor_pb2 as pb
+from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PushConfig:
+    """Where and how this server pushes sequences.
+
+    Attributes:
+        allowed: networks a push target's addresses must lie in (``--push-allow``).
+        tls: connect to receivers over TLS (this server serves TLS).
+        ca: PEM CA bundle the receiver's certificate must chain to ("": the system roots).
+        cert, key: this server's certificate and key, shown to receivers that require mTLS.
+        max_message_bytes: the channel's message limit.
+    """
+
+    allowed: tuple = parse_allow("loopback")
+    tls: bool = False
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+    max_message_bytes: int = 256 << 20
+
+    def channel(self, address: str, host: str) -> grpc.aio.Channel:
+        options = [("grpc.max_send_message_length", self.max_message_bytes + (1 << 20)),
+                   ("grpc.max_receive_message_length", self.max_message_bytes + (1 << 20))]
+        if not self.tls:
+            return grpc.aio.insecure_channel(address, options=options)
+        read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+        creds = grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
+        return grpc.aio.secure_channel(address, creds, options=options + [("grpc.ssl_target_name_override", host)])
+
+
+class TransferRpcs:
+    """The handlers' bodies; ``servicer.py`` wraps each with its ``_handler``."""
+
+    tickets: transfer.TicketBook
+    push: PushConfig
+    transfers = 0  # exports and pushes running now (a draining server waits for them: App.drain)
+
+    @contextlib.contextmanager
+    def _transfer(self):
+        self.transfers += 1
+        try:
+            yield
+        finally:
+            self.transfers -= 1
+
+    def _chunk_bytes(self, worker, asked: int) -> int:
+        limit = worker.executor.config.max_message_bytes
+        return min(asked or transfer.DEFAULT_CHUNK_BYTES, limit)
+
+    @staticmethod
+    def _check_unsplit(worker, rpc: str) -> None:
+        """A tensor-parallel server's KV is split by head over its ranks: rank 0 alone
+        cannot export or import a whole sequence (not built yet)."""
+        if getattr(worker.executor, "shard", None) is not None:
+            raise ExecutorError(f"{rpc} is not served with --tensor-parallel yet: each rank holds only its KV "
+                                f"heads", code=grpc.StatusCode.UNIMPLEMENTED)
+
+    async def _snapshot(self, request, context, tenant: str):
+        from ferrum_rpc.server.servicer import _deadline, _required_handle  # the servicer imports this module
+
+        worker = self._worker(request.model or request.kv_cache.model)
+        self._check_unsplit(worker, "exporting a sequence")
+        snap = await worker.call(transfer.snapshot, worker.executor, _required_handle(request), tenant,
+                                 deadline=_deadline(context))
+        return worker, snap
+
+    async def ExportSequence(self, request, context, tenant: str):
+        """Header, KV chunks, trailer (see ``transfer.export_messages``); the sequence is unchanged."""
+        with self._transfer():
+            worker, snap = await self._snapshot(request, context, tenant)
+            for message in transfer.export_messages(snap, self._chunk_bytes(worker, request.chunk_bytes)):
+                yield message
+
+    @contextlib.contextmanager
+    def redeemed(self, secret: str, stated_tenant: str):
+        """A ticketed import's tenant: the ticket is claimed for the call, used if it
+        succeeds, given back (within its lifetime) if it fails."""
+        ticket = self.tickets.claim(secret, stated_tenant)
+        try:
+            yield ticket
+        except BaseException:
+            self.tickets.finish(ticket, ok=False)
+            raise
+        self.tickets.finish(ticket, ok=True)
+
+    def _import_target(self, header: pb.SequenceHeader, ticket: transfer.Ticket | None):
+        """The worker an import goes to: the ticket's model, else the hosted model with
+        the stream's fingerprint (its own name first), else the default one (which
+        then refuses it with the precise difference)."""
+        if ticket is not None:
+            return self._worker(ticket.model), ticket.fingerprint
+        workers = self.workers
+        named = workers.get(header.model)
+        ordered = ([named] if named is not None else []) + list(workers.values())
+        for worker in ordered:
+            if transfer.fingerprint(worker.executor).digest == header.fingerprint.digest:
+                return worker, None
+        return self._worker(""), None
+
+    async def ImportSequence(self, request_iterator, context, tenant: str):
+        """Every message is checked as it arrives; the sequence is made in one worker job
+        after the trailer (nothing is taken before); a cancelled import is undone."""
+        from ferrum_rpc.server.servicer import _deadline
+
+        presented = transfer.ticket_of(context.invocation_metadata())
+        ticket = self.tickets.claimed(presented[0]) if presented else None
+        receiver, worker = None, None
+        async for message in request_iterator:
+            if not isinstance(message, pb.SequenceChunk):  # bytes that did not parse
+                raise InvalidInput(getattr(message, "why", "a malformed SequenceChunk"))
+            if receiver is None:
+                if message.WhichOneof("part") != "header":
+                    raise InvalidInput("an import stream starts with its header")
+                worker, expected = self._import_target(message.header, ticket)
+                self._check_unsplit(worker, "ImportSequence")
+                receiver = transfer.Receiver(worker.executor, expected)
+            receiver.take(message)
+        if receiver is None:
+            raise transfer.TransferCorrupted("the import stream was empty: truncated")
+        incoming = receiver.done()
+        handle = await worker.create(transfer.install, worker.executor, incoming, tenant,
+                                     deadline=_deadline(context), tenant=tenant)
+        return pb.ImportSequenceResponse(kv_cache=convert.handle_to_proto(handle))
+
+    async def CreateImportTicket(self, request, context, tenant: str):
+        worker = self._worker(request.model)
+        self._check_unsplit(worker, "CreateImportTicket")
+        ours = transfer.fingerprint(worker.executor).digest
+        if request.fingerprint and request.fingerprint != ours:
+            raise FingerprintMismatch(f"this server's fingerprint is {ours}, not {request.fingerprint[:64]!r}")
+        ticket = self.tickets.issue(tenant, worker.executor.name, ours, request.ttl_s)
+        return pb.ImportTicket(ticket=ticket.secret, ttl_s=ticket.expires - time.monotonic(), model=ticket.model)
+
+    async def PushSequence(self, request, context, tenant: str):
+        """Streams a snapshot of the sequence to the receiver's ImportSequence; with
+        ``move`` releases it here once the receiver confirmed (unless a call changed it
+        meanwhile: then it stays and ``released`` is false)."""
+        with self._transfer():
+            return await self._push(request, context, tenant)
+
+    async def _push(self, request, context, tenant: str):
+        if not request.ticket:
+            raise InvalidInput("ticket is required: ask the receiver for one (CreateImportTicket)")
+        loop = asyncio.get_running_loop()
+        address, host = await loop.run_in_executor(None, transfer.check_target, request.target, self.push.allowed)
+        worker, snap = await self._snapshot(request, context, tenant)
+        sent = 0
+
+        def counted():
+            nonlocal sent
+            for message in transfer.export_messages(snap, self._chunk_bytes(worker, request.chunk_bytes)):
+                sent += message.ByteSize()
+                yield message
+
+        start = time.perf_counter()
+        remaining = context.time_remaining()
+        async with self.push.channel(address, host) as channel:
+            try:
+                reply = await pb_grpc.ModelExecutorStub(channel).ImportSequence(
+                    counted(), timeout=remaining,
+                    metadata=((transfer.TICKET_HEADER, request.ticket), (transfer.TENANT_HEADER, tenant)))
+            except grpc.RpcError as exc:
+                err = from_rpc_error(exc)
+                if err.reason is None:  # not the receiver's refusal: it could not be reached, or broke
+                    raise ExecutorError(f"the push to {request.target} failed: {err}",
+                                        code=grpc.StatusCode.ABORTED) from None
+                raise err from None
+        released = False
+        if request.move:
+            released = await worker.call(transfer.release_if_unchanged, worker.executor, snap, tenant)
+        log.info("pushed %s (%d tokens, %d bytes) to %s in %.1f ms%s", snap.handle.cache_id, len(snap.tokens),
+                 sent, request.target, 1e3 * (time.perf_counter() - start),
+                 " and released it" if released else " (kept here)")
+        return pb.PushSequenceResponse(kv_cache=reply.kv_cache, bytes_sent=sent, released=released)

@@ -1,0 +1,404 @@
+"""Sequences that move (issue 23): export a sequence as tokens + KV + a compatibility
+fingerprint, import such a stream, and the single-use tickets of server-to-server pushes.
+
+An export is a stream of ``SequenceChunk`` messages: one header (tokens, prompt
+spans, the fingerprint, sizes), the KV of consecutive tokens in chunks (the pool's
+dtype, K then V, all layers), one trailer (a BLAKE2b checksum).  The importer checks
+every part as it arrives (:class:`Receiver`, no executor state touched) and only
+then, in one worker job (:func:`install`), takes blocks, writes the pool and makes
+the sequence: a refused, truncated or cancelled import leaves blocks, sequences
+and the prefix cache exactly as they were.
+
+KV moves bit for bit (no recomputation), so the next decode after an import gives
+the same float32 logits as it would have on the exporting server, provided both
+run the same weights, dtype, quantization and KV layout: what the fingerprint
+says.  The fingerprint's weights digest hashes the model folder's files, so it
+survives a restart, and an export kept as bytes imports into the restarted server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import logging
+import secrets
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ferrum_rpc import tensor_codec
+from ferrum_rpc.errors import (
+    FingerprintMismatch,
+    InvalidInput,
+    KvCapacityExhausted,
+    PushTargetRefused,
+    TenantQuotaExceeded,
+    TicketExpired,
+    TicketNotFound,
+    TicketUsed,
+    TransferCorrupted,
+    shown,
+)
+from ferrum_rpc.server.auth import TICKET_HEADER  # ImportSequence with a ticket: a push from another server
+from ferrum_rpc.types import KvCacheHandle
+from ferrum_rpc.v1 import executor_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+DEFAULT_CHUNK_BYTES = 4 << 20  # small enough to interleave with other calls' replies, big enough to amortize
+TENANT_HEADER = "ferrum-import-tenant"  # the tenant the pushing server's caller is (the ticket must be theirs)
+DEFAULT_TICKET_TTL_S = 30.0
+MAX_TICKET_TTL_S = 300.0
+MAX_TICKETS = 10_000  # outstanding tickets kept (the oldest go first)
+
+
+# -- the fingerprint ------------------------------------------------------------------------
+
+
+def weights_digest(path: str | Path) -> str:
+    """BLAKE2b-256 (hex) of a model folder's config.json and *.safetensors, in name order
+    (~1 GB/s: half a second for SmolLM2-135M in float32)."""
+    folder = Path(path)
+    files = [folder / "config.json", *sorted(folder.glob("*.safetensors"))]
+    h = hashlib.blake2b(digest_size=32)
+    for f in files:
+        h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            h.update(hashlib.file_digest(fh, lambda: hashlib.blake2b(digest_size=32)).digest())
+    return h.hexdigest()
+
+
+def fingerprint(executor) -> pb.KvFingerprint:
+    """The executor's KV compatibility fingerprint (``KvFingerprint``), digest filled in."""
+    mc = executor.model_config
+    fp = pb.KvFingerprint(
+        weights_digest=executor.weights_digest, dtype=tensor_codec.dtype_to_proto(executor.config.dtype),
+        quantization=executor.config.quantize, block_size=executor.kv.block_size, tensor_parallel=1,
+        kv_layout=f"paged-kv/v1 layers={mc.num_layers} kv_heads={mc.num_kv_heads} head_dim={mc.head_dim}")
+    fp.digest = fingerprint_digest(fp)
+    return fp
+
+
+def fingerprint_digest(fp: pb.KvFingerprint) -> str:
+    """BLAKE2b-128 (hex) over the fingerprint's fields (not its own digest)."""
+    text = "\n".join(str(v) for v in (fp.weights_digest, fp.dtype, fp.quantization, fp.kv_layout,
+                                      fp.block_size, fp.tensor_parallel))
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def _check_fingerprint(theirs: pb.KvFingerprint, ours: pb.KvFingerprint) -> None:
+    if fingerprint_digest(theirs) != theirs.digest:
+        raise TransferCorrupted("the header's fingerprint digest does not match its fields")
+    if theirs.digest == ours.digest:
+        return
+    differ = [name for name in ("weights_digest", "dtype", "quantization", "kv_layout", "block_size",
+                                "tensor_parallel") if getattr(theirs, name) != getattr(ours, name)]
+    raise FingerprintMismatch(f"the export's KV is not compatible with this server's (differs in: "
+                              f"{', '.join(differ)}; export {theirs.digest}, here {ours.digest})")
+
+
+def _bytes_per_token(executor) -> int:
+    mc = executor.model_config
+    return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * executor.pool.k.element_size()
+
+
+def _pool_rows(executor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the pool as (layers, slots, kv_heads, head_dim) views."""
+    pool = executor.pool
+    L, _, _, H, D = pool.k.shape
+    return pool.k.view(L, -1, H, D), pool.v.view(L, -1, H, D)
+
+
+# -- export ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A sequence as it was when read (worker thread), to be streamed from any thread."""
+
+    handle: KvCacheHandle
+    tokens: tuple[int, ...]
+    spans: tuple[tuple[int, int], ...]
+    kv: torch.Tensor  # (2, layers, tokens, kv_heads, head_dim) on the CPU, the pool's dtype
+    fingerprint: pb.KvFingerprint
+    model: str
+
+
+def snapshot(executor, handle: KvCacheHandle, tenant: str) -> Snapshot:
+    """Reads a sequence out (runs on the worker thread; changes nothing, not even its
+    idle clock).  Another tenant's sequence is CACHE_NOT_FOUND, as everywhere."""
+    seq = executor._resolve(handle, tenant)
+    slots = torch.tensor(executor.kv.slots(seq, 0, seq.length), dtype=torch.long, device=executor.pool.k.device)
+    k, v = _pool_rows(executor)
+    kv = torch.stack((k.index_select(1, slots), v.index_select(1, slots))).cpu()  # (2, L, T, H, D)
+    return Snapshot(executor.handle(seq), tuple(seq.tokens[:seq.length]), tuple(seq.prompt_spans), kv,
+                    fingerprint(executor), executor.name)
+
+
+def export_messages(snap: Snapshot, chunk_bytes: int = 0) -> Iterator[pb.SequenceChunk]:
+    """The export stream of a snapshot: header, KV chunks of at most ``chunk_bytes``
+    (at least one token each), trailer."""
+    kv = snap.kv
+    length = kv.shape[2]
+    per_token = kv[:, :, :1].numel() * kv.element_size()
+    h = hashlib.blake2b(digest_size=32)
+    h.update(snap.fingerprint.digest.encode())
+    h.update(b"".join(t.to_bytes(4, "little") for t in snap.tokens))
+    yield pb.SequenceChunk(header=pb.SequenceHeader(
+        format_version=FORMAT_VERSION, fingerprint=snap.fingerprint, token_ids=snap.tokens,
+        sequence_length=length, prompt_spans=[x for span in snap.spans for x in span],
+        kv_bytes=per_token * length, kv_bytes_per_token=per_token, model=snap.model))
+    step = max(1, (chunk_bytes or DEFAULT_CHUNK_BYTES) // per_token)
+    for start in range(0, length, step):
+        part = kv[:, :, start:start + step].contiguous()
+        data = part.view(torch.uint8).numpy().tobytes()  # dtype-agnostic bytes (bfloat16 has no numpy type)
+        h.update(data)
+        yield pb.SequenceChunk(kv=pb.KvChunk(first_token=start, num_tokens=part.shape[2], data=data))
+    yield pb.SequenceChunk(trailer=pb.SequenceTrailer(checksum=h.digest()))
+
+
+# -- import ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """A whole, checked import stream: what :func:`install` writes."""
+
+    tokens: list[int]
+    spans: list[tuple[int, int]]
+    kv: torch.Tensor  # (2, layers, tokens, kv_heads, head_dim), the pool's dtype, on the CPU
+    fingerprint: str
+
+
+class Receiver:
+    """Checks an import stream message by message against an executor's fixed facts
+    (fingerprint, vocabulary, maximum length, pool size, quota); reads no state that
+    the worker changes, so it runs on the event loop.  :meth:`done` gives the
+    :class:`Incoming` once the trailer's checksum matched."""
+
+    def __init__(self, executor, fingerprint_digest_expected: str | None = None):
+        self.executor = executor
+        self.ours = fingerprint(executor)
+        self.expected = fingerprint_digest_expected  # a ticket's: the stream must carry this one
+        self.header: pb.SequenceHeader | None = None
+        self.kv: torch.Tensor | None = None
+        self.received = 0  # tokens of KV so far
+        self.hash = hashlib.blake2b(digest_size=32)
+        self.checked: Incoming | None = None
+
+    def take(self, message: pb.SequenceChunk) -> None:
+        kind = message.WhichOneof("part")
+        if self.checked is not None:
+            raise InvalidInput("a message after the trailer: an import stream ends with its trailer")
+        if kind is None:
+            raise InvalidInput("an import stream message with no part (header, kv or trailer)")
+        if (kind == "header") != (self.header is None):
+            raise InvalidInput("an import stream starts with one header, and has only one"
+                               if kind == "header" else "an import stream starts with its header")
+        getattr(self, f"_{kind}")(getattr(message, kind))
+
+    def _header(self, header: pb.SequenceHeader) -> None:
+        ex = self.executor
+        if header.format_version != FORMAT_VERSION:
+            raise InvalidInput(f"format_version {header.format_version} is not {FORMAT_VERSION}")
+        if self.expected is not None and header.fingerprint.digest != self.expected:
+            raise FingerprintMismatch(f"the ticket was issued for fingerprint {self.expected}, the stream "
+                                      f"carries {shown(header.fingerprint.digest)}")
+        _check_fingerprint(header.fingerprint, self.ours)
+        length, per_token = header.sequence_length, _bytes_per_token(ex)
+        if not 1 <= length or len(header.token_ids) != length:
+            raise InvalidInput(f"sequence_length {length} with {len(header.token_ids)} token ids: they must "
+                               "agree, and a sequence has at least one token")
+        if header.kv_bytes_per_token != per_token or header.kv_bytes != per_token * length:
+            raise InvalidInput(f"kv_bytes {header.kv_bytes} ({header.kv_bytes_per_token} a token) for {length} "
+                               f"tokens; this model's KV is {per_token} bytes a token")
+        ex._check_tokens(list(header.token_ids))
+        ex._check_length(0, length)
+        ex._check_fits_pool(length)  # before any KV is buffered: a stream larger than the pool stops here
+        quota = ex.config.tenant_kv_tokens
+        if quota and ex.kv.blocks_for(length) * ex.kv.block_size > quota:
+            raise TenantQuotaExceeded(f"the sequence needs {ex.kv.blocks_for(length) * ex.kv.block_size} KV "
+                                      f"tokens, over the tenant quota of {quota}")
+        spans = list(header.prompt_spans)
+        pairs = list(zip(spans[::2], spans[1::2]))
+        if len(spans) % 2 or any(not 0 <= a < b <= length for a, b in pairs) or \
+                any(b1 > a2 for (_, b1), (a2, _) in zip(pairs, pairs[1:])):
+            raise InvalidInput("prompt_spans must be ordered [start, end) pairs within the sequence")
+        mc = ex.model_config
+        self.header = header
+        self.kv = torch.empty((2, mc.num_layers, length, mc.num_kv_heads, mc.head_dim), dtype=ex.pool.k.dtype)
+        self.hash.update(header.fingerprint.digest.encode())
+        self.hash.update(b"".join(t.to_bytes(4, "little") for t in header.token_ids))
+
+    def _kv(self, chunk: pb.KvChunk) -> None:
+        length, n = self.header.sequence_length, chunk.num_tokens
+        if chunk.first_token != self.received or n < 1 or self.received + n > length:
+            raise InvalidInput(f"a KV chunk of tokens [{chunk.first_token}, {chunk.first_token + n}) where "
+                               f"[{self.received}, ...) up to {length} was due")
+        size = n * self.header.kv_bytes_per_token
+        if len(chunk.data) != size:
+            raise InvalidInput(f"a KV chunk of {n} tokens holds {len(chunk.data)} bytes, not {size}")
+        self.hash.update(chunk.data)
+        _, L, _, H, D = self.kv.shape
+        values = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8).view(self.kv.dtype)
+        self.kv[:, :, self.received:self.received + n] = values.view(2, L, n, H, D)
+        self.received += n
+
+    def _trailer(self, trailer: pb.SequenceTrailer) -> None:
+        if self.received != self.header.sequence_length:
+            raise TransferCorrupted(f"the trailer came after {self.received} of "
+                                    f"{self.header.sequence_length} tokens of KV")
+        if not secrets.compare_digest(trailer.checksum, self.hash.digest()):
+            raise TransferCorrupted("the checksum does not match the stream: it was altered on the way")
+        spans = list(self.header.prompt_spans)
+        self.checked = Incoming(list(self.header.token_ids), list(zip(spans[::2], spans[1::2])), self.kv,
+                                self.header.fingerprint.digest)
+
+    def done(self) -> Incoming:
+        """The checked stream; TRANSFER_CORRUPTED when it ended before its trailer."""
+        if self.checked is None:
+            got = "nothing" if self.header is None else \
+                f"{self.received} of {self.header.sequence_length} tokens of KV and no trailer"
+            raise TransferCorrupted(f"the import stream ended early ({got}): truncated")
+        return self.checked
+
+
+def install(executor, incoming: Incoming, tenant: str) -> KvCacheHandle:
+    """Makes the imported sequence (runs on the worker thread): every check that reads
+    live state (sequence caps, free blocks, the tenant's quota) first, then the blocks
+    are taken, the KV written and the tokens committed, so its full blocks join this
+    server's prefix cache under ``tenant``.  Raises with nothing changed."""
+    ex, kv = executor, executor.kv
+    length = len(incoming.tokens)
+    if incoming.fingerprint != fingerprint(ex).digest:  # the model may have been reloaded meanwhile
+        raise FingerprintMismatch("this server's fingerprint changed during the import")
+    ex._check_sequence_room(tenant, 1)
+    need = kv.blocks_for(length)
+    if need > kv.num_free:
+        raise KvCapacityExhausted(f"need {need} free KV blocks, {kv.num_free} of {kv.num_blocks} free")
+    if (quota := ex.config.tenant_kv_tokens) and (kv.blocks_held(tenant) + need) * kv.block_size > quota:
+        raise TenantQuotaExceeded(f"your tenant would hold {(kv.blocks_held(tenant) + need) * kv.block_size} KV "
+                                  f"tokens, over its quota of {quota}; release or truncate sequences")
+    seq = kv.create(uuid.uuid4().hex, tenant)
+    try:
+        kv.prepare_write(seq, 0, length)  # cannot fail now: the blocks are there
+        slots = torch.tensor(kv.slots(seq, 0, length), dtype=torch.long, device=ex.pool.k.device)
+        k, v = _pool_rows(ex)
+        k[:, slots] = incoming.kv[0].to(k.device)
+        v[:, slots] = incoming.kv[1].to(v.device)
+        kv.commit(seq, 0, incoming.tokens)
+        seq.prompt_spans[:] = incoming.spans
+    except BaseException:
+        kv.release(seq.cache_id)
+        raise
+    log.info("%s: imported a sequence of %d tokens as %s", ex.name, length, seq.cache_id)
+    return ex.handle(seq)
+
+
+def release_if_unchanged(executor, snap: Snapshot, tenant: str) -> bool:
+    """A move's last step (worker thread): releases the pushed sequence unless a call
+    changed it since it was read (then it stays, and the caller is told)."""
+    seq = executor.kv.get(snap.handle.cache_id, tenant)
+    if seq.pins or seq.length != len(snap.tokens) or tuple(seq.tokens[:seq.length]) != snap.tokens:
+        return False
+    executor.kv.release(seq.cache_id)
+    return True
+
+
+# -- tickets --------------------------------------------------------------------------------
+
+
+@dataclass
+class Ticket:
+    secret: str
+    tenant: str
+    model: str
+    fingerprint: str
+    expires: float
+    state: str = "new"  # "new", "claimed" (an import is running on it), "used"
+
+
+class TicketBook:
+    """Import tickets this server issued: single-use, short-lived, bound to a tenant, a
+    model and a fingerprint.  Thread-safe; a ticket is claimed when an import starts
+    and used once it succeeds (a failed import puts it back, within its lifetime)."""
+
+    def __init__(self) -> None:
+        self._tickets: dict[str, Ticket] = {}
+        self._lock = threading.Lock()
+
+    def issue(self, tenant: str, model: str, fingerprint_digest: str, ttl_s: float) -> Ticket:
+        if not 0 <= ttl_s <= MAX_TICKET_TTL_S:
+            raise InvalidInput(f"ttl_s must be in 0..={MAX_TICKET_TTL_S:g} (0: {DEFAULT_TICKET_TTL_S:g}), got {ttl_s}")
+        ticket = Ticket(secrets.token_urlsafe(32), tenant, model, fingerprint_digest,
+                        time.monotonic() + (ttl_s or DEFAULT_TICKET_TTL_S))
+        with self._lock:
+            now = time.monotonic()
+            for key in [k for k, t in self._tickets.items() if t.expires < now - MAX_TICKET_TTL_S]:
+                del self._tickets[key]  # long past: "not found" is as true as "expired" now
+            while len(self._tickets) >= MAX_TICKETS:
+                del self._tickets[next(iter(self._tickets))]
+            self._tickets[ticket.secret] = ticket
+        return ticket
+
+    def claim(self, secret: str, tenant: str) -> Ticket:
+        """Starts an import on a ticket presented for ``tenant``; the precise refusal otherwise."""
+        with self._lock:
+            ticket = self._tickets.get(secret)
+            if ticket is None or not secrets.compare_digest(ticket.tenant.encode(), tenant.encode()):
+                raise TicketNotFound("no such import ticket for this tenant (ask the receiver for one with "
+                                     "CreateImportTicket)")
+            if ticket.state != "new":
+                raise TicketUsed("the import ticket was used already; tickets are single-use")
+            if time.monotonic() > ticket.expires:
+                raise TicketExpired("the import ticket expired; ask the receiver for a new one")
+            ticket.state = "claimed"
+            return ticket
+
+    def claimed(self, secret: str) -> Ticket:
+        """The ticket a running import claimed (see :meth:`claim`)."""
+        with self._lock:
+            return self._tickets[secret]
+
+    def finish(self, ticket: Ticket, ok: bool) -> None:
+        with self._lock:
+            ticket.state = "used" if ok else "new"
+
+
+def ticket_of(metadata) -> tuple[str, str] | None:
+    """(ticket, stated tenant) from a call's metadata, or None without a ticket."""
+    md = dict(metadata or ())
+    return (md[TICKET_HEADER], md.get(TENANT_HEADER, "")) if TICKET_HEADER in md else None
+
+
+# -- where a push may go ----------------------------------------------------------------------
+
+
+def check_target(target: str, allowed: tuple) -> tuple[str, str]:
+    """Refuses (PUSH_TARGET_REFUSED) a push target that is no "host:port", or any of
+    whose resolved addresses lies outside ``allowed``: the caller names the address
+    this server connects to, so it may only be one the operator allowed.  Returns
+    (the address to connect to, the host name TLS verifies): the checked address
+    itself, so a name that resolves elsewhere a moment later changes nothing."""
+    host, sep, port = target.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidInput(f"target must be host:port, got {shown(target)}")
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise PushTargetRefused(f"cannot resolve the push target {shown(target)}: {exc}") from None
+    for *_, address in infos:
+        ip = ipaddress.ip_address(address[0])
+        if not any(ip in net for net in allowed):
+            raise PushTargetRefused(f"pushing to {shown(target)} ({ip}) is not allowed here: the operator's "
+                                    "--push-allow names the networks this server may push to")
+    ip = ipaddress.ip_address(infos[0][4][0])
+    return (f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"), host
