@@ -270,6 +270,21 @@ def test_load_and_unload_model_are_refused_and_the_model_keeps_serving(servers, 
         ex.release_cache(handle)
 
 
+def test_exports_and_imports_are_refused_on_a_split_server(servers):
+    """Rank 0 holds only its KV heads, so a sequence cannot leave or arrive whole (yet):
+    UNIMPLEMENTED, said by Capabilities.accepts_imports, and the sequence is untouched."""
+    with _client(servers, "llama") as ex:
+        assert not ex.capabilities().accepts_imports
+        out = ex.prefill([1, 2, 3, 4, 5], logits=LogitsPolicy.argmax())
+        for call in (lambda: ex.export_sequence(out.kv_cache), lambda: ex.create_import_ticket()):
+            with pytest.raises(ExecutorError) as err:
+                call()
+            assert err.value.code.name == "UNIMPLEMENTED" and "--tensor-parallel" in str(err.value)
+        step = ex.decode(int(out.logits.argmax()[0]), out.kv_cache, logits=LogitsPolicy.argmax())
+        assert step.kv_cache.sequence_length == 6
+        ex.release_cache(step.kv_cache)
+
+
 def test_ranks_started_apart_join_at_a_rendezvous_address(tiny_llama_dir, oracles):
     """As across machines: each rank its own ``serve`` (rank 1 not a child of rank 0),
     joined at --tp-master; rank 0 serves gRPC, rank 1 exits 0 when rank 0 stops."""
