@@ -274,7 +274,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 // paged attention, o, residual, RMSNorm, fused gate|up, silu*up, down,
 // residual), so a step makes 30 op calls instead of ~400.  Each weight list is
 // [qweight, scales, mins]; bits holds the four layers' widths (8 or 4), negated
-// for the linears that quantize their activations too (qact.cpp, --quantize w4a8).
+// for the linears that quantize their activations too (qact.cpp, --quantize w8a8|w4a8).
 at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
                         at::TensorList qkv, at::TensorList o, at::TensorList gate_up, at::TensorList down,
                         at::IntArrayRef bits, const at::Tensor& cos, const at::Tensor& sin,

@@ -1,7 +1,6 @@
-// Quantized linears that multiply in integers (--quantize w4a8): weights in
+// Quantized linears that multiply in integers (--quantize w8a8|w4a8): weights in
 // blocks of 32 along the input with a scale and a minimum, w = code * s + m
-// (4-bit codes: GGUF's Q4_1, held without loss; 8-bit codes: the LM head,
-// GGUF's Q8_0), and activation rows quantized per block of 32 to int8 on each
+// (woq.py's int4 and int8 grids: GGUF's Q4_1 and Q8_0 blocks held without loss), and activation rows quantized per block of 32 to int8 on each
 // call, as llama.cpp's Q8_1: x ~ q * d, q in -127..127, with sum = d * sum(q).
 // One block's contribution is then
 //

@@ -305,7 +305,7 @@ class LlamaForCausalLM(nn.Module):
     def _whole_layer_args(self) -> list[tuple] | None:
         """Per layer, the weights ``ferrum_fused.decode_layer`` takes, when every layer
         is a plain Llama block (no q/k norm, a dense MLP) whose projections are all
-        our int8/int4 linears without bias (weight-only or w4a8, whose widths
+        our int8/int4 linears without bias (weight-only, or w8a8/w4a8, whose widths
         are passed negated); else None (the per-op path runs)."""
         from ferrum_rpc.server.qact import QACT
         from ferrum_rpc.server.woq import WOQ, QuantizedLinear

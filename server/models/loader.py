@@ -78,7 +78,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     else:
         model.optimize_for_inference(False)  # fuse projections, then quantize the fused weights
         if quantize in ("w8a8", "w4a8"):
-            kernel, why = qact.choose_kernel(quantize, linear_kernel)
+            kernel, why = qact.choose_kernel(linear_kernel)
             nbytes = qact.quantize_model(model, quantize, kernel, skip=(".mlp.gate",))
         else:
             kernel, why = woq.choose_kernel(linear_kernel)
@@ -93,7 +93,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     params = sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())  # tied count once
     tied = state["lm_head.weight"] is state["model.embed_tokens.weight"]
     params += sum(m.in_features * m.out_features for name, m in model.named_modules()  # quantized or packed
-                  if (isinstance(m, (woq.QuantizedLinear, qact.DynamicInt8Linear)) or getattr(m, "packed", None) is not None
+                  if (isinstance(m, woq.QuantizedLinear) or getattr(m, "packed", None) is not None
                       and m.weight is None) and not (name == "lm_head" and tied))
     model.parameter_count = params
     _return_freed_memory()
