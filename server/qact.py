@@ -93,7 +93,8 @@ def probe() -> tuple[bool, str]:
                     return False, f"{bits}-bit kernel disagrees with the float reference (relative error {err:.2e})"
     except Exception as exc:  # a failed build or load means "not here"
         return False, f"{type(exc).__name__}: {str(exc)[:300]}"
-    return True, f"built and probed OK ({torch.ops.ferrum_woq.isa()} inner loops)"
+    isa = "portable" if torch.ops.ferrum_woq.isa() == "portable" else "avx2 vpmaddubsw"  # no AVX-512 loops
+    return True, f"built and probed OK ({isa} inner loops)"
 
 
 def choose_kernel(requested_linear: str) -> tuple[str, str]:
