@@ -8,8 +8,10 @@ share forwards) and decode-only (the prefill part
 subtracted: for transformers, the same generate call stopped after one
 token), each figure the median of several runs.
 
-Variants: ``float32``, ``bfloat16``, and ``int8`` / ``int4`` (our
-``--quantize``, float32 activations; their transformers reference is float32).
+Variants: ``float32``, ``bfloat16``, ``int8`` / ``int4`` (our weight-only
+``--quantize``, float32 activations) and ``w8a8`` / ``w4a8`` (the same weights,
+activations quantized to int8 per block and multiplied in integers); the
+quantized variants' transformers reference is float32.
 ``llama.cpp`` runs the same GGUF file at every batch size (its batch API, one
 ``llama_decode`` a step over all sequences) from its own cached environment (``python -m bench.llama_cpp --setup`` builds it once); it is
 skipped, with a log line, where that environment is missing.  Each gRPC row
@@ -17,7 +19,7 @@ also splits the decode step into weight-read time (weight bytes a step reads /
 memory read bandwidth measured in this run) and the rest, and reports the
 server process's resident memory after the run and at its peak (loading included).
 
-    python -m bench.decode_throughput [--batches 1 8 32] [--dtypes float32 bfloat16 int8 int4]
+    python -m bench.decode_throughput [--batches 1 8 32] [--dtypes float32 bfloat16 int8 int4 w8a8 w4a8]
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 from bench import llama_cpp
 from bench.common import RSS_MB, log, median_of, read_bandwidth_gbs, served, write_results
 from ferrum_rpc.client import ExecutorClient
-from ferrum_rpc.server.config import ExecutorConfig
+from ferrum_rpc.server.config import QUANTIZATIONS, ExecutorConfig
 from ferrum_rpc.server.executor import TORCH_DTYPES, TorchExecutor
 from ferrum_rpc.server.prepare import find_gguf, prepare_default_model
 from ferrum_rpc.server.woq import QuantizedLinear
@@ -134,7 +136,7 @@ def run_transformers(model, batch_prompts: list[list[int]], new_tokens: int) -> 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8", "int4"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8", "int4", "w8a8", "w4a8"])
     parser.add_argument("--systems", nargs="+", default=["transformers", "executor", "grpc", "llama.cpp"])
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -171,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
                    weight_bytes=gguf_bytes, rss_mb=round(out["rss_mb"], 1), peak_rss_mb=round(out["peak_rss_mb"], 1))
 
     for variant in args.dtypes:
-        dtype, quantize = ("float32", variant) if variant in ("int8", "int4") else (variant, "none")
+        dtype, quantize = ("float32", variant) if variant in QUANTIZATIONS else (variant, "none")
         runners, weight_bytes, worker = {}, None, None
         if "transformers" in args.systems and quantize == "none":
             from transformers import AutoModelForCausalLM

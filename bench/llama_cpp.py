@@ -6,7 +6,9 @@ cached environment, built once:
     python -m bench.llama_cpp --setup        # creates $FERRUM_RPC_HOME/llama-cpp-venv
     <that venv>/bin/python -m bench.llama_cpp --run --batch 8 ...   # what decode_throughput calls
 
-``--run`` prints one JSON record per line (greedy, the same prompts as ours).
+``--run`` prints one JSON record per line (greedy, the same prompts as ours);
+``--argmax --ids '[...]'`` prints the next-token argmax at every position of
+those token ids (teacher-forced, for bench.quant_accuracy).
 It needs nothing from ferrum_rpc, so it runs in that environment alone.
 """
 
@@ -95,6 +97,32 @@ def run(gguf: str, batch: int, prompt_len: int, new_tokens: int, repeats: int, t
                       **resident}))
 
 
+def argmax_all(gguf: str, ids: list[int], threads: int) -> None:
+    """The argmax of llama.cpp's logits at every position of ``ids``, one ``llama_decode``."""
+    import llama_cpp as L
+    import numpy as np
+
+    L.llama_backend_init()
+    model = L.llama_model_load_from_file(gguf.encode(), L.llama_model_default_params())
+    params = L.llama_context_default_params()
+    params.n_ctx = params.n_batch = params.n_ubatch = len(ids) + 8
+    params.n_threads = params.n_threads_batch = threads
+    ctx = L.llama_init_from_model(model, params)
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    batch = L.llama_batch_init(len(ids), 0, 1)
+    batch.n_tokens = len(ids)
+    for i, token in enumerate(ids):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, i, 1, True
+        batch.seq_id[i][0] = 0
+    if (rc := L.llama_decode(ctx, batch)) != 0:
+        raise SystemExit(f"llama_decode failed: {rc}")
+    print(json.dumps([int(np.argmax(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(n_vocab,))))
+                      for i in range(len(ids))]))
+    L.llama_batch_free(batch)
+    L.llama_free(ctx)
+    L.llama_model_free(model)
+
+
 def resident_mb(key: str) -> float:
     """This process's resident set now (VmRSS) or at its peak (VmHWM), MiB; VmHWM starts
     afresh at exec (getrusage's ru_maxrss does not: it would report the forking benchmark's)."""
@@ -108,6 +136,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setup", action="store_true")
     parser.add_argument("--run", action="store_true")
+    parser.add_argument("--argmax", action="store_true")
+    parser.add_argument("--ids", help="JSON list of token ids, for --argmax")
     parser.add_argument("--gguf")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt-len", type=int, default=32)
@@ -119,6 +149,8 @@ def main() -> None:
         setup()
     if args.run:
         run(args.gguf, args.batch, args.prompt_len, args.new_tokens, args.repeats, args.threads)
+    if args.argmax:
+        argmax_all(args.gguf, json.loads(args.ids), args.threads)
 
 
 if __name__ == "__main__":

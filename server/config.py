@@ -9,7 +9,7 @@ from ferrum_rpc.errors import StartupError
 
 MIB = 1 << 20
 LINEAR_KERNELS = ("auto", "onednn-packed", "aten")  # see kernels.py
-QUANTIZATIONS = ("none", "int8", "int4")  # see woq.py
+QUANTIZATIONS = ("none", "int8", "int4", "w8a8", "w4a8")  # see woq.py and qact.py
 STEP_OPS = ("auto", "fused", "eager")  # see fused.py
 
 
@@ -48,7 +48,10 @@ class ExecutorConfig:
             cannot run.  See ``kernels.py``.  With ``quantize``, "aten" forces
             torch's own weight-only ops instead of ours (``woq.py``).
         quantize: "none", "int8" or "int4": weight-only quantization of the
-            linear layers (CPU only; activations and KV stay in ``dtype``).
+            linear layers (CPU only; activations and KV stay in ``dtype``);
+            "w8a8" or "w4a8": int8 per-channel or 4-bit block weights whose
+            linears also quantize their input activations to int8 on each call
+            and multiply in integers (``qact.py``; KV stays in ``dtype``).
         step_ops: "auto" runs RMSNorm, the MLP activation and decode-sized
             attention as the fused C++ ops of ``csrc/fused.cpp`` where they build
             and agree with the eager ops here (CPU); "eager" forces the torch

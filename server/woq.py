@@ -54,7 +54,7 @@ from ferrum_rpc.server.config import QUANTIZATIONS  # noqa: F401  (re-exported)
 GROUP = 32  # int4 group length along the input dimension (GGUF Q4_1's block)
 WOQ, DEQUANT = "ferrum-woq", "torch-dequant"
 _DEQUANT_ROWS = 4096  # weight rows expanded at a time by the fallback (bounds its temporary memory)
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("woq.cpp", "fused.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("woq.cpp", "fused.cpp", "qact.cpp")]
 _PROBE_TOLERANCE = 1e-4
 # -fopenmp: at::parallel_for is inline OpenMP; without it every kernel ran on one thread.
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
@@ -256,12 +256,14 @@ class QuantizedLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, int{self.bits}, kernel={self.kernel}"
 
 
-def quantize_model(model: nn.Module, bits: int, kernel: str, skip: tuple[str, ...] = ()) -> int:
+def quantize_model(model: nn.Module, bits: int, kernel: str, skip: tuple[str, ...] = (),
+                   cls: type[QuantizedLinear] = QuantizedLinear) -> int:
     """Replaces every ``nn.Linear`` (and packed linear) with a quantized one, in place.
 
     The LM head is quantized to int8 even in int4 mode; modules whose name
-    ends with one of ``skip`` (MoE routers) keep their weights.  Returns the
-    bytes the quantized weights take.
+    ends with one of ``skip`` (MoE routers) keep their weights.  ``cls``: the
+    layer type (``qact.BlockQ8Linear`` for w4a8).  Returns the bytes the
+    quantized weights take.
     """
     total = 0
     for parent_name, parent in list(model.named_modules()):
@@ -275,7 +277,7 @@ def quantize_model(model: nn.Module, bits: int, kernel: str, skip: tuple[str, ..
                 log.info("%s stays unquantized", full)
                 continue
             layer_bits = 8 if full == "lm_head" else bits
-            layer = QuantizedLinear.from_linear(child, layer_bits, kernel)
+            layer = cls.from_linear(child, layer_bits, kernel)
             setattr(parent, name, layer)
             total += layer.nbytes
     return total

@@ -309,7 +309,9 @@ class LlamaForCausalLM(nn.Module):
     def _whole_layer_args(self) -> list[tuple] | None:
         """Per layer, the weights ``ferrum_fused.decode_layer`` takes, when every layer
         is a plain Llama block (no q/k norm, a dense MLP) whose projections are all
-        our int8/int4 linears without bias; else None (the per-op path runs)."""
+        our int8/int4 linears without bias (weight-only, or w8a8/w4a8, whose widths
+        are passed negated); else None (the per-op path runs)."""
+        from ferrum_rpc.server.qact import QACT
         from ferrum_rpc.server.woq import WOQ, QuantizedLinear
 
         args = []
@@ -318,11 +320,13 @@ class LlamaForCausalLM(nn.Module):
             if attn.has_qk_norm or type(mlp) is not MLP or not isinstance(layer.input_layernorm, RMSNorm):
                 return None
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(isinstance(l, QuantizedLinear) and l.kernel == WOQ and l.bias is None for l in linears):
+            if not all(isinstance(l, QuantizedLinear) and l.kernel in (WOQ, QACT) and l.bias is None
+                       for l in linears):
                 return None
             weights = [[l.qweight, l.scales, l.mins] for l in linears]
             args.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                         layer.input_layernorm.eps, *weights, [l.bits for l in linears]))
+                         layer.input_layernorm.eps, *weights, [-l.bits if l.kernel == QACT else l.bits
+                                                               for l in linears]))
         return args
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv,

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ferrum_rpc.server import woq
+from ferrum_rpc.server import qact, woq
 from ferrum_rpc.server.fused import choose_step_ops
 from ferrum_rpc.server.kernels import ONEDNN_PACKED, KernelChoice, choose_linear, cpu_capability
 from ferrum_rpc.server.models.config import ModelConfig
@@ -122,8 +122,12 @@ def _choose_kernels(model, path: Path, dtype: torch.dtype, device: torch.device,
         model.optimize_for_inference(model.kernels.linear == ONEDNN_PACKED)
     else:
         model.optimize_for_inference(False)  # fuse projections, then quantize the fused weights
-        kernel, why = woq.choose_kernel(linear_kernel)
-        nbytes = woq.quantize_model(model, 4 if quantize == "int4" else 8, kernel, skip=(".mlp.gate",))
+        if quantize in ("w8a8", "w4a8"):
+            kernel, why = qact.choose_kernel(linear_kernel)
+            nbytes = qact.quantize_model(model, quantize, kernel, skip=(".mlp.gate",))
+        else:
+            kernel, why = woq.choose_kernel(linear_kernel)
+            nbytes = woq.quantize_model(model, 4 if quantize == "int4" else 8, kernel, skip=(".mlp.gate",))
         model.kernels = KernelChoice(f"{quantize} {kernel}", why, cpu_capability())
         log.info("%s: linear weights quantized to %s: %.1f MiB", path.name, quantize, nbytes / 2**20)
     fused, why = choose_step_ops(step_ops, dtype, device)

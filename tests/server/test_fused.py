@@ -90,7 +90,7 @@ def test_step_ops_choice(ops):
     assert woq.load_library.cache_info().currsize == 1  # built and loaded once per process
 
 
-@pytest.mark.parametrize("quantize", ["int8", "int4"])
+@pytest.mark.parametrize("quantize", ["int8", "int4", "w8a8", "w4a8"])
 def test_whole_layer_op_equals_the_per_op_path(tiny_llama_dir, quantize, ops):
     """--quantize models with plain Llama blocks run each decode-sized layer as one
     op (decode_layer); it must give what the per-op fused path gives."""

@@ -114,7 +114,7 @@ def _oracle_with_our_weights(model_dir, arch: str, quantize: str):
     hf = dict(oracle.named_modules())
     replaced = 0
     for name, module in ours.named_modules():
-        if not isinstance(module, woq.QuantizedLinear):
+        if not callable(getattr(module, "dequantized", None)):  # every quantized layer type (qact.py too)
             continue
         weight = module.dequantized()
         prefix, _, leaf = name.rpartition(".")

@@ -1,0 +1,166 @@
+"""Integer arithmetic on quantized activations (``--quantize w8a8|w4a8``): the
+kernel (csrc/qact.cpp) on every inner-loop build this CPU has, and its torch
+fallback, against a float reference with stated tolerances and against the
+same quantized numbers, rows independent of the batch they share, and whole-model parity with
+transformers on our weights, through gRPC.  The real model's top-1 agreement
+with float32 is in tests/test_default_model.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ferrum_rpc.client import ExecutorClient, LogitsPolicy
+from ferrum_rpc.server import qact
+from ferrum_rpc.server.config import ExecutorConfig
+from tests.conftest import running_server
+from tests.server.test_woq import _gguf_blocks, _oracle_with_our_weights
+
+# Of the output's largest magnitude.  Against the float reference (unquantized
+# activations, the layer's own weights) the activation grid is the whole error:
+# per element up to amax/254 of its block of 32, averaging out over K products;
+# measured 0.4-0.8% at K = 160..576.
+FLOAT_TOL = 0.02
+SAME_NUMBERS_TOL = 2e-5  # kernel vs the same int8 codes in torch: float summation order only
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return (got.float() - want.float()).abs().max().item() / want.float().abs().max().item()
+
+
+@pytest.fixture(scope="module")
+def extension():
+    ok, why = qact.probe()
+    assert ok, f"the w8a8/w4a8 kernel should build and agree on this machine: {why}"
+    return torch.ops.ferrum_woq
+
+
+@pytest.fixture(params=["avx512", "avx2", "portable"])
+def isa(request, extension):
+    """Each inner-loop build this CPU can run; qact.cpp has no AVX-512 loops of its
+    own (an AVX-512 CPU runs the AVX2 ones), so that run still checks the dispatch."""
+    ran = extension.set_max_isa(request.param)
+    if ran != request.param:
+        extension.set_max_isa("avx512")
+        pytest.skip(f"this CPU cannot run the {request.param} path")
+    yield request.param
+    extension.set_max_isa("avx512")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 13, 40])
+def test_kernel_matches_the_quantized_numbers_and_the_float_reference(bits, rows, isa):
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(72, 160, generator=gen), torch.randn(72, generator=gen)
+    layer = qact.BlockQ8Linear(weight, bias, bits, qact.QACT)
+    fallback = qact.BlockQ8Linear(weight, bias, bits, qact.TORCH_Q8)
+    x = torch.randn(2, rows, 160, generator=gen) * torch.logspace(-2, 1, 160)  # uneven blocks, leading dims kept
+    got = layer(x)
+    assert got.shape == (2, rows, 72)
+    assert rel(got, fallback(x)) <= SAME_NUMBERS_TOL
+    assert rel(got, F.linear(x, layer.dequantized(), bias)) <= FLOAT_TOL
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_int8_codes_at_both_ends_do_not_saturate(extension):
+    """Codes -128 and 127 against activations of +-127 in every lane: the sign trick
+    (vpmaddubsw of |c| and sign(q, c)) reaches 2 * 128 * 127 per int16 pair, just inside."""
+    weight = torch.tensor([[-128.0] * 16 + [127.0] * 16, [127.0] * 32]).repeat(4, 3)  # (8, 96)
+    layer = qact.BlockQ8Linear(weight, None, 8, qact.QACT)
+    assert (layer.dequantized() == weight).all()  # the symmetric grid holds these exactly
+    for x in (torch.full((1, 96), -1.0), torch.full((1, 96), 1.0), torch.tensor([[1.0] * 16 + [-1.0] * 16] * 3).view(1, 96)):
+        for isa in ("avx2", "portable"):
+            extension.set_max_isa(isa)
+            assert rel(layer(x), x @ weight.T) <= 1e-6, isa
+    extension.set_max_isa("avx512")
+
+
+def test_threaded_under_inference_mode(extension):
+    gen = torch.Generator().manual_seed(3)
+    layer = qact.BlockQ8Linear(torch.randn(1100, 96, generator=gen), None, 4, qact.QACT)
+    x = torch.randn(33, 96, generator=gen)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            got = layer(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert rel(got, qact.BlockQ8Linear(layer.dequantized(), None, 4, qact.TORCH_Q8)(x)) <= SAME_NUMBERS_TOL
+
+
+def test_w4a8_holds_gguf_q4_1_blocks_without_further_loss():
+    weight = _gguf_blocks("q4_1", 48, 128)
+    layer = qact.BlockQ8Linear(weight, None, 4, qact.QACT)
+    assert (layer.dequantized() - weight).abs().max().item() <= 1e-6 * weight.abs().max().item()
+    assert layer.nbytes == weight.numel() * 0.75  # the int4 mode's bytes: nothing added
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_row_does_not_depend_on_the_rows_beside_it(bits, extension):
+    """Activations are quantized per block of a row, never over the batch: a row
+    with small values keeps its precision next to a row a thousand times larger."""
+    gen = torch.Generator().manual_seed(5)
+    layer = qact.BlockQ8Linear(torch.randn(64, 128, generator=gen), None, bits, qact.QACT)
+    small, large = torch.randn(2, 128, generator=gen), 1000 * torch.randn(5, 128, generator=gen)
+    alone, beside = layer(small), layer(torch.cat([small, large]))[:2]
+    assert torch.allclose(alone, beside, rtol=1e-5, atol=1e-5 * alone.abs().max().item())
+
+
+def test_choice_and_fallbacks(extension):
+    kernel, why = qact.choose_kernel("auto")
+    assert kernel == qact.QACT and why.startswith("built and probed OK")
+    assert qact.choose_kernel("aten") == (qact.TORCH_Q8, "forced by configuration")
+    with pytest.raises(ValueError, match="quantize must be"):
+        ExecutorConfig(quantize="w2a8")
+    with pytest.raises(ValueError, match="CPU path"):
+        ExecutorConfig(quantize="w4a8", device="cuda")
+
+
+def test_bad_quantize_value_is_one_line_and_exit_2():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "ferrum_rpc.cli", "serve", "--quantize", "w2a8"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "invalid choice: 'w2a8'" in proc.stderr
+
+
+# Logits of a tiny random model through gRPC against transformers on our (dequantized)
+# weights, whose activations stay float: the activation grid is the difference.
+MODEL_TOL = 0.03
+
+
+@pytest.mark.parametrize("kernel", ["auto", "aten"])  # the fast kernel, and the torch fallback
+@pytest.mark.parametrize("quantize", ["w8a8", "w4a8"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_model_matches_transformers_on_the_same_weights(arch, quantize, kernel, tiny_llama_dir, tiny_qwen3_dir):
+    model_dir = {"llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir}[arch]
+    oracle = _oracle_with_our_weights(model_dir, arch, quantize)
+    logits = lambda ids: oracle(torch.tensor([ids])).logits[0].detach().numpy()  # noqa: E731
+    prompts = [[5, 17, 101, 3, 250, 42, 7, 9, 300, 11, 64, 2, 77], [8, 1, 99], list(range(20, 47))]
+    with running_server(model_dir, quantize=quantize, linear_kernel=kernel, prefill_chunk=8) as server, \
+            ExecutorClient(server.target, timeout=30) as ex:
+        caps = ex.capabilities()
+        assert caps.quantization == quantize
+        expected = qact.QACT if kernel == "auto" else qact.TORCH_Q8
+        assert caps.kernel_path.startswith(f"linear={quantize} {expected}")
+        outs = [ex.prefill(p, logits=LogitsPolicy.full(all_positions=True)) for p in prompts]
+        for out, prompt in zip(outs, prompts):
+            want = logits(prompt)
+            assert np.abs(out.logits.values - want).max() <= MODEL_TOL * np.abs(want).max()
+        ids, handles = [list(p) for p in prompts], [o.kv_cache for o in outs]
+        for _ in range(3):  # batched decode of mixed lengths (the one-row and batch paths)
+            tokens = [int(logits(i)[-1].argmax()) for i in ids]
+            steps = ex.batch_decode(list(zip(tokens, handles)), LogitsPolicy.full())
+            for step, seq, token in zip(steps, ids, tokens):
+                seq.append(token)
+                want = logits(seq)[-1]
+                assert np.abs(step.logits.values[0] - want).max() <= MODEL_TOL * np.abs(want).max()
+            handles = [s.kv_cache for s in steps]
+        single = ex.decode(3, handles[1], LogitsPolicy.full())
+        want = logits(ids[1] + [3])[-1]
+        assert np.abs(single.logits.values[0] - want).max() <= MODEL_TOL * np.abs(want).max()
