@@ -75,13 +75,18 @@ class _Run:
     def _stop_request(self) -> pb.DecodeSessionRequest:
         return pb.DecodeSessionRequest(step_id=self.step_id, stop=True)
 
-    def _take(self, reply: pb.DecodeSessionResponse) -> tuple[int, ChosenToken]:
+    def _take(self, reply: pb.DecodeSessionResponse) -> list[tuple[int, ChosenToken]]:
+        """The tokens one response carries (one per item still going, in ``results``
+        when there are several)."""
         if reply.HasField("error"):
             self._left = 0
             raise from_status_proto(reply.error)
         if reply.step_id != self.step_id:
             raise ExecutorError(f"a reply of step {reply.step_id} during decode-ahead step {self.step_id}",
                                 code=grpc.StatusCode.INTERNAL)
+        return [self._take_one(r) for r in (reply.results or [reply])]
+
+    def _take_one(self, reply: pb.DecodeSessionResponse) -> tuple[int, ChosenToken]:
         chosen = convert.chosen_from_proto(reply.chosen)
         self._chosen[reply.index].append(chosen)
         if reply.HasField("kv_cache"):
@@ -103,7 +108,7 @@ class DecodeAhead(_Run):
                 raise ExecutorError("the session stream ended", code=grpc.StatusCode.UNAVAILABLE) from None
             except grpc.RpcError as exc:
                 raise from_rpc_error(exc) from None
-            yield self._take(reply)
+            yield from self._take(reply)
 
     def stop(self) -> None:
         """Ends the run after the server's current forward; read on for the last tokens."""
@@ -128,7 +133,8 @@ class AsyncDecodeAhead(_Run):
                 raise from_rpc_error(exc) from None
             if reply is grpc.aio.EOF:
                 raise ExecutorError("the session stream ended", code=grpc.StatusCode.UNAVAILABLE)
-            yield self._take(reply)
+            for taken in self._take(reply):
+                yield taken
 
     async def stop(self) -> None:
         if not self.finished:

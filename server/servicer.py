@@ -64,7 +64,7 @@ MAX_PENDING_STEPS = 8  # DecodeSession steps whose replies the caller has not ta
 SESSION_END_GRACE_S = 0.02  # a DecodeSession whose requests ended waits this long for a cancel (0.2 ms measured)
 MAX_DECODE_AHEAD = 4096  # DecodeSessionRequest.max_new_tokens bound (Capabilities.max_decode_ahead)
 MAX_STOP_TOKENS = 64  # DecodeSessionRequest.stop_token_ids bound
-AHEAD_UNREAD = 32  # a decode-ahead step's responses that may wait unread before it pauses
+AHEAD_UNREAD = 32  # a decode-ahead step's responses (one per forward) that may wait unread before it pauses
 
 
 class Malformed:
@@ -762,15 +762,15 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
                                for index, item in live}
                     keys.extend(running.values())
                     outs = await worker.decode([item for _, item in live], None, deadline, tenant)
-                    going = []
+                    going, results = [], []
                     for (index, item), out in zip(live, outs):
                         ledger.drop(keys[index])
                         ledger.drop(running[index])
                         keys[index] = ledger.add(worker, [Undo.of(items[index].kv_cache, out.kv_cache)])
                         emitted[index] += 1
                         last[index] = out
-                        reply = pb.DecodeSessionResponse(step_id=step_id, index=index)
-                        reply.chosen.CopyFrom(convert.chosen_to_proto(out.chosen))
+                        result = pb.DecodeSessionResponse(step_id=step_id, index=index)
+                        result.chosen.CopyFrom(convert.chosen_to_proto(out.chosen))
                         token = out.chosen.token_id
                         reason = (pb.FINISH_REASON_STOP_TOKEN if token in stop_ids
                                   else pb.FINISH_REASON_LENGTH if emitted[index] == limit
@@ -780,11 +780,15 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
                         if reason is None:
                             going.append((index, DecodeInput(token, out.kv_cache, item.token_choice)))
                         else:
-                            reply.finish_reason = reason
-                            reply.kv_cache.CopyFrom(convert.handle_to_proto(out.kv_cache))
-                            reply.timing.CopyFrom(convert.timing_to_proto(out.timing))
-                        await unread.acquire()
-                        await replies.put((reply, unread.release))
+                            result.finish_reason = reason
+                            result.kv_cache.CopyFrom(convert.handle_to_proto(out.kv_cache))
+                            result.timing.CopyFrom(convert.timing_to_proto(out.timing))
+                        results.append(result)
+                    # one message per forward (a stream message costs the caller ~0.1-0.3 ms of Python)
+                    reply = results[0] if len(results) == 1 else pb.DecodeSessionResponse(step_id=step_id,
+                                                                                         results=results)
+                    await unread.acquire()
+                    await replies.put((reply, unread.release))
                     live = going
             finally:
                 ahead.pop(step_id, None)

@@ -250,7 +250,7 @@ def test_a_second_run_under_a_running_step_id_is_refused(client):
             if reply.HasField("error"):
                 error = reply.error
             else:
-                first._take(reply)
+                first._take(reply)  # its tokens
         while error is None:
             reply = next(session._responses)
             error = reply.error if reply.HasField("error") else None
