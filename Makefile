@@ -25,7 +25,7 @@ serve: prepare
 	$(BIN)/ferrum-rpc serve $(ARGS)
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # The fuzz suite's soak mode: many more generated requests than CI runs (N=2000 by default).
 fuzz-soak: setup
