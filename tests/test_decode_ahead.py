@@ -15,6 +15,7 @@ import pytest
 
 from ferrum_rpc import convert
 from ferrum_rpc.client import DecodeInput, ExecutorClient, TokenChoice
+from ferrum_rpc.errors import ExecutorError, Reason
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 from tests.conftest import executor_snapshot
@@ -258,3 +259,31 @@ def test_a_second_run_under_a_running_step_id_is_refused(client):
     assert first.results[0].finish_reason == "stopped"
     for out in outs:
         client.release_cache(out.kv_cache)
+
+
+def test_a_full_pool_mid_run_answers_its_error_and_leaves_the_sequence_as_it_was(tiny_llama_dir):
+    """A 64-token pool: a run of 200 fills it after a few dozen tokens. The step answers
+    KV_CAPACITY_EXHAUSTED, the sequence is back at the length the run found it at, every
+    block the run took is free again, and the session serves the next step."""
+    from tests.conftest import running_server
+
+    with running_server(tiny_llama_dir, kv_tokens=64, block_size=4) as server, \
+            ExecutorClient(server.target, timeout=60) as c:
+        ex = _executor(server)
+        out = c.prefill(PROMPTS[0], token_choice=GREEDY)
+        before = executor_snapshot(ex)
+        with c.decode_session() as session:
+            run = session.decode_ahead([DecodeInput(out.chosen.token_id, out.kv_cache, GREEDY)], 200)
+            received = 0
+            with pytest.raises(ExecutorError) as caught:
+                for _ in run:
+                    received += 1
+            assert caught.value.reason is Reason.KV_CAPACITY_EXHAUSTED and received > 0
+            deadline = time.monotonic() + 10
+            while executor_snapshot(ex)["free"] != before["free"]:  # the undo runs on the worker
+                assert time.monotonic() < deadline, "the failed run's blocks were not given back"
+                time.sleep(0.02)
+            assert ex.kv.snapshot().sequences[out.kv_cache.cache_id].length == len(PROMPTS[0])
+            (step,) = session.step([DecodeInput(out.chosen.token_id, out.kv_cache, GREEDY)])
+            assert step.kv_cache.sequence_length == len(PROMPTS[0]) + 1
+        c.release_cache(step.kv_cache)
