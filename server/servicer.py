@@ -33,13 +33,12 @@ from ferrum_rpc.errors import (
     ExecutorError,
     InvalidInput,
     ModelLoading,
-    ModelNotFound,
     to_rpc_status,
     shown,
-    to_status_proto,
 )
 from ferrum_rpc.server.auth import HANDLER_FACTORIES, TokenTable
-from ferrum_rpc.server import transfer
+from ferrum_rpc.server import session, transfer
+from ferrum_rpc.server.ledger import Undelivered
 from ferrum_rpc.server.executor import Undo
 from ferrum_rpc.server.migration import PushConfig, TransferRpcs
 from ferrum_rpc.server.registry import Registry
@@ -60,11 +59,6 @@ from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 LARGE_REPLY_BYTES = 1 << 20  # replies at least this large are built off the event loop
-MAX_PENDING_STEPS = 8  # DecodeSession steps whose replies the caller has not taken yet
-SESSION_END_GRACE_S = 0.02  # a DecodeSession whose requests ended waits this long for a cancel (0.2 ms measured)
-MAX_DECODE_AHEAD = 4096  # DecodeSessionRequest.max_new_tokens bound (Capabilities.max_decode_ahead)
-MAX_STOP_TOKENS = 64  # DecodeSessionRequest.stop_token_ids bound
-AHEAD_UNREAD = 32  # a decode-ahead step's responses (one per forward) that may wait unread before it pauses
 
 
 class Malformed:
@@ -167,60 +161,6 @@ def _payload_bytes(logits) -> int:
     return size + (logits.token_ids.size * 5 if logits.token_ids is not None else 0)
 
 
-class _Undelivered:
-    """Undo records of results whose replies gRPC has not yet accepted for sending.
-
-    A streaming call registers each result's undo records (see ``Undo``) when
-    the result is made and marks them sent once its message is handed to gRPC;
-    whatever is left when the call ends (cancelled, disconnected, deadline
-    passed, failed) is undone, so a sequence never moves ahead of the last reply
-    its caller could have.  HTTP/2 flow control stops accepting messages a caller does not read once
-    its window is full."""
-
-    def __init__(self) -> None:
-        self._pending: dict[int, tuple[ModelWorker, list[Undo]]] = {}
-        self._keys = itertools.count()
-
-    def add(self, worker: ModelWorker, undos: list[Undo]) -> int:
-        key = next(self._keys)
-        self._pending[key] = (worker, undos)
-        return key
-
-    def confirm(self, handles: list[KvCacheHandle]) -> None:
-        """The caller shows it holds these handles: results it could only have learnt
-        from a reply are its own now (a DecodeSession's next step on a sequence)."""
-        held = {h.cache_id: h.sequence_length for h in handles}
-        for key, (_, undos) in list(self._pending.items()):
-            if all(u.cache_id in held and u.left_at is not None and u.left_at <= held[u.cache_id] for u in undos):
-                del self._pending[key]
-
-    def keep(self) -> None:
-        """The call has handed every reply to gRPC and ends OK: its results stand.
-
-        gRPC's asyncio server does not tell a handler that its caller cancelled once
-        the last reply is out (``context.cancelled()`` only reports a status the
-        server set itself), so "delivered" means handed to gRPC: a cancel that
-        arrives while the replies are still on their way changes nothing."""
-        self._pending.clear()
-
-    def drop(self, key: int) -> None:
-        """Forgets an entry a later one of the same call covers (decoding ahead keeps one
-        per sequence, from where the call found it to where it is now)."""
-        self._pending.pop(key, None)
-
-    def undo(self, keys) -> None:
-        """Undoes these entries now (a result whose reply became an error)."""
-        rest, self._pending = self._pending, {k: self._pending[k] for k in keys if k in self._pending}
-        self.undo_rest()
-        self._pending = {k: v for k, v in rest.items() if k not in keys}
-
-    def undo_rest(self) -> None:
-        by_worker: dict[int, tuple[ModelWorker, list[Undo]]] = {}
-        for worker, undos in self._pending.values():
-            by_worker.setdefault(id(worker), (worker, []))[1].extend(undos)
-        self._pending.clear()
-        for worker, undos in by_worker.values():
-            worker.undo(undos, "results whose replies were never sent (the call ended first)")
 
 
 def add_executor_service(servicer: ExecutorServicer, server: grpc.aio.Server) -> None:
@@ -455,7 +395,7 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
                             keys: list[int]):
         """A decode step's replies (``cls`` with ``fields``): one message per sequence,
         tagged with its index, or with ``single`` one message whose ``results`` hold all;
-        each with the ledger keys (see ``_Undelivered``) of the results it carries."""
+        each with the ledger keys (see ``Undelivered``) of the results it carries."""
         if single:
             reply = cls(**fields)
             for index, out in enumerate(outs):
@@ -467,7 +407,7 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
                                                            target=targets[index])
 
     @staticmethod
-    def _register_decodes(ledger: _Undelivered, worker: ModelWorker, items: list[DecodeInput], outs) -> list[int]:
+    def _register_decodes(ledger: Undelivered, worker: ModelWorker, items: list[DecodeInput], outs) -> list[int]:
         """One ledger entry per decoded sequence: back to its length, if nothing moved it since."""
         return [ledger.add(worker, [Undo.of(i.kv_cache, o.kv_cache)]) for i, o in zip(items, outs)]
 
@@ -520,7 +460,7 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
         caps = convert.capabilities_to_proto(self._worker(request.model).executor.capabilities())
         caps.models.extend(sorted(self.workers))
         caps.shared_memory = self.shared_memory
-        caps.max_decode_ahead = MAX_DECODE_AHEAD
+        caps.max_decode_ahead = session.MAX_DECODE_AHEAD
         return caps
 
     @_query
@@ -568,7 +508,7 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
     async def BatchDecode(self, request, context, tenant: str):
         received = time.perf_counter_ns()
         worker, items, policy = self._decode_batch(request)
-        ledger = _Undelivered()
+        ledger = Undelivered()
         with self._logits_targets(policy, [1] * len(items), worker, tenant) as targets:
             outs = await worker.decode(items, policy, _deadline(context), tenant)
             keys = self._register_decodes(ledger, worker, items, outs)
@@ -664,196 +604,27 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
                 if done:
                     await worker.call(worker.executor.undo, done)
                 raise failed
-            ledger = _Undelivered()
+            ledger = Undelivered()
             for out, handle in zip(outs, handles):
                 ledger.add(worker, [Undo.of(handle, out.kv_cache)])
             try:
                 for index, out in enumerate(outs):
                     yield await self._reply(pb.BatchPrefillResponse(index=index, cached_tokens=out.cached_tokens),
                                             out, received, target=targets[index])
-            except BaseException:  # all or nothing, up to the last reply (see _Undelivered.keep)
+            except BaseException:  # all or nothing, up to the last reply (see Undelivered.keep)
                 ledger.undo_rest()
                 raise
             ledger.keep()
 
     @_handler(admit=False, observe=False)  # each step is admitted and observed on its own
     async def DecodeSession(self, request_iterator, context, tenant: str):
-        """Steps run as they arrive (steps on different sequences may be in flight
-        together and share forwards); replies go out as steps finish.  A failed
-        step answers with its error and the session goes on.
+        """Steps, decoding ahead and what a cancelled session undoes: see ``session.py``."""
+        await session.DecodeSession(self, context, tenant, _deadline(context)).serve(request_iterator)
 
-        Back-pressure: at most ``MAX_PENDING_STEPS`` steps may have replies the
-        caller has not taken; past that the server stops reading requests, and
-        gRPC's flow control holds the caller.  A caller that goes away has its
-        running steps cancelled (and undone).
+    check_parsed = staticmethod(_check_parsed)  # for session.py (which cannot import this module)
+    as_executor_error = staticmethod(_as_executor_error)
 
-        A step's result is confirmed when the caller's next step names its
-        sequence at the new length, or when the session ends cleanly (the
-        caller half-closes and reads to the end).  A session that ends
-        otherwise (cancelled, deadline, disconnect) undoes its unconfirmed
-        steps, at most the last step of each sequence, unless another call
-        moved that sequence on meanwhile: a cancelled call changes no state."""
-        replies: asyncio.Queue = asyncio.Queue()  # (reply, called once it is handed to gRPC or None)
-        ledger = _Undelivered()  # steps' results until their replies are handed to gRPC
-        window = asyncio.Semaphore(MAX_PENDING_STEPS)
-        steps: set[asyncio.Task] = set()
-        ahead: dict[int, asyncio.Event] = {}  # running decode-ahead steps by step_id: set = stop
-        step_done = object()
-        deadline = _deadline(context)
 
-        async def run_step(request) -> None:
-            received = time.perf_counter_ns()
-            step_id = getattr(request, "step_id", 0)
-            keys: list[int] = []
-            try:
-                _check_parsed(request)
-                if request.stop:
-                    self._check_stop_message(request)
-                    if step_id in ahead:
-                        ahead[step_id].set()
-                    return
-                with contextlib.ExitStack() as pinned:  # a shared-memory region stays mapped to the end
-                    with self._admit():
-                        worker, items, policy = self._decode_batch(request)
-                        ledger.confirm([i.kv_cache for i in items])  # the caller read those replies
-                        if request.max_new_tokens:
-                            self._check_ahead(request, worker, items)
-                            outs = await decode_ahead(request, worker, items, keys)
-                        else:
-                            targets = pinned.enter_context(
-                                self._logits_targets(policy, [1] * len(items), worker, tenant))
-                            outs = await worker.decode(items, policy, deadline, tenant)
-                            keys = self._register_decodes(ledger, worker, items, outs)  # no await since the decode
-                    if not request.max_new_tokens:
-                        async for _, reply in self._step_replies(pb.DecodeSessionResponse, {"step_id": step_id},
-                                                                 outs, received, request.single_reply, targets, keys):
-                            await replies.put((reply, None))
-                self._observe("DecodeSession", tenant, None, received / 1e9, outs[0].timing if outs else None)
-            except Exception as exc:
-                ledger.undo(keys)  # the step answers with an error: it changes nothing
-                self._observe("DecodeSession", tenant, exc, received / 1e9)
-                await replies.put((pb.DecodeSessionResponse(step_id=step_id,
-                                                            error=to_status_proto(_as_executor_error(exc))), None))
-            finally:
-                await replies.put(step_done)
-
-        async def decode_ahead(request, worker: ModelWorker, items: list[DecodeInput], keys: list[int]) -> list:
-            """Decodes up to ``max_new_tokens`` steps on the server, each a seat of the shared
-            forward, streaming each chosen token as it comes.  ``keys`` holds, per item, the
-            ledger entry from where the step found it to where it is now (undone if the step
-            fails or the session is cancelled).  Returns each item's last output."""
-            step_id, limit = request.step_id, request.max_new_tokens
-            stop_ids, max_len = frozenset(request.stop_token_ids), worker.executor.max_seq_len
-            if step_id in ahead:  # a stop message must name one run
-                raise InvalidInput(f"step_id {step_id} names a decode-ahead step still running")
-            stop = ahead[step_id] = asyncio.Event()
-            unread = asyncio.Semaphore(AHEAD_UNREAD)  # an unread stream pauses the step, not memory
-            keys.extend(ledger.add(worker, []) for _ in items)
-            emitted, last = [0] * len(items), [None] * len(items)
-            live = list(enumerate(items))
-            try:
-                while live:
-                    # The forward about to run, covered before it runs: if the session is cancelled
-                    # while it is at the worker, it may still finish, and the sequence must go back
-                    # from the length it leaves too (the record whose length does not match is skipped).
-                    running = {index: ledger.add(worker, [Undo(item.kv_cache.cache_id,
-                                                               items[index].kv_cache.sequence_length,
-                                                               item.kv_cache.sequence_length + 1)])
-                               for index, item in live}
-                    keys.extend(running.values())
-                    outs = await worker.decode([item for _, item in live], None, deadline, tenant)
-                    going, results = [], []
-                    for (index, item), out in zip(live, outs):
-                        ledger.drop(keys[index])
-                        ledger.drop(running[index])
-                        keys[index] = ledger.add(worker, [Undo.of(items[index].kv_cache, out.kv_cache)])
-                        emitted[index] += 1
-                        last[index] = out
-                        result = pb.DecodeSessionResponse(step_id=step_id, index=index)
-                        result.chosen.CopyFrom(convert.chosen_to_proto(out.chosen))
-                        token = out.chosen.token_id
-                        reason = (pb.FINISH_REASON_STOP_TOKEN if token in stop_ids
-                                  else pb.FINISH_REASON_LENGTH if emitted[index] == limit
-                                  else pb.FINISH_REASON_STOPPED if stop.is_set()
-                                  else pb.FINISH_REASON_MAX_SEQUENCE_LENGTH if out.kv_cache.sequence_length >= max_len
-                                  else None)
-                        if reason is None:
-                            going.append((index, DecodeInput(token, out.kv_cache, item.token_choice)))
-                        else:
-                            result.finish_reason = reason
-                            result.kv_cache.CopyFrom(convert.handle_to_proto(out.kv_cache))
-                            result.timing.CopyFrom(convert.timing_to_proto(out.timing))
-                        results.append(result)
-                    # one message per forward (a stream message costs the caller ~0.1-0.3 ms of Python)
-                    reply = results[0] if len(results) == 1 else pb.DecodeSessionResponse(step_id=step_id,
-                                                                                         results=results)
-                    await unread.acquire()
-                    await replies.put((reply, unread.release))
-                    live = going
-            finally:
-                ahead.pop(step_id, None)
-            return last
-
-        async def read_all() -> None:
-            requests = request_iterator.__aiter__()
-            while True:
-                await window.acquire()  # released once a step's replies were all taken
-                try:
-                    request = await requests.__anext__()
-                except StopAsyncIteration:
-                    break
-                task = asyncio.create_task(run_step(request))
-                steps.add(task)
-                task.add_done_callback(steps.discard)
-            if steps:
-                await asyncio.gather(*steps)
-            await replies.put(None)
-
-        reader = asyncio.create_task(read_all())
-        try:
-            while (entry := await replies.get()) is not None:
-                if entry is step_done:
-                    window.release()
-                else:
-                    await context.write(entry[0])  # not yielded: see _rpc's docstring
-                    if entry[1] is not None:
-                        entry[1]()
-            await reader  # surfaces a broken request stream
-            # gRPC ends the request stream the same way for a half-close and a cancel (an
-            # RST_STREAM): the cancel shows as this task being cancelled a moment later
-            await asyncio.sleep(SESSION_END_GRACE_S)
-        except BaseException:
-            ledger.undo_rest()  # unconfirmed steps (see the docstring)
-            raise
-        else:
-            ledger.keep()
-        finally:
-            reader.cancel()
-            for task in list(steps):
-                task.cancel()  # a step still at the worker undoes itself (ModelWorker._await)
-
-    @staticmethod
-    def _check_stop_message(request) -> None:
-        if request.items or request.max_new_tokens or request.stop_token_ids or request.HasField("logits") \
-                or request.single_reply or request.model:
-            raise InvalidInput("a DecodeSession stop message carries its step_id and stop only")
-
-    @staticmethod
-    def _check_ahead(request, worker: ModelWorker, items: list[DecodeInput]) -> None:
-        """Decoding ahead's own rules (DecodeSessionRequest.max_new_tokens), before anything runs."""
-        if request.max_new_tokens > MAX_DECODE_AHEAD:
-            raise InvalidInput(f"max_new_tokens must be at most {MAX_DECODE_AHEAD}, got {request.max_new_tokens}")
-        if request.HasField("logits") or request.single_reply:
-            raise InvalidInput("decoding ahead streams chosen tokens only: logits and single_reply must be unset")
-        missing = [n for n, item in enumerate(items) if item.token_choice is None]
-        if missing:
-            raise InvalidInput(f"decoding ahead needs a token_choice on every item (items {missing} have none)")
-        if len(request.stop_token_ids) > MAX_STOP_TOKENS:
-            raise InvalidInput(f"stop_token_ids holds at most {MAX_STOP_TOKENS} ids, got {len(request.stop_token_ids)}")
-        vocab = worker.executor.model_config.vocab_size
-        bad = [t for t in request.stop_token_ids if t >= vocab]
-        if bad:
-            raise InvalidInput(f"stop_token_ids {bad[:4]} are outside the vocabulary (size {vocab})")
     # -- sequences that move (issue 23; the bodies are migration.TransferRpcs') ---------
     # Exports and pushes are answered while draining too: a drained replica's sequences
     # leave by them (see App.drain's export grace).

@@ -1,0 +1,218 @@
+"""One DecodeSession call: steps as they arrive, replies as steps finish, decoding ahead.
+
+The servicer's ``DecodeSession`` handler makes one :class:`DecodeSession` per
+call and awaits :meth:`DecodeSession.serve`; the admission, batching and reply
+building it shares with the unary calls stay the servicer's.
+
+Steps run as they arrive (steps on different sequences may be in flight
+together and share forwards); replies go out as steps finish.  A failed step
+answers with its error and the session goes on.
+
+Back-pressure: at most ``MAX_PENDING_STEPS`` steps may have replies the caller
+has not taken; past that the server stops reading requests, and gRPC's flow
+control holds the caller.  A caller that goes away has its running steps
+cancelled (and undone).
+
+A step's result is confirmed when the caller's next step names its sequence at
+the new length, or when the session ends cleanly (the caller half-closes and
+reads to the end).  A session that ends otherwise (cancelled, deadline,
+disconnect) undoes its unconfirmed steps, at most the last step of each
+sequence, unless another call moved that sequence on meanwhile: a cancelled
+call changes no state.
+
+A step with ``max_new_tokens`` decodes ahead: up to that many forwards on the
+server, each chosen token streamed as it comes (one message per forward for all
+of the step's sequences), until a stop token, the length, a ``stop`` message
+naming its ``step_id``, or the model's maximum sequence length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from ferrum_rpc import convert
+from ferrum_rpc.errors import InvalidInput, to_status_proto
+from ferrum_rpc.server.executor import Undo
+from ferrum_rpc.server.ledger import Undelivered
+from ferrum_rpc.server.worker import ModelWorker
+from ferrum_rpc.types import DecodeInput
+from ferrum_rpc.v1 import executor_pb2 as pb
+
+MAX_PENDING_STEPS = 8  # steps whose replies the caller has not taken yet
+SESSION_END_GRACE_S = 0.02  # a session whose requests ended waits this long for a cancel (0.2 ms measured)
+MAX_DECODE_AHEAD = 4096  # DecodeSessionRequest.max_new_tokens bound (Capabilities.max_decode_ahead)
+MAX_STOP_TOKENS = 64  # DecodeSessionRequest.stop_token_ids bound
+AHEAD_UNREAD = 32  # a decode-ahead step's responses (one per forward) that may wait unread before it pauses
+
+_STEP_DONE = object()  # a step's last entry in the reply queue: frees its window seat
+
+
+def check_stop_message(request) -> None:
+    if request.items or request.max_new_tokens or request.stop_token_ids or request.HasField("logits") \
+            or request.single_reply or request.model:
+        raise InvalidInput("a DecodeSession stop message carries its step_id and stop only")
+
+
+def check_ahead(request, worker: ModelWorker, items: list[DecodeInput]) -> None:
+    """Decoding ahead's own rules (DecodeSessionRequest.max_new_tokens), before anything runs."""
+    if request.max_new_tokens > MAX_DECODE_AHEAD:
+        raise InvalidInput(f"max_new_tokens must be at most {MAX_DECODE_AHEAD}, got {request.max_new_tokens}")
+    if request.HasField("logits") or request.single_reply:
+        raise InvalidInput("decoding ahead streams chosen tokens only: logits and single_reply must be unset")
+    missing = [n for n, item in enumerate(items) if item.token_choice is None]
+    if missing:
+        raise InvalidInput(f"decoding ahead needs a token_choice on every item (items {missing} have none)")
+    if len(request.stop_token_ids) > MAX_STOP_TOKENS:
+        raise InvalidInput(f"stop_token_ids holds at most {MAX_STOP_TOKENS} ids, got {len(request.stop_token_ids)}")
+    vocab = worker.executor.model_config.vocab_size
+    bad = [t for t in request.stop_token_ids if t >= vocab]
+    if bad:
+        raise InvalidInput(f"stop_token_ids {bad[:4]} are outside the vocabulary (size {vocab})")
+
+
+class DecodeSession:
+    """The state of one call: the reply queue, the undo ledger, the running steps."""
+
+    def __init__(self, servicer, context, tenant: str, deadline: float | None):
+        self.servicer, self.context, self.tenant, self.deadline = servicer, context, tenant, deadline
+        self.replies: asyncio.Queue = asyncio.Queue()  # (reply, called once handed to gRPC or None)
+        self.ledger = Undelivered()  # steps' results until their replies are handed to gRPC
+        self.window = asyncio.Semaphore(MAX_PENDING_STEPS)
+        self.steps: set[asyncio.Task] = set()
+        self.ahead: dict[int, asyncio.Event] = {}  # running decode-ahead steps by step_id: set = stop
+
+    async def serve(self, request_iterator) -> None:
+        reader = asyncio.create_task(self._read_all(request_iterator))
+        try:
+            while (entry := await self.replies.get()) is not None:
+                if entry is _STEP_DONE:
+                    self.window.release()
+                else:
+                    await self.context.write(entry[0])  # not yielded: see servicer._rpc's docstring
+                    if entry[1] is not None:
+                        entry[1]()
+            await reader  # surfaces a broken request stream
+            # gRPC ends the request stream the same way for a half-close and a cancel (an
+            # RST_STREAM): the cancel shows as this task being cancelled a moment later
+            await asyncio.sleep(SESSION_END_GRACE_S)
+        except BaseException:
+            self.ledger.undo_rest()  # unconfirmed steps (see the module docstring)
+            raise
+        else:
+            self.ledger.keep()
+        finally:
+            reader.cancel()
+            for task in list(self.steps):
+                task.cancel()  # a step still at the worker undoes itself (ModelWorker._await)
+
+    async def _read_all(self, request_iterator) -> None:
+        requests = request_iterator.__aiter__()
+        while True:
+            await self.window.acquire()  # released once a step's replies were all taken
+            try:
+                request = await requests.__anext__()
+            except StopAsyncIteration:
+                break
+            task = asyncio.create_task(self._run_step(request))
+            self.steps.add(task)
+            task.add_done_callback(self.steps.discard)
+        if self.steps:
+            await asyncio.gather(*self.steps)
+        await self.replies.put(None)
+
+    async def _run_step(self, request) -> None:
+        servicer, ledger, tenant = self.servicer, self.ledger, self.tenant
+        received = time.perf_counter_ns()
+        step_id = getattr(request, "step_id", 0)
+        keys: list[int] = []
+        try:
+            servicer.check_parsed(request)
+            if request.stop:
+                check_stop_message(request)
+                if step_id in self.ahead:
+                    self.ahead[step_id].set()
+                return
+            with contextlib.ExitStack() as pinned:  # a shared-memory region stays mapped to the end
+                with servicer._admit():
+                    worker, items, policy = servicer._decode_batch(request)
+                    ledger.confirm([i.kv_cache for i in items])  # the caller read those replies
+                    if request.max_new_tokens:
+                        check_ahead(request, worker, items)
+                        outs = await self._decode_ahead(request, worker, items, keys)
+                    else:
+                        targets = pinned.enter_context(
+                            servicer._logits_targets(policy, [1] * len(items), worker, tenant))
+                        outs = await worker.decode(items, policy, self.deadline, tenant)
+                        keys = servicer._register_decodes(ledger, worker, items, outs)  # no await since the decode
+                if not request.max_new_tokens:
+                    async for _, reply in servicer._step_replies(pb.DecodeSessionResponse, {"step_id": step_id},
+                                                                 outs, received, request.single_reply, targets, keys):
+                        await self.replies.put((reply, None))
+            servicer._observe("DecodeSession", tenant, None, received / 1e9, outs[0].timing if outs else None)
+        except Exception as exc:
+            ledger.undo(keys)  # the step answers with an error: it changes nothing
+            servicer._observe("DecodeSession", tenant, exc, received / 1e9)
+            await self.replies.put((pb.DecodeSessionResponse(
+                step_id=step_id, error=to_status_proto(servicer.as_executor_error(exc))), None))
+        finally:
+            await self.replies.put(_STEP_DONE)
+
+    async def _decode_ahead(self, request, worker: ModelWorker, items: list[DecodeInput], keys: list[int]) -> list:
+        """Decodes up to ``max_new_tokens`` steps on the server, each a seat of the shared
+        forward, streaming each chosen token as it comes.  ``keys`` holds, per item, the
+        ledger entry from where the step found it to where it is now (undone if the step
+        fails or the session is cancelled).  Returns each item's last output."""
+        ledger = self.ledger
+        step_id, limit = request.step_id, request.max_new_tokens
+        stop_ids, max_len = frozenset(request.stop_token_ids), worker.executor.max_seq_len
+        if step_id in self.ahead:  # a stop message must name one run
+            raise InvalidInput(f"step_id {step_id} names a decode-ahead step still running")
+        stop = self.ahead[step_id] = asyncio.Event()
+        unread = asyncio.Semaphore(AHEAD_UNREAD)  # an unread stream pauses the step, not memory
+        keys.extend(ledger.add(worker, []) for _ in items)
+        emitted, last = [0] * len(items), [None] * len(items)
+        live = list(enumerate(items))
+        try:
+            while live:
+                # The forward about to run, covered before it runs: if the session is cancelled
+                # while it is at the worker, it may still finish, and the sequence must go back
+                # from the length it leaves too (the record whose length does not match is skipped).
+                running = {index: ledger.add(worker, [Undo(item.kv_cache.cache_id,
+                                                           items[index].kv_cache.sequence_length,
+                                                           item.kv_cache.sequence_length + 1)])
+                           for index, item in live}
+                keys.extend(running.values())
+                outs = await worker.decode([item for _, item in live], None, self.deadline, self.tenant)
+                going, results = [], []
+                for (index, item), out in zip(live, outs):
+                    ledger.drop(keys[index])
+                    ledger.drop(running[index])
+                    keys[index] = ledger.add(worker, [Undo.of(items[index].kv_cache, out.kv_cache)])
+                    emitted[index] += 1
+                    last[index] = out
+                    result = pb.DecodeSessionResponse(step_id=step_id, index=index)
+                    result.chosen.CopyFrom(convert.chosen_to_proto(out.chosen))
+                    token = out.chosen.token_id
+                    reason = (pb.FINISH_REASON_STOP_TOKEN if token in stop_ids
+                              else pb.FINISH_REASON_LENGTH if emitted[index] == limit
+                              else pb.FINISH_REASON_STOPPED if stop.is_set()
+                              else pb.FINISH_REASON_MAX_SEQUENCE_LENGTH if out.kv_cache.sequence_length >= max_len
+                              else None)
+                    if reason is None:
+                        going.append((index, DecodeInput(token, out.kv_cache, item.token_choice)))
+                    else:
+                        result.finish_reason = reason
+                        result.kv_cache.CopyFrom(convert.handle_to_proto(out.kv_cache))
+                        result.timing.CopyFrom(convert.timing_to_proto(out.timing))
+                    results.append(result)
+                # one message per forward (a stream message costs the caller ~0.1-0.3 ms of Python)
+                reply = results[0] if len(results) == 1 else pb.DecodeSessionResponse(step_id=step_id,
+                                                                                     results=results)
+                await unread.acquire()
+                await self.replies.put((reply, unread.release))
+                live = going
+        finally:
+            self.ahead.pop(step_id, None)
+        return last
