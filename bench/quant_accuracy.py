@@ -6,6 +6,17 @@ llama.cpp's own agreement with our float32 on the same positions (its logits
 for every position of the same token ids, from its cached environment).
 
     python -m bench.quant_accuracy [--modes int8 int4 w8a8 w4a8] [--positions 1000] [--llama-cpp]
+    python -m bench.quant_accuracy --grids
+
+``--grids`` asks where the 8-bit activations' loss comes from and what would
+remove it: the int8 weights (w8a8's, lossless against the GGUF) with the
+activations rounded to other grids in torch (``F.linear`` over the
+dequantized weights; the kernels give the same codes, their sums differ in
+order only): int8 per block of 32 (what w8a8 does), of 16 and of 8, int8
+per block after a 32-point Hadamard rotation of activations and weights
+(QuaRot-style, the weights then either kept in float or requantized to int8 per
+block), bfloat16, float16, and two int8 digits per block (the code and the
+code of its residual).
 """
 
 from __future__ import annotations
@@ -18,11 +29,14 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 
 from bench import llama_cpp
 from bench.common import log
 from ferrum_rpc.client.generate import load_tokenizer
 from ferrum_rpc.server.config import ExecutorConfig
+from ferrum_rpc.server import qact
 from ferrum_rpc.server.executor import TorchExecutor
 from ferrum_rpc.server.prepare import find_gguf, prepare_default_model
 from ferrum_rpc.types import LogitsPolicy
@@ -44,6 +58,60 @@ def argmaxes(model_dir: Path, quantize: str, ids: list[int]) -> np.ndarray:
     return np.asarray(out.logits.argmax())
 
 
+def _blocks_q8(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x rounded to int8 codes per ``block`` along the last dimension (amax / 127), in float."""
+    b = x.unflatten(-1, (-1, block))
+    d = b.abs().amax(dim=-1, keepdim=True) / 127
+    return ((b * torch.where(d > 0, 1 / d, 0.0)).round() * d).flatten(-2)
+
+
+def _hadamard(n: int = 32) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / n ** 0.5
+
+
+def grid_agreements(model_dir: Path, ids: list[int], reference: np.ndarray) -> dict[str, float]:
+    """Greedy agreement with float32 for each activation grid (see the module docstring)."""
+    ex = TorchExecutor.from_path("grids", model_dir, ExecutorConfig(quantize="w8a8", kv_tokens=4096,
+                                                                    linear_kernel="aten", prefix_caching=False))
+    h = _hadamard()
+
+    def rotate(t: torch.Tensor) -> torch.Tensor:  # each block of 32 times H (orthonormal)
+        return (t.unflatten(-1, (-1, 32)) @ h).flatten(-2)
+
+    weights: dict[int, torch.Tensor] = {}
+    grids = {
+        "int8 / 32 (w8a8)": lambda x, w: (_blocks_q8(x, 32), w),
+        "int8 / 16": lambda x, w: (_blocks_q8(x, 16), w),
+        "int8 / 8": lambda x, w: (_blocks_q8(x, 8), w),
+        "Hadamard int8 / 32, float W": lambda x, w: (_blocks_q8(rotate(x), 32), rotate(w)),
+        "Hadamard int8 / 32, int8 W": lambda x, w: (_blocks_q8(rotate(x), 32), _blocks_q8(rotate(w), 32)),
+        "bfloat16": lambda x, w: (x.bfloat16().float(), w),
+        "float16": lambda x, w: (x.half().float(), w),
+        "two int8 digits / 32": lambda x, w: ((q := _blocks_q8(x, 32)) + _blocks_q8(x - q, 32), w),
+    }
+    out, forward = {}, qact.BlockQ8Linear.forward
+    try:
+        for name, grid in grids.items():
+            def linear(self, x, grid=grid):
+                key = id(self)
+                if key not in weights:
+                    weights[key] = self.dequantized().float()
+                xq, w = grid(x.float(), weights[key])
+                y = F.linear(xq, w).to(x.dtype)
+                return y if self.bias is None else y + self.bias.to(y.dtype)
+            qact.BlockQ8Linear.forward = linear
+            got = ex.prefill(ids, None, LogitsPolicy.argmax(all_positions=True))
+            ex.release_cache(got.kv_cache.cache_id)
+            out[name] = float((np.asarray(got.logits.argmax())[:len(reference)] == reference).mean())
+            log.info("grid %s: %.2f%%", name, 100 * out[name])
+    finally:
+        qact.BlockQ8Linear.forward = forward
+    return out
+
+
 def llama_cpp_argmaxes(ids: list[int]) -> np.ndarray | None:
     exe = llama_cpp.python()
     if exe is None:
@@ -62,19 +130,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", nargs="+", default=["int8", "int4", "w8a8", "w4a8"])
     parser.add_argument("--positions", type=int, default=1000)
     parser.add_argument("--llama-cpp", action="store_true")
+    parser.add_argument("--grids", action="store_true", help="the activation-grid study instead of --modes")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     model_dir = prepare_default_model()
     ids = english_ids(model_dir, args.positions)
     reference = argmaxes(model_dir, "none", ids)[:args.positions]
     results = {}
+    if args.grids:
+        results = grid_agreements(model_dir, ids, reference)
+        args.modes = []
     for mode in args.modes:
         results[mode] = float((argmaxes(model_dir, mode, ids)[:args.positions] == reference).mean())
     if args.llama_cpp and (theirs := llama_cpp_argmaxes(ids)) is not None:
         results["llama.cpp Q4_1"] = float((theirs[:args.positions] == reference).mean())
     print(f"greedy top-1 agreement with float32 over {args.positions} positions of tests/data/english.txt:")
     for mode, agreement in results.items():
-        print(f"  {mode:15} {agreement:.2%}")
+        print(f"  {mode:28} {agreement:.2%}")
 
 
 if __name__ == "__main__":
