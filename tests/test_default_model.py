@@ -132,8 +132,10 @@ def english_ids(default_model_dir):
     return ids[:1001]
 
 
-# The issue's gates are 99% for w8a8 and 97% for w4a8; w8a8 measured 97.2% (README).
-@pytest.mark.parametrize("quantize,target", [("int8", 0.99), ("int4", 0.97), ("w8a8", 0.97), ("w4a8", 0.97)])
+# The issue's gates are 99% for w8a8 and 97% for w4a8; w8a8 measured 97.2% (README).  int8 and
+# int4 hold the GGUF's weights without loss (the test below), so their agreement is the float32
+# model's own; ``bench.quant_accuracy`` prints it (100%) without 50 s of suite time here.
+@pytest.mark.parametrize("quantize,target", [("w8a8", 0.97), ("w4a8", 0.97)])
 def test_quantized_greedy_top1_agrees_with_float32(default_model_dir, default_server, english_ids, quantize,
                                                    target):
     """Teacher-forced over 1,000 positions of a fixed English text: the next-token argmax of
