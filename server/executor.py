@@ -426,7 +426,7 @@ class TorchExecutor:
         results, at = [], 0  # each plan's rows in ``logits`` are adjacent
         for plan in plans:
             n = sum(step.rows.count(len(step.tokens)) for step in plan.steps)
-            rows = logits[at:at + n] if n else None
+            rows = logits[at:at + n] if n and logits is not None else None
             at += n
             if plan.kind is PlanKind.PART:
                 results.append(rows)
@@ -451,7 +451,10 @@ class TorchExecutor:
     def _top_only(plans: list[AppendPlan]) -> int | None:
         """Tensor parallel: the k best per row every consumer of this forward's rows
         needs (ARGMAX 1, TOP_K k), so only those cross between ranks; None when some
-        row goes back FULL (whole rows are gathered, and token choice runs on them)."""
+        row goes back FULL (whole rows are gathered, and token choice runs on them);
+        0 when no row goes back (token choice only: nothing but its reductions crosses)."""
+        if not any(s.logits for p in plans for s in p.steps):
+            return 0
         if any(p.policy.kind is LogitsKind.FULL and any(s.logits for s in p.steps) for p in plans):
             return None
         return max(p.policy.top_k if p.policy.kind is LogitsKind.TOP_K else 1 for p in plans)

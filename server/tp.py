@@ -224,8 +224,8 @@ class Shard:
 
         ``top`` (ARGMAX: 1, TOP_K: k): only each rank's k best per row cross; rank 0 gets
         the k global best in their places and -inf elsewhere, which every ARGMAX/TOP_K
-        consumer reads as the full row.  None: whole rows are gathered (FULL, token choice)."""
-        if local is None:
+        consumer reads as the full row.  None: whole rows are gathered (FULL); 0: nothing."""
+        if local is None or top == 0:  # 0: no row goes back (token choice only)
             return None
         t0 = time.perf_counter_ns()
         bounds = vocab_bounds(self.config.vocab_size, self.degree)
