@@ -509,7 +509,9 @@ def test_a_lost_rank_fails_the_server_closed(servers, arch, how):
 
 @pytest.mark.slow
 def test_smollm2_at_degree_3_gives_degree_1s_32_greedy_tokens():
-    """The real SmolLM2-135M (9 heads, 3 KV heads) split 3 ways."""
+    """The real SmolLM2-135M (9 heads, 3 KV heads) split 3 ways; and 16 seeded draws at
+    temperature 0.8 over its whole 49,152-token vocabulary (the per-rank-mass inverse
+    CDF over three 16,384-token slices), decoded ahead, are degree 1's."""
     from ferrum_rpc.server.prepare import prepare_default_model
 
     folder = prepare_default_model()
@@ -522,6 +524,13 @@ def test_smollm2_at_degree_3_gives_degree_1s_32_greedy_tokens():
         step = one.decode(expected[-1], handle, LogitsPolicy.argmax())
         expected.append(int(step.logits.token_ids[0, 0]))
         handle = step.kv_cache
+    choice = TokenChoice(temperature=0.8, seed=5)
+    out = one.prefill(prompt, policy=None, choice=choice)
+    drawn, handle = [out.chosen.token_id], out.kv_cache
+    for _ in range(16):
+        step = one.decode(drawn[-1], handle, policy=None, choice=choice)
+        drawn.append(step.chosen.token_id)
+        handle = step.kv_cache
     with ServerProcess(f"smol={folder}", "--tensor-parallel", "3", "--kv-tokens", "256", "--no-warmup",
                        "--linear-kernel", "aten", "--step-ops", "eager") as server:
         server.wait_serving(300)
@@ -532,4 +541,7 @@ def test_smollm2_at_degree_3_gives_degree_1s_32_greedy_tokens():
                 step = ex.decode(got[-1], handle, LogitsPolicy.argmax())
                 got.append(int(step.logits.token_ids[0, 0]))
                 handle = step.kv_cache
+            out = ex.prefill(prompt, token_choice=choice)
+            run = ex.decode_ahead(out.chosen.token_id, out.kv_cache, choice, 16)
     assert got == expected
+    assert [out.chosen.token_id] + [c.token_id for c in run.chosen] == drawn
