@@ -14,20 +14,22 @@ which cross the ranks as a few numbers a row:
   the row's uniform picks a rank by the ranks' cumulative masses, that rank draws
   inside its slice with the uniform's remainder.  The same (seed, position) hence
   gives the same token at any degree as at degree 1, up to float rounding at an
-  interval's edge (chosen over vLLM's and TGI's Gumbel-max / exponential race,
-  which would need a per-token random stream and give other tokens than degree 1).
+  interval's edge.  vLLM v1's exponential race (argmax of p / Exp(1) noise) would
+  reduce as (max, argmax) too, but needs a random number per token and would draw
+  other tokens than our degree-1 draw, which callers can reproduce (``uniform_for``).
 - the rest (top-k > 4096, a nucleus wider than 256 tokens, top-k ties past the
   candidates, top-p with a top-k above 4096): whole rows of those rows only, counted
   in ``Shard.choice_fallback_rows`` and logged once.
 
-vLLM and TGI gather whole rows before sampling (``tensor_model_parallel_gather``,
-TGI's ``SpeculativeHead``/``TensorParallelHead`` all-gathers the logits); this does
-not.  Bytes each rank sends a row a forward (float64 numbers): 6 statistics + 2*W
-candidates (values, ids) + 2*n raw top logprobs, then 1 mass (sampled full-vocabulary
-rows only), then 3 (token, processed and raw logit): greedy without logprobs
-80 bytes, top-k 50 with 5 logprobs 1 KiB, against 4*V/N for a whole row (98 KiB for
-SmolLM2 at degree 2).  Rank 0 broadcasts with the plan, per choosing row: the
-policy (its bitmask V/8 bytes: one broadcast reaches every rank, so slices would
+vLLM and TGI gather whole rows before choosing (vLLM's ``LogitsProcessor`` through
+``tensor_model_parallel_gather``, TGI's ``TensorParallelHead`` through all_gather); this does
+not.  Bytes each rank sends a row a forward (float64 numbers; W and n are the
+batch's largest): 6 statistics + 2*W candidates (values, ids) + 2*n raw top
+logprobs, then 1 mass (when some row samples the whole vocabulary), then 3 (token,
+processed and raw logit): greedy without logprobs 72 bytes, top-k 50 with 5
+logprobs 968 bytes, against 4*V/N for a whole row (96 KiB for SmolLM2 at degree 2).
+Rank 0 broadcasts with the plan, per choosing row: the policy (its bitmask is V/8
+bytes, 6 KiB for SmolLM2, whole: one broadcast reaches every rank, so slices would
 add up to the whole), the uniform's seed, and the penalised rows' distinct token
 ids and output counts (not the histories).
 
@@ -37,7 +39,6 @@ each row's route and on which rows fall back, with no extra round trip.
 
 from __future__ import annotations
 
-import logging
 import math
 import secrets
 from dataclasses import dataclass, replace
@@ -49,8 +50,6 @@ import torch
 from ferrum_rpc.server import sampling
 from ferrum_rpc.server.sampling import ChosenTokens
 from ferrum_rpc.types import LogprobsMode, TokenChoice
-
-log = logging.getLogger(__name__)
 
 Gather = Callable[[torch.Tensor], list[torch.Tensor]]  # all_gather: this rank's (R, C) -> every rank's
 _STATS = 6  # raw max, raw sum, shaped max, its argmax, tempered max, tempered sum
@@ -225,18 +224,17 @@ def choose_sharded(local: torch.Tensor, requests: Sequence[RowRequest], rank: in
         whole += sampling.sample_candidates(cand[at, :narrow_width], cand_ids[at, :narrow_width],
                                             lambda nucleus: z_lse[at][nucleus], narrow, choices, positions, step,
                                             vocab)
-    drawn = _draw_spread(z, z_top, spread, choices, positions, rank, lo, vocab, gather) if spread else None
+    known = step.token_ids.clone()  # each row's token where this rank knows it, else -1
+    known[torch.tensor(whole, dtype=torch.int64)] = -1
+    if spread:
+        mine, drawn, total = _draw_spread(z, z_top, spread, choices, positions, rank, lo, vocab, gather)
+        at = torch.tensor(spread)
+        known[at] = -1
+        known[at[mine]] = drawn
 
-    # one gather: each token's processed and raw logit from the rank that owns it
-    known = step.token_ids.clone()
+    # one gather: each token's processed and raw logit, from the rank that owns it
     owned = torch.full((rows, 3), -1.0, dtype=torch.float64)
-    if drawn is not None:
-        mine, tokens, _ = drawn
-        known[torch.tensor(spread)[mine]] = tokens
     inside = ((known >= lo) & (known < lo + x.shape[1])).nonzero().squeeze(-1)
-    if spread and drawn is not None:  # a row drawn elsewhere is unknown here
-        unknown = torch.tensor(spread)[~drawn[0]]
-        inside = inside[~torch.isin(inside, unknown)]
     if len(inside):
         local_ids = (known[inside] - lo).unsqueeze(-1)
         owned[inside] = torch.stack([known[inside].double(), z[inside].gather(1, local_ids).squeeze(-1).double(),
@@ -247,15 +245,16 @@ def choose_sharded(local: torch.Tensor, requests: Sequence[RowRequest], rank: in
     tokens, z_tok, raw_tok = picked[:, 0].long(), picked[:, 1].float(), picked[:, 2].float()
 
     if spread:
-        _finish_spread(step, spread, tokens, z_tok, z_top, cand, cand_ids, inverse, choices, n, gather, drawn)
+        _finish_spread(step, spread, tokens, z_tok, z_top, total, cand, cand_ids, inverse, choices, n)
     return _finish(step, choices, tokens, raw_tok, raw_lse.float(), raw_top, raw_top_ids, whole, requests, raw,
                    positions, gather_rows), len(whole)
 
 
 def _draw_spread(z, z_top, spread, choices, positions, rank, lo, vocab, gather):
     """The inverse CDF over ranks: the row's uniform picks a rank by cumulative mass,
-    that rank draws in its slice with the remainder.  Returns (which spread rows this
-    rank drew, their global token ids, each row's total mass)."""
+    that rank draws in its slice with the remainder (one gather of a mass a row).
+    Returns (which spread rows this rank drew, their global token ids, each row's
+    total mass)."""
     at = torch.tensor(spread)
     weights = (z[at] - z_top[at].unsqueeze(-1)).exp_()  # (S, W): exp(z - global max)
     min_p = torch.tensor([choices[i].min_p for i in spread]).unsqueeze(-1)
@@ -275,10 +274,9 @@ def _draw_spread(z, z_top, spread, choices, positions, rank, lo, vocab, gather):
     return mine, tokens, total.squeeze(-1)
 
 
-def _finish_spread(step, spread, tokens, z_tok, z_top, cand, cand_ids, inverse, choices, n, gather, drawn):
+def _finish_spread(step, spread, tokens, z_tok, z_top, total, cand, cand_ids, inverse, choices, n):
     """The spread rows' processed logprobs: log(weight / total), top-n from the candidates."""
     at = torch.tensor(spread)
-    total = drawn[2]
     log_total = total.log().float()
     top = z_top[at]
     chosen = z_tok[at] - top - log_total
