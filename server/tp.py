@@ -533,9 +533,11 @@ def shutdown() -> None:
     little for them."""
     if (runner := CURRENT.get("runner")) is not None:
         runner.stop()
+        forwards, shard = max(runner.forwards, 1), runner.shard
         log.info("tensor parallel: %d forwards, %.2f ms a forward in all-reduces, %.2f ms in the LM head's "
-                 "reduction", runner.forwards, runner.shard.allreduce_ns / 1e6 / max(runner.forwards, 1),
-                 runner.shard.gather_ns / 1e6 / max(runner.forwards, 1))
+                 "reduction, %.0f bytes a forward gathered by the LM head, %d token-choice rows on whole rows",
+                 runner.forwards, shard.allreduce_ns / 1e6 / forwards, shard.gather_ns / 1e6 / forwards,
+                 shard.lm_head_bytes / forwards, shard.choice_fallback_rows)
     for proc in CURRENT.get("procs", ()):
         proc.join(5)
         if proc.is_alive():
