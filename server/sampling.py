@@ -36,6 +36,9 @@ does. Plain sampling is exp((x - max) / T) in one fused pass, an in-place exp,
 and float32 block sums. Every path draws in vocabulary order, so the same uniform
 picks the same token whichever path a row takes.
 
+A tensor-parallel server runs the same steps over each rank's vocabulary slice
+and reduces across ranks (``tp_choice``), reusing the candidate path and the draw.
+
 Logprobs: RAW by default (the model's log-softmax, vLLM's default; see
 ``LogprobsMode``); its normaliser costs one more exp pass over rows whose
 processed logits differ from the model's (temperature != 1, penalties, ...).

@@ -21,7 +21,8 @@ ranks) and needs token exchange (all-to-all) on top.
 
 Rank 0 owns the gRPC server, the worker and the block manager.  Each forward it
 broadcasts the plan (per step: tokens, start, block table, which rows go
-through the LM head; plus the top-k it needs), then every rank runs the same
+through the LM head; plus the top-k it needs and each token choice's policy,
+seed and penalty counts), then every rank runs the same
 ``forward.forward`` over its shard.  Block ids are the same on every rank.
 """
 
