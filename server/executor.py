@@ -472,11 +472,12 @@ class TorchExecutor:
             if step.choice is not None and n:
                 seq, c = step.seq, step.choice
                 length = step.start + len(step.tokens)
-                tokens = seq.tokens[:step.start] + list(step.tokens)
-                penalised = c.repetition_penalty != 1 or c.presence_penalty or c.frequency_penalty
-                split = length if step.prompt else min(seq.prompt_spans[-1][1], length) if seq.prompt_spans else 0
-                yield (at + n - 1, step, c, length, tokens[:split] if penalised else (),
-                       tokens[split:length] if penalised else ())
+                prompt, output = (), ()
+                if c.repetition_penalty != 1 or c.presence_penalty or c.frequency_penalty:
+                    tokens = seq.tokens[:step.start] + list(step.tokens)
+                    split = length if step.prompt else min(seq.prompt_spans[-1][1], length) if seq.prompt_spans else 0
+                    prompt, output = tokens[:split], tokens[split:length]
+                yield at + n - 1, step, c, length, prompt, output
             at += n
 
     def _choice_requests(self, steps: list[Step]) -> list:

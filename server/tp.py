@@ -212,7 +212,8 @@ class Shard:
             return self.gather_rows(t.to(device)).cpu()
 
         chosen, fell = choose_sharded(local.float().cpu(), requests, self.rank, self.vocab[0],
-                                      self.config.vocab_size, gather, rows)
+                                      self.config.vocab_size, -(-self.config.vocab_size // self.degree), gather,
+                                      rows)
         if fell and not self.choice_fallback_rows:
             log.info("tensor parallel: a token choice needed whole rows (top-k above 4096, a nucleus wider "
                      "than 256 tokens or top-k ties past the candidates); counted from now on, not logged again")

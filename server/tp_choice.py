@@ -18,16 +18,19 @@ which cross the ranks as a few numbers a row:
   reduce as (max, argmax) too, but needs a random number per token and would draw
   other tokens than our degree-1 draw, which callers can reproduce (``uniform_for``).
 - the rest (top-k > 4096, a nucleus wider than 256 tokens, top-k ties past the
-  candidates, top-p with a top-k above 4096): whole rows of those rows only, counted
-  in ``Shard.choice_fallback_rows`` and logged once.
+  candidates, top-p with a top-k above 4096, candidates costlier than the row, see
+  below): whole rows of those rows only, counted in ``Shard.choice_fallback_rows``
+  and logged once.
 
 vLLM and TGI gather whole rows before choosing (vLLM's ``LogitsProcessor`` through
 ``tensor_model_parallel_gather``, TGI's ``TensorParallelHead`` through all_gather); this does
-not.  Bytes each rank sends a row a forward (float64 numbers; W and n are the
-batch's largest): 6 statistics + 2*W candidates (values, ids) + 2*n raw top
-logprobs, then 1 mass (when some row samples the whole vocabulary), then 3 (token,
-processed and raw logit): greedy without logprobs 72 bytes, top-k 50 with 5
-logprobs 968 bytes, against 4*V/N for a whole row (96 KiB for SmolLM2 at degree 2).
+not.  Bytes each rank sends a row a forward (W and n are the batch's largest): 48
+(6 float64 statistics) + 8 per candidate (float32 value, int32 id; W of them) + 8 per
+raw top logprob (n), then 8 (a mass, when some row samples the whole vocabulary),
+then 24 (token, processed and raw logit): greedy without logprobs 72 bytes, top-k 50
+with 5 logprobs 520 bytes, against 4*V/N for a whole row (96 KiB for SmolLM2 at
+degree 2).  A row whose candidates would fill half its slice or more (a wide top-k
+on a small vocabulary) costs less whole, so it goes whole.
 Rank 0 broadcasts with the plan, per choosing row: the policy (its bitmask is V/8
 bytes, 6 KiB for SmolLM2, whole: one broadcast reaches every rank, so slices would
 add up to the whole), the uniform's seed, and the penalised rows' distinct token
@@ -135,25 +138,27 @@ def _combine(maxes: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
 
 
 def _top(values: torch.Tensor, width: int, lo: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(R, width) largest values, descending, and their global ids; padded with -inf and id -1."""
+    """(R, width) largest values, descending, as int32 bit patterns, and their global ids
+    (int32); padded with -inf and id -1 where the slice is narrower."""
     got = min(width, values.shape[1])
     v, i = values.topk(got, -1)
     pad = width - got
     if pad:
         v = torch.nn.functional.pad(v, (0, pad), value=-math.inf)
         i = torch.nn.functional.pad(i, (0, pad), value=-1 - lo)
-    return v.double(), (i + lo).double()
+    return v.contiguous().view(torch.int32), (i + lo).int()
 
 
-def _merge(parts: torch.Tensor, at: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's candidates (N, R, C) columns [at, at + 2*width) -> the global top-width."""
+def _merge(parts: torch.Tensor, at: int, sent: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's ``sent`` candidates, columns [at, at + 2*sent) of (N, R, C) int32, ->
+    the global top-``width`` values (float32) and ids (int64)."""
+    rows = parts.shape[1]
     if not width:
-        rows = parts.shape[1]
         return torch.zeros(rows, 0), torch.zeros(rows, 0, dtype=torch.int64)
-    values = parts[:, :, at:at + width].permute(1, 0, 2).reshape(parts.shape[1], -1)  # (R, N*width)
-    ids = parts[:, :, at + width:at + 2 * width].permute(1, 0, 2).reshape(parts.shape[1], -1)
+    values = parts[:, :, at:at + sent].contiguous().view(torch.float32).permute(1, 0, 2).reshape(rows, -1)
+    ids = parts[:, :, at + sent:at + 2 * sent].permute(1, 0, 2).reshape(rows, -1)  # (R, N*sent)
     best, where = values.topk(width, -1)
-    return best.float(), ids.gather(1, where).long()
+    return best, ids.gather(1, where).long()
 
 
 def _mass(weights: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -170,7 +175,8 @@ def _mass(weights: torch.Tensor, vocab: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------- the step
 
 def choose_sharded(local: torch.Tensor, requests: Sequence[RowRequest], rank: int, lo: int, vocab: int,
-                   gather: Gather, gather_rows: Callable[[torch.Tensor], torch.Tensor]) -> tuple[ChosenTokens, int]:
+                   slice_width: int, gather: Gather,
+                   gather_rows: Callable[[torch.Tensor], torch.Tensor]) -> tuple[ChosenTokens, int]:
     """Chooses one token per request from this rank's slice of the LM head's rows.
 
     Args:
@@ -179,7 +185,8 @@ def choose_sharded(local: torch.Tensor, requests: Sequence[RowRequest], rank: in
         rank: this rank.
         lo: where its slice starts.
         vocab: the whole vocabulary.
-        gather: all_gather of a (R, C) float64 tensor, same shape on every rank.
+        slice_width: the widest rank's slice (ceil(vocab / N)).
+        gather: all_gather of a (R, C) tensor, same shape on every rank.
         gather_rows: (R, W) slices -> (R, vocab) whole rows (the fallback).
 
     Returns:
@@ -194,8 +201,13 @@ def choose_sharded(local: torch.Tensor, requests: Sequence[RowRequest], rank: in
     greedy, narrow, wide = sampling.routes(choices, vocab)
     spread = [i for i in wide if plain(choices[i], vocab)]
     whole = [i for i in wide if i not in spread]
+    # a candidate costs 8 bytes (value, id), a row 4 a token: a row needing half a slice goes whole
+    costly = [i for i in narrow if 2 * sampling.candidate_width([choices[i]], vocab) >= slice_width]
+    whole += costly
+    narrow = [i for i in narrow if i not in costly]
     narrow_width = sampling.candidate_width([choices[i] for i in narrow], vocab) if narrow else 0
     width = max(narrow_width, n)
+    sent, sent_n = min(width, slice_width), min(n, slice_width)  # no rank has more than its slice
     inverse = 1 / torch.tensor([1.0 if c.is_greedy else c.temperature for c in choices]).unsqueeze(-1)  # (R, 1)
     z = x * inverse  # (R, W): the tempered logits (greedy rows: x)
 
@@ -204,13 +216,16 @@ def choose_sharded(local: torch.Tensor, requests: Sequence[RowRequest], rank: in
     x_max, x_arg = x.max(-1)
     z_max, z_sum = _max_and_sum(z)
     stats = torch.stack([raw_max, raw_sum, x_max, x_arg + lo, z_max, z_sum], -1).double()  # (R, 6)
-    parts = torch.stack(gather(torch.cat([stats, *_top(x, width, lo), *_top(raw, n, lo)], -1)))  # (N, R, C)
-    raw_lse = _combine(parts[..., 0], parts[..., 1])  # (R,)
-    best = parts[..., 2].amax(0)
-    argmax = torch.where(parts[..., 2] == best, parts[..., 3], math.inf).amin(0).long()  # lowest id of the ties
-    z_lse, z_top = _combine(parts[..., 4], parts[..., 5]).float(), parts[..., 4].amax(0).float()
-    cand, cand_ids = _merge(parts, _STATS, width)
-    raw_top, raw_top_ids = _merge(parts, _STATS + 2 * width, n)
+    payload = torch.cat([stats.view(torch.int32), *_top(x, sent, lo), *_top(raw, sent_n, lo)], -1)  # (R, C) int32
+    parts = torch.stack(gather(payload))  # (N, R, C)
+    at = 2 * _STATS
+    numbers = parts[..., :at].contiguous().view(torch.float64)  # (N, R, 6)
+    raw_lse = _combine(numbers[..., 0], numbers[..., 1])  # (R,)
+    best = numbers[..., 2].amax(0)
+    argmax = torch.where(numbers[..., 2] == best, numbers[..., 3], math.inf).amin(0).long()  # lowest id of ties
+    z_lse, z_top = _combine(numbers[..., 4], numbers[..., 5]).float(), numbers[..., 4].amax(0).float()
+    cand, cand_ids = _merge(parts, at, sent, width)
+    raw_top, raw_top_ids = _merge(parts, at + 2 * sent, sent_n, n)
 
     step = sampling.Step(rows, n, any(c.top_logprobs and c.logprobs_mode is LogprobsMode.PROCESSED
                                       for c in choices))

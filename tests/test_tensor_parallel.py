@@ -343,15 +343,16 @@ def test_greedy_with_penalties_bias_and_grammar_mask_equals_degree_1_without_gat
         step = ex.decode(out.chosen.token_id, out.kv_cache, token_choice=choices[0])
         assert _metric(server, "ferrum_tensor_parallel_forwards") == forwards + 1
         gathered = _metric(server, "ferrum_tensor_parallel_lm_head_bytes") - sent
-        assert 0 < gathered < 4 * VOCAB // 2  # 8 * (6 statistics + 2 * 3 candidates + 2 * 3 raw) + 8 * 3 = 168
+        assert 0 < gathered < 4 * VOCAB // 2  # 48 statistics + 8 * (3 candidates + 3 raw) + 24 = 120
         ex.release_cache(step.kv_cache)
 
 
 def test_seeded_top_k_top_p_min_p_and_temperature_draw_degree_1s_tokens(servers, unsplit):
     """The draw is degree 1's inverse CDF split by per-rank masses, candidates merged
     across ranks: the same (seed, position) draws the same token as degree 1, with its
-    logprobs within 1e-5.  A nucleus wider than 256 of the 320 tokens gathers whole
-    rows, counted in GetCapabilities."""
+    logprobs within 1e-5.  On these 320 tokens top-k 40 and top-p's 256 candidates
+    would cost more than a 160-token slice, so those rows gather whole rows, counted
+    in GetCapabilities (tests/server/test_tp_choice.py has them on candidates at 8k)."""
     choices = [
         TokenChoice(temperature=0.9, top_k=20, seed=11, top_logprobs=3),
         TokenChoice(temperature=1.1, top_p=0.8, seed=12, top_logprobs=2, logprobs_mode=LogprobsMode.PROCESSED),
