@@ -273,7 +273,8 @@ class TorchExecutor:
         return self.shard.fallbacks + (
             "FULL logits: gather whole rows from every rank (ARGMAX/TOP_K reduce top-k only)",
             "token choice: reduced across vocabulary slices; whole rows only beside FULL logits (SpeculativeDecode's "
-            "rows included), for top-k above 4096, a nucleus wider than 256 tokens or top-k ties past the candidates "
+            "rows included), for top-k above 4096, a nucleus wider than 256 tokens, top-k ties past the candidates "
+            "and candidate lists half a vocabulary slice wide (costlier than the row) "
             f"({self.shard.choice_fallback_rows} rows so far)",
             "whole-layer fused decode op: per-op path (each layer ends in all-reduces)",
         )

@@ -8,9 +8,9 @@ states (forward hooks on ``self_attn`` and ``mlp``).  The KV pool splits by KV
 head with the heads.  The LM head is vocabulary-parallel: ARGMAX and TOP_K
 reduce each rank's own top-k (k values a row cross the wire, not V); FULL rows
 gather whole rows; server-side token choice reduces a few numbers a row
-(``tp_choice``), whole rows only for the rare policies it cannot decide otherwise.  Embeddings stay whole on
-every rank: a lookup reads one row a token, so sharding them would save memory but
-no bandwidth, and cost one more all-reduce a forward.
+(``tp_choice``), whole rows only for the rare policies it cannot decide otherwise.
+Embeddings stay whole on every rank: a lookup reads one row a token, so sharding
+them would save memory but no bandwidth, and cost one more all-reduce a forward.
 
 Qwen3-MoE experts shard by expert *columns*: every rank holds every expert's
 1/N of gate/up columns and down rows.  The router then runs identically on every
