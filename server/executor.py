@@ -271,7 +271,11 @@ class TorchExecutor:
         if self.shard is None:
             return ()
         return self.shard.fallbacks + (
-            "FULL logits and token choice: gather whole rows from every rank (ARGMAX/TOP_K reduce top-k only)",
+            "FULL logits: gather whole rows from every rank (ARGMAX/TOP_K reduce top-k only)",
+            "token choice: reduced across vocabulary slices; whole rows only beside FULL logits (SpeculativeDecode's "
+            "rows included), for top-k above 4096, a nucleus wider than 256 tokens, top-k ties past the candidates "
+            "and candidate lists half a vocabulary slice wide (costlier than the row) "
+            f"({self.shard.choice_fallback_rows} rows so far)",
             "whole-layer fused decode op: per-op path (each layer ends in all-reduces)",
         )
 
@@ -397,10 +401,13 @@ class TorchExecutor:
         steps = [s for p in plans for s in p.steps]
         t0 = time.perf_counter_ns()
         try:
+            chosen = None
             if self.runner is None:
                 logits = forward(self.model, self.pool, steps)
-            else:
-                logits = self.runner.forward(self.model, self.pool, steps, self._top_only(plans, steps))
+            else:  # token choice across the ranks' vocabulary slices unless whole rows are gathered anyway
+                top = self._top_only(plans)
+                requests = self._choice_requests(steps) if top is not None else None
+                logits, chosen = self.runner.forward(self.model, self.pool, steps, top, requests)
         except BaseException as exc:
             self._unplan(steps)
             self.stats.failed = not isinstance(exc, (ExecutorError, GeneratorExit, KeyboardInterrupt))
@@ -411,7 +418,7 @@ class TorchExecutor:
         self.stats.count_forward(all(p.kind is PlanKind.DECODE for p in plans), time.perf_counter_ns() - t0,
                                  len(steps), sum(len(s.tokens) for s in steps))
         try:
-            self._choose(steps, logits)
+            self._choose(steps, logits, chosen)
         except BaseException:  # nothing is half done: the appends are undone as a failed forward's
             for step in steps:
                 self.undo([step.opened.undo])
@@ -420,7 +427,7 @@ class TorchExecutor:
         results, at = [], 0  # each plan's rows in ``logits`` are adjacent
         for plan in plans:
             n = sum(step.rows.count(len(step.tokens)) for step in plan.steps)
-            rows = logits[at:at + n] if n else None
+            rows = logits[at:at + n] if n and logits is not None else None
             at += n
             if plan.kind is PlanKind.PART:
                 results.append(rows)
@@ -442,39 +449,57 @@ class TorchExecutor:
         return results
 
     @staticmethod
-    def _top_only(plans: list[AppendPlan], steps: list[Step]) -> int | None:
+    def _top_only(plans: list[AppendPlan]) -> int | None:
         """Tensor parallel: the k best per row every consumer of this forward's rows
         needs (ARGMAX 1, TOP_K k), so only those cross between ranks; None when some
-        row goes back FULL or feeds a token choice (whole rows are gathered)."""
-        if any(s.choice is not None for s in steps) or any(p.policy.kind is LogitsKind.FULL for p in plans):
+        row goes back FULL (whole rows are gathered, and token choice runs on them);
+        0 when no row goes back (token choice only: nothing but its reductions crosses)."""
+        if not any(s.logits for p in plans for s in p.steps):
+            return 0
+        if any(p.policy.kind is LogitsKind.FULL and any(s.logits for s in p.steps) for p in plans):
             return None
         return max(p.policy.top_k if p.policy.kind is LogitsKind.TOP_K else 1 for p in plans)
 
-    def _choose(self, steps: list[Step], logits: torch.Tensor | None) -> None:
-        """Token choice (issue 22): one ``choose_tokens`` over every row of this forward
-        that asks for one (a decode's row, a prompt's last row), after the appends are
-        committed: the position is the new length, the histories the sequence's tokens,
-        split into prompt and output at ``SequenceState.output_start`` (a prompt's own
-        row: all prompt)."""
-        rows, choices, positions, prompts, outputs, asking, at = [], [], [], [], [], [], 0
+    @staticmethod
+    def _asking(steps: list[Step]):
+        """(row, step, choice, position, prompt, output) for each row of this forward that
+        asks for a token choice (a decode's row, a prompt's last row).  The same before
+        the appends are committed (a tensor-parallel plan) as after: the position is the
+        new length, the histories the sequence's tokens then, split into prompt and
+        output at ``SequenceState.output_start`` (a prompt's own row: all prompt)."""
+        at = 0
         for step in steps:
             n = step.rows.count(len(step.tokens))
             if step.choice is not None and n:
                 seq, c = step.seq, step.choice
-                rows.append(at + n - 1)
-                choices.append(c)
-                positions.append(seq.length)
-                penalised = c.repetition_penalty != 1 or c.presence_penalty or c.frequency_penalty
-                split = seq.length if step.prompt else seq.output_start
-                prompts.append(seq.tokens[:split] if penalised else ())
-                outputs.append(seq.tokens[split:seq.length] if penalised else ())
-                asking.append(step)
+                length = step.start + len(step.tokens)
+                prompt, output = (), ()
+                if c.repetition_penalty != 1 or c.presence_penalty or c.frequency_penalty:
+                    tokens = seq.tokens[:step.start] + list(step.tokens)
+                    split = length if step.prompt else min(seq.prompt_spans[-1][1], length) if seq.prompt_spans else 0
+                    prompt, output = tokens[:split], tokens[split:length]
+                yield at + n - 1, step, c, length, prompt, output
             at += n
+
+    def _choice_requests(self, steps: list[Step]) -> list:
+        from ferrum_rpc.server.tp_choice import RowRequest
+
+        return [RowRequest.of(row, c, position, prompt, output)
+                for row, _, c, position, prompt, output in self._asking(steps)]
+
+    def _choose(self, steps: list[Step], logits: torch.Tensor | None, chosen=None) -> None:
+        """Token choice (issue 22): one ``choose_tokens`` over every row of this forward
+        that asks for one (see :meth:`_asking`); ``chosen``: already chosen across the
+        ranks (tensor parallel), in the same order."""
+        asking = list(self._asking(steps))
         if not asking:
             return
-        picked = logits[torch.tensor(rows, device=logits.device)] if len(rows) < logits.shape[0] else logits
-        chosen = choose_tokens(picked.float().cpu(), choices, positions, prompts, outputs)
-        for i, step in enumerate(asking):
+        if chosen is None:
+            rows = [a[0] for a in asking]
+            picked = logits[torch.tensor(rows, device=logits.device)] if len(rows) < logits.shape[0] else logits
+            chosen = choose_tokens(picked.float().cpu(), [a[2] for a in asking], [a[3] for a in asking],
+                                   [a[4] for a in asking], [a[5] for a in asking])
+        for i, (_, step, *_) in enumerate(asking):
             step.chosen = chosen.row(i)
 
     def undo(self, undos: Iterable[Undo]) -> None:

@@ -4,7 +4,8 @@ Per call, counted by the servicer: requests by RPC, status code and tenant;
 latency histograms of the whole call, its queue wait and its forward.  Read
 from the executors at scrape time (no bookkeeping on the hot path): forwards
 by batch size, tokens processed, KV blocks used/free/shared/cached, prefix
-cache queried/hit tokens, and sequences alive (per tenant) and expired.
+cache queried/hit tokens, sequences alive (per tenant) and expired, and on a
+tensor-parallel server the bytes its LM head gathered (issue 24).
 """
 
 from __future__ import annotations
@@ -69,6 +70,16 @@ class _ExecutorCollector:
         hits = CounterMetricFamily("ferrum_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
                                    labels=["model"])
         batches = HistogramMetricFamily("ferrum_forward_batch_size", "Sequences per forward", labels=["model"])
+        split = {  # tensor parallel only: what the vocabulary-parallel LM head sent to rank 0
+            "forwards": CounterMetricFamily("ferrum_tensor_parallel_forwards", "Forwards run on every rank",
+                                            labels=["model"]),
+            "lm_head_bytes": CounterMetricFamily(
+                "ferrum_tensor_parallel_lm_head_bytes", "Bytes the LM head's reductions and token choice "
+                "gathered to rank 0 from the other ranks", labels=["model"]),
+            "choice_fallback_rows": CounterMetricFamily(
+                "ferrum_tensor_parallel_choice_fallback_rows", "Token-choice rows that gathered whole rows",
+                labels=["model"]),
+        }
         for ex in self.executors():
             kv, model = ex.kv, [ex.name]
             gauges["used"].add_metric(model, kv.num_used)
@@ -88,4 +99,8 @@ class _ExecutorCollector:
             buckets = [(str(bound), sum(n for size, n in sizes.items() if size <= bound)) for bound in BATCH_BUCKETS]
             buckets.append(("+Inf", sum(sizes.values())))
             batches.add_metric(model, buckets, sum(size * n for size, n in sizes.items()))
-        yield from (*gauges.values(), alive, expired, tokens, queried, hits, batches)
+            if (runner := getattr(ex, "runner", None)) is not None:
+                split["forwards"].add_metric(model, runner.forwards)
+                split["lm_head_bytes"].add_metric(model, runner.shard.lm_head_bytes)
+                split["choice_fallback_rows"].add_metric(model, runner.shard.choice_fallback_rows)
+        yield from (*gauges.values(), alive, expired, tokens, queried, hits, batches, *split.values())

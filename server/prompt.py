@@ -61,6 +61,7 @@ class PromptInParts:
         plan = self.executor.plan_part(self.opened, self.tokens[self.offset:self.offset + n], rows, self.policy)
         (step,) = plan.steps
         step.prompt = not self.as_output
+        step.logits = self.want_logits  # a tensor-parallel forward then gathers no whole rows for it
         if final:
             step.choice = self.choice
         step.hidden = dict.fromkeys(self.states) if self.states else None

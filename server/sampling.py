@@ -26,7 +26,7 @@ Order of operations per row (vLLM's sampler; transformers' processor order):
    (ties at the k-th logit kept; top-p's ascending cumulative sum; min-p against
    the most likely token's probability; at least one token always kept).
 6. the draw: inverse CDF in vocabulary order with one uniform per row, keyed by
-   (seed, position) (:func:`uniform_for`, :func:`_draw`).
+   (seed, position) (:func:`uniform_for`, :func:`draw`).
 
 Paths: steps 1-2 are skipped (no copy of the logits) when no row uses them. Rows
 with a top_k up to 4096, or top_p alone whose 256 most likely tokens hold more
@@ -35,6 +35,9 @@ no sort of the vocabulary); other filtered rows sort their rows as transformers
 does. Plain sampling is exp((x - max) / T) in one fused pass, an in-place exp,
 and float32 block sums. Every path draws in vocabulary order, so the same uniform
 picks the same token whichever path a row takes.
+
+A tensor-parallel server runs the same steps over each rank's vocabulary slice
+and reduces across ranks (``tp_choice``), reusing the candidate path and the draw.
 
 Logprobs: RAW by default (the model's log-softmax, vLLM's default; see
 ``LogprobsMode``); its normaliser costs one more exp pass over rows whose
@@ -70,7 +73,7 @@ __all__ = [
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound; exp(-200) is 0 in float32, so +-100 forces or bans any token
 MAX_PENALTY = 2.0  # presence and frequency, OpenAI's range
-_BLOCK = 256  # the draw's first level: float32 sums of 256-wide blocks, then one block's cumulative sum
+BLOCK = 256  # the draw's first level: float32 sums of 256-wide blocks, then one block's cumulative sum
 _HASH_TAG = b"ferrum-rpc/token-choice/v1"
 
 
@@ -151,7 +154,7 @@ def unpack_allowed_tokens(mask: bytes, vocab_size: int) -> np.ndarray:
     return np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")[:vocab_size].astype(bool)
 
 
-def _unpack_rows(masks: list[bytes], vocab_size: int) -> torch.Tensor:
+def unpack_rows(masks: list[bytes], vocab_size: int) -> torch.Tensor:
     """(R, vocab_size) bool from R bitmasks, vectorised: shift each word by 0..31."""
     words = np.frombuffer(b"".join(masks), dtype="<i4").astype(np.int32).reshape(len(masks), -1)
     words = torch.from_numpy(words)  # (R, W)
@@ -176,13 +179,13 @@ def uniform_for(seed: int, position: int) -> float:
     return (word >> 11) * 2.0 ** -53
 
 
-def _uniforms(choices: Sequence[TokenChoice], rows: list[int], positions: Sequence[int]) -> torch.Tensor:
+def uniforms(choices: Sequence[TokenChoice], rows: list[int], positions: Sequence[int]) -> torch.Tensor:
     values = [uniform_for(choices[i].seed if choices[i].seed is not None else secrets.randbits(64),
                           positions[i]) for i in rows]
     return torch.tensor(values, dtype=torch.float64)
 
 
-def _draw(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def draw(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse CDF: per row the index whose cumulative-weight interval holds u * total.
 
     Args:
@@ -201,12 +204,12 @@ def _draw(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.T
     exact as a likely one); zero weights are never drawn.
     """
     rows, width = weights.shape
-    if width <= 8 * _BLOCK:
+    if width <= 8 * BLOCK:
         cum = weights.cumsum(-1, dtype=torch.float64)  # (R, W)
         index = torch.searchsorted(cum, (u * cum[:, -1]).unsqueeze(-1), right=True)
         return torch.minimum(index, _last_positive(weights)).squeeze(-1), cum[:, -1]
-    pad = -width % _BLOCK
-    blocks = (torch.nn.functional.pad(weights, (0, pad)) if pad else weights).view(rows, -1, _BLOCK)  # (R, NB, BLOCK)
+    pad = -width % BLOCK
+    blocks = (torch.nn.functional.pad(weights, (0, pad)) if pad else weights).view(rows, -1, BLOCK)  # (R, NB, BLOCK)
     sums = blocks.sum(-1).double()  # (R, NB)
     cum = sums.cumsum(-1)
     target = (u * cum[:, -1]).unsqueeze(-1)  # (R, 1)
@@ -218,7 +221,7 @@ def _draw(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.T
     inner = chosen.cumsum(-1, dtype=torch.float64)
     index = torch.searchsorted(inner, within * inner[:, -1:], right=True)
     index = torch.minimum(index, _last_positive(chosen))
-    return (block * _BLOCK + index).squeeze(-1), cum[:, -1]
+    return (block * BLOCK + index).squeeze(-1), cum[:, -1]
 
 
 def _last_positive(values: torch.Tensor) -> torch.Tensor:
@@ -252,7 +255,7 @@ class ChosenTokens:
         return [self.row(i) for i in range(len(self.top_counts))]
 
 
-class _Step:
+class Step:
     """Per-row results as the paths fill them: the token, and in the distribution it
     was chosen from (PROCESSED) the log-normaliser, the token's logprob and the top-n."""
 
@@ -306,8 +309,8 @@ def choose_tokens(
         raise ValueError(f"{batch} rows but {len(choices)} choices and {len(positions)} positions")
     shaped, touched = _shape(logits, choices, prompt_token_ids, output_token_ids)
     n = min(max(c.top_logprobs for c in choices), vocab)
-    step = _Step(batch, n, any(c.top_logprobs and c.logprobs_mode is LogprobsMode.PROCESSED for c in choices))
-    greedy, narrow, wide = _routes(choices, vocab)
+    step = Step(batch, n, any(c.top_logprobs and c.logprobs_mode is LogprobsMode.PROCESSED for c in choices))
+    greedy, narrow, wide = routes(choices, vocab)
     if greedy:
         _choose_greedy(shaped, greedy, touched, step)
     if narrow:
@@ -347,10 +350,10 @@ def accept_drafts(
 
 
 _CANDIDATES = 4096  # rows with top_k up to this choose among their top-k logits only
-_NUCLEUS = 256  # rows with top_p only try their 256 most likely tokens first
+NUCLEUS = 256  # rows with top_p only try their 256 most likely tokens first
 
 
-def _routes(choices, vocab: int) -> tuple[list[int], list[int], list[int]]:
+def routes(choices, vocab: int) -> tuple[list[int], list[int], list[int]]:
     """Greedy rows; sampled rows that choose among candidates (a small top_k, or top_p
     alone); the rest (whole rows)."""
     greedy, narrow, wide = [], [], []
@@ -380,7 +383,7 @@ def _log_normaliser(x: torch.Tensor, top: torch.Tensor | None = None) -> torch.T
     return (top + torch.sub(x, top).exp_().sum(-1, keepdim=True).log()).squeeze(-1)
 
 
-def _choose_greedy(shaped, rows: list[int], touched: list[bool], step: _Step) -> None:
+def _choose_greedy(shaped, rows: list[int], touched: list[bool], step: Step) -> None:
     """Step 3: the argmax of the penalised, biased, masked logits."""
     index = _index(rows, shaped.shape[0])
     x = _rows(shaped, index)
@@ -394,7 +397,7 @@ def _choose_greedy(shaped, rows: list[int], touched: list[bool], step: _Step) ->
         step.raw_is_processed[i] = not touched[i]
 
 
-def _sample_full(shaped, rows: list[int], choices, positions, touched, step: _Step) -> None:
+def _sample_full(shaped, rows: list[int], choices, positions, touched, step: Step) -> None:
     """Steps 4-6 over whole rows: temperature, the transformers-style filters (a sort
     of the vocabulary, for the rare rows the candidate path cannot serve), the draw."""
     index = _index(rows, shaped.shape[0])
@@ -413,7 +416,7 @@ def _sample_full(shaped, rows: list[int], choices, positions, touched, step: _St
         step.raw_max[torch.tensor([rows[r] for r in untouched], dtype=torch.int64)] = largest.squeeze(-1)[untouched]
         top = largest * inverse
         weights = torch.addcmul(-top, x, inverse).exp_()
-    tokens, total = _draw(weights, _uniforms(choices, rows, positions))
+    tokens, total = draw(weights, uniforms(choices, rows, positions))
     log_total = total.log().float()
     chosen = weights.gather(1, tokens.unsqueeze(-1)).squeeze(-1).log() - log_total
     top_w, top_ids = weights.topk(step.n, -1) if step.n else (None, None)
@@ -424,7 +427,7 @@ def _sample_full(shaped, rows: list[int], choices, positions, touched, step: _St
         step.raw_is_processed[i] = not touched[i] and r not in plain and choices[i].temperature == 1
 
 
-def _sample_candidates(shaped, rows: list[int], choices, positions, step: _Step) -> list[int]:
+def _sample_candidates(shaped, rows: list[int], choices, positions, step: Step) -> list[int]:
     """Steps 4-6 over each row's most likely tokens only (no sort of the vocabulary):
     its top_k, or for top_p alone the 256 most likely when they hold more than top_p of
     the mass (so every other token is outside the nucleus). Returns the rows this
@@ -432,10 +435,28 @@ def _sample_candidates(shaped, rows: list[int], choices, positions, step: _Step)
     every tie), or a nucleus wider than 256 tokens."""
     x = _rows(shaped, _index(rows, shaped.shape[0]))  # (R, V)
     policies = [choices[i] for i in rows]
-    vocab = x.shape[1]
+    values, ids = x.topk(candidate_width(policies, x.shape[1]), -1)
+    inverse = 1 / torch.tensor([c.temperature for c in policies]).unsqueeze(-1)
+    return sample_candidates(values, ids, lambda nucleus: _log_normaliser(x[nucleus] * inverse[nucleus]),
+                             rows, choices, positions, step, x.shape[1])
+
+
+def candidate_width(policies, vocab: int) -> int:
+    """How many candidates rows of ``policies`` need: one past the largest top_k (to see
+    ties), NUCLEUS for a top_p row."""
+    ks = [c.top_k if 0 < c.top_k < vocab else 0 for c in policies]
+    return min(vocab, max(max(ks) + 1, NUCLEUS if 0 in ks else 0))
+
+
+def sample_candidates(values, ids, normaliser, rows: list[int], choices, positions, step: Step,
+                      vocab: int) -> list[int]:
+    """The candidate path on rows' candidates: values (R, K) descending (K from
+    :func:`candidate_width`) and their vocabulary ids; ``normaliser(nucleus)`` gives the
+    logsumexp of the tempered whole rows picked by the (R,) bool ``nucleus`` (a tensor
+    parallel server computes it across ranks). Returns the rows it cannot serve."""
+    policies = [choices[i] for i in rows]
+    width = values.shape[1]
     k = torch.tensor([c.top_k if 0 < c.top_k < vocab else 0 for c in policies]).unsqueeze(-1)  # (R, 1); 0: none
-    width = min(vocab, max(int(k.max()) + 1, _NUCLEUS if bool((k == 0).any()) else 0))
-    values, ids = x.topk(width, -1)  # (R, K) descending; one past the largest k, to see ties
     tied = values.gather(1, k.clamp(max=width - 1)) == values.gather(1, (k - 1).clamp(min=0))  # k-th == (k+1)-th
     inverse = 1 / torch.tensor([c.temperature for c in policies]).unsqueeze(-1)
     z = values * inverse  # (R, K) descending
@@ -443,7 +464,7 @@ def _sample_candidates(shaped, rows: list[int], choices, positions, step: _Step)
     serve = ~tied | (k == 0)
     nucleus = (k == 0).squeeze(-1)
     if bool(nucleus.any()):
-        full = _log_normaliser(x[nucleus] * inverse[nucleus])
+        full = normaliser(nucleus)
         outside[nucleus] = (1 - torch.exp(torch.logsumexp(z[nucleus], -1) - full)).clamp(min=0).unsqueeze(-1)
         top_p = torch.tensor([c.top_p for c in policies]).unsqueeze(-1)
         serve &= ~(nucleus.unsqueeze(-1) & (outside >= 1 - top_p - 1e-5))
@@ -456,12 +477,12 @@ def _sample_candidates(shaped, rows: list[int], choices, positions, step: _Step)
     return [rows[r] for r in (~serve.squeeze(-1)).nonzero().squeeze(-1).tolist()]
 
 
-def _draw_candidates(z, ids, rows: list[int], choices, positions, step: _Step) -> None:
+def _draw_candidates(z, ids, rows: list[int], choices, positions, step: Step) -> None:
     """The draw over candidates z (R, K), descending, of vocabulary ids ``ids``; in
     vocabulary order, as the full path draws: the same uniform, the same token."""
     by_id = ids.argsort(-1)
     weights = torch.exp(z - z[:, :1]).gather(1, by_id)
-    drawn, total = _draw(weights, _uniforms(choices, rows, positions))
+    drawn, total = draw(weights, uniforms(choices, rows, positions))
     slot = by_id.gather(1, drawn.unsqueeze(-1))  # (R, 1) into z
     log_total = total.log().float()
     chosen = z.gather(1, slot).squeeze(-1) - z[:, 0] - log_total
@@ -506,7 +527,7 @@ def _shape(logits, choices, prompt_ids, output_ids) -> tuple[torch.Tensor, list[
                                    [prompt_ids[i] if prompt_ids else () for i in penalised],
                                    [output_ids[i] if output_ids else () for i in penalised])
     if masked:
-        allowed = _unpack_rows([choices[i].allowed_token_bitmask for i in masked], logits.shape[1])
+        allowed = unpack_rows([choices[i].allowed_token_bitmask for i in masked], logits.shape[1])
         out[masked] = out[masked].masked_fill(~allowed, -math.inf)
     return out, touched
 
@@ -531,7 +552,12 @@ def _penalise(x: torch.Tensor, choices, prompts, outputs) -> torch.Tensor:
     """x (R, V): the repetition penalty over prompt + output, then presence and
     frequency over the output (vLLM's apply_penalties; OpenAI's formula)."""
     out_counts = _counts(outputs, x.shape[1])  # (R, V)
-    seen = (out_counts > 0) | (_counts(prompts, x.shape[1]) > 0)
+    return penalise_counts(x, choices, out_counts, (out_counts > 0) | (_counts(prompts, x.shape[1]) > 0))
+
+
+def penalise_counts(x: torch.Tensor, choices, out_counts: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """:func:`_penalise` from (R, V) output counts and the (R, V) bool prompt-or-output set
+    (a tensor-parallel rank passes its vocabulary slice of both)."""
     rep = torch.tensor([c.repetition_penalty for c in choices]).unsqueeze(-1)  # (R, 1)
     x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     frequency = torch.tensor([c.frequency_penalty for c in choices]).unsqueeze(-1)
@@ -564,7 +590,7 @@ def _filter(z: torch.Tensor, choices: list[TokenChoice]) -> torch.Tensor:
     return z
 
 
-def _finish(logits: torch.Tensor, choices, step: _Step) -> ChosenTokens:
+def _finish(logits: torch.Tensor, choices, step: Step) -> ChosenTokens:
     """Each row's logprobs in its mode: PROCESSED as the paths left them, RAW against
     the model's own log-softmax (its normaliser reused where the row was untouched)."""
     chosen, top, top_ids = step.chosen, step.top, step.top_ids

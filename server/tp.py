@@ -7,9 +7,10 @@ o and down are row-parallel, so each layer costs two all-reduces of the hidden
 states (forward hooks on ``self_attn`` and ``mlp``).  The KV pool splits by KV
 head with the heads.  The LM head is vocabulary-parallel: ARGMAX and TOP_K
 reduce each rank's own top-k (k values a row cross the wire, not V); FULL rows
-and the server-side token choice gather whole rows.  Embeddings stay whole on
-every rank: a lookup reads one row a token, so sharding them would save memory but
-no bandwidth, and cost one more all-reduce a forward.
+gather whole rows; server-side token choice reduces a few numbers a row
+(``tp_choice``), whole rows only for the rare policies it cannot decide otherwise.
+Embeddings stay whole on every rank: a lookup reads one row a token, so sharding
+them would save memory but no bandwidth, and cost one more all-reduce a forward.
 
 Qwen3-MoE experts shard by expert *columns*: every rank holds every expert's
 1/N of gate/up columns and down rows.  The router then runs identically on every
@@ -20,7 +21,8 @@ ranks) and needs token exchange (all-to-all) on top.
 
 Rank 0 owns the gRPC server, the worker and the block manager.  Each forward it
 broadcasts the plan (per step: tokens, start, block table, which rows go
-through the LM head; plus the top-k it needs), then every rank runs the same
+through the LM head; plus the top-k it needs and each token choice's policy,
+seed and penalty counts), then every rank runs the same
 ``forward.forward`` over its shard.  Block ids are the same on every rank.
 """
 
@@ -45,6 +47,8 @@ import torch.distributed as dist
 from ferrum_rpc.errors import RankLost, StartupError
 from ferrum_rpc.server.forward import Rows, forward
 from ferrum_rpc.server.models.config import ModelConfig
+from ferrum_rpc.server.sampling import ChosenTokens
+from ferrum_rpc.server.tp_choice import choose_sharded
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +86,8 @@ class Shard:
     allreduce_ns: int = 0  # time in the layers' all-reduces, summed
     gather_ns: int = 0  # time in the LM head's reduction, summed
     allreduce_bytes: int = 0
+    lm_head_bytes: int = 0  # what the LM head's reductions and token choice sent to rank 0, summed
+    choice_fallback_rows: int = 0  # token-choice rows that needed whole rows (see tp_choice)
     fallbacks: tuple[str, ...] = ()  # fast paths that cannot run sharded, and what runs instead
 
     @property
@@ -178,13 +184,50 @@ class Shard:
         dist.all_gather(parts, weights.contiguous())
         return torch.cat(parts, dim=1)
 
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (the same shape on each), counting the bytes rank 0 receives."""
+        parts = [torch.empty_like(tensor) for _ in range(self.degree)]
+        dist.all_gather(parts, tensor.contiguous())
+        self.lm_head_bytes += tensor.numel() * tensor.element_size() * (self.degree - 1)
+        return parts
+
+    def gather_rows(self, local: torch.Tensor) -> torch.Tensor:
+        """This rank's (R, V/N) slices -> (R, V) whole rows on every rank."""
+        widths = [hi - lo for lo, hi in vocab_bounds(self.config.vocab_size, self.degree)]
+        padded = torch.full((local.shape[0], max(widths)), float("-inf"), device=local.device)
+        padded[:, :local.shape[1]] = local
+        parts = self.all_gather(padded)
+        return torch.cat([p[:, :w] for p, w in zip(parts, widths)], dim=1)
+
+    def choose(self, local: torch.Tensor, requests) -> ChosenTokens:
+        """Token choice over this rank's vocabulary slice, reduced across ranks
+        (:func:`tp_choice.choose_sharded`); the same result on every rank."""
+        t0 = time.perf_counter_ns()
+        device = local.device  # NCCL gathers device tensors; the choice computes on the CPU
+
+        def gather(t: torch.Tensor) -> list[torch.Tensor]:
+            return [p.cpu() for p in self.all_gather(t.to(device))]
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return self.gather_rows(t.to(device)).cpu()
+
+        chosen, fell = choose_sharded(local.float().cpu(), requests, self.rank, self.vocab[0],
+                                      self.config.vocab_size, -(-self.config.vocab_size // self.degree), gather,
+                                      rows)
+        if fell and not self.choice_fallback_rows:
+            log.info("tensor parallel: a token choice needed whole rows (top-k above 4096, a nucleus wider "
+                     "than 256 tokens or top-k ties past the candidates); counted from now on, not logged again")
+        self.choice_fallback_rows += fell
+        self.gather_ns += time.perf_counter_ns() - t0
+        return chosen
+
     def reduce_logits(self, local: torch.Tensor | None, top: int | None) -> torch.Tensor | None:
         """This rank's (N, V/N) float32 logits -> (N, V) on rank 0 (None elsewhere).
 
         ``top`` (ARGMAX: 1, TOP_K: k): only each rank's k best per row cross; rank 0 gets
         the k global best in their places and -inf elsewhere, which every ARGMAX/TOP_K
-        consumer reads as the full row.  None: whole rows are gathered (FULL, token choice)."""
-        if local is None:
+        consumer reads as the full row.  None: whole rows are gathered (FULL); 0: nothing."""
+        if local is None or top == 0:  # 0: no row goes back (token choice only)
             return None
         t0 = time.perf_counter_ns()
         bounds = vocab_bounds(self.config.vocab_size, self.degree)
@@ -197,6 +240,8 @@ class Shard:
             all_ids = [torch.empty_like(ids) for _ in range(self.degree)]
             dist.all_gather(all_values, values)
             dist.all_gather(all_ids, ids)
+            self.lm_head_bytes += (values.numel() * values.element_size() + ids.numel() * ids.element_size()) \
+                * (self.degree - 1)
             out = None
             if self.rank == 0:
                 values, ids = torch.cat(all_values, dim=1), torch.cat(all_ids, dim=1)  # (N, N_ranks*k)
@@ -204,12 +249,8 @@ class Shard:
                 out = torch.full((rows, self.config.vocab_size), float("-inf"), device=local.device)
                 out.scatter_(1, ids.gather(1, where), best)
         else:
-            per = max(widths)
-            padded = torch.full((rows, per), float("-inf"), device=local.device)
-            padded[:, :local.shape[1]] = local
-            parts = [torch.empty_like(padded) for _ in range(self.degree)]
-            dist.all_gather(parts, padded)
-            out = torch.cat([p[:, :w] for p, w in zip(parts, widths)], dim=1) if self.rank == 0 else None
+            out = self.gather_rows(local)
+            out = out if self.rank == 0 else None
         self.gather_ns += time.perf_counter_ns() - t0
         return out
 
@@ -260,14 +301,20 @@ class Runner:
         if (watchdog := CURRENT.get("watchdog")) is not None:
             watchdog.runner = self
 
-    def forward(self, model, pool, steps, top: int | None) -> torch.Tensor | None:
+    def forward(self, model, pool, steps, top: int | None,
+                requests: list | None = None) -> tuple[torch.Tensor | None, ChosenTokens | None]:
+        """Runs one forward on every rank: the logits rows reduced as ``top`` says (see
+        :meth:`Shard.reduce_logits`) and, for ``requests`` (``tp_choice.RowRequest``),
+        the tokens chosen across the ranks' vocabulary slices."""
         self._check()
         self.busy_since = time.monotonic()
         try:
-            _send(("forward", [PlannedStep.of(s) for s in steps], top), self.device)
-            logits = self.shard.reduce_logits(forward(model, pool, steps), top)
+            _send(("forward", [PlannedStep.of(s) for s in steps], top, requests), self.device)
+            local = forward(model, pool, steps)
+            logits = self.shard.reduce_logits(local, top)
+            chosen = self.shard.choose(local, requests) if requests else None
             self.forwards += 1
-            return logits
+            return logits, chosen
         except BaseException as exc:
             fail(f"a tensor-parallel forward failed: {type(exc).__name__}: {exc}")
             raise LOST.error from exc
@@ -465,8 +512,11 @@ def serve_rank(group: Group, model_path: str, executor_config) -> None:
     while True:
         message = _receive(device)
         if message[0] == "forward":
-            _, steps, top = message
-            shard.reduce_logits(forward(model, pool, steps), top)
+            _, steps, top, requests = message
+            local = forward(model, pool, steps)
+            shard.reduce_logits(local, top)
+            if requests:
+                shard.choose(local, requests)
         elif message[0] == "copy":
             pool.copy_blocks(message[1])
         elif message[0] == "stop":
@@ -485,9 +535,11 @@ def shutdown() -> None:
     little for them."""
     if (runner := CURRENT.get("runner")) is not None:
         runner.stop()
+        forwards, shard = max(runner.forwards, 1), runner.shard
         log.info("tensor parallel: %d forwards, %.2f ms a forward in all-reduces, %.2f ms in the LM head's "
-                 "reduction", runner.forwards, runner.shard.allreduce_ns / 1e6 / max(runner.forwards, 1),
-                 runner.shard.gather_ns / 1e6 / max(runner.forwards, 1))
+                 "reduction, %.0f bytes a forward gathered by the LM head, %d token-choice rows on whole rows",
+                 runner.forwards, shard.allreduce_ns / 1e6 / forwards, shard.gather_ns / 1e6 / forwards,
+                 shard.lm_head_bytes / forwards, shard.choice_fallback_rows)
     for proc in CURRENT.get("procs", ()):
         proc.join(5)
         if proc.is_alive():

@@ -26,7 +26,8 @@ from ferrum_rpc.errors import ExecutorError, Reason
 from ferrum_rpc.harness import ServerProcess, all_serving
 from ferrum_rpc.server.config import ExecutorConfig
 from ferrum_rpc.server.executor import TorchExecutor
-from ferrum_rpc.types import HiddenStatesRequest, TokenChoice
+from ferrum_rpc.server.sampling import pack_allowed_tokens, unpack_allowed_tokens
+from ferrum_rpc.types import DecodeInput, HiddenStatesRequest, LogprobsMode, TokenChoice
 from tests.conftest import oracle_rows
 
 ATOL = 1e-4
@@ -36,7 +37,7 @@ ARCHS = ["llama", "qwen3", "qwen3_moe"]
 PROMPT = [5, 17, 101, 3, 250, 42, 7, 9, 300, 11, 64, 2, 77]
 TIMEOUT_S = 4.0  # --tensor-parallel-timeout: a forward waiting this long for a rank fails the server
 FLAGS = ("--tensor-parallel", "2", "--kv-tokens", "1024", "--block-size", "4", "--prefill-chunk", "8",
-         "--no-warmup", "--tensor-parallel-timeout", str(TIMEOUT_S))
+         "--no-warmup", "--tensor-parallel-timeout", str(TIMEOUT_S), "--metrics-port", "0")
 
 
 @pytest.fixture(scope="module")
@@ -236,16 +237,22 @@ def test_hidden_states_and_attention_weights_of_every_head(servers, oracles):
         ex.release_cache(out.kv_cache)
 
 
-def test_token_choice_equals_the_unsplit_executor(servers, folders):
+@pytest.fixture(scope="module")
+def unsplit(folders):
+    """The degree-1 reference: the same tiny Llama in this process."""
+    return TorchExecutor.from_path("tiny", folders["llama"], ExecutorConfig(kv_tokens=512, block_size=4))
+
+
+def test_token_choice_equals_the_unsplit_executor(servers, unsplit):
     """Seeded sampling with penalties on degree 2 chooses what degree 1 chooses."""
     choice = TokenChoice(temperature=0.8, top_p=0.9, seed=7, repetition_penalty=1.2, top_logprobs=3)
-    one = TorchExecutor.from_path("tiny", folders["llama"], ExecutorConfig(kv_tokens=256, block_size=4))
-    out = one.prefill(PROMPT, policy=None, choice=choice)
+    out = unsplit.prefill(PROMPT, policy=None, choice=choice)
     expected, handle = [out.chosen.token_id], out.kv_cache
     for _ in range(8):
-        step = one.decode(expected[-1], handle, policy=None, choice=choice)
+        step = unsplit.decode(expected[-1], handle, policy=None, choice=choice)
         expected.append(step.chosen.token_id)
         handle = step.kv_cache
+    unsplit.release_cache(handle.cache_id)
     with _client(servers, "llama") as ex:
         out = ex.prefill(PROMPT, token_choice=choice)
         got, handle = [out.chosen.token_id], out.kv_cache
@@ -255,6 +262,137 @@ def test_token_choice_equals_the_unsplit_executor(servers, folders):
             handle = step.kv_cache
         ex.release_cache(handle)
     assert got == expected
+
+
+# -- token choice across vocabulary slices (tp_choice): no whole rows gathered -------------------
+VOCAB = 320  # conftest's tiny models; rank 1's slice is 160 tokens, 640 bytes of float32 a row
+STEPS = 8
+
+
+def _metric(server: ServerProcess, name: str) -> float:
+    """A counter of the server's Prometheus exposition (its port read from the log)."""
+    import urllib.request
+
+    port = re.search(r"metrics on http://[\d.]+:(\d+)/metrics", server.log()).group(1)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(float(m) for m in re.findall(rf"^{name}_total{{[^}}]*}} (\S+)$", text, re.M))
+
+
+def _choose_in_batch(prefill, batch_decode, choices, prompts) -> list[list]:
+    """Each prompt prefilled with its choice, then STEPS batched decodes of all of them:
+    every row's chosen tokens (ChosenToken: id, logprob, top logprobs)."""
+    outs = [prefill(p, c) for p, c in zip(prompts, choices)]
+    chosen, handles = [[o.chosen] for o in outs], [o.kv_cache for o in outs]
+    for _ in range(STEPS):
+        outs = batch_decode([DecodeInput(c[-1].token_id, h, choice) for c, h, choice in zip(chosen, handles, choices)])
+        for c, o in zip(chosen, outs):
+            c.append(o.chosen)
+        handles = [o.kv_cache for o in outs]
+    return chosen, handles
+
+
+def _degree_1(unsplit, choices, prompts):
+    chosen, handles = _choose_in_batch(lambda p, c: unsplit.prefill(p, policy=None, choice=c),
+                                       lambda items: unsplit.batch_decode(items, policy=None), choices, prompts)
+    for h in handles:
+        unsplit.release_cache(h.cache_id)
+    return chosen
+
+
+def _degree_2(ex, choices, prompts):
+    chosen, handles = _choose_in_batch(lambda p, c: ex.prefill(p, token_choice=c),
+                                       lambda items: ex.batch_decode(items), choices, prompts)
+    for h in handles:
+        ex.release_cache(h)
+    return chosen
+
+
+def _assert_same_choices(got, want):
+    """Same tokens; logprobs and top logprobs (ids and values) within 1e-5."""
+    for row_got, row_want in zip(got, want):
+        assert [c.token_id for c in row_got] == [c.token_id for c in row_want]
+        for a, b in zip(row_got, row_want):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+            assert [t.token_id for t in a.top_logprobs] == [t.token_id for t in b.top_logprobs]
+            np.testing.assert_allclose([t.logprob for t in a.top_logprobs], [t.logprob for t in b.top_logprobs],
+                                       atol=1e-5, rtol=0)
+
+
+def test_greedy_with_penalties_bias_and_grammar_mask_equals_degree_1_without_gathering_rows(servers, unsplit):
+    """Bias, penalties and the allowed-token mask run on each rank's slice, the argmax
+    and logsumexp reduce across ranks: degree 1's tokens and logprobs, and one forward
+    gathers fewer bytes than one row's slice (RAW and PROCESSED logprobs)."""
+    mask = pack_allowed_tokens([t for t in range(VOCAB) if t % 3 and t not in (17, 250)], VOCAB)
+    choices = [
+        TokenChoice.greedy(repetition_penalty=1.5, presence_penalty=0.7, frequency_penalty=0.4,
+                           logit_bias={3: 2.0, 200: 1.5, 301: -100.0}, top_logprobs=3),
+        TokenChoice.greedy(allowed_token_bitmask=mask, top_logprobs=2, logprobs_mode=LogprobsMode.PROCESSED),
+        TokenChoice.greedy(allowed_token_bitmask=mask, repetition_penalty=1.3, logit_bias={1: 3.0}),
+    ]
+    prompts = [PROMPT, PROMPT[:5], [250, 17, 4]]
+    want = _degree_1(unsplit, choices, prompts)
+    with _client(servers, "llama") as ex:
+        _assert_same_choices(_degree_2(ex, choices, prompts), want)
+        allowed = set(unpack_allowed_tokens(mask, VOCAB).nonzero()[0].tolist())
+        assert all(c.token_id in allowed for row in want[1:] for c in row)
+        # one forward, one greedy row with 3 logprobs: its statistics and candidates, not its row
+        out = ex.prefill(PROMPT, token_choice=choices[0])
+        server = servers["llama"]
+        forwards, sent = _metric(server, "ferrum_tensor_parallel_forwards"), \
+            _metric(server, "ferrum_tensor_parallel_lm_head_bytes")
+        step = ex.decode(out.chosen.token_id, out.kv_cache, token_choice=choices[0])
+        assert _metric(server, "ferrum_tensor_parallel_forwards") == forwards + 1
+        gathered = _metric(server, "ferrum_tensor_parallel_lm_head_bytes") - sent
+        assert 0 < gathered < 4 * VOCAB // 2  # 48 statistics + 8 * (3 candidates + 3 raw) + 24 = 120
+        ex.release_cache(step.kv_cache)
+
+
+def test_seeded_top_k_top_p_min_p_and_temperature_draw_degree_1s_tokens(servers, unsplit):
+    """The draw is degree 1's inverse CDF split by per-rank masses, candidates merged
+    across ranks: the same (seed, position) draws the same token as degree 1, with its
+    logprobs within 1e-5.  On these 320 tokens top-k 40 and top-p's 256 candidates
+    would cost more than a 160-token slice, so those rows gather whole rows, counted
+    in GetCapabilities (tests/server/test_tp_choice.py has them on candidates at 8k)."""
+    choices = [
+        TokenChoice(temperature=0.9, top_k=20, seed=11, top_logprobs=3),
+        TokenChoice(temperature=1.1, top_p=0.8, seed=12, top_logprobs=2, logprobs_mode=LogprobsMode.PROCESSED),
+        TokenChoice(temperature=0.8, min_p=0.1, seed=13, top_logprobs=3, logprobs_mode=LogprobsMode.PROCESSED),
+        TokenChoice(temperature=1.0, seed=14, presence_penalty=0.5, top_logprobs=1),
+        TokenChoice(temperature=0.7, top_k=40, top_p=0.9, min_p=0.02, seed=15, frequency_penalty=0.3),
+        TokenChoice(temperature=5.0, top_p=0.99, seed=16, top_logprobs=2),  # the nucleus: most of the vocabulary
+    ]
+    prompts = [PROMPT, PROMPT[3:], [9, 8, 7], [1], PROMPT[:4], [42, 43]]
+    want = _degree_1(unsplit, choices, prompts)
+
+    def fallbacks(ex) -> int:
+        text = next(f for f in ex.capabilities().tensor_parallel_fallbacks if f.startswith("token choice"))
+        return int(re.search(r"\((\d+) rows so far\)", text).group(1))
+
+    with _client(servers, "llama") as ex:
+        before = fallbacks(ex)
+        _assert_same_choices(_degree_2(ex, choices, prompts), want)
+        assert fallbacks(ex) > before
+    assert len({c.token_id for row in want for c in row}) > 20  # sampled, not one greedy path
+
+
+def test_decoding_ahead_on_a_split_server_equals_degree_1(servers, unsplit):
+    """DecodeSession's max_new_tokens: the server chooses and appends on its own, each
+    choice reduced across the ranks."""
+    choice = TokenChoice(temperature=0.9, top_k=30, seed=21, repetition_penalty=1.1)
+    out = unsplit.prefill(PROMPT, policy=None, choice=choice)
+    want, handle = [out.chosen.token_id], out.kv_cache
+    for _ in range(12):
+        step = unsplit.decode(want[-1], handle, policy=None, choice=choice)
+        want.append(step.chosen.token_id)
+        handle = step.kv_cache
+    unsplit.release_cache(handle.cache_id)
+    with _client(servers, "llama") as ex:
+        out = ex.prefill(PROMPT, token_choice=choice)
+        run = ex.decode_ahead(out.chosen.token_id, out.kv_cache, choice, 12)
+        assert run.finish_reason == "length"
+        assert [out.chosen.token_id] + [c.token_id for c in run.chosen] == want
+        assert run.kv_cache.sequence_length == len(PROMPT) + 12
+        ex.release_cache(run.kv_cache)
 
 
 def test_load_and_unload_model_are_refused_and_the_model_keeps_serving(servers, folders):
@@ -372,7 +510,9 @@ def test_a_lost_rank_fails_the_server_closed(servers, arch, how):
 
 @pytest.mark.slow
 def test_smollm2_at_degree_3_gives_degree_1s_32_greedy_tokens():
-    """The real SmolLM2-135M (9 heads, 3 KV heads) split 3 ways."""
+    """The real SmolLM2-135M (9 heads, 3 KV heads) split 3 ways; and 16 seeded draws at
+    temperature 0.8 over its whole 49,152-token vocabulary (the per-rank-mass inverse
+    CDF over three 16,384-token slices), decoded ahead, are degree 1's."""
     from ferrum_rpc.server.prepare import prepare_default_model
 
     folder = prepare_default_model()
@@ -385,6 +525,13 @@ def test_smollm2_at_degree_3_gives_degree_1s_32_greedy_tokens():
         step = one.decode(expected[-1], handle, LogitsPolicy.argmax())
         expected.append(int(step.logits.token_ids[0, 0]))
         handle = step.kv_cache
+    choice = TokenChoice(temperature=0.8, seed=5)
+    out = one.prefill(prompt, policy=None, choice=choice)
+    drawn, handle = [out.chosen.token_id], out.kv_cache
+    for _ in range(16):
+        step = one.decode(drawn[-1], handle, policy=None, choice=choice)
+        drawn.append(step.chosen.token_id)
+        handle = step.kv_cache
     with ServerProcess(f"smol={folder}", "--tensor-parallel", "3", "--kv-tokens", "256", "--no-warmup",
                        "--linear-kernel", "aten", "--step-ops", "eager") as server:
         server.wait_serving(300)
@@ -395,4 +542,7 @@ def test_smollm2_at_degree_3_gives_degree_1s_32_greedy_tokens():
                 step = ex.decode(got[-1], handle, LogitsPolicy.argmax())
                 got.append(int(step.logits.token_ids[0, 0]))
                 handle = step.kv_cache
+            out = ex.prefill(prompt, token_choice=choice)
+            run = ex.decode_ahead(out.chosen.token_id, out.kv_cache, choice, 16)
     assert got == expected
+    assert [out.chosen.token_id] + [c.token_id for c in run.chosen] == drawn
