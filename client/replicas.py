@@ -42,6 +42,7 @@ from typing import Any, Callable, Generator, Iterable, Sequence
 import grpc
 
 from ferrum_rpc.client.ahead import AheadResult, run_ahead, run_ahead_async
+from ferrum_rpc.client.kv_router import KvRouter
 from ferrum_rpc.client.client import (
     AsyncExecutorClient,
     DEFAULT_KEEPALIVE,
@@ -49,6 +50,8 @@ from ferrum_rpc.client.client import (
     ClientTls,
     ExecutorClient,
     Keepalive,
+    _channel,
+    _options,
     resolve_targets,
 )
 from ferrum_rpc import sequence_file
@@ -94,10 +97,14 @@ class ReplicaPolicy:
         probe_timeout_s: deadline of those GetStatus calls.
         down_cooldown_s: an unreachable, draining or loading replica is left out
             this long, then probed again.
-        prefix_tokens: prompts of at least this many tokens are keyed by the hash of
-            their first ``prefix_tokens`` tokens; the replica that took the last
-            prompt with that key is preferred (its prefix cache holds those blocks).
-            Set it to a multiple of the servers' KV block size (0: no locality).
+        kv_events: watch each replica's KV events (``WatchKvEvents``,
+            :mod:`ferrum_rpc.client.kv_router`) and prefer, for a new prompt, the
+            replica whose prefix cache holds the longest run of its leading blocks,
+            whoever put them there; replicas without events fall back to the
+            first-tokens LRU below.
+        prefix_tokens: the fallback LRU: prompts of at least this many tokens are
+            keyed by the hash of their first ``prefix_tokens`` tokens; the replica
+            that took the last prompt with that key is preferred (0: no LRU).
         prefix_entries: keys remembered (least recently used go first).
         locality_slack: the prefix's replica is taken unless its load exceeds the
             better of the two random ones by more than this (load: queued calls plus
@@ -120,6 +127,7 @@ class ReplicaPolicy:
     locality_slack: float = 2.0
     seed: int | None = None
     migrate: bool = True
+    kv_events: bool = True
 
 
 def moves_sequence(err: ExecutorError) -> bool:
@@ -406,7 +414,27 @@ class _Routing:
         self._fleet = _Fleet([_Replica(t, self._client_class(
             t, model=model, timeout=timeout, max_message_bytes=max_message_bytes, tls=tls, token=token,
             channel_options=options, keepalive=keepalive)) for t in resolve_targets(target)], self.policy)
+        self._router = KvRouter(
+            [r.target for r in self._fleet.replicas],
+            lambda t: _channel(t, _options(max_message_bytes, keepalive) + options, tls, token, aio=False),
+            model) if self.policy.kv_events else None
         self._opened()
+
+    def _preferred(self, tokens: Sequence[int]) -> _Replica | None:
+        """The replica whose cache holds the longest run of ``tokens``' leading blocks (by
+        its KV events; the less loaded of equals), else the first-tokens LRU's."""
+        fleet = self._fleet
+        if self._router is not None:
+            matched = self._router.matched_tokens(tokens)
+            longest = max(matched.values(), default=0)
+            if longest:
+                holders = [r for r in fleet.replicas if matched.get(r.target) == longest]
+                return min(holders, key=lambda r: r.load() if r.status is not None else 0.0)
+        return fleet.preferred(fleet.prefix_key(tokens))
+
+    def _close_router(self) -> None:
+        if self._router is not None:
+            self._router.close()
 
     def _opened(self) -> None:
         """Called once the replicas' clients exist."""
@@ -475,7 +503,7 @@ class _Routing:
         the better of two random usable replicas by load, or the prefix's replica
         (locality) unless it is more loaded than that by ``locality_slack``."""
         fleet, policy = self._fleet, self.policy
-        preferred = fleet.preferred(fleet.prefix_key(tokens))
+        preferred = self._preferred(tokens)
         tried: set[_Replica] = set(exclude)
         while True:
             now = time.monotonic()
@@ -1300,6 +1328,7 @@ class ReplicaSetClient(_SyncDriver, _Routing):
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self._fleet.replicas)), thread_name_prefix="replicas")
 
     def close(self) -> None:
+        self._close_router()
         for replica in self._fleet.replicas:
             replica.client.close()
         self._pool.shutdown(wait=False)
@@ -1319,6 +1348,7 @@ class AsyncReplicaSetClient(_AsyncDriver, _Routing):
     _session_class = AsyncReplicaDecodeSession
 
     async def close(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self._close_router)
         for replica in self._fleet.replicas:
             await replica.client.close()
 

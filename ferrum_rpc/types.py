@@ -368,6 +368,7 @@ class Capabilities:
     tensor_parallel_fallbacks: tuple[str, ...] = ()  # fast paths that cannot run sharded, and what runs
     accepts_imports: bool = False  # ImportSequence is served (issue 23)
     kv_fingerprint: str = ""  # the KV compatibility fingerprint's digest: exports import where it is equal
+    kv_events: bool = False  # WatchKvEvents is served (prefix caching on; issue 23)
 
     def supports_batch_size(self, batch_size: int) -> bool:
         """Whether one forward may carry ``batch_size`` sequences (the trait's check)."""

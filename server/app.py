@@ -90,6 +90,7 @@ class App:
         log.info("draining: %d call(s) in flight", self.servicer.inflight)
         self.servicer.state = ServerState.DRAINING
         self.servicer.shm.close_all()  # ends the registration streams; pinned calls finish their writes
+        self.servicer.end_watches()  # KV events streams end: routers stop placing here
         await self.health.enter_graceful_shutdown()
         try:
             await asyncio.wait_for(self.servicer.wait_idle(), grace_s)

@@ -44,6 +44,7 @@ from ferrum_rpc.server.config import ExecutorConfig
 from ferrum_rpc.server.forward import Rows, Step, forward
 from ferrum_rpc.server.kv_cache import KvPool
 from ferrum_rpc.server.kv_manager import BlockManager, SequenceState
+from ferrum_rpc.server.kv_events import KvEventHub
 from ferrum_rpc.server.models import load_model
 from ferrum_rpc.server.prompt import PromptInParts
 from ferrum_rpc.server.stats import Stats, measure_optimal_batch
@@ -162,6 +163,7 @@ class TorchExecutor:
         self.kv_heads = mc.num_kv_heads // (self.shard.degree if self.shard else 1)
         num_blocks = -(-self._kv_tokens(config, mc) // config.block_size)
         self.kv = BlockManager(num_blocks, config.block_size, prefix_caching=config.prefix_caching)
+        self.kv.events = KvEventHub(config.block_size)  # WatchKvEvents' subscribers
         self.pool = KvPool(mc.num_layers, num_blocks, config.block_size, self.kv_heads,
                            mc.head_dim, self.dtype, self.device)
         self.runner = None
@@ -262,6 +264,7 @@ class TorchExecutor:
             memory=self.memory_requirements(), optimal_batch_size=self.optimal_batch_size,
             token_choice=True, tensor_parallel=self.shard is not None,
             accepts_imports=self.shard is None, kv_fingerprint=fingerprint(self).digest,
+            kv_events=self.kv.prefix_caching,
             tensor_parallel_degree=self.shard.degree if self.shard else 1,
             tensor_parallel_fallbacks=self._fallbacks(),
         )

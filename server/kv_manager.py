@@ -18,7 +18,6 @@ Sharing (as in vLLM's block pool):
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from ferrum_rpc.errors import CacheExpired, CacheNotFound, KvCapacityExhausted, shown
+from ferrum_rpc.server.kv_events import KvEventHub, Removed, Stored, block_hash, chain_root
 
 _EXPIRED_MEMORY = 100_000  # expired ids remembered, to answer CACHE_EXPIRED instead of NOT_FOUND
 
@@ -105,6 +105,9 @@ class BlockManager:
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, bytes] = {}  # block -> hash of its full content
         self._block_of: dict[bytes, int] = {}  # hash -> block
+        # hash -> (tenant, parent hash, tokens) of every reusable block: what KV events tell
+        self._published: dict[bytes, tuple[str, bytes, tuple[int, ...]]] = {}
+        self.events: KvEventHub | None = None  # set by the executor (kv_events.py)
         self._seqs: dict[str, SequenceState] = {}
         self._expired: OrderedDict[str, str] = OrderedDict()  # cache id -> its tenant
         self.queried_tokens = 0
@@ -170,6 +173,13 @@ class BlockManager:
         digest = self._hash_of.pop(block, None)
         if digest is not None and self._block_of.get(digest) == block:
             del self._block_of[digest]
+            tenant = self._published.pop(digest)[0]
+            if self.events is not None and self.events.active:
+                self.events.publish(tenant, Removed(digest))
+
+    def cached_blocks(self, tenant: str) -> list[Stored]:
+        """The reusable blocks of ``tenant``, in the order they were stored (a KV events snapshot)."""
+        return [Stored(d, parent, tokens) for d, (t, parent, tokens) in self._published.items() if t == tenant]
 
     # -- sequences ------------------------------------------------------------
     def __contains__(self, cache_id: str) -> bool:
@@ -239,16 +249,8 @@ class BlockManager:
         return stale
 
     # -- prefix cache -------------------------------------------------------------
-    def _block_hash(self, parent: bytes, block_tokens: list[int]) -> bytes:
-        h = hashlib.blake2b(parent, digest_size=16)
-        h.update(b"".join(t.to_bytes(4, "little") for t in block_tokens))
-        return h.digest()
-
-    @staticmethod
-    def _root(tenant: str) -> bytes:
-        """Where a tenant's hash chains start: prefix sharing never crosses tenants,
-        so a cache hit tells a caller nothing about anyone else's prompts."""
-        return hashlib.blake2b(b"tenant:" + tenant.encode(), digest_size=16).digest()
+    _block_hash = staticmethod(block_hash)  # the chain routers compute too (kv_events.py)
+    _root = staticmethod(chain_root)
 
     def block_hashes(self, tokens: list[int], tenant: str) -> list[bytes]:
         """Chained hashes of each full block of ``tokens`` (per tenant): what a sequence
@@ -299,6 +301,10 @@ class BlockManager:
             if block not in self._hash_of and digest not in self._block_of:
                 self._hash_of[block] = digest
                 self._block_of[digest] = block
+                tokens = tuple(seq.tokens[i * bs:(i + 1) * bs])
+                self._published[digest] = (seq.tenant, parent, tokens)
+                if self.events is not None and self.events.active:
+                    self.events.publish(seq.tenant, Stored(digest, parent, tokens))
 
     # -- writing ------------------------------------------------------------------
     def prepare_write(self, seq: SequenceState, start: int, end: int) -> WritePlan:

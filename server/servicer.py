@@ -37,7 +37,7 @@ from ferrum_rpc.errors import (
     shown,
 )
 from ferrum_rpc.server.auth import HANDLER_FACTORIES, TokenTable
-from ferrum_rpc.server import session, transfer
+from ferrum_rpc.server import kv_events, session, transfer
 from ferrum_rpc.server.ledger import Undelivered
 from ferrum_rpc.server.executor import Undo
 from ferrum_rpc.server.migration import PushConfig, TransferRpcs
@@ -161,6 +161,18 @@ def _payload_bytes(logits) -> int:
     return size + (logits.token_ids.size * 5 if logits.token_ids is not None else 0)
 
 
+
+
+def _kv_block(block: kv_events.Stored) -> pb.KvBlock:
+    return pb.KvBlock(block_hash=block.digest, parent_hash=block.parent, token_ids=block.tokens)
+
+
+def _kv_event(number: int, event) -> pb.KvEvent:
+    if isinstance(event, kv_events.Stored):
+        return pb.KvEvent(sequence=number, stored=_kv_block(event))
+    if isinstance(event, kv_events.Removed):
+        return pb.KvEvent(sequence=number, removed=event.digest)
+    return pb.KvEvent(sequence=number, all_cleared=True)
 
 
 def add_executor_service(servicer: ExecutorServicer, server: grpc.aio.Server) -> None:
@@ -291,6 +303,7 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
         self.registry = registry  # the models hosted, and how they are loaded and unloaded
         self.shared_memory = shared_memory  # RegisterSharedMemory served
         self.shm = SharedMemoryRegistry()
+        self.watches: set[kv_events.Subscriber] = set()  # open WatchKvEvents streams
         self.tokens = tokens  # None: auth off, every caller is tenant ""
         self.metrics = metrics  # server.metrics.Metrics, or None
         self.state = ServerState.LOADING
@@ -462,6 +475,48 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
         caps.shared_memory = self.shared_memory
         caps.max_decode_ahead = session.MAX_DECODE_AHEAD
         return caps
+
+    @_query  # not admitted: a watch lasts as long as its caller, and draining must not wait for it
+    async def WatchKvEvents(self, request, context, tenant: str):
+        """The caller's tenant's prefix-cache blocks as they are stored and removed
+        (``kv_events.py``), until the caller goes or the model unloads."""
+        worker = self._worker(request.model)
+        kv = worker.executor.kv
+        if not kv.prefix_caching:
+            raise ExecutorError(f"model {worker.executor.name!r} serves with prefix caching off: it caches no blocks "
+                                f"to tell of", code=grpc.StatusCode.UNIMPLEMENTED)
+        if self.state is ServerState.DRAINING:
+            raise Draining("the server is draining: watch another replica")
+        hub = kv.events
+        sub = kv_events.Subscriber(tenant, asyncio.get_running_loop())
+        self.watches.add(sub)
+
+        def hello(snapshot: bool) -> pb.KvEventsHello:  # on the worker thread, between forwards
+            first, blocks = hub.subscribe(sub, lambda: kv.cached_blocks(tenant) if snapshot else [])
+            return pb.KvEventsHello(chain_root=kv_events.chain_root(tenant), block_size=kv.block_size,
+                                    model=worker.executor.name, queue_limit=hub.queue_limit, next_sequence=first,
+                                    cached=[_kv_block(b) for b in blocks])
+        try:
+            yield pb.KvEventBatch(hello=await worker.call(hello, request.snapshot))
+            while True:
+                await sub.wake.wait()
+                events, behind, closed = hub.take(sub)
+                if behind:
+                    yield pb.KvEventBatch(resync=True, hello=await worker.call(hello, True))
+                    continue
+                if events:
+                    yield pb.KvEventBatch(events=[_kv_event(n, e) for n, e in events])
+                if closed:
+                    return
+        finally:
+            hub.unsubscribe(sub)
+            self.watches.discard(sub)
+
+    def end_watches(self) -> None:
+        """Ends every WatchKvEvents stream (draining: its subscribers go elsewhere)."""
+        for sub in self.watches:
+            sub.closed = True
+            sub.wake.set()
 
     @_query
     async def GetStatus(self, request, context, tenant: str):

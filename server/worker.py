@@ -267,6 +267,7 @@ class ModelWorker:
             self._jobs.append(None)
             self._cond.notify()
         self._thread.join(timeout)
+        self.executor.kv.events.close()  # WatchKvEvents streams say all_cleared and end
 
     def fail_all(self, error: ExecutorError) -> None:
         """Fails every call not yet answered with ``error``: for a worker that will never

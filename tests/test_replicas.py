@@ -10,6 +10,7 @@ failover must not change them.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 import signal
 import socket
 import threading
@@ -279,7 +280,8 @@ def test_sigterm_drain_moves_new_and_in_flight_work(tiny_llama_dir, healthy, ref
         others = [r.target for r in healthy[:2]]
         prompt = prompts(1)[0]
         want = reference(prompt, 8)
-        with connect([draining.target, *others], timeout=30, replica_policy=FAST) as ex:
+        # placed by load alone: KV events would keep the prompt on the replica caching it
+        with connect([draining.target, *others], timeout=30, replica_policy=replace(FAST, kv_events=False)) as ex:
             handle = None
             for _ in range(20):  # place until one lands on the slow replica
                 o = ex.prefill(list(prompt), logits=LogitsPolicy.argmax())

@@ -258,7 +258,7 @@ class GetCapabilitiesRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("model", "max_batch_size", "max_sequence_length", "kv_block_size", "kv_num_blocks", "kv_capacity_tokens", "logits_kinds", "logits_dtypes", "chunked_prefill", "forward_verify", "truncate_kv", "max_message_bytes", "models", "idle_timeout_s", "prefill_chunk_tokens", "decode_session", "prefix_cache", "fork_cache", "mixture_of_experts", "architecture", "kv_bytes", "kernel_path", "cpu_capability", "quantization", "shared_memory", "speculative_decode", "batch_prefill", "attention_mechanisms", "supported_dtypes", "supported_devices", "tensor_parallel", "pipeline_parallel", "dynamic_batching", "continuous_batching", "memory", "optimal_batch_size", "token_choice", "max_decode_ahead", "tensor_parallel_degree", "tensor_parallel_fallbacks", "accepts_imports", "kv_fingerprint")
+    __slots__ = ("model", "max_batch_size", "max_sequence_length", "kv_block_size", "kv_num_blocks", "kv_capacity_tokens", "logits_kinds", "logits_dtypes", "chunked_prefill", "forward_verify", "truncate_kv", "max_message_bytes", "models", "idle_timeout_s", "prefill_chunk_tokens", "decode_session", "prefix_cache", "fork_cache", "mixture_of_experts", "architecture", "kv_bytes", "kernel_path", "cpu_capability", "quantization", "shared_memory", "speculative_decode", "batch_prefill", "attention_mechanisms", "supported_dtypes", "supported_devices", "tensor_parallel", "pipeline_parallel", "dynamic_batching", "continuous_batching", "memory", "optimal_batch_size", "token_choice", "max_decode_ahead", "tensor_parallel_degree", "tensor_parallel_fallbacks", "accepts_imports", "kv_fingerprint", "kv_events")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +301,7 @@ class Capabilities(_message.Message):
     TENSOR_PARALLEL_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_IMPORTS_FIELD_NUMBER: _ClassVar[int]
     KV_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_batch_size: int
     max_sequence_length: int
@@ -343,7 +344,8 @@ class Capabilities(_message.Message):
     tensor_parallel_fallbacks: _containers.RepeatedScalarFieldContainer[str]
     accepts_imports: bool
     kv_fingerprint: str
-    def __init__(self, model: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., logits_kinds: _Optional[_Iterable[_Union[LogitsKind, str]]] = ..., logits_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., chunked_prefill: _Optional[bool] = ..., forward_verify: _Optional[bool] = ..., truncate_kv: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., idle_timeout_s: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., decode_session: _Optional[bool] = ..., prefix_cache: _Optional[bool] = ..., fork_cache: _Optional[bool] = ..., mixture_of_experts: _Optional[bool] = ..., architecture: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., kernel_path: _Optional[str] = ..., cpu_capability: _Optional[str] = ..., quantization: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., speculative_decode: _Optional[bool] = ..., batch_prefill: _Optional[bool] = ..., attention_mechanisms: _Optional[_Iterable[str]] = ..., supported_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., supported_devices: _Optional[_Iterable[str]] = ..., tensor_parallel: _Optional[bool] = ..., pipeline_parallel: _Optional[bool] = ..., dynamic_batching: _Optional[bool] = ..., continuous_batching: _Optional[bool] = ..., memory: _Optional[_Union[MemoryRequirements, _Mapping]] = ..., optimal_batch_size: _Optional[int] = ..., token_choice: _Optional[bool] = ..., max_decode_ahead: _Optional[int] = ..., tensor_parallel_degree: _Optional[int] = ..., tensor_parallel_fallbacks: _Optional[_Iterable[str]] = ..., accepts_imports: _Optional[bool] = ..., kv_fingerprint: _Optional[str] = ...) -> None: ...
+    kv_events: bool
+    def __init__(self, model: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., logits_kinds: _Optional[_Iterable[_Union[LogitsKind, str]]] = ..., logits_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., chunked_prefill: _Optional[bool] = ..., forward_verify: _Optional[bool] = ..., truncate_kv: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., idle_timeout_s: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., decode_session: _Optional[bool] = ..., prefix_cache: _Optional[bool] = ..., fork_cache: _Optional[bool] = ..., mixture_of_experts: _Optional[bool] = ..., architecture: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., kernel_path: _Optional[str] = ..., cpu_capability: _Optional[str] = ..., quantization: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., speculative_decode: _Optional[bool] = ..., batch_prefill: _Optional[bool] = ..., attention_mechanisms: _Optional[_Iterable[str]] = ..., supported_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., supported_devices: _Optional[_Iterable[str]] = ..., tensor_parallel: _Optional[bool] = ..., pipeline_parallel: _Optional[bool] = ..., dynamic_batching: _Optional[bool] = ..., continuous_batching: _Optional[bool] = ..., memory: _Optional[_Union[MemoryRequirements, _Mapping]] = ..., optimal_batch_size: _Optional[int] = ..., token_choice: _Optional[bool] = ..., max_decode_ahead: _Optional[int] = ..., tensor_parallel_degree: _Optional[int] = ..., tensor_parallel_fallbacks: _Optional[_Iterable[str]] = ..., accepts_imports: _Optional[bool] = ..., kv_fingerprint: _Optional[str] = ..., kv_events: _Optional[bool] = ...) -> None: ...
 
 class MemoryRequirements(_message.Message):
     __slots__ = ("parameter_bytes", "kv_bytes_per_token_per_layer", "activation_bytes_per_token", "overhead_bytes", "num_layers")
@@ -968,3 +970,59 @@ class PushSequenceResponse(_message.Message):
     bytes_sent: int
     released: bool
     def __init__(self, kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., bytes_sent: _Optional[int] = ..., released: _Optional[bool] = ...) -> None: ...
+
+class WatchKvEventsRequest(_message.Message):
+    __slots__ = ("model", "snapshot")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    snapshot: bool
+    def __init__(self, model: _Optional[str] = ..., snapshot: _Optional[bool] = ...) -> None: ...
+
+class KvBlock(_message.Message):
+    __slots__ = ("block_hash", "parent_hash", "token_ids")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    parent_hash: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KvEventsHello(_message.Message):
+    __slots__ = ("chain_root", "block_size", "model", "queue_limit", "cached", "next_sequence")
+    CHAIN_ROOT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    chain_root: bytes
+    block_size: int
+    model: str
+    queue_limit: int
+    cached: _containers.RepeatedCompositeFieldContainer[KvBlock]
+    next_sequence: int
+    def __init__(self, chain_root: _Optional[bytes] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., queue_limit: _Optional[int] = ..., cached: _Optional[_Iterable[_Union[KvBlock, _Mapping]]] = ..., next_sequence: _Optional[int] = ...) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("sequence", "stored", "removed", "all_cleared")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    ALL_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    stored: KvBlock
+    removed: bytes
+    all_cleared: bool
+    def __init__(self, sequence: _Optional[int] = ..., stored: _Optional[_Union[KvBlock, _Mapping]] = ..., removed: _Optional[bytes] = ..., all_cleared: _Optional[bool] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("hello", "events", "resync")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    hello: KvEventsHello
+    events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    resync: bool
+    def __init__(self, hello: _Optional[_Union[KvEventsHello, _Mapping]] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., resync: _Optional[bool] = ...) -> None: ...

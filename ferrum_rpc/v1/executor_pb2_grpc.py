@@ -152,6 +152,11 @@ class ModelExecutorStub:
                 request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.PushSequenceRequest.SerializeToString,
                 response_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.PushSequenceResponse.FromString,
                 _registered_method=True)
+        self.WatchKvEvents = channel.unary_stream(
+                '/ferrum.executor.v1.ModelExecutor/WatchKvEvents',
+                request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.WatchKvEventsRequest.SerializeToString,
+                response_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.KvEventBatch.FromString,
+                _registered_method=True)
 
 
 class ModelExecutorServicer:
@@ -368,6 +373,21 @@ class ModelExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchKvEvents(self, request, context):
+        """KV events for routers (issue 23): the caller's tenant's prefix-cache blocks
+        as they are stored and removed on this server, so a router knows which
+        server holds which prefix (as vLLM's KV events, which llm-d's prefix-aware
+        routing reads). The first message is a `hello` (the tenant's hash-chain
+        root, the block size, and, when asked, every block cached now); then
+        batches of events, each numbered per tenant without gaps. A subscriber
+        that falls more than KvEventsHello.queue_limit events behind gets a
+        `resync` (its index is stale: drop it, and a fresh snapshot follows).
+        Another tenant's blocks are never shown.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -485,6 +505,11 @@ def add_ModelExecutorServicer_to_server(servicer, server):
                     servicer.PushSequence,
                     request_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.PushSequenceRequest.FromString,
                     response_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.PushSequenceResponse.SerializeToString,
+            ),
+            'WatchKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchKvEvents,
+                    request_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.WatchKvEventsRequest.FromString,
+                    response_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.KvEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1111,6 +1136,33 @@ class ModelExecutor:
             '/ferrum.executor.v1.ModelExecutor/PushSequence',
             ferrum__rpc_dot_v1_dot_executor__pb2.PushSequenceRequest.SerializeToString,
             ferrum__rpc_dot_v1_dot_executor__pb2.PushSequenceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/WatchKvEvents',
+            ferrum__rpc_dot_v1_dot_executor__pb2.WatchKvEventsRequest.SerializeToString,
+            ferrum__rpc_dot_v1_dot_executor__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,
             insecure,
