@@ -37,11 +37,12 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Generator, Iterable, Sequence
+from typing import Any, Callable, Generator, Iterable, Mapping, Sequence
 
 import grpc
 
 from ferrum_rpc.client.ahead import AheadResult, run_ahead, run_ahead_async
+from ferrum_rpc.client.disagg import DECODE, PREFILL, Roles
 from ferrum_rpc.client.client import (
     AsyncExecutorClient,
     DEFAULT_KEEPALIVE,
@@ -108,6 +109,10 @@ class ReplicaPolicy:
             ticket the new replica issued), nothing recomputed; replay is the fallback
             (the owner is dead, or the push failed).  Owners need ``--export-grace`` to
             answer pushes once their in-flight calls are done.
+        roles: disaggregated placement (:mod:`ferrum_rpc.client.disagg`): target ->
+            "prefill" or "decode" (unmarked replicas do both).  New prompts go to the
+            replicas that prefill; each sequence moves to one that decodes (a push)
+            before its first decode step.  Empty: every replica does everything.
     """
 
     max_attempts: int = 3
@@ -120,6 +125,7 @@ class ReplicaPolicy:
     locality_slack: float = 2.0
     seed: int | None = None
     migrate: bool = True
+    roles: Mapping[str, str] = field(default_factory=dict)
 
 
 def moves_sequence(err: ExecutorError) -> bool:
@@ -202,6 +208,7 @@ class _Sequence:
     # [start, end) of the tokens each Prefill appended, as the server records them
     # (kv_manager's prompt_spans): the rest is output.  A replay rebuilds them.
     spans: list[Span] = field(default_factory=list)
+    stays: bool = False  # disaggregated placement: it decodes where it is (a move to a decode replica was tried)
 
 
 def shrink_spans(spans: list[Span], length: int) -> None:
@@ -406,6 +413,7 @@ class _Routing:
         self._fleet = _Fleet([_Replica(t, self._client_class(
             t, model=model, timeout=timeout, max_message_bytes=max_message_bytes, tls=tls, token=token,
             channel_options=options, keepalive=keepalive)) for t in resolve_targets(target)], self.policy)
+        self._roles = Roles(self._fleet.replicas, self.policy.roles)
         self._opened()
 
     def _opened(self) -> None:
@@ -470,10 +478,14 @@ class _Routing:
                 log.info("replica %s is serving again", replica.target)
                 replica.healthy = True
 
-    def _place_flow(self, tokens: Sequence[int], exclude: set[_Replica] = frozenset()) -> Flow:
+    def _place_flow(self, tokens: Sequence[int], exclude: set[_Replica] = frozenset(),
+                    role: str | None = None) -> Flow:
         """The replica a new sequence of ``tokens`` goes to, or None when none is usable:
         the better of two random usable replicas by load, or the prefix's replica
-        (locality) unless it is more loaded than that by ``locality_slack``."""
+        (locality) unless it is more loaded than that by ``locality_slack``; with
+        replica roles, one that does ``role``'s work if any is usable."""
+        if role is not None and self._roles.enabled:
+            return (yield from self._roles.place_flow(self._place_flow, tokens, exclude, role))
         fleet, policy = self._fleet, self.policy
         preferred = fleet.preferred(fleet.prefix_key(tokens))
         tried: set[_Replica] = set(exclude)
@@ -510,7 +522,7 @@ class _Routing:
         exclude: set[_Replica] = set()
         start, attempts, last = time.monotonic(), 0, None
         while True:
-            replica = yield from self._place_flow(tokens, exclude)
+            replica = yield from self._place_flow(tokens, exclude, PREFILL)
             if replica is None and not self.failover:  # no retries: let the server answer
                 replica = min(self._fleet.replicas, key=lambda r: r.unusable_until)
             if replica is None:
@@ -573,6 +585,8 @@ class _Routing:
         by default all that the handle sent holds).  When the owner cannot hold the sequence any more, its history is
         replayed elsewhere and ``op`` runs there."""
         seq, send = self._fleet.resolve(handle)
+        if seq is not None and not prompt:
+            send = yield from self._roles.handoff_flow(self, seq, send)
         replica = seq.replica if seq is not None else (yield from self._owner_flow(handle))
         for round_ in range(self.policy.max_attempts + 1):
             try:
@@ -622,7 +636,7 @@ class _Routing:
         """Rebuilds ``seq`` on a healthy replica by replaying its history (``_rebuild_flow``);
         returns the handle to send there (with the caller's length).  Raises FailoverFailed."""
         if cause.reason is Reason.DRAINING and self.policy.migrate:
-            moved = yield from self._migrate_flow(seq, send, cause)
+            moved = yield from self._migrate_flow(seq, send, f"drain: {cause}")
             if moved is not None:
                 return moved
         if not seq.tokens:
@@ -634,7 +648,7 @@ class _Routing:
         start, attempts, last = time.monotonic(), 0, cause
         what = f"move sequence {seq.handle.cache_id!r} ({len(seq.tokens)} tokens) off {old.target}"
         while True:
-            replica = yield from self._place_flow(seq.tokens, exclude)
+            replica = yield from self._place_flow(seq.tokens, exclude, DECODE)
             if replica is None:
                 attempts += 1
                 yield from self._wait_or_fail(start, attempts, last, what)
@@ -658,19 +672,20 @@ class _Routing:
                         1e3 * (time.monotonic() - start), cause)
             return replace(out.kv_cache, sequence_length=send.sequence_length)
 
-    def _migrate_flow(self, seq: _Sequence, send: KvCacheHandle, cause: ExecutorError) -> Flow:
-        """Moves ``seq`` off its draining owner by a push (its KV, bit for bit) to a replica
-        placed as for a replay; returns the handle to send there (with the caller's
-        length), or None when it could not (the caller replays instead)."""
+    def _migrate_flow(self, seq: _Sequence, send: KvCacheHandle, why: str, replica: _Replica | None = None) -> Flow:
+        """Moves ``seq`` off its owner by a push (its KV, bit for bit) to ``replica``, by
+        default one placed as for a replay; returns the handle to send there (with the
+        caller's length), or None when it could not (the sequence stays where it is)."""
         old, start = seq.replica, time.monotonic()
-        replica = yield from self._place_flow(seq.tokens if seq.tokens is not None else [], {old})
+        if replica is None:
+            replica = yield from self._place_flow(seq.tokens if seq.tokens is not None else [], {old}, DECODE)
         if replica is None:
             return None
         try:
             ticket = yield _Call(replica, replica.client.create_import_ticket, (), False)
             out = yield _Call(old, old.client.push_sequence, (seq.handle, replica.target, ticket.ticket, True), False)
         except ExecutorError as err:
-            log.info("could not migrate %s off %s (%s); replaying it instead", seq.handle.cache_id, old.target, err)
+            log.info("could not migrate %s off %s (%s)", seq.handle.cache_id, old.target, err)
             return None
         if not out.released:  # it changed on the owner meanwhile: the copy is not it
             try:
@@ -681,9 +696,9 @@ class _Routing:
         self._fleet.rebind(seq, replica, out.kv_cache)
         if seq.tokens is not None:
             self._fleet.remember_prefix(seq.tokens, replica)  # its full blocks are in the new replica's cache
-        log.warning("drain: sequence %s (%d tokens) migrated from %s to %s as %s in %.1f ms, %d bytes (%s)",
+        log.warning("sequence %s (%d tokens) migrated from %s to %s as %s in %.1f ms, %d bytes (%s)",
                     send.cache_id, out.kv_cache.sequence_length, old.target, replica.target, out.kv_cache.cache_id,
-                    1e3 * (time.monotonic() - start), out.bytes_sent, cause)
+                    1e3 * (time.monotonic() - start), out.bytes_sent, why)
         return replace(out.kv_cache, sequence_length=send.sequence_length)
 
     @staticmethod
@@ -718,12 +733,14 @@ class _Routing:
         for index, (tokens, handle) in enumerate(entries):
             tokens = list(tokens)
             if handle is None:
-                replica = yield from self._place_flow(tokens)
+                replica = yield from self._place_flow(tokens, role=PREFILL)
                 if replica is None:
                     replica = min(self._fleet.replicas, key=lambda r: r.unusable_until)
                 items.append(_Item(index, tokens, None, None, replica, prompt=prompt))
                 continue
             seq, send = self._fleet.resolve(handle)
+            if seq is not None and not prompt:
+                send = yield from self._roles.handoff_flow(self, seq, send)
             replica = seq.replica if seq is not None else (yield from self._owner_flow(handle))
             items.append(_Item(index, tokens, seq, send, replica, before=send.sequence_length, prompt=prompt))
         return items
@@ -798,7 +815,7 @@ class _Routing:
                 item.replica = item.seq.replica
             return
         if item.seq is None:  # a new prompt: place it again, elsewhere
-            replica = yield from self._place_flow(item.tokens, {item.replica})
+            replica = yield from self._place_flow(item.tokens, {item.replica}, PREFILL)
             if replica is None:
                 raise FailoverFailed(f"could not place a new sequence: no replica usable ({cause})", cause=cause)
             item.replica = replica
@@ -1056,7 +1073,7 @@ class _Contract:
         for a replay, is the export's when ``data`` is bytes; a file's is not kept)."""
         header = _export_header(data)
         tokens = list(header.token_ids) if header is not None else None
-        replica = yield from self._place_flow(tokens or [])
+        replica = yield from self._place_flow(tokens or [], role=DECODE)
         if replica is None:
             replica = min(self._fleet.replicas, key=lambda r: r.unusable_until)
         handle = yield _Call(replica, replica.client.import_sequence, (data,))
