@@ -17,6 +17,10 @@ Drain (issue 23): the owner gets SIGTERM instead (it serves with --export-grace)
 the next Decode is timed from the signal, once with the replica set migrating the
 sequence (the owner pushes its KV to the survivor: nothing recomputed) and once
 replaying it (``ReplicaPolicy(migrate=False)``), with the bytes the push moved.
+Histories run to 4,096 tokens by default in the drain modes (SmolLM2-135M's
+8,192 positions and each server's 16,384-token pool hold them); the table gives
+the bytes moved per token and, where both drain modes ran, what migration adds
+as a fraction of what replay adds (the target: at most 0.1 at 1,024 tokens).
 
     python -m bench.failover [--history 16 128 512 1024] [--runs 3] [--model DIR] [--dtype float32]
                              [--modes kill drain-migrate drain-replay]
@@ -43,6 +47,9 @@ WARM_STEPS = 4
 
 PUSHED = re.compile(r"pushed \w+ \((\d+) tokens, (\d+) bytes\)")
 MODES = ("kill", "drain-migrate", "drain-replay")
+KILL_HISTORY = [16, 128, 512, 1024]
+DRAIN_HISTORY = [16, 128, 512, 1024, 2048, 4096]
+TARGET_HISTORY, TARGET_RATIO = 1024, 0.1  # issue 23: migration adds at most a tenth of what replay adds
 
 
 def one_run(ex: ExecutorClient, servers: dict[str, ServerProcess], history: int, seed: int, vocab: int,
@@ -92,12 +99,15 @@ def one_run(ex: ExecutorClient, servers: dict[str, ServerProcess], history: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--history", type=int, nargs="+", default=[16, 128, 512, 1024])
+    parser.add_argument("--history", type=int, nargs="+", default=None,
+                        help=f"history lengths (default: {KILL_HISTORY} for kill only, else {DRAIN_HISTORY})")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--modes", nargs="+", default=["kill"], choices=MODES)
     args = parser.parse_args()
+    if args.history is None:
+        args.history = KILL_HISTORY if args.modes == ["kill"] else DRAIN_HISTORY
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("ferrum_rpc.client.replicas").setLevel(logging.ERROR)  # one failover per run, by design
     if args.model is None:
@@ -131,15 +141,36 @@ def main() -> None:
     print_table(records)
 
 
+def added_ms(records: list[dict], mode: str, history: int) -> float | None:
+    """Median over the runs of signal -> next token less the ordinary step, ms (None: not run)."""
+    rows = [r for r in records if r.get("mode", "kill") == mode and r["history"] == history]
+    if not rows:
+        return None
+    return 1e3 * (statistics.median(r["failover_s"] for r in rows) - statistics.median(r["decode_s"] for r in rows))
+
+
 def print_table(records: list[dict]) -> None:
     for mode in dict.fromkeys(r.get("mode", "kill") for r in records):
         print(f"\n{mode}:")
         print_mode([r for r in records if r.get("mode", "kill") == mode])
-    migrate = {r["history"]: r for r in records if r.get("mode") == "drain-migrate"}
-    if migrate:
-        print("\n| history tokens | bytes moved per token |\n| --- | --- |")
-        for history, r in sorted(migrate.items()):
-            print(f"| {history} | {r['bytes_moved'] / history:.0f} |")
+    histories = sorted({r["history"] for r in records if r.get("mode") == "drain-migrate"})
+    if not histories:
+        return
+    print("\n| history tokens | bytes moved per token | migration added ms | replay added ms | migration / replay |"
+          "\n| --- | --- | --- | --- | --- |")
+    for history in histories:
+        moved = statistics.median(r["bytes_moved"] for r in records
+                                  if r.get("mode") == "drain-migrate" and r["history"] == history)
+        migrate, replay = added_ms(records, "drain-migrate", history), added_ms(records, "drain-replay", history)
+        ratio = f"{migrate / replay:.3f}" if replay else "-"
+        print(f"| {history} | {moved / history:.0f} | {migrate:.1f} | "
+              f"{'-' if replay is None else f'{replay:.1f}'} | {ratio} |")
+    migrate = added_ms(records, "drain-migrate", TARGET_HISTORY)
+    replay = added_ms(records, "drain-replay", TARGET_HISTORY)
+    if migrate is not None and replay:
+        ratio = migrate / replay
+        print(f"\ntarget at {TARGET_HISTORY} tokens: migration adds {ratio:.3f} of what replay adds "
+              f"(at most {TARGET_RATIO}): {'met' if ratio <= TARGET_RATIO else 'NOT met'}")
 
 
 def print_mode(records: list[dict]) -> None:
