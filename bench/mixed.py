@@ -51,6 +51,7 @@ def phase(target: str | list[str], seconds: float, decoders: int, prompters: int
 
     stop = threading.Event()
     latencies: list[float] = []
+    ready = threading.Semaphore(0)  # a decoder's first step is done (with a replica set: its sequence moved)
     prompt_tokens = [0]
     lock = threading.Lock()
 
@@ -58,6 +59,7 @@ def phase(target: str | list[str], seconds: float, decoders: int, prompters: int
         with client() as ex:
             out = ex.prefill([1 + (7 * i + j) % 4000 for j in range(16)], logits=GREEDY)
             handle, token = out.kv_cache, out.logits.argmax()[0]
+            first = True
             while not stop.is_set():
                 t0 = time.perf_counter()
                 step = ex.decode(token, handle, GREEDY)
@@ -65,6 +67,9 @@ def phase(target: str | list[str], seconds: float, decoders: int, prompters: int
                 with lock:
                     latencies.append(dt)
                 handle, token = step.kv_cache, step.logits.argmax()[0]
+                if first:
+                    ready.release()
+                    first = False
                 if handle.sequence_length > 1500:  # stay well inside the pool
                     ex.release_cache(handle)
                     out = ex.prefill([1 + (7 * i + j) % 4000 for j in range(16)], logits=GREEDY)
@@ -85,7 +90,9 @@ def phase(target: str | list[str], seconds: float, decoders: int, prompters: int
     threads += [threading.Thread(target=prompt_loop, args=(i,)) for i in range(prompters)]
     for t in threads:
         t.start()
-    time.sleep(2.0)  # every decoder has its sequence
+    for _ in range(decoders):  # every decoder has its sequence and has stepped once
+        ready.acquire(timeout=300)
+    time.sleep(1.0)
     with lock:
         latencies.clear()
         prompt_tokens[0] = 0

@@ -13,7 +13,9 @@ history when the owner dies (UNAVAILABLE), restarts (STALE_HANDLE) or drains
 as ForwardVerify calls, so the rebuilt sequence splits prompt from output as the
 server did (the split a ``TokenChoice``'s presence and frequency penalties use).
 The caller's call returns what it would have returned, carrying the new handle,
-and the old handle keeps working as an alias.
+and the old handle keeps working as an alias.  With replica roles
+(``ReplicaPolicy.roles``, :mod:`ferrum_rpc.client.disagg`), prompts run on prefill
+replicas and each sequence moves to a decode replica before it decodes.
 
 The routing logic is written once, as generators ("flows") that yield the calls
 they need (:class:`_Call`, :class:`_Parallel`, :class:`_Sleep`) and get back results
