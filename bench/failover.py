@@ -86,7 +86,7 @@ def one_run(ex: ExecutorClient, servers: dict[str, ServerProcess], history: int,
         assert match is not None, "the drained owner pushed nothing: the sequence was replayed"
         moved = int(match.group(2))
     # The replay on its own: a plain prefill of a history as long (another random one).
-    with ExecutorClient(survivor.target, timeout=120) as one:
+    with ExecutorClient(survivor.target, timeout=600) as one:
         other = [rng.randrange(10, vocab) for _ in range(history)]
         t0 = time.perf_counter()
         replay = one.prefill(other, logits=GREEDY)
@@ -117,19 +117,22 @@ def main() -> None:
     # --no-warmup: the crossover measurement is no part of this run (the first decode warms up)
     servers = [bench_server(args.model, args.dtype, 16384, "--export-grace", "60", "--no-warmup") for _ in range(2)]
     records = []
+    name = "failover" if args.modes == ["kill"] else "failover_migration"
     try:
         for s in servers:
             s.wait_serving(300)
         by_target = {s.target: s for s in servers}
         for mode in args.modes:
-            policy = ReplicaPolicy(down_cooldown_s=0.5, failover_timeout_s=120, migrate=mode != "drain-replay")
-            with connect(list(by_target), timeout=120, replica_policy=policy) as ex:
+            # long histories on a busy 2-core host: a 4,096-token prefill may take a minute or more
+            policy = ReplicaPolicy(down_cooldown_s=0.5, failover_timeout_s=600, migrate=mode != "drain-replay")
+            with connect(list(by_target), timeout=600, replica_policy=policy) as ex:
                 vocab = ex.info().vocab_size
                 ex.decode(0, ex.prefill([1, 2, 3], logits=GREEDY).kv_cache, logits=GREEDY)  # connect, warm
                 for history in args.history:
                     for run in range(args.runs):
                         record = one_run(ex, by_target, history, seed=1000 * history + run, vocab=vocab, mode=mode)
                         records.append(record)
+                        write_results(name, records)  # what ran so far survives a later failure
                         log.info("%s, history %d run %d: signal -> next token %.1f ms (process gone after "
                                  "%.1f ms; step %.1f ms, prefill %.1f ms; %d bytes moved)", mode, history, run + 1,
                                  1e3 * record["failover_s"], 1e3 * record["reaped_s"], 1e3 * record["decode_s"],
@@ -137,7 +140,6 @@ def main() -> None:
     finally:
         for s in servers:
             s.close()
-    write_results("failover" if args.modes == ["kill"] else "failover_migration", records)
     print_table(records)
 
 
