@@ -15,7 +15,7 @@ replica-set client instead, twice: two ordinary replicas (placement by load),
 then one marked for prefill and one for decode (prompts run on the first, each
 decoder's sequence moves to the second before its first step).  Each replica
 gets ``--replica-threads`` torch threads (default 1: one core each on a 2-core
-host) and the first of ``--budgets``.
+host) and the first of ``--budgets`` (default 128, the server's default).
 
     python -m bench.mixed [--seconds 20] [--decoders 32] [--prompters 2] [--budgets 0,64,128,256]
     python -m bench.mixed --disaggregated [--budgets 128] [--replica-threads 1]
@@ -118,8 +118,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decoders", type=int, default=32)
     parser.add_argument("--prompters", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--budgets", default="0,64,128,256",
-                        help="step token budgets to compare, one server each (0: separate forwards)")
+    parser.add_argument("--budgets", default=None,
+                        help="step token budgets to compare, one server each (0: separate forwards; default "
+                             "0,64,128,256, or 128, the server's default, with --disaggregated)")
     parser.add_argument("--disaggregated", action="store_true",
                         help="two replicas, ordinary against one prefill + one decode (see above)")
     parser.add_argument("--replica-threads", type=int, default=1, help="torch threads of each replica")
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     records = []
-    budgets = [int(b) for b in args.budgets.split(",")]
+    budgets = [int(b) for b in (args.budgets or ("128" if args.disaggregated else "0,64,128,256")).split(",")]
     if args.disaggregated:
         write_results(args.out or "mixed_disaggregated", disaggregated(args, budgets[0]))
         return
