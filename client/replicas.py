@@ -44,7 +44,6 @@ from typing import Any, Callable, Generator, Iterable, Mapping, Sequence
 import grpc
 
 from ferrum_rpc.client.ahead import AheadResult, run_ahead, run_ahead_async
-from ferrum_rpc.client.disagg import DECODE, PREFILL, Roles
 from ferrum_rpc.client.client import (
     AsyncExecutorClient,
     DEFAULT_KEEPALIVE,
@@ -54,6 +53,7 @@ from ferrum_rpc.client.client import (
     Keepalive,
     resolve_targets,
 )
+from ferrum_rpc.client.disagg import DECODE, PREFILL, Roles
 from ferrum_rpc import sequence_file
 from ferrum_rpc.client.rpc import RPCS, DecodeItem, Prompt, method, split_prompt, with_methods
 from ferrum_rpc.errors import ExecutorError, FailoverFailed, KvCapacityExhausted, Reason, StaleHandle
