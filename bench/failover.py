@@ -17,6 +17,10 @@ Drain (issue 23): the owner gets SIGTERM instead (it serves with --export-grace)
 the next Decode is timed from the signal, once with the replica set migrating the
 sequence (the owner pushes its KV to the survivor: nothing recomputed) and once
 replaying it (``ReplicaPolicy(migrate=False)``), with the bytes the push moved.
+Histories run to 4,096 tokens by default in the drain modes (SmolLM2-135M's
+8,192 positions and each server's 16,384-token pool hold them); the table gives
+the bytes moved per token and, where both drain modes ran, what migration adds
+as a fraction of what replay adds (the target: at most 0.1 at 1,024 tokens).
 
     python -m bench.failover [--history 16 128 512 1024] [--runs 3] [--model DIR] [--dtype float32]
                              [--modes kill drain-migrate drain-replay]
@@ -43,6 +47,9 @@ WARM_STEPS = 4
 
 PUSHED = re.compile(r"pushed \w+ \((\d+) tokens, (\d+) bytes\)")
 MODES = ("kill", "drain-migrate", "drain-replay")
+KILL_HISTORY = [16, 128, 512, 1024]
+DRAIN_HISTORY = [16, 128, 512, 1024, 2048, 4096]
+TARGET_HISTORY, TARGET_RATIO = 1024, 0.1  # issue 23: migration adds at most a tenth of what replay adds
 
 
 def one_run(ex: ExecutorClient, servers: dict[str, ServerProcess], history: int, seed: int, vocab: int,
@@ -79,7 +86,7 @@ def one_run(ex: ExecutorClient, servers: dict[str, ServerProcess], history: int,
         assert match is not None, "the drained owner pushed nothing: the sequence was replayed"
         moved = int(match.group(2))
     # The replay on its own: a plain prefill of a history as long (another random one).
-    with ExecutorClient(survivor.target, timeout=120) as one:
+    with ExecutorClient(survivor.target, timeout=600) as one:
         other = [rng.randrange(10, vocab) for _ in range(history)]
         t0 = time.perf_counter()
         replay = one.prefill(other, logits=GREEDY)
@@ -92,12 +99,15 @@ def one_run(ex: ExecutorClient, servers: dict[str, ServerProcess], history: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--history", type=int, nargs="+", default=[16, 128, 512, 1024])
+    parser.add_argument("--history", type=int, nargs="+", default=None,
+                        help=f"history lengths (default: {KILL_HISTORY} for kill only, else {DRAIN_HISTORY})")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--modes", nargs="+", default=["kill"], choices=MODES)
     args = parser.parse_args()
+    if args.history is None:
+        args.history = KILL_HISTORY if args.modes == ["kill"] else DRAIN_HISTORY
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("ferrum_rpc.client.replicas").setLevel(logging.ERROR)  # one failover per run, by design
     if args.model is None:
@@ -107,19 +117,22 @@ def main() -> None:
     # --no-warmup: the crossover measurement is no part of this run (the first decode warms up)
     servers = [bench_server(args.model, args.dtype, 16384, "--export-grace", "60", "--no-warmup") for _ in range(2)]
     records = []
+    name = "failover" if args.modes == ["kill"] else "failover_migration"
     try:
         for s in servers:
             s.wait_serving(300)
         by_target = {s.target: s for s in servers}
         for mode in args.modes:
-            policy = ReplicaPolicy(down_cooldown_s=0.5, failover_timeout_s=120, migrate=mode != "drain-replay")
-            with connect(list(by_target), timeout=120, replica_policy=policy) as ex:
+            # long histories on a busy 2-core host: a 4,096-token prefill may take a minute or more
+            policy = ReplicaPolicy(down_cooldown_s=0.5, failover_timeout_s=600, migrate=mode != "drain-replay")
+            with connect(list(by_target), timeout=600, replica_policy=policy) as ex:
                 vocab = ex.info().vocab_size
                 ex.decode(0, ex.prefill([1, 2, 3], logits=GREEDY).kv_cache, logits=GREEDY)  # connect, warm
                 for history in args.history:
                     for run in range(args.runs):
                         record = one_run(ex, by_target, history, seed=1000 * history + run, vocab=vocab, mode=mode)
                         records.append(record)
+                        write_results(name, records)  # what ran so far survives a later failure
                         log.info("%s, history %d run %d: signal -> next token %.1f ms (process gone after "
                                  "%.1f ms; step %.1f ms, prefill %.1f ms; %d bytes moved)", mode, history, run + 1,
                                  1e3 * record["failover_s"], 1e3 * record["reaped_s"], 1e3 * record["decode_s"],
@@ -127,19 +140,39 @@ def main() -> None:
     finally:
         for s in servers:
             s.close()
-    write_results("failover" if args.modes == ["kill"] else "failover_migration", records)
     print_table(records)
+
+
+def added_ms(records: list[dict], mode: str, history: int) -> float | None:
+    """Median over the runs of signal -> next token less the ordinary step, ms (None: not run)."""
+    rows = [r for r in records if r.get("mode", "kill") == mode and r["history"] == history]
+    if not rows:
+        return None
+    return 1e3 * (statistics.median(r["failover_s"] for r in rows) - statistics.median(r["decode_s"] for r in rows))
 
 
 def print_table(records: list[dict]) -> None:
     for mode in dict.fromkeys(r.get("mode", "kill") for r in records):
         print(f"\n{mode}:")
         print_mode([r for r in records if r.get("mode", "kill") == mode])
-    migrate = {r["history"]: r for r in records if r.get("mode") == "drain-migrate"}
-    if migrate:
-        print("\n| history tokens | bytes moved per token |\n| --- | --- |")
-        for history, r in sorted(migrate.items()):
-            print(f"| {history} | {r['bytes_moved'] / history:.0f} |")
+    histories = sorted({r["history"] for r in records if r.get("mode") == "drain-migrate"})
+    if not histories:
+        return
+    print("\n| history tokens | bytes moved per token | migration added ms | replay added ms | migration / replay |"
+          "\n| --- | --- | --- | --- | --- |")
+    for history in histories:
+        moved = statistics.median(r["bytes_moved"] for r in records
+                                  if r.get("mode") == "drain-migrate" and r["history"] == history)
+        migrate, replay = added_ms(records, "drain-migrate", history), added_ms(records, "drain-replay", history)
+        ratio = f"{migrate / replay:.3f}" if replay else "-"
+        print(f"| {history} | {moved / history:.0f} | {migrate:.1f} | "
+              f"{'-' if replay is None else f'{replay:.1f}'} | {ratio} |")
+    migrate = added_ms(records, "drain-migrate", TARGET_HISTORY)
+    replay = added_ms(records, "drain-replay", TARGET_HISTORY)
+    if migrate is not None and replay:
+        ratio = migrate / replay
+        print(f"\ntarget at {TARGET_HISTORY} tokens: migration adds {ratio:.3f} of what replay adds "
+              f"(at most {TARGET_RATIO}): {'met' if ratio <= TARGET_RATIO else 'NOT met'}")
 
 
 def print_mode(records: list[dict]) -> None:

@@ -13,7 +13,9 @@ history when the owner dies (UNAVAILABLE), restarts (STALE_HANDLE) or drains
 as ForwardVerify calls, so the rebuilt sequence splits prompt from output as the
 server did (the split a ``TokenChoice``'s presence and frequency penalties use).
 The caller's call returns what it would have returned, carrying the new handle,
-and the old handle keeps working as an alias.
+and the old handle keeps working as an alias.  With replica roles
+(``ReplicaPolicy.roles``, :mod:`ferrum_rpc.client.disagg`), prompts run on prefill
+replicas and each sequence moves to a decode replica before it decodes.
 
 The routing logic is written once, as generators ("flows") that yield the calls
 they need (:class:`_Call`, :class:`_Parallel`, :class:`_Sleep`) and get back results
@@ -37,7 +39,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Generator, Iterable, Sequence
+from typing import Any, Callable, Generator, Iterable, Mapping, Sequence
 
 import grpc
 
@@ -54,6 +56,7 @@ from ferrum_rpc.client.client import (
     _options,
     resolve_targets,
 )
+from ferrum_rpc.client.disagg import DECODE, PREFILL, Roles
 from ferrum_rpc import sequence_file
 from ferrum_rpc.client.rpc import RPCS, DecodeItem, Prompt, method, split_prompt, with_methods
 from ferrum_rpc.errors import ExecutorError, FailoverFailed, KvCapacityExhausted, Reason, StaleHandle
@@ -115,6 +118,10 @@ class ReplicaPolicy:
             ticket the new replica issued), nothing recomputed; replay is the fallback
             (the owner is dead, or the push failed).  Owners need ``--export-grace`` to
             answer pushes once their in-flight calls are done.
+        roles: disaggregated placement (:mod:`ferrum_rpc.client.disagg`): target ->
+            "prefill" or "decode" (unmarked replicas do both).  New prompts go to the
+            replicas that prefill; each sequence moves to one that decodes (a push)
+            before its first decode step.  Empty: every replica does everything.
     """
 
     max_attempts: int = 3
@@ -128,6 +135,7 @@ class ReplicaPolicy:
     seed: int | None = None
     migrate: bool = True
     kv_events: bool = True
+    roles: Mapping[str, str] = field(default_factory=dict)
 
 
 def moves_sequence(err: ExecutorError) -> bool:
@@ -210,6 +218,7 @@ class _Sequence:
     # [start, end) of the tokens each Prefill appended, as the server records them
     # (kv_manager's prompt_spans): the rest is output.  A replay rebuilds them.
     spans: list[Span] = field(default_factory=list)
+    stays: bool = False  # disaggregated placement: it decodes where it is (a move to a decode replica was tried)
 
 
 def shrink_spans(spans: list[Span], length: int) -> None:
@@ -414,6 +423,7 @@ class _Routing:
         self._fleet = _Fleet([_Replica(t, self._client_class(
             t, model=model, timeout=timeout, max_message_bytes=max_message_bytes, tls=tls, token=token,
             channel_options=options, keepalive=keepalive)) for t in resolve_targets(target)], self.policy)
+        self._roles = Roles(self._fleet.replicas, self.policy.roles)
         self._router = KvRouter(
             [r.target for r in self._fleet.replicas],
             lambda t: _channel(t, _options(max_message_bytes, keepalive) + options, tls, token, aio=False),
@@ -498,10 +508,14 @@ class _Routing:
                 log.info("replica %s is serving again", replica.target)
                 replica.healthy = True
 
-    def _place_flow(self, tokens: Sequence[int], exclude: set[_Replica] = frozenset()) -> Flow:
+    def _place_flow(self, tokens: Sequence[int], exclude: set[_Replica] = frozenset(),
+                    role: str | None = None) -> Flow:
         """The replica a new sequence of ``tokens`` goes to, or None when none is usable:
         the better of two random usable replicas by load, or the prefix's replica
-        (locality) unless it is more loaded than that by ``locality_slack``."""
+        (locality) unless it is more loaded than that by ``locality_slack``; with
+        replica roles, one that does ``role``'s work if any is usable."""
+        if role is not None and self._roles.enabled:
+            return (yield from self._roles.place_flow(self._place_flow, tokens, exclude, role))
         fleet, policy = self._fleet, self.policy
         preferred = self._preferred(tokens)
         tried: set[_Replica] = set(exclude)
@@ -538,7 +552,7 @@ class _Routing:
         exclude: set[_Replica] = set()
         start, attempts, last = time.monotonic(), 0, None
         while True:
-            replica = yield from self._place_flow(tokens, exclude)
+            replica = yield from self._place_flow(tokens, exclude, PREFILL)
             if replica is None and not self.failover:  # no retries: let the server answer
                 replica = min(self._fleet.replicas, key=lambda r: r.unusable_until)
             if replica is None:
@@ -601,6 +615,8 @@ class _Routing:
         by default all that the handle sent holds).  When the owner cannot hold the sequence any more, its history is
         replayed elsewhere and ``op`` runs there."""
         seq, send = self._fleet.resolve(handle)
+        if seq is not None and not prompt:
+            send = yield from self._roles.handoff_flow(self, seq, send)
         replica = seq.replica if seq is not None else (yield from self._owner_flow(handle))
         for round_ in range(self.policy.max_attempts + 1):
             try:
@@ -650,7 +666,7 @@ class _Routing:
         """Rebuilds ``seq`` on a healthy replica by replaying its history (``_rebuild_flow``);
         returns the handle to send there (with the caller's length).  Raises FailoverFailed."""
         if cause.reason is Reason.DRAINING and self.policy.migrate:
-            moved = yield from self._migrate_flow(seq, send, cause)
+            moved = yield from self._migrate_flow(seq, send, f"drain: {cause}")
             if moved is not None:
                 return moved
         if not seq.tokens:
@@ -662,7 +678,7 @@ class _Routing:
         start, attempts, last = time.monotonic(), 0, cause
         what = f"move sequence {seq.handle.cache_id!r} ({len(seq.tokens)} tokens) off {old.target}"
         while True:
-            replica = yield from self._place_flow(seq.tokens, exclude)
+            replica = yield from self._place_flow(seq.tokens, exclude, DECODE)
             if replica is None:
                 attempts += 1
                 yield from self._wait_or_fail(start, attempts, last, what)
@@ -686,19 +702,20 @@ class _Routing:
                         1e3 * (time.monotonic() - start), cause)
             return replace(out.kv_cache, sequence_length=send.sequence_length)
 
-    def _migrate_flow(self, seq: _Sequence, send: KvCacheHandle, cause: ExecutorError) -> Flow:
-        """Moves ``seq`` off its draining owner by a push (its KV, bit for bit) to a replica
-        placed as for a replay; returns the handle to send there (with the caller's
-        length), or None when it could not (the caller replays instead)."""
+    def _migrate_flow(self, seq: _Sequence, send: KvCacheHandle, why: str, replica: _Replica | None = None) -> Flow:
+        """Moves ``seq`` off its owner by a push (its KV, bit for bit) to ``replica``, by
+        default one placed as for a replay; returns the handle to send there (with the
+        caller's length), or None when it could not (the sequence stays where it is)."""
         old, start = seq.replica, time.monotonic()
-        replica = yield from self._place_flow(seq.tokens if seq.tokens is not None else [], {old})
+        if replica is None:
+            replica = yield from self._place_flow(seq.tokens if seq.tokens is not None else [], {old}, DECODE)
         if replica is None:
             return None
         try:
             ticket = yield _Call(replica, replica.client.create_import_ticket, (), False)
             out = yield _Call(old, old.client.push_sequence, (seq.handle, replica.target, ticket.ticket, True), False)
         except ExecutorError as err:
-            log.info("could not migrate %s off %s (%s); replaying it instead", seq.handle.cache_id, old.target, err)
+            log.info("could not migrate %s off %s (%s)", seq.handle.cache_id, old.target, err)
             return None
         if not out.released:  # it changed on the owner meanwhile: the copy is not it
             try:
@@ -709,9 +726,9 @@ class _Routing:
         self._fleet.rebind(seq, replica, out.kv_cache)
         if seq.tokens is not None:
             self._fleet.remember_prefix(seq.tokens, replica)  # its full blocks are in the new replica's cache
-        log.warning("drain: sequence %s (%d tokens) migrated from %s to %s as %s in %.1f ms, %d bytes (%s)",
+        log.warning("sequence %s (%d tokens) migrated from %s to %s as %s in %.1f ms, %d bytes (%s)",
                     send.cache_id, out.kv_cache.sequence_length, old.target, replica.target, out.kv_cache.cache_id,
-                    1e3 * (time.monotonic() - start), out.bytes_sent, cause)
+                    1e3 * (time.monotonic() - start), out.bytes_sent, why)
         return replace(out.kv_cache, sequence_length=send.sequence_length)
 
     @staticmethod
@@ -746,12 +763,14 @@ class _Routing:
         for index, (tokens, handle) in enumerate(entries):
             tokens = list(tokens)
             if handle is None:
-                replica = yield from self._place_flow(tokens)
+                replica = yield from self._place_flow(tokens, role=PREFILL)
                 if replica is None:
                     replica = min(self._fleet.replicas, key=lambda r: r.unusable_until)
                 items.append(_Item(index, tokens, None, None, replica, prompt=prompt))
                 continue
             seq, send = self._fleet.resolve(handle)
+            if seq is not None and not prompt:
+                send = yield from self._roles.handoff_flow(self, seq, send)
             replica = seq.replica if seq is not None else (yield from self._owner_flow(handle))
             items.append(_Item(index, tokens, seq, send, replica, before=send.sequence_length, prompt=prompt))
         return items
@@ -826,7 +845,7 @@ class _Routing:
                 item.replica = item.seq.replica
             return
         if item.seq is None:  # a new prompt: place it again, elsewhere
-            replica = yield from self._place_flow(item.tokens, {item.replica})
+            replica = yield from self._place_flow(item.tokens, {item.replica}, PREFILL)
             if replica is None:
                 raise FailoverFailed(f"could not place a new sequence: no replica usable ({cause})", cause=cause)
             item.replica = replica
@@ -1084,7 +1103,7 @@ class _Contract:
         for a replay, is the export's when ``data`` is bytes; a file's is not kept)."""
         header = _export_header(data)
         tokens = list(header.token_ids) if header is not None else None
-        replica = yield from self._place_flow(tokens or [])
+        replica = yield from self._place_flow(tokens or [], role=DECODE)
         if replica is None:
             replica = min(self._fleet.replicas, key=lambda r: r.unusable_until)
         handle = yield _Call(replica, replica.client.import_sequence, (data,))
