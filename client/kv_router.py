@@ -159,7 +159,8 @@ class KvRouter:
                             index.start(batch.hello)
                             attempt = 0
                         index.apply(batch.events)
-                    log.info("kv events from %s: the stream ended (the model unloads?); reopening", target)
+                    log.info("kv events from %s: the stream ended (the server drains, or the model unloads); "
+                             "reopening", target)
                 except Gap as gap:
                     log.warning("kv events from %s: %s; restarting from a snapshot", target, gap)
                     call.cancel()
