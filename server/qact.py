@@ -54,17 +54,77 @@ def fake_quantize_blocks(x: torch.Tensor) -> torch.Tensor:
     return ((blocks * inv).round() * d).flatten(-2)
 
 
+LANES = 8  # weight rows interleaved per block in the packed layout (csrc/qact.cpp)
+
+
+def pack_rows(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes (N, K) uint8, scales and minimums (N, K/32) -> csrc/qact.cpp's layout:
+    codes (ceil(N/8), K/32, 8 * 32 * bits / 8) with the 8 rows of a group
+    interleaved 4 codes at a time (4-bit: byte b of row r's word k holds codes
+    4k+b and 16+4k+b), and (ceil(N/8), K/32, 2, 8) float16 scales then minimums.
+    Rows past N are zero (their outputs are never written)."""
+    n, k = codes.shape
+    groups, pad = -(-n // LANES), -n % LANES
+    g = k // woq.GROUP
+    c = F.pad(codes, (0, 0, 0, pad))
+    if bits == 4:
+        c = c.view(groups, LANES, g, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # j, g, half, k, r, b
+        packed = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(groups, g, -1)
+    else:
+        packed = c.view(groups, LANES, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, g, -1)  # j, g, k, r, b
+    sm = F.pad(torch.stack([scales, mins]), (0, 0, 0, pad)).view(2, groups, LANES, g).permute(1, 3, 0, 2)
+    return packed.contiguous(), sm.half().contiguous()
+
+
+def unpack_rows(packed: torch.Tensor, packed_scales: torch.Tensor, bits: int, n: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of ``pack_rows``: codes (N, K) uint8, scales and minimums (N, K/32) float32."""
+    groups, g, _ = packed.shape
+    if bits == 4:
+        p = packed.view(groups, g, 4, LANES, 4)
+        c = torch.stack([p & 0xF, p >> 4], dim=2).permute(0, 4, 1, 2, 3, 5)  # j, r, g, half, k, b
+    else:
+        c = packed.view(groups, g, 8, LANES, 4).permute(0, 3, 1, 2, 4)  # j, r, g, k, b
+    sm = packed_scales.float().permute(2, 0, 3, 1).reshape(2, groups * LANES, g)[:, :n]
+    return c.reshape(groups * LANES, -1)[:n], sm[0], sm[1]
+
+
 class BlockQ8Linear(woq.QuantizedLinear):
-    """An int4/int8 block-quantized linear (``woq.QuantizedLinear``'s storage)
+    """An int4/int8 block-quantized linear (``woq.QuantizedLinear``'s grids)
     whose activations are quantized per block of 32 to int8: ``--quantize w8a8|w4a8``.
+
+    Scales and minimums are held in float16, GGUF's own width (its Q4_1 and
+    Q8_0 blocks come back exactly); with the ``"ferrum-qact"`` kernel the codes
+    are held in csrc/qact.cpp's packed layout only (``pack_rows``), with
+    ``"torch-q8"`` as the int4/int8 modes hold them.
 
     Args: as ``QuantizedLinear``; kernel ``"ferrum-qact"`` (csrc/qact.cpp) or ``"torch-q8"``.
     """
 
+    def _store(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> None:
+        scales, mins = scales.half().float(), mins.half().float()
+        if self.kernel != QACT:
+            return super()._store(codes, scales, mins)
+        packed, packed_scales = pack_rows(codes, scales, mins, self.bits)
+        self.register_buffer("packed", packed)
+        self.register_buffer("packed_scales", packed_scales)
+
+    def dequantized(self, rows: slice = slice(None)) -> torch.Tensor:
+        if self.kernel != QACT:
+            return super().dequantized(rows)
+        codes, scales, mins = unpack_rows(self.packed, self.packed_scales, self.bits, self.out_features)
+        blocks = codes[rows].float().unflatten(-1, (-1, woq.GROUP))
+        return (blocks * scales[rows][..., None] + mins[rows][..., None]).flatten(-2)
+
+    def kernel_args(self) -> list[torch.Tensor]:
+        """What ``ferrum_fused.decode_layer`` takes for this linear (with ``-bits``)."""
+        return [self.packed, self.packed_scales]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         if self.kernel == QACT:
-            y = torch.ops.ferrum_qact.block_linear(xf, self.qweight, self.scales, self.mins, self.bits)
+            y = torch.ops.ferrum_qact.block_linear(xf, self.packed, self.packed_scales, self.bits, self.out_features)
         else:
             y = F.linear(fake_quantize_blocks(xf), self.dequantized())
         y = y.to(x.dtype)
@@ -86,15 +146,16 @@ def probe() -> tuple[bool, str]:
         weight = torch.randn(40, 96, generator=gen)
         for bits in (4, 8):
             layer = BlockQ8Linear(weight, None, bits, QACT)
-            for rows in (1, 3, 5, 12):  # register tiles of 4 and their remainders
+            for rows in (1, 3, 5, 12):  # tiles of 4 rows and their remainders; 40 rows: 5 groups of 8
                 x = torch.randn(rows, 96, generator=gen)
                 err = _relative_error(layer(x), F.linear(x, layer.dequantized()))
                 if not err <= _PROBE_TOLERANCE:
                     return False, f"{bits}-bit kernel disagrees with the float reference (relative error {err:.2e})"
     except Exception as exc:  # a failed build or load means "not here"
         return False, f"{type(exc).__name__}: {str(exc)[:300]}"
-    isa = "portable" if torch.ops.ferrum_woq.isa() == "portable" else "avx2 vpmaddubsw"  # no AVX-512 loops
-    return True, f"built and probed OK ({isa} inner loops)"
+    isa = torch.ops.ferrum_qact.isa()
+    how = {"portable": "", "avx2": " vpmaddubsw"}.get(isa, " vpdpbusd")
+    return True, f"built and probed OK ({isa}{how} inner loops)"
 
 
 def choose_kernel(requested_linear: str) -> tuple[str, str]:

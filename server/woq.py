@@ -55,6 +55,7 @@ GROUP = 32  # int4 group length along the input dimension (GGUF Q4_1's block)
 WOQ, DEQUANT = "ferrum-woq", "torch-dequant"
 _DEQUANT_ROWS = 4096  # weight rows expanded at a time by the fallback (bounds its temporary memory)
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("woq.cpp", "fused.cpp", "qact.cpp")]
+_INCLUDED = [Path(__file__).parent / "csrc" / "qact_tile.inc"]  # part of the cache key, not compiled alone
 _PROBE_TOLERANCE = 1e-4
 # -fopenmp: at::parallel_for is inline OpenMP; without it every kernel ran on one thread.
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
@@ -76,7 +77,7 @@ def build_extension() -> Path:
     (cached on disk), and returns it."""
     from torch.utils import cpp_extension
 
-    source = b"".join(p.read_bytes() for p in _SOURCES)
+    source = b"".join(p.read_bytes() for p in _SOURCES + _INCLUDED)
     version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(source + " ".join(_FLAGS).encode() + torch.__version__.encode() + version.encode()
                          + sys.platform.encode())
@@ -219,8 +220,11 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"bits must be 8 or 4, not {bits}")
         self.bits, self.kernel, self.out_features, self.in_features = bits, kernel, n, k
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        codes, scales, mins = quantize_int8(weight) if bits == 8 else quantize_int4(weight)
-        self.register_buffer("qweight", codes if bits == 8 else pack_int4(codes))
+        self._store(*(quantize_int8(weight) if bits == 8 else quantize_int4(weight)))
+
+    def _store(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> None:
+        """Keeps codes (N, K) uint8, scales and minimums (N, K/32) in this kernel's layout."""
+        self.register_buffer("qweight", codes if self.bits == 8 else pack_int4(codes))
         self.register_buffer("scales", scales)
         self.register_buffer("mins", mins)
 

@@ -28,7 +28,7 @@ int ferrum_active_isa();  // woq.cpp: 0 portable, 1 avx2, 2 avx512
 at::Tensor ferrum_woq_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                              const at::Tensor& mins, int64_t bits);  // woq.cpp
 at::Tensor ferrum_qact_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                              const at::Tensor& mins, int64_t bits);  // qact.cpp
+                              int64_t bits);  // qact.cpp: packed codes and float16 scales
 
 namespace {
 
@@ -273,8 +273,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 // models/llama.py runs them one Python call at a time (RMSNorm, fused q|k|v,
 // paged attention, o, residual, RMSNorm, fused gate|up, silu*up, down,
 // residual), so a step makes 30 op calls instead of ~400.  Each weight list is
-// [qweight, scales, mins]; bits holds the four layers' widths (8 or 4), negated
-// for the linears that quantize their activations too (qact.cpp, --quantize w8a8|w4a8).
+// [qweight, scales, mins], or [codes, scales] in qact.cpp's packed layout for the
+// linears that quantize their activations too (--quantize w8a8|w4a8), whose
+// widths (8 or 4) bits holds negated.
 at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
                         at::TensorList qkv, at::TensorList o, at::TensorList gate_up, at::TensorList down,
                         at::IntArrayRef bits, const at::Tensor& cos, const at::Tensor& sin,
@@ -282,11 +283,14 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Te
                         const at::Tensor& write_slots, const at::Tensor& tables, int64_t num_heads,
                         int64_t num_kv_heads, double scale) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "decode_layer: x must be (B, T, C) float32");
-  TORCH_CHECK(qkv.size() == 3 && o.size() == 3 && gate_up.size() == 3 && down.size() == 3 && bits.size() == 4,
-              "decode_layer: each linear is [qweight, scales, mins]; bits has four entries");
+  TORCH_CHECK(bits.size() == 4, "decode_layer: bits has four entries");
+  const at::TensorList lists[] = {qkv, o, gate_up, down};
+  for (int i = 0; i < 4; ++i)
+    TORCH_CHECK(lists[i].size() == (bits[i] < 0 ? 2u : 3u),
+                "decode_layer: each linear is [qweight, scales, mins], or [codes, scales] with negated bits");
   const int64_t B = x.size(0), T = x.size(1), H = num_heads, Hkv = num_kv_heads, D = k_cache.size(3);
   auto lin = [](const at::Tensor& in, at::TensorList w, int64_t b) {
-    return b < 0 ? ferrum_qact_linear(in, w[0], w[1], w[2], -b) : ferrum_woq_linear(in, w[0], w[1], w[2], b);
+    return b < 0 ? ferrum_qact_linear(in, w[0], w[1], -b) : ferrum_woq_linear(in, w[0], w[1], w[2], b);
   };
   const at::Tensor qkv_out = lin(rms_norm(x, ln1, eps), qkv, bits[0]);  // (B, T, (H + 2 Hkv) D)
   TORCH_CHECK(qkv_out.size(-1) == (H + 2 * Hkv) * D, "decode_layer: q|k|v width does not match the heads");

@@ -1,35 +1,46 @@
 // Quantized linears that multiply in integers (--quantize w8a8|w4a8): weights in
 // blocks of 32 along the input with a scale and a minimum, w = code * s + m
-// (woq.py's int4 and int8 grids: GGUF's Q4_1 and Q8_0 blocks held without loss), and activation rows quantized per block of 32 to int8 on each
-// call, as llama.cpp's Q8_1: x ~ q * d, q in -127..127, with sum = d * sum(q).
-// One block's contribution is then
+// (woq.py's int4 and int8 grids: GGUF's Q4_1 and Q8_0 blocks held without
+// loss, scales and minimums in float16 as GGUF keeps them), and activation rows
+// quantized per block of 32 to int8 on each call, as llama.cpp's Q8_1:
+// x ~ q * d, q in -127..127, with sum = d * sum(q).  One block's contribution is
 //
 //     sum_i (c_i s + m) (q_i d) = s d * sum_i c_i q_i  +  m * sum
 //
-// an integer dot product of 32 bytes per block, one float multiply-add for
-// the scale and one for the minimum.  AVX2 has no 8-bit multiply; like
-// llama.cpp's ggml_vec_dot_q4_1_q8_1 we use vpmaddubsw (unsigned x signed
-// bytes, adjacent pairs summed to int16) then vpmaddwd against ones (pairs to
-// int32).  4-bit codes are unsigned (0..15): products stay far from int16
-// saturation.  8-bit codes are stored 0..255 (woq.py's grid, code - 128 is
-// the signed Q8_0 code): flipping the top bit gives the signed code c, and
-// vpmaddubsw(|c|, sign(q, c)) is c q without saturation because q never is
-// -128 (|c| q pairs reach 2 * 128 * 127 = 32512 < 32767).
+// an integer dot product of 32 bytes, one float multiply-add for the scale
+// and one for the minimum.
 //
-// Weights are never expanded to float, at any batch size: for 8-64 rows each
-// weight row is unpacked once per 4 activation rows, in registers, and the
-// activation codes (M x K bytes) stay in L1/L2.  Two builds of the inner
-// loops: AVX2 (chosen at run time where the CPU has it) and portable C++
-// (integer sums per block, the same numbers up to float summation order);
-// ferrum_woq::set_max_isa caps both, so tests run each on any machine.
-// No VNNI path: the CPUs here lack AVX-VNNI, and AVX-512 VNNI is untested.
+// Layout (qact.py's pack_rows): weight rows in groups of 8, interleaved per
+// block, as llama.cpp's repacked Q4_0x8: one 32-byte register holds 4
+// consecutive codes of each of the 8 rows (a 32-bit lane per row), so one
+// broadcast of 4 activation codes and one vpdpbusd make 32 multiply-adds into
+// 8 rows' sums; a block of 8 rows is 8 such registers (4-bit: 4 loads, each
+// split into low and high nibbles), its 8 scales and 8 minimums one float16
+// vector each.  Per block and activation row that is 8 dot instructions, one
+// conversion and two FMAs for 256 multiply-adds; the weights are never
+// expanded to float, at any batch size, and a group's weights (a few KB) stay
+// in L1 while every activation row passes (tiles of 4 rows).
+//
+// Inner loops (qact_tile.inc, one source compiled per instruction set), probed
+// once and capped by ferrum_qact::set_max_isa so tests run every one this CPU has:
+//   avx512-vnni  vpdpbusd on 256-bit registers (AVX-512 VNNI + VL)
+//   avx-vnni     the same instruction, VEX-encoded (AVX-VNNI, on AVX2 CPUs)
+//   avx2         vpmaddubsw + vpmaddwd: 4-bit sums stay in int16 over a whole
+//                block (<= 16 * 15 * 127); 8-bit codes go as |c| and sign(q, c)
+//                with c = code - 128 (pairs <= 2 * 128 * 127, no saturation)
+//   portable     C++ integer sums per block (the same numbers up to float
+//                summation order)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -42,7 +53,7 @@ int ferrum_active_isa();  // woq.cpp: 0 portable, 1 avx2, 2 avx512
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int kRows = 4;  // activation rows sharing one unpacked weight block
+constexpr int64_t kLanes = 8;  // weight rows interleaved per block
 
 // Activation rows quantized per block: codes (M, K) int8, d and d * sum(q) (M, K/32).
 struct Q8Rows {
@@ -73,146 +84,179 @@ Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
   return out;
 }
 
-struct Weights {
-  const uint8_t* codes;   // (N, K/2) packed int4 or (N, K) uint8
-  const float *s, *m;     // (N, G)
-  int64_t N, K, G;
-  int bits;
-  const uint8_t* row(int64_t n) const { return codes + n * (bits == 4 ? K / 2 : K); }
+struct Packed {
+  const uint8_t* codes;     // (J, G, 8 * 32 * bits / 8)
+  const uint16_t* scales;   // (J, G, 2, 8) float16: 8 scales, then 8 minimums
+  int64_t N, J, G;
 };
 
 // ---- portable ----------------------------------------------------------------
-// Signed code i of block g in row `w`, and the minimum that goes with it.
-inline int code_at(const uint8_t* w, int bits, int64_t g, int i) {
+// Code i (0..31) of lane r in one (group, block) of the packed layout.
+inline int code_at(const uint8_t* blk, int bits, int r, int i) {
   if (bits == 4) {
-    const uint8_t byte = w[g * (kBlock / 2) + (i % (kBlock / 2))];
-    return i < kBlock / 2 ? byte & 0xF : byte >> 4;
+    const uint8_t byte = blk[(((i % 16) / 4) * kLanes + r) * 4 + i % 4];
+    return i < 16 ? byte & 0xF : byte >> 4;
   }
-  return int(w[g * kBlock + i]) - 128;
+  return blk[((i / 4) * kLanes + r) * 4 + i % 4];
 }
 
-void row_portable(const Weights& W, int64_t n, const Q8Rows& X, int64_t r0, int rows, float* y, int64_t ldy) {
-  const uint8_t* w = W.row(n);
-  const float *s = W.s + n * W.G, *m = W.m + n * W.G;
-  for (int r = 0; r < rows; ++r) {
-    const int64_t xr = (r0 + r) * W.G;
-    float acc = 0;
-    for (int64_t g = 0; g < W.G; ++g) {
-      const int8_t* q = X.q.data() + (xr + g) * kBlock;
-      int32_t dot = 0;
-      for (int i = 0; i < kBlock; ++i) dot += code_at(w, W.bits, g, i) * int32_t(q[i]);
-      const float mg = W.bits == 4 ? m[g] : m[g] + 128.0f * s[g];  // 8-bit: c = code - 128
-      acc += s[g] * X.d[xr + g] * float(dot) + mg * X.sum[xr + g];
+inline float half_at(const uint16_t* p) { return float(c10::Half(*p, c10::Half::from_bits())); }
+
+void groups_portable(const Packed& W, int bits, int64_t j0, int64_t j1, const Q8Rows& X, int64_t M, float* y) {
+  const int64_t bytes = kLanes * kBlock * bits / 8;
+  for (int64_t j = j0; j < j1; ++j) {
+    const int lanes = int(std::min<int64_t>(kLanes, W.N - j * kLanes));
+    for (int64_t r = 0; r < M; ++r) {
+      for (int lane = 0; lane < lanes; ++lane) {
+        float acc = 0;
+        for (int64_t g = 0; g < W.G; ++g) {
+          const uint8_t* blk = W.codes + (j * W.G + g) * bytes;
+          const uint16_t* sc = W.scales + (j * W.G + g) * 2 * kLanes;
+          const int64_t xb = r * W.G + g;
+          const int8_t* q = X.q.data() + xb * kBlock;
+          int32_t dot = 0;
+          for (int i = 0; i < kBlock; ++i) dot += code_at(blk, bits, lane, i) * int32_t(q[i]);
+          acc += half_at(sc + lane) * X.d[xb] * float(dot) + half_at(sc + kLanes + lane) * X.sum[xb];
+        }
+        y[r * W.N + j * kLanes + lane] = acc;
+      }
     }
-    y[r * ldy] = acc;
   }
 }
+
+}  // namespace
 
 #ifdef FERRUM_X86
-// ---- AVX2 ----------------------------------------------------------------------
-__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define FERRUM_QACT_NS qact_avx2
+#define FERRUM_QACT_DOT 0
+namespace {
+#include "qact_tile.inc"
+}
+#undef FERRUM_QACT_NS
+#undef FERRUM_QACT_DOT
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avxvnni")
+#define FERRUM_QACT_NS qact_avxvnni
+#define FERRUM_QACT_DOT 1
+namespace {
+#include "qact_tile.inc"
+}
+#undef FERRUM_QACT_NS
+#undef FERRUM_QACT_DOT
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+#define FERRUM_QACT_NS qact_avx512vnni
+#define FERRUM_QACT_DOT 2
+namespace {
+#include "qact_tile.inc"
+}
+#undef FERRUM_QACT_NS
+#undef FERRUM_QACT_DOT
+#pragma GCC pop_options
+#endif
+
+namespace {
+
+// Inner-loop instruction sets, in order; g_max_isa caps what runs.
+enum Isa { kPortable, kAvx2, kAvxVnni, kAvx512Vnni };
+const char* const kIsaNames[] = {"portable", "avx2", "avx-vnni", "avx512-vnni"};
+std::atomic<int> g_max_isa{kAvx512Vnni};
+
+// Whether this CPU runs each level: not a chain (AVX-512 VNNI CPUs without AVX-VNNI exist).
+bool cpu_has(int isa) {
+  static const std::array<bool, 4> has = [] {
+    std::array<bool, 4> h{true, false, false, false};
+#ifdef FERRUM_X86
+    __builtin_cpu_init();
+    h[kAvx2] = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    h[kAvxVnni] = h[kAvx2] && __builtin_cpu_supports("avxvnni");
+    h[kAvx512Vnni] = h[kAvx2] && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+                     __builtin_cpu_supports("avx512bw");
+#endif
+    return h;
+  }();
+  return has[isa];
 }
 
-// R activation rows against weight row n: per block, 32 codes unpacked once
-// into bytes, then two instructions per row give 8 int32 partial dot products.
-template <int R, int BITS>
-__attribute__((target("avx2,fma"))) void row_avx2(const Weights& W, int64_t n, const Q8Rows& X, int64_t r0,
-                                                  float* y, int64_t ldy) {
-  const uint8_t* w = W.row(n);
-  const float *s = W.s + n * W.G, *m = W.m + n * W.G;
-  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(char(0x80));
-  __m256 acc[R];
-  float mins[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = 0;
-  for (int64_t g = 0; g < W.G; ++g) {
-    __m256i c;  // BITS 4: unsigned codes; BITS 8: |signed code|
-    __m256i sign_src;
-    if constexpr (BITS == 4) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * (kBlock / 2)));
-      c = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), low);  // elements 0..15 | 16..31
-      sign_src = c;
-    } else {
-      sign_src = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kBlock)), top);
-      c = _mm256_sign_epi8(sign_src, sign_src);  // |c|: -128 stays 0x80, read as unsigned 128
-    }
-    const float sg = s[g], mg = BITS == 4 ? m[g] : m[g] + 128.0f * s[g];
-    for (int r = 0; r < R; ++r) {
-      const int64_t xb = (r0 + r) * W.G + g;
-      __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X.q.data() + xb * kBlock));
-      if constexpr (BITS == 8) q = _mm256_sign_epi8(q, sign_src);
-      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(c, q), ones);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(sg * X.d[xb]), acc[r]);
-      mins[r] += mg * X.sum[xb];
-    }
-  }
-  for (int r = 0; r < R; ++r) y[r * ldy] = hsum(acc[r]) + mins[r];
+// The best level this CPU has at or below the cap, and below woq.cpp's cap
+// (FERRUM_RPC_MAX_ISA): under avx512 no AVX-512 loops, portable means portable.
+int active_isa() {
+  int cap = g_max_isa.load();
+  const int woq = ferrum_active_isa();
+  if (woq < 2) cap = std::min(cap, int(kAvxVnni));
+  if (woq < 1) cap = kPortable;
+  while (cap > kPortable && !cpu_has(cap)) --cap;
+  return cap;
+}
+
+std::string isa() { return kIsaNames[active_isa()]; }
+
+std::string set_max_isa(const std::string& name) {
+  for (int i = 0; i <= kAvx512Vnni; ++i)
+    if (name == kIsaNames[i]) g_max_isa.store(i);
+  return isa();
 }
 
 template <int BITS>
-void rows_avx2(const Weights& W, int64_t n, const Q8Rows& X, int64_t M, float* y, int64_t ldy) {
-  int64_t r = 0;
-  for (; r + kRows <= M; r += kRows) row_avx2<kRows, BITS>(W, n, X, r, y + r * ldy, ldy);
-  switch (M - r) {
-    case 3: return row_avx2<3, BITS>(W, n, X, r, y + r * ldy, ldy);
-    case 2: return row_avx2<2, BITS>(W, n, X, r, y + r * ldy, ldy);
-    case 1: return row_avx2<1, BITS>(W, n, X, r, y + r * ldy, ldy);
+void run_groups(int isa, const Packed& W, int64_t j0, int64_t j1, const Q8Rows& X, int64_t M, float* y) {
+#ifdef FERRUM_X86
+  switch (isa) {
+    case kAvx512Vnni: return qact_avx512vnni::groups<BITS>(W, j0, j1, X, M, y);
+    case kAvxVnni: return qact_avxvnni::groups<BITS>(W, j0, j1, X, M, y);
+    case kAvx2: return qact_avx2::groups<BITS>(W, j0, j1, X, M, y);
   }
-}
 #endif
+  groups_portable(W, BITS, j0, j1, X, M, y);
+}
 
-// x (..., K) float32 -> (..., N) float32.
-at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        const at::Tensor& mins, int64_t bits) {
+// x (..., K) float32 -> (..., n) float32, over packed weights (qact.py's pack_rows).
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t bits,
+                        int64_t n) {
   TORCH_CHECK(bits == 4 || bits == 8, "block_linear: bits must be 4 or 8");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "block_linear: activations must be float32");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.is_contiguous(),
-              "block_linear: codes must be a contiguous 2-d uint8 tensor");
-  const int64_t N = codes.size(0), K = bits == 4 ? codes.size(1) * 2 : codes.size(1), G = K / kBlock;
-  TORCH_CHECK(K % kBlock == 0 && x.size(-1) == K, "block_linear: activation width ", x.size(-1), " != ", K);
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && mins.scalar_type() == at::kFloat && scales.is_contiguous() &&
-              mins.is_contiguous() && scales.numel() == N * G && mins.numel() == N * G,
-              "block_linear: scales and minimums must be (N, K/32) float32");
+  const int64_t bytes = kLanes * kBlock * bits / 8;
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.is_contiguous() &&
+              codes.size(2) == bytes, "block_linear: codes must be contiguous (N/8, K/32, ", bytes, ") uint8");
+  const int64_t J = codes.size(0), G = codes.size(1), K = G * kBlock;
+  TORCH_CHECK(n > (J - 1) * kLanes && n <= J * kLanes, "block_linear: ", n, " outputs do not fit ", J, " groups of 8");
+  TORCH_CHECK(x.size(-1) == K, "block_linear: activation width ", x.size(-1), " != ", K);
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == J * G * 2 * kLanes,
+              "block_linear: scales must be (N/8, K/32, 2, 8) float16");
   const at::Tensor x2d = x.reshape({-1, K}).contiguous();
   const int64_t M = x2d.size(0);
   auto shape = x.sizes().vec();
-  shape.back() = N;
-  at::Tensor out = at::empty({M, N}, x.options());
+  shape.back() = n;
+  at::Tensor out = at::empty({M, n}, x.options());
   if (M == 0) return out.view(shape);
   const Q8Rows X = quantize_rows(x2d.data_ptr<float>(), M, K);
-  const Weights W{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(), N, K, G, int(bits)};
+  const Packed W{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), n, J, G};
   float* y = out.data_ptr<float>();
-  const bool avx2 = ferrum_active_isa() >= 1;
-  const int64_t grain = std::max<int64_t>(16, N / (8 * at::get_num_threads()));
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-#ifdef FERRUM_X86
-      if (avx2) {
-        if (bits == 4) rows_avx2<4>(W, n, X, M, y + n, N);
-        else rows_avx2<8>(W, n, X, M, y + n, N);
-        continue;
-      }
-#endif
-      for (int64_t r = 0; r < M; r += kRows)
-        row_portable(W, n, X, r, int(std::min<int64_t>(kRows, M - r)), y + r * N + n, N);
-    }
+  const int isa = active_isa();
+  const int64_t grain = std::max<int64_t>(1, J / (4 * at::get_num_threads()));
+  at::parallel_for(0, J, grain, [&](int64_t begin, int64_t end) {
+    if (bits == 4) run_groups<4>(isa, W, begin, end, X, M, y);
+    else run_groups<8>(isa, W, begin, end, X, M, y);
   });
   return out.view(shape);
 }
 
 }  // namespace
 
-// For fused.cpp's whole-layer op.
-at::Tensor ferrum_qact_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                              const at::Tensor& mins, int64_t bits) {
-  return block_linear(x, codes, scales, mins, bits);
+// For fused.cpp's whole-layer op: all N = 8 * groups outputs.
+at::Tensor ferrum_qact_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t bits) {
+  return block_linear(x, codes, scales, bits, codes.size(0) * kLanes);
 }
 
 TORCH_LIBRARY(ferrum_qact, m) {
-  m.def("block_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int bits) -> Tensor");
+  m.def("block_linear(Tensor x, Tensor codes, Tensor scales, int bits, int n) -> Tensor");
+  m.def("isa() -> str", &isa);
+  m.def("set_max_isa(str name) -> str", &set_max_isa);
 }
 
 TORCH_LIBRARY_IMPL(ferrum_qact, CPU, m) { m.impl("block_linear", &block_linear); }

@@ -311,7 +311,7 @@ class LlamaForCausalLM(nn.Module):
         is a plain Llama block (no q/k norm, a dense MLP) whose projections are all
         our int8/int4 linears without bias (weight-only, or w8a8/w4a8, whose widths
         are passed negated); else None (the per-op path runs)."""
-        from ferrum_rpc.server.qact import QACT
+        from ferrum_rpc.server.qact import LANES, QACT
         from ferrum_rpc.server.woq import WOQ, QuantizedLinear
 
         args = []
@@ -323,7 +323,9 @@ class LlamaForCausalLM(nn.Module):
             if not all(isinstance(l, QuantizedLinear) and l.kernel in (WOQ, QACT) and l.bias is None
                        for l in linears):
                 return None
-            weights = [[l.qweight, l.scales, l.mins] for l in linears]
+            if any(l.kernel == QACT and l.out_features % LANES for l in linears):
+                return None  # the whole-layer op takes every packed group's 8 outputs
+            weights = [l.kernel_args() if l.kernel == QACT else [l.qweight, l.scales, l.mins] for l in linears]
             args.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                          layer.input_layernorm.eps, *weights, [-l.bits if l.kernel == QACT else l.bits
                                                                for l in linears]))

@@ -30,51 +30,73 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got.float() - want.float()).abs().max().item() / want.float().abs().max().item()
 
 
+ISAS = ["avx512-vnni", "avx-vnni", "avx2", "portable"]  # csrc/qact.cpp's inner loops, best first
+
+
 @pytest.fixture(scope="module")
 def extension():
     ok, why = qact.probe()
     assert ok, f"the w8a8/w4a8 kernel should build and agree on this machine: {why}"
-    return torch.ops.ferrum_woq
+    return torch.ops.ferrum_qact
 
 
-@pytest.fixture(params=["avx512", "avx2", "portable"])
+@pytest.fixture(params=ISAS)
 def isa(request, extension):
-    """Each inner-loop build this CPU can run; qact.cpp has no AVX-512 loops of its
-    own (an AVX-512 CPU runs the AVX2 ones), so that run still checks the dispatch."""
+    """Each inner-loop build this CPU can run (the others are skipped, and named)."""
     ran = extension.set_max_isa(request.param)
     if ran != request.param:
-        extension.set_max_isa("avx512")
+        extension.set_max_isa(ISAS[0])
         pytest.skip(f"this CPU cannot run the {request.param} path")
     yield request.param
-    extension.set_max_isa("avx512")
+    extension.set_max_isa(ISAS[0])
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 13, 40])
 def test_kernel_matches_the_quantized_numbers_and_the_float_reference(bits, rows, isa):
     gen = torch.Generator().manual_seed(rows)
-    weight, bias = torch.randn(72, 160, generator=gen), torch.randn(72, generator=gen)
+    out = 75 if rows % 2 else 72  # a last group of 3 weight rows, or whole groups of 8
+    weight, bias = torch.randn(out, 160, generator=gen), torch.randn(out, generator=gen)
     layer = qact.BlockQ8Linear(weight, bias, bits, qact.QACT)
     fallback = qact.BlockQ8Linear(weight, bias, bits, qact.TORCH_Q8)
+    assert torch.equal(layer.dequantized(), fallback.dequantized())
     x = torch.randn(2, rows, 160, generator=gen) * torch.logspace(-2, 1, 160)  # uneven blocks, leading dims kept
     got = layer(x)
-    assert got.shape == (2, rows, 72)
+    assert got.shape == (2, rows, out)
     assert rel(got, fallback(x)) <= SAME_NUMBERS_TOL
     assert rel(got, F.linear(x, layer.dequantized(), bias)) <= FLOAT_TOL
     assert layer(x.bfloat16()).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_packed_layout_round_trips(bits):
+    gen = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 2**bits, (21, 96), generator=gen, dtype=torch.uint8)
+    scales, mins = torch.rand(21, 3, generator=gen), torch.randn(21, 3, generator=gen)
+    packed, packed_scales = qact.pack_rows(codes, scales, mins, bits)
+    assert packed.shape == (3, 3, 32 * bits) and packed_scales.shape == (3, 3, 2, 8)
+    assert packed[2, :, :].view(-1, 8, 4)[:, 5:].eq(0).all()  # rows 21..23 pad with zeros
+    back = qact.unpack_rows(packed, packed_scales, bits, 21)
+    assert torch.equal(back[0], codes)
+    assert torch.equal(back[1], scales.half().float()) and torch.equal(back[2], mins.half().float())
+    if bits == 8:  # row r's codes 4k..4k+3 sit in 32-bit lane r of word k
+        assert packed[0, 0, 32 * 2 + 4 * 5: 32 * 2 + 4 * 5 + 4].tolist() == codes[5, 8:12].tolist()
+
+
 def test_int8_codes_at_both_ends_do_not_saturate(extension):
-    """Codes -128 and 127 against activations of +-127 in every lane: the sign trick
-    (vpmaddubsw of |c| and sign(q, c)) reaches 2 * 128 * 127 per int16 pair, just inside."""
+    """Codes -128 and 127 against activations of +-127 in every lane: vpdpbusd
+    takes the unsigned codes; the AVX2 sign trick (vpmaddubsw of |c| and sign(q, c))
+    reaches 2 * 128 * 127 per int16 pair, just inside."""
     weight = torch.tensor([[-128.0] * 16 + [127.0] * 16, [127.0] * 32]).repeat(4, 3)  # (8, 96)
     layer = qact.BlockQ8Linear(weight, None, 8, qact.QACT)
     assert (layer.dequantized() == weight).all()  # the symmetric grid holds these exactly
+    ran = set()
     for x in (torch.full((1, 96), -1.0), torch.full((1, 96), 1.0), torch.tensor([[1.0] * 16 + [-1.0] * 16] * 3).view(1, 96)):
-        for isa in ("avx2", "portable"):
-            extension.set_max_isa(isa)
+        for isa in ISAS:
+            ran.add(extension.set_max_isa(isa))
             assert rel(layer(x), x @ weight.T) <= 1e-6, isa
-    extension.set_max_isa("avx512")
+    extension.set_max_isa(ISAS[0])
+    assert {"avx2", "portable"} <= ran
 
 
 def test_threaded_under_inference_mode(extension):
@@ -95,7 +117,8 @@ def test_w4a8_holds_gguf_q4_1_blocks_without_further_loss():
     weight = _gguf_blocks("q4_1", 48, 128)
     layer = qact.BlockQ8Linear(weight, None, 4, qact.QACT)
     assert (layer.dequantized() - weight).abs().max().item() <= 1e-6 * weight.abs().max().item()
-    assert layer.nbytes == weight.numel() * 0.75  # the int4 mode's bytes: nothing added
+    # 4-bit codes and float16 scale and minimum per 32 weights: 5 bits a weight (the int4 mode: 6)
+    assert layer.nbytes == weight.numel() * (0.5 + 4 / 32)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

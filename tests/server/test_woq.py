@@ -87,7 +87,7 @@ def _gguf_blocks(kind: str, n: int, k: int) -> torch.Tensor:
     if kind == "q4_1":
         q = torch.randint(0, 16, (n, groups, woq.GROUP), generator=gen)
         q[..., 0], q[..., 1] = 0, 15  # the quantizer maps each block's min to 0 and max to 15
-        d = torch.rand(n, groups, 1, generator=gen).half().float() * 0.01 + 1e-4
+        d = (torch.rand(n, groups, 1, generator=gen) * 0.01 + 1e-4).half().float()  # GGUF keeps d in float16
         m = (torch.randn(n, groups, 1, generator=gen) * 0.05).half().float()
         return (q.float() * d + m).view(n, k)
     q = torch.randint(-127, 128, (n, groups, woq.GROUP), generator=gen)
