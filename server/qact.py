@@ -57,13 +57,13 @@ def fake_quantize_blocks(x: torch.Tensor) -> torch.Tensor:
 LANES = 8  # weight rows interleaved per block in the packed layout (csrc/qact.cpp)
 
 
-def pack_rows(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_rows(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int,
+              dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
     """codes (N, K) uint8, scales and minimums (N, K/32) -> csrc/qact.cpp's layout:
     codes (ceil(N/8), K/32, 8 * 32 * bits / 8) with the 8 rows of a group
     interleaved 4 codes at a time (4-bit: byte b of row r's word k holds codes
-    4k+b and 16+4k+b), and (ceil(N/8), K/32, 2, 8) float16 scales then minimums.
-    Rows past N are zero (their outputs are never written)."""
+    4k+b and 16+4k+b), and (ceil(N/8), K/32, 2, 8) scales then minimums in
+    ``dtype`` (float16 or float32).  Rows past N are zero (their outputs are never written)."""
     n, k = codes.shape
     groups, pad = -(-n // LANES), -n % LANES
     g = k // woq.GROUP
@@ -74,7 +74,17 @@ def pack_rows(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bit
     else:
         packed = c.view(groups, LANES, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, g, -1)  # j, g, k, r, b
     sm = F.pad(torch.stack([scales, mins]), (0, 0, 0, pad)).view(2, groups, LANES, g).permute(1, 3, 0, 2)
-    return packed.contiguous(), sm.half().contiguous()
+    return packed.contiguous(), sm.to(dtype).contiguous()
+
+
+def float16_holds(scales: torch.Tensor, mins: torch.Tensor, bits: int, tolerance: float = 1e-5) -> bool:
+    """Whether float16 scales and minimums give every block's weights (``code * s + m``)
+    within ``tolerance`` of its magnitude: true for GGUF's blocks (which keep them
+    in float16), false for the 8-bit grid over Q4_1 blocks (s = d / 17) and for
+    most weights quantized from float, which then keep float32."""
+    top = 2**bits - 1
+    err = top * (scales.half().float() - scales).abs() + (mins.half().float() - mins).abs()
+    return bool((err <= tolerance * (top * scales.abs() + mins.abs())).all())
 
 
 def unpack_rows(packed: torch.Tensor, packed_scales: torch.Tensor, bits: int, n: int
@@ -94,8 +104,9 @@ class BlockQ8Linear(woq.QuantizedLinear):
     """An int4/int8 block-quantized linear (``woq.QuantizedLinear``'s grids)
     whose activations are quantized per block of 32 to int8: ``--quantize w8a8|w4a8``.
 
-    Scales and minimums are held in float16, GGUF's own width (its Q4_1 and
-    Q8_0 blocks come back exactly); with the ``"ferrum-qact"`` kernel the codes
+    Scales and minimums are held in float16, GGUF's own width, where that moves
+    no weight by more than float32 rounding (``float16_holds``: GGUF's Q4_1 and
+    Q8_0 blocks), else in float32; with the ``"ferrum-qact"`` kernel the codes
     are held in csrc/qact.cpp's packed layout only (``pack_rows``), with
     ``"torch-q8"`` as the int4/int8 modes hold them.
 
@@ -103,10 +114,12 @@ class BlockQ8Linear(woq.QuantizedLinear):
     """
 
     def _store(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> None:
-        scales, mins = scales.half().float(), mins.half().float()
+        if float16_holds(scales, mins, self.bits):
+            scales, mins = scales.half().float(), mins.half().float()
         if self.kernel != QACT:
             return super()._store(codes, scales, mins)
-        packed, packed_scales = pack_rows(codes, scales, mins, self.bits)
+        dtype = torch.float16 if float16_holds(scales, mins, self.bits, tolerance=0) else torch.float32
+        packed, packed_scales = pack_rows(codes, scales, mins, self.bits, dtype)
         self.register_buffer("packed", packed)
         self.register_buffer("packed_scales", packed_scales)
 

@@ -1,7 +1,8 @@
 // Quantized linears that multiply in integers (--quantize w8a8|w4a8): weights in
 // blocks of 32 along the input with a scale and a minimum, w = code * s + m
 // (woq.py's int4 and int8 grids: GGUF's Q4_1 and Q8_0 blocks held without
-// loss, scales and minimums in float16 as GGUF keeps them), and activation rows
+// loss; scales and minimums in float16 where that loses nothing, as GGUF keeps
+// them, else float32), and activation rows
 // quantized per block of 32 to int8 on each call, as llama.cpp's Q8_1:
 // x ~ q * d, q in -127..127, with sum = d * sum(q).  One block's contribution is
 //
@@ -15,8 +16,8 @@
 // consecutive codes of each of the 8 rows (a 32-bit lane per row), so one
 // broadcast of 4 activation codes and one vpdpbusd make 32 multiply-adds into
 // 8 rows' sums; a block of 8 rows is 8 such registers (4-bit: 4 loads, each
-// split into low and high nibbles), its 8 scales and 8 minimums one float16
-// vector each.  Per block and activation row that is 8 dot instructions, one
+// split into low and high nibbles), its 8 scales and 8 minimums one vector
+// each.  Per block and activation row that is 8 dot instructions, one
 // conversion and two FMAs for 256 multiply-adds; the weights are never
 // expanded to float, at any batch size, and a group's weights (a few KB) stay
 // in L1 while every activation row passes (tiles of 4 rows).
@@ -86,7 +87,8 @@ Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
 
 struct Packed {
   const uint8_t* codes;     // (J, G, 8 * 32 * bits / 8)
-  const uint16_t* scales;   // (J, G, 2, 8) float16: 8 scales, then 8 minimums
+  const void* scales;       // (J, G, 2, 8) float16 or float32: 8 scales, then 8 minimums
+  bool half;
   int64_t N, J, G;
 };
 
@@ -100,7 +102,10 @@ inline int code_at(const uint8_t* blk, int bits, int r, int i) {
   return blk[((i / 4) * kLanes + r) * 4 + i % 4];
 }
 
-inline float half_at(const uint16_t* p) { return float(c10::Half(*p, c10::Half::from_bits())); }
+inline float scale_at(const Packed& W, int64_t i) {
+  if (W.half) return float(c10::Half(static_cast<const uint16_t*>(W.scales)[i], c10::Half::from_bits()));
+  return static_cast<const float*>(W.scales)[i];
+}
 
 void groups_portable(const Packed& W, int bits, int64_t j0, int64_t j1, const Q8Rows& X, int64_t M, float* y) {
   const int64_t bytes = kLanes * kBlock * bits / 8;
@@ -111,12 +116,12 @@ void groups_portable(const Packed& W, int bits, int64_t j0, int64_t j1, const Q8
         float acc = 0;
         for (int64_t g = 0; g < W.G; ++g) {
           const uint8_t* blk = W.codes + (j * W.G + g) * bytes;
-          const uint16_t* sc = W.scales + (j * W.G + g) * 2 * kLanes;
+          const int64_t sc = (j * W.G + g) * 2 * kLanes;
           const int64_t xb = r * W.G + g;
           const int8_t* q = X.q.data() + xb * kBlock;
           int32_t dot = 0;
           for (int i = 0; i < kBlock; ++i) dot += code_at(blk, bits, lane, i) * int32_t(q[i]);
-          acc += half_at(sc + lane) * X.d[xb] * float(dot) + half_at(sc + kLanes + lane) * X.sum[xb];
+          acc += scale_at(W, sc + lane) * X.d[xb] * float(dot) + scale_at(W, sc + kLanes + lane) * X.sum[xb];
         }
         y[r * W.N + j * kLanes + lane] = acc;
       }
@@ -203,13 +208,13 @@ std::string set_max_isa(const std::string& name) {
   return isa();
 }
 
-template <int BITS>
+template <int BITS, bool HALF>
 void run_groups(int isa, const Packed& W, int64_t j0, int64_t j1, const Q8Rows& X, int64_t M, float* y) {
 #ifdef FERRUM_X86
   switch (isa) {
-    case kAvx512Vnni: return qact_avx512vnni::groups<BITS>(W, j0, j1, X, M, y);
-    case kAvxVnni: return qact_avxvnni::groups<BITS>(W, j0, j1, X, M, y);
-    case kAvx2: return qact_avx2::groups<BITS>(W, j0, j1, X, M, y);
+    case kAvx512Vnni: return qact_avx512vnni::groups<BITS, HALF>(W, j0, j1, X, M, y);
+    case kAvxVnni: return qact_avxvnni::groups<BITS, HALF>(W, j0, j1, X, M, y);
+    case kAvx2: return qact_avx2::groups<BITS, HALF>(W, j0, j1, X, M, y);
   }
 #endif
   groups_portable(W, BITS, j0, j1, X, M, y);
@@ -226,8 +231,8 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   const int64_t J = codes.size(0), G = codes.size(1), K = G * kBlock;
   TORCH_CHECK(n > (J - 1) * kLanes && n <= J * kLanes, "block_linear: ", n, " outputs do not fit ", J, " groups of 8");
   TORCH_CHECK(x.size(-1) == K, "block_linear: activation width ", x.size(-1), " != ", K);
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == J * G * 2 * kLanes,
-              "block_linear: scales must be (N/8, K/32, 2, 8) float16");
+  TORCH_CHECK((scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) && scales.is_contiguous() &&
+              scales.numel() == J * G * 2 * kLanes, "block_linear: scales must be (N/8, K/32, 2, 8) float16 or float32");
   const at::Tensor x2d = x.reshape({-1, K}).contiguous();
   const int64_t M = x2d.size(0);
   auto shape = x.sizes().vec();
@@ -235,13 +240,14 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   at::Tensor out = at::empty({M, n}, x.options());
   if (M == 0) return out.view(shape);
   const Q8Rows X = quantize_rows(x2d.data_ptr<float>(), M, K);
-  const Packed W{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), n, J, G};
+  const bool half = scales.scalar_type() == at::kHalf;
+  const Packed W{codes.data_ptr<uint8_t>(), scales.data_ptr(), half, n, J, G};
   float* y = out.data_ptr<float>();
   const int isa = active_isa();
   const int64_t grain = std::max<int64_t>(1, J / (4 * at::get_num_threads()));
   at::parallel_for(0, J, grain, [&](int64_t begin, int64_t end) {
-    if (bits == 4) run_groups<4>(isa, W, begin, end, X, M, y);
-    else run_groups<8>(isa, W, begin, end, X, M, y);
+    if (bits == 4) half ? run_groups<4, true>(isa, W, begin, end, X, M, y) : run_groups<4, false>(isa, W, begin, end, X, M, y);
+    else half ? run_groups<8, true>(isa, W, begin, end, X, M, y) : run_groups<8, false>(isa, W, begin, end, X, M, y);
   });
   return out.view(shape);
 }

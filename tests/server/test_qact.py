@@ -51,13 +51,17 @@ def isa(request, extension):
     extension.set_max_isa(ISAS[0])
 
 
+@pytest.mark.parametrize("scales", [torch.float32, torch.float16])  # weights from float, or GGUF's blocks
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 13, 40])
-def test_kernel_matches_the_quantized_numbers_and_the_float_reference(bits, rows, isa):
+def test_kernel_matches_the_quantized_numbers_and_the_float_reference(bits, rows, scales, isa):
     gen = torch.Generator().manual_seed(rows)
     out = 75 if rows % 2 else 72  # a last group of 3 weight rows, or whole groups of 8
-    weight, bias = torch.randn(out, 160, generator=gen), torch.randn(out, generator=gen)
+    weight = torch.randn(out, 160, generator=gen) if scales == torch.float32 else \
+        _gguf_blocks("q4_1" if bits == 4 else "q8_0", out, 160)
+    bias = torch.randn(out, generator=gen)
     layer = qact.BlockQ8Linear(weight, bias, bits, qact.QACT)
+    assert layer.packed_scales.dtype == scales
     fallback = qact.BlockQ8Linear(weight, bias, bits, qact.TORCH_Q8)
     assert torch.equal(layer.dequantized(), fallback.dequantized())
     x = torch.randn(2, rows, 160, generator=gen) * torch.logspace(-2, 1, 160)  # uneven blocks, leading dims kept
