@@ -41,7 +41,7 @@ from ferrum_rpc.server.executor import TORCH_DTYPES, TorchExecutor
 from ferrum_rpc.server.prepare import find_gguf, prepare_default_model
 from ferrum_rpc.server.woq import QuantizedLinear
 from ferrum_rpc.server.worker import ModelWorker
-from ferrum_rpc.types import DecodeInput, LogitsPolicy
+from ferrum_rpc.types import DecodeInput, LogitsPolicy, TokenChoice
 
 GREEDY = LogitsPolicy.argmax()
 PREFILL_SECONDS: list[float] = []  # prefill part of each run of ours, for the decode-only figure
@@ -87,6 +87,23 @@ def run_grpc(client: ExecutorClient, pool: ThreadPoolExecutor, batch_prompts: li
 
     return run_ours(prefill_all, lambda items: client.batch_decode(items, GREEDY), client.release_cache,
                     batch_prompts, new_tokens)
+
+
+def run_grpc_ahead(client: ExecutorClient, pool: ThreadPoolExecutor, batch_prompts: list[list[int]],
+                   new_tokens: int) -> float:
+    """Through gRPC with the server choosing the tokens (greedy) and decoding ahead: after
+    the prompt, one DecodeSession step per sequence streams the other new tokens."""
+    start = time.perf_counter()
+    outs = list(pool.map(lambda p: client.prefill(p, logits=GREEDY), batch_prompts))
+    PREFILL_SECONDS.append(time.perf_counter() - start)
+    greedy = TokenChoice(temperature=0.0)
+    ends = list(pool.map(lambda o: client.decode_ahead(o.logits.argmax()[0], o.kv_cache, greedy, new_tokens - 1),
+                         outs))
+    elapsed = time.perf_counter() - start
+    assert all(len(e.chosen) == new_tokens - 1 for e in ends)
+    for e in ends:
+        client.release_cache(e.kv_cache)
+    return elapsed
 
 
 def weight_bytes_per_step(model: torch.nn.Module) -> int:
@@ -137,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8", "int4", "w8a8", "w4a8"])
-    parser.add_argument("--systems", nargs="+", default=["transformers", "executor", "grpc", "llama.cpp"])
+    parser.add_argument("--systems", nargs="+", default=["transformers", "executor", "grpc", "llama.cpp"],
+                        help="also grpc-ahead: the server chooses greedy tokens and decodes ahead")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
@@ -175,12 +193,13 @@ def main(argv: list[str] | None = None) -> None:
     for variant in args.dtypes:
         dtype, quantize = ("float32", variant) if variant in QUANTIZATIONS else (variant, "none")
         runners, weight_bytes, worker = {}, None, None
+        remote = {"grpc", "grpc-ahead"} & set(args.systems)
         if "transformers" in args.systems and quantize == "none":
             from transformers import AutoModelForCausalLM
 
             hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=TORCH_DTYPES[dtype]).eval()
             runners["transformers"] = lambda p, m=hf: run_transformers(m, p, args.new_tokens)
-        if "executor" in args.systems or "grpc" in args.systems:  # the in-process one also counts weight bytes
+        if "executor" in args.systems or remote:  # the in-process one also counts weight bytes
             config = ExecutorConfig(dtype=dtype, kv_tokens=32768, quantize=quantize)
             worker = ModelWorker(functools.partial(TorchExecutor.from_path, "bench", model_dir, config), "bench",
                                  config.batch_wait_ms)  # loads on its own thread, as the server does
@@ -189,11 +208,14 @@ def main(argv: list[str] | None = None) -> None:
             if "executor" in args.systems:
                 runners["executor"] = lambda p, w=worker: run_executor(w, p, args.new_tokens)
         extra = ("--quantize", quantize)
-        with served(model_dir, dtype, extra) if "grpc" in args.systems else _null() as target:
+        with served(model_dir, dtype, extra) if remote else _null() as target:
             if target:
                 client = ExecutorClient(target, timeout=600)
                 pool = ThreadPoolExecutor(max(args.batches))
-                runners["grpc"] = lambda p, c=client: run_grpc(c, pool, p, args.new_tokens)
+                if "grpc" in args.systems:
+                    runners["grpc"] = lambda p, c=client: run_grpc(c, pool, p, args.new_tokens)
+                if "grpc-ahead" in args.systems:
+                    runners["grpc-ahead"] = lambda p, c=client: run_grpc_ahead(c, pool, p, args.new_tokens)
             for batch in args.batches:
                 batch_prompts = prompts(batch, args.prompt_len)
                 for system, run in runners.items():
@@ -201,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
                     PREFILL_SECONDS.clear()
                     seconds, runs = median_of(args.repeats, lambda: run(batch_prompts))
                     split = ({"weight_bytes": weight_bytes, "kv_pool_mb": round(kv_mb, 1)}
-                             if system == "grpc" and weight_bytes else {})
+                             if system in ("grpc", "executor") and weight_bytes else {})
                     record(system, variant, batch, seconds, runs, statistics.median(PREFILL_SECONDS), **split)
         if target in RSS_MB:
             for rec in records:

@@ -32,21 +32,23 @@ def decode_table(records: list[dict]) -> str:
 
 
 def step_table(records: list[dict]) -> str:
-    """gRPC rows of every variant and llama.cpp: throughput, the ratios the targets name, and
-    the decode step split into weight reads and the rest."""
+    """Our rows (in process, gRPC, gRPC decoding ahead) of every variant and llama.cpp:
+    throughput, the ratios the targets name (end to end and decode-only against
+    llama.cpp at the same batch), and the decode step split into weight reads and the rest."""
     by = {(r["system"], r["dtype"], r["batch"]): r for r in records}
     lines = ["| system | variant | batch | tokens/s | decode tokens/s | / transformers float32 | / llama.cpp "
-             "| step ms | weight-read ms | not weight reads | RSS MiB | peak RSS MiB |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    rows = [r for r in records if r["system"] in ("grpc", "llama.cpp")]
+             "| decode / llama.cpp | step ms | weight-read ms | not weight reads | RSS MiB | peak RSS MiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = [r for r in records if r["system"] in ("executor", "grpc", "grpc-ahead", "llama.cpp")]
     for r in sorted(rows, key=lambda r: (r["batch"], r["system"], r["dtype"])):
         hf = by.get(("transformers", "bfloat16" if r["dtype"] == "bfloat16" else "float32", r["batch"]))
         vs_hf = f"{r['tokens_per_s'] / hf['tokens_per_s']:.2f}" if hf and r["system"] != "llama.cpp" else "-"
         anchor = by.get(("llama.cpp", "Q4_1", r["batch"]))  # llama.cpp at the same batch size
         vs_llama = f"{r['tokens_per_s'] / anchor['tokens_per_s']:.2f}" if anchor else "-"
+        decode_vs = f"{r['decode_tokens_per_s'] / anchor['decode_tokens_per_s']:.2f}" if anchor else "-"
         fmt = lambda key, spec="{:.1f}": spec.format(r[key]) if key in r else "-"  # noqa: E731
         lines.append(f"| {r['system']} | {r['dtype']} | {r['batch']} | {r['tokens_per_s']:.1f} "
-                     f"| {r['decode_tokens_per_s']:.1f} | {vs_hf} | {vs_llama} | {fmt('step_ms')} "
+                     f"| {r['decode_tokens_per_s']:.1f} | {vs_hf} | {vs_llama} | {decode_vs} | {fmt('step_ms')} "
                      f"| {fmt('weight_read_ms')} | {fmt('rest_fraction', '{:.0%}')} | {fmt('rss_mb', '{:.0f}')} "
                      f"| {fmt('peak_rss_mb', '{:.0f}')} |")
     return "\n".join(lines)
