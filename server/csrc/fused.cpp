@@ -268,7 +268,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 }
 
 // ---- a whole decoder layer ----------------------------------------------------------
-// One Llama decoder layer for a decode-sized float32 forward whose projections
+// One Llama (or Qwen3: qk_norm holds the q/k RMSNorm weights, else empty)
+// decoder layer for a decode-sized float32 forward whose projections
 // are all our int8/int4 linears: the same ops, in the same order, as
 // models/llama.py runs them one Python call at a time (RMSNorm, fused q|k|v,
 // paged attention, o, residual, RMSNorm, fused gate|up, silu*up, down,
@@ -278,12 +279,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 // widths (8 or 4) bits holds negated.
 at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
                         at::TensorList qkv, at::TensorList o, at::TensorList gate_up, at::TensorList down,
-                        at::IntArrayRef bits, const at::Tensor& cos, const at::Tensor& sin,
+                        at::IntArrayRef bits, at::TensorList qk_norm, const at::Tensor& cos, const at::Tensor& sin,
                         const at::Tensor& positions, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& write_slots, const at::Tensor& tables, int64_t num_heads,
                         int64_t num_kv_heads, double scale) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "decode_layer: x must be (B, T, C) float32");
   TORCH_CHECK(bits.size() == 4, "decode_layer: bits has four entries");
+  TORCH_CHECK(qk_norm.empty() || qk_norm.size() == 2, "decode_layer: qk_norm is [] or [q_norm, k_norm] weights");
   const at::TensorList lists[] = {qkv, o, gate_up, down};
   for (int i = 0; i < 4; ++i)
     TORCH_CHECK(lists[i].size() == (bits[i] < 0 ? 2u : 3u),
@@ -294,8 +296,12 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Te
   };
   const at::Tensor qkv_out = lin(rms_norm(x, ln1, eps), qkv, bits[0]);  // (B, T, (H + 2 Hkv) D)
   TORCH_CHECK(qkv_out.size(-1) == (H + 2 * Hkv) * D, "decode_layer: q|k|v width does not match the heads");
-  const at::Tensor q = qkv_out.narrow(-1, 0, H * D).view({B, T, H, D});
-  const at::Tensor k = qkv_out.narrow(-1, H * D, Hkv * D).view({B, T, Hkv, D});
+  at::Tensor q = qkv_out.narrow(-1, 0, H * D).view({B, T, H, D});
+  at::Tensor k = qkv_out.narrow(-1, H * D, Hkv * D).view({B, T, Hkv, D});
+  if (!qk_norm.empty()) {  // Qwen3: RMSNorm over each head's D before RoPE
+    q = rms_norm(q, qk_norm[0], eps);
+    k = rms_norm(k, qk_norm[1], eps);
+  }
   const at::Tensor v = qkv_out.narrow(-1, (H + Hkv) * D, Hkv * D).view({B, T, Hkv, D});
   const at::Tensor attn = paged_attention(q, k, v, cos, sin, positions, k_cache, v_cache, write_slots, tables, scale);
   at::Tensor h = x + lin(attn, o, bits[1]);
@@ -310,7 +316,7 @@ TORCH_LIBRARY(ferrum_fused, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor positions, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor write_slots, Tensor tables, float scale) -> Tensor");
   m.def("decode_layer(Tensor x, Tensor ln1, Tensor ln2, float eps, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, "
-        "Tensor[] down, int[] bits, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, "
+        "Tensor[] down, int[] bits, Tensor[] qk_norm, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor write_slots, Tensor tables, int num_heads, int num_kv_heads, float scale) "
         "-> Tensor");
 }

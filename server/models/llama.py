@@ -308,7 +308,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _whole_layer_args(self) -> list[tuple] | None:
         """Per layer, the weights ``ferrum_fused.decode_layer`` takes, when every layer
-        is a plain Llama block (no q/k norm, a dense MLP) whose projections are all
+        is a plain Llama or Qwen3 block (a dense MLP; Qwen3's q/k RMSNorm in the op) whose projections are all
         our int8/int4 linears without bias (weight-only, or w8a8/w4a8, whose widths
         are passed negated); else None (the per-op path runs)."""
         from ferrum_rpc.server.qact import LANES, QACT
@@ -317,7 +317,11 @@ class LlamaForCausalLM(nn.Module):
         args = []
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if attn.has_qk_norm or type(mlp) is not MLP or not isinstance(layer.input_layernorm, RMSNorm):
+            if type(mlp) is not MLP or not isinstance(layer.input_layernorm, RMSNorm):
+                return None
+            qk_norm = [attn.q_norm.weight, attn.k_norm.weight] if attn.has_qk_norm else []
+            if attn.has_qk_norm and not (isinstance(attn.q_norm, RMSNorm) and isinstance(attn.k_norm, RMSNorm)
+                                         and attn.q_norm.eps == attn.k_norm.eps == layer.input_layernorm.eps):
                 return None
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if not all(isinstance(l, QuantizedLinear) and l.kernel in (WOQ, QACT) and l.bias is None
@@ -328,7 +332,7 @@ class LlamaForCausalLM(nn.Module):
             weights = [l.kernel_args() if l.kernel == QACT else [l.qweight, l.scales, l.mins] for l in linears]
             args.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                          layer.input_layernorm.eps, *weights, [-l.bits if l.kernel == QACT else l.bits
-                                                               for l in linears]))
+                                                               for l in linears], qk_norm))
         return args
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv,

@@ -90,16 +90,18 @@ def test_step_ops_choice(ops):
     assert woq.load_library.cache_info().currsize == 1  # built and loaded once per process
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("quantize", ["int8", "int4", "w8a8", "w4a8"])
-def test_whole_layer_op_equals_the_per_op_path(tiny_llama_dir, quantize, ops):
-    """--quantize models with plain Llama blocks run each decode-sized layer as one
-    op (decode_layer); it must give what the per-op fused path gives."""
+def test_whole_layer_op_equals_the_per_op_path(tiny_llama_dir, tiny_qwen3_dir, arch, quantize, ops):
+    """--quantize models with plain Llama or Qwen3 blocks (q/k RMSNorm inside the op) run
+    each decode-sized layer as one op (decode_layer); it must give what the per-op fused
+    path gives."""
     from ferrum_rpc.server.config import ExecutorConfig
     from ferrum_rpc.server.executor import TorchExecutor
     from ferrum_rpc.types import LogitsPolicy
 
-    ex = TorchExecutor.from_path("tiny", tiny_llama_dir, ExecutorConfig(kv_tokens=256, block_size=4,
-                                                                       quantize=quantize))
+    model_dir = {"llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir}[arch]
+    ex = TorchExecutor.from_path("tiny", model_dir, ExecutorConfig(kv_tokens=256, block_size=4, quantize=quantize))
     assert ex.model.layer_ops is not None and len(ex.model.layer_ops) == 2
     full = LogitsPolicy.full()
     twins = [ex.prefill([5, 17, 101, 3, 250, 42], None, full).kv_cache for _ in range(2)]
