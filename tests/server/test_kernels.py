@@ -102,3 +102,28 @@ def test_bfloat16_on_an_avx2_only_cpu_falls_back_and_matches_transformers(kernel
     scale = np.abs(ref).max()
     np.testing.assert_allclose(np.array(report["prefill"]), ref[:-1], atol=0.03 * scale, rtol=0)
     np.testing.assert_allclose(np.array(report["decode"])[0], ref[-1], atol=0.03 * scale, rtol=0)
+
+
+def test_the_float32_one_row_choice_is_timed_once_per_host(tmp_path, monkeypatch):
+    """Servers of one configuration on one host must compute the same bits (a moved
+    sequence decodes bit-identically); two servers timing at once once chose
+    differently, so the first timing is kept on disk and every later load reads it."""
+    from ferrum_rpc.server import kernels
+
+    if not probe_onednn_packed(torch.float32)[0]:
+        pytest.skip("no oneDNN packed float32 linear here")
+    monkeypatch.setenv("FERRUM_RPC_HOME", str(tmp_path))
+    kernels.packed_float32_wins_at_one_row.cache_clear()
+    try:
+        wins, why = kernels.packed_float32_wins_at_one_row()
+        (saved,) = (tmp_path / "kernels").glob("float32-one-row-*.json")
+        assert json.loads(saved.read_text())["wins"] == wins and why.startswith("one row: oneDNN packed")
+        # another process reads the same answer, even one the timing would contradict
+        saved.write_text(json.dumps({"wins": not wins, "timing": "forged"}))
+        code = ("from ferrum_rpc.server import kernels; "
+                "print(kernels.packed_float32_wins_at_one_row())")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "FERRUM_RPC_HOME": str(tmp_path)}).stdout
+        assert out.strip() == repr((not wins, f"forged (timed once on this host: {saved.name})"))
+    finally:
+        kernels.packed_float32_wins_at_one_row.cache_clear()
