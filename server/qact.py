@@ -21,9 +21,12 @@ every call and multiply bytes by bytes, as llama.cpp does:
   Q8_0), activations per block of 32 to int8 (llama.cpp's Q8_1).  Neither
   torch nor torchao has a CPU kernel for this (torchao's int4 CPU layout
   calls ``_weight_int4pack_mm_for_cpu``, which expands to float), so
-  ``csrc/qact.cpp`` is ours: AVX2 ``vpmaddubsw``/``vpmaddwd`` and a portable
-  path, probed at load.  Fallback (``torch-q8``): activations fake-quantized
-  per block in torch, then ``F.linear`` over the dequantized weights.
+  ``csrc/qact.cpp`` is ours, over weight rows packed 8 to a group and
+  interleaved per block (``pack_rows``, llama.cpp's repacked Q4_0x8 idea):
+  AVX-512 VNNI or AVX-VNNI ``vpdpbusd``, AVX2 ``vpmaddubsw``/``vpmaddwd``, or
+  portable C++, whichever the CPU has, probed at load.  Fallback
+  (``torch-q8``): activations fake-quantized per block in torch, then
+  ``F.linear`` over the dequantized weights.
 """
 
 from __future__ import annotations
