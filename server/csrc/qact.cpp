@@ -143,6 +143,8 @@ namespace {
 #undef FERRUM_QACT_DOT
 #pragma GCC pop_options
 
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define FERRUM_HAVE_AVXVNNI 1  // older compilers know no AVX-VNNI: that path is left out, not the file
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avxvnni")
 #define FERRUM_QACT_NS qact_avxvnni
@@ -153,6 +155,7 @@ namespace {
 #undef FERRUM_QACT_NS
 #undef FERRUM_QACT_DOT
 #pragma GCC pop_options
+#endif
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
@@ -180,7 +183,9 @@ bool cpu_has(int isa) {
 #ifdef FERRUM_X86
     __builtin_cpu_init();
     h[kAvx2] = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#ifdef FERRUM_HAVE_AVXVNNI
     h[kAvxVnni] = h[kAvx2] && __builtin_cpu_supports("avxvnni");
+#endif
     h[kAvx512Vnni] = h[kAvx2] && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
                      __builtin_cpu_supports("avx512bw");
 #endif
@@ -213,7 +218,9 @@ void run_groups(int isa, const Packed& W, int64_t j0, int64_t j1, const Q8Rows& 
 #ifdef FERRUM_X86
   switch (isa) {
     case kAvx512Vnni: return qact_avx512vnni::groups<BITS, HALF>(W, j0, j1, X, M, y);
+#ifdef FERRUM_HAVE_AVXVNNI
     case kAvxVnni: return qact_avxvnni::groups<BITS, HALF>(W, j0, j1, X, M, y);
+#endif
     case kAvx2: return qact_avx2::groups<BITS, HALF>(W, j0, j1, X, M, y);
   }
 #endif
