@@ -523,7 +523,7 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
         if self.state is ServerState.LOADING and not self.workers:
             return pb.Status(state=pb.Status.STATE_LOADING, server_instance_id=self.instance_id)
         worker = self._worker(request.model)
-        status = await worker.call(worker.executor.status, self.state, worker.queue_depth)
+        status = await worker.call(worker.executor.status, self.state, worker.work_queued)
         return convert.status_to_proto(status)
 
     # -- the contract ----------------------------------------------------------------
@@ -701,7 +701,7 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
             if model.worker is None:
                 reply.models.add(name=model.name, state="loading", path=model.path)
                 continue
-            status = await model.worker.call(model.worker.executor.status, self.state, model.worker.queue_depth)
+            status = await model.worker.call(model.worker.executor.status, self.state, model.worker.work_queued)
             reply.models.add(name=model.name, state="serving", path=model.path, is_default=model.is_default,
                              status=convert.status_to_proto(status))
         return reply

@@ -158,6 +158,16 @@ class ModelWorker:
         return len(self._jobs)
 
     @property
+    def work_queued(self) -> int:
+        """Prompts and decode steps waiting: what a new sequence would queue behind, as
+        GetStatus reports it.  Quick bookkeeping calls (a status, a release, a KV-event
+        watch's snapshot) are left out: a status read while a new client's watch
+        snapshot was queued made that replica look busy, and replica placement
+        passed it over for a whole status lifetime."""
+        with self._cond:
+            return sum(1 for job in self._jobs if job is not None and (job.decode or job.prefill))
+
+    @property
     def stopping(self) -> bool:
         """stop() was called: new jobs are refused (queued ones still finish)."""
         return self._stopping

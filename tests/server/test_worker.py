@@ -110,3 +110,19 @@ def test_a_released_sequence_is_not_waited_for(worker):
     live = worker.submit_prefill([5, 6, 7], None, greedy).result().kv_cache
     worker.submit_decode([DecodeInput(8, live)], greedy).result()
     assert gone.cache_id not in worker._decoders and live.cache_id in worker._decoders
+
+
+def test_status_counts_queued_model_work_not_bookkeeping(worker):
+    """GetStatus's queue_depth (``work_queued``) counts prompts and decodes only: a status
+    read while a new client's KV-event snapshot was queued made that replica look busy
+    and replica placement passed it over (tests/test_replicas.py, a flaky spread)."""
+    gate = hold(worker)
+    try:
+        bookkeeping = worker.submit(len, [])
+        assert worker.queue_depth == 1 and worker.work_queued == 0
+        prompt = worker.submit_prefill([1, 2, 3], None, LogitsPolicy.argmax())
+        assert worker.queue_depth == 2 and worker.work_queued == 1
+    finally:
+        gate.set()
+    assert bookkeeping.result(timeout=30) == 0 and prompt.result(timeout=30).kv_cache.sequence_length == 3
+    assert worker.work_queued == 0
