@@ -12,7 +12,13 @@ forces the fallback, so the test suite runs both paths on every machine.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
+import os
+import platform
+import tempfile
+import time
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +26,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
+from ferrum_rpc.paths import cache_root
 from ferrum_rpc.server.config import LINEAR_KERNELS
 
 AUTO, ONEDNN_PACKED, ATEN = LINEAR_KERNELS
@@ -125,13 +132,6 @@ def packed_float32_wins_at_one_row() -> tuple[bool, str]:
     once chose differently.  Delete the file to time again.
     Call only where ``probe_onednn_packed(torch.float32)`` said yes.
     """
-    import hashlib
-    import json
-    import os
-    import tempfile
-
-    from ferrum_rpc.server.prepare import cache_root
-
     key = hashlib.sha256(f"{_cpu_model()}|{torch.__version__}|{torch.get_num_threads()}".encode()).hexdigest()[:16]
     path = cache_root() / "kernels" / f"float32-one-row-{key}.json"
     def saved() -> tuple[bool, str] | None:
@@ -169,14 +169,10 @@ def _cpu_model() -> str:
                     return line  # model name, or the flags where there is none
     except OSError:
         pass
-    import platform
-
     return platform.processor() or platform.machine()
 
 
 def _time_packed_float32_one_row() -> tuple[bool, str]:
-    import time
-
     weight = torch.randn(4096, 1024, generator=torch.Generator().manual_seed(0))
     packed = torch.ops.mkldnn._reorder_linear_weight(weight)
     x = torch.randn(1, 1024)

@@ -117,12 +117,12 @@ class BlockQ8Linear(woq.QuantizedLinear):
     """
 
     def _store(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> None:
-        if float16_holds(scales, mins, self.bits):
+        half = float16_holds(scales, mins, self.bits)
+        if half:
             scales, mins = scales.half().float(), mins.half().float()
         if self.kernel != QACT:
             return super()._store(codes, scales, mins)
-        dtype = torch.float16 if float16_holds(scales, mins, self.bits, tolerance=0) else torch.float32
-        packed, packed_scales = pack_rows(codes, scales, mins, self.bits, dtype)
+        packed, packed_scales = pack_rows(codes, scales, mins, self.bits, torch.float16 if half else torch.float32)
         self.register_buffer("packed", packed)
         self.register_buffer("packed_scales", packed_scales)
 
@@ -134,8 +134,9 @@ class BlockQ8Linear(woq.QuantizedLinear):
         return (blocks * scales[rows][..., None] + mins[rows][..., None]).flatten(-2)
 
     def kernel_args(self) -> list[torch.Tensor]:
-        """What ``ferrum_fused.decode_layer`` takes for this linear (with ``-bits``)."""
-        return [self.packed, self.packed_scales]
+        if self.kernel != QACT:
+            return super().kernel_args()
+        return [self.packed, self.packed_scales]  # with -bits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()

@@ -232,6 +232,10 @@ class QuantizedLinear(nn.Module):
     def from_linear(cls, linear: nn.Module, bits: int, kernel: str) -> QuantizedLinear:
         return cls(linear.weight.data, None if linear.bias is None else linear.bias.data, bits, kernel)
 
+    def kernel_args(self) -> list[torch.Tensor]:
+        """The weight tensors ``ferrum_fused.decode_layer`` takes for this linear."""
+        return [self.qweight, self.scales, self.mins]
+
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())

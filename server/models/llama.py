@@ -329,7 +329,7 @@ class LlamaForCausalLM(nn.Module):
                 return None
             if any(l.kernel == QACT and l.out_features % LANES for l in linears):
                 return None  # the whole-layer op takes every packed group's 8 outputs
-            weights = [l.kernel_args() if l.kernel == QACT else [l.qweight, l.scales, l.mins] for l in linears]
+            weights = [l.kernel_args() for l in linears]
             args.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                          layer.input_layernorm.eps, *weights, [-l.bits if l.kernel == QACT else l.bits
                                                                for l in linears], qk_norm))
