@@ -124,10 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-packed-weights", action="store_true",
                    help="same as --linear-kernel aten (saves memory: packed float32 weights are held twice)")
     s.add_argument("--quantize", default="none", choices=["none", "int8", "int4", "w8a8", "w4a8"],
-                   help="quantized linear layers (CPU).  Weight-only: int8 or int4 in groups of 32 with scale "
-                        "and minimum (GGUF Q4_1's layout; the LM head stays int8).  Integer arithmetic: w8a8 "
-                        "(int8 weights per channel, activations per token row) or w4a8 (int4's weights, "
-                        "activations per block of 32 to int8)")
+                   help="quantized linear layers (CPU): int8 or int4 weights in groups of 32 with scale "
+                        "and minimum (GGUF Q4_1's layout; the LM head stays int8), multiplied in integers with "
+                        "activations as two int8 digits per block (about 15 bits); w8a8 and w4a8: the same "
+                        "weights, activations as one int8 digit per block of 32 (llama.cpp's Q8_1), faster")
     s.add_argument("--step-ops", default="auto", choices=["auto", "fused", "eager"],
                    help="auto: fused C++ ops for RMSNorm, the MLP activation and decode attention where they "
                         "build and agree with torch here (CPU); eager: torch ops only; fused: fail if they cannot")

@@ -47,11 +47,13 @@ class ExecutorConfig:
             "aten" forces the fallback; "onednn-packed" fails at load where it
             cannot run.  See ``kernels.py``.  With ``quantize``, "aten" forces
             torch's own weight-only ops instead of ours (``woq.py``).
-        quantize: "none", "int8" or "int4": weight-only quantization of the
-            linear layers (CPU only; activations and KV stay in ``dtype``);
-            "w8a8" or "w4a8": int8 per-channel or 4-bit block weights whose
-            linears also quantize their input activations to int8 on each call
-            and multiply in integers (``qact.py``; KV stays in ``dtype``).
+        quantize: "none", "int8" or "int4": 8- or 4-bit block weights with
+            activations kept to about 15 bits (two int8 digits per block,
+            ``qact.TwoDigitLinear``; in ``dtype`` where the integer kernel cannot
+            run, ``woq.py``); "w8a8" or "w4a8": the same weights, activations
+            rounded to one int8 digit per block of 32 (llama.cpp's Q8_1), faster
+            and less exact; all multiply in integers (``qact.py``; CPU only; KV
+            stays in ``dtype``).
         step_ops: "auto" runs RMSNorm, the MLP activation and decode-sized
             attention as the fused C++ ops of ``csrc/fused.cpp`` where they build
             and agree with the eager ops here (CPU); "eager" forces the torch

@@ -138,9 +138,10 @@ def english_ids(default_model_dir):
 # the argmaxes over 300 positions differ between the two models, because rounding activations to a
 # grid is discontinuous and a flipped code moves the next layer's input by a whole step.  So this
 # test guards against breakage (a wrong code, a lost scale) at 96%, and ``bench.quant_accuracy``
-# reports the figure.  int8 and int4 hold the GGUF's weights without loss (the test below), so
-# their agreement is the float32 model's own (100%).
-@pytest.mark.parametrize("quantize,target", [("w8a8", 0.96), ("w4a8", 0.96)])
+# reports the figure.  int8 and int4 hold the GGUF's weights without loss (the test below) and
+# carry activations as two int8 digits (about 15 bits a block): 100.0% measured for both; int4
+# is checked here (int8 runs the same activation path over 8-bit codes).
+@pytest.mark.parametrize("quantize,target", [("w8a8", 0.96), ("w4a8", 0.96), ("int4", 0.995)])
 def test_quantized_greedy_top1_agrees_with_float32(default_model_dir, default_server, english_ids, quantize,
                                                    target):
     """Teacher-forced over 1,000 positions of a fixed English text: the next-token argmax of

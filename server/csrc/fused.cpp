@@ -28,7 +28,7 @@ int ferrum_active_isa();  // woq.cpp: 0 portable, 1 avx2, 2 avx512
 at::Tensor ferrum_woq_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                              const at::Tensor& mins, int64_t bits);  // woq.cpp
 at::Tensor ferrum_qact_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                              int64_t bits);  // qact.cpp: packed codes and float16 scales
+                              int64_t bits, int64_t digits);  // qact.cpp: packed codes and float16 scales
 
 namespace {
 
@@ -275,26 +275,27 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 // paged attention, o, residual, RMSNorm, fused gate|up, silu*up, down,
 // residual), so a step makes 30 op calls instead of ~400.  Each weight list is
 // [qweight, scales, mins], or [codes, scales] in qact.cpp's packed layout for the
-// linears that quantize their activations too (--quantize w8a8|w4a8), whose
-// widths (8 or 4) bits holds negated.
+// linears that quantize their activations too, whose widths (8 or 4) bits holds
+// negated and digits their activation digits (1: w8a8, w4a8; 2: int8, int4).
 at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
                         at::TensorList qkv, at::TensorList o, at::TensorList gate_up, at::TensorList down,
-                        at::IntArrayRef bits, at::TensorList qk_norm, const at::Tensor& cos, const at::Tensor& sin,
+                        at::IntArrayRef bits, at::IntArrayRef digits, at::TensorList qk_norm, const at::Tensor& cos, const at::Tensor& sin,
                         const at::Tensor& positions, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& write_slots, const at::Tensor& tables, int64_t num_heads,
                         int64_t num_kv_heads, double scale) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "decode_layer: x must be (B, T, C) float32");
-  TORCH_CHECK(bits.size() == 4, "decode_layer: bits has four entries");
+  TORCH_CHECK(bits.size() == 4 && digits.size() == 4, "decode_layer: bits and digits have four entries");
   TORCH_CHECK(qk_norm.empty() || qk_norm.size() == 2, "decode_layer: qk_norm is [] or [q_norm, k_norm] weights");
   const at::TensorList lists[] = {qkv, o, gate_up, down};
   for (int i = 0; i < 4; ++i)
     TORCH_CHECK(lists[i].size() == (bits[i] < 0 ? 2u : 3u),
                 "decode_layer: each linear is [qweight, scales, mins], or [codes, scales] with negated bits");
   const int64_t B = x.size(0), T = x.size(1), H = num_heads, Hkv = num_kv_heads, D = k_cache.size(3);
-  auto lin = [](const at::Tensor& in, at::TensorList w, int64_t b) {
-    return b < 0 ? ferrum_qact_linear(in, w[0], w[1], -b) : ferrum_woq_linear(in, w[0], w[1], w[2], b);
+  auto lin = [&](const at::Tensor& in, at::TensorList w, int i) {
+    return bits[i] < 0 ? ferrum_qact_linear(in, w[0], w[1], -bits[i], digits[i])
+                       : ferrum_woq_linear(in, w[0], w[1], w[2], bits[i]);
   };
-  const at::Tensor qkv_out = lin(rms_norm(x, ln1, eps), qkv, bits[0]);  // (B, T, (H + 2 Hkv) D)
+  const at::Tensor qkv_out = lin(rms_norm(x, ln1, eps), qkv, 0);  // (B, T, (H + 2 Hkv) D)
   TORCH_CHECK(qkv_out.size(-1) == (H + 2 * Hkv) * D, "decode_layer: q|k|v width does not match the heads");
   at::Tensor q = qkv_out.narrow(-1, 0, H * D).view({B, T, H, D});
   at::Tensor k = qkv_out.narrow(-1, H * D, Hkv * D).view({B, T, Hkv, D});
@@ -304,8 +305,8 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Te
   }
   const at::Tensor v = qkv_out.narrow(-1, (H + Hkv) * D, Hkv * D).view({B, T, Hkv, D});
   const at::Tensor attn = paged_attention(q, k, v, cos, sin, positions, k_cache, v_cache, write_slots, tables, scale);
-  at::Tensor h = x + lin(attn, o, bits[1]);
-  return h.add_(lin(silu_mul(lin(rms_norm(h, ln2, eps), gate_up, bits[2])), down, bits[3]));
+  at::Tensor h = x + lin(attn, o, 1);
+  return h.add_(lin(silu_mul(lin(rms_norm(h, ln2, eps), gate_up, 2)), down, 3));
 }
 
 }  // namespace
@@ -316,7 +317,7 @@ TORCH_LIBRARY(ferrum_fused, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor positions, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor write_slots, Tensor tables, float scale) -> Tensor");
   m.def("decode_layer(Tensor x, Tensor ln1, Tensor ln2, float eps, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, "
-        "Tensor[] down, int[] bits, Tensor[] qk_norm, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, "
+        "Tensor[] down, int[] bits, int[] digits, Tensor[] qk_norm, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor write_slots, Tensor tables, int num_heads, int num_kv_heads, float scale) "
         "-> Tensor");
 }

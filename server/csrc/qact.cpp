@@ -56,30 +56,49 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kLanes = 8;  // weight rows interleaved per block
 
-// Activation rows quantized per block: codes (M, K) int8, d and d * sum(q) (M, K/32).
+// Activation rows quantized per block: codes (M * digits, K) int8, and per row and
+// block d and the block's value sum (M, K/32).  One digit: x ~ q d, q in -127..127
+// (llama.cpp's Q8_1).  Two digits (the int8/int4 modes): row m's codes are rows 2m
+// (q, as one digit) and 2m + 1 (q', the remainder x - q d on a grid 128 times
+// finer, |q'| <= 64), x ~ (128 q + q') d / 128 with |error| <= amax / 32512:
+// about 15 bits instead of 8.  The kernels sum 128 * dot(w, q) + dot(w, q') in
+// integers, so a second digit costs a row's dot instructions and nothing else.
 struct Q8Rows {
   std::vector<int8_t> q;
   std::vector<float> d, sum;
 };
 
-Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
+Q8Rows quantize_rows(const float* x, int64_t M, int64_t K, int digits) {
   const int64_t G = K / kBlock;
-  Q8Rows out{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G)};
+  Q8Rows out{std::vector<int8_t>(M * digits * K), std::vector<float>(M * G), std::vector<float>(M * G)};
   at::parallel_for(0, M * G, 64, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
+      const int64_t m = b / G, g = b % G;
       const float* xb = x + b * kBlock;
+      int8_t* qb = out.q.data() + ((m * digits) * G + g) * kBlock;
       float amax = 0;
       for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
       const float d = amax / 127.0f, inv = d > 0 ? 1.0f / d : 0.0f;
       int sum = 0;
-      int8_t* qb = out.q.data() + b * kBlock;
       for (int i = 0; i < kBlock; ++i) {
         const int v = static_cast<int>(std::nearbyint(xb[i] * inv));  // |v| <= 127 by construction
         qb[i] = static_cast<int8_t>(v);
         sum += v;
       }
+      float total = d * float(sum);
+      if (digits == 2) {
+        int8_t* lo = qb + G * kBlock;
+        int rest = 0;
+        for (int i = 0; i < kBlock; ++i) {
+          const float r = xb[i] - float(qb[i]) * d;  // |r| <= d / 2 up to rounding
+          const int v = std::clamp(static_cast<int>(std::nearbyint(r * inv * 128.0f)), -127, 127);
+          lo[i] = static_cast<int8_t>(v);
+          rest += v;
+        }
+        total += d / 128.0f * float(rest);
+      }
       out.d[b] = d;
-      out.sum[b] = d * float(sum);
+      out.sum[b] = total;
     }
   });
   return out;
@@ -107,7 +126,8 @@ inline float scale_at(const Packed& W, int64_t i) {
   return static_cast<const float*>(W.scales)[i];
 }
 
-void groups_portable(const Packed& W, int bits, int64_t j0, int64_t j1, const Q8Rows& X, int64_t M, float* y) {
+void groups_portable(const Packed& W, int bits, int64_t j0, int64_t j1, const Q8Rows& X, int64_t M, int digits,
+                     float* y) {
   const int64_t bytes = kLanes * kBlock * bits / 8;
   for (int64_t j = j0; j < j1; ++j) {
     const int lanes = int(std::min<int64_t>(kLanes, W.N - j * kLanes));
@@ -118,10 +138,14 @@ void groups_portable(const Packed& W, int bits, int64_t j0, int64_t j1, const Q8
           const uint8_t* blk = W.codes + (j * W.G + g) * bytes;
           const int64_t sc = (j * W.G + g) * 2 * kLanes;
           const int64_t xb = r * W.G + g;
-          const int8_t* q = X.q.data() + xb * kBlock;
           int32_t dot = 0;
-          for (int i = 0; i < kBlock; ++i) dot += code_at(blk, bits, lane, i) * int32_t(q[i]);
-          acc += scale_at(W, sc + lane) * X.d[xb] * float(dot) + scale_at(W, sc + kLanes + lane) * X.sum[xb];
+          for (int t = 0; t < digits; ++t) {  // two digits: 128 * dot(w, q) + dot(w, q')
+            const int8_t* q = X.q.data() + ((r * digits + t) * W.G + g) * kBlock;
+            dot *= 128;
+            for (int i = 0; i < kBlock; ++i) dot += code_at(blk, bits, lane, i) * int32_t(q[i]);
+          }
+          const float d = digits == 2 ? X.d[xb] / 128.0f : X.d[xb];
+          acc += scale_at(W, sc + lane) * d * float(dot) + scale_at(W, sc + kLanes + lane) * X.sum[xb];
         }
         y[r * W.N + j * kLanes + lane] = acc;
       }
@@ -213,24 +237,31 @@ std::string set_max_isa(const std::string& name) {
   return isa();
 }
 
-template <int BITS, bool HALF>
+template <int BITS, bool HALF, int DIGITS>
 void run_groups(int isa, const Packed& W, int64_t j0, int64_t j1, const Q8Rows& X, int64_t M, float* y) {
 #ifdef FERRUM_X86
   switch (isa) {
-    case kAvx512Vnni: return qact_avx512vnni::groups<BITS, HALF>(W, j0, j1, X, M, y);
+    case kAvx512Vnni: return qact_avx512vnni::groups<BITS, HALF, DIGITS>(W, j0, j1, X, M, y);
 #ifdef FERRUM_HAVE_AVXVNNI
-    case kAvxVnni: return qact_avxvnni::groups<BITS, HALF>(W, j0, j1, X, M, y);
+    case kAvxVnni: return qact_avxvnni::groups<BITS, HALF, DIGITS>(W, j0, j1, X, M, y);
 #endif
-    case kAvx2: return qact_avx2::groups<BITS, HALF>(W, j0, j1, X, M, y);
+    case kAvx2: return qact_avx2::groups<BITS, HALF, DIGITS>(W, j0, j1, X, M, y);
   }
 #endif
-  groups_portable(W, BITS, j0, j1, X, M, y);
+  groups_portable(W, BITS, j0, j1, X, M, DIGITS, y);
 }
 
-// x (..., K) float32 -> (..., n) float32, over packed weights (qact.py's pack_rows).
+template <int BITS, bool HALF>
+void run_groups(int isa, const Packed& W, int64_t j0, int64_t j1, const Q8Rows& X, int64_t M, int digits, float* y) {
+  digits == 2 ? run_groups<BITS, HALF, 2>(isa, W, j0, j1, X, M, y) : run_groups<BITS, HALF, 1>(isa, W, j0, j1, X, M, y);
+}
+
+// x (..., K) float32 -> (..., n) float32, over packed weights (qact.py's pack_rows),
+// with activations as one int8 digit per element (w8a8, w4a8) or two (int8, int4).
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t bits,
-                        int64_t n) {
+                        int64_t n, int64_t digits) {
   TORCH_CHECK(bits == 4 || bits == 8, "block_linear: bits must be 4 or 8");
+  TORCH_CHECK(digits == 1 || digits == 2, "block_linear: digits must be 1 or 2");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "block_linear: activations must be float32");
   const int64_t bytes = kLanes * kBlock * bits / 8;
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.is_contiguous() &&
@@ -246,15 +277,16 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   shape.back() = n;
   at::Tensor out = at::empty({M, n}, x.options());
   if (M == 0) return out.view(shape);
-  const Q8Rows X = quantize_rows(x2d.data_ptr<float>(), M, K);
+  const int dg = int(digits);
+  const Q8Rows X = quantize_rows(x2d.data_ptr<float>(), M, K, dg);
   const bool half = scales.scalar_type() == at::kHalf;
   const Packed W{codes.data_ptr<uint8_t>(), scales.data_ptr(), half, n, J, G};
   float* y = out.data_ptr<float>();
   const int isa = active_isa();
   const int64_t grain = std::max<int64_t>(1, J / (4 * at::get_num_threads()));
   at::parallel_for(0, J, grain, [&](int64_t begin, int64_t end) {
-    if (bits == 4) half ? run_groups<4, true>(isa, W, begin, end, X, M, y) : run_groups<4, false>(isa, W, begin, end, X, M, y);
-    else half ? run_groups<8, true>(isa, W, begin, end, X, M, y) : run_groups<8, false>(isa, W, begin, end, X, M, y);
+    if (bits == 4) half ? run_groups<4, true>(isa, W, begin, end, X, M, dg, y) : run_groups<4, false>(isa, W, begin, end, X, M, dg, y);
+    else half ? run_groups<8, true>(isa, W, begin, end, X, M, dg, y) : run_groups<8, false>(isa, W, begin, end, X, M, dg, y);
   });
   return out.view(shape);
 }
@@ -262,12 +294,13 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
 }  // namespace
 
 // For fused.cpp's whole-layer op: all N = 8 * groups outputs.
-at::Tensor ferrum_qact_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t bits) {
-  return block_linear(x, codes, scales, bits, codes.size(0) * kLanes);
+at::Tensor ferrum_qact_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t bits,
+                              int64_t digits) {
+  return block_linear(x, codes, scales, bits, codes.size(0) * kLanes, digits);
 }
 
 TORCH_LIBRARY(ferrum_qact, m) {
-  m.def("block_linear(Tensor x, Tensor codes, Tensor scales, int bits, int n) -> Tensor");
+  m.def("block_linear(Tensor x, Tensor codes, Tensor scales, int bits, int n, int digits=1) -> Tensor");
   m.def("isa() -> str", &isa);
   m.def("set_max_isa(str name) -> str", &set_max_isa);
 }

@@ -309,8 +309,8 @@ class LlamaForCausalLM(nn.Module):
     def _whole_layer_args(self) -> list[tuple] | None:
         """Per layer, the weights ``ferrum_fused.decode_layer`` takes, when every layer
         is a plain Llama or Qwen3 block (a dense MLP; Qwen3's q/k RMSNorm in the op) whose projections are all
-        our int8/int4 linears without bias (weight-only, or w8a8/w4a8, whose widths
-        are passed negated); else None (the per-op path runs)."""
+        our int8/int4 linears without bias (weight-only, or packed ones, whose widths
+        are passed negated, with their activation digits); else None (the per-op path runs)."""
         from ferrum_rpc.server.qact import LANES, QACT
         from ferrum_rpc.server.woq import WOQ, QuantizedLinear
 
@@ -332,7 +332,8 @@ class LlamaForCausalLM(nn.Module):
             weights = [l.kernel_args() for l in linears]
             args.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                          layer.input_layernorm.eps, *weights, [-l.bits if l.kernel == QACT else l.bits
-                                                               for l in linears], qk_norm))
+                                                               for l in linears],
+                         [getattr(l, "digits", 1) for l in linears], qk_norm))
         return args
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv,

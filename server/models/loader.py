@@ -122,10 +122,10 @@ def _choose_kernels(model, path: Path, dtype: torch.dtype, device: torch.device,
         model.optimize_for_inference(model.kernels.linear == ONEDNN_PACKED)
     else:
         model.optimize_for_inference(False)  # fuse projections, then quantize the fused weights
-        if quantize in ("w8a8", "w4a8"):
-            kernel, why = qact.choose_kernel(linear_kernel)
+        kernel, why = qact.choose_kernel(linear_kernel)
+        if quantize in ("w8a8", "w4a8") or kernel == qact.QACT:
             nbytes = qact.quantize_model(model, quantize, kernel, skip=(".mlp.gate",))
-        else:
+        else:  # int8/int4 where the integer kernels cannot run: float activations (woq.py)
             kernel, why = woq.choose_kernel(linear_kernel)
             nbytes = woq.quantize_model(model, 4 if quantize == "int4" else 8, kernel, skip=(".mlp.gate",))
         model.kernels = KernelChoice(f"{quantize} {kernel}", why, cpu_capability())

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ferrum_rpc.client import ExecutorClient, LogitsPolicy
-from ferrum_rpc.server import woq
+from ferrum_rpc.server import qact, woq
 from ferrum_rpc.server.config import ExecutorConfig
 from ferrum_rpc.server.executor import TorchExecutor
 from tests.conftest import TINY, running_server
@@ -146,20 +146,25 @@ def tiny_moe_dir(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("kernel", ["auto", "aten"])  # our extension, and the torch-ops fallback
+# auto: the integer kernel with two activation digits (qact.py); woq: where that kernel cannot
+# run, csrc/woq.cpp on float activations; aten: torch's ops on the dequantized weights.
+@pytest.mark.parametrize("kernel", ["auto", "woq", "aten"])
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
 def test_quantized_model_matches_transformers_on_the_same_weights(arch, quantize, kernel, tiny_llama_dir,
-                                                                   tiny_qwen3_dir, tiny_moe_dir):
+                                                                   tiny_qwen3_dir, tiny_moe_dir, monkeypatch):
     model_dir = {"llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir, "qwen3_moe": tiny_moe_dir}[arch]
+    if kernel == "woq":
+        monkeypatch.setattr(qact, "choose_kernel", lambda requested: (qact.TORCH_Q8, "fallback: not in this test"))
     oracle = _oracle_with_our_weights(model_dir, arch, quantize)
     logits = lambda ids: oracle(torch.tensor([ids])).logits[0].detach().numpy()  # noqa: E731
     prompts = [[5, 17, 101, 3, 250, 42, 7, 9, 300, 11, 64, 2, 77], [8, 1, 99], list(range(20, 47))]
-    with running_server(model_dir, quantize=quantize, linear_kernel=kernel, prefill_chunk=8) as server, \
+    with running_server(model_dir, quantize=quantize, linear_kernel="aten" if kernel == "aten" else "auto",
+                        prefill_chunk=8) as server, \
             ExecutorClient(server.target, timeout=30) as ex:
         caps = ex.capabilities()
         assert caps.quantization == quantize
-        expected_kernel = woq.WOQ if kernel == "auto" else woq.DEQUANT
+        expected_kernel = {"auto": qact.QACT, "woq": woq.WOQ, "aten": woq.DEQUANT}[kernel]
         assert caps.kernel_path.startswith(f"linear={quantize} {expected_kernel}")
         outs = [ex.prefill(p, logits=LogitsPolicy.full(all_positions=True)) for p in prompts]  # chunked: > 8
         for out, prompt in zip(outs, prompts):
