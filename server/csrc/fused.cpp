@@ -155,40 +155,52 @@ struct AttnArgs {
   float scale;
 };
 
-// One (b, t, h) query against keys 0..pos of its sequence, read from the pool blocks.
+// Queries h0..h0+G-1 of (b, t), which share kv head kvh, against keys 0..pos of
+// their sequence, read from the pool blocks: each key and value row is read once
+// for the G heads (at 32 sequences a layer's K and V outgrow the caches, and a
+// row read per head tripled the traffic).  Per head the same operations in the
+// same order as one head alone, so the grouping changes no bit.
 template <typename T>
-FERRUM_INLINE void attend_one(const AttnArgs& a, const float* q, const T* kc, const T* vc, int64_t b, int64_t t,
-                              int64_t kvh, std::vector<float>& scores, float* acc, T* out) {
+FERRUM_INLINE void attend_group(const AttnArgs& a, const float* q, const T* kc, const T* vc, int64_t b, int64_t t,
+                                int64_t kvh, int64_t G, std::vector<float>& scores, std::vector<float>& acc,
+                                T* out) {
   const int64_t n = a.pos[b * a.T + t] + 1, D = a.D, row = a.Hkv * D;
   const int64_t* table = a.tables + b * a.nb;
-  scores.resize(n);
-  float mx = -INFINITY;
+  scores.resize(G * n);
+  acc.assign(G * D + G, 0.0f);  // G accumulators of D, then G sums
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t slot = table[j / a.bs] * a.bs + j % a.bs;
-    scores[j] = dot(q, kc + slot * row + kvh * D, D) * a.scale;
-    mx = std::max(mx, scores[j]);
+    const T* kr = kc + (table[j / a.bs] * a.bs + j % a.bs) * row + kvh * D;
+    for (int64_t g = 0; g < G; ++g) scores[g * n + j] = dot(q + g * D, kr, D) * a.scale;
   }
-  float sum = 0;
-  for (int64_t j = 0; j < n; ++j) sum += (scores[j] = std::exp(scores[j] - mx));
-  std::fill(acc, acc + D, 0.0f);
+  float* sums = acc.data() + G * D;
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores.data() + g * n;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
+    float sum = 0;
+    for (int64_t j = 0; j < n; ++j) sum += (sg[j] = std::exp(sg[j] - mx));
+    sums[g] = sum;
+  }
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t slot = table[j / a.bs] * a.bs + j % a.bs;
-    axpy(scores[j], vc + slot * row + kvh * D, D, acc);
+    const T* vr = vc + (table[j / a.bs] * a.bs + j % a.bs) * row + kvh * D;
+    for (int64_t g = 0; g < G; ++g) axpy(scores[g * n + j], vr, D, acc.data() + g * D);
   }
-  const float inv = 1.0f / sum;
-  for (int64_t i = 0; i < D; ++i) out[i] = store<T>(acc[i] * inv);
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = 1.0f / sums[g];
+    for (int64_t i = 0; i < D; ++i) out[g * D + i] = store<T>(acc[g * D + i] * inv);
+  }
 }
 
 template <typename T>
 __attribute__((target("avx2,fma"))) void attend_avx2(const AttnArgs& a, const float* q, const T* kc, const T* vc,
-                                                     int64_t b, int64_t t, int64_t kvh, std::vector<float>& s,
-                                                     float* acc, T* out) {
-  attend_one(a, q, kc, vc, b, t, kvh, s, acc, out);
+                                                     int64_t b, int64_t t, int64_t kvh, int64_t G,
+                                                     std::vector<float>& s, std::vector<float>& acc, T* out) {
+  attend_group(a, q, kc, vc, b, t, kvh, G, s, acc, out);
 }
 template <typename T>
 void attend_portable(const AttnArgs& a, const float* q, const T* kc, const T* vc, int64_t b, int64_t t, int64_t kvh,
-                     std::vector<float>& s, float* acc, T* out) {
-  attend_one(a, q, kc, vc, b, t, kvh, s, acc, out);
+                     int64_t G, std::vector<float>& s, std::vector<float>& acc, T* out) {
+  attend_group(a, q, kc, vc, b, t, kvh, G, s, acc, out);
 }
 
 // q (B, T, H, D), k/v (B, T, Hkv, D): any strides but a contiguous last dim.
@@ -251,16 +263,20 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
         }
       }
     }
-    // 2. every (b, t, h) query over its sequence's blocks.
+    // 2. every (b, t) query's heads over its sequence's blocks: a task per kv head
+    // (its H / Hkv query heads together), or per query head where that would leave
+    // fewer than 4 tasks a thread (one short batch: threads balance better).
     const AttnArgs args{B, T, H, Hkv, D, bs, tab.size(1), pp, tab.data_ptr<int64_t>(), float(scale)};
     T_* op = out.data_ptr<T_>();
-    at::parallel_for(0, B * T * H, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, acc(D);
+    const int64_t G = B * T * Hkv >= 4 * at::get_num_threads() ? H / Hkv : 1, per = H / G;
+    at::parallel_for(0, B * T * per, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, acc;
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t bt = i / H, h = i % H, kvh = h / (H / Hkv);
-        const float* qi = qfp + i * D;
-        if (avx2) attend_avx2(args, qi, kc, vc, bt / T, bt % T, kvh, scores, acc.data(), op + i * D);
-        else attend_portable(args, qi, kc, vc, bt / T, bt % T, kvh, scores, acc.data(), op + i * D);
+        const int64_t bt = i / per, h = (i % per) * G, kvh = h / (H / Hkv);
+        const float* qi = qfp + (bt * H + h) * D;
+        T_* oi = op + (bt * H + h) * D;
+        if (avx2) attend_avx2(args, qi, kc, vc, bt / T, bt % T, kvh, G, scores, acc, oi);
+        else attend_portable(args, qi, kc, vc, bt / T, bt % T, kvh, G, scores, acc, oi);
       }
     });
   });
