@@ -166,6 +166,9 @@ def test_quantized_model_matches_transformers_on_the_same_weights(arch, quantize
         assert caps.quantization == quantize
         expected_kernel = {"auto": qact.QACT, "woq": woq.WOQ, "aten": woq.DEQUANT}[kernel]
         assert caps.kernel_path.startswith(f"linear={quantize} {expected_kernel}")
+        assert ("activations as two int8 digits" in caps.kernel_path) == (kernel == "auto")
+        assert ("float activations (integer kernel: fallback: not in this test)" in caps.kernel_path) == \
+            (kernel == "woq")
         outs = [ex.prefill(p, logits=LogitsPolicy.full(all_positions=True)) for p in prompts]  # chunked: > 8
         for out, prompt in zip(outs, prompts):
             np.testing.assert_allclose(out.logits.values, logits(prompt), atol=ATOL, rtol=0)
