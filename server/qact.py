@@ -69,26 +69,34 @@ def fake_quantize_blocks(x: torch.Tensor, digits: int = 1) -> torch.Tensor:
     return out.flatten(-2)
 
 
-LANES = 8  # weight rows interleaved per block in the packed layout (csrc/qact.cpp)
+LANES = 8  # weight rows interleaved per block and 256-bit register (csrc/qact.cpp)
+UNIT = 2 * LANES  # rows stored together: two groups of 8, one 512-bit register
 
 
 def pack_rows(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int,
               dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
-    """codes (N, K) uint8, scales and minimums (N, K/32) -> csrc/qact.cpp's layout:
-    codes (ceil(N/8), K/32, 8 * 32 * bits / 8) with the 8 rows of a group
-    interleaved 4 codes at a time (4-bit: byte b of row r's word k holds codes
-    4k+b and 16+4k+b), and (ceil(N/8), K/32, 2, 8) scales then minimums in
-    ``dtype`` (float16 or float32).  Rows past N are zero (their outputs are never written)."""
+    """codes (N, K) uint8, scales and minimums (N, K/32) -> csrc/qact.cpp's layout.
+
+    Rows go in groups of 8, interleaved per block of 32 four codes at a time (word k
+    of a group: row r's codes 4k..4k+3 in bytes 4r..4r+3; 4-bit: byte b of row r's
+    word k holds codes 4k+b and 16+4k+b), and groups in pairs (units of 16 rows)
+    whose words alternate: unit u, block g is [word 0 of group 2u, word 0 of group
+    2u+1, word 1 of 2u, ...], 32 bytes each, so one 512-bit load takes word k of
+    16 rows and a unit's weights are one contiguous stream.  Codes
+    (ceil(N/16), K/32, 16 * 32 * bits / 8); scales and minimums
+    (ceil(N/16), K/32, 2, 16) in ``dtype`` (float16 or float32): the 16 rows' scales,
+    then their minimums.  Rows past N are zero (their outputs are never written)."""
     n, k = codes.shape
-    groups, pad = -(-n // LANES), -n % LANES
-    g = k // woq.GROUP
+    units, pad = -(-n // UNIT), -n % UNIT
+    groups, g = 2 * units, k // woq.GROUP
     c = F.pad(codes, (0, 0, 0, pad))
     if bits == 4:
         c = c.view(groups, LANES, g, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # j, g, half, k, r, b
-        packed = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(groups, g, -1)
+        words = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(groups, g, 4, 32)
     else:
-        packed = c.view(groups, LANES, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, g, -1)  # j, g, k, r, b
-    sm = F.pad(torch.stack([scales, mins]), (0, 0, 0, pad)).view(2, groups, LANES, g).permute(1, 3, 0, 2)
+        words = c.view(groups, LANES, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, g, 8, 32)  # j, g, k, (r, b)
+    packed = words.view(units, 2, g, -1, 32).permute(0, 2, 3, 1, 4).reshape(units, g, -1)  # u, g, k, h, (r, b)
+    sm = F.pad(torch.stack([scales, mins]), (0, 0, 0, pad)).view(2, units, UNIT, g).permute(1, 3, 0, 2)
     return packed.contiguous(), sm.to(dtype).contiguous()
 
 
@@ -105,13 +113,15 @@ def float16_holds(scales: torch.Tensor, mins: torch.Tensor, bits: int, tolerance
 def unpack_rows(packed: torch.Tensor, packed_scales: torch.Tensor, bits: int, n: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inverse of ``pack_rows``: codes (N, K) uint8, scales and minimums (N, K/32) float32."""
-    groups, g, _ = packed.shape
+    units, g, _ = packed.shape
+    groups = 2 * units
+    words = packed.view(units, g, -1, 2, 32).permute(0, 3, 1, 2, 4).reshape(groups, g, -1)  # j, g, (k, r, b)
     if bits == 4:
-        p = packed.view(groups, g, 4, LANES, 4)
+        p = words.view(groups, g, 4, LANES, 4)
         c = torch.stack([p & 0xF, p >> 4], dim=2).permute(0, 4, 1, 2, 3, 5)  # j, r, g, half, k, b
     else:
-        c = packed.view(groups, g, 8, LANES, 4).permute(0, 3, 1, 2, 4)  # j, r, g, k, b
-    sm = packed_scales.float().permute(2, 0, 3, 1).reshape(2, groups * LANES, g)[:, :n]
+        c = words.view(groups, g, 8, LANES, 4).permute(0, 3, 1, 2, 4)  # j, r, g, k, b
+    sm = packed_scales.float().permute(2, 0, 3, 1).reshape(2, units * UNIT, g)[:, :n]
     return c.reshape(groups * LANES, -1)[:n], sm[0], sm[1]
 
 

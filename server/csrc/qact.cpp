@@ -20,11 +20,14 @@
 // each.  Per block and activation row that is 8 dot instructions, one
 // conversion and two FMAs for 256 multiply-adds; the weights are never
 // expanded to float, at any batch size, and a group's weights (a few KB) stay
-// in L1 while every activation row passes (tiles of 4 rows).
+// in L1 while every activation row passes (tiles of 4 rows).  Groups are stored
+// in pairs (units of 16 rows) whose 32-byte words alternate, so the AVX-512 loops
+// take word k of 16 rows in one 512-bit load, and a unit's weights are one
+// contiguous stream for either register width.
 //
 // Inner loops (qact_tile.inc, one source compiled per instruction set), probed
 // once and capped by ferrum_qact::set_max_isa so tests run every one this CPU has:
-//   avx512-vnni  vpdpbusd on 256-bit registers (AVX-512 VNNI + VL)
+//   avx512-vnni  vpdpbusd on 512-bit registers, a unit of 16 rows at a time
 //   avx-vnni     the same instruction, VEX-encoded (AVX-VNNI, on AVX2 CPUs)
 //   avx2         vpmaddubsw + vpmaddwd: 4-bit sums stay in int16 over a whole
 //                block (<= 16 * 15 * 127); 8-bit codes go as |c| and sign(q, c)
@@ -54,7 +57,8 @@ int ferrum_active_isa();  // woq.cpp: 0 portable, 1 avx2, 2 avx512
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kLanes = 8;  // weight rows interleaved per block
+constexpr int64_t kLanes = 8;  // weight rows interleaved per block and 256-bit register
+constexpr int64_t kUnit = 16;  // rows stored together: two groups, one 512-bit register
 
 // Activation rows quantized per block: codes (M * digits, K) int8, and per row and
 // block d and the block's value sum (M, K/32).  One digit: x ~ q d, q in -127..127
@@ -105,20 +109,21 @@ Q8Rows quantize_rows(const float* x, int64_t M, int64_t K, int digits) {
 }
 
 struct Packed {
-  const uint8_t* codes;     // (J, G, 8 * 32 * bits / 8)
-  const void* scales;       // (J, G, 2, 8) float16 or float32: 8 scales, then 8 minimums
+  const uint8_t* codes;     // (U, G, 16 * 32 * bits / 8): units of two groups of 8 rows (qact.py pack_rows)
+  const void* scales;       // (U, G, 2, 16) float16 or float32: 16 scales, then 16 minimums
   bool half;
-  int64_t N, J, G;
+  int64_t N, U, G;
 };
 
 // ---- portable ----------------------------------------------------------------
-// Code i (0..31) of lane r in one (group, block) of the packed layout.
-inline int code_at(const uint8_t* blk, int bits, int r, int i) {
+// Code i (0..31) of lane r of half h in one (unit, block) of the packed layout:
+// word k of half h is the 32 bytes at (2k + h) * 32, lane r's 4 bytes at 4r.
+inline int code_at(const uint8_t* blk, int bits, int h, int r, int i) {
   if (bits == 4) {
-    const uint8_t byte = blk[(((i % 16) / 4) * kLanes + r) * 4 + i % 4];
+    const uint8_t byte = blk[(((i % 16) / 4) * 2 + h) * 32 + r * 4 + i % 4];
     return i < 16 ? byte & 0xF : byte >> 4;
   }
-  return blk[((i / 4) * kLanes + r) * 4 + i % 4];
+  return blk[((i / 4) * 2 + h) * 32 + r * 4 + i % 4];
 }
 
 inline float scale_at(const Packed& W, int64_t i) {
@@ -126,26 +131,27 @@ inline float scale_at(const Packed& W, int64_t i) {
   return static_cast<const float*>(W.scales)[i];
 }
 
-void groups_portable(const Packed& W, int bits, int64_t j0, int64_t j1, const Q8Rows& X, int64_t M, int digits,
+void groups_portable(const Packed& W, int bits, int64_t u0, int64_t u1, const Q8Rows& X, int64_t M, int digits,
                      float* y) {
-  const int64_t bytes = kLanes * kBlock * bits / 8;
-  for (int64_t j = j0; j < j1; ++j) {
+  const int64_t bytes = 2 * kLanes * kBlock * bits / 8;  // a unit's block
+  for (int64_t j = 2 * u0; j < 2 * u1 && j * kLanes < W.N; ++j) {
+    const int64_t u = j / 2, h = j % 2;
     const int lanes = int(std::min<int64_t>(kLanes, W.N - j * kLanes));
     for (int64_t r = 0; r < M; ++r) {
       for (int lane = 0; lane < lanes; ++lane) {
         float acc = 0;
         for (int64_t g = 0; g < W.G; ++g) {
-          const uint8_t* blk = W.codes + (j * W.G + g) * bytes;
-          const int64_t sc = (j * W.G + g) * 2 * kLanes;
+          const uint8_t* blk = W.codes + (u * W.G + g) * bytes;
+          const int64_t sc = (u * W.G + g) * 4 * kLanes + h * kLanes;
           const int64_t xb = r * W.G + g;
           int32_t dot = 0;
           for (int t = 0; t < digits; ++t) {  // two digits: 128 * dot(w, q) + dot(w, q')
             const int8_t* q = X.q.data() + ((r * digits + t) * W.G + g) * kBlock;
             dot *= 128;
-            for (int i = 0; i < kBlock; ++i) dot += code_at(blk, bits, lane, i) * int32_t(q[i]);
+            for (int i = 0; i < kBlock; ++i) dot += code_at(blk, bits, int(h), lane, i) * int32_t(q[i]);
           }
           const float d = digits == 2 ? X.d[xb] / 128.0f : X.d[xb];
-          acc += scale_at(W, sc + lane) * d * float(dot) + scale_at(W, sc + kLanes + lane) * X.sum[xb];
+          acc += scale_at(W, sc + lane) * d * float(dot) + scale_at(W, sc + 2 * kLanes + lane) * X.sum[xb];
         }
         y[r * W.N + j * kLanes + lane] = acc;
       }
@@ -263,14 +269,14 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   TORCH_CHECK(bits == 4 || bits == 8, "block_linear: bits must be 4 or 8");
   TORCH_CHECK(digits == 1 || digits == 2, "block_linear: digits must be 1 or 2");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "block_linear: activations must be float32");
-  const int64_t bytes = kLanes * kBlock * bits / 8;
+  const int64_t bytes = kUnit * kBlock * bits / 8;
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.is_contiguous() &&
-              codes.size(2) == bytes, "block_linear: codes must be contiguous (N/8, K/32, ", bytes, ") uint8");
-  const int64_t J = codes.size(0), G = codes.size(1), K = G * kBlock;
-  TORCH_CHECK(n > (J - 1) * kLanes && n <= J * kLanes, "block_linear: ", n, " outputs do not fit ", J, " groups of 8");
+              codes.size(2) == bytes, "block_linear: codes must be contiguous (N/16, K/32, ", bytes, ") uint8");
+  const int64_t U = codes.size(0), G = codes.size(1), K = G * kBlock;
+  TORCH_CHECK(n > (U - 1) * kUnit && n <= U * kUnit, "block_linear: ", n, " outputs do not fit ", U, " units of 16");
   TORCH_CHECK(x.size(-1) == K, "block_linear: activation width ", x.size(-1), " != ", K);
   TORCH_CHECK((scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) && scales.is_contiguous() &&
-              scales.numel() == J * G * 2 * kLanes, "block_linear: scales must be (N/8, K/32, 2, 8) float16 or float32");
+              scales.numel() == U * G * 2 * kUnit, "block_linear: scales must be (N/16, K/32, 2, 16) float16 or float32");
   const at::Tensor x2d = x.reshape({-1, K}).contiguous();
   const int64_t M = x2d.size(0);
   auto shape = x.sizes().vec();
@@ -280,11 +286,11 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   const int dg = int(digits);
   const Q8Rows X = quantize_rows(x2d.data_ptr<float>(), M, K, dg);
   const bool half = scales.scalar_type() == at::kHalf;
-  const Packed W{codes.data_ptr<uint8_t>(), scales.data_ptr(), half, n, J, G};
+  const Packed W{codes.data_ptr<uint8_t>(), scales.data_ptr(), half, n, U, G};
   float* y = out.data_ptr<float>();
   const int isa = active_isa();
-  const int64_t grain = std::max<int64_t>(1, J / (4 * at::get_num_threads()));
-  at::parallel_for(0, J, grain, [&](int64_t begin, int64_t end) {
+  const int64_t grain = std::max<int64_t>(1, U / (4 * at::get_num_threads()));
+  at::parallel_for(0, U, grain, [&](int64_t begin, int64_t end) {
     if (bits == 4) half ? run_groups<4, true>(isa, W, begin, end, X, M, dg, y) : run_groups<4, false>(isa, W, begin, end, X, M, dg, y);
     else half ? run_groups<8, true>(isa, W, begin, end, X, M, dg, y) : run_groups<8, false>(isa, W, begin, end, X, M, dg, y);
   });
@@ -293,10 +299,10 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
 
 }  // namespace
 
-// For fused.cpp's whole-layer op: all N = 8 * groups outputs.
+// For fused.cpp's whole-layer op: all N = 16 * units outputs.
 at::Tensor ferrum_qact_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t bits,
                               int64_t digits) {
-  return block_linear(x, codes, scales, bits, codes.size(0) * kLanes, digits);
+  return block_linear(x, codes, scales, bits, codes.size(0) * kUnit, digits);
 }
 
 TORCH_LIBRARY(ferrum_qact, m) {

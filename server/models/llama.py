@@ -311,7 +311,7 @@ class LlamaForCausalLM(nn.Module):
         is a plain Llama or Qwen3 block (a dense MLP; Qwen3's q/k RMSNorm in the op) whose projections are all
         our int8/int4 linears without bias (weight-only, or packed ones, whose widths
         are passed negated, with their activation digits); else None (the per-op path runs)."""
-        from ferrum_rpc.server.qact import LANES, QACT
+        from ferrum_rpc.server.qact import QACT, UNIT
         from ferrum_rpc.server.woq import WOQ, QuantizedLinear
 
         args = []
@@ -327,8 +327,8 @@ class LlamaForCausalLM(nn.Module):
             if not all(isinstance(l, QuantizedLinear) and l.kernel in (WOQ, QACT) and l.bias is None
                        for l in linears):
                 return None
-            if any(l.kernel == QACT and l.out_features % LANES for l in linears):
-                return None  # the whole-layer op takes every packed group's 8 outputs
+            if any(l.kernel == QACT and l.out_features % UNIT for l in linears):
+                return None  # the whole-layer op takes every packed unit's 16 outputs
             weights = [l.kernel_args() for l in linears]
             args.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                          layer.input_layernorm.eps, *weights, [-l.bits if l.kernel == QACT else l.bits

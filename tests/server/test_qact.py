@@ -82,13 +82,15 @@ def test_packed_layout_round_trips(bits):
     codes = torch.randint(0, 2**bits, (21, 96), generator=gen, dtype=torch.uint8)
     scales, mins = torch.rand(21, 3, generator=gen), torch.randn(21, 3, generator=gen)
     packed, packed_scales = qact.pack_rows(codes, scales, mins, bits)
-    assert packed.shape == (3, 3, 32 * bits) and packed_scales.shape == (3, 3, 2, 8)
-    assert packed[2, :, :].view(-1, 8, 4)[:, 5:].eq(0).all()  # rows 21..23 pad with zeros
+    assert packed.shape == (2, 3, 64 * bits) and packed_scales.shape == (2, 3, 2, 16)  # units of 16 rows
+    words = packed.view(2, 3, -1, 2, 8, 4)  # unit, block, word, group of the unit, row, byte
+    assert words[1, :, :, 0, 5:].eq(0).all() and words[1, :, :, 1].eq(0).all()  # rows 21..31 pad with zeros
     back = qact.unpack_rows(packed, packed_scales, bits, 21)
     assert torch.equal(back[0], codes)
     assert torch.equal(back[1], scales.half().float()) and torch.equal(back[2], mins.half().float())
-    if bits == 8:  # row r's codes 4k..4k+3 sit in 32-bit lane r of word k
-        assert packed[0, 0, 32 * 2 + 4 * 5: 32 * 2 + 4 * 5 + 4].tolist() == codes[5, 8:12].tolist()
+    if bits == 8:  # row r's codes 4k..4k+3 sit in 32-bit lane r % 8 of word k of its group
+        assert words[0, 0, 2, 0, 5].tolist() == codes[5, 8:12].tolist()
+        assert words[1, 1, 3, 0, 4].tolist() == codes[20, 32 + 12:32 + 16].tolist()
 
 
 def test_int8_codes_at_both_ends_do_not_saturate(extension):
