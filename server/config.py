@@ -46,7 +46,7 @@ class ExecutorConfig:
             memory) and falls back to plain ``F.linear`` where it cannot run;
             "aten" forces the fallback; "onednn-packed" fails at load where it
             cannot run.  See ``kernels.py``.  With ``quantize``, "aten" forces
-            torch's own weight-only ops instead of ours (``woq.py``).
+            the torch fallbacks (dequantized weights through ``F.linear``).
         quantize: "none", "int8" or "int4": 8- or 4-bit block weights with
             activations kept to about 15 bits (two int8 digits per block,
             ``qact.TwoDigitLinear``; in ``dtype`` where the integer kernel cannot
