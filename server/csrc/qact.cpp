@@ -243,23 +243,24 @@ std::string set_max_isa(const std::string& name) {
   return isa();
 }
 
+// Weight units [u0, u1) on the inner loops of `isa`.
 template <int BITS, bool HALF, int DIGITS>
-void run_groups(int isa, const Packed& W, int64_t j0, int64_t j1, const Q8Rows& X, int64_t M, float* y) {
+void run_groups(int isa, const Packed& W, int64_t u0, int64_t u1, const Q8Rows& X, int64_t M, float* y) {
 #ifdef FERRUM_X86
   switch (isa) {
-    case kAvx512Vnni: return qact_avx512vnni::groups<BITS, HALF, DIGITS>(W, j0, j1, X, M, y);
+    case kAvx512Vnni: return qact_avx512vnni::groups<BITS, HALF, DIGITS>(W, u0, u1, X, M, y);
 #ifdef FERRUM_HAVE_AVXVNNI
-    case kAvxVnni: return qact_avxvnni::groups<BITS, HALF, DIGITS>(W, j0, j1, X, M, y);
+    case kAvxVnni: return qact_avxvnni::groups<BITS, HALF, DIGITS>(W, u0, u1, X, M, y);
 #endif
-    case kAvx2: return qact_avx2::groups<BITS, HALF, DIGITS>(W, j0, j1, X, M, y);
+    case kAvx2: return qact_avx2::groups<BITS, HALF, DIGITS>(W, u0, u1, X, M, y);
   }
 #endif
-  groups_portable(W, BITS, j0, j1, X, M, DIGITS, y);
+  groups_portable(W, BITS, u0, u1, X, M, DIGITS, y);
 }
 
 template <int BITS, bool HALF>
-void run_groups(int isa, const Packed& W, int64_t j0, int64_t j1, const Q8Rows& X, int64_t M, int digits, float* y) {
-  digits == 2 ? run_groups<BITS, HALF, 2>(isa, W, j0, j1, X, M, y) : run_groups<BITS, HALF, 1>(isa, W, j0, j1, X, M, y);
+void run_groups(int isa, const Packed& W, int64_t u0, int64_t u1, const Q8Rows& X, int64_t M, int digits, float* y) {
+  digits == 2 ? run_groups<BITS, HALF, 2>(isa, W, u0, u1, X, M, y) : run_groups<BITS, HALF, 1>(isa, W, u0, u1, X, M, y);
 }
 
 // x (..., K) float32 -> (..., n) float32, over packed weights (qact.py's pack_rows),

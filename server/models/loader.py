@@ -123,15 +123,16 @@ def _choose_kernels(model, path: Path, dtype: torch.dtype, device: torch.device,
     else:
         model.optimize_for_inference(False)  # fuse projections, then quantize the fused weights
         kernel, why = qact.choose_kernel(linear_kernel)
-        if quantize in ("w8a8", "w4a8") or kernel == qact.QACT:
-            nbytes = qact.quantize_model(model, quantize, kernel, skip=(".mlp.gate",))
-            if quantize in ("int8", "int4") and kernel == qact.QACT:
-                why += "; activations as two int8 digits per block"
-        else:  # int8/int4 where the integer kernels cannot run: float activations (woq.py)
+        two_digits = quantize in ("int8", "int4")
+        if two_digits and kernel != qact.QACT:  # where the integer kernel cannot run: float activations (woq.py)
             integer_why = why
             kernel, why = woq.choose_kernel(linear_kernel)
             why += f"; float activations (integer kernel: {integer_why})"
             nbytes = woq.quantize_model(model, 4 if quantize == "int4" else 8, kernel, skip=(".mlp.gate",))
+        else:
+            nbytes = qact.quantize_model(model, quantize, kernel, skip=(".mlp.gate",))
+            if two_digits:
+                why += "; activations as two int8 digits per block"
         model.kernels = KernelChoice(f"{quantize} {kernel}", why, cpu_capability())
         log.info("%s: linear weights quantized to %s: %.1f MiB", path.name, quantize, nbytes / 2**20)
     fused, why = choose_step_ops(step_ops, dtype, device)
