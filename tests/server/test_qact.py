@@ -76,6 +76,34 @@ def test_kernel_matches_the_quantized_numbers_and_the_float_reference(bits, rows
     assert layer(x.bfloat16()).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("digits", [1, 2])
+def test_activation_codes_are_the_reference_codes_on_every_path(digits, isa):
+    """The vectorised activation quantization makes exactly fake_quantize_blocks'
+    codes and scales: halves round to even, zero blocks stay zero, the remainder's
+    product is not fused."""
+    gen = torch.Generator().manual_seed(digits)
+    x = torch.randn(5, 192, generator=gen) * torch.logspace(-3, 2, 192)
+    x[0, :32] = torch.arange(32) - 15.5  # exact halves, once d = 1:
+    x[0, 0] = 127.0
+    x[1, 32:64] = 0.0  # a zero block: d = 0, codes 0
+    codes, d, sums = torch.ops.ferrum_qact.quantize(x, digits)
+    assert codes.shape == (5, digits, 192) and codes.dtype == torch.int8 and d.shape == sums.shape == (5, 6)
+    blocks = x.unflatten(-1, (-1, 32))
+    want_d = blocks.abs().amax(-1) / 127
+    inv = torch.where(want_d > 0, 1 / want_d, 0.0)[..., None]
+    q = (blocks * inv).round()
+    assert torch.equal(d, want_d)
+    assert torch.equal(codes[:, 0].float(), q.flatten(-2))
+    assert codes[0, 0, 1].item() == -14 and codes[0, 0, 2].item() == -14  # -14.5 and -13.5: to even
+    total = want_d * q.sum(-1)
+    if digits == 2:
+        rest = ((blocks - q * want_d[..., None]) * inv * 128).round().clamp(-127, 127)
+        assert torch.equal(codes[:, 1].float(), rest.flatten(-2))
+        total = total + want_d / 128 * rest.sum(-1)
+    torch.testing.assert_close(sums, total, rtol=1e-6, atol=1e-6)
+    assert not codes[1, :, 32:64].any() and d[1, 1] == 0
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_packed_layout_round_trips(bits):
     gen = torch.Generator().manual_seed(bits)
