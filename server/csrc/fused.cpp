@@ -24,6 +24,11 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define FERRUM_X86 1
+#endif
+
 int ferrum_active_isa();  // woq.cpp: 0 portable, 1 avx2, 2 avx512
 at::Tensor ferrum_woq_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                              const at::Tensor& mins, int64_t bits);  // woq.cpp
@@ -42,6 +47,74 @@ inline float load(c10::BFloat16 v) {  // the bit pattern shifted into place: exa
 template <typename T> inline T store(float v) { return static_cast<T>(v); }
 
 #define FERRUM_INLINE inline __attribute__((always_inline))
+
+// ---- exp over arrays --------------------------------------------------------------
+// libm's expf is a call per element (a batch-1 step spent ~15% of its attention
+// and silu time there).  exp8: Cephes' expf on 8 lanes, x = n ln2 + r with
+// |r| <= ln2 / 2, exp(r) by its degree-7 polynomial, 2^n into the exponent
+// bits: within 2 ulp of expf; x below -87.3 (where expf is subnormal or 0) gives 0,
+// above 88.7 +inf.
+#ifdef FERRUM_X86
+__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ), over = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
+  x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts, as Cephes
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  // 2^n as two factors: n reaches 128 at the top of the range, past one exponent field
+  const __m256i e = _mm256_cvtps_epi32(n), e1 = _mm256_srai_epi32(e, 1);
+  const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e1, _mm256_set1_epi32(127)), 23));
+  const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(e, e1),
+                                                                           _mm256_set1_epi32(127)), 23));
+  const __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
+  return _mm256_blendv_ps(_mm256_andnot_ps(under, y), _mm256_set1_ps(INFINITY), over);
+}
+
+// s[j] = exp(s[j] - mx) for j < n; returns their sum.
+__attribute__((target("avx2,fma"))) float exp_shifted_avx2(float* s, int64_t n, float mx) {
+  const __m256 m = _mm256_set1_ps(mx);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
+    _mm256_storeu_ps(s + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  alignas(32) float part[8];
+  _mm256_store_ps(part, acc);
+  float sum = 0;
+  for (int i = 0; i < 8; ++i) sum += part[i];
+  for (; j < n; ++j) sum += (s[j] = std::exp(s[j] - mx));
+  return sum;
+}
+
+// y = silu(g) * u over n floats.
+__attribute__((target("avx2,fma"))) void silu_mul_f32_avx2(const float* g, const float* u, int64_t n, float* y) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 a = _mm256_loadu_ps(g + i);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), a));
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
+                                          _mm256_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) y[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+#endif
+
+float exp_shifted_portable(float* s, int64_t n, float mx) {
+  float sum = 0;
+  for (int64_t j = 0; j < n; ++j) sum += (s[j] = std::exp(s[j] - mx));
+  return sum;
+}
 
 // ---- rms_norm ------------------------------------------------------------------
 template <typename T>
@@ -95,7 +168,12 @@ FERRUM_INLINE void silu_mul_row(const T* gu, int64_t n, T* y) {
   }
 }
 template <typename T>
-__attribute__((target("avx2,fma"))) void silu_mul_avx2(const T* gu, int64_t n, T* y) { silu_mul_row(gu, n, y); }
+__attribute__((target("avx2,fma"))) void silu_mul_avx2(const T* gu, int64_t n, T* y) {
+#ifdef FERRUM_X86
+  if constexpr (std::is_same_v<T, float>) return silu_mul_f32_avx2(gu, gu + n, n, y);
+#endif
+  silu_mul_row(gu, n, y);
+}
 template <typename T>
 void silu_mul_portable(const T* gu, int64_t n, T* y) { silu_mul_row(gu, n, y); }
 
@@ -160,7 +238,7 @@ struct AttnArgs {
 // for the G heads (at 32 sequences a layer's K and V outgrow the caches, and a
 // row read per head tripled the traffic).  Per head the same operations in the
 // same order as one head alone, so the grouping changes no bit.
-template <typename T>
+template <typename T, bool AVX2>
 FERRUM_INLINE void attend_group(const AttnArgs& a, const float* q, const T* kc, const T* vc, int64_t b, int64_t t,
                                 int64_t kvh, int64_t G, std::vector<float>& scores, std::vector<float>& acc,
                                 T* out) {
@@ -177,9 +255,13 @@ FERRUM_INLINE void attend_group(const AttnArgs& a, const float* q, const T* kc, 
     float* sg = scores.data() + g * n;
     float mx = -INFINITY;
     for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
-    float sum = 0;
-    for (int64_t j = 0; j < n; ++j) sum += (sg[j] = std::exp(sg[j] - mx));
-    sums[g] = sum;
+#ifdef FERRUM_X86
+    if constexpr (AVX2) {
+      sums[g] = exp_shifted_avx2(sg, n, mx);
+      continue;
+    }
+#endif
+    sums[g] = exp_shifted_portable(sg, n, mx);
   }
   for (int64_t j = 0; j < n; ++j) {
     const T* vr = vc + (table[j / a.bs] * a.bs + j % a.bs) * row + kvh * D;
@@ -191,16 +273,96 @@ FERRUM_INLINE void attend_group(const AttnArgs& a, const float* q, const T* kc, 
   }
 }
 
+#ifdef FERRUM_X86
+// ---- the same on 256-bit registers (head dims a multiple of 8) ----------------------
+template <typename T>
+__attribute__((target("avx2,fma"))) inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else {  // bfloat16: the bits shifted into place, as load()
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+// 8 vectors -> their 8 horizontal sums, in order.
+__attribute__((target("avx2,fma"))) inline __m256 hsum8x8(const __m256* s) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(s[4], s[5]), _mm256_hadd_ps(s[6], s[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// attend_group on registers: scores 8 keys at a time (one sum each, reduced
+// together), the value rows into 8 accumulators per 64 dims of a head.  Each
+// head on its own, in the same order whatever G is (the grouping changes no bit).
+template <typename T>
+__attribute__((target("avx2,fma"))) void attend_group_avx2(const AttnArgs& a, const float* q, const T* kc,
+                                                           const T* vc, int64_t b, int64_t t, int64_t kvh,
+                                                           int64_t G, std::vector<float>& scores,
+                                                           std::vector<int64_t>& offs, T* out) {
+  const int64_t n = a.pos[b * a.T + t] + 1, D = a.D, row = a.Hkv * D;
+  const int64_t* table = a.tables + b * a.nb;
+  scores.resize(G * n);
+  offs.resize(n);
+  for (int64_t j = 0, blk = 0, off = 0; j < n; ++j) {  // key j's row: slot table[j / bs] * bs + j % bs
+    offs[j] = (table[blk] * a.bs + off) * row + kvh * D;
+    if (++off == a.bs) off = 0, ++blk;
+  }
+  const __m256 scale = _mm256_set1_ps(a.scale);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = q + g * D;
+    float* sg = scores.data() + g * n;
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      __m256 s[8];
+      for (int r = 0; r < 8; ++r) s[r] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < D; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(qg + i);
+        for (int r = 0; r < 8; ++r) s[r] = _mm256_fmadd_ps(qv, load8(kc + offs[j + r] + i), s[r]);
+      }
+      _mm256_storeu_ps(sg + j, _mm256_mul_ps(hsum8x8(s), scale));
+    }
+    for (; j < n; ++j) sg[j] = dot(qg, kc + offs[j], D) * a.scale;
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sg[i]);
+    const float inv = 1.0f / exp_shifted_avx2(sg, n, mx);
+    for (int64_t c = 0; c < D; c += 64) {
+      const int64_t w = std::min<int64_t>(64, D - c) / 8;
+      __m256 acc[8];
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+      if (w == 8) {
+        for (int64_t k = 0; k < n; ++k) {
+          const __m256 p = _mm256_set1_ps(sg[k]);
+          const T* vr = vc + offs[k] + c;
+          for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(p, load8(vr + 8 * i), acc[i]);
+        }
+      } else {
+        for (int64_t k = 0; k < n; ++k) {
+          const __m256 p = _mm256_set1_ps(sg[k]);
+          const T* vr = vc + offs[k] + c;
+          for (int64_t i = 0; i < w; ++i) acc[i] = _mm256_fmadd_ps(p, load8(vr + 8 * i), acc[i]);
+        }
+      }
+      alignas(32) float tmp[8];
+      for (int64_t i = 0; i < w; ++i) {
+        _mm256_store_ps(tmp, _mm256_mul_ps(acc[i], _mm256_set1_ps(inv)));
+        for (int e = 0; e < 8; ++e) out[g * D + c + 8 * i + e] = store<T>(tmp[e]);
+      }
+    }
+  }
+}
+#endif
+
 template <typename T>
 __attribute__((target("avx2,fma"))) void attend_avx2(const AttnArgs& a, const float* q, const T* kc, const T* vc,
                                                      int64_t b, int64_t t, int64_t kvh, int64_t G,
                                                      std::vector<float>& s, std::vector<float>& acc, T* out) {
-  attend_group(a, q, kc, vc, b, t, kvh, G, s, acc, out);
+  attend_group<T, true>(a, q, kc, vc, b, t, kvh, G, s, acc, out);
 }
 template <typename T>
 void attend_portable(const AttnArgs& a, const float* q, const T* kc, const T* vc, int64_t b, int64_t t, int64_t kvh,
                      int64_t G, std::vector<float>& s, std::vector<float>& acc, T* out) {
-  attend_group(a, q, kc, vc, b, t, kvh, G, s, acc, out);
+  attend_group<T, false>(a, q, kc, vc, b, t, kvh, G, s, acc, out);
 }
 
 // q (B, T, H, D), k/v (B, T, Hkv, D): any strides but a contiguous last dim.
@@ -238,7 +400,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     TORCH_CHECK(tp[i] >= 0 && tp[i] < k_cache.size(0), "paged_attention: block id out of range");
   at::Tensor out = at::empty({B, T, H * D}, q.options());
   at::Tensor qf = at::empty({B, T, H, D}, q.options().dtype(at::kFloat));
-  const bool avx2 = ferrum_active_isa() >= 1;
+  const bool avx2 = ferrum_active_isa() >= 1, avx2_rows = avx2 && D % 8 == 0;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_attention", [&] {
     using T_ = scalar_t;
     const T_ *qp = q.data_ptr<T_>(), *kp = k.data_ptr<T_>(), *vp = v.data_ptr<T_>();
@@ -271,10 +433,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     const int64_t G = B * T * Hkv >= 4 * at::get_num_threads() ? H / Hkv : 1, per = H / G;
     at::parallel_for(0, B * T * per, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores, acc;
+      std::vector<int64_t> offs;
       for (int64_t i = begin; i < end; ++i) {
         const int64_t bt = i / per, h = (i % per) * G, kvh = h / (H / Hkv);
         const float* qi = qfp + (bt * H + h) * D;
         T_* oi = op + (bt * H + h) * D;
+#ifdef FERRUM_X86
+        if (avx2_rows) attend_group_avx2(args, qi, kc, vc, bt / T, bt % T, kvh, G, scores, offs, oi);
+        else
+#endif
         if (avx2) attend_avx2(args, qi, kc, vc, bt / T, bt % T, kvh, G, scores, acc, oi);
         else attend_portable(args, qi, kc, vc, bt / T, bt % T, kvh, G, scores, acc, oi);
       }

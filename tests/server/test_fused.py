@@ -50,6 +50,11 @@ def test_rms_norm_and_silu_mul_match_torch(ops, isa, dtype):
         gu = (3 * torch.randn(rows, 2, width, generator=gen)).to(dtype).view(rows, 2 * width)
         gate, up = gu.chunk(2, dim=-1)
         assert rel(ops.silu_mul(gu), F.silu(gate) * up) <= TOL[dtype]
+    # the vector exp at the ends of float32's range (under- and overflow) and between
+    gate = torch.tensor([-1e4, -100, -88.5, -87.5, -87, -20, -1e-3, 0, 1e-3, 20, 87, 88.5, 100, 1e4, 3, -3])
+    gu = torch.cat([gate, torch.ones(16)]).to(dtype)[None]
+    got, want = ops.silu_mul(gu).float(), F.silu(gate.to(dtype)).float()
+    assert torch.allclose(got, want, rtol=TOL[dtype], atol=1e-30), (got, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
