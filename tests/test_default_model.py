@@ -132,16 +132,18 @@ def english_ids(default_model_dir):
     return ids[:1001]
 
 
-# The issue's gates are 99% for w8a8 and 97% for w4a8 (README: measured 96.6-97.6%).  The figure
-# moves by about half a point between kernels that compute the same numbers: every layer of the
-# packed kernel agrees with the torch fallback on the same codes to 1.2e-6 of its output, yet 4% of
-# the argmaxes over 300 positions differ between the two models, because rounding activations to a
-# grid is discontinuous and a flipped code moves the next layer's input by a whole step.  So this
-# test guards against breakage (a wrong code, a lost scale) at 96%, and ``bench.quant_accuracy``
-# reports the figure.  int8 and int4 hold the GGUF's weights without loss (the test below) and
-# carry activations as two int8 digits (about 15 bits a block): 100.0% measured for both; int4
-# is checked here (int8 runs the same activation path over 8-bit codes).
-@pytest.mark.parametrize("quantize,target", [("w8a8", 0.96), ("w4a8", 0.96), ("int4", 0.995)])
+# The issue's gates are 99% for w8a8 and 97% for w4a8 (README: 98.5% and 97.6% measured with a
+# step per half block of 16; 96.7% and 96.8% with one per block of 32).  The figure moves by about
+# half a point between kernels that compute the same numbers: every layer of the packed kernel
+# agrees with the torch fallback on the same codes to 1.2e-6 of its output, yet 4% of the argmaxes
+# over 300 positions differ between the two models, because rounding activations to a grid is
+# discontinuous and a flipped code moves the next layer's input by a whole step.  So this test
+# guards against breakage (a wrong code, a lost step or scale) a point below what was measured,
+# and ``bench.quant_accuracy`` reports the figure.  int8 and int4 hold the GGUF's weights without
+# loss (the test below) and carry activations as two int8 digits (about 15 bits a block):
+# 99.9-100.0% measured for both; int4 is checked here (int8 runs the same activation path over
+# 8-bit codes).
+@pytest.mark.parametrize("quantize,target", [("w8a8", 0.975), ("w4a8", 0.965), ("int4", 0.995)])
 def test_quantized_greedy_top1_agrees_with_float32(default_model_dir, default_server, english_ids, quantize,
                                                    target):
     """Teacher-forced over 1,000 positions of a fixed English text: the next-token argmax of

@@ -3,13 +3,14 @@
 // (woq.py's int4 and int8 grids: GGUF's Q4_1 and Q8_0 blocks held without
 // loss; scales and minimums in float16 where that loses nothing, as GGUF keeps
 // them, else float32), and activation rows
-// quantized per block of 32 to int8 on each call, as llama.cpp's Q8_1:
-// x ~ q * d, q in -127..127, with sum = d * sum(q).  One block's contribution is
+// quantized to int8 on each call, a step per half block of 16 (llama.cpp's
+// Q8_1 has one per 32): x ~ q * d_h, q in -127..127, with sum = sum_h d_h sum(q).
+// One block's contribution is
 //
-//     sum_i (c_i s + m) (q_i d) = s d * sum_i c_i q_i  +  m * sum
+//     sum_i (c_i s + m) (q_i d_h(i)) = s * sum_h d_h sum_{i in h} c_i q_i  +  m * sum
 //
-// an integer dot product of 32 bytes, one float multiply-add for the scale
-// and one for the minimum.
+// an integer dot product of 16 bytes per half, two float multiply-adds for
+// the steps and the scale and one for the minimum.
 //
 // Layout (qact.py's pack_rows): weight rows in groups of 8, interleaved per
 // block, as llama.cpp's repacked Q4_0x8: one 32-byte register holds 4
@@ -17,8 +18,8 @@
 // broadcast of 4 activation codes and one vpdpbusd make 32 multiply-adds into
 // 8 rows' sums; a block of 8 rows is 8 such registers (4-bit: 4 loads, each
 // split into low and high nibbles), its 8 scales and 8 minimums one vector
-// each.  Per block and activation row that is 8 dot instructions, one
-// conversion and two FMAs for 256 multiply-adds; the weights are never
+// each.  Per block and activation row that is 8 dot instructions, two
+// conversions and four float multiply-adds for 256 multiply-adds; the weights are never
 // expanded to float, at any batch size, and a group's weights (a few KB) stay
 // in L1 while every activation row passes (tiles of 4 rows).  Groups are stored
 // in pairs (units of 16 rows) whose 32-byte words alternate, so the AVX-512 loops
@@ -64,17 +65,27 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kLanes = 8;  // weight rows interleaved per block and 256-bit register
 constexpr int64_t kUnit = 16;  // rows stored together: two groups, one 512-bit register
 
-// Activation rows quantized per block: codes (M * digits, K) int8, and per row and
-// block d and the block's value sum (M, K/32).  One digit: x ~ q d, q in -127..127
-// (llama.cpp's Q8_1).  Two digits (the int8/int4 modes): row m's codes are rows 2m
-// (q, as one digit) and 2m + 1 (q', the remainder x - q d on a grid 128 times
-// finer, |q'| <= 64), x ~ (128 q + q') d / 128 with |error| <= amax / 32512:
-// about 15 bits instead of 8.  The kernels sum 128 * dot(w, q) + dot(w, q') in
-// integers, so a second digit costs a row's dot instructions and nothing else.
+// Activation rows quantized per block: codes (M * digits, K) int8, per row and
+// half block (16 elements) a step d (M, K/16), and per block the value sum the
+// codes stand for (M, K/32).  One digit (w8a8, w4a8): each half block on its own
+// grid, x ~ q d, q in -127..127, d = amax / 127 of its 16 elements (llama.cpp's
+// Q8_1 shares one over 32; halves cut the grid's error where one element of a
+// block dwarfs the rest: top-1 agreement with float32 97.6 -> 98.4% for w8a8 in
+// torch, `bench.quant_accuracy --grids`).  The kernels' two chains of 4 dot
+// instructions already split a block's 32 codes into halves, so a half costs
+// one conversion and one FMA per row and block more, no dot instruction.  Two
+// digits (the int8/int4 modes): one step per block, stored in both halves; row
+// m's codes are rows 2m (q, as one digit) and 2m + 1 (q', the remainder x - q d
+// on a grid 128 times finer, |q'| <= 64), x ~ (128 q + q') d / 128 with
+// |error| <= amax / 32512: about 15 bits instead of 8.  The kernels sum
+// 128 * dot(w, q) + dot(w, q') in integers, so a second digit costs a row's dot
+// instructions and nothing else.
 struct Q8Rows {
   std::vector<int8_t> q;
-  std::vector<float> d, sum;
+  std::vector<float> d, sum;  // d: 2 a block (its halves), sum: 1 a block
 };
+
+constexpr int64_t kHalf = kBlock / 2;
 
 // Blocks [b0, b1) of x (row m's block g is b = m G + g) into out, one at a time.
 void quantize_portable(const float* x, int64_t b0, int64_t b1, int64_t G, int digits, Q8Rows& out) {
@@ -82,28 +93,31 @@ void quantize_portable(const float* x, int64_t b0, int64_t b1, int64_t G, int di
     const int64_t m = b / G, g = b % G;
     const float* xb = x + b * kBlock;
     int8_t* qb = out.q.data() + ((m * digits) * G + g) * kBlock;
-    float amax = 0;
-    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float d = amax / 127.0f, inv = d > 0 ? 1.0f / d : 0.0f;
-    int sum = 0;
+    float amax[2] = {0, 0};  // of each half
+    for (int i = 0; i < kBlock; ++i) amax[i / kHalf] = std::max(amax[i / kHalf], std::fabs(xb[i]));
+    if (digits == 2) amax[0] = amax[1] = std::max(amax[0], amax[1]);  // one grid a block
+    float d[2], inv[2];
+    int sum[2] = {0, 0};
+    for (int h = 0; h < 2; ++h) d[h] = amax[h] / 127.0f, inv[h] = d[h] > 0 ? 1.0f / d[h] : 0.0f;
     for (int i = 0; i < kBlock; ++i) {
-      const int v = static_cast<int>(std::nearbyint(xb[i] * inv));  // |v| <= 127 by construction
+      const int v = static_cast<int>(std::nearbyint(xb[i] * inv[i / kHalf]));  // |v| <= 127 by construction
       qb[i] = static_cast<int8_t>(v);
-      sum += v;
+      sum[i / kHalf] += v;
     }
-    float total = d * float(sum);
+    float total = d[0] * float(sum[0]) + d[1] * float(sum[1]);
     if (digits == 2) {
       int8_t* lo = qb + G * kBlock;
       int rest = 0;
       for (int i = 0; i < kBlock; ++i) {
-        const float r = xb[i] - float(qb[i]) * d;  // |r| <= d / 2 up to rounding
-        const int v = std::clamp(static_cast<int>(std::nearbyint(r * inv * 128.0f)), -127, 127);
+        const float r = xb[i] - float(qb[i]) * d[0];  // |r| <= d / 2 up to rounding
+        const int v = std::clamp(static_cast<int>(std::nearbyint(r * inv[0] * 128.0f)), -127, 127);
         lo[i] = static_cast<int8_t>(v);
         rest += v;
       }
-      total += d / 128.0f * float(rest);
+      total += d[0] / 128.0f * float(rest);
     }
-    out.d[b] = d;
+    out.d[2 * b] = d[0];
+    out.d[2 * b + 1] = d[1];
     out.sum[b] = total;
   }
 }
@@ -144,14 +158,15 @@ void groups_portable(const Packed& W, int bits, int64_t u0, int64_t u1, const Q8
           const uint8_t* blk = W.codes + (u * W.G + g) * bytes;
           const int64_t sc = (u * W.G + g) * 4 * kLanes + h * kLanes;
           const int64_t xb = r * W.G + g;
-          int32_t dot = 0;
+          int32_t dot[2] = {0, 0};  // per half block
           for (int t = 0; t < digits; ++t) {  // two digits: 128 * dot(w, q) + dot(w, q')
             const int8_t* q = X.q.data() + ((r * digits + t) * W.G + g) * kBlock;
-            dot *= 128;
-            for (int i = 0; i < kBlock; ++i) dot += code_at(blk, bits, int(h), lane, i) * int32_t(q[i]);
+            dot[0] *= 128, dot[1] *= 128;
+            for (int i = 0; i < kBlock; ++i) dot[i / kHalf] += code_at(blk, bits, int(h), lane, i) * int32_t(q[i]);
           }
-          const float d = digits == 2 ? X.d[xb] / 128.0f : X.d[xb];
-          acc += scale_at(W, sc + lane) * d * float(dot) + scale_at(W, sc + 2 * kLanes + lane) * X.sum[xb];
+          const float unit = digits == 2 ? 1.0f / 128.0f : 1.0f;
+          const float d = X.d[2 * xb] * float(dot[0]) + X.d[2 * xb + 1] * float(dot[1]);
+          acc += scale_at(W, sc + lane) * unit * d + scale_at(W, sc + 2 * kLanes + lane) * X.sum[xb];
         }
         y[r * W.N + j * kLanes + lane] = acc;
       }
@@ -267,7 +282,7 @@ void run_groups(int isa, const Packed& W, int64_t u0, int64_t u1, const Q8Rows& 
 // vector loops round half to even and multiply in the same order, unfused).
 Q8Rows quantize_rows(const float* x, int64_t M, int64_t K, int digits, int isa) {
   const int64_t G = K / kBlock;
-  Q8Rows out{std::vector<int8_t>(M * digits * K), std::vector<float>(M * G), std::vector<float>(M * G)};
+  Q8Rows out{std::vector<int8_t>(M * digits * K), std::vector<float>(2 * M * G), std::vector<float>(M * G)};
   at::parallel_for(0, M * G, 64, [&](int64_t begin, int64_t end) {
 #ifdef FERRUM_X86
     if (isa == kAvx512Vnni) return qact_avx512vnni::quantize(x, begin, end, G, digits, out);
@@ -313,7 +328,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   return out.view(shape);
 }
 
-// x (..., K) float32 -> (codes (..., digits, K) int8, d (..., K/32), sum (..., K/32)):
+// x (..., K) float32 -> (codes (..., digits, K) int8, d (..., K/16), sum (..., K/32)):
 // the activation quantization block_linear runs, on this CPU's loops (for tests).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x, int64_t digits) {
   TORCH_CHECK(digits == 1 || digits == 2, "quantize: digits must be 1 or 2");
@@ -325,7 +340,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x, int
   lead.pop_back();
   auto shape = [&](std::vector<int64_t> tail) { auto s = lead; s.insert(s.end(), tail.begin(), tail.end()); return s; };
   at::Tensor q = at::empty(shape({digits, K}), x.options().dtype(at::kChar));
-  at::Tensor d = at::empty(shape({G}), x.options()), sum = at::empty(shape({G}), x.options());
+  at::Tensor d = at::empty(shape({2 * G}), x.options()), sum = at::empty(shape({G}), x.options());
   std::memcpy(q.data_ptr(), X.q.data(), X.q.size());
   std::memcpy(d.data_ptr(), X.d.data(), X.d.size() * sizeof(float));
   std::memcpy(sum.data_ptr(), X.sum.data(), X.sum.size() * sizeof(float));

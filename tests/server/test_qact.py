@@ -20,7 +20,7 @@ from tests.server.test_woq import _gguf_blocks, _oracle_with_our_weights
 
 # Of the output's largest magnitude.  Against the float reference (unquantized
 # activations, the layer's own weights) the activation grid is the whole error:
-# per element up to amax/254 of its block of 32, averaging out over K products;
+# per element up to amax/254 of its half block of 16 (w8a8, w4a8), averaging out over K products;
 # measured 0.4-0.8% at K = 160..576.
 FLOAT_TOL = 0.02
 # Two digits (int8, int4): the remainder's grid, amax/32258 per element at most.
@@ -79,29 +79,35 @@ def test_kernel_matches_the_quantized_numbers_and_the_float_reference(bits, rows
 @pytest.mark.parametrize("digits", [1, 2])
 def test_activation_codes_are_the_reference_codes_on_every_path(digits, isa):
     """The vectorised activation quantization makes exactly fake_quantize_blocks'
-    codes and scales: halves round to even, zero blocks stay zero, the remainder's
-    product is not fused."""
+    codes and steps (one digit: a step per half block of 16; two: one per block
+    of 32, stored for both halves): halves round to even, zero blocks stay zero,
+    the remainder's product is not fused."""
     gen = torch.Generator().manual_seed(digits)
     x = torch.randn(5, 192, generator=gen) * torch.logspace(-3, 2, 192)
     x[0, :32] = torch.arange(32) - 15.5  # exact halves, once d = 1:
-    x[0, 0] = 127.0
+    x[0, 0] = x[0, 16] = 127.0
     x[1, 32:64] = 0.0  # a zero block: d = 0, codes 0
+    x[2, 64:80] = 0.0  # a zero half next to a live one
     codes, d, sums = torch.ops.ferrum_qact.quantize(x, digits)
-    assert codes.shape == (5, digits, 192) and codes.dtype == torch.int8 and d.shape == sums.shape == (5, 6)
-    blocks = x.unflatten(-1, (-1, 32))
+    assert codes.shape == (5, digits, 192) and codes.dtype == torch.int8
+    assert d.shape == (5, 12) and sums.shape == (5, 6)
+    width = 16 if digits == 1 else 32
+    blocks = x.unflatten(-1, (-1, width))
     want_d = blocks.abs().amax(-1) / 127
     inv = torch.where(want_d > 0, 1 / want_d, 0.0)[..., None]
     q = (blocks * inv).round()
-    assert torch.equal(d, want_d)
+    assert torch.equal(d, want_d if digits == 1 else want_d.repeat_interleave(2, dim=-1))
     assert torch.equal(codes[:, 0].float(), q.flatten(-2))
     assert codes[0, 0, 1].item() == -14 and codes[0, 0, 2].item() == -14  # -14.5 and -13.5: to even
-    total = want_d * q.sum(-1)
+    total = (want_d * q.sum(-1)).unflatten(-1, (6, -1)).sum(-1)
     if digits == 2:
         rest = ((blocks - q * want_d[..., None]) * inv * 128).round().clamp(-127, 127)
         assert torch.equal(codes[:, 1].float(), rest.flatten(-2))
         total = total + want_d / 128 * rest.sum(-1)
     torch.testing.assert_close(sums, total, rtol=1e-6, atol=1e-6)
-    assert not codes[1, :, 32:64].any() and d[1, 1] == 0
+    assert not codes[1, :, 32:64].any() and (d[1, 2:4] == 0).all()
+    if digits == 1:
+        assert d[2, 4] == 0 and d[2, 5] > 0 and not codes[2, 0, 64:80].any() and codes[2, 0, 80:96].abs().max() == 127
 
 
 @pytest.mark.parametrize("bits", [4, 8])
