@@ -7,6 +7,7 @@ blocks hold each sequence's context; attention calls ``update`` per layer.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -21,6 +22,7 @@ class KvPool:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
         self.scratch_block = num_blocks
+        self.layers = list(zip(self.k.unbind(0), self.v.unbind(0)))  # per layer (K, V) views, made once
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copies the KV of block ``src`` into block ``dst`` for every layer (copy on write)."""
@@ -61,23 +63,39 @@ class KvBatch:
         # analysis: decoder layer -> its attention weights (B, H, T, S) float32, filled by the
         # forward for the layers asked (which then runs the eager attention path)
         self.attention: dict[int, torch.Tensor | None] | None = None
+        # The index arithmetic runs in numpy: a decode step's tensors are a few
+        # elements, where each torch op costs microseconds (cold after the layers
+        # stream their weights: ~0.2 ms a batch-1 step as 15 torch ops).
         width = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], device=device)
-        self.tables = tables  # (B, nb) block ids, padded with block 0 (masked / never reached)
-        self.flat_tables = tables.reshape(-1)  # (B*nb,): padded with block 0, masked below
+        tables = np.zeros((len(block_tables), width), dtype=np.int64)
+        for b, t in enumerate(block_tables):
+            tables[b, :len(t)] = t
         T = max(counts)
-        start = torch.tensor(starts, device=device).unsqueeze(1)  # (B, 1)
-        count = torch.tensor(counts, device=device).unsqueeze(1)  # (B, 1)
-        offset = torch.arange(T, device=device)  # (T,)
-        real = offset < count  # (B, T)
-        pos = start + torch.minimum(offset, count - 1)  # (B, T) absolute positions, padding clamped
-        self.positions = pos
-        slots = tables.gather(1, pos // bs) * bs + pos % bs
+        start = np.asarray(starts, dtype=np.int64)[:, None]  # (B, 1)
+        count = np.asarray(counts, dtype=np.int64)[:, None]  # (B, 1)
+        offset = np.arange(T, dtype=np.int64)  # (T,)
+        pos = start + np.minimum(offset, count - 1)  # (B, T) absolute positions, padding clamped
+        slots = np.take_along_axis(tables, pos // bs, 1) * bs + pos % bs
         scratch = pool.scratch_block * bs  # padded tokens' keys/values land here, unseen
-        self.write_slots = torch.where(real, slots, scratch).reshape(-1)  # (B*T,)
-        keys = torch.arange(width * bs, device=device)  # (S,)
-        # Query at absolute position p sees keys 0..p of its own sequence.
-        self.mask = (keys.view(1, 1, -1) <= pos.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
+        write_slots = np.where(offset < count, slots, scratch).reshape(-1)  # (B*T,)
+        self.tables = torch.from_numpy(tables).to(device)  # (B, nb) block ids, padded with block 0 (masked / never reached)
+        self.positions = torch.from_numpy(pos).to(device)
+        self.write_slots = torch.from_numpy(write_slots).to(device)
+        self._mask: torch.Tensor | None = None
+
+    @property
+    def flat_tables(self) -> torch.Tensor:
+        """(B*nb,) block ids: padded with block 0, masked (see ``mask``)."""
+        return self.tables.reshape(-1)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """(B, 1, T, S): a query at absolute position p sees keys 0..p of its own
+        sequence (built when an eager attention asks; the fused ops need none)."""
+        if self._mask is None:
+            keys = torch.arange(self.tables.shape[1] * self.pool.block_size, device=self.tables.device)  # (S,)
+            self._mask = (keys.view(1, 1, -1) <= self.positions.unsqueeze(-1)).unsqueeze(1)
+        return self._mask
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes k, v (B, T, Hkv, D) and returns the context (B, Hkv, S, D) each."""

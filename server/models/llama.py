@@ -357,10 +357,11 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rope(positions, x.dtype, eager=getattr(kv, "attention", None) is not None)
         if rope.fused and self.layer_ops is not None and x.dtype == torch.float32:
             cfg, decode_layer = self.config, torch.ops.ferrum_fused.decode_layer
-            scale = 1 / math.sqrt(cfg.head_dim)
-            for i, args in enumerate(self.layer_ops):  # one op per layer: see csrc/fused.cpp
-                x = decode_layer(x, *args, self.rope_cos, self.rope_sin, kv.positions, kv.pool.k[i], kv.pool.v[i],
-                                 kv.write_slots, kv.tables, cfg.num_heads, cfg.num_kv_heads, scale)
+            cos, sin, positions, slots, tables = self.rope_cos, self.rope_sin, kv.positions, kv.write_slots, kv.tables
+            heads, kv_heads, scale = cfg.num_heads, cfg.num_kv_heads, 1 / math.sqrt(cfg.head_dim)
+            # one op per layer (see csrc/fused.cpp); the pool's per-layer views are made once
+            for i, (args, (k, v)) in enumerate(zip(self.layer_ops, kv.pool.layers)):
+                x = decode_layer(x, *args, cos, sin, positions, k, v, slots, tables, heads, kv_heads, scale)
                 if keep and i + 1 < len(self.layer_ops):
                     keep(i + 1, x)
         else:
