@@ -71,6 +71,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+LINEAR_ROWS_MAX = 4  # csrc/fused.cpp kLinearRowsMax
+
+
 class FastLinear(nn.Module):
     """A linear layer that runs on oneDNN with a prepacked weight where that pays.
 
@@ -81,7 +84,9 @@ class FastLinear(nn.Module):
     run about 2x faster than ``F.linear`` at every batch size.  For float32
     the packed path always wins for M > 1 (MKL's small-M sgemm is slow), and
     for one row on some CPUs only (``kernels.packed_float32_wins_at_one_row``
-    times it at load); the packed copy doubles float32 weight memory.
+    times it at load); the packed copy doubles float32 weight memory.  Where the
+    fused ops run (``use_fused_ops``), 1-4 float32 rows go to ``linear_rows``
+    instead, over the plain weight, which is then kept beside the packed one.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: str):
@@ -104,8 +109,15 @@ class FastLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, pack: str) -> FastLinear:
         return cls(linear.weight.data, None if linear.bias is None else linear.bias.data, pack)
 
+    # set by LlamaForCausalLM.use_fused_ops: 1..LINEAR_ROWS_MAX float32 rows run on
+    # fused.cpp's linear_rows (a GEMV at memory speed) instead of oneDNN or MKL
+    rows_kernel = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
+        if self.rows_kernel and rows <= LINEAR_ROWS_MAX and x.dtype == torch.float32:
+            y = torch.ops.ferrum_fused.linear_rows(x, self.weight)
+            return y if self.bias is None else y + self.bias
         if self.packed is not None and (self.pack == "always" or rows > 1):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -278,13 +290,21 @@ class LlamaForCausalLM(nn.Module):
     def init_rope(self, device: torch.device) -> None:
         self.rope_cos, self.rope_sin = rope_tables(self.config, device)
 
-    def optimize_for_inference(self, pack_weights: bool) -> None:
+    def optimize_for_inference(self, pack_weights: bool, rows_kernel: bool = False) -> None:
         """Fuses projections and, where ``pack_weights`` (the probe in ``kernels.py``
-        said the oneDNN packed linear runs here), prepacks weights (after loading)."""
+        said the oneDNN packed linear runs here), prepacks weights (after loading).
+        ``rows_kernel``: float32 weights will run 1-4 rows on fused.cpp's
+        ``linear_rows`` (see ``use_fused_ops``), so their plain copies are kept
+        and oneDNN's packed ones serve larger batches only."""
         for module in list(self.modules()):
             if hasattr(module, "fuse"):
                 module.fuse()
         weight = self.lm_head.weight
+        if rows_kernel and weight.dtype == torch.float32:
+            log.info("float32 linears: 1-%d rows on linear_rows (fused ops), more %s", LINEAR_ROWS_MAX,
+                     "on oneDNN's packed copies" if pack_weights else "on F.linear")
+            _replace_linears(self, "batched" if pack_weights else "never")
+            return
         if not pack_weights:
             return
         if weight.dtype == torch.bfloat16:
@@ -304,6 +324,9 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
                 module.fused = on
+            elif isinstance(module, FastLinear):
+                module.rows_kernel = (on and module.weight is not None and module.weight.dtype == torch.float32
+                                      and module.weight.is_contiguous())
         self.layer_ops = self._whole_layer_args() if on else None
 
     def _whole_layer_args(self) -> list[tuple] | None:

@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 
 from ferrum_rpc.server import qact, woq
 from ferrum_rpc.server.fused import choose_step_ops
-from ferrum_rpc.server.kernels import ONEDNN_PACKED, KernelChoice, choose_linear, cpu_capability
+from ferrum_rpc.server.kernels import ATEN, ONEDNN_PACKED, KernelChoice, choose_linear, cpu_capability
 from ferrum_rpc.server.models.config import ModelConfig
-from ferrum_rpc.server.models.llama import LlamaForCausalLM
+from ferrum_rpc.server.models.llama import LINEAR_ROWS_MAX, LlamaForCausalLM
 from ferrum_rpc.server.models.qwen3 import Qwen3ForCausalLM
 from ferrum_rpc.server.models.qwen3_moe import Qwen3MoeForCausalLM, fuse_expert_weights
 
@@ -117,9 +117,15 @@ def _read_state(files: list[Path], dtype: torch.dtype, device: torch.device) -> 
 
 def _choose_kernels(model, path: Path, dtype: torch.dtype, device: torch.device, linear_kernel: str,
                     quantize: str, step_ops: str) -> None:
+    fused, step_why = choose_step_ops(step_ops, dtype, device)
     if quantize == "none":
         model.kernels = choose_linear(linear_kernel, dtype, device)
-        model.optimize_for_inference(model.kernels.linear == ONEDNN_PACKED)
+        # float32 batch-1 linears on fused.cpp's GEMV unless the fallbacks are forced
+        rows_kernel = fused and dtype == torch.float32 and linear_kernel != ATEN
+        model.optimize_for_inference(model.kernels.linear == ONEDNN_PACKED, rows_kernel)
+        if rows_kernel:
+            model.kernels = dataclasses.replace(
+                model.kernels, reason=model.kernels.reason + f"; 1-{LINEAR_ROWS_MAX} rows: linear_rows")
     else:
         model.optimize_for_inference(False)  # fuse projections, then quantize the fused weights
         kernel, why = qact.choose_kernel(linear_kernel)
@@ -135,8 +141,7 @@ def _choose_kernels(model, path: Path, dtype: torch.dtype, device: torch.device,
                 why += "; activations as two int8 digits per block"
         model.kernels = KernelChoice(f"{quantize} {kernel}", why, cpu_capability())
         log.info("%s: linear weights quantized to %s: %.1f MiB", path.name, quantize, nbytes / 2**20)
-    fused, why = choose_step_ops(step_ops, dtype, device)
     model.use_fused_ops(fused)
-    model.kernels = dataclasses.replace(model.kernels, step=why)
+    model.kernels = dataclasses.replace(model.kernels, step=step_why)
     log.info("%s: kernel path %s on CPU capability %s", path.name, model.kernels.describe(),
              model.kernels.cpu_capability)

@@ -66,6 +66,51 @@ def test_paged_attention_matches_rope_write_and_sdpa(ops, isa, dtype, shape):
     assert attention_error(dtype, gen, **shape) <= TOL[dtype]
 
 
+def test_linear_rows_matches_f_linear_in_float64(ops, isa):
+    """1-4 rows (a 3-D batch, a strided view), widths with and without remainders
+    of the 32- and 8-wide loops, sizes split over threads; each output is one
+    thread's dot product in a fixed order: the same bits alone or beside other
+    rows, on one thread or two."""
+    gen = torch.Generator().manual_seed(3)
+    for n, k in [(70, 80), (576, 576), (130, 37), (1000, 64), (3, 8)]:
+        w = torch.randn(n, k, generator=gen)
+        for rows in range(1, 5):
+            x = torch.randn(rows, k, generator=gen)
+            got = ops.linear_rows(x, w)
+            want = F.linear(x.double(), w.double())
+            scale = (x.double().abs() @ w.double().abs().T).max().item()  # the sum of |products|
+            assert got.dtype == torch.float32 and got.shape == (rows, n)
+            assert (got.double() - want).abs().max().item() <= 4e-7 * scale * k ** 0.5
+            assert torch.equal(ops.linear_rows(x[:1], w)[0], got[0])  # row 0 alone: same bits
+    x3 = torch.randn(2, 2, 80, generator=gen)
+    w = torch.randn(70, 80, generator=gen)
+    assert ops.linear_rows(x3, w).shape == (2, 2, 70)
+    strided = torch.randn(80, 3, generator=gen).T  # (3, 80), not contiguous
+    assert torch.equal(ops.linear_rows(strided, w), ops.linear_rows(strided.contiguous(), w))
+    threads = torch.get_num_threads()
+    try:
+        big = torch.randn(2048, 576, generator=gen)
+        xb = torch.randn(1, 576, generator=gen)
+        torch.set_num_threads(1)
+        one = ops.linear_rows(xb, big)
+        torch.set_num_threads(max(2, threads))
+        assert torch.equal(ops.linear_rows(xb, big), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_linear_rows_refuses_what_it_does_not_run(ops):
+    w = torch.randn(16, 32)
+    with pytest.raises(RuntimeError, match="at most 4 rows"):
+        ops.linear_rows(torch.randn(5, 32), w)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        ops.linear_rows(torch.randn(1, 32).bfloat16(), w.bfloat16())
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.linear_rows(torch.randn(1, 32), torch.randn(32, 16).T)
+    with pytest.raises(RuntimeError, match="activation width"):
+        ops.linear_rows(torch.randn(1, 31), w)
+
+
 def test_paged_attention_refuses_out_of_range_slots_and_blocks(ops):
     from ferrum_rpc.server.kv_cache import KvPool
     from ferrum_rpc.server.models.llama import rope_tables
