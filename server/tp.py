@@ -169,6 +169,7 @@ class Shard:
             layer.self_attn.register_forward_hook(self._all_reduce_hook)
             layer.mlp.register_forward_hook(self._all_reduce_hook)
             layer.self_attn.gather_heads = self.gather_heads
+        model.layer_ops = None  # the whole-layer decode op has no all-reduce inside: the per-op path runs
         model.tp = self
 
     def _all_reduce_hook(self, _module, _inputs, out: torch.Tensor) -> torch.Tensor:

@@ -542,7 +542,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 // residual), so a step makes 30 op calls instead of ~400.  Each weight list is
 // [qweight, scales, mins], or [codes, scales] in qact.cpp's packed layout for the
 // linears that quantize their activations too, whose widths (8 or 4) bits holds
-// negated and digits their activation digits (1: w8a8, w4a8; 2: int8, int4).
+// negated and digits their activation digits (1: w8a8, w4a8; 2: int8, int4),
+// or [weight] (N, K) float32 with bits 32: linear_rows, so 1-4 rows only.
 at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
                         at::TensorList qkv, at::TensorList o, at::TensorList gate_up, at::TensorList down,
                         at::IntArrayRef bits, at::IntArrayRef digits, at::TensorList qk_norm, const at::Tensor& cos, const at::Tensor& sin,
@@ -554,12 +555,14 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Te
   TORCH_CHECK(qk_norm.empty() || qk_norm.size() == 2, "decode_layer: qk_norm is [] or [q_norm, k_norm] weights");
   const at::TensorList lists[] = {qkv, o, gate_up, down};
   for (int i = 0; i < 4; ++i)
-    TORCH_CHECK(lists[i].size() == (bits[i] < 0 ? 2u : 3u),
-                "decode_layer: each linear is [qweight, scales, mins], or [codes, scales] with negated bits");
+    TORCH_CHECK(lists[i].size() == (bits[i] == 32 ? 1u : bits[i] < 0 ? 2u : 3u),
+                "decode_layer: each linear is [qweight, scales, mins], [codes, scales] with negated bits, "
+                "or [weight] with bits 32");
   const int64_t B = x.size(0), T = x.size(1), H = num_heads, Hkv = num_kv_heads, D = k_cache.size(3);
   auto lin = [&](const at::Tensor& in, at::TensorList w, int i) {
-    return bits[i] < 0 ? ferrum_qact_linear(in, w[0], w[1], -bits[i], digits[i])
-                       : ferrum_woq_linear(in, w[0], w[1], w[2], bits[i]);
+    return bits[i] == 32 ? linear_rows(in, w[0])
+           : bits[i] < 0 ? ferrum_qact_linear(in, w[0], w[1], -bits[i], digits[i])
+                         : ferrum_woq_linear(in, w[0], w[1], w[2], bits[i]);
   };
   const at::Tensor qkv_out = lin(rms_norm(x, ln1, eps), qkv, 0);  // (B, T, (H + 2 Hkv) D)
   TORCH_CHECK(qkv_out.size(-1) == (H + 2 * Hkv) * D, "decode_layer: q|k|v width does not match the heads");

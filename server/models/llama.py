@@ -286,6 +286,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope_sin: torch.Tensor | None = None
         self.fused_ops = False  # see use_fused_ops
         self.layer_ops: list[tuple] | None = None  # whole-layer op arguments, where every layer qualifies
+        self.layer_ops_rows: int | None = None  # the most rows they take (float32 linears: linear_rows'), or any
 
     def init_rope(self, device: torch.device) -> None:
         self.rope_cos, self.rope_sin = rope_tables(self.config, device)
@@ -333,7 +334,9 @@ class LlamaForCausalLM(nn.Module):
         """Per layer, the weights ``ferrum_fused.decode_layer`` takes, when every layer
         is a plain Llama or Qwen3 block (a dense MLP; Qwen3's q/k RMSNorm in the op) whose projections are all
         our int8/int4 linears without bias (weight-only, or packed ones, whose widths
-        are passed negated, with their activation digits); else None (the per-op path runs)."""
+        are passed negated, with their activation digits) or float32 linears on
+        ``linear_rows`` (bits 32: forwards of up to ``layer_ops_rows`` rows); else None
+        (the per-op path runs)."""
         from ferrum_rpc.server.qact import QACT, UNIT
         from ferrum_rpc.server.woq import WOQ, QuantizedLinear
 
@@ -347,16 +350,17 @@ class LlamaForCausalLM(nn.Module):
                                          and attn.q_norm.eps == attn.k_norm.eps == layer.input_layernorm.eps):
                 return None
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(isinstance(l, QuantizedLinear) and l.kernel in (WOQ, QACT) and l.bias is None
-                       for l in linears):
+            if not all(l.bias is None and ((isinstance(l, QuantizedLinear) and l.kernel in (WOQ, QACT))
+                                           or (isinstance(l, FastLinear) and l.rows_kernel)) for l in linears):
                 return None
-            if any(l.kernel == QACT and l.out_features % UNIT for l in linears):
+            if any(isinstance(l, QuantizedLinear) and l.kernel == QACT and l.out_features % UNIT for l in linears):
                 return None  # the whole-layer op takes every packed unit's 16 outputs
-            weights = [l.kernel_args() for l in linears]
+            weights = [[l.weight] if isinstance(l, FastLinear) else l.kernel_args() for l in linears]
+            bits = [32 if isinstance(l, FastLinear) else -l.bits if l.kernel == QACT else l.bits for l in linears]
             args.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                         layer.input_layernorm.eps, *weights, [-l.bits if l.kernel == QACT else l.bits
-                                                               for l in linears],
+                         layer.input_layernorm.eps, *weights, bits,
                          [getattr(l, "digits", 1) for l in linears], qk_norm))
+        self.layer_ops_rows = LINEAR_ROWS_MAX if any(32 in a[7] for a in args) else None
         return args
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv,
@@ -378,7 +382,8 @@ class LlamaForCausalLM(nn.Module):
         if keep:
             keep(0, x)
         rope = self.rope(positions, x.dtype, eager=getattr(kv, "attention", None) is not None)
-        if rope.fused and self.layer_ops is not None and x.dtype == torch.float32:
+        if (rope.fused and self.layer_ops is not None and x.dtype == torch.float32
+                and (self.layer_ops_rows is None or x.shape[0] * x.shape[1] <= self.layer_ops_rows)):
             cfg, decode_layer = self.config, torch.ops.ferrum_fused.decode_layer
             cos, sin, positions, slots, tables = self.rope_cos, self.rope_sin, kv.positions, kv.write_slots, kv.tables
             heads, kv_heads, scale = cfg.num_heads, cfg.num_kv_heads, 1 / math.sqrt(cfg.head_dim)

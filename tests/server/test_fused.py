@@ -141,9 +141,10 @@ def test_step_ops_choice(ops):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("quantize", ["int8", "int4", "w8a8", "w4a8"])
+@pytest.mark.parametrize("quantize", ["none", "int8", "int4", "w8a8", "w4a8"])
 def test_whole_layer_op_equals_the_per_op_path(tiny_llama_dir, tiny_qwen3_dir, arch, quantize, ops):
-    """--quantize models with plain Llama or Qwen3 blocks (q/k RMSNorm inside the op) run
+    """--quantize models (and float32 ones, whose linears run linear_rows: forwards of
+    up to 4 rows) with plain Llama or Qwen3 blocks (q/k RMSNorm inside the op) run
     each decode-sized layer as one op (decode_layer); it must give what the per-op fused
     path gives."""
     from ferrum_rpc.server.config import ExecutorConfig
@@ -170,3 +171,12 @@ def test_whole_layer_op_equals_the_per_op_path(tiny_llama_dir, tiny_qwen3_dir, a
     finally:
         ex.model.layer_ops = saved
     assert rel(a.logits.values, b.logits.values) <= 1e-5
+    assert ex.model.layer_ops_rows == (4 if quantize == "none" else None)
+    if quantize == "none":  # 6 rows are past linear_rows: the per-op path runs them, op or no op
+        c = ex.forward_verify([4, 5, 6, 7, 8, 9], a.kv_cache, full)
+        ex.model.layer_ops = None
+        try:
+            d = ex.forward_verify([4, 5, 6, 7, 8, 9], b.kv_cache, full)
+        finally:
+            ex.model.layer_ops = saved
+        assert rel(c.logits.values, d.logits.values) <= 1e-5  # their KV differs by the rounding above
