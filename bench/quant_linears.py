@@ -1,5 +1,7 @@
 """One linear layer at SmolLM2-135M's shapes, 1 / 8 / 32 activation rows, ms
-(best of N): float32 (``F.linear`` and oneDNN packed), our weight-only int8
+(best of N): float32 (``F.linear``, oneDNN packed, and for 1-4 rows our
+``linear_rows`` GEMV from ``csrc/fused.cpp``; the LM head, 113 MB, is read from
+memory every call, the other layers fit the caches), our weight-only int8
 and int4 (``woq.py``), torch's fbgemm dynamic int8 linear (int8 weights per
 channel, activations per call), and our integer-activation kernels (w8a8,
 w4a8, ``qact.py``).  The evidence behind ``qact.py``'s choice of kernel.
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ferrum_rpc.server import qact, woq
+from ferrum_rpc.server.models.llama import LINEAR_ROWS_MAX
 
 SHAPES = {"lm_head": (49152, 576), "qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)
     woq.load_library()
-    print(f"{'layer':8} {'rows':>4} {'f32':>8} {'f32 pk':>8} {'int8':>8} {'int4':>8} {'fbgemm':>8} "
+    print(f"{'layer':8} {'rows':>4} {'f32':>8} {'f32 pk':>8} {'f32 rows':>8} {'int8':>8} {'int4':>8} {'fbgemm':>8} "
           f"{'w8a8':>8} {'w4a8':>8}   (ms, best of {args.repeats}, {torch.get_num_threads()} threads)")
     for name, (n, k) in SHAPES.items():
         weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.05
@@ -57,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
         layers = {
             "f32": lambda x: F.linear(x, weight),
             "f32 pk": lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+            "f32 rows": lambda x: torch.ops.ferrum_fused.linear_rows(x, weight) if len(x) <= LINEAR_ROWS_MAX else None,
             "int8": woq.QuantizedLinear(weight, None, 8, woq.WOQ),
             "int4": woq.QuantizedLinear(weight, None, 4, woq.WOQ),
             "fbgemm": fbgemm_dynamic(weight),
@@ -65,8 +69,9 @@ def main(argv: list[str] | None = None) -> None:
         }
         for rows in args.rows:
             x = torch.randn(rows, k)
-            print(f"{name:8} {rows:4d} " + " ".join(f"{best_ms(lambda: f(x), args.repeats):8.3f}"
-                                                     for f in layers.values()), flush=True)
+            print(f"{name:8} {rows:4d} " + " ".join(
+                f"{'-':>8}" if f(x) is None else f"{best_ms(lambda: f(x), args.repeats):8.3f}"
+                for f in layers.values()), flush=True)
 
 
 if __name__ == "__main__":
