@@ -81,10 +81,10 @@ def probe_fused(dtype: torch.dtype) -> tuple[bool, str]:
             return False, f"silu_mul disagrees with torch (relative error {err:.2e})"
         if (err := attention_error(dtype, gen)) > tol:
             return False, f"paged_attention disagrees with torch (relative error {err:.2e})"
-        if dtype == torch.float32:
-            w = torch.randn(70, 80, generator=gen)
+        if dtype in (torch.float32, torch.bfloat16):
+            w = torch.randn(70, 80, generator=gen).to(dtype)
             for rows in (1, 3):
-                xr = torch.randn(rows, 80, generator=gen)
+                xr = torch.randn(rows, 80, generator=gen).to(dtype)
                 if (err := _relative_error(ops.linear_rows(xr, w), F.linear(xr, w))) > tol:
                     return False, f"linear_rows disagrees with torch (relative error {err:.2e})"
     except Exception as exc:

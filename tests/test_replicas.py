@@ -10,6 +10,7 @@ failover must not change them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import replace
 import signal
 import socket
@@ -413,8 +414,7 @@ def test_batches_forks_and_truncations_survive_a_kill(healthy):
     targets = [r.target for r in healthy]
     by_target = {r.target: r for r in healthy}
     argmax = LogitsPolicy.argmax()
-    with connect(targets, timeout=30, replica_policy=FAST) as ex, \
-            ExecutorClient(targets[0], timeout=30) as one:
+    with connect(targets, timeout=30, replica_policy=FAST) as ex, contextlib.ExitStack() as stack:
 
         def build(c):
             handles, tokens = [], []
@@ -430,6 +430,9 @@ def test_batches_forks_and_truncations_survive_a_kill(healthy):
             return handles + kids, tokens + [tokens[0], (tokens[0] + 1) % 300]
 
         handles, tokens = build(ex)
+        # the reference server: a replica the kill below spares (placement follows load)
+        spared = next(t for t in targets if t != ex.replica_of(handles[0]))
+        one = stack.enter_context(ExecutorClient(spared, timeout=30))
         solo, solo_tokens = build(one)
         assert tokens == solo_tokens
         session = ex.decode_session()  # streams to every owner, the victim's included

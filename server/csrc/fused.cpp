@@ -5,7 +5,7 @@
 //   silu_mul         silu(gate) * up over a fused gate|up projection     (~4 ops -> 1)
 //   paged_attention  RoPE on q and k, k/v written into the paged pool,
 //                    causal attention read straight from the pool blocks (~25 ops -> 1)
-//   linear_rows      a float32 linear over 1-4 activation rows, at memory speed
+//   linear_rows      a float32 or bfloat16 linear over 1-4 rows, at memory speed
 //
 // Arithmetic is float32 throughout; bfloat16 tensors are converted on load
 // and rounded where the eager path rounds (rms_norm before the weight
@@ -116,87 +116,6 @@ float exp_shifted_portable(float* s, int64_t n, float mx) {
   float sum = 0;
   for (int64_t j = 0; j < n; ++j) sum += (s[j] = std::exp(s[j] - mx));
   return sum;
-}
-
-// ---- linear_rows: float32 weights times a few activation rows ---------------------------
-// The float32 linears' batch-1 step (a decode, a verify of a few drafts): oneDNN's
-// packed GEMM read 30 layers' weights at ~21 GB/s here and MKL's sgemv at ~12,
-// where a GEMV that streams each weight row once, contiguously, reads at the
-// memory's speed (30-40 GB/s on the same host, 2 threads).  Each thread takes a
-// contiguous range of weight rows; each output is one thread's dot product in a
-// fixed order (four chains of 8 lanes over K, then summed), so the bits do not
-// depend on the thread count or on which rows ride along.
-constexpr int64_t kLinearRowsMax = 4;
-
-#ifdef FERRUM_X86
-__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-__attribute__((target("avx2,fma"))) void linear_rows_avx2(const float* x, int64_t M, const float* W, int64_t K,
-                                                          int64_t n0, int64_t n1, int64_t N, float* y) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const float* w = W + n * K;
-    for (int64_t m = 0; m < M; ++m) {
-      const float* xm = x + m * K;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      int64_t k = 0;
-      for (; k + 32 <= K; k += 32) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(xm + k), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(xm + k + 8), a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 16), _mm256_loadu_ps(xm + k + 16), a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 24), _mm256_loadu_ps(xm + k + 24), a3);
-      }
-      for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(xm + k), a0);
-      float sum = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-      for (; k < K; ++k) sum += w[k] * xm[k];
-      y[m * N + n] = sum;
-    }
-  }
-}
-#endif
-
-void linear_rows_portable(const float* x, int64_t M, const float* W, int64_t K, int64_t n0, int64_t n1, int64_t N,
-                          float* y) {
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // eight chains, summed pairwise: the vectoriser's shape
-      const float *w = W + n * K, *xm = x + m * K;
-      int64_t k = 0;
-      for (; k + 8 <= K; k += 8)
-        for (int l = 0; l < 8; ++l) acc[l] += w[k + l] * xm[k + l];
-      float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-      for (; k < K; ++k) sum += w[k] * xm[k];
-      y[m * N + n] = sum;
-    }
-}
-
-// x (..., K) float32 with at most kLinearRowsMax rows, weight (N, K) float32
-// contiguous -> (..., N): x @ weight.T, no bias (the caller adds it).
-at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "linear_rows: float32 only");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "linear_rows: weight must be (N, K) contiguous");
-  const int64_t N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(x.size(-1) == K, "linear_rows: activation width ", x.size(-1), " != ", K);
-  const at::Tensor x2d = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2d.size(0);
-  TORCH_CHECK(M <= kLinearRowsMax, "linear_rows: at most ", kLinearRowsMax, " rows, got ", M);
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  at::Tensor out = at::empty({M, N}, x.options());
-  const float *xp = x2d.data_ptr<float>(), *wp = weight.data_ptr<float>();
-  float* yp = out.data_ptr<float>();
-  const bool avx2 = ferrum_active_isa() >= 1;
-  if (M > 0)
-    at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
-#ifdef FERRUM_X86
-      if (avx2) return linear_rows_avx2(xp, M, wp, K, b, e, N, yp);
-#endif
-      linear_rows_portable(xp, M, wp, K, b, e, N, yp);
-    });
-  return out.view(shape);
 }
 
 // ---- rms_norm ------------------------------------------------------------------
@@ -533,6 +452,96 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return out;
 }
 
+// ---- linear_rows: float32 or bfloat16 weights times a few activation rows ---------------
+// The batch-1 step's linears (a decode, a verify of a few drafts): oneDNN's packed
+// GEMM read 30 layers' float32 weights at ~21 GB/s here and MKL's sgemv at ~12,
+// where a GEMV that streams each weight row once, contiguously, reads at the
+// memory's speed (30-40 GB/s on the same host, 2 threads).  Each thread takes a
+// contiguous range of weight rows; each output is one thread's dot product in a
+// fixed order (four chains of 8 lanes over K, then summed, in float32; bfloat16
+// rounded once at the end, as the eager linear), so the bits do not depend on
+// the thread count or on which rows ride along.
+constexpr int64_t kLinearRowsMax = 4;
+
+#ifdef FERRUM_X86
+__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+template <typename T>
+__attribute__((target("avx2,fma"))) void linear_rows_avx2(const T* x, int64_t M, const T* W, int64_t K,
+                                                          int64_t n0, int64_t n1, int64_t N, T* y) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const T* w = W + n * K;
+    for (int64_t m = 0; m < M; ++m) {
+      const T* xm = x + m * K;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      int64_t k = 0;
+      for (; k + 32 <= K; k += 32) {
+        a0 = _mm256_fmadd_ps(load8(w + k), load8(xm + k), a0);
+        a1 = _mm256_fmadd_ps(load8(w + k + 8), load8(xm + k + 8), a1);
+        a2 = _mm256_fmadd_ps(load8(w + k + 16), load8(xm + k + 16), a2);
+        a3 = _mm256_fmadd_ps(load8(w + k + 24), load8(xm + k + 24), a3);
+      }
+      for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(load8(w + k), load8(xm + k), a0);
+      float sum = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+      for (; k < K; ++k) sum += load(w[k]) * load(xm[k]);
+      y[m * N + n] = store<T>(sum);
+    }
+  }
+}
+#endif
+
+template <typename T>
+void linear_rows_portable(const T* x, int64_t M, const T* W, int64_t K, int64_t n0, int64_t n1, int64_t N, T* y) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // eight chains, summed pairwise: the vectoriser's shape
+      const T *w = W + n * K, *xm = x + m * K;
+      int64_t k = 0;
+      for (; k + 8 <= K; k += 8)
+        for (int l = 0; l < 8; ++l) acc[l] += load(w[k + l]) * load(xm[k + l]);
+      float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+      for (; k < K; ++k) sum += load(w[k]) * load(xm[k]);
+      y[m * N + n] = store<T>(sum);
+    }
+}
+
+// x (..., K) with at most kLinearRowsMax rows, weight (N, K) contiguous, both
+// float32 or both bfloat16 -> (..., N): x @ weight.T, no bias (the caller adds it).
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() &&
+              (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "linear_rows: float32 or bfloat16 only, x and weight alike");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "linear_rows: weight must be (N, K) contiguous");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(x.size(-1) == K, "linear_rows: activation width ", x.size(-1), " != ", K);
+  const at::Tensor x2d = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2d.size(0);
+  TORCH_CHECK(M <= kLinearRowsMax, "linear_rows: at most ", kLinearRowsMax, " rows, got ", M);
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  at::Tensor out = at::empty({M, N}, x.options());
+  const bool avx2 = ferrum_active_isa() >= 1;
+  auto run = [&](auto tag) {
+    using T_ = decltype(tag);
+    const T_ *xp = x2d.data_ptr<T_>(), *wp = weight.data_ptr<T_>();
+    T_* yp = out.data_ptr<T_>();
+    if (M > 0)
+      at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
+#ifdef FERRUM_X86
+        if (avx2) return linear_rows_avx2<T_>(xp, M, wp, K, b, e, N, yp);
+#endif
+        linear_rows_portable<T_>(xp, M, wp, K, b, e, N, yp);
+      });
+  };
+  if (x.scalar_type() == at::kFloat) run(float{});
+  else run(c10::BFloat16{});
+  return out.view(shape);
+}
+
 // ---- a whole decoder layer ----------------------------------------------------------
 // One Llama (or Qwen3: qk_norm holds the q/k RMSNorm weights, else empty)
 // decoder layer for a decode-sized float32 forward whose projections
@@ -543,15 +552,18 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 // [qweight, scales, mins], or [codes, scales] in qact.cpp's packed layout for the
 // linears that quantize their activations too, whose widths (8 or 4) bits holds
 // negated and digits their activation digits (1: w8a8, w4a8; 2: int8, int4),
-// or [weight] (N, K) float32 with bits 32: linear_rows, so 1-4 rows only.
+// or [weight] (N, K) float32 with bits 32: linear_rows, so 1-4 rows only (bfloat16
+// weights and x too where every linear is one of those: the eager path's roundings).
 at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
                         at::TensorList qkv, at::TensorList o, at::TensorList gate_up, at::TensorList down,
                         at::IntArrayRef bits, at::IntArrayRef digits, at::TensorList qk_norm, const at::Tensor& cos, const at::Tensor& sin,
                         const at::Tensor& positions, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& write_slots, const at::Tensor& tables, int64_t num_heads,
                         int64_t num_kv_heads, double scale) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "decode_layer: x must be (B, T, C) float32");
   TORCH_CHECK(bits.size() == 4 && digits.size() == 4, "decode_layer: bits and digits have four entries");
+  const bool all_rows = bits[0] == 32 && bits[1] == 32 && bits[2] == 32 && bits[3] == 32;
+  TORCH_CHECK(x.dim() == 3 && (x.scalar_type() == at::kFloat || (all_rows && x.scalar_type() == at::kBFloat16)),
+              "decode_layer: x must be (B, T, C) float32 (or bfloat16 with every linear on linear_rows)");
   TORCH_CHECK(qk_norm.empty() || qk_norm.size() == 2, "decode_layer: qk_norm is [] or [q_norm, k_norm] weights");
   const at::TensorList lists[] = {qkv, o, gate_up, down};
   for (int i = 0; i < 4; ++i)

@@ -72,6 +72,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 LINEAR_ROWS_MAX = 4  # csrc/fused.cpp kLinearRowsMax
+# the rows linear_rows takes per weight dtype: it loads (and, bfloat16, widens) each weight
+# row once per activation row, so past these oneDNN's packed GEMM was faster (measured
+# alternating, SmolLM2-135M: bfloat16 at 4 rows 0.76x, float32 at 4 rows still 1.09x)
+LINEAR_ROWS = {torch.float32: LINEAR_ROWS_MAX, torch.bfloat16: 2}
 
 
 class FastLinear(nn.Module):
@@ -85,8 +89,9 @@ class FastLinear(nn.Module):
     the packed path always wins for M > 1 (MKL's small-M sgemm is slow), and
     for one row on some CPUs only (``kernels.packed_float32_wins_at_one_row``
     times it at load); the packed copy doubles float32 weight memory.  Where the
-    fused ops run (``use_fused_ops``), 1-4 float32 rows go to ``linear_rows``
-    instead, over the plain weight, which is then kept beside the packed one.
+    fused ops run (``use_fused_ops``), 1-4 float32 or bfloat16 rows go to
+    ``linear_rows`` instead, over the plain weight, which is then kept beside
+    the packed one.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: str):
@@ -109,13 +114,14 @@ class FastLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, pack: str) -> FastLinear:
         return cls(linear.weight.data, None if linear.bias is None else linear.bias.data, pack)
 
-    # set by LlamaForCausalLM.use_fused_ops: 1..LINEAR_ROWS_MAX float32 rows run on
-    # fused.cpp's linear_rows (a GEMV at memory speed) instead of oneDNN or MKL
+    # set by LlamaForCausalLM.use_fused_ops: 1..LINEAR_ROWS[dtype] float32 or bfloat16 rows
+    # run on fused.cpp's linear_rows (a GEMV at memory speed) instead of oneDNN or MKL
     rows_kernel = False
+    rows_max = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if self.rows_kernel and rows <= LINEAR_ROWS_MAX and x.dtype == torch.float32:
+        if self.rows_kernel and rows <= self.rows_max and x.dtype == self.weight.dtype:
             y = torch.ops.ferrum_fused.linear_rows(x, self.weight)
             return y if self.bias is None else y + self.bias
         if self.packed is not None and (self.pack == "always" or rows > 1):
@@ -287,6 +293,7 @@ class LlamaForCausalLM(nn.Module):
         self.fused_ops = False  # see use_fused_ops
         self.layer_ops: list[tuple] | None = None  # whole-layer op arguments, where every layer qualifies
         self.layer_ops_rows: int | None = None  # the most rows they take (float32 linears: linear_rows'), or any
+        self.layer_ops_dtype = torch.float32  # their activations' dtype (bfloat16: every linear on linear_rows)
 
     def init_rope(self, device: torch.device) -> None:
         self.rope_cos, self.rope_sin = rope_tables(self.config, device)
@@ -294,16 +301,16 @@ class LlamaForCausalLM(nn.Module):
     def optimize_for_inference(self, pack_weights: bool, rows_kernel: bool = False) -> None:
         """Fuses projections and, where ``pack_weights`` (the probe in ``kernels.py``
         said the oneDNN packed linear runs here), prepacks weights (after loading).
-        ``rows_kernel``: float32 weights will run 1-4 rows on fused.cpp's
+        ``rows_kernel``: float32 and bfloat16 weights will run 1-4 rows on fused.cpp's
         ``linear_rows`` (see ``use_fused_ops``), so their plain copies are kept
         and oneDNN's packed ones serve larger batches only."""
         for module in list(self.modules()):
             if hasattr(module, "fuse"):
                 module.fuse()
         weight = self.lm_head.weight
-        if rows_kernel and weight.dtype == torch.float32:
-            log.info("float32 linears: 1-%d rows on linear_rows (fused ops), more %s", LINEAR_ROWS_MAX,
-                     "on oneDNN's packed copies" if pack_weights else "on F.linear")
+        if rows_kernel and weight.dtype in (torch.float32, torch.bfloat16):
+            log.info("%s linears: 1-%d rows on linear_rows (fused ops), more %s", str(weight.dtype)[6:],
+                     LINEAR_ROWS[weight.dtype], "on oneDNN's packed copies" if pack_weights else "on F.linear")
             _replace_linears(self, "batched" if pack_weights else "never")
             return
         if not pack_weights:
@@ -326,8 +333,9 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (RMSNorm, MLP)):
                 module.fused = on
             elif isinstance(module, FastLinear):
-                module.rows_kernel = (on and module.weight is not None and module.weight.dtype == torch.float32
-                                      and module.weight.is_contiguous())
+                module.rows_kernel = (on and module.weight is not None and module.weight.is_contiguous()
+                                      and module.weight.dtype in LINEAR_ROWS)
+                module.rows_max = LINEAR_ROWS[module.weight.dtype] if module.rows_kernel else 0
         self.layer_ops = self._whole_layer_args() if on else None
 
     def _whole_layer_args(self) -> list[tuple] | None:
@@ -335,8 +343,8 @@ class LlamaForCausalLM(nn.Module):
         is a plain Llama or Qwen3 block (a dense MLP; Qwen3's q/k RMSNorm in the op) whose projections are all
         our int8/int4 linears without bias (weight-only, or packed ones, whose widths
         are passed negated, with their activation digits) or float32 linears on
-        ``linear_rows`` (bits 32: forwards of up to ``layer_ops_rows`` rows); else None
-        (the per-op path runs)."""
+        ``linear_rows`` (bits 32: forwards of up to ``layer_ops_rows`` rows; float32 or,
+        all of them, bfloat16: ``layer_ops_dtype``); else None (the per-op path runs)."""
         from ferrum_rpc.server.qact import QACT, UNIT
         from ferrum_rpc.server.woq import WOQ, QuantizedLinear
 
@@ -360,7 +368,17 @@ class LlamaForCausalLM(nn.Module):
             args.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                          layer.input_layernorm.eps, *weights, bits,
                          [getattr(l, "digits", 1) for l in linears], qk_norm))
-        self.layer_ops_rows = LINEAR_ROWS_MAX if any(32 in a[7] for a in args) else None
+        rows_kernels = [l.rows_max for layer in self.model.layers for l in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            if isinstance(l, FastLinear)]
+        self.layer_ops_rows = min(rows_kernels) if rows_kernels else None
+        # bfloat16 only where every linear is a bfloat16 FastLinear (the op's linears take float32 otherwise)
+        dtypes = {l.weight.dtype if isinstance(l, FastLinear) else torch.float32
+                  for layer in self.model.layers for l in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)}
+        if len(dtypes) != 1:
+            return None
+        self.layer_ops_dtype = dtypes.pop()
         return args
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv,
@@ -382,7 +400,7 @@ class LlamaForCausalLM(nn.Module):
         if keep:
             keep(0, x)
         rope = self.rope(positions, x.dtype, eager=getattr(kv, "attention", None) is not None)
-        if (rope.fused and self.layer_ops is not None and x.dtype == torch.float32
+        if (rope.fused and self.layer_ops is not None and x.dtype == self.layer_ops_dtype
                 and (self.layer_ops_rows is None or x.shape[0] * x.shape[1] <= self.layer_ops_rows)):
             cfg, decode_layer = self.config, torch.ops.ferrum_fused.decode_layer
             cos, sin, positions, slots, tables = self.rope_cos, self.rope_sin, kv.positions, kv.write_slots, kv.tables

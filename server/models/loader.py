@@ -18,7 +18,7 @@ from ferrum_rpc.server import qact, woq
 from ferrum_rpc.server.fused import choose_step_ops
 from ferrum_rpc.server.kernels import ATEN, ONEDNN_PACKED, KernelChoice, choose_linear, cpu_capability
 from ferrum_rpc.server.models.config import ModelConfig
-from ferrum_rpc.server.models.llama import LINEAR_ROWS_MAX, LlamaForCausalLM
+from ferrum_rpc.server.models.llama import LINEAR_ROWS, LlamaForCausalLM
 from ferrum_rpc.server.models.qwen3 import Qwen3ForCausalLM
 from ferrum_rpc.server.models.qwen3_moe import Qwen3MoeForCausalLM, fuse_expert_weights
 
@@ -120,12 +120,12 @@ def _choose_kernels(model, path: Path, dtype: torch.dtype, device: torch.device,
     fused, step_why = choose_step_ops(step_ops, dtype, device)
     if quantize == "none":
         model.kernels = choose_linear(linear_kernel, dtype, device)
-        # float32 batch-1 linears on fused.cpp's GEMV unless the fallbacks are forced
-        rows_kernel = fused and dtype == torch.float32 and linear_kernel != ATEN
+        # batch-1 linears on fused.cpp's GEMV unless the fallbacks are forced
+        rows_kernel = fused and dtype in (torch.float32, torch.bfloat16) and linear_kernel != ATEN
         model.optimize_for_inference(model.kernels.linear == ONEDNN_PACKED, rows_kernel)
         if rows_kernel:
             model.kernels = dataclasses.replace(
-                model.kernels, reason=model.kernels.reason + f"; 1-{LINEAR_ROWS_MAX} rows: linear_rows")
+                model.kernels, reason=model.kernels.reason + f"; 1-{LINEAR_ROWS[dtype]} rows: linear_rows")
     else:
         model.optimize_for_inference(False)  # fuse projections, then quantize the fused weights
         kernel, why = qact.choose_kernel(linear_kernel)

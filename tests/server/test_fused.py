@@ -99,12 +99,30 @@ def test_linear_rows_matches_f_linear_in_float64(ops, isa):
         torch.set_num_threads(threads)
 
 
+def test_linear_rows_in_bfloat16_matches_the_float64_sum_rounded_once(ops, isa):
+    """bfloat16 weights and rows, float32 sums, one rounding at the end (as the eager linear)."""
+    gen = torch.Generator().manual_seed(4)
+    for n, k in [(70, 80), (576, 576), (130, 37)]:
+        w = torch.randn(n, k, generator=gen).bfloat16()
+        for rows in (1, 4):
+            x = torch.randn(rows, k, generator=gen).bfloat16()
+            got = ops.linear_rows(x, w)
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+            want = F.linear(x.double(), w.double())
+            scale = (x.double().abs() @ w.double().abs().T)
+            # one bfloat16 rounding (2^-9 relative) plus float32 summation of |products|
+            assert ((got.double() - want).abs() <= want.abs() * 2 ** -8 + 4e-7 * scale * k ** 0.5).all()
+            assert torch.equal(ops.linear_rows(x[:1], w)[0], got[0])
+
+
 def test_linear_rows_refuses_what_it_does_not_run(ops):
     w = torch.randn(16, 32)
     with pytest.raises(RuntimeError, match="at most 4 rows"):
         ops.linear_rows(torch.randn(5, 32), w)
-    with pytest.raises(RuntimeError, match="float32 only"):
-        ops.linear_rows(torch.randn(1, 32).bfloat16(), w.bfloat16())
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
+        ops.linear_rows(torch.randn(1, 32).bfloat16(), w)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
+        ops.linear_rows(torch.randn(1, 32).half(), w.half())
     with pytest.raises(RuntimeError, match="contiguous"):
         ops.linear_rows(torch.randn(1, 32), torch.randn(32, 16).T)
     with pytest.raises(RuntimeError, match="activation width"):
@@ -141,7 +159,7 @@ def test_step_ops_choice(ops):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("quantize", ["none", "int8", "int4", "w8a8", "w4a8"])
+@pytest.mark.parametrize("quantize", ["none", "none-bfloat16", "int8", "int4", "w8a8", "w4a8"])
 def test_whole_layer_op_equals_the_per_op_path(tiny_llama_dir, tiny_qwen3_dir, arch, quantize, ops):
     """--quantize models (and float32 ones, whose linears run linear_rows: forwards of
     up to 4 rows) with plain Llama or Qwen3 blocks (q/k RMSNorm inside the op) run
@@ -152,8 +170,12 @@ def test_whole_layer_op_equals_the_per_op_path(tiny_llama_dir, tiny_qwen3_dir, a
     from ferrum_rpc.types import LogitsPolicy
 
     model_dir = {"llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir}[arch]
-    ex = TorchExecutor.from_path("tiny", model_dir, ExecutorConfig(kv_tokens=256, block_size=4, quantize=quantize))
+    quantize, _, dtype = quantize.partition("-")
+    ex = TorchExecutor.from_path("tiny", model_dir, ExecutorConfig(kv_tokens=256, block_size=4, quantize=quantize,
+                                                                    dtype=dtype or "float32"))
     assert ex.model.layer_ops is not None and len(ex.model.layer_ops) == 2
+    assert ex.model.layer_ops_dtype == (torch.bfloat16 if dtype else torch.float32)
+    tol = TOL[torch.bfloat16] if dtype else 1e-5
     full = LogitsPolicy.full()
     twins = [ex.prefill([5, 17, 101, 3, 250, 42], None, full).kv_cache for _ in range(2)]
     whole = ex.decode(7, twins[0], full)
@@ -162,7 +184,7 @@ def test_whole_layer_op_equals_the_per_op_path(tiny_llama_dir, tiny_qwen3_dir, a
         per_op = ex.decode(7, twins[1], full)
     finally:
         ex.model.layer_ops = saved
-    assert rel(whole.logits.values, per_op.logits.values) <= 1e-5
+    assert rel(whole.logits.values, per_op.logits.values) <= tol
     # a verify of 3 rows (still decode-sized) too, on both sequences
     a = ex.forward_verify([1, 2, 3], whole.kv_cache, full)
     ex.model.layer_ops = None
@@ -170,8 +192,8 @@ def test_whole_layer_op_equals_the_per_op_path(tiny_llama_dir, tiny_qwen3_dir, a
         b = ex.forward_verify([1, 2, 3], per_op.kv_cache, full)
     finally:
         ex.model.layer_ops = saved
-    assert rel(a.logits.values, b.logits.values) <= 1e-5
-    assert ex.model.layer_ops_rows == (4 if quantize == "none" else None)
+    assert rel(a.logits.values, b.logits.values) <= tol
+    assert ex.model.layer_ops_rows == ((2 if dtype else 4) if quantize == "none" else None)
     if quantize == "none":  # 6 rows are past linear_rows: the per-op path runs them, op or no op
         c = ex.forward_verify([4, 5, 6, 7, 8, 9], a.kv_cache, full)
         ex.model.layer_ops = None
@@ -179,4 +201,4 @@ def test_whole_layer_op_equals_the_per_op_path(tiny_llama_dir, tiny_qwen3_dir, a
             d = ex.forward_verify([4, 5, 6, 7, 8, 9], b.kv_cache, full)
         finally:
             ex.model.layer_ops = saved
-        assert rel(c.logits.values, d.logits.values) <= 1e-5  # their KV differs by the rounding above
+        assert rel(c.logits.values, d.logits.values) <= tol  # their KV differs by the rounding above
