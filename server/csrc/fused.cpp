@@ -470,26 +470,44 @@ __attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// R activation rows (1 or 2) against one weight row: each weight vector is loaded
+// (bfloat16: widened) once for the R rows; every row sums in the same order
+// whatever R (four chains over K, the rest into the first, then a fixed tree).
+template <typename T, int R>
+__attribute__((target("avx2,fma"))) inline void dot_rows(const T* w, const T* x, int64_t K, T* y, int64_t ldy) {
+  __m256 a[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) a[r][c] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    const __m256 w0 = load8(w + k), w1 = load8(w + k + 8), w2 = load8(w + k + 16), w3 = load8(w + k + 24);
+    for (int r = 0; r < R; ++r) {
+      const T* xr = x + r * K + k;
+      a[r][0] = _mm256_fmadd_ps(w0, load8(xr), a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(w1, load8(xr + 8), a[r][1]);
+      a[r][2] = _mm256_fmadd_ps(w2, load8(xr + 16), a[r][2]);
+      a[r][3] = _mm256_fmadd_ps(w3, load8(xr + 24), a[r][3]);
+    }
+  }
+  for (; k + 8 <= K; k += 8) {
+    const __m256 w0 = load8(w + k);
+    for (int r = 0; r < R; ++r) a[r][0] = _mm256_fmadd_ps(w0, load8(x + r * K + k), a[r][0]);
+  }
+  for (int r = 0; r < R; ++r) {
+    float sum = hsum8(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3])));
+    for (int64_t j = k; j < K; ++j) sum += load(w[j]) * load(x[r * K + j]);
+    y[r * ldy] = store<T>(sum);
+  }
+}
+
 template <typename T>
 __attribute__((target("avx2,fma"))) void linear_rows_avx2(const T* x, int64_t M, const T* W, int64_t K,
                                                           int64_t n0, int64_t n1, int64_t N, T* y) {
   for (int64_t n = n0; n < n1; ++n) {
     const T* w = W + n * K;
-    for (int64_t m = 0; m < M; ++m) {
-      const T* xm = x + m * K;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      int64_t k = 0;
-      for (; k + 32 <= K; k += 32) {
-        a0 = _mm256_fmadd_ps(load8(w + k), load8(xm + k), a0);
-        a1 = _mm256_fmadd_ps(load8(w + k + 8), load8(xm + k + 8), a1);
-        a2 = _mm256_fmadd_ps(load8(w + k + 16), load8(xm + k + 16), a2);
-        a3 = _mm256_fmadd_ps(load8(w + k + 24), load8(xm + k + 24), a3);
-      }
-      for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(load8(w + k), load8(xm + k), a0);
-      float sum = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-      for (; k < K; ++k) sum += load(w[k]) * load(xm[k]);
-      y[m * N + n] = store<T>(sum);
-    }
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2) dot_rows<T, 2>(w, x + m * K, K, y + m * N + n, N);
+    if (m < M) dot_rows<T, 1>(w, x + m * K, K, y + m * N + n, N);
   }
 }
 #endif
