@@ -89,8 +89,8 @@ class FastLinear(nn.Module):
     the packed path always wins for M > 1 (MKL's small-M sgemm is slow), and
     for one row on some CPUs only (``kernels.packed_float32_wins_at_one_row``
     times it at load); the packed copy doubles float32 weight memory.  Where the
-    fused ops run (``use_fused_ops``), 1-4 float32 or bfloat16 rows go to
-    ``linear_rows`` instead, over the plain weight, which is then kept beside
+    fused ops run (``use_fused_ops``), float32 or bfloat16 forwards of up to
+    ``LINEAR_ROWS[dtype]`` rows go to ``linear_rows`` instead, over the plain weight, which is then kept beside
     the packed one.
     """
 
@@ -301,14 +301,14 @@ class LlamaForCausalLM(nn.Module):
     def optimize_for_inference(self, pack_weights: bool, rows_kernel: bool = False) -> None:
         """Fuses projections and, where ``pack_weights`` (the probe in ``kernels.py``
         said the oneDNN packed linear runs here), prepacks weights (after loading).
-        ``rows_kernel``: float32 and bfloat16 weights will run 1-4 rows on fused.cpp's
-        ``linear_rows`` (see ``use_fused_ops``), so their plain copies are kept
-        and oneDNN's packed ones serve larger batches only."""
+        ``rows_kernel``: float32 and bfloat16 weights will run up to ``LINEAR_ROWS[dtype]``
+        rows on fused.cpp's ``linear_rows`` (see ``use_fused_ops``), so their plain
+        copies are kept and oneDNN's packed ones serve larger batches only."""
         for module in list(self.modules()):
             if hasattr(module, "fuse"):
                 module.fuse()
         weight = self.lm_head.weight
-        if rows_kernel and weight.dtype in (torch.float32, torch.bfloat16):
+        if rows_kernel and weight.dtype in LINEAR_ROWS:
             log.info("%s linears: 1-%d rows on linear_rows (fused ops), more %s", str(weight.dtype)[6:],
                      LINEAR_ROWS[weight.dtype], "on oneDNN's packed copies" if pack_weights else "on F.linear")
             _replace_linears(self, "batched" if pack_weights else "never")
@@ -348,7 +348,7 @@ class LlamaForCausalLM(nn.Module):
         from ferrum_rpc.server.qact import QACT, UNIT
         from ferrum_rpc.server.woq import WOQ, QuantizedLinear
 
-        args = []
+        args, rows, dtypes = [], [], set()
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             if type(mlp) is not MLP or not isinstance(layer.input_layernorm, RMSNorm):
@@ -363,21 +363,17 @@ class LlamaForCausalLM(nn.Module):
                 return None
             if any(isinstance(l, QuantizedLinear) and l.kernel == QACT and l.out_features % UNIT for l in linears):
                 return None  # the whole-layer op takes every packed unit's 16 outputs
+            rows += [l.rows_max for l in linears if isinstance(l, FastLinear)]
+            dtypes |= {l.weight.dtype if isinstance(l, FastLinear) else torch.float32 for l in linears}
             weights = [[l.weight] if isinstance(l, FastLinear) else l.kernel_args() for l in linears]
             bits = [32 if isinstance(l, FastLinear) else -l.bits if l.kernel == QACT else l.bits for l in linears]
             args.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                          layer.input_layernorm.eps, *weights, bits,
                          [getattr(l, "digits", 1) for l in linears], qk_norm))
-        rows_kernels = [l.rows_max for layer in self.model.layers for l in (
-            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            if isinstance(l, FastLinear)]
-        self.layer_ops_rows = min(rows_kernels) if rows_kernels else None
         # bfloat16 only where every linear is a bfloat16 FastLinear (the op's linears take float32 otherwise)
-        dtypes = {l.weight.dtype if isinstance(l, FastLinear) else torch.float32
-                  for layer in self.model.layers for l in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)}
         if len(dtypes) != 1:
             return None
+        self.layer_ops_rows = min(rows) if rows else None
         self.layer_ops_dtype = dtypes.pop()
         return args
 
