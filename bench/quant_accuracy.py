@@ -12,11 +12,14 @@ for every position of the same token ids, from its cached environment).
 remove it: the int8 weights (w8a8's, lossless against the GGUF) with the
 activations rounded to other grids in torch (``F.linear`` over the
 dequantized weights; the kernels give the same codes, their sums differ in
-order only): int8 per block of 32 (what w8a8 does), of 16 and of 8, int8
-per block after a 32-point Hadamard rotation of activations and weights
-(QuaRot-style, the weights then either kept in float or requantized to int8 per
-block), bfloat16, float16, and two int8 digits per block (the code and the
-code of its residual).
+order only): int8 per block of 32, of 16 and of 8, the LM head on two digits,
+w8a8's ``rotate16`` (the order-16 Hadamard whose rotated Q4_1 weights stay
+8-bit codes, ``qact.RotatedQ8Linear``), int8 per block after a 32-point
+Hadamard rotation of activations and weights (QuaRot-style, the weights then
+either kept in float or requantized to int8 per block), bfloat16, float16,
+and two int8 digits per block (the code and the code of its residual); each
+with its mean KL divergence from float32, which, unlike the agreement, does
+not jump with a few near ties.
 """
 
 from __future__ import annotations
@@ -72,41 +75,67 @@ def _hadamard(n: int = 32) -> torch.Tensor:
     return h / n ** 0.5
 
 
-def grid_agreements(model_dir: Path, ids: list[int], reference: np.ndarray) -> dict[str, float]:
-    """Greedy agreement with float32 for each activation grid (see the module docstring)."""
-    ex = TorchExecutor.from_path("grids", model_dir, ExecutorConfig(quantize="w8a8", kv_tokens=4096,
-                                                                    linear_kernel="aten", prefix_caching=False))
+def _prefill_logits(ex: TorchExecutor, ids: list[int], positions: int) -> torch.Tensor:
+    got = ex.prefill(ids, None, LogitsPolicy.full(all_positions=True))
+    ex.release_cache(got.kv_cache.cache_id)
+    return torch.from_numpy(np.asarray(got.logits.values))[:positions].float()
+
+
+def grid_agreements(model_dir: Path, ids: list[int], positions: int) -> dict[str, tuple[float, float]]:
+    """(greedy agreement with float32, mean KL divergence from float32's next-token
+    distribution) for each activation grid (see the module docstring).  The KL moves
+    smoothly with the error where the agreement, set by a few near ties, jumps by
+    half a point between grids of equal error."""
+    base = dict(kv_tokens=4096, linear_kernel="aten", prefix_caching=False)
+    reference = _prefill_logits(TorchExecutor.from_path("f32", model_dir, ExecutorConfig(**base)), ids, positions)
+    ref_logp = reference.log_softmax(-1)
+    ex = TorchExecutor.from_path("grids", model_dir, ExecutorConfig(quantize="w8a8", **base))
     h = _hadamard()
 
     def rotate(t: torch.Tensor) -> torch.Tensor:  # each block of 32 times H (orthonormal)
         return (t.unflatten(-1, (-1, 32)) @ h).flatten(-2)
 
+    two = lambda x: qact.fake_quantize_blocks(x, 2)  # noqa: E731  (two int8 digits per block of 32)
+    r16 = qact.rotate16
     weights: dict[int, torch.Tensor] = {}
+    # name -> (the projections' activations and weights, the LM head's activations)
     grids = {
-        "int8 / 32 (w8a8)": lambda x, w: (_blocks_q8(x, 32), w),
-        "int8 / 16": lambda x, w: (_blocks_q8(x, 16), w),
-        "int8 / 8": lambda x, w: (_blocks_q8(x, 8), w),
-        "Hadamard int8 / 32, float W": lambda x, w: (_blocks_q8(rotate(x), 32), rotate(w)),
-        "Hadamard int8 / 32, int8 W": lambda x, w: (_blocks_q8(rotate(x), 32), _blocks_q8(rotate(w), 32)),
-        "bfloat16": lambda x, w: (x.bfloat16().float(), w),
-        "float16": lambda x, w: (x.half().float(), w),
-        "two int8 digits / 32": lambda x, w: ((q := _blocks_q8(x, 32)) + _blocks_q8(x - q, 32), w),
+        "int8 / 32": (lambda x, w: (_blocks_q8(x, 32), w), lambda x: _blocks_q8(x, 32)),
+        "int8 / 16 (w8a8 until rotate16)": (lambda x, w: (_blocks_q8(x, 16), w), lambda x: _blocks_q8(x, 16)),
+        "int8 / 8": (lambda x, w: (_blocks_q8(x, 8), w), lambda x: _blocks_q8(x, 8)),
+        "int8 / 16, head two digits": (lambda x, w: (_blocks_q8(x, 16), w), two),
+        "rotate16 int8 / 16": (lambda x, w: (_blocks_q8(r16(x), 16), r16(w)), lambda x: _blocks_q8(x, 16)),
+        "rotate16 int8 / 16, head two digits (w8a8)": (lambda x, w: (_blocks_q8(r16(x), 16), r16(w)), two),
+        "rotate16 int8 / 8, head two digits": (lambda x, w: (_blocks_q8(r16(x), 8), r16(w)), two),
+        "Hadamard-32 int8 / 32, float W": (lambda x, w: (_blocks_q8(rotate(x), 32), rotate(w)),
+                                           lambda x: _blocks_q8(rotate(x), 32) @ h.T),
+        "Hadamard-32 int8 / 32, int8 W": (lambda x, w: (_blocks_q8(rotate(x), 32), _blocks_q8(rotate(w), 32)),
+                                          lambda x: _blocks_q8(rotate(x), 32) @ h.T),
+        "bfloat16": (lambda x, w: (x.bfloat16().float(), w), lambda x: x.bfloat16().float()),
+        "float16": (lambda x, w: (x.half().float(), w), lambda x: x.half().float()),
+        "two int8 digits / 32": (lambda x, w: (two(x), w), two),
     }
     out, forward = {}, qact.BlockQ8Linear.forward
     try:
-        for name, grid in grids.items():
-            def linear(self, x, grid=grid):
+        for name, (grid, head) in grids.items():
+            def linear(self, x, grid=grid, head=head):
                 key = id(self)
                 if key not in weights:
                     weights[key] = self.dequantized().float()
-                xq, w = grid(x.float(), weights[key])
+                if self.out_features == ex.model_config.vocab_size:  # the LM head
+                    xq, w = head(x.float()), weights[key]
+                    if xq.shape[-1] != w.shape[-1]:
+                        raise AssertionError("head grid changed the width")
+                else:
+                    xq, w = grid(x.float(), weights[key])
                 y = F.linear(xq, w).to(x.dtype)
                 return y if self.bias is None else y + self.bias.to(y.dtype)
             qact.BlockQ8Linear.forward = linear
-            got = ex.prefill(ids, None, LogitsPolicy.argmax(all_positions=True))
-            ex.release_cache(got.kv_cache.cache_id)
-            out[name] = float((np.asarray(got.logits.argmax())[:len(reference)] == reference).mean())
-            log.info("grid %s: %.2f%%", name, 100 * out[name])
+            got = _prefill_logits(ex, ids, positions)
+            agree = float((got.argmax(-1) == reference.argmax(-1)).float().mean())
+            kl = float((ref_logp.exp() * (ref_logp - got.log_softmax(-1))).sum(-1).mean())
+            out[name] = (agree, kl)
+            log.info("grid %s: %.2f%%, KL %.2e", name, 100 * agree, kl)
     finally:
         qact.BlockQ8Linear.forward = forward
     return out
@@ -135,11 +164,14 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     model_dir = prepare_default_model()
     ids = english_ids(model_dir, args.positions)
+    if args.grids:
+        print(f"activation grids, {args.positions} positions of tests/data/english.txt: greedy top-1 agreement "
+              f"with float32, mean KL divergence from float32")
+        for name, (agree, kl) in grid_agreements(model_dir, ids, args.positions).items():
+            print(f"  {name:44} {agree:.2%}  {kl:.2e}")
+        return
     reference = argmaxes(model_dir, "none", ids)[:args.positions]
     results = {}
-    if args.grids:
-        results = grid_agreements(model_dir, ids, reference)
-        args.modes = []
     for mode in args.modes:
         results[mode] = float((argmaxes(model_dir, mode, ids)[:args.positions] == reference).mean())
     if args.llama_cpp and (theirs := llama_cpp_argmaxes(ids)) is not None:

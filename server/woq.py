@@ -271,12 +271,13 @@ class QuantizedLinear(nn.Module):
 
 
 def quantize_model(model: nn.Module, bits: int, kernel: str, skip: tuple[str, ...] = (),
-                   cls: type[QuantizedLinear] = QuantizedLinear) -> int:
+                   cls: type[QuantizedLinear] = QuantizedLinear, head_cls: type[QuantizedLinear] | None = None) -> int:
     """Replaces every ``nn.Linear`` (and packed linear) with a quantized one, in place.
 
     The LM head is quantized to int8 even in int4 mode; modules whose name
     ends with one of ``skip`` (MoE routers) keep their weights.  ``cls``: the
-    layer type (``qact.BlockQ8Linear`` for w4a8).  Returns the bytes the
+    layer type (``qact.BlockQ8Linear`` for w4a8), ``head_cls`` the LM head's (default
+    ``cls``).  Returns the bytes the
     quantized weights take.
     """
     total = 0
@@ -290,8 +291,8 @@ def quantize_model(model: nn.Module, bits: int, kernel: str, skip: tuple[str, ..
             if full.endswith(skip) or child.weight.shape[1] % GROUP:
                 log.info("%s stays unquantized", full)
                 continue
-            layer_bits = 8 if full == "lm_head" else bits
-            layer = cls.from_linear(child, layer_bits, kernel)
+            head = full == "lm_head"
+            layer = ((head_cls or cls) if head else cls).from_linear(child, 8 if head else bits, kernel)
             setattr(parent, name, layer)
             total += layer.nbytes
     return total

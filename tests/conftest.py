@@ -49,6 +49,28 @@ def tiny_qwen3_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_q4_llama_dir(tmp_path_factory):
+    """tiny_llama's architecture with every decoder projection's weights on GGUF's
+    Q4_1 grid (16 levels a block of 32), as the embedded model's come out of its
+    GGUF: w8a8 rotates these (qact.RotatedQ8Linear), not weights from float."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ferrum_rpc.server import woq
+
+    torch.manual_seed(4)
+    model = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}":
+                codes, scales, mins = woq.quantize_int4(module.weight)
+                blocks = codes.float().unflatten(-1, (-1, woq.GROUP))
+                module.weight.copy_((blocks * scales[..., None] + mins[..., None]).flatten(-2))
+    path = tmp_path_factory.mktemp("tiny-q4-llama")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def wide_vocab_dir(tmp_path_factory):
     """A tiny Llama with an 8,192-token vocabulary: a FULL float32 row is 32 KiB, so a few
     replies fill an HTTP/2 flow-control window and 200 rows take the reply-builder thread."""

@@ -132,8 +132,9 @@ def english_ids(default_model_dir):
     return ids[:1001]
 
 
-# The issue's gates are 99% for w8a8 and 97% for w4a8 (README: 98.5% and 97.6% measured with a
-# step per half block of 16; 96.7% and 96.8% with one per block of 32).  The figure moves by about
+# The issue's gates are 99% for w8a8 and 97% for w4a8 (README: 98.9% and 97.6% measured with a
+# step per half block of 16, w8a8's activations rotated and its LM head on two digits; 98.5% for
+# w8a8 unrotated, 96.7% and 96.8% with one step per block of 32).  The figure moves by about
 # half a point between kernels that compute the same numbers: every layer of the packed kernel
 # agrees with the torch fallback on the same codes to 1.2e-6 of its output, yet 4% of the argmaxes
 # over 300 positions differ between the two models, because rounding activations to a grid is
@@ -143,7 +144,7 @@ def english_ids(default_model_dir):
 # loss (the test below) and carry activations as two int8 digits (about 15 bits a block):
 # 99.9-100.0% measured for both; int4 is checked here (int8 runs the same activation path over
 # 8-bit codes).
-@pytest.mark.parametrize("quantize,target", [("w8a8", 0.975), ("w4a8", 0.965), ("int4", 0.995)])
+@pytest.mark.parametrize("quantize,target", [("w8a8", 0.98), ("w4a8", 0.965), ("int4", 0.995)])
 def test_quantized_greedy_top1_agrees_with_float32(default_model_dir, default_server, english_ids, quantize,
                                                    target):
     """Teacher-forced over 1,000 positions of a fixed English text: the next-token argmax of
@@ -166,8 +167,9 @@ def test_quantized_greedy_top1_agrees_with_float32(default_model_dir, default_se
 @pytest.mark.parametrize("quantize", ["int8", "int4", "w8a8", "w4a8"])
 def test_quantized_layers_hold_the_gguf_weights_without_loss(default_model_dir, quantize):
     """The embedded GGUF's projections are Q4_1 and its tied head Q8_0: int8 and int4 must reproduce
-    the float32 weights (dequantized from them) up to float32 rounding, so quantizing loses nothing."""
-    from ferrum_rpc.server import woq
+    the float32 weights (dequantized from them) up to float32 rounding, so quantizing loses nothing;
+    w8a8 holds its projections rotated (qact.rotate_codes), every one of them, and still loses nothing."""
+    from ferrum_rpc.server import qact, woq
     from ferrum_rpc.server.config import ExecutorConfig
     from ferrum_rpc.server.executor import TorchExecutor
 
@@ -182,6 +184,8 @@ def test_quantized_layers_hold_the_gguf_weights_without_loss(default_model_dir, 
             assert err <= 1e-5 * weight.abs().max().item(), name
             checked += 1
     assert checked == 4 * quant.model_config.num_layers + 1  # qkv, o, gate_up, down per layer; the head
+    rotated = sum(getattr(m, "rotated", False) for m in quant.model.modules())
+    assert rotated == (4 * quant.model_config.num_layers if quantize == "w8a8" else 0)
 
 
 def test_the_node_client_generates_what_the_python_client_does(default_model_dir, default_server):

@@ -34,7 +34,7 @@ int ferrum_active_isa();  // woq.cpp: 0 portable, 1 avx2, 2 avx512
 at::Tensor ferrum_woq_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                              const at::Tensor& mins, int64_t bits);  // woq.cpp
 at::Tensor ferrum_qact_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                              int64_t bits, int64_t digits);  // qact.cpp: packed codes and float16 scales
+                              int64_t bits, int64_t digits, bool rotated);  // qact.cpp: packed codes
 
 namespace {
 
@@ -569,16 +569,18 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight) {
 // residual), so a step makes 30 op calls instead of ~400.  Each weight list is
 // [qweight, scales, mins], or [codes, scales] in qact.cpp's packed layout for the
 // linears that quantize their activations too, whose widths (8 or 4) bits holds
-// negated and digits their activation digits (1: w8a8, w4a8; 2: int8, int4),
+// negated, digits their activation digits (1: w8a8, w4a8; 2: int8, int4) and
+// rotated whether their activations are rotated first (w8a8: qact.cpp rotate16),
 // or [weight] (N, K) float32 with bits 32: linear_rows, so 1-4 rows only (bfloat16
 // weights and x too where every linear is one of those: the eager path's roundings).
 at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
                         at::TensorList qkv, at::TensorList o, at::TensorList gate_up, at::TensorList down,
-                        at::IntArrayRef bits, at::IntArrayRef digits, at::TensorList qk_norm, const at::Tensor& cos, const at::Tensor& sin,
+                        at::IntArrayRef bits, at::IntArrayRef digits, at::IntArrayRef rotated, at::TensorList qk_norm, const at::Tensor& cos, const at::Tensor& sin,
                         const at::Tensor& positions, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& write_slots, const at::Tensor& tables, int64_t num_heads,
                         int64_t num_kv_heads, double scale) {
-  TORCH_CHECK(bits.size() == 4 && digits.size() == 4, "decode_layer: bits and digits have four entries");
+  TORCH_CHECK(bits.size() == 4 && digits.size() == 4 && rotated.size() == 4,
+              "decode_layer: bits, digits and rotated have four entries");
   const bool all_rows = bits[0] == 32 && bits[1] == 32 && bits[2] == 32 && bits[3] == 32;
   TORCH_CHECK(x.dim() == 3 && (x.scalar_type() == at::kFloat || (all_rows && x.scalar_type() == at::kBFloat16)),
               "decode_layer: x must be (B, T, C) float32 (or bfloat16 with every linear on linear_rows)");
@@ -591,7 +593,7 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Te
   const int64_t B = x.size(0), T = x.size(1), H = num_heads, Hkv = num_kv_heads, D = k_cache.size(3);
   auto lin = [&](const at::Tensor& in, at::TensorList w, int i) {
     return bits[i] == 32 ? linear_rows(in, w[0])
-           : bits[i] < 0 ? ferrum_qact_linear(in, w[0], w[1], -bits[i], digits[i])
+           : bits[i] < 0 ? ferrum_qact_linear(in, w[0], w[1], -bits[i], digits[i], rotated[i] != 0)
                          : ferrum_woq_linear(in, w[0], w[1], w[2], bits[i]);
   };
   const at::Tensor qkv_out = lin(rms_norm(x, ln1, eps), qkv, 0);  // (B, T, (H + 2 Hkv) D)
@@ -617,7 +619,7 @@ TORCH_LIBRARY(ferrum_fused, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor positions, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor write_slots, Tensor tables, float scale) -> Tensor");
   m.def("decode_layer(Tensor x, Tensor ln1, Tensor ln2, float eps, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, "
-        "Tensor[] down, int[] bits, int[] digits, Tensor[] qk_norm, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, "
+        "Tensor[] down, int[] bits, int[] digits, int[] rotated, Tensor[] qk_norm, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor write_slots, Tensor tables, int num_heads, int num_kv_heads, float scale) "
         "-> Tensor");
 }

@@ -369,7 +369,8 @@ class LlamaForCausalLM(nn.Module):
             bits = [32 if isinstance(l, FastLinear) else -l.bits if l.kernel == QACT else l.bits for l in linears]
             args.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                          layer.input_layernorm.eps, *weights, bits,
-                         [getattr(l, "digits", 1) for l in linears], qk_norm))
+                         [getattr(l, "digits", 1) for l in linears],
+                         [int(getattr(l, "rotated", False)) for l in linears], qk_norm))
         # bfloat16 only where every linear is a bfloat16 FastLinear (the op's linears take float32 otherwise)
         if len(dtypes) != 1:
             return None

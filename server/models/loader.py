@@ -139,6 +139,8 @@ def _choose_kernels(model, path: Path, dtype: torch.dtype, device: torch.device,
             nbytes = qact.quantize_model(model, quantize, kernel, skip=(".mlp.gate",))
             if two_digits:
                 why += "; activations as two int8 digits per block"
+            elif note := qact.rotation_note(model):
+                why += f"; {note}"
         model.kernels = KernelChoice(f"{quantize} {kernel}", why, cpu_capability())
         log.info("%s: linear weights quantized to %s: %.1f MiB", path.name, quantize, nbytes / 2**20)
     model.use_fused_ops(fused)

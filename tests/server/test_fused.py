@@ -158,9 +158,11 @@ def test_step_ops_choice(ops):
     assert woq.load_library.cache_info().currsize == 1  # built and loaded once per process
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("quantize", ["none", "none-bfloat16", "int8", "int4", "w8a8", "w4a8"])
-def test_whole_layer_op_equals_the_per_op_path(tiny_llama_dir, tiny_qwen3_dir, arch, quantize, ops):
+@pytest.mark.parametrize("arch,quantize", [  # llama-q4: Q4_1-grid weights, which w8a8 rotates
+    (arch, quantize) for arch in ("llama", "qwen3")
+    for quantize in ("none", "none-bfloat16", "int8", "int4", "w8a8", "w4a8")] + [("llama-q4", "w8a8")])
+def test_whole_layer_op_equals_the_per_op_path(tiny_llama_dir, tiny_qwen3_dir, tiny_q4_llama_dir, arch, quantize,
+                                               ops):
     """--quantize models (and float32 ones, whose linears run linear_rows: forwards of
     up to 4 rows) with plain Llama or Qwen3 blocks (q/k RMSNorm inside the op) run
     each decode-sized layer as one op (decode_layer); it must give what the per-op fused
@@ -169,11 +171,12 @@ def test_whole_layer_op_equals_the_per_op_path(tiny_llama_dir, tiny_qwen3_dir, a
     from ferrum_rpc.server.executor import TorchExecutor
     from ferrum_rpc.types import LogitsPolicy
 
-    model_dir = {"llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir}[arch]
+    model_dir = {"llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir, "llama-q4": tiny_q4_llama_dir}[arch]
     quantize, _, dtype = quantize.partition("-")
     ex = TorchExecutor.from_path("tiny", model_dir, ExecutorConfig(kv_tokens=256, block_size=4, quantize=quantize,
                                                                     dtype=dtype or "float32"))
     assert ex.model.layer_ops is not None and len(ex.model.layer_ops) == 2
+    assert all(rotated == [int(arch == "llama-q4" and quantize == "w8a8")] * 4 for *_, rotated, _ in ex.model.layer_ops)
     assert ex.model.layer_ops_dtype == (torch.bfloat16 if dtype else torch.float32)
     tol = TOL[torch.bfloat16] if dtype else 1e-5
     full = LogitsPolicy.full()

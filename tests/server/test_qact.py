@@ -110,6 +110,88 @@ def test_activation_codes_are_the_reference_codes_on_every_path(digits, isa):
         assert d[2, 4] == 0 and d[2, 5] > 0 and not codes[2, 0, 64:80].any() and codes[2, 0, 80:96].abs().max() == 127
 
 
+def test_rotation_is_the_order_16_hadamard_and_its_own_inverse():
+    h4 = torch.ones(4, 4, dtype=torch.float64) - 2 * torch.eye(4, dtype=torch.float64)
+    h16 = torch.kron(h4, h4) / 4
+    assert torch.equal(h16, h16.T) and torch.equal(h16 @ h16, torch.eye(16, dtype=torch.float64))
+    assert torch.equal(h16.sum(0), torch.ones(16, dtype=torch.float64))  # rows sum to 1: minimums stay minimums
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    want = (x.double().unflatten(-1, (-1, 16)) @ h16).flatten(-2)
+    assert (qact.rotate16(x).double() - want).abs().max().item() <= 1e-6
+    assert (qact.rotate16(qact.rotate16(x)) - x).abs().max().item() <= 1e-6
+    spike = torch.zeros(1, 16)
+    spike[0, 3] = 100.0  # an outlier is spread over its 16 elements
+    assert torch.equal(qact.rotate16(spike).abs(), torch.full((1, 16), 25.0))
+
+
+def test_rotated_activation_codes_are_the_codes_of_the_rotated_floats_on_every_path(isa):
+    """csrc/qact.cpp rotates before it quantizes, in rotate16's order: the same floats,
+    so every path's codes are those of ``rotate16(x)``, and one digit only."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(5, 192, generator=gen) * torch.logspace(-3, 2, 192)
+    x[1, 40] = 1e4  # an outlier channel
+    got = torch.ops.ferrum_qact.quantize(x, 1, True)
+    want = torch.ops.ferrum_qact.quantize(qact.rotate16(x), 1, False)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(RuntimeError, match="one digit"):
+        torch.ops.ferrum_qact.quantize(x, 2, True)
+
+
+def test_w8a8_rotates_gguf_q4_1_blocks_without_loss_and_float_weights_not_at_all():
+    weight = _gguf_blocks("q4_1", 48, 128)
+    layer = qact.RotatedQ8Linear(weight, None, 8, qact.QACT)
+    assert layer.rotated
+    h4 = torch.ones(4, 4, dtype=torch.float64) - 2 * torch.eye(4, dtype=torch.float64)
+    exact = (weight.double().unflatten(-1, (-1, 16)) @ (torch.kron(h4, h4) / 4)).flatten(-2)
+    top = weight.abs().max().item()
+    assert (layer.held().double() - exact).abs().max().item() <= 1e-6 * top  # the rotated weights, exactly
+    assert (layer.dequantized() - weight).abs().max().item() <= 1e-6 * top  # and back
+    codes = qact.unpack_rows(layer.packed, layer.packed_scales, 8, 48)[0]
+    assert int(codes.max()) <= 240  # 16 codes of 0..15 times H: a span of 240 at most
+    from_float = qact.RotatedQ8Linear(torch.randn(48, 128, generator=torch.Generator().manual_seed(1)), None, 8,
+                                      qact.QACT)
+    assert not from_float.rotated  # 256 levels a block rotate past 8 bits: left as BlockQ8Linear
+    assert qact.rotate_codes(torch.full((2, 32), 7, dtype=torch.uint8), torch.ones(2, 1), torch.zeros(2, 1))[0] \
+        .eq(0).all()  # a constant block: codes 0, the value in the minimum
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 40])
+def test_rotated_kernel_matches_the_fallback_and_beats_the_unrotated_grid(rows, isa):
+    """Against activations with outlier channels (SmolLM2's shape of trouble), the
+    rotated layer's error against the float product is a fraction of the unrotated
+    one's, and the kernel gives the fallback's numbers on every path."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = _gguf_blocks("q4_1", 72, 160)
+    x = torch.randn(rows, 160, generator=gen)
+    x[:, [3, 50, 97, 130]] *= 60.0  # one outlier channel in each of four blocks
+    want = F.linear(x, weight)
+    rotated = qact.RotatedQ8Linear(weight, None, 8, qact.QACT)
+    plain = qact.BlockQ8Linear(weight, None, 8, qact.QACT)
+    assert rotated.rotated
+    assert rel(rotated(x), qact.RotatedQ8Linear(weight, None, 8, qact.TORCH_Q8)(x)) <= SAME_NUMBERS_TOL
+    err_rotated, err_plain = rel(rotated(x), want), rel(plain(x), want)
+    assert err_rotated <= FLOAT_TOL and err_rotated < 0.5 * err_plain
+
+
+def test_block_linear_refuses_two_rotated_digits(extension):
+    layer = qact.RotatedQ8Linear(_gguf_blocks("q4_1", 16, 64), None, 8, qact.QACT)
+    with pytest.raises(RuntimeError, match="one digit"):
+        extension.block_linear(torch.randn(1, 64), layer.packed, layer.packed_scales, 8, 16, 2, True)
+
+
+def test_w8a8_layers_rotate_and_its_lm_head_takes_two_digits(tiny_q4_llama_dir, tiny_llama_dir):
+    from ferrum_rpc.server.executor import TorchExecutor
+
+    ex = TorchExecutor.from_path("q4", tiny_q4_llama_dir, ExecutorConfig(quantize="w8a8", kv_tokens=64))
+    layers = [m for m in ex.model.modules() if isinstance(m, qact.BlockQ8Linear)]
+    assert type(ex.model.lm_head) is qact.TwoDigitLinear
+    projections = [m for m in layers if m is not ex.model.lm_head]
+    assert len(projections) == 8 and all(type(m) is qact.RotatedQ8Linear and m.rotated for m in projections)
+    assert "activations rotated (rotate16) on 8 of 8 projections, LM head on two digits" in ex.model.kernels.reason
+    floats = TorchExecutor.from_path("f", tiny_llama_dir, ExecutorConfig(quantize="w8a8", kv_tokens=64))
+    assert "rotated (rotate16) on 0 of 8" in floats.model.kernels.reason
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_packed_layout_round_trips(bits):
     gen = torch.Generator().manual_seed(bits)
@@ -203,9 +285,11 @@ MODEL_TOL = 0.03
 
 @pytest.mark.parametrize("kernel", ["auto", "aten"])  # the fast kernel, and the torch fallback
 @pytest.mark.parametrize("quantize", ["w8a8", "w4a8"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_model_matches_transformers_on_the_same_weights(arch, quantize, kernel, tiny_llama_dir, tiny_qwen3_dir):
-    model_dir = {"llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir}[arch]
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "llama-q4"])  # llama-q4: Q4_1-grid weights, w8a8 rotates
+def test_model_matches_transformers_on_the_same_weights(arch, quantize, kernel, tiny_llama_dir, tiny_qwen3_dir,
+                                                        tiny_q4_llama_dir):
+    model_dir = {"llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir, "llama-q4": tiny_q4_llama_dir}[arch]
+    arch = arch.removesuffix("-q4")
     oracle = _oracle_with_our_weights(model_dir, arch, quantize)
     logits = lambda ids: oracle(torch.tensor([ids])).logits[0].detach().numpy()  # noqa: E731
     prompts = [[5, 17, 101, 3, 250, 42, 7, 9, 300, 11, 64, 2, 77], [8, 1, 99], list(range(20, 47))]
@@ -215,6 +299,8 @@ def test_model_matches_transformers_on_the_same_weights(arch, quantize, kernel, 
         assert caps.quantization == quantize
         expected = qact.QACT if kernel == "auto" else qact.TORCH_Q8
         assert caps.kernel_path.startswith(f"linear={quantize} {expected}")
+        if quantize == "w8a8":
+            assert f"rotated (rotate16) on {8 if model_dir == tiny_q4_llama_dir else 0} of 8" in caps.kernel_path
         outs = [ex.prefill(p, logits=LogitsPolicy.full(all_positions=True)) for p in prompts]
         for out, prompt in zip(outs, prompts):
             want = logits(prompt)
