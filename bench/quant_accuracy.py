@@ -92,8 +92,8 @@ def grid_agreements(model_dir: Path, ids: list[int], positions: int) -> dict[str
     ex = TorchExecutor.from_path("grids", model_dir, ExecutorConfig(quantize="w8a8", **base))
     h = _hadamard()
 
-    def rotate(t: torch.Tensor) -> torch.Tensor:  # each block of 32 times H (orthonormal)
-        return (t.unflatten(-1, (-1, 32)) @ h).flatten(-2)
+    def rotate(t: torch.Tensor, m: torch.Tensor = h) -> torch.Tensor:  # each block of 32 times H (orthonormal)
+        return (t.unflatten(-1, (-1, 32)) @ m).flatten(-2)
 
     two = lambda x: qact.fake_quantize_blocks(x, 2)  # noqa: E731  (two int8 digits per block of 32)
     r16 = qact.rotate16
@@ -108,9 +108,9 @@ def grid_agreements(model_dir: Path, ids: list[int], positions: int) -> dict[str
         "rotate16 int8 / 16, head two digits (w8a8)": (lambda x, w: (_blocks_q8(r16(x), 16), r16(w)), two),
         "rotate16 int8 / 8, head two digits": (lambda x, w: (_blocks_q8(r16(x), 8), r16(w)), two),
         "Hadamard-32 int8 / 32, float W": (lambda x, w: (_blocks_q8(rotate(x), 32), rotate(w)),
-                                           lambda x: _blocks_q8(rotate(x), 32) @ h.T),
+                                           lambda x: rotate(_blocks_q8(rotate(x), 32), h.T)),
         "Hadamard-32 int8 / 32, int8 W": (lambda x, w: (_blocks_q8(rotate(x), 32), _blocks_q8(rotate(w), 32)),
-                                          lambda x: _blocks_q8(rotate(x), 32) @ h.T),
+                                          lambda x: rotate(_blocks_q8(rotate(x), 32), h.T)),
         "bfloat16": (lambda x, w: (x.bfloat16().float(), w), lambda x: x.bfloat16().float()),
         "float16": (lambda x, w: (x.half().float(), w), lambda x: x.half().float()),
         "two int8 digits / 32": (lambda x, w: (two(x), w), two),

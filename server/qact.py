@@ -89,10 +89,11 @@ def fake_quantize_blocks(x: torch.Tensor, digits: int = 1) -> torch.Tensor:
 
 def _hadamard16(v: torch.Tensor) -> torch.Tensor:
     """(..., K) -> each 16 elements, read as a 4x4 matrix X, to H4 X H4 (H4 = J - 2I):
-    x times H4 (x) H4, unnormalised, in csrc/qact.cpp rotate16's order (integers stay exact)."""
+    x times H4 (x) H4, unnormalised, in csrc/qact.cpp rotate16's order (columns, then
+    rows; integers stay exact)."""
     v = v.unflatten(-1, (-1, 4, 4))  # (..., K/16, a, b)
-    t = ((v[..., 0] + v[..., 1]) + (v[..., 2] + v[..., 3]))[..., None] - 2 * v  # X H4
-    return (((t[..., 0, :] + t[..., 1, :]) + (t[..., 2, :] + t[..., 3, :]))[..., None, :] - 2 * t).flatten(-3)
+    t = ((v[..., 0, :] + v[..., 1, :]) + (v[..., 2, :] + v[..., 3, :]))[..., None, :] - (v + v)  # H4 X
+    return (((t[..., 0] + t[..., 1]) + (t[..., 2] + t[..., 3]))[..., None] - (t + t)).flatten(-3)  # (H4 X) H4
 
 
 def rotate16(x: torch.Tensor) -> torch.Tensor:
