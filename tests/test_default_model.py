@@ -132,9 +132,10 @@ def english_ids(default_model_dir):
     return ids[:1001]
 
 
-# The issue's gates are 99% for w8a8 and 97% for w4a8 (README: 98.9% and 97.6% measured with a
-# step per half block of 16, w8a8's activations rotated and its LM head on two digits; 98.5% for
-# w8a8 unrotated, 96.7% and 96.8% with one step per block of 32).  The figure moves by about
+# The issue's gates are 99% for w8a8 and 97% for w4a8 (README: 99.5% and 97.6% measured with a
+# step per half block of 16, w8a8's activations rotated and its LM head on two digits, 98.9%
+# with the rotation's adds in another order; 98.5% for w8a8 unrotated, 96.7% and 96.8% with one
+# step per block of 32).  The figure moves by about
 # half a point between kernels that compute the same numbers: every layer of the packed kernel
 # agrees with the torch fallback on the same codes to 1.2e-6 of its output, yet 4% of the argmaxes
 # over 300 positions differ between the two models, because rounding activations to a grid is
@@ -144,7 +145,7 @@ def english_ids(default_model_dir):
 # loss (the test below) and carry activations as two int8 digits (about 15 bits a block):
 # 99.9-100.0% measured for both; int4 is checked here (int8 runs the same activation path over
 # 8-bit codes).
-@pytest.mark.parametrize("quantize,target", [("w8a8", 0.98), ("w4a8", 0.965), ("int4", 0.995)])
+@pytest.mark.parametrize("quantize,target", [("w8a8", 0.985), ("w4a8", 0.965), ("int4", 0.995)])
 def test_quantized_greedy_top1_agrees_with_float32(default_model_dir, default_server, english_ids, quantize,
                                                    target):
     """Teacher-forced over 1,000 positions of a fixed English text: the next-token argmax of
