@@ -46,6 +46,16 @@ def fbgemm_dynamic(weight: torch.Tensor):
     return lambda x: torch.ops.quantized.linear_dynamic(x, packed, True)
 
 
+def rotated_w8a8(weight: torch.Tensor) -> qact.RotatedQ8Linear:
+    """What w8a8 runs on a GGUF's projections: the weights on a Q4_1 grid (16 levels a
+    block, as the embedded model's), so they rotate (``qact.rotate_codes``)."""
+    codes, scales, mins = woq.quantize_int4(weight)
+    grid = (codes.float().unflatten(-1, (-1, woq.GROUP)) * scales[..., None] + mins[..., None]).flatten(-2)
+    layer = qact.RotatedQ8Linear(grid, None, 8, qact.QACT)
+    assert layer.rotated
+    return layer
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
@@ -64,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
             "int8": woq.QuantizedLinear(weight, None, 8, woq.WOQ),
             "int4": woq.QuantizedLinear(weight, None, 4, woq.WOQ),
             "fbgemm": fbgemm_dynamic(weight),
-            "w8a8": qact.BlockQ8Linear(weight, None, 8, qact.QACT),
+            "w8a8": rotated_w8a8(weight),
             "w4a8": qact.BlockQ8Linear(weight, None, 4, qact.QACT),
         }
         for rows in args.rows:
