@@ -49,8 +49,7 @@ def fbgemm_dynamic(weight: torch.Tensor):
 def rotated_w8a8(weight: torch.Tensor) -> qact.RotatedQ8Linear:
     """What w8a8 runs on a GGUF's projections: the weights on a Q4_1 grid (16 levels a
     block, as the embedded model's), so they rotate (``qact.rotate_codes``)."""
-    codes, scales, mins = woq.quantize_int4(weight)
-    grid = (codes.float().unflatten(-1, (-1, woq.GROUP)) * scales[..., None] + mins[..., None]).flatten(-2)
+    grid = woq.QuantizedLinear(weight, None, 4, woq.DEQUANT).dequantized()
     layer = qact.RotatedQ8Linear(grid, None, 8, qact.QACT)
     assert layer.rotated
     return layer

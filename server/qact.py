@@ -273,9 +273,7 @@ def probe() -> tuple[bool, str]:
         woq.load_library()
         gen = torch.Generator().manual_seed(0)
         weight = torch.randn(40, 96, generator=gen)
-        grid = woq.quantize_int4(weight)  # 16 levels a block: these weights rotate into 8 bits
-        few_levels = (woq.unpack_int4(woq.pack_int4(grid[0])).float().unflatten(-1, (-1, woq.GROUP))
-                      * grid[1][..., None] + grid[2][..., None]).flatten(-2)
+        few_levels = woq.QuantizedLinear(weight, None, 4, woq.DEQUANT).dequantized()  # Q4_1's grid: rotates
         for bits, cls, w in ((4, BlockQ8Linear, weight), (8, BlockQ8Linear, weight), (4, TwoDigitLinear, weight),
                              (8, TwoDigitLinear, weight), (8, RotatedQ8Linear, few_levels)):
             layer = cls(w, None, bits, QACT)

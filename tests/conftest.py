@@ -62,9 +62,7 @@ def tiny_q4_llama_dir(tmp_path_factory):
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}":
-                codes, scales, mins = woq.quantize_int4(module.weight)
-                blocks = codes.float().unflatten(-1, (-1, woq.GROUP))
-                module.weight.copy_((blocks * scales[..., None] + mins[..., None]).flatten(-2))
+                module.weight.copy_(woq.QuantizedLinear(module.weight, None, 4, woq.DEQUANT).dequantized())
     path = tmp_path_factory.mktemp("tiny-q4-llama")
     model.save_pretrained(path)
     return path
