@@ -61,7 +61,7 @@ GROUP = 32  # int4 group length along the input dimension (GGUF Q4_1's block)
 WOQ, DEQUANT = "ferrum-woq", "torch-dequant"
 _DEQUANT_ROWS = 4096  # weight rows expanded at a time by the fallback (bounds its temporary memory)
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("woq.cpp", "fused.cpp", "qact.cpp")]
-_INCLUDED = [Path(__file__).parent / "csrc" / "qact_tile.inc"]  # part of the cache key, not compiled alone
+_INCLUDED = [Path(__file__).parent / "csrc" / name for name in ("qact_tile.inc", "qact.h")]  # part of the cache key, not compiled alone
 _PROBE_TOLERANCE = 1e-4
 # -fopenmp: at::parallel_for is inline OpenMP; without it every kernel ran on one thread.
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++20")

@@ -18,7 +18,11 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
+#include <omp.h>
+
+#include "qact.h"
 
 #include <algorithm>
 #include <cmath>
@@ -367,6 +371,89 @@ void attend_portable(const AttnArgs& a, const float* q, const T* kc, const T* vc
   attend_group<T, false>(a, q, kc, vc, b, t, kvh, G, s, acc, out);
 }
 
+// The pool's indices checked (positions against cos and the tables, write slots
+// and block ids against the pool), as contiguous int64.
+struct PagedIndex {
+  at::Tensor pos, slots, tab;
+};
+PagedIndex checked_index(const at::Tensor& positions, const at::Tensor& write_slots, const at::Tensor& tables,
+                         int64_t BT, int64_t B, const at::Tensor& cos, int64_t blocks, int64_t bs) {
+  PagedIndex ix{positions.to(at::kLong).contiguous(), write_slots.to(at::kLong).contiguous(),
+                tables.to(at::kLong).contiguous()};
+  TORCH_CHECK(ix.pos.numel() == BT && ix.slots.numel() == BT && ix.tab.dim() == 2 && ix.tab.size(0) == B,
+              "paged_attention: positions/slots/tables shapes");
+  const int64_t *pp = ix.pos.data_ptr<int64_t>(), *sp = ix.slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < BT; ++i) {
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < blocks * bs, "paged_attention: write slot out of range");
+    TORCH_CHECK(pp[i] >= 0 && pp[i] < cos.size(0) && pp[i] < ix.tab.size(1) * bs,
+                "paged_attention: position out of range");
+  }
+  const int64_t* tp = ix.tab.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ix.tab.numel(); ++i)
+    TORCH_CHECK(tp[i] >= 0 && tp[i] < blocks, "paged_attention: block id out of range");
+  return ix;
+}
+
+// Strides of a (B, T, heads, D) tensor with a contiguous last dim.
+struct Heads {
+  int64_t b, t, h;
+};
+
+// RoPE on each (b, t) of [bt0, bt1)'s queries (into qf (B*T, H, D) float32) and
+// keys, and those keys and values written into the pool layer (slots sp).
+template <typename T>
+void rope_and_write(const AttnArgs& a, const T* qp, Heads qs, const T* kp, Heads ks, const T* vp, Heads vs,
+                    const float* cp, const float* snp, const int64_t* sp, int64_t bt0, int64_t bt1, float* qfp,
+                    T* kc, T* vc) {
+  const int64_t H = a.H, Hkv = a.Hkv, D = a.D;
+  std::vector<float> tmp(D);
+  for (int64_t bt = bt0; bt < bt1; ++bt) {
+    const int64_t b = bt / a.T, t = bt % a.T, p = a.pos[bt];
+    const float *c = cp + p * D, *s = snp + p * D;
+    for (int64_t h = 0; h < H; ++h) rope(qp + b * qs.b + t * qs.t + h * qs.h, c, s, D, qfp + (bt * H + h) * D);
+    for (int64_t h = 0; h < Hkv; ++h) {
+      rope(kp + b * ks.b + t * ks.t + h * ks.h, c, s, D, tmp.data());
+      T* kd = kc + (sp[bt] * Hkv + h) * D;
+      T* vd = vc + (sp[bt] * Hkv + h) * D;
+      const T* vsrc = vp + b * vs.b + t * vs.t + h * vs.h;
+      for (int64_t i = 0; i < D; ++i) {
+        kd[i] = store<T>(tmp[i]);
+        vd[i] = vsrc[i];
+      }
+    }
+  }
+}
+
+// Every (b, t) query's heads over its sequence's blocks: a task per kv head (its
+// H / Hkv query heads together), or per query head where that would leave fewer
+// than 4 tasks a thread (one short batch: threads balance better).
+int64_t attention_group(const AttnArgs& a, int threads) {
+  return a.B * a.T * a.Hkv >= 4 * threads ? a.H / a.Hkv : 1;
+}
+int64_t attention_tasks(const AttnArgs& a, int threads) { return a.B * a.T * (a.H / attention_group(a, threads)); }
+
+// Tasks [begin, end) of attention_tasks (after rope_and_write): out (B*T, H*D).
+template <typename T>
+void attend_tasks(const AttnArgs& a, int threads, const float* qfp, const T* kc, const T* vc, int64_t begin,
+                  int64_t end, T* op) {
+  const int64_t H = a.H, Hkv = a.Hkv, D = a.D, T_ = a.T;
+  const int64_t G = attention_group(a, threads), per = H / G;
+  const bool avx2 = ferrum_active_isa() >= 1, avx2_rows = avx2 && D % 8 == 0;
+  std::vector<float> scores, acc;
+  std::vector<int64_t> offs;
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t bt = i / per, h = (i % per) * G, kvh = h / (H / Hkv);
+    const float* qi = qfp + (bt * H + h) * D;
+    T* oi = op + (bt * H + h) * D;
+#ifdef FERRUM_X86
+    if (avx2_rows) attend_group_avx2(a, qi, kc, vc, bt / T_, bt % T_, kvh, G, scores, offs, oi);
+    else
+#endif
+    if (avx2) attend_avx2(a, qi, kc, vc, bt / T_, bt % T_, kvh, G, scores, acc, oi);
+    else attend_portable(a, qi, kc, vc, bt / T_, bt % T_, kvh, G, scores, acc, oi);
+  }
+}
+
 // q (B, T, H, D), k/v (B, T, Hkv, D): any strides but a contiguous last dim.
 // cos/sin (max_pos, D) float32; positions (B, T) int64; k_cache/v_cache
 // (blocks, block_size, Hkv, D) contiguous, one layer of the pool; write_slots
@@ -386,67 +473,23 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
               v.scalar_type() == q.scalar_type(), "paged_attention: dtypes differ");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
               sin.is_contiguous() && cos.size(1) == D, "paged_attention: cos/sin must be (positions, D) float32");
-  const at::Tensor pos = positions.to(at::kLong).contiguous(), slots = write_slots.to(at::kLong).contiguous();
-  const at::Tensor tab = tables.to(at::kLong).contiguous();
-  TORCH_CHECK(pos.numel() == B * T && slots.numel() == B * T && tab.dim() == 2 && tab.size(0) == B,
-              "paged_attention: positions/slots/tables shapes");
-  const int64_t bs = k_cache.size(1), nslots = k_cache.size(0) * bs;
-  const int64_t* pp = pos.data_ptr<int64_t>();
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t i = 0; i < B * T; ++i) {
-    TORCH_CHECK(sp[i] >= 0 && sp[i] < nslots, "paged_attention: write slot out of range");
-    TORCH_CHECK(pp[i] >= 0 && pp[i] < cos.size(0) && pp[i] < tab.size(1) * bs, "paged_attention: position out of range");
-  }
-  const int64_t* tp = tab.data_ptr<int64_t>();
-  for (int64_t i = 0; i < tab.numel(); ++i)
-    TORCH_CHECK(tp[i] >= 0 && tp[i] < k_cache.size(0), "paged_attention: block id out of range");
+  const PagedIndex ix = checked_index(positions, write_slots, tables, B * T, B, cos, k_cache.size(0), k_cache.size(1));
   at::Tensor out = at::empty({B, T, H * D}, q.options());
   at::Tensor qf = at::empty({B, T, H, D}, q.options().dtype(at::kFloat));
-  const bool avx2 = ferrum_active_isa() >= 1, avx2_rows = avx2 && D % 8 == 0;
+  const AttnArgs args{B, T, H, Hkv, D, k_cache.size(1), ix.tab.size(1), ix.pos.data_ptr<int64_t>(),
+                      ix.tab.data_ptr<int64_t>(), float(scale)};
+  const int threads = at::get_num_threads();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_attention", [&] {
     using T_ = scalar_t;
-    const T_ *qp = q.data_ptr<T_>(), *kp = k.data_ptr<T_>(), *vp = v.data_ptr<T_>();
     T_ *kc = k_cache.data_ptr<T_>(), *vc = v_cache.data_ptr<T_>();
-    const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
-    float* qfp = qf.data_ptr<float>();
     // 1. rotate q into float32, rotate k and write it and v into the pool (all writes before any read).
-    std::vector<float> tmp(D);
-    for (int64_t bt = 0; bt < B * T; ++bt) {
-      const int64_t b = bt / T, t = bt % T, p = pp[bt];
-      const float *c = cp + p * D, *s = snp + p * D;
-      for (int64_t h = 0; h < H; ++h)
-        rope(qp + b * q.stride(0) + t * q.stride(1) + h * q.stride(2), c, s, D, qfp + (bt * H + h) * D);
-      for (int64_t h = 0; h < Hkv; ++h) {
-        rope(kp + b * k.stride(0) + t * k.stride(1) + h * k.stride(2), c, s, D, tmp.data());
-        T_* kd = kc + (sp[bt] * Hkv + h) * D;
-        T_* vd = vc + (sp[bt] * Hkv + h) * D;
-        const T_* vs = vp + b * v.stride(0) + t * v.stride(1) + h * v.stride(2);
-        for (int64_t i = 0; i < D; ++i) {
-          kd[i] = store<T_>(tmp[i]);
-          vd[i] = vs[i];
-        }
-      }
-    }
-    // 2. every (b, t) query's heads over its sequence's blocks: a task per kv head
-    // (its H / Hkv query heads together), or per query head where that would leave
-    // fewer than 4 tasks a thread (one short batch: threads balance better).
-    const AttnArgs args{B, T, H, Hkv, D, bs, tab.size(1), pp, tab.data_ptr<int64_t>(), float(scale)};
-    T_* op = out.data_ptr<T_>();
-    const int64_t G = B * T * Hkv >= 4 * at::get_num_threads() ? H / Hkv : 1, per = H / G;
-    at::parallel_for(0, B * T * per, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, acc;
-      std::vector<int64_t> offs;
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t bt = i / per, h = (i % per) * G, kvh = h / (H / Hkv);
-        const float* qi = qfp + (bt * H + h) * D;
-        T_* oi = op + (bt * H + h) * D;
-#ifdef FERRUM_X86
-        if (avx2_rows) attend_group_avx2(args, qi, kc, vc, bt / T, bt % T, kvh, G, scores, offs, oi);
-        else
-#endif
-        if (avx2) attend_avx2(args, qi, kc, vc, bt / T, bt % T, kvh, G, scores, acc, oi);
-        else attend_portable(args, qi, kc, vc, bt / T, bt % T, kvh, G, scores, acc, oi);
-      }
+    rope_and_write<T_>(args, q.data_ptr<T_>(), {q.stride(0), q.stride(1), q.stride(2)}, k.data_ptr<T_>(),
+                       {k.stride(0), k.stride(1), k.stride(2)}, v.data_ptr<T_>(),
+                       {v.stride(0), v.stride(1), v.stride(2)}, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                       ix.slots.data_ptr<int64_t>(), 0, B * T, qf.data_ptr<float>(), kc, vc);
+    // 2. the queries' heads over their sequences' blocks
+    at::parallel_for(0, attention_tasks(args, threads), 1, [&](int64_t begin, int64_t end) {
+      attend_tasks<T_>(args, threads, qf.data_ptr<float>(), kc, vc, begin, end, out.data_ptr<T_>());
     });
   });
   return out;
@@ -610,9 +653,221 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Te
   return h.add_(lin(silu_mul(lin(rms_norm(h, ln2, eps), gate_up, 2)), down, 3));
 }
 
+// ---- the decode stack ---------------------------------------------------------------
+// A model's layers held once, as decode_layer takes them, and run by one call a
+// step.  A Python call per layer cost ~14 us of argument conversion and
+// dispatch (30 layers: 0.4 ms of a 5 ms batch-1 step), and each of a layer's
+// five parallel loops an OpenMP fork and join.  Where every linear quantizes its
+// activations and a step has at most kStackRows rows, the whole step is one
+// parallel region: the threads split each linear's weight units and the
+// attention's tasks as decode_layer's loops do, and meet at a barrier between
+// phases; a row's norm, RoPE and quantization go to the thread that owns the
+// row, silu*up and its quantization by blocks.  Each output is the same kernel's
+// arithmetic in the same order, so the bits equal decode_layer's.  Otherwise
+// (float32 linears, batches) the layers run one decode_layer each, in C++.
+constexpr int64_t kStackRows = 4;
+
+struct StackLayer {
+  at::Tensor ln1, ln2;
+  double eps;
+  std::vector<at::Tensor> lin[4];  // qkv, o, gate_up, down: decode_layer's weight lists
+  std::array<int64_t, 4> bits, digits, rotated;
+  std::vector<at::Tensor> qk_norm;
+  ferrum_qact::Packed packed[4];  // where bits < 0
+};
+
+class DecodeStack : public torch::CustomClassHolder {
+ public:
+  DecodeStack(int64_t num_heads, int64_t num_kv_heads, double scale)
+      : H_(num_heads), Hkv_(num_kv_heads), scale_(scale) {
+    TORCH_CHECK(H_ > 0 && Hkv_ > 0 && H_ % Hkv_ == 0, "DecodeStack: heads must be a multiple of kv heads");
+  }
+
+  void add_layer(at::Tensor ln1, at::Tensor ln2, double eps, std::vector<at::Tensor> qkv, std::vector<at::Tensor> o,
+                 std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down, std::vector<int64_t> bits,
+                 std::vector<int64_t> digits, std::vector<int64_t> rotated, std::vector<at::Tensor> qk_norm) {
+    TORCH_CHECK(bits.size() == 4 && digits.size() == 4 && rotated.size() == 4,
+                "DecodeStack: bits, digits and rotated have four entries");
+    StackLayer L{ln1, ln2, eps, {qkv, o, gate_up, down}, {}, {}, {}, qk_norm, {}};
+    bool packed = true;
+    for (int i = 0; i < 4; ++i) {
+      L.bits[i] = bits[i], L.digits[i] = digits[i], L.rotated[i] = rotated[i];
+      TORCH_CHECK(L.lin[i].size() == (bits[i] == 32 ? 1u : bits[i] < 0 ? 2u : 3u),
+                  "DecodeStack: each linear is [qweight, scales, mins], [codes, scales] with negated bits, "
+                  "or [weight] with bits 32");
+      if (bits[i] < 0) L.packed[i] = ferrum_qact::packed(L.lin[i][0], L.lin[i][1], -bits[i]);
+      packed = packed && bits[i] < 0 && (digits[i] == 1 || digits[i] == 2) && (!rotated[i] || digits[i] == 1);
+    }
+    if (packed) {  // the widths the one-region step relies on, alike in every layer
+      const int64_t C = ln1.numel(), I = L.packed[3].G * 32, D = L.packed[0].N / (H_ + 2 * Hkv_);
+      packed = ln1.scalar_type() == at::kFloat && ln2.scalar_type() == at::kFloat && ln2.numel() == C &&
+               L.packed[0].G * 32 == C && L.packed[0].N == (H_ + 2 * Hkv_) * D && L.packed[1].G * 32 == H_ * D &&
+               L.packed[1].N == C && L.packed[2].G * 32 == C && L.packed[2].N == 2 * I && L.packed[3].N == C &&
+               (qk_norm.empty() || (qk_norm.size() == 2 && qk_norm[0].numel() == D && qk_norm[1].numel() == D &&
+                                    qk_norm[0].scalar_type() == at::kFloat && qk_norm[1].scalar_type() == at::kFloat));
+      packed = packed && (layers_.empty() || (C == C_ && I == I_ && D == D_));
+      C_ = C, I_ = I, D_ = D;
+    }
+    one_region_ = packed && (layers_.empty() || one_region_);
+    layers_.push_back(std::move(L));
+  }
+
+  // x (B, T, C) -> (B, T, C) after layers [first, last); k_pool/v_pool (layers,
+  // blocks, block_size, Hkv, D), the rest as decode_layer takes them.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+                     const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& write_slots,
+                     const at::Tensor& tables, int64_t first, int64_t last) {
+    TORCH_CHECK(0 <= first && first <= last && last <= size(), "DecodeStack: layers ", first, "..", last, " of ", size());
+    TORCH_CHECK(k_pool.dim() == 5 && v_pool.sizes() == k_pool.sizes() && k_pool.size(0) == size(),
+                "DecodeStack: the pool must be (layers, blocks, block_size, kv_heads, head_dim)");
+    if (one_region_ && x.dim() == 3 && x.scalar_type() == at::kFloat && x.size(0) * x.size(1) <= kStackRows &&
+        x.size(2) == C_ && k_pool.size(4) == D_)
+      return forward_one_region(x, cos, sin, positions, k_pool, v_pool, write_slots, tables, first, last);
+    at::Tensor h = x;
+    for (int64_t l = first; l < last; ++l) {
+      const StackLayer& L = layers_[l];
+      h = decode_layer(h, L.ln1, L.ln2, L.eps, L.lin[0], L.lin[1], L.lin[2], L.lin[3], L.bits, L.digits, L.rotated,
+                       L.qk_norm, cos, sin, positions, k_pool.select(0, l), v_pool.select(0, l), write_slots, tables,
+                       H_, Hkv_, scale_);
+    }
+    return h;
+  }
+
+  bool one_region() const { return one_region_; }
+  int64_t size() const { return int64_t(layers_.size()); }
+
+ private:
+  at::Tensor forward_one_region(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                const at::Tensor& positions, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                const at::Tensor& write_slots, const at::Tensor& tables, int64_t first, int64_t last);
+
+  std::vector<StackLayer> layers_;
+  int64_t H_, Hkv_, D_ = 0, C_ = 0, I_ = 0;
+  double scale_;
+  bool one_region_ = false;
+};
+
+at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                           const at::Tensor& positions, const at::Tensor& k_pool,
+                                           const at::Tensor& v_pool, const at::Tensor& write_slots,
+                                           const at::Tensor& tables, int64_t first, int64_t last) {
+  const int64_t B = x.size(0), T = x.size(1), M = B * T, C = C_, I = I_, H = H_, Hkv = Hkv_, D = D_;
+  const int64_t Wq = (H + 2 * Hkv) * D;
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.scalar_type() == at::kFloat &&
+              v_pool.scalar_type() == at::kFloat && k_pool.size(3) == Hkv, "DecodeStack: pool layers");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.size(1) == D, "DecodeStack: cos/sin must be (positions, D) float32");
+  const PagedIndex ix = checked_index(positions, write_slots, tables, M, B, cos, k_pool.size(1), k_pool.size(2));
+  at::Tensor h = x.contiguous().clone();  // (B, T, C): the residual stream, updated in place
+  if (M == 0) return h;
+  const int64_t maxK = std::max({C, H * D, I});
+  std::vector<float> xn(M * maxK), qkv(M * Wq), qf(M * H * D), gu(M * 2 * I), y(M * C), scratch(M * maxK);
+  ferrum_qact::Q8Rows X = ferrum_qact::rows_for(M, maxK, 2);
+  const AttnArgs args{B, T, H, Hkv, D, k_pool.size(2), ix.tab.size(1), ix.pos.data_ptr<int64_t>(),
+                      ix.tab.data_ptr<int64_t>(), float(scale_)};
+  const int64_t layer_floats = k_pool.stride(0), *slots = ix.slots.data_ptr<int64_t>();
+  float *hp = h.data_ptr<float>(), *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const bool avx2 = ferrum_active_isa() >= 1;
+  const int isa = ferrum_qact::isa_level(), threads = at::get_num_threads();
+#pragma omp parallel num_threads(threads)
+  {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    auto mine = [&](int64_t n) { return std::pair<int64_t, int64_t>{n * tid / nt, n * (tid + 1) / nt}; };
+    auto rms = [&](const float* in, const at::Tensor& w, int64_t c, double eps, float* out) {
+      if (avx2) rms_avx2(in, w.data_ptr<float>(), c, float(eps), out);
+      else rms_portable(in, w.data_ptr<float>(), c, float(eps), out);
+    };
+    // rows of `in` (M, K) quantized for linear i, by the threads that own them
+    auto quantize_rows = [&](const StackLayer& L, int i, const float* in, int64_t K) {
+      const auto [m0, m1] = mine(M);
+      ferrum_qact::quantize_blocks(in, m0 * K / 32, m1 * K / 32, K, int(L.digits[i]), L.rotated[i] != 0, isa, X,
+                                   scratch.data());
+    };
+    // linear i over the quantized rows: this thread's units into out (M, N)
+    auto linear = [&](const StackLayer& L, int i, float* out) {
+      const auto [u0, u1] = mine(L.packed[i].U);
+      ferrum_qact::run_units(isa, L.packed[i], int(-L.bits[i]), u0, u1, X, M, int(L.digits[i]), out);
+      return std::pair<int64_t, int64_t>{u0 * 16, std::min(u1 * 16, L.packed[i].N)};
+    };
+    auto residual = [&](std::pair<int64_t, int64_t> cols) {  // h += y over this thread's columns
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = cols.first; n < cols.second; ++n) hp[m * C + n] += y[m * C + n];
+    };
+    for (int64_t l = first; l < last; ++l) {
+      const StackLayer& L = layers_[l];
+      float *kc = kp + l * layer_floats, *vc = vp + l * layer_floats;
+      {
+        const auto [m0, m1] = mine(M);
+        for (int64_t m = m0; m < m1; ++m) rms(hp + m * C, L.ln1, C, L.eps, xn.data() + m * C);
+      }
+      quantize_rows(L, 0, xn.data(), C);
+#pragma omp barrier
+      linear(L, 0, qkv.data());
+#pragma omp barrier
+      {
+        const auto [m0, m1] = mine(M);
+        if (!L.qk_norm.empty())  // Qwen3: RMSNorm over each head's D before RoPE
+          for (int64_t m = m0; m < m1; ++m)
+            for (int64_t hd = 0; hd < H + Hkv; ++hd) {
+              float* head = qkv.data() + m * Wq + hd * D;
+              rms(head, L.qk_norm[hd < H ? 0 : 1], D, L.eps, head);
+            }
+        rope_and_write<float>(args, qkv.data(), {T * Wq, Wq, D}, qkv.data() + H * D, {T * Wq, Wq, D},
+                              qkv.data() + (H + Hkv) * D, {T * Wq, Wq, D}, cp, sp, slots, m0, m1, qf.data(), kc, vc);
+      }
+#pragma omp barrier
+      {
+        const auto [t0, t1] = mine(attention_tasks(args, threads));
+        attend_tasks<float>(args, threads, qf.data(), kc, vc, t0, t1, xn.data());  // xn: (M, H D) now
+      }
+#pragma omp barrier
+      quantize_rows(L, 1, xn.data(), H * D);
+#pragma omp barrier
+      residual(linear(L, 1, y.data()));
+#pragma omp barrier
+      {
+        const auto [m0, m1] = mine(M);
+        for (int64_t m = m0; m < m1; ++m) rms(hp + m * C, L.ln2, C, L.eps, xn.data() + m * C);
+      }
+      quantize_rows(L, 2, xn.data(), C);
+#pragma omp barrier
+      linear(L, 2, gu.data());
+#pragma omp barrier
+      {  // silu(gate) * up and its quantization, by blocks of 32
+        const auto [b0, b1] = mine(M * I / 32);
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t m = b / (I / 32), c = b % (I / 32) * 32;
+          const float *g = gu.data() + m * 2 * I + c, *u = g + I;
+          float* out = xn.data() + m * I + c;
+#ifdef FERRUM_X86
+          if (avx2) {
+            silu_mul_f32_avx2(g, u, 32, out);
+            continue;
+          }
+#endif
+          for (int64_t i = 0; i < 32; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+        }
+        ferrum_qact::quantize_blocks(xn.data(), b0, b1, I, int(L.digits[3]), L.rotated[3] != 0, isa, X,
+                                     scratch.data());
+      }
+#pragma omp barrier
+      residual(linear(L, 3, y.data()));
+#pragma omp barrier
+    }
+  }
+  return h;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(ferrum_fused, m) {
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<int64_t, int64_t, double>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("forward", &DecodeStack::forward)
+      .def("one_region", &DecodeStack::one_region)
+      .def("size", &DecodeStack::size);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("linear_rows(Tensor x, Tensor weight) -> Tensor");

@@ -42,6 +42,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "qact.h"
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -80,10 +82,7 @@ constexpr int64_t kUnit = 16;  // rows stored together: two groups, one 512-bit 
 // |error| <= amax / 32512: about 15 bits instead of 8.  The kernels sum
 // 128 * dot(w, q) + dot(w, q') in integers, so a second digit costs a row's dot
 // instructions and nothing else.
-struct Q8Rows {
-  std::vector<int8_t> q;
-  std::vector<float> d, sum;  // d: 2 a block (its halves), sum: 1 a block
-};
+using ferrum_qact::Q8Rows;  // qact.h
 
 constexpr int64_t kHalf = kBlock / 2;
 
@@ -122,12 +121,7 @@ void quantize_portable(const float* x, int64_t b0, int64_t b1, int64_t G, int di
   }
 }
 
-struct Packed {
-  const uint8_t* codes;     // (U, G, 16 * 32 * bits / 8): units of two groups of 8 rows (qact.py pack_rows)
-  const void* scales;       // (U, G, 2, 16) float16 or float32: 16 scales, then 16 minimums
-  bool half;
-  int64_t N, U, G;
-};
+using ferrum_qact::Packed;  // qact.h
 
 // ---- portable ----------------------------------------------------------------
 // Code i (0..31) of lane r of half h in one (unit, block) of the packed layout:
@@ -332,32 +326,55 @@ void rotate16(const float* x, float* y, int64_t n, bool portable) {
   for (int64_t c = 0; c < n; c += 16) rotate_chunk_scalar(x + c, y + c);
 }
 
-// x (M, K) rotated into a new buffer when `rotated`, else x itself.
-const float* maybe_rotated(const float* x, int64_t M, int64_t K, bool rotated, int isa, std::vector<float>& buffer) {
-  if (!rotated) return x;
-  buffer.resize(M * K);
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    rotate16(x + begin * K, buffer.data() + begin * K, (end - begin) * K, isa == kPortable);
-  });
-  return buffer.data();
+// Blocks [b0, b1) of x quantized into out on the inner loops of `isa` (the same
+// codes on every path: the vector loops round half to even and multiply in the
+// same order, unfused), after rotate16 into `scratch` (x's shape) where `rotated`.
+void quantize_range(const float* x, int64_t b0, int64_t b1, int64_t G, int digits, bool rotated, int isa,
+                    Q8Rows& out, float* scratch) {
+  if (rotated) {
+    rotate16(x + b0 * kBlock, scratch + b0 * kBlock, (b1 - b0) * kBlock, isa == kPortable);
+    x = scratch;
+  }
+#ifdef FERRUM_X86
+  if (isa == kAvx512Vnni) return qact_avx512vnni::quantize(x, b0, b1, G, digits, out);
+  if (isa != kPortable) return qact_avx2::quantize(x, b0, b1, G, digits, out);
+#endif
+  quantize_portable(x, b0, b1, G, digits, out);
 }
 
-// Activation rows quantized on the inner loops of `isa` (the same codes: the
-// vector loops round half to even and multiply in the same order, unfused),
-// after rotate16 where `rotated` (one digit only).
-Q8Rows quantize_rows(const float* x_in, int64_t M, int64_t K, int digits, bool rotated, int isa) {
+Q8Rows rows_for(int64_t M, int64_t K, int digits) {
+  return {std::vector<int8_t>(M * digits * K), std::vector<float>(2 * M * (K / kBlock)),
+          std::vector<float>(M * (K / kBlock))};
+}
+
+// Activation rows quantized (rotate16 first where `rotated`: one digit only).
+Q8Rows quantize_rows(const float* x, int64_t M, int64_t K, int digits, bool rotated, int isa) {
   const int64_t G = K / kBlock;
-  std::vector<float> buffer;
-  const float* x = maybe_rotated(x_in, M, K, rotated, isa, buffer);
-  Q8Rows out{std::vector<int8_t>(M * digits * K), std::vector<float>(2 * M * G), std::vector<float>(M * G)};
+  std::vector<float> scratch(rotated ? M * K : 0);
+  Q8Rows out = rows_for(M, K, digits);
   at::parallel_for(0, M * G, 64, [&](int64_t begin, int64_t end) {
-#ifdef FERRUM_X86
-    if (isa == kAvx512Vnni) return qact_avx512vnni::quantize(x, begin, end, G, digits, out);
-    if (isa != kPortable) return qact_avx2::quantize(x, begin, end, G, digits, out);
-#endif
-    quantize_portable(x, begin, end, G, digits, out);
+    quantize_range(x, begin, end, G, digits, rotated, isa, out, scratch.data());
   });
   return out;
+}
+
+// Checked views of packed weights: codes (U, G, 16 * 32 * bits / 8) uint8, scales (U, G, 2, 16).
+Packed packed_weights(const at::Tensor& codes, const at::Tensor& scales, int64_t bits, int64_t n) {
+  TORCH_CHECK(bits == 4 || bits == 8, "block_linear: bits must be 4 or 8");
+  const int64_t bytes = kUnit * kBlock * bits / 8;
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.is_contiguous() &&
+              codes.size(2) == bytes, "block_linear: codes must be contiguous (N/16, K/32, ", bytes, ") uint8");
+  const int64_t U = codes.size(0), G = codes.size(1);
+  TORCH_CHECK(n > (U - 1) * kUnit && n <= U * kUnit, "block_linear: ", n, " outputs do not fit ", U, " units of 16");
+  TORCH_CHECK((scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) && scales.is_contiguous() &&
+              scales.numel() == U * G * 2 * kUnit, "block_linear: scales must be (N/16, K/32, 2, 16) float16 or float32");
+  return {codes.data_ptr<uint8_t>(), scales.data_ptr(), scales.scalar_type() == at::kHalf, n, U, G};
+}
+
+void units(int isa, const Packed& W, int bits, int64_t u0, int64_t u1, const Q8Rows& X, int64_t M, int digits,
+           float* y) {
+  if (bits == 4) W.half ? run_groups<4, true>(isa, W, u0, u1, X, M, digits, y) : run_groups<4, false>(isa, W, u0, u1, X, M, digits, y);
+  else W.half ? run_groups<8, true>(isa, W, u0, u1, X, M, digits, y) : run_groups<8, false>(isa, W, u0, u1, X, M, digits, y);
 }
 
 // x (..., K) float32 -> (..., n) float32, over packed weights (qact.py's pack_rows),
@@ -365,18 +382,12 @@ Q8Rows quantize_rows(const float* x_in, int64_t M, int64_t K, int digits, bool r
 // `rotated`: one digit of rotate16(x), against weights rotated at load (w8a8).
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t bits,
                         int64_t n, int64_t digits, bool rotated) {
-  TORCH_CHECK(bits == 4 || bits == 8, "block_linear: bits must be 4 or 8");
   TORCH_CHECK(digits == 1 || digits == 2, "block_linear: digits must be 1 or 2");
   TORCH_CHECK(!rotated || digits == 1, "block_linear: rotated activations take one digit");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "block_linear: activations must be float32");
-  const int64_t bytes = kUnit * kBlock * bits / 8;
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.is_contiguous() &&
-              codes.size(2) == bytes, "block_linear: codes must be contiguous (N/16, K/32, ", bytes, ") uint8");
-  const int64_t U = codes.size(0), G = codes.size(1), K = G * kBlock;
-  TORCH_CHECK(n > (U - 1) * kUnit && n <= U * kUnit, "block_linear: ", n, " outputs do not fit ", U, " units of 16");
+  const Packed W = packed_weights(codes, scales, bits, n);
+  const int64_t U = W.U, K = W.G * kBlock;
   TORCH_CHECK(x.size(-1) == K, "block_linear: activation width ", x.size(-1), " != ", K);
-  TORCH_CHECK((scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) && scales.is_contiguous() &&
-              scales.numel() == U * G * 2 * kUnit, "block_linear: scales must be (N/16, K/32, 2, 16) float16 or float32");
   const at::Tensor x2d = x.reshape({-1, K}).contiguous();
   const int64_t M = x2d.size(0);
   auto shape = x.sizes().vec();
@@ -386,14 +397,9 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   const int dg = int(digits);
   const int isa = active_isa();
   const Q8Rows X = quantize_rows(x2d.data_ptr<float>(), M, K, dg, rotated, isa);
-  const bool half = scales.scalar_type() == at::kHalf;
-  const Packed W{codes.data_ptr<uint8_t>(), scales.data_ptr(), half, n, U, G};
   float* y = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, U / (4 * at::get_num_threads()));
-  at::parallel_for(0, U, grain, [&](int64_t begin, int64_t end) {
-    if (bits == 4) half ? run_groups<4, true>(isa, W, begin, end, X, M, dg, y) : run_groups<4, false>(isa, W, begin, end, X, M, dg, y);
-    else half ? run_groups<8, true>(isa, W, begin, end, X, M, dg, y) : run_groups<8, false>(isa, W, begin, end, X, M, dg, y);
-  });
+  at::parallel_for(0, U, grain, [&](int64_t begin, int64_t end) { units(isa, W, int(bits), begin, end, X, M, dg, y); });
   return out.view(shape);
 }
 
@@ -418,6 +424,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x, int
 }
 
 }  // namespace
+
+namespace ferrum_qact {
+int isa_level() { return active_isa(); }
+Packed packed(const at::Tensor& codes, const at::Tensor& scales, int64_t bits) {
+  return packed_weights(codes, scales, bits, codes.size(0) * kUnit);
+}
+Q8Rows rows_for(int64_t M, int64_t K, int digits) { return ::rows_for(M, K, digits); }
+void quantize_blocks(const float* x, int64_t b0, int64_t b1, int64_t K, int digits, bool rotated, int isa,
+                     Q8Rows& out, float* scratch) {
+  quantize_range(x, b0, b1, K / kBlock, digits, rotated, isa, out, scratch);
+}
+void run_units(int isa, const Packed& W, int bits, int64_t u0, int64_t u1, const Q8Rows& X, int64_t M, int digits,
+               float* y) {
+  units(isa, W, bits, u0, u1, X, M, digits, y);
+}
+}  // namespace ferrum_qact
 
 // For fused.cpp's whole-layer op: all N = 16 * units outputs.
 at::Tensor ferrum_qact_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t bits,

@@ -291,7 +291,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
         self.fused_ops = False  # see use_fused_ops
-        self.layer_ops: list[tuple] | None = None  # whole-layer op arguments, where every layer qualifies
+        self.layer_ops = None  # the layers as one ferrum_fused.DecodeStack, where every layer qualifies
         self.layer_ops_rows: int | None = None  # the most rows they take (float32 linears: linear_rows'), or any
         self.layer_ops_dtype = torch.float32  # their activations' dtype (bfloat16: every linear on linear_rows)
 
@@ -336,7 +336,17 @@ class LlamaForCausalLM(nn.Module):
                 module.rows_kernel = (on and module.weight is not None and module.weight.is_contiguous()
                                       and module.weight.dtype in LINEAR_ROWS)
                 module.rows_max = LINEAR_ROWS[module.weight.dtype] if module.rows_kernel else 0
-        self.layer_ops = self._whole_layer_args() if on else None
+        args = self._whole_layer_args() if on else None
+        self.layer_ops = self._decode_stack(args) if args else None
+
+    def _decode_stack(self, layer_args: list[tuple]):
+        """The layers as one ``ferrum_fused.DecodeStack``: their weights handed over
+        once, a decode step one call (csrc/fused.cpp says why)."""
+        cfg = self.config
+        stack = torch.classes.ferrum_fused.DecodeStack(cfg.num_heads, cfg.num_kv_heads, 1 / math.sqrt(cfg.head_dim))
+        for args in layer_args:
+            stack.add_layer(*args)
+        return stack
 
     def _whole_layer_args(self) -> list[tuple] | None:
         """Per layer, the weights ``ferrum_fused.decode_layer`` takes, when every layer
@@ -399,14 +409,15 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rope(positions, x.dtype, eager=getattr(kv, "attention", None) is not None)
         if (rope.fused and self.layer_ops is not None and x.dtype == self.layer_ops_dtype
                 and (self.layer_ops_rows is None or x.shape[0] * x.shape[1] <= self.layer_ops_rows)):
-            cfg, decode_layer = self.config, torch.ops.ferrum_fused.decode_layer
-            cos, sin, positions, slots, tables = self.rope_cos, self.rope_sin, kv.positions, kv.write_slots, kv.tables
-            heads, kv_heads, scale = cfg.num_heads, cfg.num_kv_heads, 1 / math.sqrt(cfg.head_dim)
-            # one op per layer (see csrc/fused.cpp); the pool's per-layer views are made once
-            for i, (args, (k, v)) in enumerate(zip(self.layer_ops, kv.pool.layers)):
-                x = decode_layer(x, *args, cos, sin, positions, k, v, slots, tables, heads, kv_heads, scale)
-                if keep and i + 1 < len(self.layer_ops):
-                    keep(i + 1, x)
+            stack, pool, n = self.layer_ops, kv.pool, len(self.model.layers)
+            step = (self.rope_cos, self.rope_sin, kv.positions, pool.k, pool.v, kv.write_slots, kv.tables)
+            if keep:  # a layer a call, to copy each one's output
+                for i in range(n):
+                    x = stack.forward(x, *step, i, i + 1)
+                    if i + 1 < n:
+                        keep(i + 1, x)
+            else:
+                x = stack.forward(x, *step, 0, n)
         else:
             for i, layer in enumerate(self.model.layers):
                 x = layer(x, rope, kv)

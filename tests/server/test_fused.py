@@ -175,8 +175,10 @@ def test_whole_layer_op_equals_the_per_op_path(tiny_llama_dir, tiny_qwen3_dir, t
     quantize, _, dtype = quantize.partition("-")
     ex = TorchExecutor.from_path("tiny", model_dir, ExecutorConfig(kv_tokens=256, block_size=4, quantize=quantize,
                                                                     dtype=dtype or "float32"))
-    assert ex.model.layer_ops is not None and len(ex.model.layer_ops) == 2
-    assert all(rotated == [int(arch == "llama-q4" and quantize == "w8a8")] * 4 for *_, rotated, _ in ex.model.layer_ops)
+    assert ex.model.layer_ops is not None and ex.model.layer_ops.size() == 2
+    assert ex.model.layer_ops.one_region() == (quantize != "none")  # every linear quantizes its activations
+    assert all(rotated == [int(arch == "llama-q4" and quantize == "w8a8")] * 4
+               for *_, rotated, _ in ex.model._whole_layer_args())
     assert ex.model.layer_ops_dtype == (torch.bfloat16 if dtype else torch.float32)
     tol = TOL[torch.bfloat16] if dtype else 1e-5
     full = LogitsPolicy.full()
