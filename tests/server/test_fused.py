@@ -207,3 +207,60 @@ def test_whole_layer_op_equals_the_per_op_path(tiny_llama_dir, tiny_qwen3_dir, t
         finally:
             ex.model.layer_ops = saved
         assert rel(c.logits.values, d.logits.values) <= tol  # their KV differs by the rounding above
+
+
+QACT_CAPS = [("avx512", "avx512-vnni"), ("avx512", "avx-vnni"), ("avx2", "avx2"), ("portable", "portable")]
+
+
+@pytest.fixture(params=QACT_CAPS, ids=[q for _, q in QACT_CAPS])
+def qact_cap(request, ops):
+    """Each inner-loop build of the packed linears (and the fused ops under it) this CPU runs."""
+    fused_cap, qact_isa = request.param
+    torch.ops.ferrum_woq.set_max_isa(fused_cap)
+    ran = torch.ops.ferrum_qact.set_max_isa(qact_isa)
+    try:
+        if ran != qact_isa or torch.ops.ferrum_woq.isa() != fused_cap:
+            pytest.skip(f"this CPU cannot run the {qact_isa} path")
+        yield qact_isa
+    finally:
+        torch.ops.ferrum_woq.set_max_isa("avx512")
+        torch.ops.ferrum_qact.set_max_isa("avx512-vnni")
+
+
+@pytest.mark.parametrize("arch,quantize", [("llama", "w4a8"), ("llama-q4", "w8a8"), ("qwen3", "int4"),
+                                           ("qwen3", "w8a8")])
+def test_decode_stack_in_one_region_equals_decode_layer_per_layer(tiny_llama_dir, tiny_qwen3_dir, tiny_q4_llama_dir,
+                                                                   arch, quantize, qact_cap):
+    """DecodeStack runs a step of up to 4 rows as one parallel region (the threads
+    share out each phase, meeting at barriers); each output is the same kernel's
+    arithmetic as decode_layer's, so the hidden states and the pool's new K and V
+    must be the same bits, on every inner-loop path, for layers [first, last) too,
+    and 5 rows (past the region: decode_layer per layer inside)."""
+    from ferrum_rpc.server.config import ExecutorConfig
+    from ferrum_rpc.server.executor import TorchExecutor
+
+    model_dir = {"llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir, "llama-q4": tiny_q4_llama_dir}[arch]
+    model = TorchExecutor.from_path("tiny", model_dir, ExecutorConfig(kv_tokens=64, quantize=quantize)).model
+    stack, layers, cfg = model.layer_ops, model._whole_layer_args(), model.config
+    assert stack.one_region() and stack.size() == len(layers) == 2
+    gen = torch.Generator().manual_seed(3)
+    bs, blocks = 4, 12
+    pool = [torch.randn(2, blocks, bs, cfg.num_kv_heads, cfg.head_dim, generator=gen) for _ in range(2)]
+    for B, T in [(1, 1), (2, 1), (1, 3), (2, 2), (5, 1)]:
+        x = torch.randn(B, T, cfg.hidden_size, generator=gen)
+        tables = torch.stack([torch.randperm(blocks, generator=gen)[:3] for _ in range(B)])  # (B, 3)
+        positions = torch.stack([torch.arange(T) + 2 + 3 * b % 7 for b in range(B)])  # (B, T), inside 3 blocks
+        slots = (tables.gather(1, positions // bs) * bs + positions % bs).reshape(-1)
+        step = (model.rope_cos, model.rope_sin, positions)
+        for first, last in [(0, 2), (1, 2)]:
+            want_k, want_v, want = pool[0].clone(), pool[1].clone(), x
+            for i in range(first, last):
+                want = torch.ops.ferrum_fused.decode_layer(
+                    want, *layers[i], *step, want_k[i], want_v[i], slots, tables, cfg.num_heads, cfg.num_kv_heads,
+                    1 / cfg.head_dim ** 0.5)
+            got_k, got_v = pool[0].clone(), pool[1].clone()
+            got = stack.forward(x, *step, got_k, got_v, slots, tables, first, last)
+            assert torch.equal(got, want), (B, T, first, last)
+            assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    with pytest.raises(RuntimeError, match="layers 1..3 of 2"):
+        stack.forward(x, *step, got_k, got_v, slots, tables, 1, 3)
