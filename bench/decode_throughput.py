@@ -16,7 +16,7 @@ quantized variants' transformers reference is float32.
 ``llama_decode`` a step over all sequences) from its own cached environment (``python -m bench.llama_cpp --setup`` builds it once); it is
 skipped, with a log line, where that environment is missing.  Each gRPC row
 also splits the decode step into weight-read time (weight bytes a step reads /
-memory read bandwidth measured in this run) and the rest, and reports the
+memory read bandwidth probed right before that variant and batch) and the rest, and reports the
 server process's resident memory after the run and at its peak (loading included).
 
     python -m bench.decode_throughput [--batches 1 8 32] [--dtypes float32 bfloat16 int8 int4 w8a8 w4a8]
@@ -164,8 +164,15 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     model_dir = str(prepare_default_model())
     records = []
-    bandwidth = read_bandwidth_gbs()
-    log.info("memory read bandwidth: %.1f GB/s", bandwidth)
+    bandwidth = 0.0
+
+    def probe_bandwidth(before: str) -> None:
+        """The read-bandwidth probe again, right before each variant's runs: this host's
+        bandwidth drifts over minutes (32-52 GB/s within one run seen), and each
+        weight-read share is taken against the probe nearest its runs."""
+        nonlocal bandwidth
+        bandwidth = read_bandwidth_gbs()
+        log.info("memory read bandwidth before %s: %.1f GB/s", before, bandwidth)
 
     def record(system, dtype, batch, seconds, runs, prefill_s, **extra):
         tps = batch * args.new_tokens / seconds
@@ -185,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
                  system, dtype, batch, tps, decode_tps, extra or "")
 
     for batch in args.batches if "llama.cpp" in args.systems else []:
+        probe_bandwidth(f"llama.cpp batch {batch}")
         if (out := run_llama_cpp(batch, args)) is not None:
             gguf_bytes = find_gguf().stat().st_size  # every tensor is read once a step (the head is the embedding)
             record("llama.cpp", "Q4_1", batch, out["seconds"], out["runs"], out["prefill_s"],
@@ -218,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
                     runners["grpc-ahead"] = lambda p, c=client: run_grpc_ahead(c, pool, p, args.new_tokens)
             for batch in args.batches:
                 batch_prompts = prompts(batch, args.prompt_len)
+                probe_bandwidth(f"{variant} batch {batch}")
                 for system, run in runners.items():
                     run(batch_prompts[:1])  # warm-up
                     PREFILL_SECONDS.clear()
