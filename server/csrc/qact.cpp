@@ -439,6 +439,19 @@ void run_units(int isa, const Packed& W, int bits, int64_t u0, int64_t u1, const
                float* y) {
   units(isa, W, bits, u0, u1, X, M, digits, y);
 }
+void prefetch_units(const Packed& W, int bits, int64_t u0, int64_t u1, int64_t bytes) {
+#ifdef FERRUM_X86
+  const int64_t unit = W.G * kUnit * kBlock * bits / 8, scales = W.G * 2 * kUnit * (W.half ? 2 : 4);
+  const char* codes = reinterpret_cast<const char*>(W.codes) + u0 * unit;
+  const int64_t n = std::min(bytes, (u1 - u0) * unit);
+  for (int64_t i = 0; i < n; i += 64) _mm_prefetch(codes + i, _MM_HINT_T1);
+  const char* sc = static_cast<const char*>(W.scales) + u0 * scales;
+  const int64_t ns = std::min((u1 - u0) * scales, n * scales / unit + 64);
+  for (int64_t i = 0; i < ns; i += 64) _mm_prefetch(sc + i, _MM_HINT_T1);
+#else
+  (void)W, (void)bits, (void)u0, (void)u1, (void)bytes;
+#endif
+}
 }  // namespace ferrum_qact
 
 // For fused.cpp's whole-layer op: all N = 16 * units outputs.

@@ -40,4 +40,9 @@ void quantize_blocks(const float* x, int64_t b0, int64_t b1, int64_t K, int digi
 void run_units(int isa, const Packed& W, int bits, int64_t u0, int64_t u1, const Q8Rows& X, int64_t M, int digits,
                float* y);
 
+// Up to `bytes` of units [u0, u1)'s codes, and their scales, fetched into L2
+// (prefetch hints; nothing on the portable path): a thread's next linear, while
+// it works on something that leaves memory idle.
+void prefetch_units(const Packed& W, int bits, int64_t u0, int64_t u1, int64_t bytes);
+
 }  // namespace ferrum_qact
