@@ -791,6 +791,11 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
       ferrum_qact::run_units(isa, L.packed[i], int(-L.bits[i]), u0, u1, X, M, int(L.digits[i]), out);
       return std::pair<int64_t, int64_t>{u0 * 16, std::min(u1 * 16, L.packed[i].N)};
     };
+    auto norm_and_quantize = [&](const StackLayer& L, const at::Tensor& w, int i) {  // h's rows for linear i
+      const auto [m0, m1] = mine(M);
+      for (int64_t m = m0; m < m1; ++m) rms(hp + m * C, w, C, L.eps, xn.data() + m * C);
+      quantize_rows(L, i, xn.data(), C);
+    };
     auto residual = [&](std::pair<int64_t, int64_t> cols) {  // h += y over this thread's columns
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = cols.first; n < cols.second; ++n) hp[m * C + n] += y[m * C + n];
@@ -798,11 +803,7 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
     for (int64_t l = first; l < last; ++l) {
       const StackLayer& L = layers_[l];
       float *kc = kp + l * layer_floats, *vc = vp + l * layer_floats;
-      {
-        const auto [m0, m1] = mine(M);
-        for (int64_t m = m0; m < m1; ++m) rms(hp + m * C, L.ln1, C, L.eps, xn.data() + m * C);
-      }
-      quantize_rows(L, 0, xn.data(), C);
+      norm_and_quantize(L, L.ln1, 0);
 #pragma omp barrier
       linear(L, 0, qkv.data());
 #pragma omp barrier
@@ -834,11 +835,7 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
 #pragma omp barrier
       residual(linear(L, 1, y.data()));
 #pragma omp barrier
-      {
-        const auto [m0, m1] = mine(M);
-        for (int64_t m = m0; m < m1; ++m) rms(hp + m * C, L.ln2, C, L.eps, xn.data() + m * C);
-      }
-      quantize_rows(L, 2, xn.data(), C);
+      norm_and_quantize(L, L.ln2, 2);
 #pragma omp barrier
       linear(L, 2, gu.data());
 #pragma omp barrier
