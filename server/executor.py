@@ -39,7 +39,7 @@ from ferrum_rpc.errors import (
 )
 from ferrum_rpc.server import speculative
 from ferrum_rpc.server.sampling import accept_drafts as choose_drafts
-from ferrum_rpc.server.sampling import choose_tokens, validate_token_choice
+from ferrum_rpc.server.sampling import choose_tokens, row_max, validate_token_choice
 from ferrum_rpc.server.config import ExecutorConfig
 from ferrum_rpc.server.forward import Rows, Step, forward
 from ferrum_rpc.server.kv_cache import KvPool
@@ -750,7 +750,7 @@ class TorchExecutor:
         if policy.kind is LogitsKind.FULL:
             return Logits(LogitsKind.FULL, rows.to(TORCH_DTYPES[policy.dtype]).cpu(), None, vocab)
         if policy.kind is LogitsKind.ARGMAX:
-            values, ids = rows.max(dim=-1, keepdim=True)  # (P, 1): far cheaper than topk(1)
+            values, ids = row_max(rows)  # (P, 1): far cheaper than topk(1)
         else:
             values, ids = rows.topk(policy.top_k, dim=-1)  # (P, k) each, sorted
         return Logits(policy.kind, values.cpu(), ids.cpu().numpy(), vocab)

@@ -461,3 +461,21 @@ def test_good_policies_pass():
                             TokenChoice(allowed_token_bitmask=pack_allowed_tokens([69], 70)),
                             TokenChoice(top_k=10_000)]:
         validate_token_choice(choice, 70)
+
+
+def test_row_max_is_torch_max_with_its_ties_and_nans():
+    """row_max (numpy's argmax on the CPU) gives what x.max(-1, keepdim=True) gives:
+    the first index of a tied maximum, a NaN as the largest (its first index)."""
+    from ferrum_rpc.server.sampling import row_max
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 1000, generator=gen)
+    x[1, 7] = x[1, 900] = 50.0  # a tie: the first wins
+    x[2, 3] = x[2, 40] = float("nan")
+    x[3] = -float("inf")
+    for rows in (x, x[::2], x.double(), x[:, :500]):  # strided views and float64 too
+        got, want = row_max(rows), rows.max(-1, keepdim=True)
+        assert torch.equal(got[1], want.indices) and got[1].dtype == torch.int64
+        assert torch.allclose(got[0], want.values, equal_nan=True) and got[0].dtype == rows.dtype
+    bf = x.bfloat16()  # other dtypes: torch's own max
+    assert torch.equal(row_max(bf)[1], bf.max(-1, keepdim=True).indices)
