@@ -45,9 +45,7 @@ def openmp_spin() -> str | None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    if spin := openmp_spin():
-        logging.getLogger(__name__).info("OpenMP threads spin %s pauses before sleeping (GOMP_SPINCOUNT; "
-                                         "set it or OMP_WAIT_POLICY to choose)", spin)
+    spin = openmp_spin()
     import torch
 
     from ferrum_rpc.server.app import serve
@@ -74,6 +72,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     if args.tensor_parallel > 1:
         return _serve_tensor_parallel(args, config)
+    if spin:  # after the checks: a misconfiguration stays one line
+        logging.getLogger(__name__).info("OpenMP threads spin %s pauses before sleeping (GOMP_SPINCOUNT; "
+                                         "set it or OMP_WAIT_POLICY to choose)", spin)
     asyncio.run(serve(config))
     return 0
 
