@@ -167,12 +167,16 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth = 0.0
 
     def probe_bandwidth(before: str) -> None:
-        """The read-bandwidth probe again, right before each variant's runs: this host's
-        bandwidth drifts over minutes (32-52 GB/s within one run seen), and each
-        weight-read share is taken against the probe nearest its runs."""
+        """The read-bandwidth probe again, right before each variant's runs, as the
+        median of three child processes: on this VM one probe reads 26-40 GB/s or,
+        now and then, 58-63 (the buffer's pages, not the minute: three probes in a
+        row differ so), and each weight-read share is taken against the probes
+        nearest its runs."""
         nonlocal bandwidth
-        bandwidth = read_bandwidth_gbs()
-        log.info("memory read bandwidth before %s: %.1f GB/s", before, bandwidth)
+        probes = sorted(read_bandwidth_gbs() for _ in range(3))
+        bandwidth = probes[1]
+        log.info("memory read bandwidth before %s: %.1f GB/s (probes %s)", before, bandwidth,
+                 " ".join(f"{p:.1f}" for p in probes))
 
     def record(system, dtype, batch, seconds, runs, prefill_s, **extra):
         tps = batch * args.new_tokens / seconds
