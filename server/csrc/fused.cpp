@@ -472,7 +472,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k.scalar_type() == q.scalar_type() &&
               v.scalar_type() == q.scalar_type(), "paged_attention: dtypes differ");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-              sin.is_contiguous() && cos.size(1) == D, "paged_attention: cos/sin must be (positions, D) float32");
+              sin.is_contiguous() && cos.size(1) == D && sin.sizes() == cos.sizes(),
+              "paged_attention: cos/sin must be (positions, D) float32");
   const PagedIndex ix = checked_index(positions, write_slots, tables, B * T, B, cos, k_cache.size(0), k_cache.size(1));
   at::Tensor out = at::empty({B, T, H * D}, q.options());
   at::Tensor qf = at::empty({B, T, H, D}, q.options().dtype(at::kFloat));
@@ -689,7 +690,8 @@ class DecodeStack : public torch::CustomClassHolder {
                  std::vector<int64_t> digits, std::vector<int64_t> rotated, std::vector<at::Tensor> qk_norm) {
     TORCH_CHECK(bits.size() == 4 && digits.size() == 4 && rotated.size() == 4,
                 "DecodeStack: bits, digits and rotated have four entries");
-    StackLayer L{ln1, ln2, eps, {qkv, o, gate_up, down}, {}, {}, {}, qk_norm, {}};
+    for (at::Tensor& w : qk_norm) w = w.contiguous();  // the one region reads the norms' weights by pointer
+    StackLayer L{ln1.contiguous(), ln2.contiguous(), eps, {qkv, o, gate_up, down}, {}, {}, {}, qk_norm, {}};
     bool packed = true;
     for (int i = 0; i < 4; ++i) {
       L.bits[i] = bits[i], L.digits[i] = digits[i], L.rotated[i] = rotated[i];
@@ -701,7 +703,8 @@ class DecodeStack : public torch::CustomClassHolder {
     }
     if (packed) {  // the widths the one-region step relies on, alike in every layer
       const int64_t C = ln1.numel(), I = L.packed[3].G * 32, D = L.packed[0].N / (H_ + 2 * Hkv_);
-      packed = ln1.scalar_type() == at::kFloat && ln2.scalar_type() == at::kFloat && ln2.numel() == C &&
+      packed = ln1.scalar_type() == at::kFloat && ln2.scalar_type() == at::kFloat && ln1.dim() == 1 &&
+               ln2.dim() == 1 && ln2.numel() == C &&
                L.packed[0].G * 32 == C && L.packed[0].N == (H_ + 2 * Hkv_) * D && L.packed[1].G * 32 == H_ * D &&
                L.packed[1].N == C && L.packed[2].G * 32 == C && L.packed[2].N == 2 * I && L.packed[3].N == C &&
                (qk_norm.empty() || (qk_norm.size() == 2 && qk_norm[0].numel() == D && qk_norm[1].numel() == D &&
@@ -757,7 +760,8 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.scalar_type() == at::kFloat &&
               v_pool.scalar_type() == at::kFloat && k_pool.size(3) == Hkv, "DecodeStack: pool layers");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-              sin.is_contiguous() && cos.size(1) == D, "DecodeStack: cos/sin must be (positions, D) float32");
+              sin.is_contiguous() && cos.size(1) == D && sin.sizes() == cos.sizes(),
+              "DecodeStack: cos/sin must be (positions, D) float32");
   const PagedIndex ix = checked_index(positions, write_slots, tables, M, B, cos, k_pool.size(1), k_pool.size(2));
   at::Tensor h = x.contiguous().clone();  // (B, T, C): the residual stream, updated in place
   if (M == 0) return h;

@@ -264,3 +264,12 @@ def test_decode_stack_in_one_region_equals_decode_layer_per_layer(tiny_llama_dir
             assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
     with pytest.raises(RuntimeError, match="layers 1..3 of 2"):
         stack.forward(x, *step, got_k, got_v, slots, tables, 1, 3)
+    with pytest.raises(RuntimeError, match="cos/sin must be"):  # a sin table shorter than cos
+        stack.forward(x, model.rope_cos, model.rope_sin[:8], positions, got_k, got_v, slots, tables, 0, 2)
+    # norm weights as strided views (the region reads them by pointer): the same bits
+    strided = torch.classes.ferrum_fused.DecodeStack(cfg.num_heads, cfg.num_kv_heads, 1 / cfg.head_dim ** 0.5)
+    for ln1, *rest in layers:
+        strided.add_layer(torch.stack([ln1, -ln1], 1)[:, 0], *rest)
+    a, b = (s.forward(x[:2], *step[:2], positions[:2], pool[0].clone(), pool[1].clone(), slots[:2], tables[:2], 0, 2)
+            for s in (stack, strided))  # the last case's first two sequences, a token each
+    assert strided.one_region() and torch.equal(a, b)
