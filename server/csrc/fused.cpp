@@ -144,6 +144,12 @@ __attribute__((target("avx2,fma"))) void rms_avx2(const T* x, const T* w, int64_
 template <typename T>
 void rms_portable(const T* x, const T* w, int64_t c, float eps, T* y) { rms_row(x, w, c, eps, y); }
 
+// One row on the loops `avx2` picks (rms_norm's and the decode stack's: the same bits).
+template <typename T>
+void rms_on(bool avx2, const T* x, const T* w, int64_t c, float eps, T* y) {
+  avx2 ? rms_avx2(x, w, c, eps, y) : rms_portable(x, w, c, eps, y);
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: x and weight dtypes differ");
   TORCH_CHECK(weight.dim() == 1 && x.size(-1) == weight.numel(), "rms_norm: weight must match the last dim");
@@ -155,10 +161,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     const scalar_t *xp = xc.data_ptr<scalar_t>(), *wp = wc.data_ptr<scalar_t>();
     scalar_t* yp = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 64, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) {
-        if (avx2) rms_avx2(xp + r * c, wp, c, float(eps), yp + r * c);
-        else rms_portable(xp + r * c, wp, c, float(eps), yp + r * c);
-      }
+      for (int64_t r = b; r < e; ++r) rms_on(avx2, xp + r * c, wp, c, float(eps), yp + r * c);
     });
   });
   return out;
@@ -166,22 +169,26 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 // ---- silu_mul ------------------------------------------------------------------
 template <typename T>
-FERRUM_INLINE void silu_mul_row(const T* gu, int64_t n, T* y) {
-  const T *g = gu, *u = gu + n;
+FERRUM_INLINE void silu_mul_row(const T* g, const T* u, int64_t n, T* y) {
   for (int64_t i = 0; i < n; ++i) {
     const float a = load(g[i]);
     y[i] = store<T>(load(store<T>(a / (1.0f + std::exp(-a)))) * load(u[i]));
   }
 }
 template <typename T>
-__attribute__((target("avx2,fma"))) void silu_mul_avx2(const T* gu, int64_t n, T* y) {
+__attribute__((target("avx2,fma"))) void silu_mul_avx2(const T* g, const T* u, int64_t n, T* y) {
 #ifdef FERRUM_X86
-  if constexpr (std::is_same_v<T, float>) return silu_mul_f32_avx2(gu, gu + n, n, y);
+  if constexpr (std::is_same_v<T, float>) return silu_mul_f32_avx2(g, u, n, y);
 #endif
-  silu_mul_row(gu, n, y);
+  silu_mul_row(g, u, n, y);
 }
 template <typename T>
-void silu_mul_portable(const T* gu, int64_t n, T* y) { silu_mul_row(gu, n, y); }
+void silu_mul_portable(const T* g, const T* u, int64_t n, T* y) { silu_mul_row(g, u, n, y); }
+// y = silu(g) * u over n elements on the loops `avx2` picks (silu_mul's and the decode stack's).
+template <typename T>
+void silu_mul_on(bool avx2, const T* g, const T* u, int64_t n, T* y) {
+  avx2 ? silu_mul_avx2(g, u, n, y) : silu_mul_portable(g, u, n, y);
+}
 
 // gate_up (..., 2n) = [gate | up] -> silu(gate) * up (..., n)
 at::Tensor silu_mul(const at::Tensor& gate_up) {
@@ -199,10 +206,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* yp = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) {
-        if (avx2) silu_mul_avx2(xp + r * n2, n, yp + r * n);
-        else silu_mul_portable(xp + r * n2, n, yp + r * n);
-      }
+      for (int64_t r = b; r < e; ++r) silu_mul_on(avx2, xp + r * n2, xp + r * n2 + n, n, yp + r * n);
     });
   });
   return out;
@@ -371,13 +375,17 @@ void attend_portable(const AttnArgs& a, const float* q, const T* kc, const T* vc
   attend_group<T, false>(a, q, kc, vc, b, t, kvh, G, s, acc, out);
 }
 
-// The pool's indices checked (positions against cos and the tables, write slots
-// and block ids against the pool), as contiguous int64.
+// The pool's indices checked (positions against cos/sin and the tables, write
+// slots and block ids against the pool), as contiguous int64.
 struct PagedIndex {
   at::Tensor pos, slots, tab;
 };
 PagedIndex checked_index(const at::Tensor& positions, const at::Tensor& write_slots, const at::Tensor& tables,
-                         int64_t BT, int64_t B, const at::Tensor& cos, int64_t blocks, int64_t bs) {
+                         int64_t BT, int64_t B, const at::Tensor& cos, const at::Tensor& sin, int64_t D,
+                         int64_t blocks, int64_t bs) {
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == D && sin.sizes() == cos.sizes(),
+              "paged_attention: cos/sin must be (positions, D) float32");
   PagedIndex ix{positions.to(at::kLong).contiguous(), write_slots.to(at::kLong).contiguous(),
                 tables.to(at::kLong).contiguous()};
   TORCH_CHECK(ix.pos.numel() == BT && ix.slots.numel() == BT && ix.tab.dim() == 2 && ix.tab.size(0) == B,
@@ -471,10 +479,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(k_cache.size(2) == Hkv && k_cache.size(3) == D && H % Hkv == 0, "paged_attention: head shapes");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k.scalar_type() == q.scalar_type() &&
               v.scalar_type() == q.scalar_type(), "paged_attention: dtypes differ");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-              sin.is_contiguous() && cos.size(1) == D && sin.sizes() == cos.sizes(),
-              "paged_attention: cos/sin must be (positions, D) float32");
-  const PagedIndex ix = checked_index(positions, write_slots, tables, B * T, B, cos, k_cache.size(0), k_cache.size(1));
+  const PagedIndex ix = checked_index(positions, write_slots, tables, B * T, B, cos, sin, D, k_cache.size(0), k_cache.size(1));
   at::Tensor out = at::empty({B, T, H * D}, q.options());
   at::Tensor qf = at::empty({B, T, H, D}, q.options().dtype(at::kFloat));
   const AttnArgs args{B, T, H, Hkv, D, k_cache.size(1), ix.tab.size(1), ix.pos.data_ptr<int64_t>(),
@@ -759,10 +764,7 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
   const int64_t Wq = (H + 2 * Hkv) * D;
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.scalar_type() == at::kFloat &&
               v_pool.scalar_type() == at::kFloat && k_pool.size(3) == Hkv, "DecodeStack: pool layers");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-              sin.is_contiguous() && cos.size(1) == D && sin.sizes() == cos.sizes(),
-              "DecodeStack: cos/sin must be (positions, D) float32");
-  const PagedIndex ix = checked_index(positions, write_slots, tables, M, B, cos, k_pool.size(1), k_pool.size(2));
+  const PagedIndex ix = checked_index(positions, write_slots, tables, M, B, cos, sin, D, k_pool.size(1), k_pool.size(2));
   at::Tensor h = x.contiguous().clone();  // (B, T, C): the residual stream, updated in place
   if (M == 0) return h;
   const int64_t maxK = std::max({C, H * D, I});
@@ -780,8 +782,7 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
     auto mine = [&](int64_t n) { return std::pair<int64_t, int64_t>{n * tid / nt, n * (tid + 1) / nt}; };
     auto rms = [&](const float* in, const at::Tensor& w, int64_t c, double eps, float* out) {
-      if (avx2) rms_avx2(in, w.data_ptr<float>(), c, float(eps), out);
-      else rms_portable(in, w.data_ptr<float>(), c, float(eps), out);
+      rms_on(avx2, in, w.data_ptr<float>(), c, float(eps), out);
     };
     // rows of `in` (M, K) quantized for linear i, by the threads that own them
     auto quantize_rows = [&](const StackLayer& L, int i, const float* in, int64_t K) {
@@ -847,15 +848,8 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
         const auto [b0, b1] = mine(M * I / 32);
         for (int64_t b = b0; b < b1; ++b) {
           const int64_t m = b / (I / 32), c = b % (I / 32) * 32;
-          const float *g = gu.data() + m * 2 * I + c, *u = g + I;
-          float* out = xn.data() + m * I + c;
-#ifdef FERRUM_X86
-          if (avx2) {
-            silu_mul_f32_avx2(g, u, 32, out);
-            continue;
-          }
-#endif
-          for (int64_t i = 0; i < 32; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+          const float* g = gu.data() + m * 2 * I + c;
+          silu_mul_on(avx2, g, g + I, 32, xn.data() + m * I + c);
         }
         ferrum_qact::quantize_blocks(xn.data(), b0, b1, I, int(L.digits[3]), L.rotated[3] != 0, isa, X,
                                      scratch.data());

@@ -326,11 +326,14 @@ void rotate16(const float* x, float* y, int64_t n, bool portable) {
   for (int64_t c = 0; c < n; c += 16) rotate_chunk_scalar(x + c, y + c);
 }
 
-// Blocks [b0, b1) of x quantized into out on the inner loops of `isa` (the same
-// codes on every path: the vector loops round half to even and multiply in the
-// same order, unfused), after rotate16 into `scratch` (x's shape) where `rotated`.
-void quantize_range(const float* x, int64_t b0, int64_t b1, int64_t G, int digits, bool rotated, int isa,
-                    Q8Rows& out, float* scratch) {
+}  // namespace
+
+namespace ferrum_qact {  // qact.h: what fused.cpp's decode stack calls
+// On the inner loops of `isa`: the same codes on every path (the vector loops
+// round half to even and multiply in the same order, unfused).
+void quantize_blocks(const float* x, int64_t b0, int64_t b1, int64_t K, int digits, bool rotated, int isa,
+                     Q8Rows& out, float* scratch) {
+  const int64_t G = K / kBlock;
   if (rotated) {
     rotate16(x + b0 * kBlock, scratch + b0 * kBlock, (b1 - b0) * kBlock, isa == kPortable);
     x = scratch;
@@ -347,13 +350,23 @@ Q8Rows rows_for(int64_t M, int64_t K, int digits) {
           std::vector<float>(M * (K / kBlock))};
 }
 
+void run_units(int isa, const Packed& W, int bits, int64_t u0, int64_t u1, const Q8Rows& X, int64_t M, int digits,
+               float* y) {
+  if (bits == 4) W.half ? run_groups<4, true>(isa, W, u0, u1, X, M, digits, y) : run_groups<4, false>(isa, W, u0, u1, X, M, digits, y);
+  else W.half ? run_groups<8, true>(isa, W, u0, u1, X, M, digits, y) : run_groups<8, false>(isa, W, u0, u1, X, M, digits, y);
+}
+}  // namespace ferrum_qact
+
+namespace {
+using ferrum_qact::quantize_blocks, ferrum_qact::rows_for, ferrum_qact::run_units;
+
 // Activation rows quantized (rotate16 first where `rotated`: one digit only).
 Q8Rows quantize_rows(const float* x, int64_t M, int64_t K, int digits, bool rotated, int isa) {
   const int64_t G = K / kBlock;
   std::vector<float> scratch(rotated ? M * K : 0);
   Q8Rows out = rows_for(M, K, digits);
   at::parallel_for(0, M * G, 64, [&](int64_t begin, int64_t end) {
-    quantize_range(x, begin, end, G, digits, rotated, isa, out, scratch.data());
+    quantize_blocks(x, begin, end, K, digits, rotated, isa, out, scratch.data());
   });
   return out;
 }
@@ -369,12 +382,6 @@ Packed packed_weights(const at::Tensor& codes, const at::Tensor& scales, int64_t
   TORCH_CHECK((scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) && scales.is_contiguous() &&
               scales.numel() == U * G * 2 * kUnit, "block_linear: scales must be (N/16, K/32, 2, 16) float16 or float32");
   return {codes.data_ptr<uint8_t>(), scales.data_ptr(), scales.scalar_type() == at::kHalf, n, U, G};
-}
-
-void units(int isa, const Packed& W, int bits, int64_t u0, int64_t u1, const Q8Rows& X, int64_t M, int digits,
-           float* y) {
-  if (bits == 4) W.half ? run_groups<4, true>(isa, W, u0, u1, X, M, digits, y) : run_groups<4, false>(isa, W, u0, u1, X, M, digits, y);
-  else W.half ? run_groups<8, true>(isa, W, u0, u1, X, M, digits, y) : run_groups<8, false>(isa, W, u0, u1, X, M, digits, y);
 }
 
 // x (..., K) float32 -> (..., n) float32, over packed weights (qact.py's pack_rows),
@@ -399,7 +406,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   const Q8Rows X = quantize_rows(x2d.data_ptr<float>(), M, K, dg, rotated, isa);
   float* y = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, U / (4 * at::get_num_threads()));
-  at::parallel_for(0, U, grain, [&](int64_t begin, int64_t end) { units(isa, W, int(bits), begin, end, X, M, dg, y); });
+  at::parallel_for(0, U, grain, [&](int64_t begin, int64_t end) { run_units(isa, W, int(bits), begin, end, X, M, dg, y); });
   return out.view(shape);
 }
 
@@ -429,15 +436,6 @@ namespace ferrum_qact {
 int isa_level() { return active_isa(); }
 Packed packed(const at::Tensor& codes, const at::Tensor& scales, int64_t bits) {
   return packed_weights(codes, scales, bits, codes.size(0) * kUnit);
-}
-Q8Rows rows_for(int64_t M, int64_t K, int digits) { return ::rows_for(M, K, digits); }
-void quantize_blocks(const float* x, int64_t b0, int64_t b1, int64_t K, int digits, bool rotated, int isa,
-                     Q8Rows& out, float* scratch) {
-  quantize_range(x, b0, b1, K / kBlock, digits, rotated, isa, out, scratch);
-}
-void run_units(int isa, const Packed& W, int bits, int64_t u0, int64_t u1, const Q8Rows& X, int64_t M, int digits,
-               float* y) {
-  units(isa, W, bits, u0, u1, X, M, digits, y);
 }
 void prefetch_units(const Packed& W, int bits, int64_t u0, int64_t u1, int64_t bytes) {
 #ifdef FERRUM_X86
