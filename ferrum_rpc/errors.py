@@ -40,6 +40,7 @@ class Reason(str, enum.Enum):
     TICKET_EXPIRED = "TICKET_EXPIRED"
     TICKET_USED = "TICKET_USED"
     PUSH_TARGET_REFUSED = "PUSH_TARGET_REFUSED"
+    NON_FINITE_LOGITS = "NON_FINITE_LOGITS"
 
 
 STATUS_FOR_REASON: dict[Reason, grpc.StatusCode] = {
@@ -65,6 +66,7 @@ STATUS_FOR_REASON: dict[Reason, grpc.StatusCode] = {
     Reason.TICKET_EXPIRED: grpc.StatusCode.PERMISSION_DENIED,
     Reason.TICKET_USED: grpc.StatusCode.PERMISSION_DENIED,
     Reason.PUSH_TARGET_REFUSED: grpc.StatusCode.PERMISSION_DENIED,
+    Reason.NON_FINITE_LOGITS: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 
@@ -228,6 +230,15 @@ class PushTargetRefused(ExecutorError):
     reason = Reason.PUSH_TARGET_REFUSED
 
 
+class NonFiniteLogits(ExecutorError):
+    """The model's logits for a token the server was asked to choose hold a NaN or an
+    infinity (a sequence whose KV state is corrupt, or weights that overflow): no token
+    can be chosen.  Only that call fails and it changes nothing; the other rows of the
+    same forward are served."""
+
+    reason = Reason.NON_FINITE_LOGITS
+
+
 class FailoverFailed(ExecutorError):
     """Client side, never on the wire: a replica-set client could not move a sequence
     (or place a new one) onto a healthy replica within its bounds (attempts, seconds).
@@ -277,6 +288,7 @@ ERROR_CLASSES: dict[Reason, type[ExecutorError]] = {
         TicketExpired,
         TicketUsed,
         PushTargetRefused,
+        NonFiniteLogits,
     )
 }
 

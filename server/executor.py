@@ -31,6 +31,7 @@ from ferrum_rpc.errors import (
     InvalidInput,
     KvCapacityExhausted,
     LengthMismatch,
+    NonFiniteLogits,
     SequenceLimitExceeded,
     SequenceTooLong,
     StaleHandle,
@@ -299,7 +300,7 @@ class TorchExecutor:
             while True:
                 plan = prompt.next_part(self.config.prefill_chunk)
                 t0 = time.perf_counter_ns()
-                (rows,) = self.run([plan])
+                rows = self._run_one(plan)
                 if (done := prompt.part_done(plan, rows, time.perf_counter_ns() - t0)) is not None:
                     return done
         except BaseException:
@@ -397,9 +398,11 @@ class TorchExecutor:
         """Runs planned appends, any mix of kinds and lengths, as ONE forward and one
         LM-head GEMM over just the rows the plans asked for (see ``forward.py``).
 
-        Either every plan's appends are committed, or (on any failure) every
-        sequence is put back as it was before its call.  Returns each plan's
-        result in order (see :class:`PlanKind`).
+        If the forward fails, every sequence is put back as it was before its call
+        and the error is raised.  Otherwise each plan's appends are committed and its
+        result returned in order (see :class:`PlanKind`), except a plan whose own rows
+        could not be served (a token choice over non-finite logits): its sequences
+        are put back and its entry is the error, for its call alone.
         """
         steps = [s for p in plans for s in p.steps]
         t0 = time.perf_counter_ns()
@@ -420,18 +423,18 @@ class TorchExecutor:
         self.stats.failed = False
         self.stats.count_forward(all(p.kind is PlanKind.DECODE for p in plans), time.perf_counter_ns() - t0,
                                  len(steps), sum(len(s.tokens) for s in steps))
-        try:
-            self._choose(steps, logits, chosen)
-        except BaseException:  # nothing is half done: the appends are undone as a failed forward's
-            for step in steps:
-                self.undo([step.opened.undo])
-            raise
+        self._choose(steps, logits, chosen)
         timing = Timing(forward_ns=time.perf_counter_ns() - t0, batch_size=len(steps))
         results, at = [], 0  # each plan's rows in ``logits`` are adjacent
         for plan in plans:
             n = sum(step.rows.count(len(step.tokens)) for step in plan.steps)
             rows = logits[at:at + n] if n and logits is not None else None
             at += n
+            if (failure := next((s.failure for s in plan.steps if s.failure is not None), None)) is not None:
+                for step in plan.steps:  # this call alone fails, and changes nothing
+                    self.undo([step.opened.undo])
+                results.append(failure)
+                continue
             if plan.kind is PlanKind.PART:
                 results.append(rows)
                 continue
@@ -450,6 +453,13 @@ class TorchExecutor:
                 outs.append(DecodeOutput(got, self.handle(step.seq), timing, chosen=step.chosen))
             results.append(outs)
         return results
+
+    def _run_one(self, plan: AppendPlan):
+        """:meth:`run` of one plan, its failure raised."""
+        (result,) = self.run([plan])
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     @staticmethod
     def _top_only(plans: list[AppendPlan]) -> int | None:
@@ -500,10 +510,40 @@ class TorchExecutor:
         if chosen is None:
             rows = [a[0] for a in asking]
             picked = logits[torch.tensor(rows, device=logits.device)] if len(rows) < logits.shape[0] else logits
-            chosen = choose_tokens(picked.float().cpu(), [a[2] for a in asking], [a[3] for a in asking],
-                                   [a[4] for a in asking], [a[5] for a in asking])
+            picked = picked.float().cpu()
+            try:
+                chosen = choose_tokens(picked, [a[2] for a in asking], [a[3] for a in asking],
+                                       [a[4] for a in asking], [a[5] for a in asking])
+            except Exception:
+                if len(asking) == 1:
+                    raise
+                log.exception("token choice failed over %d rows; choosing each row alone", len(asking))
+                return self._choose_alone(asking, picked)
         for i, (_, step, *_) in enumerate(asking):
-            step.chosen = chosen.row(i)
+            if i in chosen.failed:
+                step.failure = self._non_finite(step)
+            else:
+                step.chosen = chosen.row(i)
+
+    def _choose_alone(self, asking: list, picked: torch.Tensor) -> None:
+        """Token choice row by row, after a batched choice raised: a row whose own
+        choice fails fails its own call only."""
+        for i, (_, step, c, position, prompt, output) in enumerate(asking):
+            try:
+                chosen = choose_tokens(picked[i:i + 1], [c], [position], [prompt], [output])
+            except Exception as exc:
+                step.failure = ExecutorError(f"token choice failed: {type(exc).__name__}: {exc}")
+                continue
+            if chosen.failed:
+                step.failure = self._non_finite(step)
+            else:
+                step.chosen = chosen.row(0)
+
+    @staticmethod
+    def _non_finite(step: Step) -> NonFiniteLogits:
+        return NonFiniteLogits(f"the model's logits after position {step.start + len(step.tokens) - 1} of "
+                               "the sequence are not finite (NaN or infinity); no token can be chosen: "
+                               "truncate the sequence before the bad state or release it")
 
     def undo(self, undos: Iterable[Undo]) -> None:
         """THE undo: puts each record's sequence back as it was before its call (see
@@ -537,7 +577,7 @@ class TorchExecutor:
     def batch_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy | None = LogitsPolicy(),
                      tenant: str = "") -> list[DecodeOutput]:
         """One batched forward over sequences of any lengths."""
-        return self.run([self.plan_decode(inputs, policy, tenant)])[0]
+        return self._run_one(self.plan_decode(inputs, policy, tenant))
 
     def forward_verify(self, token_ids: list[int], kv_cache: KvCacheHandle,
                        policy: LogitsPolicy = LogitsPolicy(), tenant: str = "") -> VerifyOutput:

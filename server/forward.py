@@ -47,6 +47,7 @@ class Step:
     # (a decode, a prompt's final part), and what run() chose
     choice: TokenChoice | None = None
     chosen: ChosenToken | None = None
+    failure: Exception | None = None  # this row could not be served: its call alone fails
     logits: bool = True  # its rows go back as logits (False: a chosen token only)
     prompt: bool = False  # a Prefill's part: the sequence's tokens are all prompt for the penalties
 

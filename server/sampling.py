@@ -50,13 +50,13 @@ from __future__ import annotations
 import hashlib
 import math
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from ferrum_rpc.errors import InvalidInput
+from ferrum_rpc.errors import InvalidInput, NonFiniteLogits
 from ferrum_rpc.types import (
     MAX_TOP_LOGPROBS,
     ChosenToken,
@@ -73,6 +73,10 @@ __all__ = [
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound; exp(-200) is 0 in float32, so +-100 forces or bans any token
 MAX_PENALTY = 2.0  # presence and frequency, OpenAI's range
+# Logits are held to +-LOGIT_LIMIT before temperature: a repetition penalty may be any finite
+# value > 0, and l / 1e-38 overflows float32. At the smallest sampled temperature (1e-5) a
+# held logit is 1e35, still finite, so every difference and exp below stays defined.
+LOGIT_LIMIT = 1e30
 BLOCK = 256  # the draw's first level: float32 sums of 256-wide blocks, then one block's cumulative sum
 _HASH_TAG = b"ferrum-rpc/token-choice/v1"
 
@@ -237,13 +241,16 @@ class ChosenTokens:
     """A batch's choices. token_ids (B,) int64; logprobs (B,) float32; top_token_ids
     and top_logprobs (B, n) with n the batch's largest top_logprobs, descending, row i
     meaningful in its first ``top_counts[i]`` entries (-inf: a token the PROCESSED
-    distribution excludes, left out by :meth:`row`)."""
+    distribution excludes, left out by :meth:`row`).  ``failed`` lists the rows whose
+    logits were not finite: nothing was chosen for them (their entries are filler) and
+    only their calls fail (:class:`~ferrum_rpc.errors.NonFiniteLogits`)."""
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor
     top_token_ids: torch.Tensor
     top_logprobs: torch.Tensor
     top_counts: tuple[int, ...]
+    failed: tuple[int, ...] = ()
 
     def row(self, i: int) -> ChosenToken:
         n = self.top_counts[i]
@@ -301,12 +308,15 @@ def choose_tokens(
             penalties); None: none yet.
 
     Returns:
-        ChosenTokens: ids, logprobs and top alternatives, per row.
+        ChosenTokens: ids, logprobs and top alternatives, per row; rows holding a NaN or
+        an infinity are listed in ``failed`` and choose nothing (the others are chosen
+        exactly as if those rows were absent).
     """
     logits = logits.float()
     batch, vocab = logits.shape
     if len(choices) != batch or len(positions) != batch:
         raise ValueError(f"{batch} rows but {len(choices)} choices and {len(positions)} positions")
+    logits, failed = held_finite(logits)
     shaped, touched = _shape(logits, choices, prompt_token_ids, output_token_ids)
     n = min(max(c.top_logprobs for c in choices), vocab)
     step = Step(batch, n, any(c.top_logprobs and c.logprobs_mode is LogprobsMode.PROCESSED for c in choices))
@@ -317,7 +327,23 @@ def choose_tokens(
         wide = sorted(wide + _sample_candidates(shaped, narrow, choices, positions, step))
     if wide:
         _sample_full(shaped, wide, choices, positions, touched, step)
-    return _finish(logits, choices, step)
+    chosen = _finish(logits, choices, step)
+    return replace(chosen, failed=failed) if failed else chosen
+
+
+def held_finite(logits: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """(R, V) float32 -> the rows to choose from, and the rows that hold a NaN or an
+    infinity.  Those rows are zeroed (every path stays defined on them; their results
+    are discarded) and rows past +-LOGIT_LIMIT are held to it: one aminmax pass, and a
+    copy only when some row needs either."""
+    low, high = torch.aminmax(logits, dim=-1)  # a NaN anywhere in a row makes both NaN
+    bad = ~(torch.isfinite(low) & torch.isfinite(high))
+    wide = (low < -LOGIT_LIMIT) | (high > LOGIT_LIMIT)
+    if not bool((bad | wide).any()):
+        return logits, ()
+    held = logits.clamp(-LOGIT_LIMIT, LOGIT_LIMIT)
+    held[bad] = 0.0
+    return held, tuple(bad.nonzero().squeeze(-1).tolist())
 
 
 def accept_drafts(
@@ -341,8 +367,12 @@ def accept_drafts(
     """
     drafts = list(draft_token_ids)
     histories = [list(output_token_ids) + drafts[:i] for i in range(len(drafts) + 1)]
-    chosen = choose_tokens(rows, [choice] * len(histories), range(first_position, first_position + len(histories)),
-                           [prompt_token_ids] * len(histories), histories).rows()
+    picked = choose_tokens(rows, [choice] * len(histories), range(first_position, first_position + len(histories)),
+                           [prompt_token_ids] * len(histories), histories)
+    if picked.failed:
+        raise NonFiniteLogits(f"the model's logits at position {first_position + picked.failed[0]} are not finite "
+                              "(NaN or infinity); no token can be chosen there")
+    chosen = picked.rows()
     kept = 0
     while kept < len(drafts) and chosen[kept].token_id == drafts[kept]:
         kept += 1
@@ -573,7 +603,7 @@ def penalise_counts(x: torch.Tensor, choices, out_counts: torch.Tensor, seen: to
     """:func:`_penalise` from (R, V) output counts and the (R, V) bool prompt-or-output set
     (a tensor-parallel rank passes its vocabulary slice of both)."""
     rep = torch.tensor([c.repetition_penalty for c in choices]).unsqueeze(-1)  # (R, 1)
-    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x).clamp_(-LOGIT_LIMIT, LOGIT_LIMIT)
     frequency = torch.tensor([c.frequency_penalty for c in choices]).unsqueeze(-1)
     presence = torch.tensor([c.presence_penalty for c in choices]).unsqueeze(-1)
     return x - frequency * out_counts - presence * (out_counts > 0)

@@ -552,6 +552,11 @@ class ModelWorker:
                 for item in job.decode.inputs:
                     self._decoders[item.kv_cache.cache_id] = now
         for (job, plan), result in zip(planned, results):
+            if isinstance(result, BaseException):  # this call's own rows failed; run() undid it
+                if job.prompt is not None:
+                    job.prompt.undo()
+                job.future.set_exception(result)
+                continue
             if job.decode:
                 job.future.set_result(_with_queue_time(result, start - job.enqueued_ns))
                 continue

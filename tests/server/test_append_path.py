@@ -125,3 +125,32 @@ def test_a_plan_that_cannot_reserve_room_gives_back_what_it_took(tiny_llama_dir)
     with pytest.raises(KvCapacityExhausted):  # ha takes the last free block, hb finds none
         ex.plan_decode([DecodeInput(1, ha), DecodeInput(2, hb)], FULL)
     assert snapshot(ex) == before
+
+
+def test_a_row_whose_logits_are_not_finite_fails_its_call_alone(ex):
+    """A sequence whose KV holds NaN (corrupt state) asks for a token choice in the same
+    forward as others: its call alone gets NON_FINITE_LOGITS and is put back; the other
+    calls (a decode, a prompt's last part) are served as if it were absent."""
+    from ferrum_rpc.errors import NonFiniteLogits
+    from ferrum_rpc.types import TokenChoice
+
+    sampled = TokenChoice(temperature=1.0, top_k=40, seed=5)
+    bad = ex.prefill([5, 17, 101, 3], None, LogitsPolicy.argmax()).kv_cache
+    good = ex.prefill([9, 300, 11], None, LogitsPolicy.argmax()).kv_cache
+    alone = ex.decode(7, good, None, choice=sampled).chosen
+    ex.truncate_kv(ex.handle(ex.kv.get(good.cache_id)), good.sequence_length)
+    ex.pool.k[:, ex.kv.get(bad.cache_id).block_ids] = float("nan")
+    before = snapshot(ex)
+    for choice in (sampled, TokenChoice.greedy(), TokenChoice(temperature=0.5, top_p=0.9, seed=1)):
+        prompt = ex.open_prefill([4, 44, 144], None, None, choice=sampled)
+        plans = [ex.plan_decode([DecodeInput(8, bad, choice)], None),
+                 ex.plan_decode([DecodeInput(7, good, sampled)], None), prompt.next_part(3)]
+        failed, (served,), part = ex.run(plans)
+        assert isinstance(failed, NonFiniteLogits) and "not finite" in str(failed)
+        assert served.chosen == alone and served.kv_cache.sequence_length == good.sequence_length + 1
+        assert prompt.part_done(plans[2], part).chosen is not None
+        ex.truncate_kv(served.kv_cache, good.sequence_length)
+        assert snapshot(ex)["seqs"][bad.cache_id] == before["seqs"][bad.cache_id]
+    with pytest.raises(NonFiniteLogits):
+        ex.decode(8, bad, None, choice=sampled)
+    assert snapshot(ex)["seqs"][bad.cache_id] == before["seqs"][bad.cache_id]

@@ -479,3 +479,39 @@ def test_row_max_is_torch_max_with_its_ties_and_nans():
         assert torch.allclose(got[0], want.values, equal_nan=True) and got[0].dtype == rows.dtype
     bf = x.bfloat16()  # other dtypes: torch's own max
     assert torch.equal(row_max(bf)[1], bf.max(-1, keepdim=True).indices)
+
+
+# -- every valid policy over every row: a defined answer or a defined error --------------------------------
+
+@given(penalty=st.sampled_from([5e-324, 1e-45, 1e-38, 1e-20, 1e20, 1e38, 1.7e308]),
+       temperature=st.sampled_from([0.0, 1e-5, 0.7, 1.0, 50.0]), top_k=st.sampled_from([0, 5, 69]),
+       top_p=st.sampled_from([1.0, 0.5]), min_p=st.sampled_from([0.0, 0.2]), width=st.sampled_from([70, 3000]),
+       seed=st.integers(0, 2**64 - 1), scale=st.sampled_from([1.0, 1e35]))
+@settings(max_examples=120, deadline=None)
+def test_any_finite_penalty_over_any_finite_row_chooses_a_token(penalty, temperature, top_k, top_p, min_p, width,
+                                                              seed, scale):
+    row = torch.randn(1, width, generator=torch.Generator().manual_seed(seed % 1000)) * 4 * scale
+    choice = TokenChoice(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                         repetition_penalty=penalty, top_logprobs=3)
+    validate_token_choice(choice, width)
+    history = list(range(0, width, 3))  # a third of the vocabulary is penalised, both signs
+    got = choose_tokens(row, [choice], [7], [history], [history[:5]])
+    assert got.failed == ()
+    token = got.row(0)
+    assert 0 <= token.token_id < width and not math.isnan(token.logprob)
+
+
+def test_non_finite_rows_fail_alone_and_the_others_are_chosen_as_without_them():
+    rows = torch.randn(4, 3000, generator=torch.Generator().manual_seed(3)) * 3
+    choices = [TokenChoice(temperature=1.0, seed=11), TokenChoice.greedy(), TokenChoice(temperature=0.8, top_k=20,
+                                                                                        seed=12),
+               TokenChoice(temperature=1.0, top_p=0.9, seed=13)]
+    alone = [choose_tokens(rows[i:i + 1], [choices[i]], [i]).row(0) for i in range(4)]
+    poisoned = rows.clone()
+    poisoned[1, 17] = math.nan
+    poisoned[2, 5] = math.inf
+    out = choose_tokens(poisoned, choices, range(4))
+    assert out.failed == (1, 2)
+    assert [out.row(0), out.row(3)] == [alone[0], alone[3]]
+    poisoned[0, 0] = -math.inf  # a model's -inf is as unservable as +inf or NaN
+    assert choose_tokens(poisoned, choices, range(4)).failed == (0, 1, 2)
