@@ -251,12 +251,19 @@ class ModelWorker:
         one that finished anyway has its records (``undo(result)``, see ``Undo``)
         applied, so a reply nobody receives leaves no sequence behind."""
         try:
-            return await asyncio.wrap_future(job.future)
+            result = await asyncio.wrap_future(job.future)
         except asyncio.CancelledError:
             job.abandoned = True
             if undo is not None:
                 job.future.add_done_callback(lambda f: self._undo_if_done(f, undo))
             raise
+        if undo is not None and (gone := job.gone()) is not None:
+            # Finished, but its caller's deadline passed before the reply could go back (a
+            # stalled process resumed, say): the caller was told DEADLINE_EXCEEDED, so the
+            # call must change nothing.  The undo is queued ahead of the caller's retry.
+            self.undo(undo(result), "a call answered after its deadline")
+            raise gone
+        return result
 
     def _undo_if_done(self, future: Future, undo: Callable[[Any], list[Undo]]) -> None:
         if future.cancelled() or future.exception() is not None:
@@ -552,6 +559,11 @@ class ModelWorker:
                 for item in job.decode.inputs:
                     self._decoders[item.kv_cache.cache_id] = now
         for (job, plan), result in zip(planned, results):
+            if not isinstance(result, BaseException) and (gone := job.gone()) is not None:
+                # its caller stopped waiting during the forward: what it committed goes back
+                if job.decode:
+                    self.executor.undo([Undo.of(i.kv_cache, o.kv_cache) for i, o in zip(job.decode.inputs, result)])
+                result = gone
             if isinstance(result, BaseException):  # this call's own rows failed; run() undid it
                 if job.prompt is not None:
                     job.prompt.undo()
