@@ -48,6 +48,18 @@ DEFAULT_MAX_MESSAGE_BYTES = 512 << 20  # above the server's default 256 MiB repl
 DEADLINE_HEADER = "ferrum-deadline-unix-ns"
 GRPC_DEFAULT_PORT = 443  # what gRPC's dns resolver assumes when a target names no port
 _CLIENT_TIMEOUT = object()  # _invoke: the client's own timeout
+RELEASE_TIMEOUT_S = 5.0  # the release by request_id after a call whose outcome is unknown
+# A call that ended so may have run on the server: whatever it created is released by name.
+_UNKNOWN_OUTCOME = frozenset({grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
+                              grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
+
+
+def _outcome_unknown(exc: grpc.RpcError) -> bool:
+    return exc.code() in _UNKNOWN_OUTCOME
+
+
+def _release_request(request, name: str):
+    return pb.ReleaseCacheRequest(request_id=name, model=request.model)
 
 __all__ = ["AsyncExecutorClient", "ClientTls", "DecodeItem", "ExecutorClient", "Keepalive", "resolve_targets"]
 
@@ -211,6 +223,7 @@ class _Client:
         self._channel = _channel(_single(target), options, tls, token, aio=self._aio)
         self._stub = pb_grpc.ModelExecutorStub(self._channel)
         self._regions: dict[str, Any] = {}
+        self._releasing: set = set()  # asyncio client: releases by request_id still running
 
     def _status_probe(self, timeout: float):
         """GetStatus with its own deadline (replica sets probe with a short one); awaitable
@@ -261,8 +274,21 @@ class ExecutorClient(_Client):
             if rpc.stream:
                 call = [rpc.seen(self, message, args, kwargs) for message in call]
         except grpc.RpcError as exc:
+            if _outcome_unknown(exc):
+                self._release_created(rpc, request)
             raise from_rpc_error(exc) from None
+        except BaseException:  # interrupted while waiting: the call may have run
+            self._release_created(rpc, request)
+            raise
         return rpc.result(self, call, args, kwargs)
+
+    def _release_created(self, rpc: Rpc, request) -> None:
+        """Releases, by request_id, what a call whose outcome is unknown may have created."""
+        for name in rpc.names(request) if rpc.names is not None else ():
+            try:
+                self._stub.ReleaseCache(_release_request(request, name), timeout=RELEASE_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                log.info("releasing request_id %s after a lost reply failed: %s", name, exc.code())
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Blocks until the channel connects (``grpc.FutureTimeoutError`` after ``timeout``)."""
@@ -316,8 +342,31 @@ class AsyncExecutorClient(_Client):
             else:
                 call = await call
         except grpc.RpcError as exc:
+            if _outcome_unknown(exc):
+                self._release_created(rpc, request)
             raise from_rpc_error(exc) from None
+        except BaseException:  # cancelled while waiting: the call may have run
+            self._release_created(rpc, request)
+            raise
         return rpc.result(self, call, args, kwargs)
+
+    def _release_created(self, rpc: Rpc, request) -> None:
+        """:meth:`ExecutorClient._release_created`, as a task of its own (this one may be
+        being cancelled); the client keeps it until it ends."""
+        names = rpc.names(request) if rpc.names is not None else []
+        if not names:
+            return
+
+        async def release():
+            for name in names:
+                try:
+                    await self._stub.ReleaseCache(_release_request(request, name), timeout=RELEASE_TIMEOUT_S)
+                except grpc.RpcError as exc:
+                    log.info("releasing request_id %s after a lost reply failed: %s", name, exc.code())
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
 
     async def wait_ready(self, timeout: float = 30.0) -> None:
         """Waits until the channel connects (``grpc.FutureTimeoutError`` after ``timeout``,
@@ -342,6 +391,8 @@ class AsyncExecutorClient(_Client):
         return await AsyncSharedMemoryRegion.open(self._stub, byte_size, name, registry=self._regions)
 
     async def close(self) -> None:
+        if self._releasing:  # releases of lost replies go out before the channel closes
+            await asyncio.wait(list(self._releasing), timeout=RELEASE_TIMEOUT_S)
         for region in list(self._regions.values()):
             await region.aclose()
         await self._channel.close()

@@ -682,6 +682,18 @@ class _Routing:
                 last = err
         raise FailoverFailed(f"no replica answered ({last})", cause=last, attempts=len(order))
 
+    def _release_name_flow(self, name: str) -> Flow:
+        """Releases a request_id on every replica (names are per server, and a call whose
+        reply was lost may have run on any replica it was tried on); the blocks freed."""
+        freed = 0
+        for replica in self._fleet.replicas:
+            try:
+                freed += yield _Call(replica, replica.client.release_cache, (None, name))
+            except ExecutorError as err:
+                if not moves_sequence(err):
+                    raise
+        return freed
+
     def _release_flow(self, cache: KvCacheHandle | str) -> Flow:
         if isinstance(cache, KvCacheHandle):
             seq, _ = self._fleet.resolve(cache)
@@ -793,15 +805,15 @@ class _Contract:
 
     def prefill(self, token_ids: Sequence[int], kv_cache: KvCacheHandle | None = None,
                 logits: LogitsPolicy | None = None, hidden_states: HiddenStatesRequest | None = None,
-                token_choice: TokenChoice | None = None):
+                token_choice: TokenChoice | None = None, request_id: str | None = None):
         """A new prompt placed by load (or prefix locality); a continuation on its owner."""
         tokens = list(token_ids)
         if kv_cache is None:
             return (yield from self._new_sequence_flow(
-                tokens, lambda c: c.prefill(tokens, None, logits, hidden_states, token_choice)))
+                tokens, lambda c: c.prefill(tokens, None, logits, hidden_states, token_choice, request_id)))
         return (yield from self._sequence_flow(
-            kv_cache, lambda c, h: c.prefill(tokens, h, logits, hidden_states, token_choice), lambda out: tokens,
-            prompt=True))
+            kv_cache, lambda c, h: c.prefill(tokens, h, logits, hidden_states, token_choice, request_id),
+            lambda out: tokens, prompt=True))
 
     def decode(self, token_id: int, kv_cache: KvCacheHandle, logits: LogitsPolicy | None = None,
                token_choice: TokenChoice | None = None):
@@ -864,7 +876,9 @@ class _Contract:
             kv_cache, lambda c, h: c.truncate_kv(h, new_length), lambda out: (), result_handle=lambda out: out,
             keep=new_length))
 
-    def release_cache(self, cache: KvCacheHandle | str):
+    def release_cache(self, cache: KvCacheHandle | str | None = None, request_id: str | None = None):
+        if request_id is not None:
+            return (yield from self._release_name_flow(request_id))
         return (yield from self._release_flow(cache))
 
     def fork_cache(self, kv_cache: KvCacheHandle, num_children: int):

@@ -16,6 +16,7 @@ and annotations), and its docstring is the method's.
 from __future__ import annotations
 
 import inspect
+import uuid
 from dataclasses import dataclass, replace
 from typing import Any, BinaryIO, Callable, Iterable, Sequence, Union
 
@@ -60,6 +61,9 @@ class Rpc:
             message arrives (progress callbacks).
         with_args: ``reply`` also gets the call's arguments: ``(client, reply, *args, **kwargs)``.
         keep: stream only: keep each message for ``reply`` (False: ``each`` took it already).
+        names: the request_ids of the sequences a request would create; when such a call
+            ends with its outcome unknown (cancelled, timed out, connection lost), the
+            invoker releases them by name, so a lost reply leaves no orphan.
     """
 
     name: str
@@ -70,6 +74,7 @@ class Rpc:
     stream: bool = False
     each: Callable[..., None] | None = None
     with_args: bool = False
+    names: Callable[[Any], list[str]] | None = None
 
     def seen(self, client, message, args: tuple, kwargs: dict):
         """A streamed message as it arrives: shown to ``each``, then kept."""
@@ -180,16 +185,21 @@ def _status(c) -> pb.GetStatusRequest:
 def _prefill(c, token_ids: Sequence[int], kv_cache: KvCacheHandle | None = None,
              logits: LogitsPolicy | None = None,
              hidden_states: HiddenStatesRequest | None = None,
-             token_choice: TokenChoice | None = None) -> pb.PrefillRequest:
+             token_choice: TokenChoice | None = None, request_id: str | None = None) -> pb.PrefillRequest:
     """Runs a prompt, or continues ``kv_cache`` with the next chunk of one; with
     ``hidden_states``, also returns those layers' hidden states (``out.hidden_states``).
     With ``token_choice``, the server also chooses the token after it (``out.chosen``);
-    ``logits`` None: full float32 logits, none with a token_choice."""
+    ``logits`` None: full float32 logits, none with a token_choice.  ``request_id``:
+    the caller's name for the new sequence, unique among its tenant's live ones
+    (``release_cache(request_id=...)``); None: the client names it, and releases it
+    by that name if the call is cancelled or times out."""
     req = pb.PrefillRequest(model=c.model, token_ids=token_ids)
     set_logits(req, logits)
     set_choice(req, token_choice)
     if kv_cache is not None:
         req.kv_cache.CopyFrom(convert.handle_to_proto(kv_cache))
+    if request_id is not None or kv_cache is None:
+        req.request_id = new_request_id() if request_id is None else request_id
     if hidden_states is not None:
         req.hidden_states.CopyFrom(convert.hidden_request_to_proto(hidden_states))
     return req
@@ -257,6 +267,8 @@ def _batch_prefill(c, prompts: Iterable[Prompt], logits: LogitsPolicy | None = N
         item = req.items.add(token_ids=token_ids)
         if handle is not None:
             item.kv_cache.CopyFrom(convert.handle_to_proto(handle))
+        else:
+            item.request_id = new_request_id()  # released by this name if the call's outcome is unknown
         set_choice(item, choice)
     return req
 
@@ -265,11 +277,27 @@ def _truncate_kv(c, kv_cache: KvCacheHandle, new_length: int) -> pb.TruncateKvRe
     return pb.TruncateKvRequest(kv_cache=convert.handle_to_proto(kv_cache), new_length=new_length)
 
 
-def _release_cache(c, cache: KvCacheHandle | str) -> pb.ReleaseCacheRequest:
-    """Frees a sequence (handle or cache_id); returns the blocks freed."""
+def _release_cache(c, cache: KvCacheHandle | str | None = None, request_id: str | None = None) -> pb.ReleaseCacheRequest:
+    """Frees a sequence (handle or cache_id), or the one created under ``request_id``
+    (aborting its Prefill if that still runs; see the proto); returns the blocks freed."""
+    if (cache is None) == (request_id is None):
+        raise ValueError("release_cache takes a handle or cache_id, or a request_id")
+    if request_id is not None:
+        return pb.ReleaseCacheRequest(request_id=request_id, model=c.model)
     if isinstance(cache, KvCacheHandle):
         return pb.ReleaseCacheRequest(cache_id=cache.cache_id, model=cache.model)
     return pb.ReleaseCacheRequest(cache_id=cache, model=c.model)
+
+
+def new_request_id() -> str:
+    """A fresh request_id: 32 random hex digits."""
+    return uuid.uuid4().hex
+
+
+def created_names(request) -> list[str]:
+    """The request_ids of the sequences a Prefill or BatchPrefill request would create."""
+    items = request.items if hasattr(request, "items") else [request]
+    return [item.request_id for item in items if item.request_id]
 
 
 def _fork_cache(c, kv_cache: KvCacheHandle, num_children: int) -> pb.ForkCacheRequest:
@@ -366,14 +394,14 @@ RPCS: tuple[Rpc, ...] = (
     Rpc("capabilities", "GetCapabilities", _capabilities, lambda c, r: convert.capabilities_from_proto(r),
         "Capabilities"),
     STATUS,
-    Rpc("prefill", "Prefill", _prefill, prefill_output, "PrefillOutput"),
+    Rpc("prefill", "Prefill", _prefill, prefill_output, "PrefillOutput", names=created_names),
     Rpc("decode", "Decode", _decode, lambda c, r: chosen_output(c, DecodeOutput, r), "DecodeOutput"),
     Rpc("batch_decode", "BatchDecode", _batch_decode, batch_outputs, "list[DecodeOutput]", stream=True),
     Rpc("forward_verify", "ForwardVerify", _forward_verify, lambda c, r: output(c, VerifyOutput, r), "VerifyOutput"),
     Rpc("speculative_decode", "SpeculativeDecode", _speculative_decode, _speculative_output, "SpeculativeOutput"),
     Rpc("batch_prefill", "BatchPrefill", _batch_prefill,
         lambda c, rs: [prefill_output(c, r) for r in sorted(rs, key=lambda r: r.index)], "list[PrefillOutput]",
-        stream=True),
+        stream=True, names=created_names),
     Rpc("truncate_kv", "TruncateKv", _truncate_kv, lambda c, r: convert.handle_from_proto(r.kv_cache),
         "KvCacheHandle"),
     Rpc("release_cache", "ReleaseCache", _release_cache, lambda c, r: r.blocks_freed, "int"),

@@ -310,11 +310,12 @@ class TorchExecutor:
     def open_prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None = None,
                      policy: LogitsPolicy | None = LogitsPolicy(),
                      hidden: HiddenStatesRequest | None = None, tenant: str = "",
-                     choice: TokenChoice | None = None, as_output: bool = False) -> PromptInParts:
+                     choice: TokenChoice | None = None, as_output: bool = False, name: str = "") -> PromptInParts:
         """Validates a prefill and opens its sequence (taking any cached prefix),
         to be run in parts, each one step of some forward (see
         :class:`PromptInParts`); raises with no state change. ``policy=None``: the
-        logits field was unset (full float32 rows, none with a ``choice``)."""
+        logits field was unset (full float32 rows, none with a ``choice``).  ``name``:
+        the caller's request_id for a new sequence (see :meth:`release_named`)."""
         if choice is not None:
             self.check_token_choice(choice)
         want_logits = policy is not None or choice is None
@@ -322,7 +323,7 @@ class TorchExecutor:
         if hidden is not None:  # the handle is resolved first: its claimed length is not to be trusted
             start = self._resolve(kv_cache, tenant).length if kv_cache is not None else 0
             self._check_hidden(hidden, len(token_ids), start)
-        opened = self._open_prefill(token_ids, kv_cache, policy, tenant, reuse_prefix=hidden is None)
+        opened = self._open_prefill(token_ids, kv_cache, policy, tenant, reuse_prefix=hidden is None, name=name)
         self.kv.pin(opened.seq)
         return PromptInParts(self, opened, list(token_ids), policy, hidden, choice=choice,
                              want_logits=want_logits, as_output=as_output)
@@ -645,6 +646,22 @@ class TorchExecutor:
         self._check_not_busy(self.kv.get(cache_id, tenant))
         return self.kv.release(cache_id)
 
+    def release_named(self, name: str, tenant: str = "", aborted: bool = False) -> int:
+        """Releases the tenant's sequence its caller named ``name`` (request_id); with none
+        live, the name is remembered as released so a call bringing it later fails
+        CANCELLED (:meth:`BlockManager.check_name`).  ``aborted``: the worker has just
+        aborted the call creating it, which undoes it at its next step.  Returns the
+        blocks freed."""
+        self._check_id(name, "request_id")
+        seq = self.kv.named(tenant, name)
+        if seq is None:
+            self.kv.release_name(tenant, name)
+            return 0
+        if aborted and seq.pins:
+            return 0
+        self._check_not_busy(seq)
+        return self.kv.release(seq.cache_id)
+
     def fork_cache(self, kv_cache: KvCacheHandle, num_children: int, tenant: str = "") -> list[KvCacheHandle]:
         """N new sequences sharing the parent's blocks; the first write to a shared block copies it."""
         if not 1 <= num_children <= self.config.max_batch_size:
@@ -750,8 +767,14 @@ class TorchExecutor:
             raise InvalidInput(f"sequence {shown(seq.cache_id)} is in the middle of a chunked prefill")
 
     def _open_prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None,
-                      policy: LogitsPolicy, tenant: str, reuse_prefix: bool = True) -> Opened:
+                      policy: LogitsPolicy, tenant: str, reuse_prefix: bool = True, name: str = "") -> Opened:
         """Validates a prefill and finds (or creates, taking any cached prefix) its sequence."""
+        if name:
+            if kv_cache is not None:
+                raise InvalidInput("request_id names the sequence a Prefill creates; leave it empty when "
+                                   "continuing a sequence")
+            self._check_id(name, "request_id")
+            self.kv.check_name(tenant, name)
         self._check_tokens(token_ids)
         self._check_policy(policy, len(token_ids) if policy.all_positions else 1)
         seq = self._resolve(kv_cache, tenant) if kv_cache is not None else None
@@ -761,7 +784,7 @@ class TorchExecutor:
         if seq is not None:
             return Opened(seq, False, 0, seq.length, seq.last_used)
         self._check_sequence_room(tenant, 1)
-        seq = self.kv.create(uuid.uuid4().hex, tenant)
+        seq = self.kv.create(uuid.uuid4().hex, tenant, name)
         cached = 0
         if reuse_prefix and not policy.all_positions:  # a hit must leave the last token to compute
             cached = self.kv.adopt_prefix(seq, token_ids, len(token_ids) - 1)

@@ -24,10 +24,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from ferrum_rpc.errors import CacheExpired, CacheNotFound, KvCapacityExhausted, shown
+from ferrum_rpc.errors import Cancelled, CacheExpired, CacheNotFound, InvalidInput, KvCapacityExhausted, shown
 from ferrum_rpc.server.kv_events import KvEventHub, Removed, Stored, block_hash, chain_root
 
 _EXPIRED_MEMORY = 100_000  # expired ids remembered, to answer CACHE_EXPIRED instead of NOT_FOUND
+RELEASED_NAME_S = 600.0  # how long a request_id released before its sequence existed stays refused
+_RELEASED_NAMES = 100_000  # at most this many such names remembered (the oldest forgotten first)
 
 
 @dataclass
@@ -40,6 +42,7 @@ class SequenceState:
     last_used: float = field(default_factory=time.monotonic)  # end of its last successful call
     pins: int = 0  # jobs using it right now (a chunked prefill, a long verify): never reaped
     tenant: str = ""  # who made it: nobody else can see it (auth off: everyone is tenant "")
+    name: str = ""  # the caller's request_id for it, unique among its tenant's live sequences ("" = none)
     # (start, end) of each Prefill that ran on it, in order: the penalties' prompt/output
     # split (issue 22). Everything up to the last Prefill's end is prompt, what came after
     # (decode steps, verified drafts) is output; shrink keeps it consistent.
@@ -110,6 +113,9 @@ class BlockManager:
         self.events: KvEventHub | None = None  # set by the executor (kv_events.py)
         self._seqs: dict[str, SequenceState] = {}
         self._expired: OrderedDict[str, str] = OrderedDict()  # cache id -> its tenant
+        self._named: dict[tuple[str, str], str] = {}  # (tenant, request_id) -> cache id of a live sequence
+        # (tenant, request_id) released while no sequence had it -> when: a call bringing it later is refused
+        self._released_names: OrderedDict[tuple[str, str], float] = OrderedDict()
         self.queried_tokens = 0
         self.hit_tokens = 0
         self.expired_count = 0
@@ -210,11 +216,15 @@ class BlockManager:
         """Distinct KV blocks the sequences of ``tenant`` hold (shared ones once)."""
         return len({b for s in self._seqs.values() if s.tenant == tenant for b in s.block_ids})
 
-    def create(self, cache_id: str, tenant: str = "") -> SequenceState:
+    def create(self, cache_id: str, tenant: str = "", name: str = "") -> SequenceState:
+        """A new empty sequence of ``tenant``, named ``name`` by its caller (see :meth:`check_name`)."""
         if cache_id in self._seqs:
             raise ValueError(f"duplicate cache id {cache_id!r}")
+        if name:
+            self.check_name(tenant, name)
+            self._named[(tenant, name)] = cache_id
         self._expired.pop(cache_id, None)
-        seq = self._seqs[cache_id] = SequenceState(cache_id, tenant=tenant)
+        seq = self._seqs[cache_id] = SequenceState(cache_id, tenant=tenant, name=name)
         return seq
 
     def release(self, cache_id: str) -> int:
@@ -222,7 +232,35 @@ class BlockManager:
         (blocks still shared with other sequences stay in use)."""
         seq = self.get(cache_id)
         del self._seqs[cache_id]
+        if seq.name:
+            del self._named[(seq.tenant, seq.name)]
         return self._drop(seq.block_ids)
+
+    # -- caller-chosen names (request_id) ------------------------------------------
+    def named(self, tenant: str, name: str) -> SequenceState | None:
+        """The live sequence ``tenant`` named ``name``, if any."""
+        cache_id = self._named.get((tenant, name))
+        return None if cache_id is None else self._seqs[cache_id]
+
+    def check_name(self, tenant: str, name: str, now: float | None = None) -> None:
+        """Refuses a name another live sequence of the tenant has (INVALID_INPUT), or one
+        its caller released before any sequence had it (CANCELLED: the call was aborted)."""
+        if (tenant, name) in self._named:
+            raise InvalidInput(f"request_id {shown(name)} already names a live sequence of yours; "
+                               "request ids are unique among a tenant's live sequences")
+        released = self._released_names.get((tenant, name))
+        if released is not None and (time.monotonic() if now is None else now) - released < RELEASED_NAME_S:
+            raise Cancelled(f"request_id {shown(name)} was released by its caller before this call ran; "
+                            "nothing was done")
+
+    def release_name(self, tenant: str, name: str, now: float | None = None) -> None:
+        """Remembers that ``tenant`` released ``name`` while no live sequence had it."""
+        now = time.monotonic() if now is None else now
+        self._released_names[(tenant, name)] = now
+        self._released_names.move_to_end((tenant, name))
+        while self._released_names and (len(self._released_names) > _RELEASED_NAMES
+                                        or now - next(iter(self._released_names.values())) >= RELEASED_NAME_S):
+            self._released_names.popitem(last=False)
 
     def pin(self, seq: SequenceState) -> None:
         """Marks ``seq`` as in use by a job that spans several worker slices."""

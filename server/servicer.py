@@ -539,7 +539,7 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
             else None
         with self._logits_targets(policy, [rows], worker, tenant) as targets:
             out = await worker.prefill(list(request.token_ids), handle, policy, _deadline(context), hidden, tenant,
-                                       choice)
+                                       choice, name=request.request_id)
             undo = [Undo.of(handle, out.kv_cache)]
             reply = pb.PrefillResponse(cached_tokens=out.cached_tokens)
             for array in out.hidden_states:
@@ -598,6 +598,10 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
     @_rpc
     async def ReleaseCache(self, request, context, tenant: str):
         worker = self._worker(request.model)
+        if request.request_id:
+            if request.cache_id:
+                raise InvalidInput("ReleaseCache takes a cache_id or a request_id, not both")
+            return pb.ReleaseCacheResponse(blocks_freed=await worker.release_named(request.request_id, tenant))
         freed = await worker.call(worker.executor.release_cache, request.cache_id, tenant)
         return pb.ReleaseCacheResponse(blocks_freed=freed)
 
@@ -644,13 +648,16 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
         ids = [h.cache_id for h in handles if h is not None]
         if len(set(ids)) != len(ids):
             raise InvalidInput("a sequence may be continued at most once per BatchPrefill")
+        names = [i.request_id for i in request.items if i.request_id]
+        if len(set(names)) != len(names):
+            raise InvalidInput("a request_id may name at most one item of a BatchPrefill")
         policy = _policy_or_unset(request)
         choices = [_choice(worker, item, f"items[{n}].token_choice") for n, item in enumerate(request.items)]
         rows = [len(i.token_ids) if policy is not None and policy.all_positions else 1 for i in request.items]
         deadline = _deadline(context)
         with self._logits_targets(policy, rows, worker, tenant) as targets:
             outs = await asyncio.gather(*(worker.prefill(list(item.token_ids), handle, policy, deadline, tenant=tenant,
-                                                         choice=choice)
+                                                         choice=choice, name=item.request_id)
                                           for item, handle, choice in zip(request.items, handles, choices)),
                                         return_exceptions=True)
             failed = next((o for o in outs if isinstance(o, BaseException)), None)

@@ -71,6 +71,7 @@ class PromptWork:
     hidden: HiddenStatesRequest | None = None
     choice: Any = None
     as_output: bool = False
+    name: str = ""  # the caller's request_id for the sequence it creates
 
 
 @dataclass
@@ -193,8 +194,8 @@ class ModelWorker:
         return self._put(_Job(None, (), decode=DecodeWork(inputs, policy), deadline=deadline, tenant=tenant)).future
 
     def _prefill_job(self, token_ids, kv_cache, policy, deadline, tenant, hidden=None, choice=None,
-                     as_output=False) -> _Job:
-        return _Job(None, (), prefill=PromptWork(token_ids, kv_cache, policy, hidden, choice, as_output),
+                     as_output=False, name="") -> _Job:
+        return _Job(None, (), prefill=PromptWork(token_ids, kv_cache, policy, hidden, choice, as_output, name),
                     deadline=deadline, tenant=tenant)
 
     # -- asyncio front: a cancelled await stops the job and undoes what it did ------
@@ -203,10 +204,12 @@ class ModelWorker:
 
     async def prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None, policy: LogitsPolicy | None,
                       deadline: float | None = None, hidden=None, tenant: str = "", choice=None,
-                      as_output: bool = False) -> Any:
+                      as_output: bool = False, name: str = "") -> Any:
         """A prompt; ``choice`` (a TokenChoice): also the token after it, chosen on this
-        thread right after the forward; ``policy=None``: the logits field was unset."""
-        job = self._put(self._prefill_job(token_ids, kv_cache, policy, deadline, tenant, hidden, choice, as_output))
+        thread right after the forward; ``policy=None``: the logits field was unset;
+        ``name``: the caller's request_id for the new sequence."""
+        job = self._put(self._prefill_job(token_ids, kv_cache, policy, deadline, tenant, hidden, choice, as_output,
+                                          name))
         return await self._await(job, lambda out: [Undo.of(kv_cache, out.kv_cache)])
 
     async def verify(self, token_ids: list[int], kv_cache: KvCacheHandle, policy: LogitsPolicy,
@@ -236,6 +239,19 @@ class ModelWorker:
         job = self._put(_Job(self.executor.fork_cache, (kv_cache, num_children, tenant), deadline=deadline,
                              tenant=tenant))
         return await self._await(job, lambda children: [Undo.of(None, c) for c in children])
+
+    async def release_named(self, name: str, tenant: str = "") -> int:
+        """ReleaseCache by request_id: aborts a prompt still creating that sequence, then
+        releases it (see :meth:`TorchExecutor.release_named`)."""
+        return await self.call(self._release_named, name, tenant)
+
+    def _release_named(self, name: str, tenant: str) -> int:  # on this thread, between forwards
+        with self._cond:
+            creating = [j for j in (*self._jobs, *self._parked) if j is not None and j.prefill is not None
+                        and j.prefill.name == name and j.tenant == tenant]
+        for job in creating:
+            job.abandoned = True  # stopped before its next part and undone (_plan_part)
+        return self.executor.release_named(name, tenant, aborted=bool(creating))
 
     async def create(self, fn: Callable[..., KvCacheHandle], *args: Any, deadline: float | None = None,
                      tenant: str = "") -> KvCacheHandle:
@@ -510,7 +526,7 @@ class ModelWorker:
             if job.prompt is None:
                 p = job.prefill
                 job.prompt = ex.open_prefill(p.token_ids, p.kv_cache, p.policy, p.hidden, tenant=job.tenant,
-                                             choice=p.choice, as_output=p.as_output)
+                                             choice=p.choice, as_output=p.as_output, name=p.name)
             return job.prompt.next_part(tokens)
         except BaseException as exc:
             if job.prompt is not None:

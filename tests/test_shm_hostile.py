@@ -154,8 +154,9 @@ def test_no_write_lands_after_unregister_returns(replica, stub):
         fd = _posixshmem.shm_open(first.key, os.O_RDWR)
         try:
             active = _active(stub, ALICE)
-            future = stub.Prefill.future(pb.PrefillRequest(token_ids=PROMPT, logits=_full("raced", all_positions=True)),
-                                         metadata=_md(ALICE), timeout=60)
+            name = f"raced-{delay}"
+            future = stub.Prefill.future(pb.PrefillRequest(token_ids=PROMPT, logits=_full("raced", all_positions=True),
+                                                           request_id=name), metadata=_md(ALICE), timeout=60)
             time.sleep(delay)
             future.cancel()
             reply = stub.UnregisterSharedMemory(pb.UnregisterSharedMemoryRequest(name="raced"), metadata=_md(ALICE),
@@ -164,7 +165,11 @@ def test_no_write_lands_after_unregister_returns(replica, stub):
             os.pwrite(fd, b"\x5a" * size, 0)
             time.sleep(0.5)
             assert os.pread(fd, size, 0) == b"\x5a" * size, "the server wrote after Unregister returned"
-            if future.cancelled():  # the caller never got a handle: nothing may remain
+            if future.cancelled():
+                # The caller never got a handle.  The reply may have been handed to gRPC before
+                # the cancel (then the sequence exists): what is guaranteed is that a release by
+                # the caller's request_id leaves nothing, whichever side of the race it fell on.
+                stub.ReleaseCache(pb.ReleaseCacheRequest(request_id=name), metadata=_md(ALICE), timeout=30)
                 deadline = time.monotonic() + 10
                 while _active(stub, ALICE) != active and time.monotonic() < deadline:
                     time.sleep(0.05)

@@ -448,20 +448,22 @@ class Status(_message.Message):
     def __init__(self, state: _Optional[_Union[Status.State, str]] = ..., server_instance_id: _Optional[str] = ..., model: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., active_sequences: _Optional[int] = ..., queue_depth: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., uptime_s: _Optional[float] = ..., kv_blocks_shared: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., sequences_expired: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., executor_state: _Optional[_Union[Status.ExecutorState, str]] = ..., prefill_operations: _Optional[int] = ..., decode_operations: _Optional[int] = ..., avg_prefill_ms: _Optional[float] = ..., avg_decode_ms: _Optional[float] = ..., memory_allocated_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_peak_bytes: _Optional[int] = ..., memory_utilization: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("model", "token_ids", "kv_cache", "logits", "hidden_states", "token_choice")
+    __slots__ = ("model", "token_ids", "kv_cache", "logits", "hidden_states", "token_choice", "request_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_cache: KvCacheHandle
     logits: LogitsPolicy
     hidden_states: HiddenStatesRequest
     token_choice: TokenChoice
-    def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., logits: _Optional[_Union[LogitsPolicy, _Mapping]] = ..., hidden_states: _Optional[_Union[HiddenStatesRequest, _Mapping]] = ..., token_choice: _Optional[_Union[TokenChoice, _Mapping]] = ...) -> None: ...
+    request_id: str
+    def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., logits: _Optional[_Union[LogitsPolicy, _Mapping]] = ..., hidden_states: _Optional[_Union[HiddenStatesRequest, _Mapping]] = ..., token_choice: _Optional[_Union[TokenChoice, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class HiddenStatesRequest(_message.Message):
     __slots__ = ("layers", "positions", "attention_layers", "attention_heads")
@@ -650,12 +652,14 @@ class TruncateKvResponse(_message.Message):
     def __init__(self, kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ...) -> None: ...
 
 class ReleaseCacheRequest(_message.Message):
-    __slots__ = ("cache_id", "model")
+    __slots__ = ("cache_id", "model", "request_id")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
     model: str
-    def __init__(self, cache_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    request_id: str
+    def __init__(self, cache_id: _Optional[str] = ..., model: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseCacheResponse(_message.Message):
     __slots__ = ("blocks_freed",)
@@ -758,14 +762,16 @@ class SpeculativeDecodeResponse(_message.Message):
     def __init__(self, accepted_token_ids: _Optional[_Iterable[int]] = ..., next_token_id: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., chosen: _Optional[_Iterable[_Union[ChosenToken, _Mapping]]] = ...) -> None: ...
 
 class PrefillItem(_message.Message):
-    __slots__ = ("token_ids", "kv_cache", "token_choice")
+    __slots__ = ("token_ids", "kv_cache", "token_choice", "request_id")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_cache: KvCacheHandle
     token_choice: TokenChoice
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., token_choice: _Optional[_Union[TokenChoice, _Mapping]] = ...) -> None: ...
+    request_id: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., token_choice: _Optional[_Union[TokenChoice, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class BatchPrefillRequest(_message.Message):
     __slots__ = ("model", "items", "logits")

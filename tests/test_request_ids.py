@@ -1,0 +1,176 @@
+"""Caller-chosen sequence names (``request_id``), through real gRPC: a caller whose
+reply was lost releases what it started by the name it chose, a release by name aborts
+a Prefill still running, a name released before its call ran makes that call fail
+CANCELLED, names are unique per tenant and private to it, and the Python clients
+release by name when a call ends with its outcome unknown."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+
+from ferrum_rpc.client import AsyncExecutorClient, ExecutorClient, InvalidInput, LogitsPolicy
+from ferrum_rpc.errors import ExecutorError, from_rpc_error
+from ferrum_rpc.v1 import executor_pb2 as pb
+from tests.conftest import running_server
+
+ALICE, BOB = "alice-token-0123456789", "bob-token-9876543210"
+ARGMAX = LogitsPolicy.argmax()
+PROMPT = [1, 17, 42, 99, 5, 230, 17, 8]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir, tmp_path_factory):
+    tokens = tmp_path_factory.mktemp("auth") / "tokens"
+    tokens.write_text(f"alice {ALICE}\nbob {BOB}\n")
+    with running_server(tiny_llama_dir, server_kwargs=dict(auth_tokens=str(tokens)), prefill_chunk=8) as srv:
+        yield srv
+
+
+@pytest.fixture
+def alice(server):
+    with ExecutorClient(server.target, timeout=30, token=ALICE) as c:
+        yield c
+
+
+@pytest.fixture
+def bob(server):
+    with ExecutorClient(server.target, timeout=30, token=BOB) as c:
+        yield c
+
+
+def _worker(server):
+    return server.app.servicer.workers["tiny"]
+
+
+def _live(server, tenant: str) -> int:
+    return _worker(server).executor.kv.count(tenant)
+
+
+def test_a_named_sequence_is_released_by_its_name_and_names_are_per_tenant(server, alice, bob):
+    out = alice.prefill(PROMPT, logits=ARGMAX, request_id="job-1")
+    with pytest.raises(InvalidInput, match="request_id 'job-1' already names a live sequence"):
+        alice.prefill(PROMPT, logits=ARGMAX, request_id="job-1")
+    mine = bob.prefill(PROMPT, logits=ARGMAX, request_id="job-1")  # bob's names are his own
+    assert bob.release_cache(request_id="job-2") == 0  # nothing of bob's has that name
+    assert alice.release_cache(request_id="job-1") > 0
+    with pytest.raises(ExecutorError) as caught:
+        alice.decode(3, out.kv_cache, logits=ARGMAX)
+    assert caught.value.code is grpc.StatusCode.NOT_FOUND
+    assert bob.decode(3, mine.kv_cache, logits=ARGMAX).kv_cache.sequence_length == len(PROMPT) + 1
+    again = alice.prefill(PROMPT, logits=ARGMAX, request_id="job-1")  # free again once released
+    alice.release_cache(again.kv_cache)
+    bob.release_cache(request_id="job-1")
+    with pytest.raises(InvalidInput, match="leave it empty when continuing"):
+        alice.prefill([5], again.kv_cache, logits=ARGMAX, request_id="x")
+
+
+def test_a_name_released_before_its_call_ran_makes_the_call_fail_cancelled(server, alice):
+    before = _live(server, "alice")
+    assert alice.release_cache(request_id="late-1") == 0
+    with pytest.raises(ExecutorError) as caught:
+        alice.prefill(PROMPT, logits=ARGMAX, request_id="late-1")
+    assert caught.value.code is grpc.StatusCode.CANCELLED and "released by its caller" in str(caught.value)
+    with pytest.raises(ExecutorError) as caught:
+        _batch_named(alice, "late-1")  # a BatchPrefill item named so: the whole call, nothing made
+    assert caught.value.code is grpc.StatusCode.CANCELLED
+    assert _live(server, "alice") == before
+
+
+def _batch_named(client, name: str):
+    request = pb.BatchPrefillRequest(items=[pb.PrefillItem(token_ids=PROMPT, request_id=name),
+                                            pb.PrefillItem(token_ids=PROMPT[:4], request_id=name + "-other")])
+    try:
+        return list(client._stub.BatchPrefill(request, timeout=30))
+    except grpc.RpcError as exc:
+        raise from_rpc_error(exc) from None
+
+
+def test_release_by_name_aborts_a_prefill_still_running(server, alice):
+    """The prompt's first part is held in the forward until the release is queued behind
+    it: the release aborts the prompt, which is undone and answers CANCELLED."""
+    worker = _worker(server)
+    ex = worker.executor
+    real, entered, go = ex.run, threading.Event(), threading.Event()
+
+    def run(plans):
+        ex.run = real
+        entered.set()
+        go.wait(10)
+        return real(plans)
+
+    ex.run = run
+    before = _live(server, "alice")
+    result: list = []
+    caller = threading.Thread(target=lambda: result.append(_call(alice, PROMPT * 8, "long-1")))
+    caller.start()
+    assert entered.wait(10)
+    releaser = threading.Thread(target=lambda: alice.release_cache(request_id="long-1"))
+    releaser.start()
+    deadline = time.monotonic() + 10
+    while not any(j is not None and j.fn == worker._release_named for j in list(worker._jobs)):
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    go.set()
+    caller.join(10)
+    releaser.join(10)
+    assert isinstance(result[0], ExecutorError) and result[0].code is grpc.StatusCode.CANCELLED
+    assert _live(server, "alice") == before
+
+
+def _call(client, prompt, name):
+    try:
+        return client.prefill(prompt, logits=ARGMAX, request_id=name)
+    except ExecutorError as exc:
+        return exc
+
+
+def test_the_clients_release_what_a_call_cancelled_mid_reply_created(server):
+    """The asyncio client's Prefill is cancelled after the server answered (the reply
+    may or may not be read): the client releases the sequence by its name."""
+    async def main():
+        async with AsyncExecutorClient(server.target, timeout=30, token=ALICE) as client:
+            before = _live(server, "alice")
+            for delay in (0.0, 0.002, 0.005, 0.01, 0.02, 0.05):
+                task = asyncio.ensure_future(client.prefill(PROMPT * 4, logits=ARGMAX))
+                await asyncio.sleep(delay)
+                task.cancel()
+                try:
+                    out = await task
+                except asyncio.CancelledError:
+                    pass
+                else:
+                    await client.release_cache(out.kv_cache)
+            await asyncio.wait(list(client._releasing), timeout=10) if client._releasing else None
+            deadline = time.monotonic() + 10
+            while _live(server, "alice") != before and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert _live(server, "alice") == before
+
+    asyncio.run(main())
+
+
+def test_the_sync_client_releases_what_a_timed_out_prefill_created(server, alice):
+    """A server that stalls after committing the prompt: the caller times out, and its
+    client releases the sequence by name (the server undoes it too; either suffices)."""
+    ex = _worker(server).executor
+    real = ex.run
+
+    def run(plans):
+        ex.run = real
+        out = real(plans)
+        time.sleep(0.6)
+        return out
+
+    before = _live(server, "alice")
+    ex.run = run
+    with ExecutorClient(server.target, timeout=0.3, token=ALICE) as hasty:
+        with pytest.raises(ExecutorError) as caught:
+            hasty.prefill(PROMPT, logits=ARGMAX)
+    assert caught.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+    time.sleep(0.5)
+    assert _live(server, "alice") == before
