@@ -309,9 +309,10 @@ class ExecutorClient(_Client):
                          [False])
 
     def shared_memory(self, byte_size: int, name: str | None = None) -> SharedMemoryRegion:
-        """Creates a POSIX shared-memory object of ``byte_size`` bytes and registers it
-        with the server (same host only); requests whose full-logits policy names
-        ``region.target()`` get their rows written there.  Close it (or use ``with``)."""
+        """Registers a shared-memory region of ``byte_size`` bytes with the server (same
+        host only): the server creates the POSIX object and names it in its first reply,
+        and the client maps it and unlinks the name.  Requests whose full-logits policy
+        names ``region.target()`` get their rows written there.  Close it (or use ``with``)."""
         return SharedMemoryRegion(self._stub, byte_size, name, registry=self._regions)
 
     def close(self) -> None:

@@ -138,6 +138,9 @@ class DecodeSession:
                 with servicer._admit():
                     worker, items, policy = servicer._decode_batch(request)
                     ledger.confirm([i.kv_cache for i in items])  # the caller read those replies
+                    if request.stop_token_ids and not request.max_new_tokens:
+                        raise InvalidInput("stop_token_ids end a decode-ahead run: set max_new_tokens, or leave "
+                                           "them empty (a single step stops nowhere)")
                     if request.max_new_tokens:
                         check_ahead(request, worker, items)
                         outs = await self._decode_ahead(request, worker, items, keys)

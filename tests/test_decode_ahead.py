@@ -160,6 +160,7 @@ def test_a_caller_that_stops_reading_pauses_the_run(tiny_server):
     (lambda r: setattr(r, "single_reply", True), "logits and single_reply"),
     (lambda r: r.stop_token_ids.append(320), "outside the vocabulary"),
     (lambda r: r.stop_token_ids.extend(range(65)), "at most 64"),
+    (lambda r: (setattr(r, "max_new_tokens", 0), r.stop_token_ids.append(5)), "set max_new_tokens"),
 ])
 def test_bad_decode_ahead_requests_change_nothing(client, tiny_server, change, why):
     out = client.prefill(PROMPTS[0], token_choice=GREEDY)
