@@ -24,25 +24,13 @@ from typing import Callable, Sequence
 
 import grpc
 
+from ferrum_rpc.hashing import block_chain as chain
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
 _BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)  # between attempts to reopen a replica's stream
-
-
-def chain(root: bytes, block_size: int, tokens: Sequence[int]) -> list[bytes]:
-    """The hashes of ``tokens``' full blocks as the server chains them (``KvBlock``)."""
-    import hashlib
-
-    out, parent = [], root
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        h = hashlib.blake2b(parent, digest_size=16)
-        h.update(b"".join(int(t).to_bytes(4, "little") for t in tokens[start:start + block_size]))
-        parent = h.digest()
-        out.append(parent)
-    return out
 
 
 class Gap(Exception):

@@ -24,24 +24,10 @@ numbers; a fresh snapshot in the same stream is one step less for a router.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import threading
 from dataclasses import dataclass, field
 
 QUEUE_LIMIT = 8192  # events a subscriber may fall behind before it is resynced
-
-
-def chain_root(tenant: str) -> bytes:
-    """Where a tenant's hash chains start: prefix sharing never crosses tenants,
-    so a cache hit (or an event) tells a caller nothing about anyone else's prompts."""
-    return hashlib.blake2b(b"tenant:" + tenant.encode(), digest_size=16).digest()
-
-
-def block_hash(parent: bytes, block_tokens) -> bytes:
-    """BLAKE2b-128 of the parent's hash and the block's token ids as little-endian uint32."""
-    h = hashlib.blake2b(parent, digest_size=16)
-    h.update(b"".join(int(t).to_bytes(4, "little") for t in block_tokens))
-    return h.digest()
 
 
 @dataclass(frozen=True)

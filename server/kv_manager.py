@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from ferrum_rpc.errors import Cancelled, CacheExpired, CacheNotFound, InvalidInput, KvCapacityExhausted, shown
-from ferrum_rpc.server.kv_events import KvEventHub, Removed, Stored, block_hash, chain_root
+from ferrum_rpc.hashing import block_hash, chain_root
+from ferrum_rpc.server.kv_events import KvEventHub, Removed, Stored
 
 _EXPIRED_MEMORY = 100_000  # expired ids remembered, to answer CACHE_EXPIRED instead of NOT_FOUND
 RELEASED_NAME_S = 600.0  # how long a request_id released before its sequence existed stays refused
@@ -287,7 +288,7 @@ class BlockManager:
         return stale
 
     # -- prefix cache -------------------------------------------------------------
-    _block_hash = staticmethod(block_hash)  # the chain routers compute too (kv_events.py)
+    _block_hash = staticmethod(block_hash)  # the chain routers compute too (ferrum_rpc.hashing)
     _root = staticmethod(chain_root)
 
     def block_hashes(self, tokens: list[int], tenant: str) -> list[bytes]:

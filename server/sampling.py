@@ -47,7 +47,6 @@ PROCESSED logprobs come from the distribution the draw used, at no extra pass.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import secrets
 from dataclasses import dataclass, replace
@@ -57,6 +56,7 @@ import numpy as np
 import torch
 
 from ferrum_rpc.errors import InvalidInput, NonFiniteLogits
+from ferrum_rpc.hashing import draw_key
 from ferrum_rpc.types import (
     MAX_TOP_LOGPROBS,
     ChosenToken,
@@ -78,7 +78,6 @@ MAX_PENALTY = 2.0  # presence and frequency, OpenAI's range
 # held logit is 1e35, still finite, so every difference and exp below stays defined.
 LOGIT_LIMIT = 1e30
 BLOCK = 256  # the draw's first level: float32 sums of 256-wide blocks, then one block's cumulative sum
-_HASH_TAG = b"ferrum-rpc/token-choice/v1"
 
 
 # ---------------------------------------------------------------------------- validation
@@ -178,9 +177,7 @@ def uniform_for(seed: int, position: int) -> float:
     language's standard library (a Rust or Go caller can reproduce a draw), has no
     structure between neighbouring keys, and costs ~1 us a row.
     """
-    key = _HASH_TAG + seed.to_bytes(8, "little") + position.to_bytes(8, "little")
-    word = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
-    return (word >> 11) * 2.0 ** -53
+    return (draw_key(seed, position) >> 11) * 2.0 ** -53
 
 
 def uniforms(choices: Sequence[TokenChoice], rows: list[int], positions: Sequence[int]) -> torch.Tensor:
@@ -460,6 +457,7 @@ def _sample_full(shaped, rows: list[int], choices, positions, touched, step: Ste
         step.raw_max[torch.tensor([rows[r] for r in untouched], dtype=torch.int64)] = largest.squeeze(-1)[untouched]
         top = largest * inverse
         weights = torch.addcmul(-top, x, inverse).exp_()
+        _restore_the_largest(weights, x, inverse)
     tokens, total = draw(weights, uniforms(choices, rows, positions))
     log_total = total.log().float()
     chosen = weights.gather(1, tokens.unsqueeze(-1)).squeeze(-1).log() - log_total
@@ -469,6 +467,17 @@ def _sample_full(shaped, rows: list[int], choices, positions, touched, step: Ste
     plain = set(filtered)
     for r, i in enumerate(rows):
         step.raw_is_processed[i] = not touched[i] and r not in plain and choices[i].temperature == 1
+
+
+def _restore_the_largest(weights: torch.Tensor, x: torch.Tensor, inverse: torch.Tensor) -> None:
+    """The fused exp((x - max) / T) rounds x / T only after subtracting, so at |x / T|
+    past ~1e9 (a held logit at a tiny temperature) the largest weight itself can
+    underflow to 0.  Such a row's distribution sits on its largest logits: it gets equal
+    weights on them (ties included), the limit of the exact computation."""
+    lost = ~(weights.amax(-1) > 0)
+    if bool(lost.any()):
+        z = x[lost] * inverse[lost]
+        weights[lost] = (z == z.amax(-1, keepdim=True)).to(weights.dtype)
 
 
 def _sample_candidates(shaped, rows: list[int], choices, positions, step: Step) -> list[int]:

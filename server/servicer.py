@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from ferrum_rpc import convert, tensor_codec
+from ferrum_rpc import convert, hashing, tensor_codec
 from ferrum_rpc.errors import (
     AdminOnly,
     DeadlineExceeded,
@@ -493,7 +493,7 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
 
         def hello(snapshot: bool) -> pb.KvEventsHello:  # on the worker thread, between forwards
             first, blocks = hub.subscribe(sub, lambda: kv.cached_blocks(tenant) if snapshot else [])
-            return pb.KvEventsHello(chain_root=kv_events.chain_root(tenant), block_size=kv.block_size,
+            return pb.KvEventsHello(chain_root=hashing.chain_root(tenant), block_size=kv.block_size,
                                     model=worker.executor.name, queue_limit=hub.queue_limit, next_sequence=first,
                                     cached=[_kv_block(b) for b in blocks])
         try:
