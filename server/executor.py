@@ -228,7 +228,8 @@ class TorchExecutor:
         """The decode crossover (see ``stats.measure_optimal_batch``)."""
         return measure_optimal_batch(self, repeats)
 
-    def status(self, state: ServerState = ServerState.SERVING, queue_depth: int = 0, tenant: str = "") -> ExecutorStatus:
+    def status(self, state: ServerState = ServerState.SERVING, queue_depth: int = 0,
+               tenant: str = "") -> ExecutorStatus:
         return self.stats.status(state, queue_depth, self.bounds(tenant))
 
     # -- queries ---------------------------------------------------------------

@@ -310,7 +310,7 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
         self.state = ServerState.LOADING
         self.lost: ExecutorError | None = None  # set once a tensor-parallel rank is lost (App.fail_closed)
         self.inflight = 0
-        self.session_bytes_unsent = 0  # DecodeSession replies handed to gRPC, not yet in callers' windows
+        self.sessions: set[session.DecodeSession] = set()  # running DecodeSession calls
         self._idle = asyncio.Event()
         self._idle.set()
         # One thread: big replies are built one at a time, never on the event loop.
@@ -528,7 +528,7 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
         status = await worker.call(worker.executor.status, self.state, worker.work_queued, tenant)
         status = dataclasses.replace(status, ahead_sequences=sum(worker.ahead.values()),
                                      ahead_runs_paused=worker.ahead_paused,
-                                     session_bytes_unsent=self.session_bytes_unsent)
+                                     session_bytes_unsent=sum(s.unsent for s in self.sessions))
         return convert.status_to_proto(status)
 
     # -- the contract ----------------------------------------------------------------

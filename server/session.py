@@ -103,6 +103,7 @@ class DecodeSession:
 
     async def serve(self, request_iterator) -> None:
         reader = asyncio.create_task(self._read_all(request_iterator))
+        self.servicer.sessions.add(self)  # GetStatus sums their unsent bytes
         try:
             while (entry := await self.replies.get()) is not None:
                 if entry is _STEP_DONE:
@@ -120,6 +121,7 @@ class DecodeSession:
         else:
             self.ledger.keep()
         finally:
+            self.servicer.sessions.discard(self)
             reader.cancel()
             for task in list(self.steps):
                 task.cancel()  # a step still at the worker undoes itself (ModelWorker._await)
@@ -128,13 +130,11 @@ class DecodeSession:
         """Queues ``reply`` for the caller, counted as unsent until gRPC took it."""
         size = len(reply) if isinstance(reply, bytes) else reply.ByteSize()  # large replies come serialized
         self.unsent += size
-        self.servicer.session_bytes_unsent += size
         self.all_sent.clear()
         await self.replies.put((reply, size))
 
     def _sent(self, size: int) -> None:
         self.unsent -= size
-        self.servicer.session_bytes_unsent -= size
         if not self.unsent:
             self.all_sent.set()
 

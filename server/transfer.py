@@ -285,7 +285,8 @@ def install(executor, incoming: Incoming, tenant: str) -> KvCacheHandle:
         raise KvCapacityExhausted(f"need {need} free KV blocks, {kv.num_free} of {kv.num_blocks} free")
     if (quota := ex.bounds(tenant).kv_tokens) and (kv.blocks_held(tenant) + need) * kv.block_size > quota:
         raise TenantQuotaExceeded(f"your tenant would hold {(kv.blocks_held(tenant) + need) * kv.block_size} KV "
-                                  f"tokens, over its quota of {quota} (--tenant-kv-tokens); release or truncate sequences")
+                                  f"tokens, over its quota of {quota} (--tenant-kv-tokens); release or truncate "
+                                  f"sequences")
     seq = kv.create(uuid.uuid4().hex, tenant)
     try:
         kv.prepare_write(seq, 0, length)  # cannot fail now: the blocks are there

@@ -336,9 +336,11 @@ def _until_still(read, still_s: float, timeout: float):
 
 def test_a_caller_that_never_reads_the_socket_pauses_the_run_within_its_window(tiny_server, client):
     """A raw HTTP/2 peer with a 1 KiB receive window sends a decode-ahead step of 240
-    tokens (20 logprobs each: responses of 80+ bytes) and never reads.  A response is taken by gRPC only into the caller's window,
-    and the run runs its next forward only once every response of its call was taken:
-    so it pauses after at most window / (smallest response) + 1 forwards.  Paused, it runs
+    tokens (20 logprobs each: responses of 80+ bytes) and never reads.  gRPC takes a
+    response only into the caller's window, and the run runs its next forward only once
+    every response of its call was taken: so it pauses after at most
+    window / (smallest response) + 1 forwards (5 measured; 37 when 32 responses
+    handed to gRPC could wait besides).  Paused, it runs
     no forwards (GetStatus from another channel) and its sequence's KV stops growing,
     while another caller's decodes are served; closing the socket undoes the run."""
     window, choice = 1024, TokenChoice(temperature=0.0, top_logprobs=20)
@@ -359,7 +361,9 @@ def test_a_caller_that_never_reads_the_socket_pauses_the_run_within_its_window(t
     sock = raw_decode_session(tiny_server.target, request, window)
     try:
         paused = _until_still(length, 0.5, timeout=30)
-        forwards = client.status().forwards
+        status = client.status()
+        forwards = status.forwards
+        assert (status.ahead_sequences, status.ahead_runs_paused) == (1, 1) and status.session_bytes_unsent > 0
         assert len(PROMPTS[1]) < paused <= len(PROMPTS[1]) + bound, \
             f"the unread run decoded {paused - len(PROMPTS[1])} tokens, past its bound of {bound}"
         step = client.decode(other.chosen.token_id, other.kv_cache, token_choice=GREEDY)  # another caller
@@ -373,5 +377,7 @@ def test_a_caller_that_never_reads_the_socket_pauses_the_run_within_its_window(t
     while length() != len(PROMPTS[1]):  # the cancelled run is undone
         assert time.monotonic() < deadline, "the abandoned run was not undone"
         time.sleep(0.02)
+    status = client.status()
+    assert (status.ahead_sequences, status.ahead_runs_paused, status.session_bytes_unsent) == (0, 0, 0)
     client.release_cache(step.kv_cache)
     client.release_cache(out.kv_cache)
