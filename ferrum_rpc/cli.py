@@ -98,8 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "on a loopback --host only, where every caller is on this machine")
     s.add_argument("--max-sequences", type=int, default=10_000,
                    help="live sequences in all, forks included (0: no cap)")
-    s.add_argument("--tenant-max-sequences", type=int, default=0, help="live sequences per tenant (0: no cap)")
-    s.add_argument("--tenant-kv-tokens", type=int, default=0, help="KV tokens one tenant may hold (0: no quota)")
+    s.add_argument("--tenant-max-sequences", type=_non_negative_int, default=None,
+                   help="live sequences one tenant may hold (default: half of --max-sequences for each tenant of "
+                        "--auth-tokens, no cap without tokens; a number binds every caller; 0: no cap)")
+    s.add_argument("--tenant-kv-tokens", type=_non_negative_int, default=None,
+                   help="KV tokens one tenant may hold (default: half of the KV pool for each tenant of "
+                        "--auth-tokens, no quota without tokens; a number binds every caller; 0: no quota)")
+    s.add_argument("--tenant-ahead-sequences", type=_non_negative_int, default=None,
+                   help="sequences one tenant may have decoding ahead at once, over all its DecodeSession "
+                        "steps (default: a quarter of --max-batch for each tenant of --auth-tokens, no cap "
+                        "without tokens; a number binds every caller; 0: no cap)")
     s.add_argument("--port", type=_port, default=50051, help="0 picks a free port (logged)")
     s.add_argument("--port-file", default="", metavar="PATH",
                    help="once listening, write PATH (atomically) as JSON: address, port, instance_id, pid and "

@@ -419,3 +419,10 @@ class ExecutorStatus:
     memory_used_bytes: int = 0
     memory_peak_bytes: int = 0
     memory_utilization: float = 0.0
+    # the asking tenant's bounds (0: no cap) and what decoding ahead holds now
+    tenant_max_sequences: int = 0
+    tenant_kv_tokens: int = 0
+    tenant_ahead_sequences: int = 0
+    ahead_sequences: int = 0
+    ahead_runs_paused: int = 0
+    session_bytes_unsent: int = 0

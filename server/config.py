@@ -77,8 +77,13 @@ class ExecutorConfig:
     quantize: str = "none"
     step_ops: str = "auto"
     max_sequences: int = 10_000  # live sequences in all, forks included (0: no cap); ~17 KB each
-    tenant_max_sequences: int = 0  # live sequences per tenant (0: no cap)
-    tenant_kv_tokens: int = 0  # KV tokens one tenant may hold (0: no quota)
+    # Per-tenant bounds (see tenant_bounds).  None: the default, which binds each tenant of
+    # --auth-tokens and not the anonymous caller of a server without tokens (everyone is that
+    # one tenant there, so a per-tenant default would only shrink the server); a number binds
+    # every tenant, the anonymous one included; 0: no cap.
+    tenant_max_sequences: int | None = None  # live sequences; default: half of max_sequences
+    tenant_kv_tokens: int | None = None  # KV tokens held; default: half of the pool
+    tenant_ahead_sequences: int | None = None  # sequences decoding ahead at once; default: max_batch_size // 4
     # tensor parallelism (server/tp.py): ranks the model is split over (1: not split), and
     # the longest a forward waits for the other ranks before the server fails closed
     tensor_parallel: int = 1
@@ -104,11 +109,36 @@ class ExecutorConfig:
             raise StartupError(f"quantize must be one of {QUANTIZATIONS}, not {self.quantize!r}")
         if self.quantize != "none" and not self.device.startswith("cpu"):
             raise StartupError("--quantize is a CPU path; serve unquantized weights on " + self.device)
+        for name in ("tenant_max_sequences", "tenant_kv_tokens", "tenant_ahead_sequences"):
+            if (value := getattr(self, name)) is not None and value < 0:
+                raise StartupError(f"{name} (--{name.replace('_', '-')}) must be 0 (no cap) or positive")
         if self.tensor_parallel < 1 or self.tensor_parallel_timeout_s <= 0:
             raise StartupError("--tensor-parallel must be at least 1 and --tensor-parallel-timeout positive")
         if self.quantize != "none" and self.linear_kernel == "onednn-packed":
             raise StartupError("quantized weights do not use the oneDNN packed linear; "
                                "use --linear-kernel auto or aten")
+
+
+@dataclass(frozen=True)
+class TenantBounds:
+    """What one tenant may hold at once (0: no cap)."""
+
+    max_sequences: int
+    kv_tokens: int
+    ahead_sequences: int
+
+
+def tenant_bounds(config: ExecutorConfig, tenant: str, pool_tokens: int) -> TenantBounds:
+    """``tenant``'s bounds under ``config`` on a pool of ``pool_tokens`` ("" is the anonymous
+    caller of a server without tokens: the defaults leave it alone)."""
+    named = tenant != ""
+
+    def bound(value: int | None, default: int) -> int:
+        return value if value is not None else default if named else 0
+
+    return TenantBounds(bound(config.tenant_max_sequences, config.max_sequences // 2),
+                        bound(config.tenant_kv_tokens, pool_tokens // 2),
+                        bound(config.tenant_ahead_sequences, max(1, config.max_batch_size // 4)))
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from ferrum_rpc.errors import (
 from ferrum_rpc.server import speculative
 from ferrum_rpc.server.sampling import accept_drafts as choose_drafts
 from ferrum_rpc.server.sampling import choose_tokens, row_max, validate_token_choice
-from ferrum_rpc.server.config import ExecutorConfig
+from ferrum_rpc.server.config import ExecutorConfig, TenantBounds, tenant_bounds
 from ferrum_rpc.server.forward import Rows, Step, forward
 from ferrum_rpc.server.kv_cache import KvPool
 from ferrum_rpc.server.kv_manager import BlockManager, SequenceState
@@ -229,8 +229,9 @@ class TorchExecutor:
         """The decode crossover (see ``stats.measure_optimal_batch``)."""
         return measure_optimal_batch(self, repeats)
 
-    def status(self, state: ServerState = ServerState.SERVING, queue_depth: int = 0) -> ExecutorStatus:
-        return self.stats.status(state, queue_depth)
+    def status(self, state: ServerState = ServerState.SERVING, queue_depth: int = 0,
+               tenant: str = "") -> ExecutorStatus:
+        return self.stats.status(state, queue_depth, self.bounds(tenant))
 
     # -- queries ---------------------------------------------------------------
     def info(self) -> ModelInfo:
@@ -752,15 +753,20 @@ class TorchExecutor:
                 f"{self.kv.num_blocks}"
             )
 
+    def bounds(self, tenant: str) -> TenantBounds:
+        """What ``tenant`` may hold at once on this executor (config.tenant_bounds)."""
+        return tenant_bounds(self.config, tenant, self.kv.num_blocks * self.kv.block_size)
+
     def _check_sequence_room(self, tenant: str, new: int) -> None:
         """Refuses ``new`` more sequences past the server's or the tenant's cap."""
-        cap, tenant_cap = self.config.max_sequences, self.config.tenant_max_sequences
+        cap, tenant_cap = self.config.max_sequences, self.bounds(tenant).max_sequences
         if cap and len(self.kv) + new > cap:
             raise SequenceLimitExceeded(
                 f"the server holds {len(self.kv)} live sequences, its cap is {cap}; release some")
         if tenant_cap and self.kv.count(tenant) + new > tenant_cap:
             raise SequenceLimitExceeded(
-                f"your tenant holds {self.kv.count(tenant)} live sequences, its cap is {tenant_cap}; release some")
+                f"your tenant holds {self.kv.count(tenant)} live sequences, its cap is {tenant_cap} "
+                f"(--tenant-max-sequences); release some")
 
     def _check_not_busy(self, seq: SequenceState) -> None:
         if seq.pins:
@@ -794,13 +800,13 @@ class TorchExecutor:
         """Reserves room (and private copies of shared blocks) for ``tokens`` after the sequence's end."""
         seq = opened.seq
         plan = self.kv.prepare_write(seq, seq.length, seq.length + len(tokens))
-        if quota := self.config.tenant_kv_tokens:
+        if quota := self.bounds(seq.tenant).kv_tokens:
             held = self.kv.blocks_held(seq.tenant)
             if held * self.kv.block_size > quota:
                 self.kv.undo_write(seq, plan)
                 raise TenantQuotaExceeded(
                     f"your tenant would hold {held * self.kv.block_size} KV tokens ({held} blocks), over its "
-                    f"quota of {quota}; release or truncate sequences")
+                    f"quota of {quota} (--tenant-kv-tokens); release or truncate sequences")
         if self.runner is None:
             self.pool.copy_blocks(plan.copies)
         else:

@@ -143,7 +143,7 @@ class TransferRpcs:
                     raise InvalidInput("an import stream starts with its header")
                 worker, expected = self._import_target(message.header, ticket)
                 self._check_unsplit(worker, "ImportSequence")
-                receiver = transfer.Receiver(worker.executor, expected)
+                receiver = transfer.Receiver(worker.executor, expected, tenant)
             receiver.take(message)
         if receiver is None:
             raise transfer.TransferCorrupted("the import stream was empty: truncated")

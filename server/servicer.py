@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -309,6 +310,7 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
         self.state = ServerState.LOADING
         self.lost: ExecutorError | None = None  # set once a tensor-parallel rank is lost (App.fail_closed)
         self.inflight = 0
+        self.sessions: set[session.DecodeSession] = set()  # running DecodeSession calls
         self._idle = asyncio.Event()
         self._idle.set()
         # One thread: big replies are built one at a time, never on the event loop.
@@ -523,7 +525,10 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
         if self.state is ServerState.LOADING and not self.workers:
             return pb.Status(state=pb.Status.STATE_LOADING, server_instance_id=self.instance_id)
         worker = self._worker(request.model)
-        status = await worker.call(worker.executor.status, self.state, worker.work_queued)
+        status = await worker.call(worker.executor.status, self.state, worker.work_queued, tenant)
+        status = dataclasses.replace(status, ahead_sequences=sum(worker.ahead.values()),
+                                     ahead_runs_paused=worker.ahead_paused,
+                                     session_bytes_unsent=sum(s.unsent for s in self.sessions))
         return convert.status_to_proto(status)
 
     # -- the contract ----------------------------------------------------------------

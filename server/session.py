@@ -24,6 +24,22 @@ A step with ``max_new_tokens`` decodes ahead: up to that many forwards on the
 server, each chosen token streamed as it comes (one message per forward for all
 of the step's sequences), until a stop token, the length, a ``stop`` message
 naming its ``step_id``, or the model's maximum sequence length.
+
+What a decode-ahead run can see of its caller's reading, and so its pause: gRPC
+completes ``context.write`` once the reply's bytes fit the caller's HTTP/2 receive
+window (stream and connection), not when the caller's code reads them; a caller's
+transport reopens the window as the caller reads.  So the session counts the bytes
+of replies handed to gRPC whose write has not completed (``unsent``), and a run
+starts its next forward only when that is zero: every reply of the call went into
+the caller's window.  A caller that stops reading therefore gets at most its
+window's worth of replies plus one forward per run (a paused run runs no forward
+and grows no KV).  The window is the caller's to choose: 64 KiB unless it says
+otherwise (a raw HTTP/2 peer, or gRPC with BDP probing off), about 4 MiB once
+gRPC's BDP probing has grown it on a fast link (measured on loopback), and up to
+the socket buffers (~3 MB measured) for a peer that announces 2^31-1.  What one
+tenant can make the server hold meanwhile is bounded apart from the window: its
+sequences decoding ahead (``ModelWorker.ahead_seats``) and its KV
+(``ExecutorConfig.tenant_kv_tokens``).
 """
 
 from __future__ import annotations
@@ -44,7 +60,6 @@ MAX_PENDING_STEPS = 8  # steps whose replies the caller has not taken yet
 SESSION_END_GRACE_S = 0.02  # a session whose requests ended waits this long for a cancel (0.2 ms measured)
 MAX_DECODE_AHEAD = 4096  # DecodeSessionRequest.max_new_tokens bound (Capabilities.max_decode_ahead)
 MAX_STOP_TOKENS = 64  # DecodeSessionRequest.stop_token_ids bound
-AHEAD_UNREAD = 32  # a decode-ahead step's responses (one per forward) that may wait unread before it pauses
 
 _STEP_DONE = object()  # a step's last entry in the reply queue: frees its window seat
 
@@ -77,7 +92,10 @@ class DecodeSession:
 
     def __init__(self, servicer, context, tenant: str, deadline: float | None):
         self.servicer, self.context, self.tenant, self.deadline = servicer, context, tenant, deadline
-        self.replies: asyncio.Queue = asyncio.Queue()  # (reply, called once handed to gRPC or None)
+        self.replies: asyncio.Queue = asyncio.Queue()  # (reply, its size in bytes)
+        self.unsent = 0  # bytes of replies queued or being written: not yet in the caller's window
+        self.all_sent = asyncio.Event()  # set while unsent is 0
+        self.all_sent.set()
         self.ledger = Undelivered()  # steps' results until their replies are handed to gRPC
         self.window = asyncio.Semaphore(MAX_PENDING_STEPS)
         self.steps: set[asyncio.Task] = set()
@@ -85,14 +103,14 @@ class DecodeSession:
 
     async def serve(self, request_iterator) -> None:
         reader = asyncio.create_task(self._read_all(request_iterator))
+        self.servicer.sessions.add(self)  # GetStatus sums their unsent bytes
         try:
             while (entry := await self.replies.get()) is not None:
                 if entry is _STEP_DONE:
                     self.window.release()
                 else:
                     await self.context.write(entry[0])  # not yielded: see servicer._rpc's docstring
-                    if entry[1] is not None:
-                        entry[1]()
+                    self._sent(entry[1])
             await reader  # surfaces a broken request stream
             # gRPC ends the request stream the same way for a half-close and a cancel (an
             # RST_STREAM): the cancel shows as this task being cancelled a moment later
@@ -103,9 +121,22 @@ class DecodeSession:
         else:
             self.ledger.keep()
         finally:
+            self.servicer.sessions.discard(self)
             reader.cancel()
             for task in list(self.steps):
                 task.cancel()  # a step still at the worker undoes itself (ModelWorker._await)
+
+    async def _hand(self, reply) -> None:
+        """Queues ``reply`` for the caller, counted as unsent until gRPC took it."""
+        size = len(reply) if isinstance(reply, bytes) else reply.ByteSize()  # large replies come serialized
+        self.unsent += size
+        self.all_sent.clear()
+        await self.replies.put((reply, size))
+
+    def _sent(self, size: int) -> None:
+        self.unsent -= size
+        if not self.unsent:
+            self.all_sent.set()
 
     async def _read_all(self, request_iterator) -> None:
         requests = request_iterator.__aiter__()
@@ -152,13 +183,13 @@ class DecodeSession:
                 if not request.max_new_tokens:
                     async for _, reply in servicer._step_replies(pb.DecodeSessionResponse, {"step_id": step_id},
                                                                  outs, received, request.single_reply, targets, keys):
-                        await self.replies.put((reply, None))
+                        await self._hand(reply)
             servicer._observe("DecodeSession", tenant, None, received / 1e9, outs[0].timing if outs else None)
         except Exception as exc:
             ledger.undo(keys)  # the step answers with an error: it changes nothing
             servicer._observe("DecodeSession", tenant, exc, received / 1e9)
-            await self.replies.put((pb.DecodeSessionResponse(
-                step_id=step_id, error=to_status_proto(servicer.as_executor_error(exc))), None))
+            await self._hand(pb.DecodeSessionResponse(
+                step_id=step_id, error=to_status_proto(servicer.as_executor_error(exc))))
         finally:
             await self.replies.put(_STEP_DONE)
 
@@ -167,18 +198,24 @@ class DecodeSession:
         forward, streaming each chosen token as it comes.  ``keys`` holds, per item, the
         ledger entry from where the step found it to where it is now (undone if the step
         fails or the session is cancelled).  Returns each item's last output."""
+        step_id = request.step_id
+        if step_id in self.ahead:  # a stop message must name one run
+            raise InvalidInput(f"step_id {step_id} names a decode-ahead step still running")
+        with worker.ahead_seats(self.tenant, len(items)):  # refuses past the tenant's share
+            return await self._run_ahead(request, worker, items, keys)
+
+    async def _run_ahead(self, request, worker: ModelWorker, items: list[DecodeInput], keys: list[int]) -> list:
         ledger = self.ledger
         step_id, limit = request.step_id, request.max_new_tokens
         stop_ids, max_len = frozenset(request.stop_token_ids), worker.executor.max_seq_len
-        if step_id in self.ahead:  # a stop message must name one run
-            raise InvalidInput(f"step_id {step_id} names a decode-ahead step still running")
         stop = self.ahead[step_id] = asyncio.Event()
-        unread = asyncio.Semaphore(AHEAD_UNREAD)  # an unread stream pauses the step, not memory
         keys.extend(ledger.add(worker, []) for _ in items)
         emitted, last = [0] * len(items), [None] * len(items)
         live = list(enumerate(items))
         try:
             while live:
+                if self.unsent:  # a reply of this call is not in the caller's window yet
+                    await self._paused(worker)
                 # The forward about to run, covered before it runs: if the session is cancelled
                 # while it is at the worker, it may still finish, and the sequence must go back
                 # from the length it leaves too (the record whose length does not match is skipped).
@@ -213,9 +250,17 @@ class DecodeSession:
                 # one message per forward (a stream message costs the caller ~0.1-0.3 ms of Python)
                 reply = results[0] if len(results) == 1 else pb.DecodeSessionResponse(step_id=step_id,
                                                                                      results=results)
-                await unread.acquire()
-                await self.replies.put((reply, unread.release))
+                await self._hand(reply)
                 live = going
         finally:
             self.ahead.pop(step_id, None)
         return last
+
+    async def _paused(self, worker: ModelWorker) -> None:
+        """Waits until every reply of this call went into the caller's window.  Usually a
+        moment (the write of the last reply); longer only while the caller does not read."""
+        worker.ahead_paused += 1
+        try:
+            await self.all_sent.wait()
+        finally:
+            worker.ahead_paused -= 1

@@ -108,7 +108,8 @@ class Stats:
             activation_bytes_per_token=(4 * mc.hidden_size + q_kv + 3 * intermediate) * element + mc.vocab_size * 4,
             overhead_bytes=self.overhead_bytes, num_layers=mc.num_layers)
 
-    def status(self, state: ServerState, queue_depth: int) -> ExecutorStatus:
+    def status(self, state: ServerState, queue_depth: int, bounds) -> ExecutorStatus:
+        """``bounds``: the asking tenant's (config.TenantBounds)."""
         ex, kv = self.ex, self.ex.kv
         used, allocated = self.memory_used(), self.parameter_bytes + ex.pool.nbytes
         return ExecutorStatus(
@@ -125,6 +126,8 @@ class Stats:
             avg_prefill_ms=self._avg_ms("prefill"), avg_decode_ms=self._avg_ms("decode"),
             memory_allocated_bytes=allocated, memory_used_bytes=used, memory_peak_bytes=self.memory_peak,
             memory_utilization=used / allocated,
+            tenant_max_sequences=bounds.max_sequences, tenant_kv_tokens=bounds.kv_tokens,
+            tenant_ahead_sequences=bounds.ahead_sequences,
         )
 
     def _avg_ms(self, kind: str) -> float:
@@ -148,7 +151,7 @@ def measure_optimal_batch(ex: TorchExecutor, repeats: int = 3) -> int:
     sizes, block = [1], ex.kv.block_size
     room = ex.kv.num_free // -(-(block + repeats * 7) // block)  # blocks one sequence may reach
     limit = min(ex.config.max_batch_size, room, 64, ex.config.max_sequences or 64,
-                ex.config.tenant_max_sequences or 64)
+                ex.bounds("").max_sequences or 64)
     while sizes[-1] * 2 <= limit:
         sizes.append(sizes[-1] * 2)
     handles, best, step_s = [], sizes[0], {}

@@ -183,8 +183,8 @@ class Receiver:
     the worker changes, so it runs on the event loop.  :meth:`done` gives the
     :class:`Incoming` once the trailer's checksum matched."""
 
-    def __init__(self, executor, fingerprint_digest_expected: str | None = None):
-        self.executor = executor
+    def __init__(self, executor, fingerprint_digest_expected: str | None = None, tenant: str = ""):
+        self.executor, self.tenant = executor, tenant  # the tenant the sequence will belong to
         self.ours = fingerprint(executor)
         self.expected = fingerprint_digest_expected  # a ticket's: the stream must carry this one
         self.header: pb.SequenceHeader | None = None
@@ -222,7 +222,7 @@ class Receiver:
         ex._check_tokens(list(header.token_ids))
         ex._check_length(0, length)
         ex._check_fits_pool(length)  # before any KV is buffered: a stream larger than the pool stops here
-        quota = ex.config.tenant_kv_tokens
+        quota = ex.bounds(self.tenant).kv_tokens
         if quota and ex.kv.blocks_for(length) * ex.kv.block_size > quota:
             raise TenantQuotaExceeded(f"the sequence needs {ex.kv.blocks_for(length) * ex.kv.block_size} KV "
                                       f"tokens, over the tenant quota of {quota}")
@@ -283,9 +283,10 @@ def install(executor, incoming: Incoming, tenant: str) -> KvCacheHandle:
     need = kv.blocks_for(length)
     if need > kv.num_free:
         raise KvCapacityExhausted(f"need {need} free KV blocks, {kv.num_free} of {kv.num_blocks} free")
-    if (quota := ex.config.tenant_kv_tokens) and (kv.blocks_held(tenant) + need) * kv.block_size > quota:
+    if (quota := ex.bounds(tenant).kv_tokens) and (kv.blocks_held(tenant) + need) * kv.block_size > quota:
         raise TenantQuotaExceeded(f"your tenant would hold {(kv.blocks_held(tenant) + need) * kv.block_size} KV "
-                                  f"tokens, over its quota of {quota}; release or truncate sequences")
+                                  f"tokens, over its quota of {quota} (--tenant-kv-tokens); release or truncate "
+                                  f"sequences")
     seq = kv.create(uuid.uuid4().hex, tenant)
     try:
         kv.prepare_write(seq, 0, length)  # cannot fail now: the blocks are there

@@ -35,6 +35,7 @@ thread, the queue, the futures, cancellation and deadlines.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -44,7 +45,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from ferrum_rpc.errors import Cancelled, DeadlineExceeded, Draining, ExecutorError
+from ferrum_rpc.errors import Cancelled, DeadlineExceeded, Draining, ExecutorError, TenantQuotaExceeded
 from ferrum_rpc.server import scheduler
 from ferrum_rpc.server.executor import TorchExecutor, Undo, verify_policy
 from ferrum_rpc.server.prompt import PromptInParts
@@ -137,6 +138,10 @@ class ModelWorker:
         self._unanswered: set[Future] = set()  # every job's future until it resolves (see fail_all)
         self._cond = threading.Condition()
         self._stopping = False
+        # decoding ahead (the event loop's side; session.py): sequences in runs per tenant, and
+        # runs now waiting for their callers' transport to take their call's replies
+        self.ahead: dict[str, int] = {}
+        self.ahead_paused = 0
         self.loaded: Future = Future()  # resolves to the executor once the thread has built it
         self._thread = threading.Thread(target=self._main, args=(load,), name=f"model-worker[{name}]",
                                         daemon=True)
@@ -167,6 +172,25 @@ class ModelWorker:
         passed it over for a whole status lifetime."""
         with self._cond:
             return sum(1 for job in self._jobs if job is not None and (job.decode or job.prefill))
+
+    @contextlib.contextmanager
+    def ahead_seats(self, tenant: str, count: int):
+        """Holds ``count`` of ``tenant``'s seats for decoding ahead for the run's life; refuses
+        (TENANT_QUOTA_EXCEEDED) past the tenant's bound, so one tenant's runs take a bounded
+        share of every forward.  Event loop only."""
+        cap, held = self.executor.bounds(tenant).ahead_sequences, self.ahead.get(tenant, 0)
+        if cap and held + count > cap:
+            raise TenantQuotaExceeded(
+                f"your tenant has {held} sequences decoding ahead, its cap is {cap} (--tenant-ahead-sequences); "
+                f"this step's {count} would pass it: wait for a run to end or stop one")
+        self.ahead[tenant] = held + count
+        try:
+            yield
+        finally:
+            if (left := self.ahead[tenant] - count) > 0:
+                self.ahead[tenant] = left
+            else:
+                del self.ahead[tenant]
 
     @property
     def stopping(self) -> bool:

@@ -57,7 +57,8 @@ def test_prompts_that_each_fit_do_not_fail_together(tiny_llama_dir):
 def two_tenants(tiny_llama_dir, tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text(f"alice {ALICE}\nbob {BOB}\n")
-    replica = Replica(tiny_llama_dir, "--auth-tokens", str(tokens), "--kv-tokens", "4096",
+    # alice's 12 prompts hold 3,000 of the 4,096 KV tokens: past a tenant's default share
+    replica = Replica(tiny_llama_dir, "--auth-tokens", str(tokens), "--kv-tokens", "4096", "--tenant-kv-tokens", "0",
                       "--step-token-budget", "32", "--prefill-chunk", "32")
     try:
         replica.wait_serving()

@@ -288,3 +288,97 @@ def test_a_full_pool_mid_run_answers_its_error_and_leaves_the_sequence_as_it_was
             (step,) = session.step([DecodeInput(out.chosen.token_id, out.kv_cache, GREEDY)])
             assert step.kv_cache.sequence_length == len(PROMPTS[0]) + 1
         c.release_cache(step.kv_cache)
+
+
+# -- a caller that never reads at the socket level ---------------------------------------
+def _frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+
+
+def _literal(name: bytes, value: bytes) -> bytes:
+    """An HPACK literal header field without indexing, new name, no Huffman (both < 127 bytes)."""
+    return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
+
+
+def raw_decode_session(target: str, request: pb.DecodeSessionRequest, window: int, token: str | None = None):
+    """A DecodeSession call on a bare TCP socket: the HTTP/2 preface, SETTINGS announcing
+    ``window`` as the stream receive window (and an ACK sent ahead for the server's own
+    SETTINGS, which this peer never reads), HEADERS, and one request message; the request
+    stream stays open.  The caller then never recv()s: the server learns nothing but
+    what HTTP/2 flow control tells it."""
+    import socket
+
+    host, port = target.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    headers = b"".join([_literal(b":method", b"POST"), _literal(b":scheme", b"http"),
+                        _literal(b":path", b"/ferrum.executor.v1.ModelExecutor/DecodeSession"),
+                        _literal(b":authority", target.encode()), _literal(b"content-type", b"application/grpc"),
+                        _literal(b"te", b"trailers")]
+                       + ([_literal(b"authorization", f"Bearer {token}".encode())] if token else []))
+    body = request.SerializeToString()
+    sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+                 + _frame(0x4, 0, 0, (4).to_bytes(2, "big") + window.to_bytes(4, "big"))  # SETTINGS
+                 + _frame(0x4, 0x1, 0, b"")  # SETTINGS ACK
+                 + _frame(0x1, 0x4, 1, headers)  # HEADERS, END_HEADERS
+                 + _frame(0x0, 0, 1, b"\x00" + len(body).to_bytes(4, "big") + body))  # DATA
+    return sock
+
+
+def _until_still(read, still_s: float, timeout: float):
+    """``read()`` once it has not changed for ``still_s`` seconds."""
+    deadline, last, since = time.monotonic() + timeout, read(), time.monotonic()
+    while time.monotonic() - since < still_s:
+        assert time.monotonic() < deadline, f"still changing after {timeout} s: {last}"
+        time.sleep(0.05)
+        if (now := read()) != last:
+            last, since = now, time.monotonic()
+    return last
+
+
+def test_a_caller_that_never_reads_the_socket_pauses_the_run_within_its_window(tiny_server, client):
+    """A raw HTTP/2 peer with a 1 KiB receive window sends a decode-ahead step of 240
+    tokens (20 logprobs each: responses of 80+ bytes) and never reads.  gRPC takes a
+    response only into the caller's window, and the run runs its next forward only once
+    every response of its call was taken: so it pauses after at most
+    window / (smallest response) + 1 forwards (5 measured; 37 when 32 responses
+    handed to gRPC could wait besides).  Paused, it runs
+    no forwards (GetStatus from another channel) and its sequence's KV stops growing,
+    while another caller's decodes are served; closing the socket undoes the run."""
+    window, choice = 1024, TokenChoice(temperature=0.0, top_logprobs=20)
+    ex = _executor(tiny_server)
+    out = client.prefill(PROMPTS[1], token_choice=choice)
+    other = client.prefill(PROMPTS[0], token_choice=GREEDY)
+    request = pb.DecodeSessionRequest(step_id=1, max_new_tokens=240)
+    item = request.items.add(token_id=out.chosen.token_id, kv_cache=convert.handle_to_proto(out.kv_cache))
+    item.token_choice.CopyFrom(convert.token_choice_to_proto(choice))
+    # no response of this run can be smaller than this one (gRPC's 5-byte prefix included)
+    smallest = 5 + len(pb.DecodeSessionResponse(step_id=1, chosen=pb.ChosenToken(
+        token_id=1, top_logprobs=[pb.TokenLogprob(token_id=1)] * 20)).SerializeToString())
+    bound = window // smallest + 1
+
+    def length():
+        return ex.kv.snapshot().sequences[out.kv_cache.cache_id].length
+
+    sock = raw_decode_session(tiny_server.target, request, window)
+    try:
+        paused = _until_still(length, 0.5, timeout=30)
+        status = client.status()
+        forwards = status.forwards
+        assert (status.ahead_sequences, status.ahead_runs_paused) == (1, 1) and status.session_bytes_unsent > 0
+        assert len(PROMPTS[1]) < paused <= len(PROMPTS[1]) + bound, \
+            f"the unread run decoded {paused - len(PROMPTS[1])} tokens, past its bound of {bound}"
+        step = client.decode(other.chosen.token_id, other.kv_cache, token_choice=GREEDY)  # another caller
+        assert step.kv_cache.sequence_length == len(PROMPTS[0]) + 1
+        time.sleep(0.3)
+        assert client.status().forwards == forwards + 1  # that decode's forward only
+        assert length() == paused
+    finally:
+        sock.close()
+    deadline = time.monotonic() + 10
+    while length() != len(PROMPTS[1]):  # the cancelled run is undone
+        assert time.monotonic() < deadline, "the abandoned run was not undone"
+        time.sleep(0.02)
+    status = client.status()
+    assert (status.ahead_sequences, status.ahead_runs_paused, status.session_bytes_unsent) == (0, 0, 0)
+    client.release_cache(step.kv_cache)
+    client.release_cache(out.kv_cache)
