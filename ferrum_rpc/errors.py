@@ -40,6 +40,8 @@ class Reason(str, enum.Enum):
     TICKET_EXPIRED = "TICKET_EXPIRED"
     TICKET_USED = "TICKET_USED"
     PUSH_TARGET_REFUSED = "PUSH_TARGET_REFUSED"
+    TRANSFER_BUDGET_EXHAUSTED = "TRANSFER_BUDGET_EXHAUSTED"
+    TRANSFER_STALLED = "TRANSFER_STALLED"
 
 
 STATUS_FOR_REASON: dict[Reason, grpc.StatusCode] = {
@@ -65,6 +67,8 @@ STATUS_FOR_REASON: dict[Reason, grpc.StatusCode] = {
     Reason.TICKET_EXPIRED: grpc.StatusCode.PERMISSION_DENIED,
     Reason.TICKET_USED: grpc.StatusCode.PERMISSION_DENIED,
     Reason.PUSH_TARGET_REFUSED: grpc.StatusCode.PERMISSION_DENIED,
+    Reason.TRANSFER_BUDGET_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.TRANSFER_STALLED: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 
@@ -228,6 +232,20 @@ class PushTargetRefused(ExecutorError):
     reason = Reason.PUSH_TARGET_REFUSED
 
 
+class TransferBudgetExhausted(ExecutorError):
+    """An import would buffer more KV than the server's in-flight transfer budget
+    (``--transfer-budget-mb``) leaves while other imports are streaming."""
+
+    reason = Reason.TRANSFER_BUDGET_EXHAUSTED
+
+
+class TransferStalled(ExecutorError):
+    """An import stream sent nothing for longer than the server's limit
+    (``--import-idle-timeout``); it was ended and what it buffered freed."""
+
+    reason = Reason.TRANSFER_STALLED
+
+
 class FailoverFailed(ExecutorError):
     """Client side, never on the wire: a replica-set client could not move a sequence
     (or place a new one) onto a healthy replica within its bounds (attempts, seconds).
@@ -277,6 +295,8 @@ ERROR_CLASSES: dict[Reason, type[ExecutorError]] = {
         TicketExpired,
         TicketUsed,
         PushTargetRefused,
+        TransferBudgetExhausted,
+        TransferStalled,
     )
 }
 

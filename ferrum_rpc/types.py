@@ -419,3 +419,8 @@ class ExecutorStatus:
     memory_used_bytes: int = 0
     memory_peak_bytes: int = 0
     memory_utilization: float = 0.0
+    # server-wide: imports running, the KV bytes they buffer, the budget for those, pushes running
+    imports_in_flight: int = 0
+    transfer_bytes_in_flight: int = 0
+    transfer_budget_bytes: int = 0
+    pushes_in_flight: int = 0
