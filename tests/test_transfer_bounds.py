@@ -57,7 +57,8 @@ def servers(tiny_llama_dir, tokens_file):
     bounds (two tenants), Z is a receiver the push test freezes."""
     p = ServerProcess(f"tiny={tiny_llama_dir}", *FLAGS, "--push-timeout", str(PUSH_TIMEOUT_S))
     r = ServerProcess(f"tiny={tiny_llama_dir}", *FLAGS, "--auth-tokens", tokens_file, "--import-idle-timeout",
-                      str(IDLE_S), "--transfer-budget-mb", "0.15", "--tenant-kv-tokens", str(QUOTA))
+                      str(IDLE_S), "--transfer-budget-mb", "0.15", "--tenant-kv-tokens", str(QUOTA),
+                      "--metrics-port", "0")
     z = ServerProcess(f"tiny={tiny_llama_dir}", *FLAGS)
     with all_serving(p, r, z) as (p, r, z):
         yield {"p": p, "r": r, "z": z}
@@ -90,6 +91,19 @@ def transfers(server: ServerProcess) -> tuple[int, int]:
     return s.imports_in_flight, s.transfer_bytes_in_flight
 
 
+def gauges(server: ServerProcess) -> dict[str, float]:
+    """The transfer gauges of the server's Prometheus endpoint (its port from its log)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = server.wait_for(r"metrics on http://[^:]+:(\d+)/metrics", timeout=5).group(1)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    names = ("ferrum_imports_in_flight", "ferrum_transfer_bytes_in_flight", "ferrum_transfer_budget_bytes")
+    return {f.name: f.samples[0].value for f in text_string_to_metric_families(text) if f.name in names}
+
+
 async def until_transfers(server: ServerProcess, want: tuple[int, int], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while (got := await asyncio.to_thread(transfers, server)) != want:
@@ -120,8 +134,8 @@ async def failure(call) -> ExecutorError:
 
 
 def test_a_stalled_import_shows_in_status_and_is_ended_after_the_idle_limit(servers, exports):
-    """Header and every KV chunk, then nothing: GetStatus shows its bytes while it waits;
-    past --import-idle-timeout it ends DEADLINE_EXCEEDED/TRANSFER_STALLED and GetStatus
+    """Header and every KV chunk, then nothing: GetStatus and the metrics show its bytes
+    while it waits; past --import-idle-timeout it ends DEADLINE_EXCEEDED/TRANSFER_STALLED and GetStatus
     shows nothing held; the same stream, whole, imports afterwards."""
     r = servers["r"]
     messages = exports[200]
@@ -131,14 +145,18 @@ def test_a_stalled_import_shows_in_status_and_is_ended_after_the_idle_limit(serv
             call = stalled(pb_grpc.ModelExecutorStub(channel), messages[:-1], "alice")
             start = time.monotonic()
             await until_transfers(r, (1, 200 * PER_TOKEN))
+            held = await asyncio.to_thread(gauges, r)
             err = await failure(call)
-            return err, time.monotonic() - start
+            return err, time.monotonic() - start, held
 
-    err, took = asyncio.run(run())
+    err, took, held = asyncio.run(run())
+    assert held == {"ferrum_imports_in_flight": 1, "ferrum_transfer_bytes_in_flight": 200 * PER_TOKEN,
+                    "ferrum_transfer_budget_bytes": BUDGET}
     assert type(err) is TransferStalled and err.code is grpc.StatusCode.DEADLINE_EXCEEDED, err
     assert "--import-idle-timeout" in err.message
     assert IDLE_S <= took < IDLE_S + 8
     assert transfers(r) == (0, 0)
+    assert gauges(r)["ferrum_transfer_bytes_in_flight"] == 0
     with ExecutorClient(r.target, timeout=30, token=TOKENS["alice"]) as c:
         before = c.status().active_sequences
         handle = c.import_sequence(b"".join(sequence_file.frame(m) for m in messages))
