@@ -97,30 +97,31 @@ class ImportReads:
     def __init__(self, idle_s: float):
         self.idle_s = idle_s
         self.ending = False
-        self._waiting: asyncio.Timeout | None = None
+        self._read: asyncio.Future | None = None  # the read waited for now
 
     async def next(self, messages):
         """The stream's next message; None once the caller closed it."""
-        if self.ending:
-            raise Draining("the server is shutting down: the import was not finished; import it elsewhere")
-        try:
-            async with asyncio.timeout(self.idle_s) as self._waiting:
-                return await anext(messages)
-        except StopAsyncIteration:
-            return None
-        except TimeoutError:
-            if self.ending:
-                raise Draining("the server is shutting down: the import was not finished; import it "
-                               "elsewhere") from None
-            raise TransferStalled(f"the import stream sent nothing for {self.idle_s:g} s "
-                                  "(--import-idle-timeout): ended, and what it buffered freed") from None
-        finally:
-            self._waiting = None
+        if not self.ending:
+            self._read = read = asyncio.ensure_future(anext(messages))
+            try:
+                done, _ = await asyncio.wait((read,), timeout=self.idle_s)
+            finally:  # a timeout, or this call cancelled: the read goes too
+                self._read = None
+                read.cancel()
+            if not done:
+                raise TransferStalled(f"the import stream sent nothing for {self.idle_s:g} s "
+                                      "(--import-idle-timeout): ended, and what it buffered freed")
+            if not read.cancelled():
+                try:
+                    return read.result()
+                except StopAsyncIteration:
+                    return None
+        raise Draining("the server is shutting down: the import was not finished; import it elsewhere")
 
     def end(self) -> None:
         self.ending = True
-        if self._waiting is not None:
-            self._waiting.reschedule(asyncio.get_running_loop().time())
+        if self._read is not None:
+            self._read.cancel()
 
 
 class TransferRpcs:
