@@ -31,6 +31,7 @@ from ferrum_rpc.errors import (
 )
 from ferrum_rpc.server import transfer
 from ferrum_rpc.server.config import parse_allow
+from ferrum_rpc.types import ServerState
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 
@@ -152,8 +153,6 @@ class TransferRpcs:
         """An import call: refused while draining, counted, and ended by :meth:`end_imports`.
         It is not an in-flight call (its caller sets its pace): a drain does not wait
         for it past the export grace."""
-        from ferrum_rpc.types import ServerState
-
         if self.state is ServerState.DRAINING:
             raise Draining("the server is shutting down")
         reads = ImportReads(self.import_idle_s)
@@ -232,7 +231,7 @@ class TransferRpcs:
 
         presented = transfer.ticket_of(context.invocation_metadata())
         ticket = self.tickets.claimed(presented[0]) if presented else None
-        receiver, worker = None, None
+        receiver, worker, incoming = None, None, None
         messages = aiter(request_iterator)
         with self._importing() as reads:
             try:
@@ -251,7 +250,9 @@ class TransferRpcs:
                 incoming = receiver.done()
                 handle = await worker.create(transfer.install, worker.executor, incoming, tenant,
                                              deadline=_deadline(context), tenant=tenant)
-            finally:  # however the call ended: the buffer goes and its bytes leave the budget
+            finally:  # however the call ended: the buffer goes (even while a traceback keeps
+                # this frame) and its bytes leave the budget
+                incoming = None
                 if receiver is not None:
                     receiver.close()
         return pb.ImportSequenceResponse(kv_cache=convert.handle_to_proto(handle))
