@@ -153,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--export-grace", type=float, default=0.0,
                    help="on SIGTERM, seconds the server keeps answering ExportSequence/PushSequence for its "
                         "live sequences (so callers move them instead of recomputing), at most 300; 0: none")
+    s.add_argument("--transfer-budget-mb", type=float, default=0.0, metavar="MIB",
+                   help="KV bytes all imports in flight may buffer at once, MiB (0: the largest KV pool's size)")
+    s.add_argument("--import-idle-timeout", type=float, default=30.0, metavar="S",
+                   help="end an import stream that sends nothing for this long (its buffer is freed)")
+    s.add_argument("--push-timeout", type=float, default=60.0, metavar="S",
+                   help="deadline of a push to its receiver when the PushSequence caller set none")
     s.add_argument("--threads", type=_non_negative_int, default=0,
                    help="torch intra-op threads (0: torch's default)")
     s.add_argument("--no-warmup", action="store_true")

@@ -41,6 +41,8 @@ class Reason(str, enum.Enum):
     TICKET_USED = "TICKET_USED"
     PUSH_TARGET_REFUSED = "PUSH_TARGET_REFUSED"
     NON_FINITE_LOGITS = "NON_FINITE_LOGITS"
+    TRANSFER_BUDGET_EXHAUSTED = "TRANSFER_BUDGET_EXHAUSTED"
+    TRANSFER_STALLED = "TRANSFER_STALLED"
 
 
 STATUS_FOR_REASON: dict[Reason, grpc.StatusCode] = {
@@ -67,6 +69,8 @@ STATUS_FOR_REASON: dict[Reason, grpc.StatusCode] = {
     Reason.TICKET_USED: grpc.StatusCode.PERMISSION_DENIED,
     Reason.PUSH_TARGET_REFUSED: grpc.StatusCode.PERMISSION_DENIED,
     Reason.NON_FINITE_LOGITS: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.TRANSFER_BUDGET_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.TRANSFER_STALLED: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 
@@ -239,6 +243,20 @@ class NonFiniteLogits(ExecutorError):
     reason = Reason.NON_FINITE_LOGITS
 
 
+class TransferBudgetExhausted(ExecutorError):
+    """An import would buffer more KV than the server's in-flight transfer budget
+    (``--transfer-budget-mb``) leaves while other imports are streaming."""
+
+    reason = Reason.TRANSFER_BUDGET_EXHAUSTED
+
+
+class TransferStalled(ExecutorError):
+    """An import stream sent nothing for longer than the server's limit
+    (``--import-idle-timeout``); it was ended and what it buffered freed."""
+
+    reason = Reason.TRANSFER_STALLED
+
+
 class FailoverFailed(ExecutorError):
     """Client side, never on the wire: a replica-set client could not move a sequence
     (or place a new one) onto a healthy replica within its bounds (attempts, seconds).
@@ -289,6 +307,8 @@ ERROR_CLASSES: dict[Reason, type[ExecutorError]] = {
         TicketUsed,
         PushTargetRefused,
         NonFiniteLogits,
+        TransferBudgetExhausted,
+        TransferStalled,
     )
 }
 

@@ -426,3 +426,8 @@ class ExecutorStatus:
     ahead_sequences: int = 0
     ahead_runs_paused: int = 0
     session_bytes_unsent: int = 0
+    # server-wide: imports running, the KV bytes they buffer, the budget for those, pushes running
+    imports_in_flight: int = 0
+    transfer_bytes_in_flight: int = 0
+    transfer_budget_bytes: int = 0
+    pushes_in_flight: int = 0

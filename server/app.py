@@ -97,6 +97,9 @@ class App:
         except asyncio.TimeoutError:
             log.warning("grace period over with %d call(s) in flight", self.servicer.inflight)
         await self._export_grace(self.config.export_grace_s)
+        # Imports still streaming are ended now (DRAINING, their buffers freed): a stalled
+        # one holds the drain no longer than the export grace.
+        self.servicer.end_imports()
         # Calls gRPC core accepted but had not yet handed to us would be CANCELLED
         # by server.stop (grpc/grpc#41785); a short pause lets them in to be refused
         # with DRAINING instead.  It narrows the window; it cannot close it.
@@ -204,13 +207,17 @@ async def build_server(config: ServerConfig) -> App:
     if config.metrics_port is not None:
         from ferrum_rpc.server.metrics import Metrics
 
-        metrics = Metrics(lambda: [w.executor for w in list(servicer.workers.values())])
+        metrics = Metrics(lambda: [w.executor for w in list(servicer.workers.values())],
+                          transfers=lambda: servicer.transfer_figures())
     health = HealthServicer()
     registry = Registry(config.executor, instance_id, health, warmup=config.warmup)
     push = PushConfig(parse_allow(config.push_allow), tls=bool(config.tls_cert), ca=config.push_ca,
-                      cert=config.tls_cert, key=config.tls_key, max_message_bytes=config.executor.max_message_bytes)
+                      cert=config.tls_cert, key=config.tls_key, max_message_bytes=config.executor.max_message_bytes,
+                      timeout_s=config.push_timeout_s)
     servicer = ExecutorServicer(instance_id, tokens, metrics, shared_memory=config.shared_memory_enabled,
-                                admin_tenants=config.admin_tenants, registry=registry, push=push)
+                                admin_tenants=config.admin_tenants, registry=registry, push=push,
+                                transfer_budget_bytes=config.transfer_budget_bytes,
+                                import_idle_s=config.import_idle_timeout_s)
     add_executor_service(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection((SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME), server)

@@ -130,7 +130,7 @@ def _serve_tensor_parallel(args: argparse.Namespace, config) -> int:
 
 
 def _server_config(args: argparse.Namespace, executor):
-    from ferrum_rpc.server.config import ServerConfig
+    from ferrum_rpc.server.config import MIB, ServerConfig
 
     return ServerConfig(models=_model_specs(args.model), executor=executor, host=args.host,
                           port=args.port, grace_s=args.grace, warmup=not args.no_warmup,
@@ -139,7 +139,9 @@ def _server_config(args: argparse.Namespace, executor):
                           metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                           shared_memory=args.shared_memory, port_file=args.port_file,
                           admin_tenants=tuple(t for t in args.admin_tenants.split(",") if t),
-                          push_allow=args.push_allow, push_ca=args.push_ca, export_grace_s=args.export_grace)
+                          push_allow=args.push_allow, push_ca=args.push_ca, export_grace_s=args.export_grace,
+                          transfer_budget_bytes=int(args.transfer_budget_mb * MIB),
+                          import_idle_timeout_s=args.import_idle_timeout, push_timeout_s=args.push_timeout)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:

@@ -178,6 +178,13 @@ class ServerConfig:
     push_allow: str = "loopback"
     push_ca: str = ""
     export_grace_s: float = 0.0  # off by default: a drain ends as soon as in-flight calls do
+    # Bounds on what transfers hold: the KV bytes all imports in flight may buffer at once
+    # (0: the bytes of the largest hosted KV pool, so any sequence that fits a pool can be
+    # imported), how long an import stream may send nothing before it is ended, and the
+    # deadline of a push's call to its receiver when the caller gave PushSequence none.
+    transfer_budget_bytes: int = 0
+    import_idle_timeout_s: float = 30.0
+    push_timeout_s: float = 60.0
 
     @property
     def shared_memory_enabled(self) -> bool:
@@ -192,6 +199,13 @@ class ServerConfig:
             raise StartupError("--tls-client-ca needs --tls-cert and --tls-key")
         if not 0 <= self.export_grace_s <= 300:
             raise StartupError(f"--export-grace must be in 0..=300 seconds, got {self.export_grace_s}")
+        if self.transfer_budget_bytes < 0:
+            raise StartupError(f"--transfer-budget-mb must be 0 (the largest KV pool) or positive, got "
+                               f"{self.transfer_budget_bytes / MIB:g}")
+        if not 0 < self.import_idle_timeout_s <= 3600:
+            raise StartupError(f"--import-idle-timeout must be in (0, 3600] seconds, got {self.import_idle_timeout_s}")
+        if not 0 < self.push_timeout_s <= 3600:
+            raise StartupError(f"--push-timeout must be in (0, 3600] seconds, got {self.push_timeout_s}")
         try:
             parse_allow(self.push_allow)
         except ValueError as exc:

@@ -4,8 +4,9 @@ Per call, counted by the servicer: requests by RPC, status code and tenant;
 latency histograms of the whole call, its queue wait and its forward.  Read
 from the executors at scrape time (no bookkeeping on the hot path): forwards
 by batch size, tokens processed, KV blocks used/free/shared/cached, prefix
-cache queried/hit tokens, sequences alive (per tenant) and expired, and on a
-tensor-parallel server the bytes its LM head gathered (issue 24).
+cache queried/hit tokens, sequences alive (per tenant) and expired, on a
+tensor-parallel server the bytes its LM head gathered (issue 24), and the
+transfers running (imports, the KV bytes they buffer and their budget, pushes).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 class Metrics:
     """The registry of one server process; ``executors`` lists the hosted executors."""
 
-    def __init__(self, executors: Callable[[], Iterable]):
+    def __init__(self, executors: Callable[[], Iterable], transfers: Callable[[], dict] | None = None):
         self.registry = CollectorRegistry()
         labels = ["method", "code", "tenant"]
         self.requests = Counter("ferrum_requests", "RPCs answered, by method, status code and tenant", labels,
@@ -37,6 +38,8 @@ class Metrics:
         self.forward = Histogram("ferrum_forward_seconds", "Forward (model + LM head) time of a call's result",
                                  ["method"], buckets=_SECONDS, registry=self.registry)
         self.registry.register(_ExecutorCollector(executors))
+        if transfers is not None:
+            self.registry.register(_TransferCollector(transfers))
 
     def observe(self, method: str, code: str, tenant: str, seconds: float, timing=None) -> None:
         self.requests.labels(method, code, tenant).inc()
@@ -104,3 +107,21 @@ class _ExecutorCollector:
                 split["lm_head_bytes"].add_metric(model, runner.shard.lm_head_bytes)
                 split["choice_fallback_rows"].add_metric(model, runner.shard.choice_fallback_rows)
         yield from (*gauges.values(), alive, expired, tokens, queried, hits, batches, *split.values())
+
+
+class _TransferCollector:
+    """The server's transfers when scraped (``TransferRpcs.transfer_figures``)."""
+
+    HELP = {
+        "imports_in_flight": "ImportSequence calls running",
+        "transfer_bytes_in_flight": "KV bytes imports in flight buffer",
+        "transfer_budget_bytes": "The most KV bytes imports in flight may buffer (--transfer-budget-mb)",
+        "pushes_in_flight": "PushSequence calls running",
+    }
+
+    def __init__(self, figures: Callable[[], dict]):
+        self.figures = figures
+
+    def collect(self):
+        for name, value in self.figures().items():
+            yield GaugeMetricFamily(f"ferrum_{name}", self.HELP[name], value=value)

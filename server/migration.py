@@ -20,13 +20,41 @@ from pathlib import Path
 import grpc
 
 from ferrum_rpc import convert
-from ferrum_rpc.errors import ExecutorError, FingerprintMismatch, InvalidInput, from_rpc_error
+from ferrum_rpc.errors import (
+    Draining,
+    ExecutorError,
+    FingerprintMismatch,
+    InvalidInput,
+    TransferStalled,
+    from_rpc_error,
+    shown,
+)
 from ferrum_rpc.server import transfer
 from ferrum_rpc.server.config import parse_allow
+from ferrum_rpc.types import ServerState
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+
+# A push's channel to its receiver.  Keepalive as the clients' (ferrum_rpc.client.Keepalive):
+# a receiver that stops answering (frozen, partitioned) is noticed within 2-4 s, and the
+# ferrum-rpc server accepts a ping a second.  A subchannel of its own: gRPC's global pool
+# would keep a subchannel, and its reconnection attempts, alive after the channel closed.
+PUSH_CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.http2.ping_timeout_ms", 2000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.use_local_subchannel_pool", 1),
+]
+# What a caller learns when a push's receiver could not be reached, was no ferrum-rpc
+# server, or did not answer in time: one message for all (the cause is logged here), so
+# pushes cannot tell a closed port from one something else listens on.
+PUSH_FAILED = ("the push did not complete: the target could not be reached, is not a ferrum-rpc server, or "
+               "did not answer in time (the server's log says which)")
 
 
 @dataclass(frozen=True)
@@ -39,6 +67,7 @@ class PushConfig:
         ca: PEM CA bundle the receiver's certificate must chain to ("": the system roots).
         cert, key: this server's certificate and key, shown to receivers that require mTLS.
         max_message_bytes: the channel's message limit.
+        timeout_s: the deadline of the call to the receiver when the caller set none.
     """
 
     allowed: tuple = parse_allow("loopback")
@@ -47,10 +76,13 @@ class PushConfig:
     cert: str = ""
     key: str = ""
     max_message_bytes: int = 256 << 20
+    timeout_s: float = 60.0
 
     def channel(self, address: str, host: str) -> grpc.aio.Channel:
+        """A channel of one push: closed when the push ends."""
         options = [("grpc.max_send_message_length", self.max_message_bytes + (1 << 20)),
-                   ("grpc.max_receive_message_length", self.max_message_bytes + (1 << 20))]
+                   ("grpc.max_receive_message_length", self.max_message_bytes + (1 << 20)),
+                   *PUSH_CHANNEL_OPTIONS]
         if not self.tls:
             return grpc.aio.insecure_channel(address, options=options)
         read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
@@ -58,12 +90,50 @@ class PushConfig:
         return grpc.aio.secure_channel(address, creds, options=options + [("grpc.ssl_target_name_override", host)])
 
 
+class ImportReads:
+    """How one import stream is read: each message waited for at most ``idle_s``
+    (TRANSFER_STALLED past it); :meth:`end` (a drain) ends the stream at its next read,
+    or the one it waits in, with DRAINING."""
+
+    def __init__(self, idle_s: float):
+        self.idle_s = idle_s
+        self.ending = False
+        self._read: asyncio.Future | None = None  # the read waited for now
+
+    async def next(self, messages):
+        """The stream's next message; None once the caller closed it."""
+        if not self.ending:
+            self._read = read = asyncio.ensure_future(anext(messages))
+            try:
+                done, _ = await asyncio.wait((read,), timeout=self.idle_s)
+            finally:  # a timeout, or this call cancelled: the read goes too
+                self._read = None
+                read.cancel()
+            if not done:
+                raise TransferStalled(f"the import stream sent nothing for {self.idle_s:g} s "
+                                      "(--import-idle-timeout): ended, and what it buffered freed")
+            if not read.cancelled():
+                try:
+                    return read.result()
+                except StopAsyncIteration:
+                    return None
+        raise Draining("the server is shutting down: the import was not finished; import it elsewhere")
+
+    def end(self) -> None:
+        self.ending = True
+        if self._read is not None:
+            self._read.cancel()
+
+
 class TransferRpcs:
     """The handlers' bodies; ``servicer.py`` wraps each with its ``_handler``."""
 
     tickets: transfer.TicketBook
     push: PushConfig
-    transfers = 0  # exports and pushes running now (a draining server waits for them: App.drain)
+    budget: transfer.TransferBudget  # what imports in flight buffer
+    import_idle_s: float
+    transfers = 0  # exports, pushes and imports running now (a draining server waits for them: App.drain)
+    pushes = 0  # pushes running now (each with a channel of its own)
 
     @contextlib.contextmanager
     def _transfer(self):
@@ -72,6 +142,33 @@ class TransferRpcs:
             yield
         finally:
             self.transfers -= 1
+
+    def transfer_figures(self) -> dict[str, int]:
+        """GetStatus' and the metrics' view of transfers (server-wide, every model)."""
+        return dict(imports_in_flight=self.budget.imports, transfer_bytes_in_flight=self.budget.buffered,
+                    transfer_budget_bytes=self.budget.limit, pushes_in_flight=self.pushes)
+
+    @contextlib.contextmanager
+    def _importing(self):
+        """An import call: refused while draining, counted, and ended by :meth:`end_imports`.
+        It is not an in-flight call (its caller sets its pace): a drain does not wait
+        for it past the export grace."""
+        if self.state is ServerState.DRAINING:
+            raise Draining("the server is shutting down")
+        reads = ImportReads(self.import_idle_s)
+        self._imports.add(reads)
+        self.budget.imports += 1
+        try:
+            with self._transfer():
+                yield reads
+        finally:
+            self.budget.imports -= 1
+            self._imports.discard(reads)
+
+    def end_imports(self) -> None:
+        """Ends every import still reading its stream (a drain, once its grace is over)."""
+        for reads in list(self._imports):
+            reads.end()
 
     def _chunk_bytes(self, worker, asked: int) -> int:
         limit = worker.executor.config.max_message_bytes
@@ -134,22 +231,30 @@ class TransferRpcs:
 
         presented = transfer.ticket_of(context.invocation_metadata())
         ticket = self.tickets.claimed(presented[0]) if presented else None
-        receiver, worker = None, None
-        async for message in request_iterator:
-            if not isinstance(message, pb.SequenceChunk):  # bytes that did not parse
-                raise InvalidInput(getattr(message, "why", "a malformed SequenceChunk"))
-            if receiver is None:
-                if message.WhichOneof("part") != "header":
-                    raise InvalidInput("an import stream starts with its header")
-                worker, expected = self._import_target(message.header, ticket)
-                self._check_unsplit(worker, "ImportSequence")
-                receiver = transfer.Receiver(worker.executor, expected, tenant)
-            receiver.take(message)
-        if receiver is None:
-            raise transfer.TransferCorrupted("the import stream was empty: truncated")
-        incoming = receiver.done()
-        handle = await worker.create(transfer.install, worker.executor, incoming, tenant,
-                                     deadline=_deadline(context), tenant=tenant)
+        receiver, worker, incoming = None, None, None
+        messages = aiter(request_iterator)
+        with self._importing() as reads:
+            try:
+                while (message := await reads.next(messages)) is not None:
+                    if not isinstance(message, pb.SequenceChunk):  # bytes that did not parse
+                        raise InvalidInput(getattr(message, "why", "a malformed SequenceChunk"))
+                    if receiver is None:
+                        if message.WhichOneof("part") != "header":
+                            raise InvalidInput("an import stream starts with its header")
+                        worker, expected = self._import_target(message.header, ticket)
+                        self._check_unsplit(worker, "ImportSequence")
+                        receiver = transfer.Receiver(worker.executor, expected, self.budget, tenant)
+                    receiver.take(message)
+                if receiver is None:
+                    raise transfer.TransferCorrupted("the import stream was empty: truncated")
+                incoming = receiver.done()
+                handle = await worker.create(transfer.install, worker.executor, incoming, tenant,
+                                             deadline=_deadline(context), tenant=tenant)
+            finally:  # however the call ended: the buffer goes (even while a traceback keeps
+                # this frame) and its bytes leave the budget
+                incoming = None
+                if receiver is not None:
+                    receiver.close()
         return pb.ImportSequenceResponse(kv_cache=convert.handle_to_proto(handle))
 
     async def CreateImportTicket(self, request, context, tenant: str):
@@ -166,7 +271,11 @@ class TransferRpcs:
         ``move`` releases it here once the receiver confirmed (unless a call changed it
         meanwhile: then it stays and ``released`` is false)."""
         with self._transfer():
-            return await self._push(request, context, tenant)
+            self.pushes += 1
+            try:
+                return await self._push(request, context, tenant)
+            finally:
+                self.pushes -= 1
 
     async def _push(self, request, context, tenant: str):
         if not request.ticket:
@@ -184,17 +293,25 @@ class TransferRpcs:
 
         start = time.perf_counter()
         remaining = context.time_remaining()
-        async with self.push.channel(address, host) as channel:
+        timeout = self.push.timeout_s if remaining is None else remaining
+        failed = None
+        async with self.push.channel(address, host) as channel:  # closed when the push ends
             try:
                 reply = await pb_grpc.ModelExecutorStub(channel).ImportSequence(
-                    counted(), timeout=remaining,
+                    counted(), timeout=timeout,
                     metadata=((transfer.TICKET_HEADER, request.ticket), (transfer.TENANT_HEADER, tenant)))
             except grpc.RpcError as exc:
-                err = from_rpc_error(exc)
-                if err.reason is None:  # not the receiver's refusal: it could not be reached, or broke
-                    raise ExecutorError(f"the push to {request.target} failed: {err}",
-                                        code=grpc.StatusCode.ABORTED) from None
-                raise err from None
+                # Raised below, outside this handler: an error raised in it would keep the
+                # gRPC error as its context, and through its traceback the call, which keeps
+                # the closed channel's subchannel reconnecting to the target until the
+                # garbage collector finds the cycle.
+                failed = from_rpc_error(exc)
+        if failed is not None and failed.reason is None:  # no refusal: unreachable, broken or hung
+            log.warning("push of %s to %s (%s) failed after %.1f s: %s", snap.handle.cache_id, shown(request.target),
+                        address, time.perf_counter() - start, failed)
+            raise ExecutorError(PUSH_FAILED, code=grpc.StatusCode.ABORTED)
+        if failed is not None:  # the receiver's refusal, as it gave it
+            raise failed
         released = False
         if request.move:
             released = await worker.call(transfer.release_if_unchanged, worker.executor, snap, tenant)

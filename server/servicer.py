@@ -296,9 +296,12 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
 
     def __init__(self, instance_id: str, tokens: TokenTable | None = None, metrics=None,
                  shared_memory: bool = False, admin_tenants: tuple[str, ...] = (), *, registry: Registry,
-                 push: PushConfig = PushConfig()):
+                 push: PushConfig = PushConfig(), transfer_budget_bytes: int = 0, import_idle_s: float = 30.0):
         self.tickets = transfer.TicketBook()  # import tickets issued here (issue 23)
         self.push = push  # where PushSequence may connect, and how
+        self.budget = transfer.TransferBudget(transfer_budget_bytes, self._largest_pool_bytes)
+        self.import_idle_s = import_idle_s
+        self._imports: set = set()  # the ImportReads of imports running (a drain ends them)
         self.instance_id = instance_id
         self.admin_tenants = frozenset(admin_tenants)
         self.registry = registry  # the models hosted, and how they are loaded and unloaded
@@ -315,6 +318,10 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
         self._idle.set()
         # One thread: big replies are built one at a time, never on the event loop.
         self._reply_builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reply-builder")
+
+    def _largest_pool_bytes(self) -> int:
+        """The default in-flight transfer budget: the largest hosted KV pool's bytes."""
+        return max((w.executor.pool.nbytes for w in list(self.workers.values())), default=0)
 
     @property
     def workers(self) -> dict[str, ModelWorker]:
@@ -528,7 +535,8 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
         status = await worker.call(worker.executor.status, self.state, worker.work_queued, tenant)
         status = dataclasses.replace(status, ahead_sequences=sum(worker.ahead.values()),
                                      ahead_runs_paused=worker.ahead_paused,
-                                     session_bytes_unsent=sum(s.unsent for s in self.sessions))
+                                     session_bytes_unsent=sum(s.unsent for s in self.sessions),
+                                     **self.transfer_figures())
         return convert.status_to_proto(status)
 
     # -- the contract ----------------------------------------------------------------
@@ -696,7 +704,9 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
     # Exports and pushes are answered while draining too: a drained replica's sequences
     # leave by them (see App.drain's export grace).
     ExportSequence = _handler(admit=False)(TransferRpcs.ExportSequence)
-    ImportSequence = _handler(ticketed=True)(TransferRpcs.ImportSequence)
+    # An import admits itself (TransferRpcs._importing): it is refused while draining, but a
+    # drain does not wait for it as for an in-flight call.
+    ImportSequence = _handler(admit=False, ticketed=True)(TransferRpcs.ImportSequence)
     CreateImportTicket = _rpc(TransferRpcs.CreateImportTicket)
     PushSequence = _handler(admit=False)(TransferRpcs.PushSequence)
 
@@ -714,6 +724,7 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
                 reply.models.add(name=model.name, state="loading", path=model.path)
                 continue
             status = await model.worker.call(model.worker.executor.status, self.state, model.worker.work_queued)
+            status = dataclasses.replace(status, **self.transfer_figures())
             reply.models.add(name=model.name, state="serving", path=model.path, is_default=model.is_default,
                              status=convert.status_to_proto(status))
         return reply

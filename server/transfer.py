@@ -28,7 +28,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -42,6 +42,7 @@ from ferrum_rpc.errors import (
     TicketExpired,
     TicketNotFound,
     TicketUsed,
+    TransferBudgetExhausted,
     TransferCorrupted,
     shown,
 )
@@ -177,16 +178,66 @@ class Incoming:
     fingerprint: str
 
 
+class TransferBudget:
+    """The KV bytes imports in flight buffer, per tenant and in all, and how many imports
+    run.  An import reserves its whole buffer when its header arrives (the buffer is
+    allocated then) and gives it back when the call ends, however it ends; a reservation
+    past the tenant's quota or the server's budget is refused and holds nothing.  Used on
+    the event loop; the lock lets a metrics scrape read it from its own thread."""
+
+    def __init__(self, limit_bytes: int, auto_limit: Callable[[], int]):
+        self.limit_bytes = limit_bytes  # 0: auto_limit() (the largest hosted KV pool)
+        self.auto_limit = auto_limit
+        self.buffered = 0
+        self.by_tenant: dict[str, int] = {}
+        self.imports = 0  # import calls running (reserved or not yet)
+        self._lock = threading.Lock()
+
+    @property
+    def limit(self) -> int:
+        return self.limit_bytes or self.auto_limit()
+
+    def reserve(self, tenant: str, nbytes: int, tenant_limit: int, per_token: int) -> None:
+        """Counts ``nbytes`` against ``tenant``'s ``tenant_limit`` (0: none; the quota in
+        KV tokens times ``per_token``) and the server's budget, or refuses it."""
+        with self._lock:
+            held = self.by_tenant.get(tenant, 0)
+            if tenant_limit and held + nbytes > tenant_limit * per_token:
+                raise TenantQuotaExceeded(
+                    f"the import would buffer {nbytes} bytes of KV while your tenant's imports in flight buffer "
+                    f"{held}: over its quota of {tenant_limit} KV tokens ({tenant_limit * per_token} bytes at "
+                    f"{per_token} a token); let them finish first")
+            limit = self.limit
+            if self.buffered + nbytes > limit:
+                raise TransferBudgetExhausted(
+                    f"the import would buffer {nbytes} bytes of KV while imports in flight buffer "
+                    f"{self.buffered}: over this server's in-flight transfer budget of {limit} bytes "
+                    f"(--transfer-budget-mb); retry once they finish")
+            self.buffered += nbytes
+            self.by_tenant[tenant] = held + nbytes
+
+    def release(self, tenant: str, nbytes: int) -> None:
+        with self._lock:
+            self.buffered -= nbytes
+            left = self.by_tenant.pop(tenant) - nbytes
+            if left:
+                self.by_tenant[tenant] = left
+
+
 class Receiver:
     """Checks an import stream message by message against an executor's fixed facts
     (fingerprint, vocabulary, maximum length, pool size, quota); reads no state that
     the worker changes, so it runs on the event loop.  :meth:`done` gives the
-    :class:`Incoming` once the trailer's checksum matched."""
+    :class:`Incoming` once the trailer's checksum matched.  With a ``budget``, the KV
+    buffer is reserved for ``tenant`` before it is allocated; :meth:`close` frees it."""
 
-    def __init__(self, executor, fingerprint_digest_expected: str | None = None, tenant: str = ""):
-        self.executor, self.tenant = executor, tenant  # the tenant the sequence will belong to
+    def __init__(self, executor, fingerprint_digest_expected: str | None = None,
+                 budget: TransferBudget | None = None, tenant: str = ""):
+        self.executor = executor
         self.ours = fingerprint(executor)
         self.expected = fingerprint_digest_expected  # a ticket's: the stream must carry this one
+        self.budget, self.tenant = budget, tenant
+        self.reserved = 0  # bytes this import holds of the budget
         self.header: pb.SequenceHeader | None = None
         self.kv: torch.Tensor | None = None
         self.received = 0  # tokens of KV so far
@@ -231,6 +282,9 @@ class Receiver:
         if len(spans) % 2 or any(not 0 <= a < b <= length for a, b in pairs) or \
                 any(b1 > a2 for (_, b1), (a2, _) in zip(pairs, pairs[1:])):
             raise InvalidInput("prompt_spans must be ordered [start, end) pairs within the sequence")
+        if self.budget is not None:
+            self.budget.reserve(self.tenant, header.kv_bytes, ex.config.tenant_kv_tokens, per_token)
+            self.reserved = header.kv_bytes
         mc = ex.model_config
         self.header = header
         self.kv = torch.empty((2, mc.num_layers, length, mc.num_kv_heads, mc.head_dim), dtype=ex.pool.k.dtype)
@@ -260,6 +314,13 @@ class Receiver:
         spans = list(self.header.prompt_spans)
         self.checked = Incoming(list(self.header.token_ids), list(zip(spans[::2], spans[1::2])), self.kv,
                                 self.header.fingerprint.digest)
+
+    def close(self) -> None:
+        """Drops the buffer and gives its bytes back to the budget (the call ended)."""
+        self.kv = self.checked = None
+        if self.reserved:
+            self.budget.release(self.tenant, self.reserved)
+            self.reserved = 0
 
     def done(self) -> Incoming:
         """The checked stream; TRANSFER_CORRUPTED when it ended before its trailer."""

@@ -122,6 +122,9 @@ CASES = [
     ("port-file-a-folder", lambda d: ["--port-file", str(d / "tokens-folder")], ["--port-file", "tokens-folder"]),
     ("quantize-and-packed", lambda d: ["--quantize", "int8", "--linear-kernel", "onednn-packed"],
      ["--linear-kernel"]),
+    ("bad-transfer-budget", lambda d: ["--transfer-budget-mb", "-1"], ["--transfer-budget-mb"]),
+    ("bad-import-idle-timeout", lambda d: ["--import-idle-timeout", "0"], ["--import-idle-timeout"]),
+    ("bad-push-timeout", lambda d: ["--push-timeout", "0"], ["--push-timeout"]),
     ("unknown-option", lambda d: ["--no-such-option"], ["--no-such-option"]),
 ]
 

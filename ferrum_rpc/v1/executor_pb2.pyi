@@ -368,7 +368,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("state", "server_instance_id", "model", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "active_sequences", "queue_depth", "forwards", "tokens_processed", "uptime_s", "kv_blocks_shared", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "prefix_cache_hit_rate", "sequences_expired", "kv_blocks_cached", "executor_state", "prefill_operations", "decode_operations", "avg_prefill_ms", "avg_decode_ms", "memory_allocated_bytes", "memory_used_bytes", "memory_peak_bytes", "memory_utilization", "tenant_max_sequences", "tenant_kv_tokens", "tenant_ahead_sequences", "ahead_sequences", "ahead_runs_paused", "session_bytes_unsent")
+    __slots__ = ("state", "server_instance_id", "model", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "active_sequences", "queue_depth", "forwards", "tokens_processed", "uptime_s", "kv_blocks_shared", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "prefix_cache_hit_rate", "sequences_expired", "kv_blocks_cached", "executor_state", "prefill_operations", "decode_operations", "avg_prefill_ms", "avg_decode_ms", "memory_allocated_bytes", "memory_used_bytes", "memory_peak_bytes", "memory_utilization", "tenant_max_sequences", "tenant_kv_tokens", "tenant_ahead_sequences", "ahead_sequences", "ahead_runs_paused", "session_bytes_unsent", "imports_in_flight", "transfer_bytes_in_flight", "transfer_budget_bytes", "pushes_in_flight")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[Status.State]
@@ -425,6 +425,10 @@ class Status(_message.Message):
     AHEAD_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     AHEAD_RUNS_PAUSED_FIELD_NUMBER: _ClassVar[int]
     SESSION_BYTES_UNSENT_FIELD_NUMBER: _ClassVar[int]
+    IMPORTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     state: Status.State
     server_instance_id: str
     model: str
@@ -457,7 +461,11 @@ class Status(_message.Message):
     ahead_sequences: int
     ahead_runs_paused: int
     session_bytes_unsent: int
-    def __init__(self, state: _Optional[_Union[Status.State, str]] = ..., server_instance_id: _Optional[str] = ..., model: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., active_sequences: _Optional[int] = ..., queue_depth: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., uptime_s: _Optional[float] = ..., kv_blocks_shared: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., sequences_expired: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., executor_state: _Optional[_Union[Status.ExecutorState, str]] = ..., prefill_operations: _Optional[int] = ..., decode_operations: _Optional[int] = ..., avg_prefill_ms: _Optional[float] = ..., avg_decode_ms: _Optional[float] = ..., memory_allocated_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_peak_bytes: _Optional[int] = ..., memory_utilization: _Optional[float] = ..., tenant_max_sequences: _Optional[int] = ..., tenant_kv_tokens: _Optional[int] = ..., tenant_ahead_sequences: _Optional[int] = ..., ahead_sequences: _Optional[int] = ..., ahead_runs_paused: _Optional[int] = ..., session_bytes_unsent: _Optional[int] = ...) -> None: ...
+    imports_in_flight: int
+    transfer_bytes_in_flight: int
+    transfer_budget_bytes: int
+    pushes_in_flight: int
+    def __init__(self, state: _Optional[_Union[Status.State, str]] = ..., server_instance_id: _Optional[str] = ..., model: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., active_sequences: _Optional[int] = ..., queue_depth: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., uptime_s: _Optional[float] = ..., kv_blocks_shared: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., sequences_expired: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., executor_state: _Optional[_Union[Status.ExecutorState, str]] = ..., prefill_operations: _Optional[int] = ..., decode_operations: _Optional[int] = ..., avg_prefill_ms: _Optional[float] = ..., avg_decode_ms: _Optional[float] = ..., memory_allocated_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_peak_bytes: _Optional[int] = ..., memory_utilization: _Optional[float] = ..., tenant_max_sequences: _Optional[int] = ..., tenant_kv_tokens: _Optional[int] = ..., tenant_ahead_sequences: _Optional[int] = ..., ahead_sequences: _Optional[int] = ..., ahead_runs_paused: _Optional[int] = ..., session_bytes_unsent: _Optional[int] = ..., imports_in_flight: _Optional[int] = ..., transfer_bytes_in_flight: _Optional[int] = ..., transfer_budget_bytes: _Optional[int] = ..., pushes_in_flight: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("model", "token_ids", "kv_cache", "logits", "hidden_states", "token_choice", "request_id")
