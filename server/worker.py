@@ -45,7 +45,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from ferrum_rpc.errors import Cancelled, DeadlineExceeded, Draining, ExecutorError, TenantQuotaExceeded
+from ferrum_rpc.errors import Cancelled, DeadlineExceeded, Draining, ExecutorError, SequenceLimitExceeded, TenantQuotaExceeded
 from ferrum_rpc.server import scheduler
 from ferrum_rpc.server.executor import TorchExecutor, Undo, verify_policy
 from ferrum_rpc.server.prompt import PromptInParts
@@ -183,6 +183,11 @@ class ModelWorker:
             raise TenantQuotaExceeded(
                 f"your tenant has {held} sequences decoding ahead, its cap is {cap} (--tenant-ahead-sequences); "
                 f"this step's {count} would pass it: wait for a run to end or stop one")
+        total, room = sum(self.ahead.values()), self.executor.config.max_batch_size
+        if total + count > room:  # in total too: more than one forward holds would only queue
+            raise SequenceLimitExceeded(
+                f"the server has {total} sequences decoding ahead, its cap is {room} (--max-batch); "
+                f"this step's {count} would pass it: wait for a run to end")
         self.ahead[tenant] = held + count
         try:
             yield

@@ -90,3 +90,23 @@ def test_a_tenant_past_its_decode_ahead_share_is_refused_and_another_is_served(s
         bob.release_cache(tokens.kv_cache)
         for o in outs:
             slow.release_cache(o.kv_cache)
+
+
+def test_sequences_decoding_ahead_are_bounded_in_total_too(tiny_llama_dir):
+    """No tokens (one anonymous caller, no per-tenant share): decode-ahead runs may hold
+    at most --max-batch sequences at once; the next is refused, and served once one ends."""
+    paused_options = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+    choice = TokenChoice(temperature=0.0, top_logprobs=20)
+    with running_server(tiny_llama_dir, max_batch_size=2) as srv, \
+            ExecutorClient(srv.target, timeout=30, channel_options=paused_options) as slow, \
+            ExecutorClient(srv.target, timeout=30) as other:
+        outs = [slow.prefill([5, 6, 7 + n], token_choice=choice) for n in range(3)]
+        with slow.decode_session() as held:
+            first = held.decode_ahead([DecodeInput(o.chosen.token_id, o.kv_cache, choice) for o in outs[:2]], 200)
+            next(iter(first))  # running, and soon paused: nobody reads it
+            with pytest.raises(SequenceLimitExceeded, match=r"2 sequences decoding ahead, its cap is 2 \(--max-batch"):
+                other.decode_ahead(outs[2].chosen.token_id, outs[2].kv_cache, choice, 5)
+            first.stop()
+            first.wait()
+        run = other.decode_ahead(outs[2].chosen.token_id, outs[2].kv_cache, choice, 5)
+        assert len(run.chosen) == 5
