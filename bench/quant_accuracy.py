@@ -39,8 +39,8 @@ from bench import llama_cpp
 from bench.common import log
 from ferrum_rpc.client.generate import load_tokenizer
 from ferrum_rpc.server.config import ExecutorConfig
-from ferrum_rpc.server import qact
-from ferrum_rpc.server.executor import TorchExecutor
+from ferrum_rpc.server.kernels import qact
+from ferrum_rpc.server.engine.executor import TorchExecutor
 from ferrum_rpc.server.prepare import find_gguf, prepare_default_model
 from ferrum_rpc.types import LogitsPolicy
 

@@ -1,4 +1,4 @@
-"""Cost of one token-choice step (server/sampling.py) on B x V float32 rows, side by
+"""Cost of one token-choice step (server/choice/sampling.py) on B x V float32 rows, side by
 side with yardsticks on the same rows: one torch.softmax (a single fused pass), and
 a straightforward vLLM-style step (log_softmax for raw logprobs, softmax of the
 tempered rows, per-row seeded exponential noise, argmax of probs / noise).
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from ferrum_rpc.server.sampling import LogprobsMode, TokenChoice, choose_tokens
+from ferrum_rpc.server.choice.sampling import LogprobsMode, TokenChoice, choose_tokens
 
 
 def _median_ms(fn, repeats: int) -> float:

@@ -9,7 +9,7 @@ its own server process (``--no-warmup``): batch 1 is one 16-token prompt then
 ``--steps`` ARGMAX decodes; batch 32 is one BatchPrefill of 32 prompts then
 ``--steps`` BatchDecode calls.  ``--modes choice`` decodes with a server-side token
 choice instead (seeded, temperature 0.8, top-k 50: each rank's 51 candidates merged,
-no whole rows; see ``server/tp_choice.py``; a top-p would gather whole rows here, as
+no whole rows; see ``server/parallel/choice.py``; a top-p would gather whole rows here, as
 random weights give near-uniform rows whose nucleus is wider than 256 tokens).  The server's own count (logged
 when it stops) divides all-reduce time, LM-head time and the bytes the LM head
 gathered by its forwards, the prefill forward included.  First, a
@@ -112,7 +112,7 @@ def allreduce_micro(world: int = 2, sizes=(8 << 10, 64 << 10, 4 << 20), repeats:
     """gloo all-reduce over loopback between ``world`` processes: seconds per call by size."""
     import multiprocessing
 
-    from ferrum_rpc.server.tp import free_port
+    from ferrum_rpc.server.parallel.tp import free_port
 
     ctx = multiprocessing.get_context("spawn")
     out, port = ctx.Queue(), free_port()

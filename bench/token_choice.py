@@ -48,9 +48,9 @@ from bench.common import log, served, write_results
 from ferrum_rpc.client import ExecutorClient
 from ferrum_rpc.client.sampling import Sampler, SamplingParams
 from ferrum_rpc.server.config import ExecutorConfig
-from ferrum_rpc.server.executor import TorchExecutor
+from ferrum_rpc.server.engine.executor import TorchExecutor
 from ferrum_rpc.server.prepare import prepare_default_model
-from ferrum_rpc.server.worker import ModelWorker
+from ferrum_rpc.server.engine.worker import ModelWorker
 from ferrum_rpc.types import DecodeInput, LogitsPolicy, TokenChoice
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 

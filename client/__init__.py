@@ -1,6 +1,6 @@
 """The typed ferrum-rpc client: caller code reads like an in-process executor.
 
-    from ferrum_rpc.client import ExecutorClient
+    from . import ExecutorClient
     with ExecutorClient("127.0.0.1:50051") as ex:
         out = ex.prefill(token_ids)
         step = ex.decode(next_id, out.kv_cache)
@@ -10,9 +10,9 @@ set: placement by load, handle affinity, failover by replay
 (``ferrum_rpc.client.replicas``); ``connect`` of one target is an ExecutorClient.
 """
 
-from ferrum_rpc.client.ahead import AheadResult
-from ferrum_rpc.client.client import AsyncExecutorClient, ClientTls, ExecutorClient, Keepalive
-from ferrum_rpc.client.replicas import AsyncReplicaSetClient, ReplicaPolicy, ReplicaSetClient, connect, connect_async
+from .ahead import AheadResult
+from .client import AsyncExecutorClient, ClientTls, ExecutorClient, Keepalive
+from .replicas import AsyncReplicaSetClient, ReplicaPolicy, ReplicaSetClient, connect, connect_async
 from ferrum_rpc.errors import (
     CacheNotFound,
     Draining,

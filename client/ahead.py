@@ -18,7 +18,7 @@ from typing import AsyncIterator, Iterable, Iterator
 import grpc
 
 from ferrum_rpc import convert
-from ferrum_rpc.client import rpc as rpcs
+from . import rpc as rpcs
 from ferrum_rpc.errors import ExecutorError, from_rpc_error, from_status_proto
 from ferrum_rpc.types import ChosenToken, DecodeInput, KvCacheHandle, LogitsPolicy, TokenChoice
 from ferrum_rpc.v1 import executor_pb2 as pb

@@ -21,9 +21,9 @@ def targets_of(args: argparse.Namespace) -> str | list[str]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ferrum_rpc.client import connect
-    from ferrum_rpc.client.generate import encode_prompt, generate_ids, load_tokenizer, stream_text
-    from ferrum_rpc.client.sampling import SamplingParams
+    from . import connect
+    from .generate import encode_prompt, generate_ids, load_tokenizer, stream_text
+    from .sampling import SamplingParams
     from ferrum_rpc.paths import default_model_dir
 
     tokenizer = load_tokenizer(args.tokenizer or default_model_dir())
@@ -32,7 +32,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt_ids = encode_prompt(tokenizer, args.prompt, chat=not args.raw)
     tls = None
     if args.tls_ca or args.tls_cert or args.tls_server_name:
-        from ferrum_rpc.client import ClientTls
+        from . import ClientTls
 
         tls = ClientTls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key, server_name=args.tls_server_name)
     token = os.environ.get("FERRUM_RPC_TOKEN") or None
@@ -66,10 +66,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _speculative(args, client, tokenizer, prompt_ids: list[int], stop: set[int]) -> int:
     """Greedy speculative generation, then plain greedy for comparison: same tokens, fewer forwards."""
-    from ferrum_rpc.client import connect
-    from ferrum_rpc.client.generate import generate_ids
-    from ferrum_rpc.client.sampling import SamplingParams
-    from ferrum_rpc.client.speculative import ModelDrafter, NgramDrafter, speculative_generate
+    from . import connect
+    from .generate import generate_ids
+    from .sampling import SamplingParams
+    from .speculative import ModelDrafter, NgramDrafter, speculative_generate
 
     draft_client = connect(targets_of(args), model=args.draft_model, timeout=args.timeout) if args.draft_model else None
     drafter = ModelDrafter(draft_client) if draft_client else NgramDrafter()

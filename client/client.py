@@ -22,8 +22,8 @@ from urllib.parse import urlsplit
 
 import grpc
 
-from ferrum_rpc.client import rpc as rpcs
-from ferrum_rpc.client.ahead import (
+from . import rpc as rpcs
+from .ahead import (
     AheadResult,
     AsyncDecodeAhead,
     DecodeAhead,
@@ -31,8 +31,8 @@ from ferrum_rpc.client.ahead import (
     run_ahead,
     run_ahead_async,
 )
-from ferrum_rpc.client.rpc import INVOKED, STATUS, DecodeItem, Rpc, with_methods
-from ferrum_rpc.client.shm import AsyncSharedMemoryRegion, SharedMemoryRegion
+from .rpc import INVOKED, STATUS, DecodeItem, Rpc, with_methods
+from .shm import AsyncSharedMemoryRegion, SharedMemoryRegion
 from ferrum_rpc.errors import ExecutorError, from_rpc_error, from_status_proto
 from ferrum_rpc.types import DecodeOutput, KvCacheHandle, LogitsPolicy, TokenChoice
 from ferrum_rpc.v1 import executor_pb2 as pb

@@ -26,7 +26,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Generator, Iterable, Mapping, Sequence
 
 if TYPE_CHECKING:
-    from ferrum_rpc.client.replicas import _Replica, _Routing, _Sequence
+    from .replicas import _Replica, _Routing, _Sequence
     from ferrum_rpc.types import KvCacheHandle
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 from ferrum_rpc.types import ExecutorStatus, KvCacheHandle
 
 if TYPE_CHECKING:
-    from ferrum_rpc.client.replicas import ReplicaPolicy
+    from .replicas import ReplicaPolicy
 
 Span = tuple[int, int]
 

@@ -14,9 +14,9 @@ import contextlib
 from pathlib import Path
 from typing import Iterator
 
-from ferrum_rpc.client.client import ExecutorClient
+from .client import ExecutorClient
 from ferrum_rpc.errors import ExecutorError
-from ferrum_rpc.client.sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams
 from ferrum_rpc.types import DecodeInput, TokenChoice
 
 

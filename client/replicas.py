@@ -42,9 +42,9 @@ from typing import Any, Callable, Generator, Iterable, Mapping, Sequence
 
 import grpc
 
-from ferrum_rpc.client.ahead import AheadResult, run_ahead, run_ahead_async
-from ferrum_rpc.client.kv_router import KvRouter
-from ferrum_rpc.client.client import (
+from .ahead import AheadResult, run_ahead, run_ahead_async
+from .kv_router import KvRouter
+from .client import (
     AsyncExecutorClient,
     DEFAULT_KEEPALIVE,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -55,8 +55,8 @@ from ferrum_rpc.client.client import (
     _options,
     resolve_targets,
 )
-from ferrum_rpc.client.disagg import DECODE, PREFILL, Roles
-from ferrum_rpc.client.fleet import (  # noqa: F401  (shrink_spans, replay_pieces: named from here too)
+from .disagg import DECODE, PREFILL, Roles
+from .fleet import (  # noqa: F401  (shrink_spans, replay_pieces: named from here too)
     TrackedSequence,
     _Fleet,
     _key,
@@ -66,7 +66,7 @@ from ferrum_rpc.client.fleet import (  # noqa: F401  (shrink_spans, replay_piece
     shrink_spans,
 )
 from ferrum_rpc import sequence_file
-from ferrum_rpc.client.rpc import RPCS, DecodeItem, Prompt, method, split_prompt, with_methods
+from .rpc import RPCS, DecodeItem, Prompt, method, split_prompt, with_methods
 from ferrum_rpc.errors import ExecutorError, FailoverFailed, KvCapacityExhausted, Reason, StaleHandle
 from ferrum_rpc.types import (
     DecodeInput,

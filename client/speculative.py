@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ferrum_rpc.client.client import ExecutorClient
+from .client import ExecutorClient
 from ferrum_rpc.types import KvCacheHandle, LogitsPolicy, TokenChoice
 
 GREEDY = LogitsPolicy.argmax()

@@ -111,7 +111,7 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 @dataclass(frozen=True)
 class TokenChoice:
     """The executor chooses the next token of a sequence (instead of returning logits
-    only). Defaults are OpenAI's and vLLM's; see ``ferrum_rpc.server.sampling`` for
+    only). Defaults are OpenAI's and vLLM's; see ``ferrum_rpc.server.choice.sampling`` for
     the order of operations and ``validate_token_choice`` for the ranges.
 
     Args:

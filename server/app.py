@@ -24,11 +24,11 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from ferrum_rpc.errors import ExecutorError, StartupError
-from ferrum_rpc.server.auth import AuthInterceptor, TlsFiles, TokenTable
-from ferrum_rpc.server.config import ServerConfig, parse_allow
-from ferrum_rpc.server.migration import PushConfig
-from ferrum_rpc.server.registry import Registry
-from ferrum_rpc.server.servicer import ExecutorServicer, add_executor_service
+from .rpc.auth import AuthInterceptor, TlsFiles, TokenTable
+from .config import ServerConfig, parse_allow
+from .rpc.migration import PushConfig
+from .registry import Registry
+from .rpc.servicer import ExecutorServicer, add_executor_service
 from ferrum_rpc.types import ServerState
 from ferrum_rpc.v1 import executor_pb2 as pb
 
@@ -205,7 +205,7 @@ async def build_server(config: ServerConfig) -> App:
                              interceptors=[AuthInterceptor(tokens)] if tokens else None)
     metrics = None
     if config.metrics_port is not None:
-        from ferrum_rpc.server.metrics import Metrics
+        from .rpc.metrics import Metrics
 
         metrics = Metrics(lambda: [w.executor for w in list(servicer.workers.values())],
                           transfers=lambda: servicer.transfer_figures())
@@ -341,7 +341,7 @@ async def _run(app: App) -> None:
         loop.add_signal_handler(sig, stop.set)
     lost: asyncio.Future = loop.create_future()
     if config.executor.tensor_parallel > 1:
-        from ferrum_rpc.server import tp
+        from .parallel import tp
 
         tp.on_lost(lambda error: loop.call_soon_threadsafe(
             lambda: None if lost.done() else lost.set_result(error)))

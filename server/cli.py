@@ -11,8 +11,8 @@ import sys
 
 
 def _model_specs(values: list[str]):
-    from ferrum_rpc.server.config import ModelSpec
-    from ferrum_rpc.server.prepare import DEFAULT_MODEL_NAME, prepare_default_model
+    from .config import ModelSpec
+    from .prepare import DEFAULT_MODEL_NAME, prepare_default_model
 
     if not values:
         return (ModelSpec(DEFAULT_MODEL_NAME, str(prepare_default_model())),)
@@ -48,8 +48,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     spin = openmp_spin()
     import torch
 
-    from ferrum_rpc.server.app import serve
-    from ferrum_rpc.server.config import MIB, ExecutorConfig, ServerConfig
+    from .app import serve
+    from .config import MIB, ExecutorConfig, ServerConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -85,9 +85,9 @@ def _serve_tensor_parallel(args: argparse.Namespace, config) -> int:
     --tp-master) serves rank 0's plans.  A lost rank exits 3, after the server has
     failed its calls (see ``App.fail_closed``)."""
     from ferrum_rpc.errors import RankLost, StartupError
-    from ferrum_rpc.server import tp
-    from ferrum_rpc.server.app import serve
-    from ferrum_rpc.server.models.config import ModelConfig
+    from .parallel import tp
+    from .app import serve
+    from .models.config import ModelConfig
 
     degree = args.tensor_parallel
     if len(config.models) != 1:
@@ -130,7 +130,7 @@ def _serve_tensor_parallel(args: argparse.Namespace, config) -> int:
 
 
 def _server_config(args: argparse.Namespace, executor):
-    from ferrum_rpc.server.config import MIB, ServerConfig
+    from .config import MIB, ServerConfig
 
     return ServerConfig(models=_model_specs(args.model), executor=executor, host=args.host,
                           port=args.port, grace_s=args.grace, warmup=not args.no_warmup,
@@ -145,7 +145,7 @@ def _server_config(args: argparse.Namespace, executor):
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from ferrum_rpc.server.prepare import prepare_default_model
+    from .prepare import prepare_default_model
 
     sys.stdout.write(f"{prepare_default_model(force=args.force)}\n")
     return 0

@@ -21,9 +21,9 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 
 from ferrum_rpc.errors import Draining, ExecutorError, InvalidInput, ModelLoading, ModelNotFound, shown
-from ferrum_rpc.server.config import ExecutorConfig
-from ferrum_rpc.server.executor import TorchExecutor
-from ferrum_rpc.server.worker import ModelWorker
+from .config import ExecutorConfig
+from .engine.executor import TorchExecutor
+from .engine.worker import ModelWorker
 
 log = logging.getLogger(__name__)
 

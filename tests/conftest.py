@@ -55,7 +55,7 @@ def tiny_q4_llama_dir(tmp_path_factory):
     GGUF: w8a8 rotates these (qact.RotatedQ8Linear), not weights from float."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ferrum_rpc.server import woq
+    from ferrum_rpc.server.kernels import woq
 
     torch.manual_seed(4)
     model = LlamaForCausalLM(LlamaConfig(**TINY)).eval()

@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 from ferrum_rpc.client import ExecutorClient, LogitsPolicy
 from ferrum_rpc.server.config import ExecutorConfig
-from ferrum_rpc.server.executor import TorchExecutor
+from ferrum_rpc.server.engine.executor import TorchExecutor
 from ferrum_rpc.server.models.llama import FastLinear
 from ferrum_rpc.types import ExecutorState
 from tests.conftest import running_server

@@ -170,9 +170,10 @@ def test_quantized_layers_hold_the_gguf_weights_without_loss(default_model_dir, 
     """The embedded GGUF's projections are Q4_1 and its tied head Q8_0: int8 and int4 must reproduce
     the float32 weights (dequantized from them) up to float32 rounding, so quantizing loses nothing;
     w8a8 holds its projections rotated (qact.rotate_codes), every one of them, and still loses nothing."""
-    from ferrum_rpc.server import qact, woq
+    from ferrum_rpc.server.kernels import qact
+    from ferrum_rpc.server.kernels import woq
     from ferrum_rpc.server.config import ExecutorConfig
-    from ferrum_rpc.server.executor import TorchExecutor
+    from ferrum_rpc.server.engine.executor import TorchExecutor
 
     dense = TorchExecutor.from_path("f", default_model_dir, ExecutorConfig(kv_tokens=64, linear_kernel="aten"))
     quant = TorchExecutor.from_path("q", default_model_dir, ExecutorConfig(kv_tokens=64, quantize=quantize))

@@ -19,7 +19,7 @@ from ferrum_rpc.client import ExecutorClient
 from ferrum_rpc.client.kv_router import Gap, PrefixIndex, chain
 from ferrum_rpc.client.replicas import ReplicaPolicy, ReplicaSetClient
 from ferrum_rpc.harness import all_serving
-from ferrum_rpc.server.kv_events import KvEventHub, Stored, Subscriber
+from ferrum_rpc.server.kv.events import KvEventHub, Stored, Subscriber
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 from tests.test_replicas import Replica

@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from ferrum_rpc.client import CacheNotFound, ClientTls, ExecutorClient, LogitsPolicy
 from ferrum_rpc.errors import ExecutorError, SequenceLimitExceeded, TenantQuotaExceeded, Unauthenticated
-from ferrum_rpc.server.auth import TokenTable
+from ferrum_rpc.server.rpc.auth import TokenTable
 from ferrum_rpc.server.config import ServerConfig, is_loopback
 from tests.conftest import running_server
 

@@ -25,8 +25,8 @@ from ferrum_rpc.client import ExecutorClient, LogitsPolicy
 from ferrum_rpc.errors import ExecutorError, Reason
 from ferrum_rpc.harness import ServerProcess, all_serving
 from ferrum_rpc.server.config import ExecutorConfig
-from ferrum_rpc.server.executor import TorchExecutor
-from ferrum_rpc.server.sampling import pack_allowed_tokens, unpack_allowed_tokens
+from ferrum_rpc.server.engine.executor import TorchExecutor
+from ferrum_rpc.server.choice.sampling import pack_allowed_tokens, unpack_allowed_tokens
 from ferrum_rpc.types import DecodeInput, HiddenStatesRequest, LogprobsMode, TokenChoice
 from tests.conftest import oracle_rows
 
@@ -426,7 +426,7 @@ def test_exports_and_imports_are_refused_on_a_split_server(servers):
 def test_ranks_started_apart_join_at_a_rendezvous_address(tiny_llama_dir, oracles):
     """As across machines: each rank its own ``serve`` (rank 1 not a child of rank 0),
     joined at --tp-master; rank 0 serves gRPC, rank 1 exits 0 when rank 0 stops."""
-    from ferrum_rpc.server.tp import free_port
+    from ferrum_rpc.server.parallel.tp import free_port
 
     master = f"127.0.0.1:{free_port()}"
     flags = ["--kv-tokens", "256", "--block-size", "4", "--no-warmup", "--linear-kernel", "aten",

@@ -22,8 +22,8 @@ from ferrum_rpc.client import (
     LogprobsMode,
     TokenChoice,
 )
-from ferrum_rpc.server.kv_manager import BlockManager
-from ferrum_rpc.server.sampling import choose_tokens
+from ferrum_rpc.server.kv.blocks import BlockManager
+from ferrum_rpc.server.choice.sampling import choose_tokens
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 

@@ -1,6 +1,6 @@
 """The server's token choice (issue 22) on the real SmolLM2-135M served by a real
 ``ferrum-rpc serve`` process, and on the tiny model, through real gRPC, against
-oracles that share no code with server/sampling.py:
+oracles that share no code with server/choice/sampling.py:
 
 - greedy with each penalty and with a logit bias equals transformers ``generate``
   on the same weights, 64 tokens, token for token. transformers has a repetition
@@ -43,7 +43,7 @@ from ferrum_rpc import tensor_codec
 from ferrum_rpc.client import DecodeInput, ExecutorClient, LogitsPolicy, LogprobsMode, TokenChoice
 from ferrum_rpc.client.generate import encode_prompt, load_tokenizer
 from ferrum_rpc.harness import ServerProcess
-from ferrum_rpc.server.sampling import pack_allowed_tokens, unpack_allowed_tokens
+from ferrum_rpc.server.choice.sampling import pack_allowed_tokens, unpack_allowed_tokens
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 from tests.conftest import oracle_rows

@@ -208,7 +208,7 @@ def test_speculative_bad_temperatures_change_nothing(ex, temperature):
 
 def test_a_failure_after_the_speculative_forward_rolls_back(ex, monkeypatch):
     """Fault injection: the acceptance step raises after the forward wrote the drafts' KV."""
-    from ferrum_rpc.server import speculative
+    from ferrum_rpc.server.choice import speculative
 
     def broken(*args):
         raise RuntimeError("injected failure after the forward")

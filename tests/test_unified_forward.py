@@ -15,8 +15,8 @@ import torch
 
 from ferrum_rpc.client import ExecutorClient, KvCapacityExhausted, LogitsPolicy
 from ferrum_rpc.server.config import ExecutorConfig
-from ferrum_rpc.server.executor import TorchExecutor, verify_policy
-from ferrum_rpc.server.worker import ModelWorker
+from ferrum_rpc.server.engine.executor import TorchExecutor, verify_policy
+from ferrum_rpc.server.engine.worker import ModelWorker
 from ferrum_rpc.types import DecodeInput
 from tests.conftest import executor_snapshot as snapshot
 from tests.conftest import oracle_rows as oracle

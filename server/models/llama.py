@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ferrum_rpc.server.kv_cache import RaggedBatch
-from ferrum_rpc.server.models.config import ModelConfig
+from ..kv.pool import RaggedBatch
+from .config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -318,7 +318,7 @@ class LlamaForCausalLM(nn.Module):
         if weight.dtype == torch.bfloat16:
             _replace_linears(self, "always")
         elif weight.dtype == torch.float32:
-            from ferrum_rpc.server.kernels import packed_float32_wins_at_one_row
+            from ..kernels.select import packed_float32_wins_at_one_row
 
             wins, timing = packed_float32_wins_at_one_row()
             log.info("float32 linears: packed for %s (%s)", "every row count" if wins else "batches", timing)
@@ -355,8 +355,8 @@ class LlamaForCausalLM(nn.Module):
         are passed negated, with their activation digits) or float32 linears on
         ``linear_rows`` (bits 32: forwards of up to ``layer_ops_rows`` rows; float32 or,
         all of them, bfloat16: ``layer_ops_dtype``); else None (the per-op path runs)."""
-        from ferrum_rpc.server.qact import QACT, UNIT
-        from ferrum_rpc.server.woq import WOQ, QuantizedLinear
+        from ..kernels.qact import QACT, UNIT
+        from ..kernels.woq import WOQ, QuantizedLinear
 
         args, rows, dtypes = [], [], set()
         for layer in self.model.layers:

@@ -14,13 +14,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ferrum_rpc.server import qact, woq
-from ferrum_rpc.server.fused import choose_step_ops
-from ferrum_rpc.server.kernels import ATEN, ONEDNN_PACKED, KernelChoice, choose_linear, cpu_capability
-from ferrum_rpc.server.models.config import ModelConfig
-from ferrum_rpc.server.models.llama import LINEAR_ROWS, LlamaForCausalLM
-from ferrum_rpc.server.models.qwen3 import Qwen3ForCausalLM
-from ferrum_rpc.server.models.qwen3_moe import Qwen3MoeForCausalLM, fuse_expert_weights
+from ..kernels import qact
+from ..kernels import woq
+from ..kernels.fused import choose_step_ops
+from ..kernels.select import ATEN, ONEDNN_PACKED, KernelChoice, choose_linear, cpu_capability
+from .config import ModelConfig
+from .llama import LINEAR_ROWS, LlamaForCausalLM
+from .qwen3 import Qwen3ForCausalLM
+from .qwen3_moe import Qwen3MoeForCausalLM, fuse_expert_weights
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     or quantizes them (``woq.py``); the choice is kept as ``model.kernels``.
 
     ``tp``: (rank, degree) of a tensor-parallel group: only this rank's shard is read
-    and built (see ``server/tp.py``); ``model.tp`` is then its ``Shard``."""
+    and built (see ``server/parallel/tp.py``); ``model.tp`` is then its ``Shard``."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     files = sorted(path.glob("*.safetensors"))
@@ -59,7 +60,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     start = time.perf_counter()
     shard = None
     if tp is not None:
-        from ferrum_rpc.server.tp import Shard, check_divisible
+        from ..parallel.tp import Shard, check_divisible
 
         check_divisible(cfg, tp[1])
         shard = Shard(tp[0], tp[1], cfg)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ferrum_rpc.server.models.config import ModelConfig
-from ferrum_rpc.server.models.llama import Attention, DecoderLayer, LlamaForCausalLM, RMSNorm
+from .config import ModelConfig
+from .llama import Attention, DecoderLayer, LlamaForCausalLM, RMSNorm
 
 
 class Qwen3Attention(Attention):

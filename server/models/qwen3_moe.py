@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ferrum_rpc.server.models.config import ModelConfig
-from ferrum_rpc.server.models.llama import MLP, LlamaForCausalLM
-from ferrum_rpc.server.models.qwen3 import Qwen3DecoderLayer
+from .config import ModelConfig
+from .llama import MLP, LlamaForCausalLM
+from .qwen3 import Qwen3DecoderLayer
 
 
 class Experts(nn.Module):

@@ -10,7 +10,7 @@ import pytest
 
 from ferrum_rpc.errors import KvCapacityExhausted
 from ferrum_rpc.server.config import ExecutorConfig
-from ferrum_rpc.server.executor import TorchExecutor, verify_policy
+from ferrum_rpc.server.engine.executor import TorchExecutor, verify_policy
 from ferrum_rpc.types import DecodeInput, LogitsPolicy
 from tests.conftest import executor_snapshot as snapshot
 from tests.conftest import oracle_rows

@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ferrum_rpc.server import fused, woq
-from ferrum_rpc.server.fused import attention_error, choose_step_ops
+from ferrum_rpc.server.kernels import fused
+from ferrum_rpc.server.kernels import woq
+from ferrum_rpc.server.kernels.fused import attention_error, choose_step_ops
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -130,7 +131,7 @@ def test_linear_rows_refuses_what_it_does_not_run(ops):
 
 
 def test_paged_attention_refuses_out_of_range_slots_and_blocks(ops):
-    from ferrum_rpc.server.kv_cache import KvPool
+    from ferrum_rpc.server.kv.pool import KvPool
     from ferrum_rpc.server.models.llama import rope_tables
     from types import SimpleNamespace
 
@@ -168,7 +169,7 @@ def test_whole_layer_op_equals_the_per_op_path(tiny_llama_dir, tiny_qwen3_dir, t
     each decode-sized layer as one op (decode_layer); it must give what the per-op fused
     path gives."""
     from ferrum_rpc.server.config import ExecutorConfig
-    from ferrum_rpc.server.executor import TorchExecutor
+    from ferrum_rpc.server.engine.executor import TorchExecutor
     from ferrum_rpc.types import LogitsPolicy
 
     model_dir = {"llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir, "llama-q4": tiny_q4_llama_dir}[arch]
@@ -237,7 +238,7 @@ def test_decode_stack_in_one_region_equals_decode_layer_per_layer(tiny_llama_dir
     must be the same bits, on every inner-loop path, for layers [first, last) too,
     and 5 rows (past the region: decode_layer per layer inside)."""
     from ferrum_rpc.server.config import ExecutorConfig
-    from ferrum_rpc.server.executor import TorchExecutor
+    from ferrum_rpc.server.engine.executor import TorchExecutor
 
     model_dir = {"llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir, "llama-q4": tiny_q4_llama_dir}[arch]
     model = TorchExecutor.from_path("tiny", model_dir, ExecutorConfig(kv_tokens=64, quantize=quantize)).model

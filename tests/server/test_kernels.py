@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ferrum_rpc.client import ExecutorClient
-from ferrum_rpc.server.kernels import ATEN, ONEDNN_PACKED, choose_linear, cpu_capability, probe_onednn_packed
+from ferrum_rpc.server.kernels.select import ATEN, ONEDNN_PACKED, choose_linear, cpu_capability, probe_onednn_packed
 from tests.conftest import running_server
 
 CPU = torch.device("cpu")
@@ -63,7 +63,7 @@ _AVX2_ONLY_SCRIPT = textwrap.dedent("""
     import json, sys
     import torch
     from ferrum_rpc.client import ExecutorClient, LogitsPolicy
-    from ferrum_rpc.server.kernels import choose_linear
+    from ferrum_rpc.server.kernels.select import choose_linear
     from tests.conftest import running_server
 
     model_dir, kernel = sys.argv[1], sys.argv[2]
@@ -108,7 +108,7 @@ def test_the_float32_one_row_choice_is_timed_once_per_host(tmp_path, monkeypatch
     """Servers of one configuration on one host must compute the same bits (a moved
     sequence decodes bit-identically); two servers timing at once once chose
     differently, so the first timing is kept on disk and every later load reads it."""
-    from ferrum_rpc.server import kernels
+    from ferrum_rpc.server.kernels import select as kernels
 
     if not probe_onednn_packed(torch.float32)[0]:
         pytest.skip("no oneDNN packed float32 linear here")
@@ -120,7 +120,7 @@ def test_the_float32_one_row_choice_is_timed_once_per_host(tmp_path, monkeypatch
         assert json.loads(saved.read_text())["wins"] == wins and why.startswith("one row: oneDNN packed")
         # another process reads the same answer, even one the timing would contradict
         saved.write_text(json.dumps({"wins": not wins, "timing": "forged"}))
-        code = ("from ferrum_rpc.server import kernels; "
+        code = ("from ferrum_rpc.server.kernels import select as kernels; "
                 "print(kernels.packed_float32_wins_at_one_row())")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env={**os.environ, "FERRUM_RPC_HOME": str(tmp_path)}).stdout

@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from ferrum_rpc.errors import CacheExpired, CacheNotFound, KvCapacityExhausted, Reason
-from ferrum_rpc.server.kv_manager import BlockManager, SequenceState, WritePlan
+from ferrum_rpc.server.kv.blocks import BlockManager, SequenceState, WritePlan
 
 GARBAGE = -1  # what a failed forward may leave in the slots it was given
 
@@ -141,7 +141,7 @@ def append(m: BlockManager, seq: SequenceState, tokens: list[int]) -> WritePlan:
 # -- basics --------------------------------------------------------------------------
 def test_module_does_not_import_torch():
     code = (
-        "import sys; import ferrum_rpc.server.kv_manager; "
+        "import sys; import ferrum_rpc.server.kv.blocks; "
         "assert 'torch' not in sys.modules, 'kv_manager pulled in torch'"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ferrum_rpc.client import ExecutorClient, LogitsPolicy
-from ferrum_rpc.server import qact
+from ferrum_rpc.server.kernels import qact
 from ferrum_rpc.server.config import ExecutorConfig
 from tests.conftest import running_server
 from tests.server.test_woq import _gguf_blocks, _oracle_with_our_weights
@@ -180,7 +180,7 @@ def test_block_linear_refuses_two_rotated_digits(extension):
 
 
 def test_w8a8_layers_rotate_and_its_lm_head_takes_two_digits(tiny_q4_llama_dir, tiny_llama_dir):
-    from ferrum_rpc.server.executor import TorchExecutor
+    from ferrum_rpc.server.engine.executor import TorchExecutor
 
     ex = TorchExecutor.from_path("q4", tiny_q4_llama_dir, ExecutorConfig(quantize="w8a8", kv_tokens=64))
     layers = [m for m in ex.model.modules() if isinstance(m, qact.BlockQ8Linear)]

@@ -1,4 +1,4 @@
-"""server/sampling.py against transformers as the oracle: the distribution each row
+"""server/choice/sampling.py against transformers as the oracle: the distribution each row
 is drawn from (temperature, top-k, top-p, min-p warpers; repetition penalty and
 sequence bias processors), OpenAI's presence/frequency formula computed here,
 draws whose frequencies pass a chi-square test, draws that depend on (seed,
@@ -27,7 +27,7 @@ from transformers.generation.logits_process import (
 )
 
 from ferrum_rpc.errors import InvalidInput
-from ferrum_rpc.server.sampling import (
+from ferrum_rpc.server.choice.sampling import (
     LogprobsMode,
     accept_drafts,
     TokenChoice,
@@ -466,7 +466,7 @@ def test_good_policies_pass():
 def test_row_max_is_torch_max_with_its_ties_and_nans():
     """row_max (numpy's argmax on the CPU) gives what x.max(-1, keepdim=True) gives:
     the first index of a tied maximum, a NaN as the largest (its first index)."""
-    from ferrum_rpc.server.sampling import row_max
+    from ferrum_rpc.server.choice.sampling import row_max
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(6, 1000, generator=gen)

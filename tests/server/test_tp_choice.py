@@ -1,4 +1,4 @@
-"""Token choice across vocabulary slices (``server/tp_choice.py``) on real gloo process
+"""Token choice across vocabulary slices (``server/parallel/choice.py``) on real gloo process
 groups, against ``sampling.choose_tokens`` on the whole rows: the corners the tiny
 degree-2 servers of tests/test_tensor_parallel.py do not reach (uneven slices, degree
 3, the two-level draw of a vocabulary above 2048, a mask that leaves one rank no
@@ -10,9 +10,9 @@ import multiprocessing
 
 import torch
 
-from ferrum_rpc.server.sampling import choose_tokens, pack_allowed_tokens
-from ferrum_rpc.server.tp import free_port
-from ferrum_rpc.server.tp_choice import RowRequest
+from ferrum_rpc.server.choice.sampling import choose_tokens, pack_allowed_tokens
+from ferrum_rpc.server.parallel.tp import free_port
+from ferrum_rpc.server.parallel.choice import RowRequest
 from ferrum_rpc.types import LogprobsMode, TokenChoice
 
 ROWS = 10
@@ -50,7 +50,7 @@ def _rank(rank: int, port: int, out) -> None:
     import torch.distributed as dist
 
     from ferrum_rpc.server.models.config import ModelConfig
-    from ferrum_rpc.server.tp import Shard
+    from ferrum_rpc.server.parallel.tp import Shard
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=DEGREE)

@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from ferrum_rpc.client import ExecutorClient, LogitsPolicy
-from ferrum_rpc.server import qact, woq
+from ferrum_rpc.server.kernels import qact
+from ferrum_rpc.server.kernels import woq
 from ferrum_rpc.server.config import ExecutorConfig
-from ferrum_rpc.server.executor import TorchExecutor
+from ferrum_rpc.server.engine.executor import TorchExecutor
 from tests.conftest import TINY, running_server
 
 ATOL = 1e-4

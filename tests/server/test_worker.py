@@ -11,8 +11,8 @@ import pytest
 
 from ferrum_rpc.errors import DeadlineExceeded, Draining
 from ferrum_rpc.server.config import ExecutorConfig
-from ferrum_rpc.server.executor import TorchExecutor
-from ferrum_rpc.server.worker import ModelWorker
+from ferrum_rpc.server.engine.executor import TorchExecutor
+from ferrum_rpc.server.engine.worker import ModelWorker
 from ferrum_rpc.types import LogitsPolicy
 
 

@@ -55,7 +55,7 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-from ferrum_rpc.server.config import QUANTIZATIONS  # noqa: F401  (re-exported)
+from ..config import QUANTIZATIONS  # noqa: F401  (re-exported)
 
 GROUP = 32  # int4 group length along the input dimension (GGUF Q4_1's block)
 WOQ, DEQUANT = "ferrum-woq", "torch-dequant"
@@ -73,7 +73,7 @@ def _compiler() -> str:
 
 
 def _cache_dir() -> Path:
-    from ferrum_rpc.server.prepare import cache_root
+    from ..prepare import cache_root
 
     return cache_root() / "kernels"
 

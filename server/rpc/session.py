@@ -50,9 +50,9 @@ import time
 
 from ferrum_rpc import convert
 from ferrum_rpc.errors import InvalidInput, to_status_proto
-from ferrum_rpc.server.executor import Undo
-from ferrum_rpc.server.ledger import Undelivered
-from ferrum_rpc.server.worker import ModelWorker
+from ..engine.executor import Undo
+from .ledger import Undelivered
+from ..engine.worker import ModelWorker
 from ferrum_rpc.types import DecodeInput
 from ferrum_rpc.v1 import executor_pb2 as pb
 

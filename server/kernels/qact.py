@@ -63,7 +63,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ferrum_rpc.server import woq
+from . import woq
 
 log = logging.getLogger(__name__)
 

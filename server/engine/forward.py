@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ferrum_rpc.server.kv_cache import KvPool, RaggedBatch
-from ferrum_rpc.server.kv_manager import SequenceState, WritePlan
+from ..kv.pool import KvPool, RaggedBatch
+from ..kv.blocks import SequenceState, WritePlan
 from ferrum_rpc.types import ChosenToken, TokenChoice
 
 if TYPE_CHECKING:
-    from ferrum_rpc.server.executor import Opened
+    from .executor import Opened
 
 
 class Rows(enum.Enum):

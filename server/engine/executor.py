@@ -38,18 +38,18 @@ from ferrum_rpc.errors import (
     TenantQuotaExceeded,
     shown,
 )
-from ferrum_rpc.server import speculative
-from ferrum_rpc.server.sampling import accept_drafts as choose_drafts
-from ferrum_rpc.server.sampling import choose_tokens, row_max, validate_token_choice
-from ferrum_rpc.server.config import ExecutorConfig, TenantBounds, tenant_bounds
-from ferrum_rpc.server.forward import Rows, Step, forward
-from ferrum_rpc.server.kv_cache import KvPool
-from ferrum_rpc.server.kv_manager import BlockManager, SequenceState
-from ferrum_rpc.server.kv_events import KvEventHub
-from ferrum_rpc.server.models import load_model
-from ferrum_rpc.server.prompt import PromptInParts
-from ferrum_rpc.server.stats import Stats, measure_optimal_batch
-from ferrum_rpc.server.transfer import fingerprint, weights_digest
+from ..choice import speculative
+from ..choice.sampling import accept_drafts as choose_drafts
+from ..choice.sampling import choose_tokens, row_max, validate_token_choice
+from ..config import ExecutorConfig, TenantBounds, tenant_bounds
+from .forward import Rows, Step, forward
+from ..kv.pool import KvPool
+from ..kv.blocks import BlockManager, SequenceState
+from ..kv.events import KvEventHub
+from ..models import load_model
+from .prompt import PromptInParts
+from .stats import Stats, measure_optimal_batch
+from ..kv.transfer import fingerprint, weights_digest
 from ferrum_rpc.types import (
     LOGITS_DTYPES,
     BlockTable,
@@ -169,7 +169,7 @@ class TorchExecutor:
                            mc.head_dim, self.dtype, self.device)
         self.runner = None
         if self.shard is not None:
-            from ferrum_rpc.server import tp
+            from ..parallel import tp
 
             self.runner = tp.Runner(self.shard, self.device)
             tp.send_pool(self.runner, num_blocks, config.block_size)
@@ -198,7 +198,7 @@ class TorchExecutor:
         device = torch.device(config.device)
         tp = None
         if config.tensor_parallel > 1:  # rank 0 of a group that tp.launch_local / tp.join set up
-            from ferrum_rpc.server.tp import CURRENT
+            from ..parallel.tp import CURRENT
 
             group = CURRENT["group"]
             device, tp = group.device(config.device), (group.rank, group.degree)
@@ -497,7 +497,7 @@ class TorchExecutor:
             at += n
 
     def _choice_requests(self, steps: list[Step]) -> list:
-        from ferrum_rpc.server.tp_choice import RowRequest
+        from ..parallel.choice import RowRequest
 
         return [RowRequest.of(row, c, position, prompt, output)
                 for row, _, c, position, prompt, output in self._asking(steps)]

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ferrum_rpc.server.forward import Rows
+from .forward import Rows
 from ferrum_rpc.types import HiddenStatesRequest, LogitsPolicy, PrefillOutput, Timing, TokenChoice
 
 if TYPE_CHECKING:
-    from ferrum_rpc.server.executor import AppendPlan, Opened, TorchExecutor
+    from .executor import AppendPlan, Opened, TorchExecutor
 
 
 class PromptInParts:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 from ferrum_rpc.paths import cache_root
-from ferrum_rpc.server.config import LINEAR_KERNELS
+from ..config import LINEAR_KERNELS
 
 AUTO, ONEDNN_PACKED, ATEN = LINEAR_KERNELS
 _PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}

@@ -45,10 +45,10 @@ import torch
 import torch.distributed as dist
 
 from ferrum_rpc.errors import RankLost, StartupError
-from ferrum_rpc.server.forward import Rows, forward
-from ferrum_rpc.server.models.config import ModelConfig
-from ferrum_rpc.server.sampling import ChosenTokens
-from ferrum_rpc.server.tp_choice import choose_sharded
+from ..engine.forward import Rows, forward
+from ..models.config import ModelConfig
+from ..choice.sampling import ChosenTokens
+from .choice import choose_sharded
 
 log = logging.getLogger(__name__)
 
@@ -495,9 +495,9 @@ def rank_main(group: Group, model_path: str, executor_config, log_level: int = l
 
 
 def serve_rank(group: Group, model_path: str, executor_config) -> None:
-    from ferrum_rpc.server.executor import TORCH_DTYPES
-    from ferrum_rpc.server.kv_cache import KvPool
-    from ferrum_rpc.server.models import load_model
+    from ..engine.executor import TORCH_DTYPES
+    from ..kv.pool import KvPool
+    from ..models import load_model
 
     device = group.device(executor_config.device)
     model = load_model(model_path, TORCH_DTYPES[executor_config.dtype], device, executor_config.linear_kernel,

@@ -19,9 +19,9 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from ferrum_rpc.server import woq
-from ferrum_rpc.server.config import STEP_OPS
-from ferrum_rpc.server.kv_cache import KvPool
+from . import woq
+from ..config import STEP_OPS
+from ..kv.pool import KvPool
 
 AUTO, FUSED, EAGER = STEP_OPS
 _TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -48,7 +48,7 @@ def choose_step_ops(requested: str, dtype: torch.dtype, device: torch.device) ->
 
 def eager_attention(q, k, v, cos_table, sin_table, positions, pool: KvPool, layer: int, kv) -> torch.Tensor:
     """The eager ops the fused attention replaces (models/llama.py): the reference."""
-    from ferrum_rpc.server.models.llama import apply_rope
+    from ..models.llama import apply_rope
 
     B, T, H, D = q.shape
     cos = cos_table[positions].unsqueeze(2).to(q.dtype)
@@ -97,7 +97,7 @@ def attention_error(dtype: torch.dtype, gen: torch.Generator, heads: int = 4, kv
     """Relative error of the fused paged attention against the eager ops, on a
     ragged batch (a 3-token continuation of 5 tokens, a 1-token decode of 9) in
     shuffled, shared-nothing pool blocks, both pools checked after the write."""
-    from ferrum_rpc.server.models.llama import rope_tables
+    from ..models.llama import rope_tables
 
     cfg = SimpleNamespace(head_dim=dim, rope_theta=10000.0, max_position_embeddings=64)
     cos_table, sin_table = rope_tables(cfg, torch.device("cpu"))

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from ferrum_rpc.errors import ExecutorError
-from ferrum_rpc.server.kv_cache import KvPool
+from ..kv.pool import KvPool
 from ferrum_rpc.types import DecodeInput, ExecutorState, ExecutorStatus, LogitsPolicy, MemoryRequirements, ServerState
 
 if TYPE_CHECKING:
-    from ferrum_rpc.server.executor import TorchExecutor
+    from .executor import TorchExecutor
 
 log = logging.getLogger(__name__)
 

@@ -46,9 +46,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ferrum_rpc.errors import Cancelled, DeadlineExceeded, Draining, ExecutorError, SequenceLimitExceeded, TenantQuotaExceeded
-from ferrum_rpc.server import scheduler
-from ferrum_rpc.server.executor import TorchExecutor, Undo, verify_policy
-from ferrum_rpc.server.prompt import PromptInParts
+from . import scheduler
+from .executor import TorchExecutor, Undo, verify_policy
+from .prompt import PromptInParts
 from ferrum_rpc.types import DecodeInput, HiddenStatesRequest, KvCacheHandle, LogitsPolicy, VerifyOutput
 
 log = logging.getLogger(__name__)

@@ -46,7 +46,7 @@ from ferrum_rpc.errors import (
     TransferCorrupted,
     shown,
 )
-from ferrum_rpc.server.auth import TICKET_HEADER  # ImportSequence with a ticket: a push from another server
+from ..rpc.auth import TICKET_HEADER  # ImportSequence with a ticket: a push from another server
 from ferrum_rpc.types import KvCacheHandle
 from ferrum_rpc.v1 import executor_pb2 as pb
 

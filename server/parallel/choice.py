@@ -50,8 +50,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ferrum_rpc.server import sampling
-from ferrum_rpc.server.sampling import ChosenTokens
+from ..choice import sampling
+from ..choice.sampling import ChosenTokens
 from ferrum_rpc.types import LogprobsMode, TokenChoice
 
 Gather = Callable[[torch.Tensor], list[torch.Tensor]]  # all_gather: this rank's (R, C) -> every rank's

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import itertools
 
-from ferrum_rpc.server.executor import Undo
-from ferrum_rpc.server.worker import ModelWorker
+from ..engine.executor import Undo
+from ..engine.worker import ModelWorker
 from ferrum_rpc.types import KvCacheHandle
 
 

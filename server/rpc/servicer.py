@@ -37,14 +37,16 @@ from ferrum_rpc.errors import (
     to_rpc_status,
     shown,
 )
-from ferrum_rpc.server.auth import HANDLER_FACTORIES, TokenTable
-from ferrum_rpc.server import kv_events, session, transfer
-from ferrum_rpc.server.ledger import Undelivered
-from ferrum_rpc.server.executor import Undo
-from ferrum_rpc.server.migration import PushConfig, TransferRpcs
-from ferrum_rpc.server.registry import Registry
-from ferrum_rpc.server.shm import SharedMemoryRegistry
-from ferrum_rpc.server.worker import ModelWorker
+from .auth import HANDLER_FACTORIES, TokenTable
+from ..kv import events as kv_events
+from . import session
+from ..kv import transfer
+from .ledger import Undelivered
+from ..engine.executor import Undo
+from .migration import PushConfig, TransferRpcs
+from ..registry import Registry
+from .shm import SharedMemoryRegistry
+from ..engine.worker import ModelWorker
 from ferrum_rpc.types import (
     ChosenToken,
     DecodeInput,

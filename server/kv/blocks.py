@@ -26,7 +26,7 @@ from types import MappingProxyType
 
 from ferrum_rpc.errors import Cancelled, CacheExpired, CacheNotFound, InvalidInput, KvCapacityExhausted, shown
 from ferrum_rpc.hashing import block_hash, chain_root
-from ferrum_rpc.server.kv_events import KvEventHub, Removed, Stored
+from .events import KvEventHub, Removed, Stored
 
 _EXPIRED_MEMORY = 100_000  # expired ids remembered, to answer CACHE_EXPIRED instead of NOT_FOUND
 RELEASED_NAME_S = 600.0  # how long a request_id released before its sequence existed stays refused

@@ -29,8 +29,8 @@ from ferrum_rpc.errors import (
     from_rpc_error,
     shown,
 )
-from ferrum_rpc.server import transfer
-from ferrum_rpc.server.config import parse_allow
+from ..kv import transfer
+from ..config import parse_allow
 from ferrum_rpc.types import ServerState
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
@@ -183,7 +183,7 @@ class TransferRpcs:
                                 f"heads", code=grpc.StatusCode.UNIMPLEMENTED)
 
     async def _snapshot(self, request, context, tenant: str):
-        from ferrum_rpc.server.servicer import _deadline, _required_handle  # the servicer imports this module
+        from .servicer import _deadline, _required_handle  # the servicer imports this module
 
         worker = self._worker(request.model or request.kv_cache.model)
         self._check_unsplit(worker, "exporting a sequence")
@@ -227,7 +227,7 @@ class TransferRpcs:
     async def ImportSequence(self, request_iterator, context, tenant: str):
         """Every message is checked as it arrives; the sequence is made in one worker job
         after the trailer (nothing is taken before); a cancelled import is undone."""
-        from ferrum_rpc.server.servicer import _deadline
+        from .servicer import _deadline
 
         presented = transfer.ticket_of(context.invocation_metadata())
         ticket = self.tickets.claimed(presented[0]) if presented else None

@@ -1,0 +1,1 @@
+"""Token choice on the executor: validation, the seeded draw, speculative acceptance."""
