@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: setup serve prepare test protos bench clean fuzz-soak
+.PHONY: setup serve prepare test test-fast protos bench clean fuzz-soak
 
 setup: $(STAMP)
 
@@ -27,9 +27,13 @@ serve: prepare
 test: setup
 	$(BIN)/python -m pytest -q --durations=25
 
+# The unit tier alone: no server, no process, no real model (seconds once the kernels are built).
+test-fast: setup
+	$(BIN)/python -m pytest -q tests/unit
+
 # The fuzz suite's soak mode: many more generated requests than CI runs (N=2000 by default).
 fuzz-soak: setup
-	FERRUM_FUZZ_EXAMPLES=$${N:-2000} FERRUM_FUZZ_RANDOM=1 $(BIN)/python -m pytest tests/test_fuzz.py -q -s -p no:cacheprovider
+	FERRUM_FUZZ_EXAMPLES=$${N:-2000} FERRUM_FUZZ_RANDOM=1 $(BIN)/python -m pytest tests/system/test_fuzz.py -q -s -p no:cacheprovider
 
 protos: setup
 	$(BIN)/python -m ferrum_rpc.codegen

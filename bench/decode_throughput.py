@@ -37,7 +37,8 @@ from bench import llama_cpp
 from bench.common import RSS_MB, log, median_of, read_bandwidth_gbs, served, write_results
 from ferrum_rpc.client import ExecutorClient
 from ferrum_rpc.server.config import QUANTIZATIONS, ExecutorConfig
-from ferrum_rpc.server.engine.executor import TORCH_DTYPES, TorchExecutor
+from ferrum_rpc.server.engine.executor import TorchExecutor
+from ferrum_rpc.server.models import TORCH_DTYPES
 from ferrum_rpc.server.prepare import find_gguf, prepare_default_model
 from ferrum_rpc.server.kernels.woq import QuantizedLinear
 from ferrum_rpc.server.engine.worker import ModelWorker

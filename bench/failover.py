@@ -13,7 +13,7 @@ killed replica is restarted on its port before the next run.  Beside it, the sam
 sequence's ordinary decode step and a plain prefill of the history on the
 survivor, so the added latency splits into detection + replay prefill + the step.
 
-Drain (issue 23): the owner gets SIGTERM instead (it serves with --export-grace) and
+Drain: the owner gets SIGTERM instead (it serves with --export-grace) and
 the next Decode is timed from the signal, once with the replica set migrating the
 sequence (the owner pushes its KV to the survivor: nothing recomputed) and once
 replaying it (``ReplicaPolicy(migrate=False)``), with the bytes the push moved.

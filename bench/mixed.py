@@ -10,7 +10,7 @@ comparison.  Each ``--budgets`` value is a server run with that
 (prompt chunks and decode batches alternate in separate forwards), the
 others put decodes and prompt parts in one forward under that budget.
 
-``--disaggregated`` (issue 23) runs the same load on two replicas through a
+``--disaggregated`` runs the same load on two replicas through a
 replica-set client instead, twice: two ordinary replicas (placement by load),
 then one marked for prefill and one for decode (prompts run on the first, each
 decoder's sequence moves to the second before its first step).  Each replica

@@ -1,4 +1,4 @@
-"""Tensor parallelism's cost on this machine (issue 24): decode tokens/s at batch 1
+"""Tensor parallelism's cost on this machine: decode tokens/s at batch 1
 and 32 for degree 1, 2 and 3, with the time each forward spends in the layers'
 all-reduces and in the LM head's reduction, as the server counts them.
 
@@ -112,7 +112,7 @@ def allreduce_micro(world: int = 2, sizes=(8 << 10, 64 << 10, 4 << 20), repeats:
     """gloo all-reduce over loopback between ``world`` processes: seconds per call by size."""
     import multiprocessing
 
-    from ferrum_rpc.server.parallel.tp import free_port
+    from ferrum_rpc.server.parallel.group import free_port
 
     ctx = multiprocessing.get_context("spawn")
     out, port = ctx.Queue(), free_port()

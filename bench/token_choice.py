@@ -1,5 +1,5 @@
 """Server-side token choice against caller-side sampling, side by side in one run
-(issue 22): the default model served in its own process, prompt 32 tokens, 64 new
+: the default model served in its own process, prompt 32 tokens, 64 new
 tokens, batches of 1, 8 and 32, temperature 0.8.
 
 Variants, each a Prefill of the batch's prompts (one BatchPrefill call) then one

@@ -34,6 +34,7 @@ from .ahead import (
 from .rpc import INVOKED, STATUS, DecodeItem, Rpc, with_methods
 from .shm import AsyncSharedMemoryRegion, SharedMemoryRegion
 from ferrum_rpc.errors import ExecutorError, from_rpc_error, from_status_proto
+from ferrum_rpc.metadata import DEADLINE_HEADER
 from ferrum_rpc.types import DecodeOutput, KvCacheHandle, LogitsPolicy, TokenChoice
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
@@ -45,7 +46,6 @@ DEFAULT_MAX_MESSAGE_BYTES = 512 << 20  # above the server's default 256 MiB repl
 # relative timeout: gRPC sends "N seconds from now" and the server counts from when it
 # reads the headers, so a call that sat in a frozen server's socket past its deadline
 # would run with a fresh one on resume.  Optional; relies on synchronized clocks.
-DEADLINE_HEADER = "ferrum-deadline-unix-ns"
 GRPC_DEFAULT_PORT = 443  # what gRPC's dns resolver assumes when a target names no port
 _CLIENT_TIMEOUT = object()  # _invoke: the client's own timeout
 RELEASE_TIMEOUT_S = 5.0  # the release by request_id after a call whose outcome is unknown

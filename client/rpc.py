@@ -100,7 +100,7 @@ def read_region(c, location: pb.SharedMemoryLocation) -> memoryview:
 
 def output(c, cls, reply):
     logits = convert.logits_from_proto(reply.logits, lambda loc: read_region(c, loc)) \
-        if reply.HasField("logits") else None  # unset: a chosen token only (issue 22)
+        if reply.HasField("logits") else None  # unset: a chosen token only
     return cls(logits, convert.handle_from_proto(reply.kv_cache), convert.timing_from_proto(reply.timing))
 
 

@@ -1,4 +1,4 @@
-"""The export byte format (issue 23): an ExportSequence stream's ``SequenceChunk``
+"""The export byte format: an ExportSequence stream's ``SequenceChunk``
 messages one after another, each prefixed with its length as a varint (protobuf's
 "delimited" framing: Java's ``writeDelimitedTo``, C++'s
 ``SerializeDelimitedToOstream``), so any protobuf library reads it back.

@@ -362,13 +362,13 @@ class Capabilities:
     continuous_batching: bool = True
     memory: MemoryRequirements = field(default_factory=MemoryRequirements)
     optimal_batch_size: int = 0
-    token_choice: bool = False  # the server chooses tokens for requests with a TokenChoice (issue 22)
+    token_choice: bool = False  # the server chooses tokens for requests with a TokenChoice
     max_decode_ahead: int = 0  # DecodeSession steps may decode ahead up to this many tokens (0: not served)
-    tensor_parallel_degree: int = 1  # ranks the model is split over (issue 24)
+    tensor_parallel_degree: int = 1  # ranks the model is split over
     tensor_parallel_fallbacks: tuple[str, ...] = ()  # fast paths that cannot run sharded, and what runs
-    accepts_imports: bool = False  # ImportSequence is served (issue 23)
+    accepts_imports: bool = False  # ImportSequence is served
     kv_fingerprint: str = ""  # the KV compatibility fingerprint's digest: exports import where it is equal
-    kv_events: bool = False  # WatchKvEvents is served (prefix caching on; issue 23)
+    kv_events: bool = False  # WatchKvEvents is served (prefix caching on)
 
     def supports_batch_size(self, batch_size: int) -> bool:
         """Whether one forward may carry ``batch_size`` sequences (the trait's check)."""
@@ -383,7 +383,7 @@ class ServerState(enum.Enum):
 
 @dataclass(frozen=True)
 class SequencePush:
-    """What PushSequence did (issue 23): the sequence's handle on the receiver, the bytes
+    """What PushSequence did: the sequence's handle on the receiver, the bytes
     sent, and whether the sender released its copy (a move)."""
 
     kv_cache: KvCacheHandle

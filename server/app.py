@@ -123,7 +123,7 @@ class App:
         return sum(len(w.executor.kv) for w in list(self.registry.workers.values()) if w.executor is not None)
 
     async def _export_grace(self, grace_s: float) -> None:
-        """Keeps answering ExportSequence / PushSequence (issue 23) while live sequences
+        """Keeps answering ExportSequence / PushSequence while live sequences
         remain, for at most ``grace_s`` (``--export-grace``), so their callers move them
         elsewhere instead of recomputing them; ends early once every sequence has left
         and no transfer is running."""
@@ -341,7 +341,7 @@ async def _run(app: App) -> None:
         loop.add_signal_handler(sig, stop.set)
     lost: asyncio.Future = loop.create_future()
     if config.executor.tensor_parallel > 1:
-        from .parallel import tp
+        from .parallel import group as tp
 
         tp.on_lost(lambda error: loop.call_soon_threadsafe(
             lambda: None if lost.done() else lost.set_result(error)))

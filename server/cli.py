@@ -85,8 +85,10 @@ def _serve_tensor_parallel(args: argparse.Namespace, config) -> int:
     --tp-master) serves rank 0's plans.  A lost rank exits 3, after the server has
     failed its calls (see ``App.fail_closed``)."""
     from ferrum_rpc.errors import RankLost, StartupError
-    from .parallel import tp
     from .app import serve
+    from .parallel import group as tp
+    from .parallel.shard import check_divisible
+    from .rank import rank_main
     from .models.config import ModelConfig
 
     degree = args.tensor_parallel
@@ -94,7 +96,7 @@ def _serve_tensor_parallel(args: argparse.Namespace, config) -> int:
         raise StartupError(f"--tensor-parallel serves one model; {len(config.models)} --model given")
     path = config.models[0].path
     try:
-        tp.check_divisible(ModelConfig.from_dir(path), degree)
+        check_divisible(ModelConfig.from_dir(path), degree)
     except (OSError, ValueError, KeyError) as exc:
         if isinstance(exc, StartupError):
             raise
@@ -112,13 +114,13 @@ def _serve_tensor_parallel(args: argparse.Namespace, config) -> int:
 
         torch.set_num_threads(threads)
     if rank != 0:
-        tp.rank_main(group, path, config.executor, logging.getLogger().level, threads=threads)
+        rank_main(group, path, config.executor, logging.getLogger().level, threads=threads)
         return 0  # rank_main exits the process itself
     if master:
         tp.join(group, config.executor.device)
         tp.start_remote_watchdog(group)
     else:
-        tp.launch_local(group, path, config.executor, threads)
+        tp.launch_local(group, rank_main, path, config.executor, threads)
     try:
         asyncio.run(serve(config))
     except RankLost as exc:

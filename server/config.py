@@ -84,7 +84,7 @@ class ExecutorConfig:
     tenant_max_sequences: int | None = None  # live sequences; default: half of max_sequences
     tenant_kv_tokens: int | None = None  # KV tokens held; default: half of the pool
     tenant_ahead_sequences: int | None = None  # sequences decoding ahead at once; default: max_batch_size // 4
-    # tensor parallelism (server/parallel/tp.py): ranks the model is split over (1: not split), and
+    # tensor parallelism (server/parallel/): ranks the model is split over (1: not split), and
     # the longest a forward waits for the other ranks before the server fails closed
     tensor_parallel: int = 1
     tensor_parallel_timeout_s: float = 30.0
@@ -172,7 +172,7 @@ class ServerConfig:
     # here as JSON (atomically); rewritten with state "serving" once every model serves,
     # removed when the server exits.  "": none.
     port_file: str = ""
-    # Sequences that move (issue 23): the networks PushSequence may connect to (the caller
+    # Sequences that move: the networks PushSequence may connect to (the caller
     # names the address, so by default only this machine), the CA receivers' TLS
     # certificates chain to, and how long a draining server keeps answering exports.
     push_allow: str = "loopback"

@@ -1,4 +1,4 @@
-"""Decoding ahead (issue 22) through real gRPC: a DecodeSession step with
+"""Decoding ahead through real gRPC: a DecodeSession step with
 ``max_new_tokens`` lets the server choose, append and stream tokens on its own.
 N server-side steps equal N single steps token for token (greedy and seeded, one
 item and a batch of mixed lengths); a stop token ends it; a stop message ends it

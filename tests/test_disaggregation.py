@@ -1,4 +1,4 @@
-"""Disaggregated placement (issue 23) through real server processes on loopback.
+"""Disaggregated placement through real server processes on loopback.
 
 Two replicas marked for prefill, one for decode: prompts run only on the prefill
 replicas (their prefill counters move, the decode replica's does not), every

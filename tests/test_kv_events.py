@@ -1,4 +1,4 @@
-"""KV events for routers (issue 23): WatchKvEvents against the server's own prefix cache,
+"""KV events for routers: WatchKvEvents against the server's own prefix cache,
 tenant scope, snapshots, resyncs, draining, and the replica set's placement by events.
 
 Real server processes on loopback, the tiny model, KV blocks of 4 tokens.  The oracle

@@ -1,4 +1,4 @@
-"""Sequences that move (issue 23), through real server processes on loopback.
+"""Sequences that move, through real server processes on loopback.
 
 Export from A, import into B: the next decode's float32 logits equal A's bit for
 bit, and greedy decoding goes on with the same tokens (forked and truncated

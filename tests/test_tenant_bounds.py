@@ -1,4 +1,4 @@
-"""Per-tenant bounds by default (issue 36): with --auth-tokens and no tenant flags, one
+"""Per-tenant bounds by default: with --auth-tokens and no tenant flags, one
 tenant may hold at most half the live sequences (--max-sequences), half the KV pool and
 a quarter of --max-batch sequences decoding ahead; past each it is refused
 RESOURCE_EXHAUSTED with a message naming the bound and its flag, while another tenant

@@ -1,4 +1,4 @@
-"""Tensor parallelism (issue 24): real ``serve --tensor-parallel N`` processes whose
+"""Tensor parallelism: real ``serve --tensor-parallel N`` processes whose
 ranks are real processes joined by torch.distributed (gloo), driven through real
 gRPC; every row equals transformers on the same weights (float32, 1e-4) and the
 unsplit executor.  A rank that dies or hangs fails the server closed.
@@ -426,7 +426,7 @@ def test_exports_and_imports_are_refused_on_a_split_server(servers):
 def test_ranks_started_apart_join_at_a_rendezvous_address(tiny_llama_dir, oracles):
     """As across machines: each rank its own ``serve`` (rank 1 not a child of rank 0),
     joined at --tp-master; rank 0 serves gRPC, rank 1 exits 0 when rank 0 stops."""
-    from ferrum_rpc.server.parallel.tp import free_port
+    from ferrum_rpc.server.parallel.group import free_port
 
     master = f"127.0.0.1:{free_port()}"
     flags = ["--kv-tokens", "256", "--block-size", "4", "--no-warmup", "--linear-kernel", "aten",

@@ -1,4 +1,4 @@
-"""The server chooses tokens (issue 22) through real gRPC: Prefill, Decode, BatchDecode,
+"""The server chooses tokens through real gRPC: Prefill, Decode, BatchDecode,
 DecodeSession and BatchPrefill with a ``token_choice``; transformers' ``generate`` as
 the oracle for greedy decoding with a repetition penalty and a logit bias; seeded
 sampling independent of the batch; RAW logprobs against the FULL logits; bad

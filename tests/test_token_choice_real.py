@@ -1,4 +1,4 @@
-"""The server's token choice (issue 22) on the real SmolLM2-135M served by a real
+"""The server's token choice on the real SmolLM2-135M served by a real
 ``ferrum-rpc serve`` process, and on the tiny model, through real gRPC, against
 oracles that share no code with server/choice/sampling.py:
 

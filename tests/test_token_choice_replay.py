@@ -1,4 +1,4 @@
-"""``generate`` chooses on the server by default (issue 22), and seeded server-side
+"""``generate`` chooses on the server by default, and seeded server-side
 sampling is reproducible: run after run, across a server restart (a fresh process on
 the same port) and across a replica-set failover (the owner SIGKILLed half-way, the
 sequence replayed on the other replica with its prompt/output split, so presence and

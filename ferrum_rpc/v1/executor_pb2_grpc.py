@@ -330,7 +330,7 @@ class ModelExecutorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ExportSequence(self, request, context):
-        """Sequences that move (issue 23). Reads a sequence out as a stream: one
+        """Sequences that move. Reads a sequence out as a stream: one
         `header` (tokens, length, the compatibility fingerprint), its KV in
         `kv` chunks (the pool's dtype, at most ExportSequenceRequest.chunk_bytes
         each), one `trailer` (a checksum). The sequence is unchanged. The messages
@@ -374,7 +374,7 @@ class ModelExecutorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchKvEvents(self, request, context):
-        """KV events for routers (issue 23): the caller's tenant's prefix-cache blocks
+        """KV events for routers: the caller's tenant's prefix-cache blocks
         as they are stored and removed on this server, so a router knows which
         server holds which prefix (as vLLM's KV events, which llm-d's prefix-aware
         routing reads). The first message is a `hello` (the tenant's hash-chain

@@ -1,5 +1,5 @@
 """The executor chooses the token: one batched, wire-independent step from logits rows
-to chosen tokens (issue 22). Pure torch; the servicer validates with
+to chosen tokens. Pure torch; the servicer validates with
 :func:`validate_token_choice` before any state changes and the executor calls
 :func:`choose_tokens` on the rows the LM head produced.
 

@@ -44,9 +44,9 @@ from ..choice.sampling import choose_tokens, row_max, validate_token_choice
 from ..config import ExecutorConfig, TenantBounds, tenant_bounds
 from .forward import Rows, Step, forward
 from ..kv.pool import KvPool
-from ..kv.blocks import BlockManager, SequenceState
+from ..kv.blocks import BlockManager, SequenceState, Undo
 from ..kv.events import KvEventHub
-from ..models import load_model
+from ..models import TORCH_DTYPES, load_model
 from .prompt import PromptInParts
 from .stats import Stats, measure_optimal_batch
 from ..kv.transfer import fingerprint, weights_digest
@@ -75,32 +75,9 @@ from ferrum_rpc.types import (
 
 log = logging.getLogger(__name__)
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _WIRE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _SCORED_ENTRY_BYTES = 4 + 5  # TOP_K/ARGMAX: a float32 score and a varint token id (<= 5 bytes)
 MAX_ID_BYTES = 128  # longest cache id accepted (ours are 32 hex digits)
-
-
-@dataclass(frozen=True)
-class Undo:
-    """What puts one sequence back as it was before one call: the one undo record.
-
-    The executor makes it where a call changes a sequence (:meth:`of` for a
-    finished call, from the handle the call was given and the one it returned;
-    ``Opened.undo`` for a call in progress); whoever abandons the call (a
-    failure, a caller that went away, a reply never sent) applies it with
-    :meth:`TorchExecutor.undo`.  A sequence already gone is skipped."""
-
-    cache_id: str
-    back_to: int | None  # the length to go back to; None: the call created the sequence, which is released
-    left_at: int | None = None  # the length the call left it at: skipped if something moved it since (None: no check)
-    clock: float | None = None  # its idle clock before the call, put back too (None: left as it is)
-
-    @classmethod
-    def of(cls, before: KvCacheHandle | None, after: KvCacheHandle) -> Undo:
-        """Undoes a finished call given ``before`` (None: the call created the sequence)
-        that returned ``after``."""
-        return cls(after.cache_id, None if before is None else before.sequence_length, after.sequence_length)
 
 
 @dataclass
@@ -158,7 +135,7 @@ class TorchExecutor:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.max_seq_len = min(config.max_seq_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        # tensor parallel (tp.py): this rank's shard of the model and of the pool (its KV heads);
+        # tensor parallel (parallel/): this rank's shard of the model and of the pool (its KV heads);
         # every forward and block copy goes through the runner, which sends it to the other ranks
         self.shard = getattr(model, "tp", None)
         self.kv_heads = mc.num_kv_heads // (self.shard.degree if self.shard else 1)
@@ -169,10 +146,10 @@ class TorchExecutor:
                            mc.head_dim, self.dtype, self.device)
         self.runner = None
         if self.shard is not None:
-            from ..parallel import tp
+            from ..parallel import runner
 
-            self.runner = tp.Runner(self.shard, self.device)
-            tp.send_pool(self.runner, num_blocks, config.block_size)
+            self.runner = runner.Runner(self.shard, self.device, forward)
+            runner.send_pool(self.runner, num_blocks, config.block_size)
         self.stats = Stats(self)
         self.optimal_batch_size = 0  # measured by measure_optimal_batch (the server's warm-up)
         self.weights_digest = ""  # of the model folder's files (transfer.weights_digest): the KV fingerprint
@@ -196,14 +173,15 @@ class TorchExecutor:
     def from_path(cls, name: str, path: str | Path, config: ExecutorConfig,
                   instance_id: str | None = None) -> TorchExecutor:
         device = torch.device(config.device)
-        tp = None
-        if config.tensor_parallel > 1:  # rank 0 of a group that tp.launch_local / tp.join set up
-            from ..parallel.tp import CURRENT
+        shard = None
+        if config.tensor_parallel > 1:  # rank 0 of a group that group.launch_local / group.join set up
+            from ..parallel.group import CURRENT
+            from ..parallel.shard import Shard
 
             group = CURRENT["group"]
-            device, tp = group.device(config.device), (group.rank, group.degree)
+            device, shard = group.device(config.device), Shard.of_model(group.rank, group.degree, path)
         model = load_model(path, TORCH_DTYPES[config.dtype], device, config.linear_kernel, config.quantize,
-                           config.step_ops, tp=tp)
+                           config.step_ops, shard=shard)
         executor = cls(name, model, config, instance_id or uuid.uuid4().hex)
         executor.weights_digest = weights_digest(path)
         return executor
@@ -503,7 +481,7 @@ class TorchExecutor:
                 for row, _, c, position, prompt, output in self._asking(steps)]
 
     def _choose(self, steps: list[Step], logits: torch.Tensor | None, chosen=None) -> None:
-        """Token choice (issue 22): one ``choose_tokens`` over every row of this forward
+        """Token choice: one ``choose_tokens`` over every row of this forward
         that asks for one (see :meth:`_asking`); ``chosen``: already chosen across the
         ranks (tensor parallel), in the same order."""
         asking = list(self._asking(steps))

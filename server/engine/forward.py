@@ -43,7 +43,7 @@ class Step:
     # analysis: decoder layer -> this step's attention weights (H, T, start + T) of the heads asked
     attention: dict[int, torch.Tensor | None] | None = None
     heads: tuple[int, ...] = ()
-    # token choice (issue 22): the policy choosing the token after this step's last row
+    # token choice: the policy choosing the token after this step's last row
     # (a decode, a prompt's final part), and what run() chose
     choice: TokenChoice | None = None
     chosen: ChosenToken | None = None

@@ -47,7 +47,8 @@ from typing import Any, Callable
 
 from ferrum_rpc.errors import Cancelled, DeadlineExceeded, Draining, ExecutorError, SequenceLimitExceeded, TenantQuotaExceeded
 from . import scheduler
-from .executor import TorchExecutor, Undo, verify_policy
+from .executor import TorchExecutor, verify_policy
+from ..kv.blocks import Undo
 from .prompt import PromptInParts
 from ferrum_rpc.types import DecodeInput, HiddenStatesRequest, KvCacheHandle, LogitsPolicy, VerifyOutput
 
@@ -64,8 +65,8 @@ class DecodeWork:
 @dataclass(frozen=True)
 class PromptWork:
     """A prompt, run in parts: its tokens, the sequence it continues (None: a new one),
-    what its reply carries, the hidden states asked for, the token choice after it
-    (issue 22), and whether its tokens count as output for the penalties (ForwardVerify)."""
+    what its reply carries, the hidden states asked for, the token choice after it,
+    and whether its tokens count as output for the penalties (ForwardVerify)."""
     token_ids: list[int]
     kv_cache: KvCacheHandle | None
     policy: LogitsPolicy

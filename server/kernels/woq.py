@@ -56,6 +56,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 from ..config import QUANTIZATIONS  # noqa: F401  (re-exported)
+from ferrum_rpc.paths import cache_root
 
 GROUP = 32  # int4 group length along the input dimension (GGUF Q4_1's block)
 WOQ, DEQUANT = "ferrum-woq", "torch-dequant"
@@ -73,8 +74,6 @@ def _compiler() -> str:
 
 
 def _cache_dir() -> Path:
-    from ..prepare import cache_root
-
     return cache_root() / "kernels"
 
 

@@ -119,6 +119,8 @@ class RaggedBatch:
     linears of 232 tokens, not 33 rows padded to 200.
     """
 
+    ragged = True  # what the model's attention asks of its cache object (it imports no KV type)
+
     def __init__(self, pool: KvPool, groups: list[tuple[list[list[int]], list[int], int]]):
         """``groups``: per group, the block tables and start positions of its
         sequences and the tokens each appends; tokens are laid out group after

@@ -1,4 +1,4 @@
-"""Sequences that move (issue 23): export a sequence as tokens + KV + a compatibility
+"""Sequences that move: export a sequence as tokens + KV + a compatibility
 fingerprint, import such a stream, and the single-use tickets of server-to-server pushes.
 
 An export is a stream of ``SequenceChunk`` messages: one header (tokens, prompt
@@ -46,7 +46,7 @@ from ferrum_rpc.errors import (
     TransferCorrupted,
     shown,
 )
-from ..rpc.auth import TICKET_HEADER  # ImportSequence with a ticket: a push from another server
+from ferrum_rpc.metadata import TENANT_HEADER, TICKET_HEADER
 from ferrum_rpc.types import KvCacheHandle
 from ferrum_rpc.v1 import executor_pb2 as pb
 
@@ -54,7 +54,6 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 DEFAULT_CHUNK_BYTES = 4 << 20  # small enough to interleave with other calls' replies, big enough to amortize
-TENANT_HEADER = "ferrum-import-tenant"  # the tenant the pushing server's caller is (the ticket must be theirs)
 DEFAULT_TICKET_TTL_S = 30.0
 MAX_TICKET_TTL_S = 300.0
 MAX_TICKETS = 10_000  # outstanding tickets kept (the oldest go first)

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kv.pool import RaggedBatch
 from .config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -142,7 +141,7 @@ def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
 
 class Attention(nn.Module):
     has_qk_norm = False
-    gather_heads = None  # tensor parallel: (B, H/N, T, S) weights of this rank's heads -> all heads (tp.py)
+    gather_heads = None  # tensor parallel: (B, H/N, T, S) weights of this rank's heads -> all heads (parallel/shard.py)
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -171,7 +170,7 @@ class Attention(nn.Module):
         return (self.qkv_proj(x),)
 
     def forward(self, x: torch.Tensor, rope: Rope | list[Rope], kv) -> torch.Tensor:
-        if isinstance(kv, RaggedBatch):  # projections over every token at once, attention per group
+        if getattr(kv, "ragged", False):  # a RaggedBatch: projections over every token at once, attention per group
             proj = self.projections(x)  # (1, N, ...) each
             outs = []
             for (group, batch, width, row), group_rope in zip(kv.groups, rope):
@@ -398,7 +397,7 @@ class LlamaForCausalLM(nn.Module):
         embeddings, i the output of layer i, num_layers the normed output) whose
         hidden states are copied into it."""
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
-        if isinstance(kv, RaggedBatch):  # input_ids (1, N): every group's tokens, see RaggedBatch
+        if getattr(kv, "ragged", False):  # input_ids (1, N): every group's tokens, see kv.pool.RaggedBatch
             ropes = [self.rope(group.positions, x.dtype) for group, *_ in kv.groups]
             for layer in self.model.layers:
                 x = layer(x, ropes, kv)

@@ -45,25 +45,21 @@ def _return_freed_memory() -> None:
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
                linear_kernel: str = "auto", quantize: str = "none", step_ops: str = "auto",
-               tp: tuple[int, int] | None = None) -> LlamaForCausalLM:
+               shard=None) -> LlamaForCausalLM:
     """Loads weights onto ``device`` in ``dtype``, computes the RoPE tables, fuses the
     projections and puts them on the linear kernel probed for this CPU (``kernels.py``),
     or quantizes them (``woq.py``); the choice is kept as ``model.kernels``.
 
-    ``tp``: (rank, degree) of a tensor-parallel group: only this rank's shard is read
-    and built (see ``server/parallel/tp.py``); ``model.tp`` is then its ``Shard``."""
+    ``shard``: this rank's place in a tensor-parallel group (``parallel.shard.Shard``):
+    only its slices are read and built, and it installs its collectives on the model
+    (``model.tp`` is then the shard)."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
     start = time.perf_counter()
-    shard = None
-    if tp is not None:
-        from ..parallel.tp import Shard, check_divisible
-
-        check_divisible(cfg, tp[1])
-        shard = Shard(tp[0], tp[1], cfg)
+    if shard is not None:
         if quantize != "none":  # the int8/int4 kernels and the whole-layer decode op assume whole layers
             log.warning("tensor parallel: --quantize %s cannot run sharded; serving %s weights unquantized",
                         quantize, dtype)
@@ -77,7 +73,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
         state["lm_head.weight"] = embed if shard is None else embed[slice(*shard.vocab)].clone()
     with torch.device("meta"):
         model = MODEL_CLASSES[cfg.architecture](cfg if shard is None else shard.local_config())
-        if shard is not None:  # embeddings stay whole on every rank (see tp.py)
+        if shard is not None:  # embeddings stay whole on every rank (see parallel/shard.py)
             model.model.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                                           _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
     model.load_state_dict(state, strict=True, assign=True)

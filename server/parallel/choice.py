@@ -1,4 +1,4 @@
-"""Token choice on a vocabulary-parallel LM head without gathering whole rows (issue 24).
+"""Token choice on a vocabulary-parallel LM head without gathering whole rows.
 
 Each rank holds a contiguous slice [lo, hi) of every logits row.  The steps of
 ``sampling.choose_tokens`` split into elementwise ones, run on each rank's slice

@@ -23,13 +23,13 @@ from pathlib import Path
 import grpc
 
 from ferrum_rpc.errors import StartupError, Unauthenticated, to_rpc_status
+from ferrum_rpc.metadata import TICKET_HEADER
 
 log = logging.getLogger(__name__)
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)  # probes need these without credentials
 # A push from another server carries an import ticket instead of a token (the servicer checks it)
 TICKETED_METHODS = ("/ferrum.executor.v1.ModelExecutor/ImportSequence",)
-TICKET_HEADER = "ferrum-import-ticket"
 _MIN_TOKEN_CHARS = 16
 HANDLER_FACTORIES = {  # gRPC method-handler factories by (request streaming, response streaming)
     (False, False): grpc.unary_unary_rpc_method_handler,

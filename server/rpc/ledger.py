@@ -10,10 +10,13 @@ sequence (see ``session.py``).
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
-from ..engine.executor import Undo
-from ..engine.worker import ModelWorker
 from ferrum_rpc.types import KvCacheHandle
+from ..kv.blocks import Undo
+
+if TYPE_CHECKING:  # handed in by the servicer
+    from ..engine.worker import ModelWorker
 
 
 class Undelivered:

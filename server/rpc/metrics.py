@@ -5,7 +5,7 @@ latency histograms of the whole call, its queue wait and its forward.  Read
 from the executors at scrape time (no bookkeeping on the hot path): forwards
 by batch size, tokens processed, KV blocks used/free/shared/cached, prefix
 cache queried/hit tokens, sequences alive (per tenant) and expired, on a
-tensor-parallel server the bytes its LM head gathered (issue 24), and the
+tensor-parallel server the bytes its LM head gathered, and the
 transfers running (imports, the KV bytes they buffer and their budget, pushes).
 """
 

@@ -1,4 +1,4 @@
-"""The RPCs of sequences that move (issue 23): ExportSequence, ImportSequence,
+"""The RPCs of sequences that move: ExportSequence, ImportSequence,
 CreateImportTicket and PushSequence, mixed into the servicer.
 
 They translate, as every handler does; what a stream holds and how it is checked

@@ -22,11 +22,13 @@ import inspect
 import itertools
 import logging
 import time
+from typing import TYPE_CHECKING
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from ferrum_rpc import convert, hashing, tensor_codec
+from ferrum_rpc.metadata import DEADLINE_HEADER
 from ferrum_rpc.errors import (
     AdminOnly,
     DeadlineExceeded,
@@ -42,9 +44,8 @@ from ..kv import events as kv_events
 from . import session
 from ..kv import transfer
 from .ledger import Undelivered
-from ..engine.executor import Undo
+from ..kv.blocks import Undo
 from .migration import PushConfig, TransferRpcs
-from ..registry import Registry
 from .shm import SharedMemoryRegistry
 from ..engine.worker import ModelWorker
 from ferrum_rpc.types import (
@@ -58,6 +59,9 @@ from ferrum_rpc.types import (
 )
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:  # the app hands the servicer its registry (the process layer above)
+    from ..registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +130,6 @@ def _choice(worker: ModelWorker, message, field: str = "token_choice") -> TokenC
     return choice
 
 
-DEADLINE_HEADER = "ferrum-deadline-unix-ns"  # optional: the caller's absolute deadline (see _deadline)
 
 
 def _deadline(context) -> float | None:
@@ -299,7 +302,7 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
     def __init__(self, instance_id: str, tokens: TokenTable | None = None, metrics=None,
                  shared_memory: bool = False, admin_tenants: tuple[str, ...] = (), *, registry: Registry,
                  push: PushConfig = PushConfig(), transfer_budget_bytes: int = 0, import_idle_s: float = 30.0):
-        self.tickets = transfer.TicketBook()  # import tickets issued here (issue 23)
+        self.tickets = transfer.TicketBook()  # import tickets issued here
         self.push = push  # where PushSequence may connect, and how
         self.budget = transfer.TransferBudget(transfer_budget_bytes, self._largest_pool_bytes)
         self.import_idle_s = import_idle_s
@@ -702,7 +705,7 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
     as_executor_error = staticmethod(_as_executor_error)
 
 
-    # -- sequences that move (issue 23; the bodies are migration.TransferRpcs') ---------
+    # -- sequences that move(the bodies are migration.TransferRpcs') ---------
     # Exports and pushes are answered while draining too: a drained replica's sequences
     # leave by them (see App.drain's export grace).
     ExportSequence = _handler(admit=False)(TransferRpcs.ExportSequence)

@@ -50,7 +50,7 @@ import time
 
 from ferrum_rpc import convert
 from ferrum_rpc.errors import InvalidInput, to_status_proto
-from ..engine.executor import Undo
+from ..kv.blocks import Undo
 from .ledger import Undelivered
 from ..engine.worker import ModelWorker
 from ferrum_rpc.types import DecodeInput

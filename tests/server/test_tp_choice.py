@@ -11,7 +11,7 @@ import multiprocessing
 import torch
 
 from ferrum_rpc.server.choice.sampling import choose_tokens, pack_allowed_tokens
-from ferrum_rpc.server.parallel.tp import free_port
+from ferrum_rpc.server.parallel.group import free_port
 from ferrum_rpc.server.parallel.choice import RowRequest
 from ferrum_rpc.types import LogprobsMode, TokenChoice
 
@@ -50,7 +50,7 @@ def _rank(rank: int, port: int, out) -> None:
     import torch.distributed as dist
 
     from ferrum_rpc.server.models.config import ModelConfig
-    from ferrum_rpc.server.parallel.tp import Shard
+    from ferrum_rpc.server.parallel.shard import Shard
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=DEGREE)
