@@ -8,14 +8,17 @@ drives the calls; everything here is shared by a client's threads under
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from ferrum_rpc.types import ExecutorStatus, KvCacheHandle
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .replicas import ReplicaPolicy

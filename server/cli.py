@@ -49,7 +49,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import torch
 
     from .app import serve
-    from .config import MIB, ExecutorConfig, ServerConfig
+    from .config import MIB, ExecutorConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)

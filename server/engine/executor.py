@@ -47,9 +47,14 @@ from ..kv.pool import KvPool
 from ..kv.blocks import BlockManager, SequenceState, Undo
 from ..kv.events import KvEventHub
 from ..models import TORCH_DTYPES, load_model
+from ..parallel import runner
+from ..parallel.choice import RowRequest
+from ..parallel.group import CURRENT
+from ..parallel.shard import Shard
 from .prompt import PromptInParts
 from .stats import Stats, measure_optimal_batch
-from ..kv.transfer import fingerprint, weights_digest
+from ..kv.transfer import fingerprint
+from ferrum_rpc.hashing import weights_digest
 from ferrum_rpc.types import (
     LOGITS_DTYPES,
     BlockTable,
@@ -146,8 +151,6 @@ class TorchExecutor:
                            mc.head_dim, self.dtype, self.device)
         self.runner = None
         if self.shard is not None:
-            from ..parallel import runner
-
             self.runner = runner.Runner(self.shard, self.device, forward)
             runner.send_pool(self.runner, num_blocks, config.block_size)
         self.stats = Stats(self)
@@ -175,9 +178,6 @@ class TorchExecutor:
         device = torch.device(config.device)
         shard = None
         if config.tensor_parallel > 1:  # rank 0 of a group that group.launch_local / group.join set up
-            from ..parallel.group import CURRENT
-            from ..parallel.shard import Shard
-
             group = CURRENT["group"]
             device, shard = group.device(config.device), Shard.of_model(group.rank, group.degree, path)
         model = load_model(path, TORCH_DTYPES[config.dtype], device, config.linear_kernel, config.quantize,
@@ -475,8 +475,6 @@ class TorchExecutor:
             at += n
 
     def _choice_requests(self, steps: list[Step]) -> list:
-        from ..parallel.choice import RowRequest
-
         return [RowRequest.of(row, c, position, prompt, output)
                 for row, _, c, position, prompt, output in self._asking(steps)]
 

@@ -2,7 +2,7 @@
 
 Pure functions over a snapshot of the queue (the shape of vLLM's
 ``SchedulerOutput``: someone else runs the plan): no torch, no threads, no
-clocks, so the policy is unit-tested on its own (``tests/server/test_scheduler.py``).
+clocks, so the policy is unit-tested on its own (``tests/unit/engine/test_scheduler.py``).
 The model worker (``worker.py``) takes the snapshot under its lock, asks these
 functions, and runs what they chose.
 

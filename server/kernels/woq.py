@@ -53,10 +53,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-log = logging.getLogger(__name__)
-
-from ..config import QUANTIZATIONS  # noqa: F401  (re-exported)
 from ferrum_rpc.paths import cache_root
+from ..config import QUANTIZATIONS  # noqa: F401  (re-exported)
+
+log = logging.getLogger(__name__)
 
 GROUP = 32  # int4 group length along the input dimension (GGUF Q4_1's block)
 WOQ, DEQUANT = "ferrum-woq", "torch-dequant"

@@ -18,7 +18,6 @@ survives a restart, and an export kept as bytes imports into the restarted serve
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import logging
 import secrets
@@ -27,7 +26,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -46,6 +44,7 @@ from ferrum_rpc.errors import (
     TransferCorrupted,
     shown,
 )
+from ferrum_rpc.hashing import stream_hasher, text_digest
 from ferrum_rpc.metadata import TENANT_HEADER, TICKET_HEADER
 from ferrum_rpc.types import KvCacheHandle
 from ferrum_rpc.v1 import executor_pb2 as pb
@@ -60,19 +59,6 @@ MAX_TICKETS = 10_000  # outstanding tickets kept (the oldest go first)
 
 
 # -- the fingerprint ------------------------------------------------------------------------
-
-
-def weights_digest(path: str | Path) -> str:
-    """BLAKE2b-256 (hex) of a model folder's config.json and *.safetensors, in name order
-    (~1 GB/s: half a second for SmolLM2-135M in float32)."""
-    folder = Path(path)
-    files = [folder / "config.json", *sorted(folder.glob("*.safetensors"))]
-    h = hashlib.blake2b(digest_size=32)
-    for f in files:
-        h.update(f.name.encode() + b"\0")
-        with open(f, "rb") as fh:
-            h.update(hashlib.file_digest(fh, lambda: hashlib.blake2b(digest_size=32)).digest())
-    return h.hexdigest()
 
 
 def fingerprint(executor) -> pb.KvFingerprint:
@@ -90,7 +76,7 @@ def fingerprint_digest(fp: pb.KvFingerprint) -> str:
     """BLAKE2b-128 (hex) over the fingerprint's fields (not its own digest)."""
     text = "\n".join(str(v) for v in (fp.weights_digest, fp.dtype, fp.quantization, fp.kv_layout,
                                       fp.block_size, fp.tensor_parallel))
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+    return text_digest(text)
 
 
 def _check_fingerprint(theirs: pb.KvFingerprint, ours: pb.KvFingerprint) -> None:
@@ -148,7 +134,7 @@ def export_messages(snap: Snapshot, chunk_bytes: int = 0) -> Iterator[pb.Sequenc
     kv = snap.kv
     length = kv.shape[2]
     per_token = kv[:, :, :1].numel() * kv.element_size()
-    h = hashlib.blake2b(digest_size=32)
+    h = stream_hasher()
     h.update(snap.fingerprint.digest.encode())
     h.update(b"".join(t.to_bytes(4, "little") for t in snap.tokens))
     yield pb.SequenceChunk(header=pb.SequenceHeader(
@@ -240,7 +226,7 @@ class Receiver:
         self.header: pb.SequenceHeader | None = None
         self.kv: torch.Tensor | None = None
         self.received = 0  # tokens of KV so far
-        self.hash = hashlib.blake2b(digest_size=32)
+        self.hash = stream_hasher()
         self.checked: Incoming | None = None
 
     def take(self, message: pb.SequenceChunk) -> None:

@@ -15,6 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.qact import QACT, UNIT
+from ..kernels.select import packed_float32_wins_at_one_row
+from ..kernels.woq import WOQ, QuantizedLinear
 from .config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -317,8 +320,6 @@ class LlamaForCausalLM(nn.Module):
         if weight.dtype == torch.bfloat16:
             _replace_linears(self, "always")
         elif weight.dtype == torch.float32:
-            from ..kernels.select import packed_float32_wins_at_one_row
-
             wins, timing = packed_float32_wins_at_one_row()
             log.info("float32 linears: packed for %s (%s)", "every row count" if wins else "batches", timing)
             _replace_linears(self, "always" if wins else "batched")
@@ -354,9 +355,6 @@ class LlamaForCausalLM(nn.Module):
         are passed negated, with their activation digits) or float32 linears on
         ``linear_rows`` (bits 32: forwards of up to ``layer_ops_rows`` rows; float32 or,
         all of them, bfloat16: ``layer_ops_dtype``); else None (the per-op path runs)."""
-        from ..kernels.qact import QACT, UNIT
-        from ..kernels.woq import WOQ, QuantizedLinear
-
         args, rows, dtypes = [], [], set()
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp

@@ -67,7 +67,7 @@ class Watchdog(threading.Thread):
     def __init__(self, procs: list, timeout_s: float):
         super().__init__(name="tp-watchdog", daemon=True)
         self.procs, self.timeout_s = procs, timeout_s
-        self.runner: Runner | None = None
+        self.runner = None  # rank 0's runner.Runner, once it has one
 
     def run(self) -> None:
         while LOST.error is None:

@@ -31,6 +31,7 @@ from ferrum_rpc.errors import (
 )
 from ..kv import transfer
 from ..config import parse_allow
+from .edge import deadline_of, required_handle
 from ferrum_rpc.types import ServerState
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
@@ -183,12 +184,10 @@ class TransferRpcs:
                                 f"heads", code=grpc.StatusCode.UNIMPLEMENTED)
 
     async def _snapshot(self, request, context, tenant: str):
-        from .servicer import _deadline, _required_handle  # the servicer imports this module
-
         worker = self._worker(request.model or request.kv_cache.model)
         self._check_unsplit(worker, "exporting a sequence")
-        snap = await worker.call(transfer.snapshot, worker.executor, _required_handle(request), tenant,
-                                 deadline=_deadline(context))
+        snap = await worker.call(transfer.snapshot, worker.executor, required_handle(request), tenant,
+                                 deadline=deadline_of(context))
         return worker, snap
 
     async def ExportSequence(self, request, context, tenant: str):
@@ -227,8 +226,6 @@ class TransferRpcs:
     async def ImportSequence(self, request_iterator, context, tenant: str):
         """Every message is checked as it arrives; the sequence is made in one worker job
         after the trailer (nothing is taken before); a cancelled import is undone."""
-        from .servicer import _deadline
-
         presented = transfer.ticket_of(context.invocation_metadata())
         ticket = self.tickets.claimed(presented[0]) if presented else None
         receiver, worker, incoming = None, None, None
@@ -249,7 +246,7 @@ class TransferRpcs:
                     raise transfer.TransferCorrupted("the import stream was empty: truncated")
                 incoming = receiver.done()
                 handle = await worker.create(transfer.install, worker.executor, incoming, tenant,
-                                             deadline=_deadline(context), tenant=tenant)
+                                             deadline=deadline_of(context), tenant=tenant)
             finally:  # however the call ended: the buffer goes (even while a traceback keeps
                 # this frame) and its bytes leave the budget
                 incoming = None

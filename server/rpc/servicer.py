@@ -28,7 +28,6 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from ferrum_rpc import convert, hashing, tensor_codec
-from ferrum_rpc.metadata import DEADLINE_HEADER
 from ferrum_rpc.errors import (
     AdminOnly,
     DeadlineExceeded,
@@ -46,6 +45,7 @@ from ..kv import transfer
 from .ledger import Undelivered
 from ..kv.blocks import Undo
 from .migration import PushConfig, TransferRpcs
+from .edge import deadline_of, required_handle
 from .shm import SharedMemoryRegistry
 from ..engine.worker import ModelWorker
 from ferrum_rpc.types import (
@@ -132,33 +132,6 @@ def _choice(worker: ModelWorker, message, field: str = "token_choice") -> TokenC
 
 
 
-def _deadline(context) -> float | None:
-    """The caller's deadline on the worker's clock (None: it waits forever).
-
-    The earlier of gRPC's own (a relative timeout, which this server counts from when it
-    read the call's headers) and the absolute one a client may send as
-    ``ferrum-deadline-unix-ns`` (wall-clock ns since the epoch, counted from when the
-    caller sent the call; it relies on the two clocks agreeing, as on loopback).  Without
-    it, a call that sat in the socket of a frozen or stalled server past its deadline
-    would run on resume with a fresh one, after its caller gave up.  A call whose deadline
-    has passed is refused here, before it is queued, and changes nothing (the worker
-    refuses a queued job whose deadline passed, ``_Job.gone``)."""
-    now = time.monotonic()
-    remaining = context.time_remaining()
-    deadline = None if remaining is None else now + remaining
-    for key, value in context.invocation_metadata() or ():
-        if key == DEADLINE_HEADER:
-            try:
-                absolute = now + (int(value) - time.time_ns()) / 1e9
-            except ValueError:  # advisory: an unreadable value is ignored
-                break
-            deadline = absolute if deadline is None else min(deadline, absolute)
-            break
-    if deadline is not None and deadline <= now:
-        raise DeadlineExceeded("the caller's deadline passed before the call was read; nothing was done")
-    return deadline
-
-
 def _payload_bytes(logits) -> int:
     if logits is None:  # a chosen token only
         return 0
@@ -210,12 +183,6 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
 
 
 
-def _required_handle(message) -> KvCacheHandle:
-    if not message.HasField("kv_cache"):
-        raise InvalidInput("kv_cache is required")
-    return convert.handle_from_proto(message.kv_cache)
-
-
 def _handler(*, admit: bool = True, admin: bool = False, observe: bool = True, ticketed: bool = False):
     """The one wrapper around every RPC: a request that did not parse is refused,
     the caller's tenant is found (and passed to the method as its last
@@ -245,13 +212,13 @@ def _handler(*, admit: bool = True, admin: bool = False, observe: bool = True, t
             presented = transfer.ticket_of(context.invocation_metadata()) if ticketed else None
             if presented is not None:
                 if admit:
-                    stack.enter_context(self._admit())
+                    stack.enter_context(self.admit())
                 return stack.enter_context(self.redeemed(*presented)).tenant
             tenant = self._tenant_of(context)
             if admin:
                 self._check_admin(tenant)
             if admit:
-                stack.enter_context(self._admit())
+                stack.enter_context(self.admit())
             return tenant
 
         if inspect.isasyncgenfunction(method):
@@ -266,11 +233,11 @@ def _handler(*, admit: bool = True, admin: bool = False, observe: bool = True, t
                                 await context.write(reply)  # see the docstring
                 except Exception as exc:
                     if observe:
-                        self._observe(method.__name__, tenant, exc, start)
+                        self.observe(method.__name__, tenant, exc, start)
                     await _abort(context, exc)
                 else:
                     if observe:
-                        self._observe(method.__name__, tenant, None, start)
+                        self.observe(method.__name__, tenant, None, start)
             return stream
 
         @functools.wraps(method)
@@ -282,11 +249,11 @@ def _handler(*, admit: bool = True, admin: bool = False, observe: bool = True, t
                     reply = await method(self, request, context, tenant)
             except Exception as exc:
                 if observe:
-                    self._observe(method.__name__, tenant, exc, start)
+                    self.observe(method.__name__, tenant, exc, start)
                 await _abort(context, exc)
             else:
                 if observe:
-                    self._observe(method.__name__, tenant, None, start, getattr(reply, "timing", None))
+                    self.observe(method.__name__, tenant, None, start, getattr(reply, "timing", None))
                 return reply
         return unary
     return wrap
@@ -334,7 +301,7 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
         return self.registry.workers
 
     # -- plumbing --------------------------------------------------------------
-    def _observe(self, method: str, tenant: str, error: Exception | None, start: float, timing=None) -> None:
+    def observe(self, method: str, tenant: str, error: Exception | None, start: float, timing=None) -> None:
         if self.metrics is not None:
             if error is None:
                 code = "OK"
@@ -372,7 +339,7 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
             if s.inflight == 0:
                 s._idle.set()
 
-    def _admit(self) -> ExecutorServicer._Admission:
+    def admit(self) -> ExecutorServicer._Admission:
         return self._Admission(self)
 
     async def wait_idle(self) -> None:
@@ -384,11 +351,11 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
             raise ModelLoading("the model is still loading")
         return self.registry.worker(model)
 
-    def _decode_batch(self, request) -> tuple[ModelWorker, list[DecodeInput], LogitsPolicy]:
+    def decode_batch(self, request) -> tuple[ModelWorker, list[DecodeInput], LogitsPolicy]:
         """BatchDecode / DecodeSession request -> its model's worker, the items and the policy."""
         first = request.items[0].kv_cache.model if request.items else ""
         worker, policy = self._worker(request.model or first), _policy_or_unset(request)
-        items = [DecodeInput(i.token_id, _required_handle(i), _choice(worker, i, f"items[{n}].token_choice"))
+        items = [DecodeInput(i.token_id, required_handle(i), _choice(worker, i, f"items[{n}].token_choice"))
                  for n, i in enumerate(request.items)]
         rows = sum(1 for i in items if policy is not None or i.token_choice is None)  # chosen only: no row
         if request.single_reply and rows:  # every row in one message: it must fit the limit as a whole
@@ -396,7 +363,7 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
         return worker, items, policy
 
     @contextlib.contextmanager
-    def _logits_targets(self, policy: LogitsPolicy, rows: list[int], worker: ModelWorker, tenant: str):
+    def logits_targets(self, policy: LogitsPolicy, rows: list[int], worker: ModelWorker, tenant: str):
         """Where each output's full logits go when ``policy`` names a shared-memory
         region: one ``(region, offset)`` per output, rows packed one after another.
         Everything is checked, and the region pinned, before the call runs: the
@@ -418,7 +385,7 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
         finally:
             region.unpin()
 
-    async def _step_replies(self, cls, fields: dict, outs, received_ns: int, single: bool, targets: list,
+    async def step_replies(self, cls, fields: dict, outs, received_ns: int, single: bool, targets: list,
                             keys: list[int]):
         """A decode step's replies (``cls`` with ``fields``): one message per sequence,
         tagged with its index, or with ``single`` one message whose ``results`` hold all;
@@ -434,7 +401,7 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
                                                            target=targets[index])
 
     @staticmethod
-    def _register_decodes(ledger: Undelivered, worker: ModelWorker, items: list[DecodeInput], outs) -> list[int]:
+    def register_decodes(ledger: Undelivered, worker: ModelWorker, items: list[DecodeInput], outs) -> list[int]:
         """One ledger entry per decoded sequence: back to its length, if nothing moved it since."""
         return [ledger.add(worker, [Undo.of(i.kv_cache, o.kv_cache)]) for i, o in zip(items, outs)]
 
@@ -555,8 +522,8 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
         rows = len(request.token_ids) if policy is not None and policy.all_positions else 1
         hidden = convert.hidden_request_from_proto(request.hidden_states) if request.HasField("hidden_states") \
             else None
-        with self._logits_targets(policy, [rows], worker, tenant) as targets:
-            out = await worker.prefill(list(request.token_ids), handle, policy, _deadline(context), hidden, tenant,
+        with self.logits_targets(policy, [rows], worker, tenant) as targets:
+            out = await worker.prefill(list(request.token_ids), handle, policy, deadline_of(context), hidden, tenant,
                                        choice, name=request.request_id)
             undo = [Undo.of(handle, out.kv_cache)]
             reply = pb.PrefillResponse(cached_tokens=out.cached_tokens)
@@ -570,23 +537,23 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
     async def Decode(self, request, context, tenant: str):
         received = time.perf_counter_ns()
         worker = self._worker(request.model or request.kv_cache.model)
-        item = DecodeInput(request.token_id, _required_handle(request), _choice(worker, request))
+        item = DecodeInput(request.token_id, required_handle(request), _choice(worker, request))
         policy = _policy_or_unset(request)
-        with self._logits_targets(policy, [1], worker, tenant) as targets:
-            (out,) = await worker.decode([item], policy, _deadline(context), tenant)
+        with self.logits_targets(policy, [1], worker, tenant) as targets:
+            (out,) = await worker.decode([item], policy, deadline_of(context), tenant)
             undo = [Undo.of(item.kv_cache, out.kv_cache)]
             return await self._reply(pb.DecodeResponse(), out, received, worker, undo, targets[0])
 
     @_rpc
     async def BatchDecode(self, request, context, tenant: str):
         received = time.perf_counter_ns()
-        worker, items, policy = self._decode_batch(request)
+        worker, items, policy = self.decode_batch(request)
         ledger = Undelivered()
-        with self._logits_targets(policy, [1] * len(items), worker, tenant) as targets:
-            outs = await worker.decode(items, policy, _deadline(context), tenant)
-            keys = self._register_decodes(ledger, worker, items, outs)
+        with self.logits_targets(policy, [1] * len(items), worker, tenant) as targets:
+            outs = await worker.decode(items, policy, deadline_of(context), tenant)
+            keys = self.register_decodes(ledger, worker, items, outs)
             try:
-                async for _, reply in self._step_replies(pb.BatchDecodeResponse, {}, outs, received,
+                async for _, reply in self.step_replies(pb.BatchDecodeResponse, {}, outs, received,
                                                          request.single_reply, targets, keys):
                     yield reply
             except BaseException:  # failed, cancelled or closed before its last reply: nothing stays
@@ -598,10 +565,10 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
     async def ForwardVerify(self, request, context, tenant: str):
         received = time.perf_counter_ns()
         worker = self._worker(request.model or request.kv_cache.model)
-        handle = _required_handle(request)
+        handle = required_handle(request)
         policy = convert.policy_from_proto(request.logits)
-        with self._logits_targets(policy, [len(request.token_ids)], worker, tenant) as targets:
-            out = await worker.verify(list(request.token_ids), handle, policy, _deadline(context), tenant)
+        with self.logits_targets(policy, [len(request.token_ids)], worker, tenant) as targets:
+            out = await worker.verify(list(request.token_ids), handle, policy, deadline_of(context), tenant)
             undo = [Undo.of(handle, out.kv_cache)]
             return await self._reply(pb.ForwardVerifyResponse(), out, received, worker, undo,
                                      targets[0])
@@ -609,8 +576,8 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
     @_rpc
     async def TruncateKv(self, request, context, tenant: str):
         worker = self._worker(request.kv_cache.model)
-        handle = await worker.call(worker.executor.truncate_kv, _required_handle(request),
-                                   request.new_length, tenant, deadline=_deadline(context))
+        handle = await worker.call(worker.executor.truncate_kv, required_handle(request),
+                                   request.new_length, tenant, deadline=deadline_of(context))
         return pb.TruncateKvResponse(kv_cache=convert.handle_to_proto(handle))
 
     @_rpc
@@ -626,23 +593,23 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
     @_rpc
     async def ForkCache(self, request, context, tenant: str):
         worker = self._worker(request.kv_cache.model)
-        children = await worker.fork(_required_handle(request), request.num_children, _deadline(context), tenant)
+        children = await worker.fork(required_handle(request), request.num_children, deadline_of(context), tenant)
         return pb.ForkCacheResponse(children=[convert.handle_to_proto(c) for c in children])
 
     @_rpc
     async def SpeculativeDecode(self, request, context, tenant: str):
         received = time.perf_counter_ns()
         worker = self._worker(request.model or request.kv_cache.model)
-        handle = _required_handle(request)
+        handle = required_handle(request)
         policy = _policy_or_unset(request)
         choice = _choice(worker, request)
-        with self._logits_targets(policy, [1], worker, tenant) as targets:
+        with self.logits_targets(policy, [1], worker, tenant) as targets:
             sampling = None
             if request.HasField("sampling"):
                 m = request.sampling
                 sampling = SpeculativeSampling(m.temperature, m.top_k, m.top_p, m.seed)
             out = await worker.speculative(request.token_id, list(request.draft_token_ids), handle, policy,
-                                           _deadline(context), sampling, tenant, choice)
+                                           deadline_of(context), sampling, tenant, choice)
             reply = pb.SpeculativeDecodeResponse(accepted_token_ids=out.accepted_token_ids,
                                                  next_token_id=out.next_token_id,
                                                  chosen=[convert.chosen_to_proto(c) for c in out.chosen])
@@ -672,8 +639,8 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
         policy = _policy_or_unset(request)
         choices = [_choice(worker, item, f"items[{n}].token_choice") for n, item in enumerate(request.items)]
         rows = [len(i.token_ids) if policy is not None and policy.all_positions else 1 for i in request.items]
-        deadline = _deadline(context)
-        with self._logits_targets(policy, rows, worker, tenant) as targets:
+        deadline = deadline_of(context)
+        with self.logits_targets(policy, rows, worker, tenant) as targets:
             outs = await asyncio.gather(*(worker.prefill(list(item.token_ids), handle, policy, deadline, tenant=tenant,
                                                          choice=choice, name=item.request_id)
                                           for item, handle, choice in zip(request.items, handles, choices)),
@@ -699,7 +666,7 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
     @_handler(admit=False, observe=False)  # each step is admitted and observed on its own
     async def DecodeSession(self, request_iterator, context, tenant: str):
         """Steps, decoding ahead and what a cancelled session undoes: see ``session.py``."""
-        await session.DecodeSession(self, context, tenant, _deadline(context)).serve(request_iterator)
+        await session.DecodeSession(self, context, tenant, deadline_of(context)).serve(request_iterator)
 
     check_parsed = staticmethod(_check_parsed)  # for session.py (which cannot import this module)
     as_executor_error = staticmethod(_as_executor_error)
@@ -770,9 +737,9 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
                 creating.add_done_callback(lambda f: f.exception() or self.shm.unregister(tenant, region=f.result()))
                 raise
         except Exception as exc:
-            self._observe("RegisterSharedMemory", tenant, exc, start)
+            self.observe("RegisterSharedMemory", tenant, exc, start)
             raise
-        self._observe("RegisterSharedMemory", tenant, None, start)
+        self.observe("RegisterSharedMemory", tenant, None, start)
         try:
             yield pb.RegisterSharedMemoryResponse(name=region.name, byte_size=region.byte_size, key=region.key)
             await region.ended.wait()

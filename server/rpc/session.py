@@ -166,8 +166,8 @@ class DecodeSession:
                     self.ahead[step_id].set()
                 return
             with contextlib.ExitStack() as pinned:  # a shared-memory region stays mapped to the end
-                with servicer._admit():
-                    worker, items, policy = servicer._decode_batch(request)
+                with servicer.admit():
+                    worker, items, policy = servicer.decode_batch(request)
                     ledger.confirm([i.kv_cache for i in items])  # the caller read those replies
                     if request.stop_token_ids and not request.max_new_tokens:
                         raise InvalidInput("stop_token_ids end a decode-ahead run: set max_new_tokens, or leave "
@@ -177,17 +177,17 @@ class DecodeSession:
                         outs = await self._decode_ahead(request, worker, items, keys)
                     else:
                         targets = pinned.enter_context(
-                            servicer._logits_targets(policy, [1] * len(items), worker, tenant))
+                            servicer.logits_targets(policy, [1] * len(items), worker, tenant))
                         outs = await worker.decode(items, policy, self.deadline, tenant)
-                        keys = servicer._register_decodes(ledger, worker, items, outs)  # no await since the decode
+                        keys = servicer.register_decodes(ledger, worker, items, outs)  # no await since the decode
                 if not request.max_new_tokens:
-                    async for _, reply in servicer._step_replies(pb.DecodeSessionResponse, {"step_id": step_id},
+                    async for _, reply in servicer.step_replies(pb.DecodeSessionResponse, {"step_id": step_id},
                                                                  outs, received, request.single_reply, targets, keys):
                         await self._hand(reply)
-            servicer._observe("DecodeSession", tenant, None, received / 1e9, outs[0].timing if outs else None)
+            servicer.observe("DecodeSession", tenant, None, received / 1e9, outs[0].timing if outs else None)
         except Exception as exc:
             ledger.undo(keys)  # the step answers with an error: it changes nothing
-            servicer._observe("DecodeSession", tenant, exc, received / 1e9)
+            servicer.observe("DecodeSession", tenant, exc, received / 1e9)
             await self._hand(pb.DecodeSessionResponse(
                 step_id=step_id, error=to_status_proto(servicer.as_executor_error(exc))))
         finally:

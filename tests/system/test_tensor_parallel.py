@@ -352,7 +352,7 @@ def test_seeded_top_k_top_p_min_p_and_temperature_draw_degree_1s_tokens(servers,
     across ranks: the same (seed, position) draws the same token as degree 1, with its
     logprobs within 1e-5.  On these 320 tokens top-k 40 and top-p's 256 candidates
     would cost more than a 160-token slice, so those rows gather whole rows, counted
-    in GetCapabilities (tests/server/test_tp_choice.py has them on candidates at 8k)."""
+    in GetCapabilities (tests/system/test_tp_choice.py has them on candidates at 8k)."""
     choices = [
         TokenChoice(temperature=0.9, top_k=20, seed=11, top_logprobs=3),
         TokenChoice(temperature=1.1, top_p=0.8, seed=12, top_logprobs=2, logprobs_mode=LogprobsMode.PROCESSED),

@@ -15,7 +15,7 @@ import pytest
 from ferrum_rpc.client import ExecutorClient, LogitsPolicy
 from tests.conftest import running_server
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "transformers", "safetensors", "gguf", "accelerate", "grpcio-tools", "prometheus-client")
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
-from tests.test_replicas import Replica
+from tests.system.test_replicas import Replica
 
 VOCAB = 8192  # rows of 32 KiB: a 200-position reply is built on the reply-builder thread
 PROMPT = list(range(3, 203))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tests.node_env import BUF, node_packages
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROTO = Path("protos") / "ferrum_rpc" / "v1" / "executor.proto"
 RELEASED = ROOT / "protos" / "released" / "ferrum-executor-v0.1.0.binpb"
 GOOGLE = Path("clients") / "node" / "node_modules" / "google-proto-files"

@@ -115,7 +115,7 @@ def test_a_released_sequence_is_not_waited_for(worker):
 def test_status_counts_queued_model_work_not_bookkeeping(worker):
     """GetStatus's queue_depth (``work_queued``) counts prompts and decodes only: a status
     read while a new client's KV-event snapshot was queued made that replica look busy
-    and replica placement passed it over (tests/test_replicas.py, a flaky spread)."""
+    and replica placement passed it over (tests/system/test_replicas.py, a flaky spread)."""
     gate = hold(worker)
     try:
         bookkeeping = worker.submit(len, [])

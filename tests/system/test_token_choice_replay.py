@@ -14,7 +14,7 @@ from ferrum_rpc.client.replicas import ReplicaPolicy, replay_pieces, shrink_span
 from ferrum_rpc.client.sampling import SamplingParams
 from ferrum_rpc.client.speculative import speculative_generate
 from ferrum_rpc.harness import all_serving
-from tests.test_replicas import Replica
+from tests.system.test_replicas import Replica
 
 PROMPT = [1, 17, 42, 99, 5, 230, 17, 8]
 SAMPLED = SamplingParams(temperature=0.8, top_k=20, seed=7)

@@ -37,7 +37,7 @@ from ferrum_rpc.errors import (
 from ferrum_rpc.harness import ServerProcess, all_serving
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
-from tests.test_security import pki  # noqa: F401  (a fixture: a CA and a server certificate)
+from tests.system.test_security import pki  # noqa: F401  (a fixture: a CA and a server certificate)
 
 TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789ab"}
 FLAGS = ("--block-size", "4", "--no-warmup", "--threads", "1", "--grace", "5")

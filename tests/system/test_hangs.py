@@ -38,7 +38,7 @@ from ferrum_rpc.errors import ExecutorError
 from ferrum_rpc.harness import all_serving
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
-from tests.test_replicas import GREEDY, Replica, prompts
+from tests.system.test_replicas import GREEDY, Replica, prompts
 
 FAST = ReplicaPolicy(status_ttl_s=0.5, down_cooldown_s=0.3, seed=0)
 

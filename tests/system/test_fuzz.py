@@ -10,7 +10,7 @@ server must keep serving.
 Bounded for CI (``FERRUM_FUZZ_EXAMPLES``, default 40 per property).  The soak
 mode is the same file with a larger bound:
 
-    FERRUM_FUZZ_EXAMPLES=2000 python -m pytest tests/test_fuzz.py -q -p no:cacheprovider
+    FERRUM_FUZZ_EXAMPLES=2000 python -m pytest tests/system/test_fuzz.py -q -p no:cacheprovider
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from ferrum_rpc.harness import all_serving
 from ferrum_rpc.server.kv.events import KvEventHub, Stored, Subscriber
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
-from tests.test_replicas import Replica
+from tests.system.test_replicas import Replica
 
 ALICE, BOB = "alice-token-aaaaaaaaaaaaaaaaaaaa", "bob-token-bbbbbbbbbbbbbbbbbbbbbbb"
 BS = 4  # Replica's --block-size

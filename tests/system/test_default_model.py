@@ -15,7 +15,7 @@ import torch
 from ferrum_rpc.client import ExecutorClient, LogitsPolicy
 from ferrum_rpc.client.generate import encode_prompt, generate_ids, load_tokenizer
 from ferrum_rpc.client.sampling import SamplingParams
-from tests.test_security import pki, tokens_file  # noqa: F401  (fixtures)
+from tests.system.test_security import pki, tokens_file  # noqa: F401  (fixtures)
 from tests.conftest import running_server
 
 pytestmark = pytest.mark.slow
@@ -96,7 +96,7 @@ def test_cli_generate_answers_through_the_server(default_server):
 
 
 def test_cli_generate_over_mtls_with_a_token(default_model_dir, pki, tokens_file, tmp_path):
-    from tests.test_security import ALICE
+    from tests.system.test_security import ALICE
 
     server_kwargs = dict(tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"),
                          tls_client_ca=str(pki / "ca.pem"), auth_tokens=tokens_file)
@@ -126,7 +126,7 @@ def test_cli_speculative_reports_acceptance_and_matches_plain(default_server):
 def english_ids(default_model_dir):
     from pathlib import Path
 
-    text = (Path(__file__).parent / "data" / "english.txt").read_text()
+    text = (Path(__file__).parents[1] / "data" / "english.txt").read_text()
     ids = load_tokenizer(default_model_dir)(text)["input_ids"]
     assert len(ids) >= 1001
     return ids[:1001]

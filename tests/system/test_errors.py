@@ -18,7 +18,7 @@ from dataclasses import replace
 import grpc
 import numpy as np
 import pytest
-from conftest import running_server
+from tests.conftest import running_server
 from google.protobuf.message import Message
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status

@@ -18,7 +18,7 @@ from ferrum_rpc.client import AsyncExecutorClient, AsyncReplicaSetClient, Execut
 from ferrum_rpc.client.client import AsyncDecodeSession, DecodeSession
 from ferrum_rpc.client.replicas import AsyncReplicaDecodeSession, ReplicaDecodeSession
 from ferrum_rpc.client.rpc import RPCS
-from tests.test_replicas import free_port
+from tests.system.test_replicas import free_port
 
 PAIRS = [
     (ExecutorClient, AsyncExecutorClient),

@@ -1,6 +1,6 @@
 """Token choice across vocabulary slices (``server/parallel/choice.py``) on real gloo process
 groups, against ``sampling.choose_tokens`` on the whole rows: the corners the tiny
-degree-2 servers of tests/test_tensor_parallel.py do not reach (uneven slices, degree
+degree-2 servers of tests/system/test_tensor_parallel.py do not reach (uneven slices, degree
 3, the two-level draw of a vocabulary above 2048, a mask that leaves one rank no
 token, top-k wider than a slice, ties across ranks)."""
 

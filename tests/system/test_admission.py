@@ -14,7 +14,7 @@ import pytest
 
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
-from tests.test_replicas import Replica
+from tests.system.test_replicas import Replica
 
 ALICE, BOB = "alice-token-aaaaaaaaaaaaaaaaaaaa", "bob-token-bbbbbbbbbbbbbbbbbbbbbbb"
 ARGMAX = pb.LogitsPolicy(kind=pb.LOGITS_KIND_ARGMAX)

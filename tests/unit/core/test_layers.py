@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-SERVER = Path(__file__).resolve().parents[2] / "server"
+SERVER = Path(__file__).resolve().parents[3] / "server"
 RANK = {"app": 5, "cli": 5, "rank": 5, "registry": 5, "prepare": 5,
         "rpc": 4, "engine": 3, "choice": 2, "parallel": 2, "models": 1, "kernels": 1, "kv": 0,
         "config": -1, "__init__": -1}

@@ -1,7 +1,7 @@
 """The fused step ops (csrc/fused.cpp) against the eager torch ops they replace,
 on every inner-loop build this CPU can run, in float32 and bfloat16; and the
 choice between them.  Whole-model parity with transformers on both step paths
-is in tests/test_parity.py."""
+is in tests/system/test_parity.py."""
 
 from __future__ import annotations
 

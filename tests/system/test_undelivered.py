@@ -18,7 +18,7 @@ from ferrum_rpc.types import SpeculativeSampling
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 from tests.conftest import running_server
-from tests.test_replicas import Replica
+from tests.system.test_replicas import Replica
 
 FULL = pb.LogitsPolicy(kind=pb.LOGITS_KIND_FULL)  # 256 KiB a row: a few unread replies fill HTTP/2's windows
 ARGMAX = pb.LogitsPolicy(kind=pb.LOGITS_KIND_ARGMAX)

@@ -47,7 +47,7 @@ from ferrum_rpc.server.choice.sampling import pack_allowed_tokens, unpack_allowe
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 from tests.conftest import oracle_rows
-from tests.server.test_sampling import _chi_square_bound
+from tests.unit.choice.test_sampling import _chi_square_bound
 
 STEPS = 64
 TINY_PROMPT = [1, 17, 42, 99, 5, 230, 17, 8]
@@ -235,7 +235,7 @@ def test_the_tokens_many_seeds_draw_pass_a_chi_square_test(tiny, hf_tiny_llama):
     Power, measured once: the served draws score 2.9 against a bound of 44; against a
     sampler at temperature 1.2 instead of 0.9 they score 137, with the bias scaled by
     0.8, 164 (a temperature of 0.8 instead, 38, goes unseen: the unit test's 20,000
-    draws in tests/server/test_sampling.py are the fine check)."""
+    draws in tests/unit/choice/test_sampling.py are the fine check)."""
     bias = {11: 3.0, 12: 2.5, 13: 2.0, 14: 1.5, 15: 1.0, 16: 0.5}  # shape the tiny model's flat distribution
     policy = TokenChoice(temperature=0.9, top_k=9, logit_bias=bias)
     row = torch.from_numpy(oracle_rows(hf_tiny_llama, TINY_PROMPT + [5])[-1].copy())

@@ -3,7 +3,7 @@ kernel (csrc/qact.cpp) on every inner-loop build this CPU has, and its torch
 fallback, against a float reference with stated tolerances and against the
 same quantized numbers, rows independent of the batch they share, and whole-model parity with
 transformers on our weights, through gRPC.  The real model's top-1 agreement
-with float32 is in tests/test_default_model.py."""
+with float32 is in tests/system/test_default_model.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ferrum_rpc.client import ExecutorClient, LogitsPolicy
 from ferrum_rpc.server.kernels import qact
 from ferrum_rpc.server.config import ExecutorConfig
 from tests.conftest import running_server
-from tests.server.test_woq import _gguf_blocks, _oracle_with_our_weights
+from tests.unit.kernels.test_woq import _gguf_blocks, _oracle_with_our_weights
 
 # Of the output's largest magnitude.  Against the float reference (unquantized
 # activations, the layer's own weights) the activation grid is the whole error:
