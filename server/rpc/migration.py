@@ -294,9 +294,9 @@ class TransferRpcs:
         failed = None
         async with self.push.channel(address, host) as channel:  # closed when the push ends
             try:
-                reply = await pb_grpc.ModelExecutorStub(channel).ImportSequence(
-                    counted(), timeout=timeout,
-                    metadata=((transfer.TICKET_HEADER, request.ticket), (transfer.TENANT_HEADER, tenant)))
+                reply = await _stream_to(pb_grpc.ModelExecutorStub(channel).ImportSequence(
+                    timeout=timeout,
+                    metadata=((transfer.TICKET_HEADER, request.ticket), (transfer.TENANT_HEADER, tenant))), counted())
             except grpc.RpcError as exc:
                 # Raised below, outside this handler: an error raised in it would keep the
                 # gRPC error as its context, and through its traceback the call, which keeps
@@ -316,3 +316,21 @@ class TransferRpcs:
                  sent, request.target, 1e3 * (time.perf_counter() - start),
                  " and released it" if released else " (kept here)")
         return pb.PushSequenceResponse(kv_cache=reply.kv_cache, bytes_sent=sent, released=released)
+
+
+async def _stream_to(call, messages) -> pb.ImportSequenceResponse:
+    """Writes ``messages`` on a client-streaming call, then returns its reply.  A receiver
+    that refuses early (a ticket it does not know) ends the call while we still write:
+    the write then fails, and the call's own status, with the receiver's reason, is what
+    is raised (gRPC's request-iterator form reports "Internal error from Core" instead)."""
+    for message in messages:
+        try:
+            await call.write(message)
+        except Exception:  # the call has ended (RpcError, InvalidStateError): its status says why
+            break
+        if call.done():
+            break
+    else:
+        with contextlib.suppress(Exception):  # ended meanwhile: awaiting it raises its status
+            await call.done_writing()
+    return await call
