@@ -1,6 +1,6 @@
 """The executor chooses the token: one batched, wire-independent step from logits rows
-to chosen tokens. Pure torch; the servicer validates with
-:func:`validate_token_choice` before any state changes and the executor calls
+to chosen tokens. Pure torch; the executor validates with
+:func:`policy.validate_token_choice` before any state changes and the executor calls
 :func:`choose_tokens` on the rows the LM head produced.
 
 Order of operations per row (vLLM's sampler; transformers' processor order):
@@ -55,24 +55,17 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ferrum_rpc.errors import InvalidInput, NonFiniteLogits
+from ferrum_rpc.errors import NonFiniteLogits
 from ferrum_rpc.hashing import draw_key
 from ferrum_rpc.types import (
-    MAX_TOP_LOGPROBS,
     ChosenToken,
     LogprobsMode,
     TokenChoice,
     TokenLogprob,
 )
 
-__all__ = [
-    "ChosenTokens", "TokenChoice", "LogprobsMode", "MAX_LOGIT_BIAS", "MAX_TOP_LOGPROBS", "accept_drafts",
-    "choose_tokens",
-    "pack_allowed_tokens", "uniform_for", "unpack_allowed_tokens", "validate_token_choice",
-]
+__all__ = ["ChosenTokens", "accept_drafts", "choose_tokens", "uniform_for"]
 
-MAX_LOGIT_BIAS = 100.0  # OpenAI's bound; exp(-200) is 0 in float32, so +-100 forces or bans any token
-MAX_PENALTY = 2.0  # presence and frequency, OpenAI's range
 # Logits are held to +-LOGIT_LIMIT before temperature: a repetition penalty may be any finite
 # value > 0, and l / 1e-38 overflows float32. At the smallest sampled temperature (1e-5) a
 # held logit is 1e35, still finite, so every difference and exp below stays defined.
@@ -80,82 +73,7 @@ LOGIT_LIMIT = 1e30
 BLOCK = 256  # the draw's first level: float32 sums of 256-wide blocks, then one block's cumulative sum
 
 
-# ---------------------------------------------------------------------------- validation
-
-def validate_token_choice(choice: TokenChoice, vocab_size: int, field: str = "token_choice") -> None:
-    """Raises InvalidInput naming the first bad field of ``choice`` (``field`` prefixes
-    the name, e.g. "items[3].token_choice"). Call it before any state changes.
-
-    Args:
-        choice: the policy.
-        vocab_size: the model's vocabulary (the width of a logits row).
-        field: how the message names the policy.
-    """
-    _check_range(choice, field)
-    _check_bias(choice.logit_bias, vocab_size, field)
-    if choice.allowed_token_bitmask:
-        _check_bitmask(choice.allowed_token_bitmask, vocab_size, field)
-
-
-def _check_range(c: TokenChoice, field: str) -> None:
-    def bad(name: str, rule: str, value) -> InvalidInput:
-        return InvalidInput(f"{field}.{name} must be {rule}, got {value!r}")
-
-    if not (math.isfinite(c.temperature) and c.temperature >= 0):
-        raise bad("temperature", "finite and >= 0 (0: greedy)", c.temperature)
-    if not (isinstance(c.top_k, int) and c.top_k >= 0):
-        raise bad("top_k", "an integer >= 0 (0: off)", c.top_k)
-    if not 0 < c.top_p <= 1:  # NaN fails too
-        raise bad("top_p", "in (0, 1] (1: off)", c.top_p)
-    if not 0 <= c.min_p <= 1:
-        raise bad("min_p", "in [0, 1] (0: off)", c.min_p)
-    if c.seed is not None and not (isinstance(c.seed, int) and 0 <= c.seed < 1 << 64):
-        raise bad("seed", "an unsigned 64-bit integer", c.seed)
-    if not (math.isfinite(c.repetition_penalty) and c.repetition_penalty > 0):
-        raise bad("repetition_penalty", "finite and > 0 (1: off)", c.repetition_penalty)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if not -MAX_PENALTY <= getattr(c, name) <= MAX_PENALTY:
-            raise bad(name, f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]", getattr(c, name))
-    if not (isinstance(c.top_logprobs, int) and 0 <= c.top_logprobs <= MAX_TOP_LOGPROBS):
-        raise bad("top_logprobs", f"in 0 ..= {MAX_TOP_LOGPROBS}", c.top_logprobs)
-    if not isinstance(c.logprobs_mode, LogprobsMode):
-        raise bad("logprobs_mode", "RAW or PROCESSED", c.logprobs_mode)
-
-
-def _check_bias(bias, vocab_size: int, field: str) -> None:
-    for token, value in bias.items():
-        if not (isinstance(token, (int, np.integer)) and 0 <= token < vocab_size):
-            raise InvalidInput(f"{field}.logit_bias names token {token!r}, outside the vocabulary "
-                               f"(0 ..= {vocab_size - 1})")
-        if not (math.isfinite(value) and abs(value) <= MAX_LOGIT_BIAS):
-            raise InvalidInput(f"{field}.logit_bias[{token}] must be finite and in "
-                               f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value!r}")
-
-
-def _check_bitmask(mask: bytes, vocab_size: int, field: str) -> None:
-    words = -(-vocab_size // 32)
-    if len(mask) != 4 * words:
-        raise InvalidInput(f"{field}.allowed_token_bitmask must be ceil({vocab_size} / 32) = {words} int32 words "
-                           f"({4 * words} bytes), got {len(mask)} bytes")
-    if not unpack_allowed_tokens(mask, vocab_size).any():
-        raise InvalidInput(f"{field}.allowed_token_bitmask allows no token of the {vocab_size}")
-
-
-# ---------------------------------------------------------------------------- bitmask
-
-def pack_allowed_tokens(token_ids, vocab_size: int) -> bytes:
-    """The bitmask allowing exactly ``token_ids``: little-endian int32 words, bit i of
-    word j for token 32*j + i (the layout xgrammar's ``allocate_token_bitmask`` and
-    llguidance's ``compute_bitmask`` produce)."""
-    bits = np.zeros(-(-vocab_size // 32) * 32, dtype=np.uint8)
-    bits[np.asarray(list(token_ids), dtype=np.int64)] = 1
-    return np.packbits(bits, bitorder="little").tobytes()
-
-
-def unpack_allowed_tokens(mask: bytes, vocab_size: int) -> np.ndarray:
-    """(vocab_size,) bool: which tokens ``mask`` allows (bits past the vocabulary ignored)."""
-    return np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")[:vocab_size].astype(bool)
-
+# ---------------------------------------------------------------------------- bitmask rows
 
 def unpack_rows(masks: list[bytes], vocab_size: int) -> torch.Tensor:
     """(R, vocab_size) bool from R bitmasks, vectorised: shift each word by 0..31."""

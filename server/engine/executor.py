@@ -26,22 +26,13 @@ from typing import Iterable
 
 import torch
 
-from ferrum_rpc.errors import (
-    ExecutorError,
-    InvalidInput,
-    KvCapacityExhausted,
-    LengthMismatch,
-    NonFiniteLogits,
-    SequenceLimitExceeded,
-    SequenceTooLong,
-    StaleHandle,
-    TenantQuotaExceeded,
-    shown,
-)
+from ferrum_rpc.errors import ExecutorError, InvalidInput, NonFiniteLogits, TenantQuotaExceeded
 from ..choice import speculative
 from ..choice.sampling import accept_drafts as choose_drafts
-from ..choice.sampling import choose_tokens, row_max, validate_token_choice
+from ..choice.sampling import choose_tokens, row_max
+from ..choice.policy import validate_token_choice
 from ..config import ExecutorConfig, TenantBounds, tenant_bounds
+from .checks import ExecutorChecks
 from .forward import Rows, Step, forward
 from ..kv.pool import KvPool
 from ..kv.blocks import BlockManager, SequenceState, Undo
@@ -80,9 +71,6 @@ from ferrum_rpc.types import (
 
 log = logging.getLogger(__name__)
 
-_WIRE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-_SCORED_ENTRY_BYTES = 4 + 5  # TOP_K/ARGMAX: a float32 score and a varint token id (<= 5 bytes)
-MAX_ID_BYTES = 128  # longest cache id accepted (ours are 32 hex digits)
 
 
 @dataclass
@@ -123,7 +111,7 @@ def verify_policy(policy: LogitsPolicy) -> LogitsPolicy:
     return replace(policy, all_positions=True)
 
 
-class TorchExecutor:
+class TorchExecutor(ExecutorChecks):
     """Hosts one model and its KV pool.
 
     Args:
@@ -300,8 +288,8 @@ class TorchExecutor:
         want_logits = policy is not None or choice is None
         policy = LogitsPolicy() if policy is None else policy
         if hidden is not None:  # the handle is resolved first: its claimed length is not to be trusted
-            start = self._resolve(kv_cache, tenant).length if kv_cache is not None else 0
-            self._check_hidden(hidden, len(token_ids), start)
+            start = self.resolve(kv_cache, tenant).length if kv_cache is not None else 0
+            self.check_hidden(hidden, len(token_ids), start)
         opened = self._open_prefill(token_ids, kv_cache, policy, tenant, reuse_prefix=hidden is None, name=name)
         self.kv.pin(opened.seq)
         return PromptInParts(self, opened, list(token_ids), policy, hidden, choice=choice,
@@ -315,32 +303,6 @@ class TorchExecutor:
         """Plans an opened prompt's next ``tokens`` (reserving their KV room); raises with
         nothing reserved."""
         return AppendPlan([self._step(opened, tokens, rows)], policy, PlanKind.PART)
-
-    def _check_hidden(self, hidden: HiddenStatesRequest, tokens: int, start: int) -> None:
-        """Validates an analysis request for ``tokens`` tokens after ``start`` and that
-        its tensors fit the message limit (no state read)."""
-        mc = self.model_config
-        layers, heads = mc.num_layers, mc.num_heads
-        if not hidden.layers and not hidden.attention_layers:
-            raise InvalidInput("hidden_states asks for nothing: give layers, attention_layers or both")
-        if bad := [layer for layer in hidden.layers if not 0 <= layer <= layers]:
-            raise InvalidInput(f"hidden_states.layers must be in 0..={layers}, got {bad[:8]}")
-        if bad := [layer for layer in hidden.attention_layers if not 0 <= layer < layers]:
-            raise InvalidInput(f"hidden_states.attention_layers must be in 0..{layers - 1}, got {bad[:8]}")
-        if bad := [h for h in hidden.attention_heads if not 0 <= h < heads]:
-            raise InvalidInput(f"hidden_states.attention_heads must be in 0..{heads - 1}, got {bad[:8]}")
-        if hidden.attention_heads and not hidden.attention_layers:
-            raise InvalidInput("hidden_states.attention_heads needs attention_layers")
-        if bad := [p for p in hidden.positions if not 0 <= p < tokens]:
-            raise InvalidInput(f"hidden_states.positions must be in 0..{tokens - 1}, got {bad[:8]}")
-        rows = len(hidden.positions) or tokens
-        size = 4 * rows * (len(hidden.layers) * mc.hidden_size
-                           + len(hidden.attention_layers) * (len(hidden.attention_heads) or heads) * (start + tokens))
-        if size > self.config.max_message_bytes:
-            raise InvalidInput(f"hidden states of {len(hidden.layers)} layers and attention weights of "
-                               f"{len(hidden.attention_layers)} layers at {rows} positions need {size} bytes, over "
-                               f"the {self.config.max_message_bytes}-byte message limit; ask for fewer layers, "
-                               "heads or positions")
 
     def plan_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy | None, tenant: str = "") -> AppendPlan:
         """Validates a BatchDecode request and reserves its KV room; raises with no state change.
@@ -356,14 +318,14 @@ class TorchExecutor:
                                         else f"items[{n}].token_choice")
         wants = [policy is not None or item.token_choice is None for item in inputs]
         policy = LogitsPolicy() if policy is None else policy
-        self._check_policy(policy, 1)
+        self.check_policy(policy, 1)
         ids = [i.kv_cache.cache_id for i in inputs]
         if len(set(ids)) != len(ids):
             raise InvalidInput("a sequence appears more than once in one batch")
-        self._check_tokens([i.token_id for i in inputs])
-        seqs = [self._resolve(i.kv_cache, tenant) for i in inputs]
+        self.check_tokens([i.token_id for i in inputs])
+        seqs = [self.resolve(i.kv_cache, tenant) for i in inputs]
         for seq in seqs:
-            self._check_length(seq.length, 1)
+            self.check_length(seq.length, 1)
         steps: list[Step] = []
         try:
             for seq, item, want in zip(seqs, inputs, wants):
@@ -585,7 +547,7 @@ class TorchExecutor:
             self.check_token_choice(choice)
         want_logits = policy is not None or choice is None
         policy = LogitsPolicy() if policy is None else policy
-        self._check_policy(policy, 1)
+        self.check_policy(policy, 1)
         sampling = speculative.checked_sampling(sampling)
         out = self.prefill([token_id] + list(draft), kv_cache, LogitsPolicy(LogitsKind.FULL, all_positions=True),
                            tenant=tenant, as_output=True)
@@ -611,7 +573,7 @@ class TorchExecutor:
             raise
 
     def truncate_kv(self, kv_cache: KvCacheHandle, new_length: int, tenant: str = "") -> KvCacheHandle:
-        seq = self._resolve(kv_cache, tenant)
+        seq = self.resolve(kv_cache, tenant)
         if not 0 <= new_length <= seq.length:
             raise InvalidInput(f"new_length {new_length} is outside 0..={seq.length}")
         self.kv.shrink(seq, new_length)
@@ -619,8 +581,8 @@ class TorchExecutor:
 
     def release_cache(self, cache_id: str, tenant: str = "") -> int:
         """Forgets a sequence; returns how many blocks went back to the pool."""
-        self._check_id(cache_id, "cache_id")
-        self._check_not_busy(self.kv.get(cache_id, tenant))
+        self.check_id(cache_id, "cache_id")
+        self.check_not_busy(self.kv.get(cache_id, tenant))
         return self.kv.release(cache_id)
 
     def release_named(self, name: str, tenant: str = "", aborted: bool = False) -> int:
@@ -629,22 +591,22 @@ class TorchExecutor:
         CANCELLED (:meth:`BlockManager.check_name`).  ``aborted``: the worker has just
         aborted the call creating it, which undoes it at its next step.  Returns the
         blocks freed."""
-        self._check_id(name, "request_id")
+        self.check_id(name, "request_id")
         seq = self.kv.named(tenant, name)
         if seq is None:
             self.kv.release_name(tenant, name)
             return 0
         if aborted and seq.pins:
             return 0
-        self._check_not_busy(seq)
+        self.check_not_busy(seq)
         return self.kv.release(seq.cache_id)
 
     def fork_cache(self, kv_cache: KvCacheHandle, num_children: int, tenant: str = "") -> list[KvCacheHandle]:
         """N new sequences sharing the parent's blocks; the first write to a shared block copies it."""
         if not 1 <= num_children <= self.config.max_batch_size:
             raise InvalidInput(f"num_children must be in 1..={self.config.max_batch_size}, got {num_children}")
-        seq = self._resolve(kv_cache, tenant)
-        self._check_sequence_room(seq.tenant, num_children)
+        seq = self.resolve(kv_cache, tenant)
+        self.check_sequence_room(seq.tenant, num_children)
         children = self.kv.fork(seq, [uuid.uuid4().hex for _ in range(num_children)])
         return [self.handle(c) for c in children]
 
@@ -657,96 +619,10 @@ class TorchExecutor:
             log.info("%s: reclaimed %d idle sequence(s)", self.name, len(expired))
         return expired
 
-    # -- validation and internals -------------------------------------------------
-    def _check_tokens(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise InvalidInput("no tokens given")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidInput(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
-
-    def check_reply_fits(self, policy: LogitsPolicy, positions: int) -> None:
-        """Raises INVALID_INPUT unless ``positions`` rows of ``policy`` fit one reply (reads no state)."""
-        self._check_policy(policy, positions)
-
-    def _check_policy(self, policy: LogitsPolicy, positions: int) -> None:
-        """Checks the policy, and that its reply will fit the message limit (every kind,
-        before any work: a reply that fails at send time would strand the sequence)."""
-        vocab = self.model_config.vocab_size
-        if policy.kind is LogitsKind.TOP_K and not 1 <= policy.top_k <= vocab:
-            raise InvalidInput(f"top_k must be in 1..={vocab}, got {policy.top_k}")
-        if policy.dtype not in LOGITS_DTYPES:
-            raise InvalidInput(f"logits dtype must be one of {LOGITS_DTYPES}, got {shown(policy.dtype)}")
-        if policy.kind is LogitsKind.FULL:
-            per_position = vocab * _WIRE_BYTES[policy.dtype]
-        else:
-            per_position = (policy.top_k if policy.kind is LogitsKind.TOP_K else 1) * _SCORED_ENTRY_BYTES
-        size = positions * per_position
-        if size > self.config.max_message_bytes:
-            raise InvalidInput(
-                f"{policy.kind.name} logits for {positions} positions need up to {size} bytes, over the "
-                f"{self.config.max_message_bytes}-byte message limit; ask for fewer positions, a smaller "
-                f"top-k or the last position only"
-            )
-
-    def _check_id(self, value: str, field: str) -> None:
-        if not value:
-            raise InvalidInput(f"{field} is required")
-        if len(value) > MAX_ID_BYTES:
-            raise InvalidInput(f"{field} is {len(value)} characters long; at most {MAX_ID_BYTES}")
-
-    def _resolve(self, handle: KvCacheHandle, tenant: str) -> SequenceState:
-        """The sequence a handle names; validates without touching any state
-        (the idle clock included: only a call that succeeds restarts it)."""
-        self._check_id(handle.cache_id, "kv_cache.cache_id")
-        self._check_id(handle.server_instance_id, "kv_cache.server_instance_id")
-        if handle.server_instance_id != self.instance_id:
-            raise StaleHandle(
-                f"handle {shown(handle.cache_id)} was issued by server instance "
-                f"{shown(handle.server_instance_id)}, this is {self.instance_id!r}"
-            )
-        seq = self.kv.get(handle.cache_id, tenant)  # another tenant's: "not found"
-        self._check_not_busy(seq)
-        if handle.sequence_length != seq.length:
-            raise LengthMismatch(
-                f"handle says {handle.sequence_length} tokens, the server holds {seq.length} "
-                f"for {shown(handle.cache_id)}"
-            )
-        return seq
-
-    def _check_length(self, start: int, num_new: int) -> None:
-        if start + num_new > self.max_seq_len:
-            raise SequenceTooLong(
-                f"{start} + {num_new} tokens exceed the maximum sequence length {self.max_seq_len}"
-            )
-
-    def _check_fits_pool(self, length: int) -> None:
-        """Refuses up front a sequence that could never fit, even in an empty pool."""
-        if self.kv.blocks_for(length) > self.kv.num_blocks:
-            raise KvCapacityExhausted(
-                f"{length} tokens need {self.kv.blocks_for(length)} KV blocks; the whole pool has "
-                f"{self.kv.num_blocks}"
-            )
-
+    # -- internals ----------------------------------------------------------------
     def bounds(self, tenant: str) -> TenantBounds:
         """What ``tenant`` may hold at once on this executor (config.tenant_bounds)."""
         return tenant_bounds(self.config, tenant, self.kv.num_blocks * self.kv.block_size)
-
-    def _check_sequence_room(self, tenant: str, new: int) -> None:
-        """Refuses ``new`` more sequences past the server's or the tenant's cap."""
-        cap, tenant_cap = self.config.max_sequences, self.bounds(tenant).max_sequences
-        if cap and len(self.kv) + new > cap:
-            raise SequenceLimitExceeded(
-                f"the server holds {len(self.kv)} live sequences, its cap is {cap}; release some")
-        if tenant_cap and self.kv.count(tenant) + new > tenant_cap:
-            raise SequenceLimitExceeded(
-                f"your tenant holds {self.kv.count(tenant)} live sequences, its cap is {tenant_cap} "
-                f"(--tenant-max-sequences); release some")
-
-    def _check_not_busy(self, seq: SequenceState) -> None:
-        if seq.pins:
-            raise InvalidInput(f"sequence {shown(seq.cache_id)} is in the middle of a chunked prefill")
 
     def _open_prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None,
                       policy: LogitsPolicy, tenant: str, reuse_prefix: bool = True, name: str = "") -> Opened:
@@ -755,17 +631,17 @@ class TorchExecutor:
             if kv_cache is not None:
                 raise InvalidInput("request_id names the sequence a Prefill creates; leave it empty when "
                                    "continuing a sequence")
-            self._check_id(name, "request_id")
+            self.check_id(name, "request_id")
             self.kv.check_name(tenant, name)
-        self._check_tokens(token_ids)
-        self._check_policy(policy, len(token_ids) if policy.all_positions else 1)
-        seq = self._resolve(kv_cache, tenant) if kv_cache is not None else None
+        self.check_tokens(token_ids)
+        self.check_policy(policy, len(token_ids) if policy.all_positions else 1)
+        seq = self.resolve(kv_cache, tenant) if kv_cache is not None else None
         start = seq.length if seq else 0
-        self._check_length(start, len(token_ids))
-        self._check_fits_pool(start + len(token_ids))
+        self.check_length(start, len(token_ids))
+        self.check_fits_pool(start + len(token_ids))
         if seq is not None:
             return Opened(seq, False, 0, seq.length, seq.last_used)
-        self._check_sequence_room(tenant, 1)
+        self.check_sequence_room(tenant, 1)
         seq = self.kv.create(uuid.uuid4().hex, tenant, name)
         cached = 0
         if reuse_prefix and not policy.all_positions:  # a hit must leave the last token to compute

@@ -30,7 +30,6 @@ import grpc
 from ferrum_rpc import convert, hashing, tensor_codec
 from ferrum_rpc.errors import (
     AdminOnly,
-    DeadlineExceeded,
     Draining,
     ExecutorError,
     InvalidInput,
@@ -51,7 +50,6 @@ from ..engine.worker import ModelWorker
 from ferrum_rpc.types import (
     ChosenToken,
     DecodeInput,
-    KvCacheHandle,
     LogitsPolicy,
     ServerState,
     SpeculativeSampling,

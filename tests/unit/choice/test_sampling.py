@@ -27,16 +27,8 @@ from transformers.generation.logits_process import (
 )
 
 from ferrum_rpc.errors import InvalidInput
-from ferrum_rpc.server.choice.sampling import (
-    LogprobsMode,
-    accept_drafts,
-    TokenChoice,
-    choose_tokens,
-    pack_allowed_tokens,
-    uniform_for,
-    unpack_allowed_tokens,
-    validate_token_choice,
-)
+from ferrum_rpc.server.choice.sampling import LogprobsMode, accept_drafts, TokenChoice, choose_tokens, uniform_for
+from ferrum_rpc.server.choice.policy import pack_allowed_tokens, unpack_allowed_tokens, validate_token_choice
 
 SMALL = 20  # == MAX_TOP_LOGPROBS: top_logprobs=20 PROCESSED lists a row's whole distribution
 BIG = 49_152
