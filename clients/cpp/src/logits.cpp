@@ -39,7 +39,8 @@ uint32_t Logits::rows() const {
   if (!p_) return 0;
   if (p_->kind() == pb::LOGITS_KIND_FULL && p_->values().shape_size() > 0)
     return static_cast<uint32_t>(p_->values().shape(0));
-  return p_->positions();
+  // TOP_K and ARGMAX: `positions` rows (a reply that leaves it 0 carries one row).
+  return p_->positions() ? p_->positions() : (p_->token_ids_size() ? 1 : 0);
 }
 
 uint32_t Logits::vocab_size() const { return p_ ? p_->vocab_size() : 0; }

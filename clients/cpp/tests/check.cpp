@@ -9,6 +9,7 @@
 // Common: --target HOST:PORT [--model M] [--token T] [--ca PEM --server-name N] [--timeout-ms MS]
 #include <cmath>
 #include <fstream>
+#include <iomanip>
 #include <limits>
 
 #include "check.hpp"
@@ -84,7 +85,8 @@ int logits(const ferrum_args::Args& args) {
   uint32_t next = pre.logits.argmax(pre.logits.rows() - 1);
   auto dec = ex.decode(next, pre.kv_cache, LogitsPolicy::full());
   write_bytes(dir + "/decode.f32", dec.logits.bytes());
-  auto top = ex.forward_verify({next, 7}, pre.kv_cache, LogitsPolicy::top_k(5, true));
+  auto top = ex.forward_verify({next, 7}, dec.kv_cache, LogitsPolicy::top_k(5, true));
+  std::cout << std::setprecision(9);  // scores print exactly (float32 round-trips in 9 digits)
   std::cout << "topk_shape " << top.logits.rows() << " " << top.logits.token_ids(0).size << "\n";
   for (uint32_t r = 0; r < top.logits.rows(); ++r) {
     std::cout << "topk_row";
@@ -92,11 +94,11 @@ int logits(const ferrum_args::Args& args) {
       std::cout << " " << top.logits.token_ids(r)[i] << ":" << top.logits.scores(r)[i];
     std::cout << "\n";
   }
-  auto bf = ex.forward_verify({next}, pre.kv_cache, LogitsPolicy::full(ferrum::DType::BFloat16));
+  auto bf = ex.forward_verify({next}, top.kv_cache, LogitsPolicy::full(ferrum::DType::BFloat16));
   write_bytes(dir + "/verify.bf16", bf.logits.bytes());
   std::vector<float> wide = bf.logits.row_as_float(0);
   write_bytes(dir + "/verify_widened.f32", std::string_view(reinterpret_cast<const char*>(wide.data()), wide.size() * 4));
-  ex.release_cache(dec.kv_cache);
+  ex.release_cache(bf.kv_cache);
   return 0;
 }
 
