@@ -14,6 +14,15 @@ const char kDomain[] = "ferrum.executor.v1";
 const char kErrorInfo[] = "type.googleapis.com/google.rpc.ErrorInfo";
 const char kRetryInfo[] = "type.googleapis.com/google.rpc.RetryInfo";
 
+// The error table's reasons; an ErrorInfo naming anything else (the server names the
+// code for statuses outside the table) gives an Error without a reason, as in Python.
+const std::set<std::string> kReasons = {
+    "CACHE_NOT_FOUND", "CACHE_EXPIRED", "STALE_HANDLE", "LENGTH_MISMATCH", "INVALID_INPUT", "SEQUENCE_TOO_LONG",
+    "KV_CAPACITY_EXHAUSTED", "MODEL_NOT_FOUND", "MODEL_LOADING", "DRAINING", "UNAUTHENTICATED",
+    "SEQUENCE_LIMIT_EXCEEDED", "TENANT_QUOTA_EXCEEDED", "SHARED_MEMORY_NOT_FOUND", "ADMIN_ONLY",
+    "TENSOR_PARALLEL_RANK_LOST", "FINGERPRINT_MISMATCH", "TRANSFER_CORRUPTED", "TICKET_NOT_FOUND", "TICKET_EXPIRED",
+    "TICKET_USED", "PUSH_TARGET_REFUSED", "NON_FINITE_LOGITS", "TRANSFER_BUDGET_EXHAUSTED", "TRANSFER_STALLED"};
+
 // Reasons whose call changed nothing and may succeed later or elsewhere.
 const std::set<std::string> kRetryableReasons = {
     "DRAINING", "MODEL_LOADING", "KV_CAPACITY_EXHAUSTED", "SEQUENCE_LIMIT_EXCEEDED",
@@ -59,7 +68,8 @@ Error error_from_rpc_status(const google::rpc::Status& status) {
   for (const auto& detail : status.details()) {
     if (detail.type_url() == kErrorInfo) {
       google::rpc::ErrorInfo info;
-      if (info.ParseFromString(detail.value()) && info.domain() == kDomain) reason = info.reason();
+      if (info.ParseFromString(detail.value()) && info.domain() == kDomain && kReasons.count(info.reason()))
+        reason = info.reason();
     } else if (detail.type_url() == kRetryInfo) {
       google::rpc::RetryInfo retry;
       if (retry.ParseFromString(detail.value()) && retry.has_retry_delay()) {

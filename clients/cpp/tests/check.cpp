@@ -136,15 +136,16 @@ int errors(const ferrum_args::Args& args) {
       {"ahead_bad_stop", [&] { ex.decode_ahead(5, subject, ferrum::TokenChoice::greedy(), 4, {vocab}); return ""; }},
       {"deadline", [&] { ex.with_timeout(std::chrono::milliseconds(0)).prefill({1, 2, 3}); return ""; }},
       {"too_long", [&] { ex.prefill(check::prompt(ex.info().max_sequence_length() + 1, vocab)); return ""; }},
-      {"kv_exhausted", [&] {
-         auto filler = ex.prefill(check::prompt(60, vocab, 1), LogitsPolicy::argmax()).kv_cache;
+      {"kv_exhausted", [&] {  // two sequences of 28 tokens hold 14 of 16 blocks; 12 more need 3
+         std::vector<ferrum::Handle> fillers;
+         for (uint32_t seed : {1u, 2u}) fillers.push_back(ex.prefill(check::prompt(28, vocab, seed), LogitsPolicy::argmax()).kv_cache);
          try {
-           ex.prefill(check::prompt(8, vocab));
+           ex.prefill(check::prompt(12, vocab));
          } catch (...) {
-           ex.release_cache(filler);
+           for (auto& f : fillers) ex.release_cache(f);
            throw;
          }
-         ex.release_cache(filler);
+         for (auto& f : fillers) ex.release_cache(f);
          return "";
        }},
       {"prefill", [&] { ex.release_cache(ex.prefill({1, 2, 3}).kv_cache); return ""; }},

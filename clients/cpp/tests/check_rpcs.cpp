@@ -82,17 +82,21 @@ int run_rpcs(const ferrum_args::Args& args) {
     ex.release_cache(copy);
     return n(copy.length() == h.length());
   });
+  std::string ticket;
   outcome("CreateImportTicket", [&] {
     ferrum::pb::CreateImportTicketRequest req;
     req.set_model(ex.model());
-    return n(ex.create_import_ticket(req).ticket().size());
+    ticket = ex.create_import_ticket(req).ticket();
+    return n(ticket.size());
   });
-  outcome("PushSequence", [&] {
+  outcome("PushSequence", [&] {  // to this same server, with the ticket it issued
     ferrum::pb::PushSequenceRequest req;
     *req.mutable_kv_cache() = h.proto();
-    req.set_target("127.0.0.1:9");
-    req.set_ticket("t");
-    return n(ex.push_sequence(req).bytes_sent());
+    req.set_target(args.str("target"));
+    req.set_ticket(ticket);
+    auto r = ex.push_sequence(req);
+    ex.release_cache(ferrum::Handle(r.kv_cache()));
+    return n(r.kv_cache().sequence_length() == h.length());
   });
   outcome("WatchKvEvents", [&] {
     ferrum::pb::WatchKvEventsRequest req;
