@@ -47,6 +47,23 @@ def build_dir() -> Path:
     return home / "cpp-build" / hashlib.sha1(str(ROOT).encode()).hexdigest()[:12]
 
 
+def cpp_bin_path() -> Path:
+    """Configures and builds clients/cpp (incrementally); the folder holding its programs.
+    Raises RuntimeError naming what is missing where it cannot be built."""
+    missing = _missing()
+    if missing:
+        raise RuntimeError(f"C++ client not built: {missing} is missing "
+                           "(apt-get install libgrpc++-dev protobuf-compiler-grpc cmake)")
+    out = build_dir()
+    # This Python has googleapis-common-protos (grpcio-status): the google/rpc protos come from it.
+    subprocess.run(["cmake", "-S", str(ROOT / "clients" / "cpp"), "-B", str(out), f"-DPython3_EXECUTABLE={sys.executable}"],
+                   check=True, capture_output=True)
+    build = subprocess.run(["cmake", "--build", str(out), "-j2"], capture_output=True, text=True)
+    if build.returncode != 0:
+        raise AssertionError(build.stdout[-4000:] + build.stderr[-4000:])
+    return out
+
+
 @pytest.fixture(scope="session")
 def cpp_bin() -> Path:
     missing = _missing()
@@ -55,13 +72,7 @@ def cpp_bin() -> Path:
         if os.environ.get("FERRUM_REQUIRE_CPP") == "1":
             pytest.fail(message)
         pytest.skip(message)
-    out = build_dir()
-    # This Python has googleapis-common-protos (grpcio-status): the google/rpc protos come from it.
-    subprocess.run(["cmake", "-S", str(ROOT / "clients" / "cpp"), "-B", str(out), f"-DPython3_EXECUTABLE={sys.executable}"],
-                   check=True, capture_output=True)
-    build = subprocess.run(["cmake", "--build", str(out), "-j2"], capture_output=True, text=True)
-    assert build.returncode == 0, build.stdout[-4000:] + build.stderr[-4000:]
-    return out
+    return cpp_bin_path()
 
 
 def run(cpp_bin: Path, program: str, *args, check: bool = True) -> subprocess.CompletedProcess:
