@@ -202,7 +202,7 @@ def python_rows(py: ExecutorClient, target: str) -> dict:
         "release_unknown": lambda: py.release_cache(changed(cache_id="no-such-sequence")),
         "fork_unknown": lambda: py.fork_cache(changed(cache_id="no-such-sequence"), 2),
         "unknown_model": lambda: ExecutorClient(target, model="no-such-model", timeout=30).info(),
-        "forward_unimplemented": lambda: py._invoke_forward(),
+        "forward_unimplemented": lambda: _raw_forward(py),
         "ahead_too_many": lambda: py.decode_ahead(5, subject, TokenChoice(temperature=0.0), 5000),
         "ahead_bad_stop": lambda: py.decode_ahead(5, subject, TokenChoice(temperature=0.0), 4, [vocab]),
         "deadline": lambda: ExecutorClient(target, timeout=1e-9).prefill([1, 2, 3]),
@@ -238,20 +238,18 @@ COMMON_ROWS = ["cache_not_found", "stale_handle", "length_mismatch", "empty_pref
                "deadline"]
 
 
-def test_error_rows_have_the_python_clients_reasons(cpp_bin, server, py, monkeypatch):
-    from ferrum_rpc.v1 import executor_pb2 as pb
-
-    # The Python client has no forward() (it is UNIMPLEMENTED by contract): call the stub.
-    py._invoke_forward = lambda: _raw_forward(py, pb)
+def test_error_rows_have_the_python_clients_reasons(cpp_bin, server, py):
     got = compare_rows(cpp_bin, server.target, py, COMMON_ROWS)
     assert got["forward_unimplemented"][:2] == ["UNIMPLEMENTED", "-"]
     assert got["cache_not_found"][:2] == ["NOT_FOUND", "CACHE_NOT_FOUND"]
 
 
-def _raw_forward(py, pb):
+def _raw_forward(py):
+    """The Python client has no forward() (UNIMPLEMENTED by contract): the stub's call."""
     import grpc
 
     from ferrum_rpc.errors import from_rpc_error
+    from ferrum_rpc.v1 import executor_pb2 as pb
     try:
         py._stub.Forward(pb.ForwardRequest(), timeout=10)
     except grpc.RpcError as exc:
