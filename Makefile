@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: setup serve prepare test test-fast protos bench clean fuzz-soak
+.PHONY: setup cpp-deps serve prepare test test-fast protos bench clean fuzz-soak
 
 setup: $(STAMP)
 
@@ -24,7 +24,20 @@ prepare: setup
 serve: prepare
 	$(BIN)/ferrum-rpc serve $(ARGS)
 
-test: setup
+# The C++ client's packages (tests/contract/test_cpp_client.py builds clients/cpp):
+# installed quietly where missing when run as root with apt-get; elsewhere the C++
+# tests skip, saying so (CI sets FERRUM_REQUIRE_CPP=1, so they fail there instead).
+CPP_PACKAGES := libgrpc++-dev protobuf-compiler-grpc cmake
+cpp-deps:
+	@if command -v cmake >/dev/null && command -v grpc_cpp_plugin >/dev/null && [ -e /usr/include/grpcpp/grpcpp.h ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing $(CPP_PACKAGES) for the C++ client"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -qq $(CPP_PACKAGES) >/dev/null 2>&1 || \
+		{ apt-get update -qq && apt-get install -y -qq $(CPP_PACKAGES) >/dev/null; }; \
+	else echo "cpp-deps: $(CPP_PACKAGES) missing and not root: the C++ client tests will skip"; fi
+
+test: setup cpp-deps
 	$(BIN)/python -m pytest -q --durations=25
 
 # The unit tier alone: no server, no process, no real model (seconds once the kernels are built).
