@@ -28,7 +28,8 @@ from .rpc.auth import AuthInterceptor, TlsFiles, TokenTable
 from .config import ServerConfig, parse_allow
 from .rpc.migration import PushConfig
 from .registry import Registry
-from .rpc.servicer import ExecutorServicer, add_executor_service
+from .rpc.handler import add_executor_service
+from .rpc.servicer import ExecutorServicer
 from ferrum_rpc.types import ServerState
 from ferrum_rpc.v1 import executor_pb2 as pb
 

@@ -1,13 +1,9 @@
 """The gRPC servicer: protobuf -> domain call on a model worker -> protobuf.
 
-No torch here.  Every exception becomes a status in one place
-(``_abort``), using the shared error table; anything outside the table is
-logged and answered INTERNAL without taking the server down.
-
-Requests are parsed by our own deserializer (``add_executor_service``), so
-bytes that are no valid message reach the handler as :class:`Malformed` and
-are answered INVALID_ARGUMENT / INVALID_INPUT with one rate-limited log line,
-not UNKNOWN with a traceback per request.  Large replies are built and
+No torch here.  Every handler is wrapped by ``handler.py`` (tenant, admission,
+metrics, and every exception to a status in one place, from the shared error
+table); the transfer RPCs are ``migration.TransferRpcs``, the registry and
+shared-memory RPCs ``admin.AdminRpcs``.  Large replies are built and
 serialized on a reply-builder thread, a bounded slice at a time, so the event
 loop keeps answering everyone else meanwhile.
 """
@@ -17,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
-import inspect
 import itertools
 import logging
 import time
@@ -29,22 +23,21 @@ import grpc
 
 from ferrum_rpc import convert, hashing, tensor_codec
 from ferrum_rpc.errors import (
-    AdminOnly,
     Draining,
     ExecutorError,
     InvalidInput,
     ModelLoading,
-    to_rpc_status,
-    shown,
 )
-from .auth import HANDLER_FACTORIES, TokenTable
+from .auth import TokenTable
 from ..kv import events as kv_events
 from . import session
 from ..kv import transfer
 from .ledger import Undelivered
 from ..kv.blocks import Undo
 from .migration import PushConfig, TransferRpcs
+from .admin import AdminRpcs
 from .edge import deadline_of, required_handle
+from .handler import call, handler, query
 from .shm import SharedMemoryRegistry
 from ..engine.worker import ModelWorker
 from ferrum_rpc.types import (
@@ -64,53 +57,6 @@ if TYPE_CHECKING:  # the app hands the servicer its registry (the process layer 
 log = logging.getLogger(__name__)
 
 LARGE_REPLY_BYTES = 1 << 20  # replies at least this large are built off the event loop
-
-
-class Malformed:
-    """Stands in for a request whose bytes did not parse as its message."""
-
-    def __init__(self, why: str):
-        self.why = why
-
-
-class _RateLimitedLog:
-    """At most one warning per ``every_s``; the rest are counted into the next one."""
-
-    def __init__(self, every_s: float = 10.0):
-        self.every_s, self._next, self._suppressed = every_s, 0.0, 0
-
-    def warning(self, message: str) -> None:
-        now = time.monotonic()
-        if now < self._next:
-            self._suppressed += 1
-            return
-        extra = f" ({self._suppressed} more since the last report)" if self._suppressed else ""
-        log.warning("%s%s", message, extra)
-        self._next, self._suppressed = now + self.every_s, 0
-
-
-_malformed_log = _RateLimitedLog()
-
-
-def _deserializer(cls):
-    def parse(data: bytes):
-        try:
-            return cls.FromString(data)
-        except Exception as exc:  # protobuf's DecodeError, and anything else a parser may raise
-            why = f"the request is not a valid {cls.DESCRIPTOR.full_name} ({type(exc).__name__})"
-            _malformed_log.warning(f"malformed request: {why}")
-            return Malformed(why)
-    return parse
-
-
-def _serialize(message) -> bytes:
-    """Replies built off the loop arrive serialized already."""
-    return message if isinstance(message, bytes) else message.SerializeToString()
-
-
-def _check_parsed(request) -> None:
-    if isinstance(request, Malformed):
-        raise InvalidInput(request.why)
 
 
 def _policy_or_unset(message) -> LogitsPolicy | None:
@@ -152,116 +98,7 @@ def _kv_event(number: int, event) -> pb.KvEvent:
     return pb.KvEvent(sequence=number, all_cleared=True)
 
 
-def add_executor_service(servicer: ExecutorServicer, server: grpc.aio.Server) -> None:
-    """Registers the ModelExecutor service with our deserializer and serializer
-    (the generated ``add_ModelExecutorServicer_to_server`` would let a parse error
-    become UNKNOWN with a traceback)."""
-    service = pb.DESCRIPTOR.services_by_name["ModelExecutor"]
-    handlers = {
-        method.name: HANDLER_FACTORIES[method.client_streaming, method.server_streaming](
-            getattr(servicer, method.name),
-            request_deserializer=_deserializer(getattr(pb, method.input_type.name)),
-            response_serializer=_serialize,
-        )
-        for method in service.methods
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
-
-
-def _as_executor_error(exc: Exception) -> ExecutorError:
-    if isinstance(exc, ExecutorError):
-        return exc
-    log.exception("internal error", exc_info=exc)
-    return ExecutorError(f"internal error: {type(exc).__name__}: {exc}", code=grpc.StatusCode.INTERNAL)
-
-
-async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
-    await context.abort_with_status(to_rpc_status(_as_executor_error(exc)))
-
-
-
-
-def _handler(*, admit: bool = True, admin: bool = False, observe: bool = True, ticketed: bool = False):
-    """The one wrapper around every RPC: a request that did not parse is refused,
-    the caller's tenant is found (and passed to the method as its last
-    argument: every call below takes it explicitly), admin-only calls are checked, ``admit`` calls
-    pass admission (draining, loading) and count as in flight, the call is
-    observed for the metrics (``observe=False``: the method observes itself, per
-    step or at its answer), and any error becomes its status.
-
-    Queries (``admit=False``) are answered while draining too, so callers see the
-    state.  A streaming method is written as an async generator, but served as a
-    coroutine that hands each reply to ``context.write``: when the call ends early
-    (cancelled, deadline, disconnect) gRPC cancels this coroutine, the
-    CancelledError rises from the ``write`` it waits in, and the generator is
-    closed there and then, so its ``except``/``finally`` undo at once.  Served as
-    a generator, a call cancelled while gRPC was sending would leave the
-    generator suspended at its ``yield`` until the garbage collector found it.
-
-    ``ticketed`` (ImportSequence): a call carrying an import ticket runs as the
-    ticket's tenant, the ticket claimed for the call and used up if it succeeds."""
-
-    def wrap(method):
-        def enter(self, request, context, stack: contextlib.ExitStack) -> str:
-            """The caller's tenant, once the call may run."""
-            _check_parsed(request)  # a client stream's messages are checked one by one
-            if self.lost is not None:  # a tensor-parallel rank is gone: nothing is answered again
-                raise self.lost
-            presented = transfer.ticket_of(context.invocation_metadata()) if ticketed else None
-            if presented is not None:
-                if admit:
-                    stack.enter_context(self.admit())
-                return stack.enter_context(self.redeemed(*presented)).tenant
-            tenant = self._tenant_of(context)
-            if admin:
-                self._check_admin(tenant)
-            if admit:
-                stack.enter_context(self.admit())
-            return tenant
-
-        if inspect.isasyncgenfunction(method):
-            @functools.wraps(method)
-            async def stream(self, request, context):
-                start, tenant = time.perf_counter(), ""
-                try:
-                    with contextlib.ExitStack() as stack:
-                        tenant = enter(self, request, context, stack)
-                        async with contextlib.aclosing(method(self, request, context, tenant)) as replies:
-                            async for reply in replies:
-                                await context.write(reply)  # see the docstring
-                except Exception as exc:
-                    if observe:
-                        self.observe(method.__name__, tenant, exc, start)
-                    await _abort(context, exc)
-                else:
-                    if observe:
-                        self.observe(method.__name__, tenant, None, start)
-            return stream
-
-        @functools.wraps(method)
-        async def unary(self, request, context):
-            start, tenant = time.perf_counter(), ""
-            try:
-                with contextlib.ExitStack() as stack:
-                    tenant = enter(self, request, context, stack)
-                    reply = await method(self, request, context, tenant)
-            except Exception as exc:
-                if observe:
-                    self.observe(method.__name__, tenant, exc, start)
-                await _abort(context, exc)
-            else:
-                if observe:
-                    self.observe(method.__name__, tenant, None, start, getattr(reply, "timing", None))
-                return reply
-        return unary
-    return wrap
-
-
-_query = _handler(admit=False)
-_rpc = _handler()
-
-
-class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
+class ExecutorServicer(TransferRpcs, AdminRpcs, pb_grpc.ModelExecutorServicer):
     """Routes each request to the worker of the model it names (empty = the default)."""
 
     def __init__(self, instance_id: str, tokens: TokenTable | None = None, metrics=None,
@@ -443,11 +280,11 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
             raise
 
     # -- queries -----------------------------------------------------------------
-    @_query
+    @query
     async def GetModelInfo(self, request, context, tenant: str):
         return convert.model_info_to_proto(self._worker(request.model).executor.info())
 
-    @_query
+    @query
     async def GetCapabilities(self, request, context, tenant: str):
         caps = convert.capabilities_to_proto(self._worker(request.model).executor.capabilities())
         caps.models.extend(sorted(self.workers))
@@ -455,7 +292,7 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
         caps.max_decode_ahead = session.MAX_DECODE_AHEAD
         return caps
 
-    @_query  # not admitted: a watch lasts as long as its caller, and draining must not wait for it
+    @query  # not admitted: a watch lasts as long as its caller, and draining must not wait for it
     async def WatchKvEvents(self, request, context, tenant: str):
         """The caller's tenant's prefix-cache blocks as they are stored and removed
         (``kv_events.py``), until the caller goes or the model unloads."""
@@ -497,7 +334,7 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
             sub.closed = True
             sub.wake.set()
 
-    @_query
+    @query
     async def GetStatus(self, request, context, tenant: str):
         if self.state is ServerState.LOADING and not self.workers:
             return pb.Status(state=pb.Status.STATE_LOADING, server_instance_id=self.instance_id)
@@ -510,7 +347,7 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
         return convert.status_to_proto(status)
 
     # -- the contract ----------------------------------------------------------------
-    @_rpc
+    @call
     async def Prefill(self, request, context, tenant: str):
         received = time.perf_counter_ns()
         worker = self._worker(request.model or request.kv_cache.model)
@@ -531,7 +368,7 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
                 tensor_codec.encode_into(reply.attention_weights.add(), array)
             return await self._reply(reply, out, received, worker, undo, targets[0])
 
-    @_rpc
+    @call
     async def Decode(self, request, context, tenant: str):
         received = time.perf_counter_ns()
         worker = self._worker(request.model or request.kv_cache.model)
@@ -542,7 +379,7 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
             undo = [Undo.of(item.kv_cache, out.kv_cache)]
             return await self._reply(pb.DecodeResponse(), out, received, worker, undo, targets[0])
 
-    @_rpc
+    @call
     async def BatchDecode(self, request, context, tenant: str):
         received = time.perf_counter_ns()
         worker, items, policy = self.decode_batch(request)
@@ -559,7 +396,7 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
                 raise
             ledger.keep()
 
-    @_rpc
+    @call
     async def ForwardVerify(self, request, context, tenant: str):
         received = time.perf_counter_ns()
         worker = self._worker(request.model or request.kv_cache.model)
@@ -571,14 +408,14 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
             return await self._reply(pb.ForwardVerifyResponse(), out, received, worker, undo,
                                      targets[0])
 
-    @_rpc
+    @call
     async def TruncateKv(self, request, context, tenant: str):
         worker = self._worker(request.kv_cache.model)
         handle = await worker.call(worker.executor.truncate_kv, required_handle(request),
                                    request.new_length, tenant, deadline=deadline_of(context))
         return pb.TruncateKvResponse(kv_cache=convert.handle_to_proto(handle))
 
-    @_rpc
+    @call
     async def ReleaseCache(self, request, context, tenant: str):
         worker = self._worker(request.model)
         if request.request_id:
@@ -588,13 +425,13 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
         freed = await worker.call(worker.executor.release_cache, request.cache_id, tenant)
         return pb.ReleaseCacheResponse(blocks_freed=freed)
 
-    @_rpc
+    @call
     async def ForkCache(self, request, context, tenant: str):
         worker = self._worker(request.kv_cache.model)
         children = await worker.fork(required_handle(request), request.num_children, deadline_of(context), tenant)
         return pb.ForkCacheResponse(children=[convert.handle_to_proto(c) for c in children])
 
-    @_rpc
+    @call
     async def SpeculativeDecode(self, request, context, tenant: str):
         received = time.perf_counter_ns()
         worker = self._worker(request.model or request.kv_cache.model)
@@ -614,7 +451,7 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
             undo = [Undo.of(handle, out.kv_cache)]
             return await self._reply(reply, out, received, worker, undo, targets[0])
 
-    @_rpc
+    @call
     async def BatchPrefill(self, request, context, tenant: str):
         """Every prompt goes to the worker at once: their parts share forwards (ragged,
         under the step budget, with other callers' decodes); all or nothing."""
@@ -661,96 +498,21 @@ class ExecutorServicer(TransferRpcs, pb_grpc.ModelExecutorServicer):
                 raise
             ledger.keep()
 
-    @_handler(admit=False, observe=False)  # each step is admitted and observed on its own
+    @handler(admit=False, observe=False)  # each step is admitted and observed on its own
     async def DecodeSession(self, request_iterator, context, tenant: str):
         """Steps, decoding ahead and what a cancelled session undoes: see ``session.py``."""
         await session.DecodeSession(self, context, tenant, deadline_of(context)).serve(request_iterator)
-
-    check_parsed = staticmethod(_check_parsed)  # for session.py (which cannot import this module)
-    as_executor_error = staticmethod(_as_executor_error)
 
 
     # -- sequences that move(the bodies are migration.TransferRpcs') ---------
     # Exports and pushes are answered while draining too: a drained replica's sequences
     # leave by them (see App.drain's export grace).
-    ExportSequence = _handler(admit=False)(TransferRpcs.ExportSequence)
+    ExportSequence = handler(admit=False)(TransferRpcs.ExportSequence)
     # An import admits itself (TransferRpcs._importing): it is refused while draining, but a
     # drain does not wait for it as for an in-flight call.
-    ImportSequence = _handler(admit=False, ticketed=True)(TransferRpcs.ImportSequence)
-    CreateImportTicket = _rpc(TransferRpcs.CreateImportTicket)
-    PushSequence = _handler(admit=False)(TransferRpcs.PushSequence)
-
-    # -- the model registry --------------------------------------------------------
-    def _check_admin(self, tenant: str) -> None:
-        if self.tokens is not None and tenant not in self.admin_tenants:
-            raise AdminOnly(f"loading and unloading models is for admin tenants (--admin-tenants); "
-                            f"{shown(tenant)} is not one")
-
-    @_query
-    async def ListModels(self, request, context, tenant: str):
-        reply = pb.ListModelsResponse()
-        for model in self.registry.hosted():
-            if model.worker is None:
-                reply.models.add(name=model.name, state="loading", path=model.path)
-                continue
-            status = await model.worker.call(model.worker.executor.status, self.state, model.worker.work_queued)
-            status = dataclasses.replace(status, **self.transfer_figures())
-            reply.models.add(name=model.name, state="serving", path=model.path, is_default=model.is_default,
-                             status=convert.status_to_proto(status))
-        return reply
-
-    @_handler(admit=False, admin=True)
-    async def LoadModel(self, request, context, tenant: str):
-        """One progress message per stage (see ``Registry.load_stages``)."""
-        start = time.perf_counter()
-        draining = self.state is ServerState.DRAINING
-        async with contextlib.aclosing(self.registry.load_stages(request.name, request.path, draining)) as stages:
-            async for stage in stages:  # closed with this call: an abandoned load is undone at once
-                yield pb.LoadModelResponse(stage=stage, elapsed_s=time.perf_counter() - start)
-
-    @_handler(admit=False, admin=True)
-    async def UnloadModel(self, request, context, tenant: str):
-        if request.name:
-            self._worker(request.name)  # the precise refusal: loading, unloaded, unknown
-        return pb.UnloadModelResponse(sequences_dropped=await self.registry.unload(request.name))
-
-    # -- shared memory -------------------------------------------------------------
-    @_handler(admit=False, observe=False)  # observed when it answers, not when the registration ends
-    async def RegisterSharedMemory(self, request, context, tenant: str):
-        """Registers the region, answers once, and holds the registration until the
-        caller cancels, disconnects or unregisters it (or the server drains).  Not
-        an in-flight call: a drain does not wait for it."""
-        start = time.perf_counter()
-        try:
-            if not self.shared_memory:
-                raise ExecutorError("shared memory is off on this server (it serves it on loopback addresses, "
-                                    "or with --shared-memory on)", code=grpc.StatusCode.UNIMPLEMENTED)
-            if self.state is ServerState.DRAINING:
-                raise Draining("the server is shutting down")
-            creating = asyncio.get_running_loop().run_in_executor(  # reserving the pages may take a while
-                None, self.shm.register, tenant, request.name, request.key, request.offset, request.byte_size)
-            try:
-                region = await asyncio.shield(creating)
-            except asyncio.CancelledError:  # the caller left: what was created goes at once
-                creating.add_done_callback(lambda f: f.exception() or self.shm.unregister(tenant, region=f.result()))
-                raise
-        except Exception as exc:
-            self.observe("RegisterSharedMemory", tenant, exc, start)
-            raise
-        self.observe("RegisterSharedMemory", tenant, None, start)
-        try:
-            yield pb.RegisterSharedMemoryResponse(name=region.name, byte_size=region.byte_size, key=region.key)
-            await region.ended.wait()
-        finally:
-            self.shm.unregister(region.tenant, region.name, region)
-
-    @_query
-    async def UnregisterSharedMemory(self, request, context, tenant: str):
-        """Answers once no admitted call will write into the regions any more."""
-        gone = self.shm.unregister(tenant, request.name)
-        for region in gone:
-            await region.drained()
-        return pb.UnregisterSharedMemoryResponse(unregistered=len(gone))
+    ImportSequence = handler(admit=False, ticketed=True)(TransferRpcs.ImportSequence)
+    CreateImportTicket = call(TransferRpcs.CreateImportTicket)
+    PushSequence = handler(admit=False)(TransferRpcs.PushSequence)
 
     async def Forward(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED,

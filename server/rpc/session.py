@@ -53,6 +53,7 @@ from ferrum_rpc.errors import InvalidInput, to_status_proto
 from ..kv.blocks import Undo
 from .ledger import Undelivered
 from ..engine.worker import ModelWorker
+from .handler import as_executor_error, check_parsed
 from ferrum_rpc.types import DecodeInput
 from ferrum_rpc.v1 import executor_pb2 as pb
 
@@ -159,7 +160,7 @@ class DecodeSession:
         step_id = getattr(request, "step_id", 0)
         keys: list[int] = []
         try:
-            servicer.check_parsed(request)
+            check_parsed(request)
             if request.stop:
                 check_stop_message(request)
                 if step_id in self.ahead:
@@ -189,7 +190,7 @@ class DecodeSession:
             ledger.undo(keys)  # the step answers with an error: it changes nothing
             servicer.observe("DecodeSession", tenant, exc, received / 1e9)
             await self._hand(pb.DecodeSessionResponse(
-                step_id=step_id, error=to_status_proto(servicer.as_executor_error(exc))))
+                step_id=step_id, error=to_status_proto(as_executor_error(exc))))
         finally:
             await self.replies.put(_STEP_DONE)
 

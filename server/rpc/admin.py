@@ -1,0 +1,93 @@
+"""The administrative RPCs: the model registry (ListModels, LoadModel, UnloadModel,
+admin tenants only for changes) and shared-memory regions (RegisterSharedMemory,
+UnregisterSharedMemory).  A mixin of the servicer: reads its registry, state, shm and
+transfer figures."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+
+import grpc
+
+from ferrum_rpc import convert
+from ferrum_rpc.errors import AdminOnly, Draining, ExecutorError, shown
+from ferrum_rpc.types import ServerState
+from ferrum_rpc.v1 import executor_pb2 as pb
+from .handler import handler, query
+
+
+class AdminRpcs:
+    # -- the model registry ----------------------------------------------------------------
+    def _check_admin(self, tenant: str) -> None:
+        if self.tokens is not None and tenant not in self.admin_tenants:
+            raise AdminOnly(f"loading and unloading models is for admin tenants (--admin-tenants); "
+                            f"{shown(tenant)} is not one")
+
+    @query
+    async def ListModels(self, request, context, tenant: str):
+        reply = pb.ListModelsResponse()
+        for model in self.registry.hosted():
+            if model.worker is None:
+                reply.models.add(name=model.name, state="loading", path=model.path)
+                continue
+            status = await model.worker.call(model.worker.executor.status, self.state, model.worker.work_queued)
+            status = dataclasses.replace(status, **self.transfer_figures())
+            reply.models.add(name=model.name, state="serving", path=model.path, is_default=model.is_default,
+                             status=convert.status_to_proto(status))
+        return reply
+
+    @handler(admit=False, admin=True)
+    async def LoadModel(self, request, context, tenant: str):
+        """One progress message per stage (see ``Registry.load_stages``)."""
+        start = time.perf_counter()
+        draining = self.state is ServerState.DRAINING
+        async with contextlib.aclosing(self.registry.load_stages(request.name, request.path, draining)) as stages:
+            async for stage in stages:  # closed with this call: an abandoned load is undone at once
+                yield pb.LoadModelResponse(stage=stage, elapsed_s=time.perf_counter() - start)
+
+    @handler(admit=False, admin=True)
+    async def UnloadModel(self, request, context, tenant: str):
+        if request.name:
+            self._worker(request.name)  # the precise refusal: loading, unloaded, unknown
+        return pb.UnloadModelResponse(sequences_dropped=await self.registry.unload(request.name))
+
+    # -- shared memory -------------------------------------------------------------
+    @handler(admit=False, observe=False)  # observed when it answers, not when the registration ends
+    async def RegisterSharedMemory(self, request, context, tenant: str):
+        """Registers the region, answers once, and holds the registration until the
+        caller cancels, disconnects or unregisters it (or the server drains).  Not
+        an in-flight call: a drain does not wait for it."""
+        start = time.perf_counter()
+        try:
+            if not self.shared_memory:
+                raise ExecutorError("shared memory is off on this server (it serves it on loopback addresses, "
+                                    "or with --shared-memory on)", code=grpc.StatusCode.UNIMPLEMENTED)
+            if self.state is ServerState.DRAINING:
+                raise Draining("the server is shutting down")
+            creating = asyncio.get_running_loop().run_in_executor(  # reserving the pages may take a while
+                None, self.shm.register, tenant, request.name, request.key, request.offset, request.byte_size)
+            try:
+                region = await asyncio.shield(creating)
+            except asyncio.CancelledError:  # the caller left: what was created goes at once
+                creating.add_done_callback(lambda f: f.exception() or self.shm.unregister(tenant, region=f.result()))
+                raise
+        except Exception as exc:
+            self.observe("RegisterSharedMemory", tenant, exc, start)
+            raise
+        self.observe("RegisterSharedMemory", tenant, None, start)
+        try:
+            yield pb.RegisterSharedMemoryResponse(name=region.name, byte_size=region.byte_size, key=region.key)
+            await region.ended.wait()
+        finally:
+            self.shm.unregister(region.tenant, region.name, region)
+
+    @query
+    async def UnregisterSharedMemory(self, request, context, tenant: str):
+        """Answers once no admitted call will write into the regions any more."""
+        gone = self.shm.unregister(tenant, request.name)
+        for region in gone:
+            await region.drained()
+        return pb.UnregisterSharedMemoryResponse(unregistered=len(gone))
