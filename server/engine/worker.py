@@ -35,82 +35,26 @@ thread, the queue, the futures, cancellation and deadlines.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from ferrum_rpc.errors import Cancelled, DeadlineExceeded, Draining, ExecutorError, SequenceLimitExceeded, TenantQuotaExceeded
+from ferrum_rpc.errors import Draining, ExecutorError
+from ferrum_rpc.types import DecodeInput, KvCacheHandle, LogitsPolicy
 from . import scheduler
-from .executor import TorchExecutor, verify_policy
 from ..kv.blocks import Undo
-from .prompt import PromptInParts
-from ferrum_rpc.types import DecodeInput, HiddenStatesRequest, KvCacheHandle, LogitsPolicy, VerifyOutput
+from .executor import TorchExecutor
+from .front import AsyncFront
+from .jobs import DecodeWork, Job, PromptWork, with_queue_time
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class DecodeWork:
-    """A decode step: one token for each sequence, and what each reply carries."""
-    inputs: list[DecodeInput]
-    policy: LogitsPolicy
-
-
-@dataclass(frozen=True)
-class PromptWork:
-    """A prompt, run in parts: its tokens, the sequence it continues (None: a new one),
-    what its reply carries, the hidden states asked for, the token choice after it,
-    and whether its tokens count as output for the penalties (ForwardVerify)."""
-    token_ids: list[int]
-    kv_cache: KvCacheHandle | None
-    policy: LogitsPolicy
-    hidden: HiddenStatesRequest | None = None
-    choice: Any = None
-    as_output: bool = False
-    name: str = ""  # the caller's request_id for the sequence it creates
-
-
-@dataclass
-class _Job:
-    """One queued piece of work: a call (``fn(*args)``), a decode step or a prompt."""
-    fn: Callable[..., Any] | None
-    args: tuple
-    future: Future = field(default_factory=Future)
-    enqueued_ns: int = field(default_factory=time.perf_counter_ns)
-    decode: DecodeWork | None = None
-    prefill: PromptWork | None = None
-    prompt: PromptInParts | None = None  # once its first part is planned
-    queue_ns: int = 0
-    deadline: float | None = None  # time.monotonic() past which the caller no longer waits
-    abandoned: bool = False  # the caller went away: stop before the next part and undo
-    parked_at: float | None = None  # a prompt first found no room for the whole of it (see scheduler.take_prompts)
-    tenant: str = ""  # who submitted it ("" = auth off): its sequences, its fair share
-
-    @property
-    def analysis(self) -> bool:
-        """A prompt asking for hidden states: its parts run in forwards of their own."""
-        return self.prefill is not None and self.prefill.hidden is not None
-
-    def sequence(self) -> str | None:
-        """The existing sequence a prompt continues (None: a new one)."""
-        return self.prefill.kv_cache.cache_id if self.prefill and self.prefill.kv_cache is not None else None
-
-    def gone(self) -> ExecutorError | None:
-        """Why this job's caller no longer waits for it, or None while it does."""
-        if self.abandoned:
-            return Cancelled("the caller cancelled the call")
-        if self.deadline is not None and time.monotonic() > self.deadline:
-            return DeadlineExceeded("the caller's deadline passed; the work was undone")
-        return None
-
-
-class ModelWorker:
+class ModelWorker(AsyncFront):
     """Serialises access to one executor on a dedicated thread.
 
     Args:
@@ -132,10 +76,10 @@ class ModelWorker:
         self._decoders: dict[str, float] = {}  # sequence -> when it last decoded (the last second's)
         self._last_forward_s = 0.0  # how long the last forward with decodes took
         self._prompt_turns: dict[str, int] = {}  # tenant -> when its prompts last got a part (see scheduler.fair)
-        self._parked: list[_Job] = []  # prompts waiting for room in the pool (see scheduler.take_prompts)
+        self._parked: list[Job] = []  # prompts waiting for room in the pool (see scheduler.take_prompts)
         self._unpark_at = float("inf")
         self._turns = itertools.count()
-        self._jobs: deque[_Job | None] = deque()
+        self._jobs: deque[Job | None] = deque()
         self._unanswered: set[Future] = set()  # every job's future until it resolves (see fail_all)
         self._cond = threading.Condition()
         self._stopping = False
@@ -174,30 +118,6 @@ class ModelWorker:
         with self._cond:
             return sum(1 for job in self._jobs if job is not None and (job.decode or job.prefill))
 
-    @contextlib.contextmanager
-    def ahead_seats(self, tenant: str, count: int):
-        """Holds ``count`` of ``tenant``'s seats for decoding ahead for the run's life; refuses
-        (TENANT_QUOTA_EXCEEDED) past the tenant's bound, so one tenant's runs take a bounded
-        share of every forward.  Event loop only."""
-        cap, held = self.executor.bounds(tenant).ahead_sequences, self.ahead.get(tenant, 0)
-        if cap and held + count > cap:
-            raise TenantQuotaExceeded(
-                f"your tenant has {held} sequences decoding ahead, its cap is {cap} (--tenant-ahead-sequences); "
-                f"this step's {count} would pass it: wait for a run to end or stop one")
-        total, room = sum(self.ahead.values()), self.executor.config.max_batch_size
-        if total + count > room:  # in total too: more than one forward holds would only queue
-            raise SequenceLimitExceeded(
-                f"the server has {total} sequences decoding ahead, its cap is {room} (--max-batch); "
-                f"this step's {count} would pass it: wait for a run to end")
-        self.ahead[tenant] = held + count
-        try:
-            yield
-        finally:
-            if (left := self.ahead[tenant] - count) > 0:
-                self.ahead[tenant] = left
-            else:
-                del self.ahead[tenant]
-
     @property
     def stopping(self) -> bool:
         """stop() was called: new jobs are refused (queued ones still finish)."""
@@ -207,7 +127,7 @@ class ModelWorker:
     # auth off), from the servicer's edge to the executor: nothing ambient.
     def submit(self, fn: Callable[..., Any], *args: Any, deadline: float | None = None) -> Future:
         """Runs ``fn(*args)`` on the worker thread."""
-        return self._put(_Job(fn, args, deadline=deadline)).future
+        return self._put(Job(fn, args, deadline=deadline)).future
 
     def submit_prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None,
                        policy: LogitsPolicy | None, deadline: float | None = None, tenant: str = "",
@@ -221,59 +141,12 @@ class ModelWorker:
     def submit_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy,
                       deadline: float | None = None, tenant: str = "") -> Future:
         """Runs a decode step, batched with the other decodes (and prompt parts) queued with it."""
-        return self._put(_Job(None, (), decode=DecodeWork(inputs, policy), deadline=deadline, tenant=tenant)).future
+        return self._put(Job(None, (), decode=DecodeWork(inputs, policy), deadline=deadline, tenant=tenant)).future
 
     def _prefill_job(self, token_ids, kv_cache, policy, deadline, tenant, hidden=None, choice=None,
-                     as_output=False, name="") -> _Job:
-        return _Job(None, (), prefill=PromptWork(token_ids, kv_cache, policy, hidden, choice, as_output, name),
+                     as_output=False, name="") -> Job:
+        return Job(None, (), prefill=PromptWork(token_ids, kv_cache, policy, hidden, choice, as_output, name),
                     deadline=deadline, tenant=tenant)
-
-    # -- asyncio front: a cancelled await stops the job and undoes what it did ------
-    async def call(self, fn: Callable[..., Any], *args: Any, deadline: float | None = None) -> Any:
-        return await self._await(self._put(_Job(fn, args, deadline=deadline)))
-
-    async def prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None, policy: LogitsPolicy | None,
-                      deadline: float | None = None, hidden=None, tenant: str = "", choice=None,
-                      as_output: bool = False, name: str = "") -> Any:
-        """A prompt; ``choice`` (a TokenChoice): also the token after it, chosen on this
-        thread right after the forward; ``policy=None``: the logits field was unset;
-        ``name``: the caller's request_id for the new sequence."""
-        job = self._put(self._prefill_job(token_ids, kv_cache, policy, deadline, tenant, hidden, choice, as_output,
-                                          name))
-        return await self._await(job, lambda out: [Undo.of(kv_cache, out.kv_cache)])
-
-    async def verify(self, token_ids: list[int], kv_cache: KvCacheHandle, policy: LogitsPolicy,
-                     deadline: float | None = None, tenant: str = "") -> VerifyOutput:
-        """ForwardVerify: a continued prefill over every position (chunked when long,
-        batched with other prompts when short)."""
-        out = await self.prefill(token_ids, kv_cache, verify_policy(policy), deadline, tenant=tenant, as_output=True)
-        return VerifyOutput(out.logits, out.kv_cache, out.timing)
-
-    async def decode(self, inputs: list[DecodeInput], policy: LogitsPolicy, deadline: float | None = None,
-                     tenant: str = "") -> list:
-        job = self._put(_Job(None, (), decode=DecodeWork(inputs, policy), deadline=deadline, tenant=tenant))
-        return await self._await(job, lambda outs: [Undo.of(i.kv_cache, o.kv_cache) for i, o in zip(inputs, outs)])
-
-    async def speculative(self, token_id: int, draft: list[int], kv_cache: KvCacheHandle,
-                          policy: LogitsPolicy | None, deadline: float | None = None, sampling=None,
-                          tenant: str = "", choice=None) -> Any:
-        """SpeculativeDecode: verify, accept (by ``choice``, a TokenChoice, when given) and
-        truncate as one job."""
-        job = self._put(_Job(self.executor.speculative_decode,
-                             (token_id, draft, kv_cache, policy, sampling, tenant, choice),
-                             deadline=deadline, tenant=tenant))
-        return await self._await(job, lambda out: [Undo.of(kv_cache, out.kv_cache)])
-
-    async def fork(self, kv_cache: KvCacheHandle, num_children: int, deadline: float | None = None,
-                   tenant: str = "") -> list:
-        job = self._put(_Job(self.executor.fork_cache, (kv_cache, num_children, tenant), deadline=deadline,
-                             tenant=tenant))
-        return await self._await(job, lambda children: [Undo.of(None, c) for c in children])
-
-    async def release_named(self, name: str, tenant: str = "") -> int:
-        """ReleaseCache by request_id: aborts a prompt still creating that sequence, then
-        releases it (see :meth:`TorchExecutor.release_named`)."""
-        return await self.call(self._release_named, name, tenant)
 
     def _release_named(self, name: str, tenant: str) -> int:  # on this thread, between forwards
         with self._cond:
@@ -282,39 +155,6 @@ class ModelWorker:
         for job in creating:
             job.abandoned = True  # stopped before its next part and undone (_plan_part)
         return self.executor.release_named(name, tenant, aborted=bool(creating))
-
-    async def create(self, fn: Callable[..., KvCacheHandle], *args: Any, deadline: float | None = None,
-                     tenant: str = "") -> KvCacheHandle:
-        """A call that makes one new sequence and returns its handle (ImportSequence):
-        released again if its caller went away."""
-        job = self._put(_Job(fn, args, deadline=deadline, tenant=tenant))
-        return await self._await(job, lambda handle: [Undo.of(None, handle)])
-
-    async def _await(self, job: _Job, undo: Callable[[Any], list[Undo]] | None = None) -> Any:
-        """Waits for a job.  If the waiting coroutine is cancelled (gRPC cancels a
-        handler whose caller cancelled, disconnected or ran out of time), a queued
-        job is dropped, a running prompt is stopped before its next part and undone, and
-        one that finished anyway has its records (``undo(result)``, see ``Undo``)
-        applied, so a reply nobody receives leaves no sequence behind."""
-        try:
-            result = await asyncio.wrap_future(job.future)
-        except asyncio.CancelledError:
-            job.abandoned = True
-            if undo is not None:
-                job.future.add_done_callback(lambda f: self._undo_if_done(f, undo))
-            raise
-        if undo is not None and (gone := job.gone()) is not None:
-            # Finished, but its caller's deadline passed before the reply could go back (a
-            # stalled process resumed, say): the caller was told DEADLINE_EXCEEDED, so the
-            # call must change nothing.  The undo is queued ahead of the caller's retry.
-            self.undo(undo(result), "a call answered after its deadline")
-            raise gone
-        return result
-
-    def _undo_if_done(self, future: Future, undo: Callable[[Any], list[Undo]]) -> None:
-        if future.cancelled() or future.exception() is not None:
-            return  # nothing was done, or it was undone already
-        self.undo(undo(future.result()), "a finished call whose caller went away")
 
     def undo(self, undos: list[Undo], why: str) -> Future:
         """Applies undo records on the worker thread (``TorchExecutor.undo``); refused
@@ -341,7 +181,7 @@ class ModelWorker:
             except InvalidStateError:  # answered meanwhile
                 pass
 
-    def _put(self, job: _Job) -> _Job:
+    def _put(self, job: Job) -> Job:
         self._unanswered.add(job.future)
         job.future.add_done_callback(self._unanswered.discard)
         with self._cond:
@@ -352,7 +192,7 @@ class ModelWorker:
             self._cond.notify()
         return job
 
-    def _requeue(self, job: _Job) -> None:
+    def _requeue(self, job: Job) -> None:
         """Puts an unfinished prompt back at the end of the queue (also after a stop: it finishes)."""
         with self._cond:
             self._jobs.append(job)
@@ -374,7 +214,7 @@ class ModelWorker:
                         return
                     self._jobs.append(None)  # prompts re-queued behind the stop finish first
                     continue
-                decodes: list[_Job] | None = None
+                decodes: list[Job] | None = None
                 if job.decode:
                     decodes = [self._jobs.popleft()]
                     self._collect(decodes)
@@ -406,7 +246,7 @@ class ModelWorker:
         cfg = self.executor.config
         return scheduler.Limits(cfg.max_batch_size, cfg.step_token_budget, cfg.prefill_chunk)
 
-    def _view(self, job: _Job | None) -> scheduler.Queued:
+    def _view(self, job: Job | None) -> scheduler.Queued:
         """How the policy sees a queued job (lock held)."""
         if job is None or not (job.decode or job.prefill):
             return scheduler.Queued(id(job), scheduler.Kind.OTHER)
@@ -421,16 +261,16 @@ class ModelWorker:
             started=job.prompt is not None, blocks_to_finish=self._blocks_to_finish(job),
             must_run=self._stopping or job.gone() is not None, patient=patient, analysis=job.analysis)
 
-    def _snapshot(self) -> tuple[list[scheduler.Queued], dict[int, _Job]]:
+    def _snapshot(self) -> tuple[list[scheduler.Queued], dict[int, Job]]:
         return [self._view(j) for j in self._jobs], {id(j): j for j in self._jobs if j is not None}
 
-    def _remove(self, jobs: list[_Job]) -> None:  # lock held
+    def _remove(self, jobs: list[Job]) -> None:  # lock held
         ids = {id(j) for j in jobs}
         kept = [j for j in self._jobs if id(j) not in ids]
         self._jobs.clear()
         self._jobs.extend(kept)
 
-    def _collect(self, batch: list[_Job]) -> bool:
+    def _collect(self, batch: list[Job]) -> bool:
         """Moves queued decodes into ``batch`` while they fit (lock held), fairly
         across tenants (``scheduler.take_decodes``).  Returns True if the batch is
         closed (full, a job that does not fit, or the window ends before the queue does)."""
@@ -440,7 +280,7 @@ class ModelWorker:
         self._remove([jobs[q.key] for q in taken])
         return closed
 
-    def _take_prompts(self, decodes: list[_Job]) -> list[tuple[_Job, int]]:
+    def _take_prompts(self, decodes: list[Job]) -> list[tuple[Job, int]]:
         """Takes the prompts that get a part of this forward and how many tokens each
         may run, and parks those the pool cannot hold yet (lock held; see scheduler.py)."""
         limits = self._limits()
@@ -458,7 +298,7 @@ class ModelWorker:
             self._prompt_turns[job.tenant] = next(self._turns)
         return taken
 
-    def _blocks_to_finish(self, job: _Job) -> int:
+    def _blocks_to_finish(self, job: Job) -> int:
         """KV blocks a prompt still needs to finish (an upper bound: a cached prefix
         may need fewer; a continuation that starts inside a shared block one more)."""
         kv = self.executor.kv
@@ -469,7 +309,7 @@ class ModelWorker:
         start = handle.sequence_length if handle is not None else 0
         return kv.blocks_for(start + len(tokens)) - kv.blocks_for(start) + (1 if start % kv.block_size else 0)
 
-    def _park(self, job: _Job) -> None:  # lock held
+    def _park(self, job: Job) -> None:  # lock held
         if job.parked_at is None:
             job.parked_at = time.monotonic()  # its admission wait starts
         self._jobs.remove(job)
@@ -484,13 +324,13 @@ class ModelWorker:
             self._parked.clear()
             self._unpark_at = float("inf")
 
-    def _wait_for_more(self, batch: list[_Job]) -> None:
+    def _wait_for_more(self, batch: list[Job]) -> None:
         deadline = time.monotonic() + self.batch_wait_s
         with self._cond:
             while not self._collect(batch) and (left := deadline - time.monotonic()) > 0:
                 self._cond.wait(left)
 
-    def _wait_for_decoders(self, batch: list[_Job]) -> None:
+    def _wait_for_decoders(self, batch: list[Job]) -> None:
         """Waits briefly for the decoders of the last second that are not queued yet.
 
         Callers drive decoding one call per token, so after a forward their next
@@ -525,7 +365,7 @@ class ModelWorker:
             except Exception:  # bookkeeping must never kill the worker
                 log.exception("idle reclamation failed")
 
-    def _run(self, job: _Job) -> None:
+    def _run(self, job: Job) -> None:
         if not job.future.set_running_or_notify_cancel():
             return
         if (gone := job.gone()) is not None:
@@ -537,9 +377,9 @@ class ModelWorker:
         except BaseException as exc:  # handed to the caller, never lost
             job.future.set_exception(exc)
             return
-        job.future.set_result(_with_queue_time(result, queue_ns))
+        job.future.set_result(with_queue_time(result, queue_ns))
 
-    def _plan_part(self, job: _Job, tokens: int) -> Any:
+    def _plan_part(self, job: Job, tokens: int) -> Any:
         """Opens a prompt on its first part, then plans its next part of up to
         ``tokens``; None (with the job answered) if it failed or its caller went away."""
         ex = self.executor
@@ -564,12 +404,12 @@ class ModelWorker:
             job.future.set_exception(exc)
             return None
 
-    def _run_step(self, decodes: list[_Job], prompts: list[tuple[_Job, int]]) -> None:
+    def _run_step(self, decodes: list[Job], prompts: list[tuple[Job, int]]) -> None:
         """Plans every decode and prompt part (a job whose plan fails gets its error
         alone), runs them all as one forward, and hands each decode its result and
         each prompt its part's; an unfinished prompt goes back in the queue."""
         start = time.perf_counter_ns()
-        planned: list[tuple[_Job, Any]] = []
+        planned: list[tuple[Job, Any]] = []
         for job in decodes:
             if not job.future.set_running_or_notify_cancel():
                 continue
@@ -616,7 +456,7 @@ class ModelWorker:
                 job.future.set_exception(result)
                 continue
             if job.decode:
-                job.future.set_result(_with_queue_time(result, start - job.enqueued_ns))
+                job.future.set_result(with_queue_time(result, start - job.enqueued_ns))
                 continue
             try:
                 done = job.prompt.part_done(plan, result, forward_ns, steps)
@@ -626,13 +466,4 @@ class ModelWorker:
             if done is None:
                 self._requeue(job)
             else:
-                job.future.set_result(_with_queue_time(done, job.queue_ns))
-
-
-def _with_queue_time(result: Any, queue_ns: int) -> Any:
-    """Stamps the queue time on an output (or a list of them); other results pass through."""
-    if isinstance(result, list):
-        return [_with_queue_time(r, queue_ns) for r in result]
-    if hasattr(result, "timing"):
-        return replace(result, timing=replace(result.timing, queue_ns=queue_ns))
-    return result
+                job.future.set_result(with_queue_time(done, job.queue_ns))

@@ -22,7 +22,7 @@ def deadline_of(context) -> float | None:
     it, a call that sat in the socket of a frozen or stalled server past its deadline
     would run on resume with a fresh one, after its caller gave up.  A call whose deadline
     has passed is refused here, before it is queued, and changes nothing (the worker
-    refuses a queued job whose deadline passed, ``_Job.gone``)."""
+    refuses a queued job whose deadline passed, ``Job.gone``)."""
     now = time.monotonic()
     remaining = context.time_remaining()
     deadline = None if remaining is None else now + remaining

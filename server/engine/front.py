@@ -1,0 +1,126 @@
+"""The model worker's asyncio front: each call a coroutine that submits its job and
+awaits it; a cancelled await (gRPC cancels a handler whose caller cancelled,
+disconnected or ran out of time) stops the job and undoes what it did, and a
+result that arrives after its caller's deadline is undone too.  Also the
+decode-ahead seats, event-loop bookkeeping."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from ferrum_rpc.errors import SequenceLimitExceeded, TenantQuotaExceeded
+from ferrum_rpc.types import DecodeInput, KvCacheHandle, LogitsPolicy, VerifyOutput
+from ..kv.blocks import Undo
+from .executor import verify_policy
+from .jobs import DecodeWork, Job
+
+
+class AsyncFront:
+    """Mixed into :class:`~.worker.ModelWorker` (its ``_put``, ``submit``, ``undo``,
+    ``executor``, ``ahead`` and ``_prefill_job``)."""
+
+    @contextlib.contextmanager
+    def ahead_seats(self, tenant: str, count: int):
+        """Holds ``count`` of ``tenant``'s seats for decoding ahead for the run's life; refuses
+        (TENANT_QUOTA_EXCEEDED) past the tenant's bound, so one tenant's runs take a bounded
+        share of every forward.  Event loop only."""
+        cap, held = self.executor.bounds(tenant).ahead_sequences, self.ahead.get(tenant, 0)
+        if cap and held + count > cap:
+            raise TenantQuotaExceeded(
+                f"your tenant has {held} sequences decoding ahead, its cap is {cap} (--tenant-ahead-sequences); "
+                f"this step's {count} would pass it: wait for a run to end or stop one")
+        total, room = sum(self.ahead.values()), self.executor.config.max_batch_size
+        if total + count > room:  # in total too: more than one forward holds would only queue
+            raise SequenceLimitExceeded(
+                f"the server has {total} sequences decoding ahead, its cap is {room} (--max-batch); "
+                f"this step's {count} would pass it: wait for a run to end")
+        self.ahead[tenant] = held + count
+        try:
+            yield
+        finally:
+            if (left := self.ahead[tenant] - count) > 0:
+                self.ahead[tenant] = left
+            else:
+                del self.ahead[tenant]
+
+    async def call(self, fn: Callable[..., Any], *args: Any, deadline: float | None = None) -> Any:
+        return await self._await(self._put(Job(fn, args, deadline=deadline)))
+
+    async def prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None, policy: LogitsPolicy | None,
+                      deadline: float | None = None, hidden=None, tenant: str = "", choice=None,
+                      as_output: bool = False, name: str = "") -> Any:
+        """A prompt; ``choice`` (a TokenChoice): also the token after it, chosen on this
+        thread right after the forward; ``policy=None``: the logits field was unset;
+        ``name``: the caller's request_id for the new sequence."""
+        job = self._put(self._prefill_job(token_ids, kv_cache, policy, deadline, tenant, hidden, choice, as_output,
+                                          name))
+        return await self._await(job, lambda out: [Undo.of(kv_cache, out.kv_cache)])
+
+    async def verify(self, token_ids: list[int], kv_cache: KvCacheHandle, policy: LogitsPolicy,
+                     deadline: float | None = None, tenant: str = "") -> VerifyOutput:
+        """ForwardVerify: a continued prefill over every position (chunked when long,
+        batched with other prompts when short)."""
+        out = await self.prefill(token_ids, kv_cache, verify_policy(policy), deadline, tenant=tenant, as_output=True)
+        return VerifyOutput(out.logits, out.kv_cache, out.timing)
+
+    async def decode(self, inputs: list[DecodeInput], policy: LogitsPolicy, deadline: float | None = None,
+                     tenant: str = "") -> list:
+        job = self._put(Job(None, (), decode=DecodeWork(inputs, policy), deadline=deadline, tenant=tenant))
+        return await self._await(job, lambda outs: [Undo.of(i.kv_cache, o.kv_cache) for i, o in zip(inputs, outs)])
+
+    async def speculative(self, token_id: int, draft: list[int], kv_cache: KvCacheHandle,
+                          policy: LogitsPolicy | None, deadline: float | None = None, sampling=None,
+                          tenant: str = "", choice=None) -> Any:
+        """SpeculativeDecode: verify, accept (by ``choice``, a TokenChoice, when given) and
+        truncate as one job."""
+        job = self._put(Job(self.executor.speculative_decode,
+                             (token_id, draft, kv_cache, policy, sampling, tenant, choice),
+                             deadline=deadline, tenant=tenant))
+        return await self._await(job, lambda out: [Undo.of(kv_cache, out.kv_cache)])
+
+    async def fork(self, kv_cache: KvCacheHandle, num_children: int, deadline: float | None = None,
+                   tenant: str = "") -> list:
+        job = self._put(Job(self.executor.fork_cache, (kv_cache, num_children, tenant), deadline=deadline,
+                             tenant=tenant))
+        return await self._await(job, lambda children: [Undo.of(None, c) for c in children])
+
+    async def release_named(self, name: str, tenant: str = "") -> int:
+        """ReleaseCache by request_id: aborts a prompt still creating that sequence, then
+        releases it (see :meth:`TorchExecutor.release_named`)."""
+        return await self.call(self._release_named, name, tenant)
+
+    async def create(self, fn: Callable[..., KvCacheHandle], *args: Any, deadline: float | None = None,
+                     tenant: str = "") -> KvCacheHandle:
+        """A call that makes one new sequence and returns its handle (ImportSequence):
+        released again if its caller went away."""
+        job = self._put(Job(fn, args, deadline=deadline, tenant=tenant))
+        return await self._await(job, lambda handle: [Undo.of(None, handle)])
+
+    async def _await(self, job: Job, undo: Callable[[Any], list[Undo]] | None = None) -> Any:
+        """Waits for a job.  If the waiting coroutine is cancelled (gRPC cancels a
+        handler whose caller cancelled, disconnected or ran out of time), a queued
+        job is dropped, a running prompt is stopped before its next part and undone, and
+        one that finished anyway has its records (``undo(result)``, see ``Undo``)
+        applied, so a reply nobody receives leaves no sequence behind."""
+        try:
+            result = await asyncio.wrap_future(job.future)
+        except asyncio.CancelledError:
+            job.abandoned = True
+            if undo is not None:
+                job.future.add_done_callback(lambda f: self._undo_if_done(f, undo))
+            raise
+        if undo is not None and (gone := job.gone()) is not None:
+            # Finished, but its caller's deadline passed before the reply could go back (a
+            # stalled process resumed, say): the caller was told DEADLINE_EXCEEDED, so the
+            # call must change nothing.  The undo is queued ahead of the caller's retry.
+            self.undo(undo(result), "a call answered after its deadline")
+            raise gone
+        return result
+
+    def _undo_if_done(self, future: Future, undo: Callable[[Any], list[Undo]]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return  # nothing was done, or it was undone already
+        self.undo(undo(future.result()), "a finished call whose caller went away")
