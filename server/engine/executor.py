@@ -26,42 +26,36 @@ from typing import Iterable
 
 import torch
 
-from ferrum_rpc.errors import ExecutorError, InvalidInput, NonFiniteLogits, TenantQuotaExceeded
+from ferrum_rpc.errors import ExecutorError, InvalidInput, TenantQuotaExceeded
 from ..choice import speculative
 from ..choice.sampling import accept_drafts as choose_drafts
-from ..choice.sampling import choose_tokens, row_max
+from ..choice.sampling import row_max
 from ..choice.policy import validate_token_choice
 from ..config import ExecutorConfig, TenantBounds, tenant_bounds
 from .checks import ExecutorChecks
+from .choosing import ChoosesTokens
+from .describe import Describes
 from .forward import Rows, Step, forward
 from ..kv.pool import KvPool
 from ..kv.blocks import BlockManager, SequenceState, Undo
 from ..kv.events import KvEventHub
 from ..models import TORCH_DTYPES, load_model
 from ..parallel import runner
-from ..parallel.choice import RowRequest
 from ..parallel.group import CURRENT
 from ..parallel.shard import Shard
 from .prompt import PromptInParts
-from .stats import Stats, measure_optimal_batch
-from ..kv.transfer import fingerprint
+from .stats import Stats
 from ferrum_rpc.hashing import weights_digest
 from ferrum_rpc.types import (
-    LOGITS_DTYPES,
     BlockTable,
-    Capabilities,
     DecodeInput,
     DecodeOutput,
-    ExecutorStatus,
     HiddenStatesRequest,
     KvCacheHandle,
     Logits,
     LogitsKind,
     LogitsPolicy,
-    MemoryRequirements,
-    ModelInfo,
     PrefillOutput,
-    ServerState,
     SpeculativeOutput,
     SpeculativeSampling,
     Timing,
@@ -111,7 +105,7 @@ def verify_policy(policy: LogitsPolicy) -> LogitsPolicy:
     return replace(policy, all_positions=True)
 
 
-class TorchExecutor(ExecutorChecks):
+class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens):
     """Hosts one model and its KV pool.
 
     Args:
@@ -173,82 +167,6 @@ class TorchExecutor(ExecutorChecks):
         executor = cls(name, model, config, instance_id or uuid.uuid4().hex)
         executor.weights_digest = weights_digest(path)
         return executor
-
-    # -- statistics (stats.py) ------------------------------------------------------
-    @property
-    def forwards(self) -> int:
-        return self.stats.forwards
-
-    @property
-    def tokens_processed(self) -> int:
-        return self.stats.tokens_processed
-
-    @property
-    def batch_sizes(self):
-        """Forwards by the number of sequences in them."""
-        return self.stats.batch_sizes
-
-    def memory_requirements(self) -> MemoryRequirements:
-        return self.stats.memory_requirements()
-
-    def measure_optimal_batch(self, repeats: int = 3) -> int:
-        """The decode crossover (see ``stats.measure_optimal_batch``)."""
-        return measure_optimal_batch(self, repeats)
-
-    def status(self, state: ServerState = ServerState.SERVING, queue_depth: int = 0,
-               tenant: str = "") -> ExecutorStatus:
-        return self.stats.status(state, queue_depth, self.bounds(tenant))
-
-    # -- queries ---------------------------------------------------------------
-    def info(self) -> ModelInfo:
-        mc = self.model_config
-        return ModelInfo(
-            name=self.name, architecture=mc.architecture, vocab_size=mc.vocab_size,
-            hidden_size=mc.hidden_size, num_layers=mc.num_layers, num_attention_heads=mc.num_heads,
-            num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, max_sequence_length=self.max_seq_len,
-            dtype=self.config.dtype, device=str(self.device),
-            parameter_count=getattr(self.model, "parameter_count", 0),
-            eos_token_ids=mc.eos_token_ids, bos_token_id=mc.bos_token_id or 0,
-        )
-
-    def capabilities(self) -> Capabilities:
-        mc = self.model_config
-        return Capabilities(
-            model=self.name, max_batch_size=self.config.max_batch_size,
-            max_sequence_length=self.max_seq_len, kv_block_size=self.kv.block_size,
-            kv_num_blocks=self.kv.num_blocks, kv_capacity_tokens=self.kv.num_blocks * self.kv.block_size,
-            logits_kinds=tuple(LogitsKind), logits_dtypes=LOGITS_DTYPES, chunked_prefill=True,
-            forward_verify=True, truncate_kv=True, max_message_bytes=self.config.max_message_bytes,
-            idle_timeout_s=self.config.idle_timeout_s, prefill_chunk_tokens=self.config.prefill_chunk,
-            decode_session=True, prefix_cache=self.config.prefix_caching, fork_cache=True,
-            mixture_of_experts=self.model_config.num_experts > 0,
-            architecture=self.model_config.architecture, kv_bytes=self.pool.nbytes,
-            kernel_path=self.model.kernels.describe(), cpu_capability=self.model.kernels.cpu_capability,
-            quantization=self.config.quantize,
-            attention_mechanisms=("causal", "rotary", "paged",
-                                  "grouped-query" if mc.num_kv_heads < mc.num_heads else "multi-head"),
-            supported_dtypes=tuple(d for d in TORCH_DTYPES if d != "float16"),
-            supported_devices=("cpu", "cuda") if torch.cuda.is_available() else ("cpu",),
-            memory=self.memory_requirements(), optimal_batch_size=self.optimal_batch_size,
-            token_choice=True, tensor_parallel=self.shard is not None,
-            accepts_imports=self.shard is None, kv_fingerprint=fingerprint(self).digest,
-            kv_events=self.kv.prefix_caching,
-            tensor_parallel_degree=self.shard.degree if self.shard else 1,
-            tensor_parallel_fallbacks=self._fallbacks(),
-        )
-
-    def _fallbacks(self) -> tuple[str, ...]:
-        """What runs instead of the fast paths that cannot run sharded (none unsplit)."""
-        if self.shard is None:
-            return ()
-        return self.shard.fallbacks + (
-            "FULL logits: gather whole rows from every rank (ARGMAX/TOP_K reduce top-k only)",
-            "token choice: reduced across vocabulary slices; whole rows only beside FULL logits (SpeculativeDecode's "
-            "rows included), for top-k above 4096, a nucleus wider than 256 tokens, top-k ties past the candidates "
-            "and candidate lists half a vocabulary slice wide (costlier than the row) "
-            f"({self.shard.choice_fallback_rows} rows so far)",
-            "whole-layer fused decode op: per-op path (each layer ends in all-reduces)",
-        )
 
     # -- the contract: validate, plan, run ------------------------------------------
     def prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None = None,
@@ -414,76 +332,6 @@ class TorchExecutor(ExecutorChecks):
         if any(p.policy.kind is LogitsKind.FULL and any(s.logits for s in p.steps) for p in plans):
             return None
         return max(p.policy.top_k if p.policy.kind is LogitsKind.TOP_K else 1 for p in plans)
-
-    @staticmethod
-    def _asking(steps: list[Step]):
-        """(row, step, choice, position, prompt, output) for each row of this forward that
-        asks for a token choice (a decode's row, a prompt's last row).  The same before
-        the appends are committed (a tensor-parallel plan) as after: the position is the
-        new length, the histories the sequence's tokens then, split into prompt and
-        output at ``SequenceState.output_start`` (a prompt's own row: all prompt)."""
-        at = 0
-        for step in steps:
-            n = step.rows.count(len(step.tokens))
-            if step.choice is not None and n:
-                seq, c = step.seq, step.choice
-                length = step.start + len(step.tokens)
-                prompt, output = (), ()
-                if c.repetition_penalty != 1 or c.presence_penalty or c.frequency_penalty:
-                    tokens = seq.tokens[:step.start] + list(step.tokens)
-                    split = length if step.prompt else min(seq.prompt_spans[-1][1], length) if seq.prompt_spans else 0
-                    prompt, output = tokens[:split], tokens[split:length]
-                yield at + n - 1, step, c, length, prompt, output
-            at += n
-
-    def _choice_requests(self, steps: list[Step]) -> list:
-        return [RowRequest.of(row, c, position, prompt, output)
-                for row, _, c, position, prompt, output in self._asking(steps)]
-
-    def _choose(self, steps: list[Step], logits: torch.Tensor | None, chosen=None) -> None:
-        """Token choice: one ``choose_tokens`` over every row of this forward
-        that asks for one (see :meth:`_asking`); ``chosen``: already chosen across the
-        ranks (tensor parallel), in the same order."""
-        asking = list(self._asking(steps))
-        if not asking:
-            return
-        if chosen is None:
-            rows = [a[0] for a in asking]
-            picked = logits[torch.tensor(rows, device=logits.device)] if len(rows) < logits.shape[0] else logits
-            picked = picked.float().cpu()
-            try:
-                chosen = choose_tokens(picked, [a[2] for a in asking], [a[3] for a in asking],
-                                       [a[4] for a in asking], [a[5] for a in asking])
-            except Exception:
-                if len(asking) == 1:
-                    raise
-                log.exception("token choice failed over %d rows; choosing each row alone", len(asking))
-                return self._choose_alone(asking, picked)
-        for i, (_, step, *_) in enumerate(asking):
-            if i in chosen.failed:
-                step.failure = self._non_finite(step)
-            else:
-                step.chosen = chosen.row(i)
-
-    def _choose_alone(self, asking: list, picked: torch.Tensor) -> None:
-        """Token choice row by row, after a batched choice raised: a row whose own
-        choice fails fails its own call only."""
-        for i, (_, step, c, position, prompt, output) in enumerate(asking):
-            try:
-                chosen = choose_tokens(picked[i:i + 1], [c], [position], [prompt], [output])
-            except Exception as exc:
-                step.failure = ExecutorError(f"token choice failed: {type(exc).__name__}: {exc}")
-                continue
-            if chosen.failed:
-                step.failure = self._non_finite(step)
-            else:
-                step.chosen = chosen.row(0)
-
-    @staticmethod
-    def _non_finite(step: Step) -> NonFiniteLogits:
-        return NonFiniteLogits(f"the model's logits after position {step.start + len(step.tokens) - 1} of "
-                               "the sequence are not finite (NaN or infinity); no token can be chosen: "
-                               "truncate the sequence before the bad state or release it")
 
     def undo(self, undos: Iterable[Undo]) -> None:
         """THE undo: puts each record's sequence back as it was before its call (see
