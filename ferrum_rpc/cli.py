@@ -139,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--step-ops", default="auto", choices=["auto", "fused", "eager"],
                    help="auto: fused C++ ops for RMSNorm, the MLP activation and decode attention where they "
                         "build and agree with torch here (CPU); eager: torch ops only; fused: fail if they cannot")
+    s.add_argument("--batch-invariant", action="store_true",
+                   help="a token's logits bit-identical whatever shares its forward, however its prompt was "
+                        "chunked or cached (float32/bfloat16, CPU fused ops; costs prompt speed: see "
+                        "docs/server.md)")
     s.add_argument("--max-batch", type=int, default=64, help="most sequences per forward")
     s.add_argument("--max-seq-len", type=int, default=0, help="0: the model's maximum")
     s.add_argument("--max-message-mb", type=int, default=256, help="largest reply (MiB)")

@@ -369,6 +369,7 @@ class Capabilities:
     accepts_imports: bool = False  # ImportSequence is served
     kv_fingerprint: str = ""  # the KV compatibility fingerprint's digest: exports import where it is equal
     kv_events: bool = False  # WatchKvEvents is served (prefix caching on)
+    batch_invariant: bool = False  # a row's logits do not depend on what shares its forward (--batch-invariant)
 
     def supports_batch_size(self, batch_size: int) -> bool:
         """Whether one forward may carry ``batch_size`` sequences (the trait's check)."""

@@ -76,6 +76,9 @@ class ExecutorConfig:
     linear_kernel: str = "auto"
     quantize: str = "none"
     step_ops: str = "auto"
+    # every linear, attention and norm on one per-row arithmetic: a row's logits do not
+    # depend on the batch, the prompt's chunking or the prefix cache (models.llama.make_batch_invariant)
+    batch_invariant: bool = False
     max_sequences: int = 10_000  # live sequences in all, forks included (0: no cap); ~17 KB each
     # Per-tenant bounds (see tenant_bounds).  None: the default, which binds each tenant of
     # --auth-tokens and not the anonymous caller of a server without tokens (everyone is that
@@ -114,6 +117,10 @@ class ExecutorConfig:
                 raise StartupError(f"{name} (--{name.replace('_', '-')}) must be 0 (no cap) or positive")
         if self.tensor_parallel < 1 or self.tensor_parallel_timeout_s <= 0:
             raise StartupError("--tensor-parallel must be at least 1 and --tensor-parallel-timeout positive")
+        if self.batch_invariant and (self.quantize != "none" or self.tensor_parallel > 1
+                                     or self.step_ops == "eager" or not self.device.startswith("cpu")):
+            raise StartupError("--batch-invariant runs unquantized float32/bfloat16 weights on one CPU with the "
+                               "fused ops; not with --quantize, --tensor-parallel, --step-ops eager or a GPU")
         if self.quantize != "none" and self.linear_kernel == "onednn-packed":
             raise StartupError("quantized weights do not use the oneDNN packed linear; "
                                "use --linear-kernel auto or aten")

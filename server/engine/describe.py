@@ -80,7 +80,7 @@ class Describes:
             memory=self.memory_requirements(), optimal_batch_size=self.optimal_batch_size,
             token_choice=True, tensor_parallel=self.shard is not None,
             accepts_imports=self.shard is None, kv_fingerprint=fingerprint(self).digest,
-            kv_events=self.kv.prefix_caching,
+            kv_events=self.kv.prefix_caching, batch_invariant=getattr(self.model, "batch_invariant", False),
             tensor_parallel_degree=self.shard.degree if self.shard else 1,
             tensor_parallel_fallbacks=self._fallbacks(),
         )

@@ -163,7 +163,7 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens):
             group = CURRENT["group"]
             device, shard = group.device(config.device), Shard.of_model(group.rank, group.degree, path)
         model = load_model(path, TORCH_DTYPES[config.dtype], device, config.linear_kernel, config.quantize,
-                           config.step_ops, shard=shard)
+                           config.step_ops, shard=shard, batch_invariant=config.batch_invariant)
         executor = cls(name, model, config, instance_id or uuid.uuid4().hex)
         executor.weights_digest = weights_digest(path)
         return executor

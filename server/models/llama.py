@@ -120,8 +120,12 @@ class FastLinear(nn.Module):
     # run on fused.cpp's linear_rows (a GEMV at memory speed) instead of oneDNN or MKL
     rows_kernel = False
     rows_max = 0
+    tiled = False  # set by make_batch_invariant: every row count on linear_rows' arithmetic
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiled:
+            y = torch.ops.ferrum_fused.linear_rows_tiled(x, self.weight)
+            return y if self.bias is None else y + self.bias
         rows = x.numel() // x.shape[-1]
         if self.rows_kernel and rows <= self.rows_max and x.dtype == self.weight.dtype:
             y = torch.ops.ferrum_fused.linear_rows(x, self.weight)
@@ -231,6 +235,7 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     fused = False  # set by LlamaForCausalLM.use_fused_ops
+    invariant = False  # set by LlamaForCausalLM.make_batch_invariant: one activation arithmetic at any row count
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -247,6 +252,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
+        elif self.invariant:
+            return self.down_proj(torch.ops.ferrum_fused.silu_mul_rows(self.gate_up_proj(x)))
         elif self.fused:
             return self.down_proj(torch.ops.ferrum_fused.silu_mul(self.gate_up_proj(x)))
         else:
@@ -293,6 +300,8 @@ class LlamaForCausalLM(nn.Module):
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
         self.fused_ops = False  # see use_fused_ops
+        self.fused_max_tokens = FUSED_MAX_TOKENS  # tokens per sequence RoPE + attention run fused for
+        self.batch_invariant = False  # see make_batch_invariant
         self.layer_ops = None  # the layers as one ferrum_fused.DecodeStack, where every layer qualifies
         self.layer_ops_rows: int | None = None  # the most rows they take (float32 linears: linear_rows'), or any
         self.layer_ops_dtype = torch.float32  # their activations' dtype (bfloat16: every linear on linear_rows)
@@ -338,6 +347,30 @@ class LlamaForCausalLM(nn.Module):
                 module.rows_max = LINEAR_ROWS[module.weight.dtype] if module.rows_kernel else 0
         args = self._whole_layer_args() if on else None
         self.layer_ops = self._decode_stack(args) if args else None
+
+    def make_batch_invariant(self) -> None:
+        """Computes every row of every forward the same way, whatever else shares it:
+        each linear on ``linear_rows_tiled`` (a row's dot products in one fixed order at
+        any row count), RoPE, the pool write and attention in the fused op for any
+        number of tokens (a query's reduction over its keys in one fixed order), the
+        per-row fused RMSNorm and activation, and no whole-layer decode op (its own
+        arithmetic for 1-4 rows).  So a token's logits do not depend on the batch, the
+        prompt's chunking or the prefix cache.  Needs the fused ops on and the plain
+        float32 or bfloat16 weights (``optimize_for_inference(False, rows_kernel=True)``)."""
+        if not self.fused_ops:
+            raise ValueError("batch invariance runs on the fused ops, which are off")
+        for module in self.modules():
+            if isinstance(module, FastLinear):
+                if module.weight is None or not module.weight.is_contiguous():
+                    raise ValueError("batch invariance needs every linear's plain, contiguous weight")
+                module.tiled = True
+            elif isinstance(module, MLP):
+                module.invariant = True
+            elif isinstance(module, nn.Linear):
+                raise ValueError(f"batch invariance: a linear outside FastLinear ({type(module).__name__})")
+        self.layer_ops = None
+        self.fused_max_tokens = 1 << 62
+        self.batch_invariant = True
 
     def _decode_stack(self, layer_args: list[tuple]):
         """The layers as one ``ferrum_fused.DecodeStack``: their weights handed over
@@ -428,7 +461,7 @@ class LlamaForCausalLM(nn.Module):
     def rope(self, positions: torch.Tensor, dtype: torch.dtype, eager: bool = False) -> Rope:
         """The rotary embedding for tokens at ``positions`` (B, T): fused for up to
         FUSED_MAX_TOKENS tokens per sequence when the fused ops are on (and not ``eager``)."""
-        if self.fused_ops and positions.shape[1] <= FUSED_MAX_TOKENS and not eager:
+        if self.fused_ops and positions.shape[1] <= self.fused_max_tokens and not eager:
             return Rope(None, None, self.rope_cos, self.rope_sin, fused=True)
         return Rope(self.rope_cos[positions].unsqueeze(2).to(dtype),  # (B, T, 1, D)
                     self.rope_sin[positions].unsqueeze(2).to(dtype), self.rope_cos, self.rope_sin, fused=False)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from ferrum_rpc.errors import StartupError
 from ..kernels import qact
 from ..kernels import woq
 from ..kernels.fused import choose_step_ops
@@ -45,7 +46,7 @@ def _return_freed_memory() -> None:
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
                linear_kernel: str = "auto", quantize: str = "none", step_ops: str = "auto",
-               shard=None) -> LlamaForCausalLM:
+               shard=None, batch_invariant: bool = False) -> LlamaForCausalLM:
     """Loads weights onto ``device`` in ``dtype``, computes the RoPE tables, fuses the
     projections and puts them on the linear kernel probed for this CPU (``kernels.py``),
     or quantizes them (``woq.py``); the choice is kept as ``model.kernels``.
@@ -80,7 +81,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     model.config = cfg
     model.init_rope(device)
     model.eval().requires_grad_(False)
-    _choose_kernels(model, path, dtype, device, linear_kernel, quantize, step_ops)
+    _choose_kernels(model, path, dtype, device, linear_kernel, quantize, step_ops, batch_invariant)
     if shard is not None:
         shard.install(model)
     params = sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())  # tied count once
@@ -113,9 +114,16 @@ def _read_state(files: list[Path], dtype: torch.dtype, device: torch.device) -> 
 
 
 def _choose_kernels(model, path: Path, dtype: torch.dtype, device: torch.device, linear_kernel: str,
-                    quantize: str, step_ops: str) -> None:
+                    quantize: str, step_ops: str, batch_invariant: bool = False) -> None:
     fused, step_why = choose_step_ops(step_ops, dtype, device)
-    if quantize == "none":
+    if batch_invariant:
+        _check_invariant(model, dtype, quantize, fused, step_why)
+        model.kernels = KernelChoice("linear_rows_tiled", "batch-invariant: every row count on one arithmetic",
+                                     cpu_capability())
+        model.optimize_for_inference(False, rows_kernel=True)
+        model.use_fused_ops(True)
+        model.make_batch_invariant()
+    elif quantize == "none":
         model.kernels = choose_linear(linear_kernel, dtype, device)
         # batch-1 linears on fused.cpp's GEMV unless the fallbacks are forced
         rows_kernel = fused and dtype in LINEAR_ROWS and linear_kernel != ATEN
@@ -140,7 +148,22 @@ def _choose_kernels(model, path: Path, dtype: torch.dtype, device: torch.device,
                 why += f"; {note}"
         model.kernels = KernelChoice(f"{quantize} {kernel}", why, cpu_capability())
         log.info("%s: linear weights quantized to %s: %.1f MiB", path.name, quantize, nbytes / 2**20)
-    model.use_fused_ops(fused)
+    if not batch_invariant:
+        model.use_fused_ops(fused)
     model.kernels = dataclasses.replace(model.kernels, step=step_why)
     log.info("%s: kernel path %s on CPU capability %s", path.name, model.kernels.describe(),
              model.kernels.cpu_capability)
+
+
+def _check_invariant(model, dtype: torch.dtype, quantize: str, fused: bool, step_why: str) -> None:
+    """Refuses (StartupError) a batch-invariant model this build cannot make invariant."""
+    if quantize != "none":
+        raise StartupError(f"--batch-invariant runs float32 or bfloat16 weights; --quantize {quantize} is not covered")
+    if dtype not in LINEAR_ROWS:
+        raise StartupError(f"--batch-invariant runs float32 or bfloat16, not {dtype}")
+    if model.config.num_experts:
+        raise StartupError("--batch-invariant: mixture-of-experts models are not covered (their experts' GEMMs "
+                           "group tokens by expert)")
+    if not fused:
+        raise StartupError(f"--batch-invariant needs the fused CPU ops, which cannot run here ({step_why})")
+

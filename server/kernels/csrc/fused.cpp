@@ -6,6 +6,7 @@
 //   paged_attention  RoPE on q and k, k/v written into the paged pool,
 //                    causal attention read straight from the pool blocks (~25 ops -> 1)
 //   linear_rows      a float32 or bfloat16 linear over 1-4 rows, at memory speed
+//   linear_rows_tiled  the same arithmetic over any number of rows (batch-invariant mode)
 //
 // Arithmetic is float32 throughout; bfloat16 tensors are converted on load
 // and rounded where the eager path rounds (rms_norm before the weight
@@ -191,13 +192,12 @@ void silu_mul_on(bool avx2, const T* g, const T* u, int64_t n, T* y) {
 }
 
 // gate_up (..., 2n) = [gate | up] -> silu(gate) * up (..., n)
-at::Tensor silu_mul(const at::Tensor& gate_up) {
+// silu(gate) * up on this file's loops for every row, whatever the row count: one
+// arithmetic per row (the batch-invariant mode's; silu_mul's for a few rows).
+at::Tensor silu_mul_rows(const at::Tensor& gate_up) {
   const at::Tensor x = gate_up.contiguous();
   const int64_t n2 = x.size(-1), n = n2 / 2, rows = x.numel() / std::max<int64_t>(n2, 1);
   TORCH_CHECK(n2 % 2 == 0, "silu_mul: the last dim must be even");
-  if (rows > 4) {  // batches: ATen's vectorised silu and mul (the eager ops, same numbers); few rows: one op here
-    return at::mul(at::silu(x.narrow(-1, 0, n)), x.narrow(-1, n, n));
-  }
   auto shape = x.sizes().vec();
   shape.back() = n;
   at::Tensor out = at::empty(shape, x.options());
@@ -210,6 +210,16 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
     });
   });
   return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  const int64_t n2 = gate_up.size(-1), rows = gate_up.numel() / std::max<int64_t>(n2, 1);
+  TORCH_CHECK(n2 % 2 == 0, "silu_mul: the last dim must be even");
+  if (rows > 4) {  // batches: ATen's vectorised silu and mul (the eager ops, same numbers); few rows: one op here
+    const at::Tensor x = gate_up.contiguous();
+    return at::mul(at::silu(x.narrow(-1, 0, n2 / 2)), x.narrow(-1, n2 / 2, n2 / 2));
+  }
+  return silu_mul_rows(gate_up);
 }
 
 // ---- paged attention -----------------------------------------------------------
@@ -609,6 +619,45 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight) {
   return out.view(shape);
 }
 
+// x (..., K) with any number of rows, weight (N, K): linear_rows' arithmetic for every
+// row, so each output is the same dot product in the same order whatever else is in the
+// batch (the batch-invariant linear).  Rows go in tiles of kTileRows (the tile's
+// activations stay in L2 while each weight row is read once for the tile); a tile
+// changes which rows share a weight load, never a row's sums.
+constexpr int64_t kTileRows = 64;
+
+at::Tensor linear_rows_tiled(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() &&
+              (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "linear_rows_tiled: float32 or bfloat16 only, x and weight alike");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "linear_rows_tiled: weight must be (N, K) contiguous");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(x.size(-1) == K, "linear_rows_tiled: activation width ", x.size(-1), " != ", K);
+  const at::Tensor x2d = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2d.size(0);
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  at::Tensor out = at::empty({M, N}, x.options());
+  const bool avx2 = ferrum_active_isa() >= 1;
+  auto run = [&](auto tag) {
+    using T_ = decltype(tag);
+    const T_ *xp = x2d.data_ptr<T_>(), *wp = weight.data_ptr<T_>();
+    T_* yp = out.data_ptr<T_>();
+    for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+      const int64_t rows = std::min(kTileRows, M - m0);
+      at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
+#ifdef FERRUM_X86
+        if (avx2) return linear_rows_avx2<T_>(xp + m0 * K, rows, wp, K, b, e, N, yp + m0 * N);
+#endif
+        linear_rows_portable<T_>(xp + m0 * K, rows, wp, K, b, e, N, yp + m0 * N);
+      });
+    }
+  };
+  if (x.scalar_type() == at::kFloat) run(float{});
+  else run(c10::BFloat16{});
+  return out.view(shape);
+}
+
 // ---- a whole decoder layer ----------------------------------------------------------
 // One Llama (or Qwen3: qk_norm holds the q/k RMSNorm weights, else empty)
 // decoder layer for a decode-sized float32 forward whose projections
@@ -874,6 +923,8 @@ TORCH_LIBRARY(ferrum_fused, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("linear_rows(Tensor x, Tensor weight) -> Tensor");
+  m.def("linear_rows_tiled(Tensor x, Tensor weight) -> Tensor");
+  m.def("silu_mul_rows(Tensor gate_up) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor positions, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor write_slots, Tensor tables, float scale) -> Tensor");
   m.def("decode_layer(Tensor x, Tensor ln1, Tensor ln2, float eps, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, "
@@ -886,6 +937,8 @@ TORCH_LIBRARY_IMPL(ferrum_fused, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("linear_rows", &linear_rows);
+  m.impl("linear_rows_tiled", &linear_rows_tiled);
+  m.impl("silu_mul_rows", &silu_mul_rows);
   m.impl("paged_attention", &paged_attention);
   m.impl("decode_layer", &decode_layer);
 }

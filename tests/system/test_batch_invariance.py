@@ -1,0 +1,138 @@
+"""Batch invariance (--batch-invariant), through real gRPC: a sequence's float32 logits
+at a position are bit-identical alone and inside batches of other sequences of other
+lengths in any order, with its prompt cold, from the prefix cache, or in any chunking,
+and a prompt token's logits equal the same token's decode logits; a seeded generation
+gives the same tokens alone and while other callers share its forwards.  float32 and
+bfloat16 on the tiny Llama and Qwen3 checkpoints."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import numpy as np
+import pytest
+
+from ferrum_rpc.client import DecodeInput, ExecutorClient, LogitsPolicy, TokenChoice
+from ferrum_rpc.errors import StartupError
+from ferrum_rpc.server.config import ExecutorConfig
+from tests.conftest import running_server
+
+FULL = LogitsPolicy.full()
+ALL = LogitsPolicy(all_positions=True)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 300) for _ in range(n)]
+
+
+def _bits(out) -> np.ndarray:
+    values = np.asarray(out.logits.values, dtype=np.float32)
+    return values.view(np.uint32)
+
+
+@pytest.fixture(scope="module", params=[("llama", "float32"), ("llama", "bfloat16"), ("qwen3", "float32")],
+                ids=lambda p: "-".join(p))
+def server(request, tiny_llama_dir, tiny_qwen3_dir):
+    model = tiny_llama_dir if request.param[0] == "llama" else tiny_qwen3_dir
+    with running_server(model, dtype=request.param[1], batch_invariant=True, prefill_chunk=16,
+                        step_token_budget=24) as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server):
+    with ExecutorClient(server.target, timeout=60) as c:
+        yield c
+
+
+def test_capabilities_say_so(client):
+    assert client.capabilities().batch_invariant
+
+
+def _decode_row(client, prompt, token, others=(), seed=0):
+    """The target's FULL decode logits of ``token`` after ``prompt``, decoded inside a
+    BatchDecode with ``others`` (each (prompt, token)), in a shuffled order."""
+    target = client.prefill(prompt, logits=LogitsPolicy.argmax()).kv_cache
+    handles = [(client.prefill(p, logits=LogitsPolicy.argmax()).kv_cache, t) for p, t in others]
+    items = [DecodeInput(token, target)] + [DecodeInput(t, h) for h, t in handles]
+    order = list(range(len(items)))
+    random.Random(seed).shuffle(order)
+    outs = client.batch_decode([items[i] for i in order], logits=FULL)
+    row = _bits(outs[order.index(0)])
+    for out in outs:
+        client.release_cache(out.kv_cache)
+    return row
+
+
+@pytest.mark.parametrize("others", [1, 6, 15, 40])
+def test_decode_logits_do_not_depend_on_the_batch(client, others):
+    prompt, token = _prompt(23, seed=1), 77
+    alone = _decode_row(client, prompt, token)
+    company = [(_prompt(3 + 7 * i % 50, seed=100 + i), 5 + i) for i in range(others)]
+    assert np.array_equal(_decode_row(client, prompt, token, company, seed=others), alone)
+
+
+def test_chunking_and_the_prefix_cache_change_no_bit(client):
+    prompt = _prompt(45, seed=2)
+    cold = client.prefill(prompt, logits=FULL)  # the server runs it in parts of 16
+    hit = client.prefill(prompt, logits=FULL)  # full blocks from the prefix cache
+    assert hit.cached_tokens > 0
+    parts = client.prefill(prompt[:7], logits=FULL).kv_cache  # the caller's own parts: 7, 20, 18
+    parts = client.prefill(prompt[7:27], parts, logits=FULL).kv_cache
+    last = client.prefill(prompt[27:], parts, logits=FULL)
+    assert np.array_equal(_bits(hit), _bits(cold)) and np.array_equal(_bits(last), _bits(cold))
+    steps = [client.decode(9, h.kv_cache if hasattr(h, "kv_cache") else h, logits=FULL)
+             for h in (cold, hit, last)]
+    assert all(np.array_equal(_bits(s), _bits(steps[0])) for s in steps)
+    for s in steps:
+        client.release_cache(s.kv_cache)
+
+
+def test_a_prompt_tokens_logits_equal_its_decode_logits(client):
+    prompt = _prompt(30, seed=3)
+    rows = client.prefill(prompt, logits=ALL)  # every position's logits, one forward per part
+    every = np.asarray(rows.logits.values, dtype=np.float32).view(np.uint32)
+    handle = client.prefill(prompt[:10], logits=LogitsPolicy.argmax()).kv_cache
+    for i in range(10, 30):  # the same tokens one decode at a time
+        out = client.decode(prompt[i], handle, logits=FULL)
+        assert np.array_equal(_bits(out)[0], every[i]), i
+        handle = out.kv_cache
+    client.release_cache(handle)
+    client.release_cache(rows.kv_cache)
+
+
+def _generate(client, prompt, seed, steps=24):
+    out = client.prefill(prompt, token_choice=TokenChoice(temperature=1.0, seed=seed))
+    run = client.decode_ahead(out.chosen.token_id, out.kv_cache, TokenChoice(temperature=1.0, seed=seed), steps)
+    client.release_cache(run.kv_cache)
+    return [out.chosen.token_id] + [c.token_id for c in run.chosen]
+
+
+def test_seeded_generation_is_the_same_alone_and_under_load(server, client):
+    prompts = [_prompt(5 + 9 * i, seed=20 + i) for i in range(6)]
+    alone = [_generate(client, p, seed=i) for i, p in enumerate(prompts)]
+    stop = threading.Event()
+
+    def load(n):
+        with ExecutorClient(server.target, timeout=60) as other:
+            while not stop.is_set():
+                _generate(other, _prompt(3 + 11 * n, seed=500 + n), seed=n, steps=8)
+
+    threads = [threading.Thread(target=load, args=(n,)) for n in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        loaded = [_generate(client, p, seed=i) for i, p in enumerate(prompts)]
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert loaded == alone
+
+
+def test_options_it_cannot_serve_are_refused_at_start():
+    for bad in (dict(quantize="int8"), dict(tensor_parallel=2), dict(step_ops="eager")):
+        with pytest.raises(StartupError, match="--batch-invariant"):
+            ExecutorConfig(batch_invariant=True, **bad)
