@@ -1,0 +1,118 @@
+"""Batch invariance on the real model, in process: how many seeded generations change
+their text when their sequence shares the forward or its prompt comes from the prefix
+cache (default kernels vs --batch-invariant), and what the invariant kernels cost in
+decode (batch 1 and 32) and prompt throughput, side by side in one run.
+
+    python -m bench.determinism [--seeds 16] [--tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+import time
+
+import torch
+
+from bench.common import write_results
+from ferrum_rpc.paths import default_model_dir
+from ferrum_rpc.server.config import ExecutorConfig
+from ferrum_rpc.server.engine.executor import TorchExecutor
+from ferrum_rpc.types import DecodeInput, LogitsPolicy, TokenChoice
+
+log = logging.getLogger("bench.determinism")
+ARGMAX = LogitsPolicy.argmax()
+
+
+def _executor(dtype: str, invariant: bool) -> TorchExecutor:
+    return TorchExecutor.from_path("m", default_model_dir(), ExecutorConfig(
+        dtype=dtype, kv_tokens=65536, batch_invariant=invariant, max_batch_size=64))
+
+
+def _prompts(n: int) -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(100, 40000) for _ in range(rng.randrange(5, 61))] for _ in range(n)]
+
+
+def _generate(ex: TorchExecutor, prompts, seeds, tokens: int, together: bool) -> list[list[int]]:
+    """Each prompt's seeded text: one sequence at a time, or all in one batch each step."""
+    choices = [TokenChoice(temperature=1.0, seed=s) for s in seeds]
+    outs = [ex.prefill(p, None, None, choice=c) for p, c in zip(prompts, choices)]
+    texts = [[o.chosen.token_id] for o in outs]
+    handles = [o.kv_cache for o in outs]
+    for _ in range(tokens - 1):
+        groups = [list(range(len(prompts)))] if together else [[i] for i in range(len(prompts))]
+        for group in groups:
+            step = ex.batch_decode([DecodeInput(texts[i][-1], handles[i], choices[i]) for i in group], None)
+            for i, out in zip(group, step):
+                texts[i].append(out.chosen.token_id)
+                handles[i] = out.kv_cache
+    for h in handles:
+        ex.release_cache(h.cache_id)
+    return texts
+
+
+def divergence(ex: TorchExecutor, seeds: int, tokens: int) -> dict:
+    prompts, ids = _prompts(seeds), list(range(seeds))
+    ex.kv.prefix_caching = False
+    cold = _generate(ex, prompts, ids, tokens, together=False)
+    ex.kv.prefix_caching = True
+    _generate(ex, prompts, ids, 1, together=False)  # the prompts now sit in the prefix cache
+    warm = _generate(ex, prompts, ids, tokens, together=False)
+    batched = _generate(ex, prompts, ids, tokens, together=True)  # prompts from the cache, one batch
+    differ = lambda a, b: sum(x != y for x, y in zip(a, b))  # noqa: E731
+    return {"seeds": seeds, "tokens": tokens, "cache_hit_vs_cold": differ(warm, cold),
+            "batch_of_all_vs_alone": differ(batched, warm)}
+
+
+def _step_ms(ex: TorchExecutor, batch: int, steps: int = 8) -> float:
+    handles = [ex.prefill([100 + i, 200, 300, 400 + i], None, ARGMAX).kv_cache for i in range(batch)]
+    for _ in range(2):
+        handles = [o.kv_cache for o in ex.batch_decode([DecodeInput(5, h) for h in handles], ARGMAX)]
+    start = time.perf_counter()
+    for _ in range(steps):
+        handles = [o.kv_cache for o in ex.batch_decode([DecodeInput(5, h) for h in handles], ARGMAX)]
+    ms = (time.perf_counter() - start) / steps * 1e3
+    for h in handles:
+        ex.release_cache(h.cache_id)
+    return ms
+
+
+def _prompt_tps(ex: TorchExecutor, length: int = 512, repeats: int = 2) -> float:
+    ex.kv.prefix_caching = False
+    best = float("inf")
+    for r in range(repeats + 1):
+        prompt = [(37 * i + r) % 40000 + 50 for i in range(length)]
+        start = time.perf_counter()
+        out = ex.prefill(prompt, None, ARGMAX)
+        took = time.perf_counter() - start
+        ex.release_cache(out.kv_cache.cache_id)
+        if r:
+            best = min(best, took)
+    ex.kv.prefix_caching = True
+    return length / best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seeds", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    records = []
+    for dtype in args.dtypes.split(","):
+        for invariant in (False, True):
+            ex = _executor(dtype, invariant)
+            record = {"dtype": dtype, "batch_invariant": invariant, **divergence(ex, args.seeds, args.tokens),
+                      "decode_b1_tok_s": 1e3 / _step_ms(ex, 1), "decode_b32_tok_s": 32e3 / _step_ms(ex, 32),
+                      "prompt_512_tok_s": _prompt_tps(ex)}
+            print({k: round(v, 1) if isinstance(v, float) else v for k, v in record.items()}, flush=True)
+            records.append(record)
+            del ex
+    print("written:", write_results("determinism", records))
+
+
+if __name__ == "__main__":
+    main()
