@@ -274,3 +274,22 @@ def test_decode_stack_in_one_region_equals_decode_layer_per_layer(tiny_llama_dir
     a, b = (s.forward(x[:2], *step[:2], positions[:2], pool[0].clone(), pool[1].clone(), slots[:2], tables[:2], 0, 2)
             for s in (stack, strided))  # the last case's first two sequences, a token each
     assert strided.one_region() and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_rows_tiled_gives_a_row_the_same_bits_in_any_batch(ops, isa, dtype):
+    """The batch-invariant linear: any row count (tiles of 64 and remainders of the 4-,
+    2- and 1-row groups), each row's output bit-identical alone, in any subset and
+    order of the others, and close to the float64 sum."""
+    gen = torch.Generator().manual_seed(5)
+    for n, k in [(70, 80), (300, 576), (130, 37)]:
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        x = torch.randn(150, k, generator=gen).to(dtype)
+        full = ops.linear_rows_tiled(x, w)
+        for rows in (1, 2, 3, 5, 64, 65, 129):
+            pick = torch.randperm(150, generator=gen)[:rows]
+            assert torch.equal(ops.linear_rows_tiled(x[pick], w), full[pick])
+        want = F.linear(x.double(), w.double())
+        scale = (x.double().abs() @ w.double().abs().T).max().item()
+        tolerance = (4e-7 if dtype == torch.float32 else 8e-3) * scale * k ** 0.5
+        assert (full.double() - want).abs().max().item() <= tolerance
