@@ -619,68 +619,12 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight) {
   return out.view(shape);
 }
 
-// x (..., K) with any number of rows, weight (N, K): one dot product per output in one
-// fixed order for the instruction path (linear_rows' on AVX2 and portable, 16-lane
-// chains on AVX-512), so each output is the same whatever else is in the batch (the
-// batch-invariant linear).  Rows go in tiles of kTileRows (the tile's
+// x (..., K) with any number of rows, weight (N, K): linear_rows' arithmetic for every
+// row, so each output is the same dot product in the same order whatever else is in the
+// batch (the batch-invariant linear).  Rows go in tiles of kTileRows (the tile's
 // activations stay in L2 while each weight row is read once for the tile); a tile
 // changes which rows share a weight load, never a row's sums.
 constexpr int64_t kTileRows = 64;
-
-#ifdef FERRUM_X86
-template <typename T>
-__attribute__((target("avx512f"))) inline __m512 load16(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm512_loadu_ps(p);
-  } else {  // bfloat16: the bits shifted into place, as load()
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-}
-
-// dot_rows on 512-bit registers: R rows (1, 2 or 4) against one weight row, four chains
-// of 16 lanes over K, the rest of 16 into the first, then a fixed tree; every row sums
-// in the same order whatever R, so a row's output does not depend on its neighbours.
-template <typename T, int R>
-__attribute__((target("avx512f"))) inline void dot_rows512(const T* w, const T* x, int64_t K, T* y,
-                                                             int64_t ldy) {
-  __m512 a[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) a[r][c] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
-    const __m512 w0 = load16(w + k), w1 = load16(w + k + 16), w2 = load16(w + k + 32), w3 = load16(w + k + 48);
-    for (int r = 0; r < R; ++r) {
-      const T* xr = x + r * K + k;
-      a[r][0] = _mm512_fmadd_ps(w0, load16(xr), a[r][0]);
-      a[r][1] = _mm512_fmadd_ps(w1, load16(xr + 16), a[r][1]);
-      a[r][2] = _mm512_fmadd_ps(w2, load16(xr + 32), a[r][2]);
-      a[r][3] = _mm512_fmadd_ps(w3, load16(xr + 48), a[r][3]);
-    }
-  }
-  for (; k + 16 <= K; k += 16) {
-    const __m512 w0 = load16(w + k);
-    for (int r = 0; r < R; ++r) a[r][0] = _mm512_fmadd_ps(w0, load16(x + r * K + k), a[r][0]);
-  }
-  for (int r = 0; r < R; ++r) {
-    float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3])));
-    for (int64_t j = k; j < K; ++j) sum += load(w[j]) * load(x[r * K + j]);
-    y[r * ldy] = store<T>(sum);
-  }
-}
-
-template <typename T>
-__attribute__((target("avx512f"))) void linear_rows_avx512(const T* x, int64_t M, const T* W, int64_t K,
-                                                             int64_t n0, int64_t n1, int64_t N, T* y) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const T* w = W + n * K;
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) dot_rows512<T, 4>(w, x + m * K, K, y + m * N + n, N);
-    for (; m + 2 <= M; m += 2) dot_rows512<T, 2>(w, x + m * K, K, y + m * N + n, N);
-    if (m < M) dot_rows512<T, 1>(w, x + m * K, K, y + m * N + n, N);
-  }
-}
-#endif
 
 at::Tensor linear_rows_tiled(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.scalar_type() == weight.scalar_type() &&
@@ -694,7 +638,7 @@ at::Tensor linear_rows_tiled(const at::Tensor& x, const at::Tensor& weight) {
   auto shape = x.sizes().vec();
   shape.back() = N;
   at::Tensor out = at::empty({M, N}, x.options());
-  const int isa = ferrum_active_isa();
+  const bool avx2 = ferrum_active_isa() >= 1;
   auto run = [&](auto tag) {
     using T_ = decltype(tag);
     const T_ *xp = x2d.data_ptr<T_>(), *wp = weight.data_ptr<T_>();
@@ -703,8 +647,7 @@ at::Tensor linear_rows_tiled(const at::Tensor& x, const at::Tensor& weight) {
       const int64_t rows = std::min(kTileRows, M - m0);
       at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
 #ifdef FERRUM_X86
-        if (isa >= 2) return linear_rows_avx512<T_>(xp + m0 * K, rows, wp, K, b, e, N, yp + m0 * N);
-        if (isa >= 1) return linear_rows_avx2<T_>(xp + m0 * K, rows, wp, K, b, e, N, yp + m0 * N);
+        if (avx2) return linear_rows_avx2<T_>(xp + m0 * K, rows, wp, K, b, e, N, yp + m0 * N);
 #endif
         linear_rows_portable<T_>(xp + m0 * K, rows, wp, K, b, e, N, yp + m0 * N);
       });
