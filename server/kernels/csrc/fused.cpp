@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -586,18 +587,21 @@ void linear_rows_portable(const T* x, int64_t M, const T* W, int64_t K, int64_t 
     }
 }
 
-// x (..., K) with at most kLinearRowsMax rows, weight (N, K) contiguous, both
-// float32 or both bfloat16 -> (..., N): x @ weight.T, no bias (the caller adds it).
-at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight) {
+// x (..., K) with at most `max_rows` rows, weight (N, K) contiguous, both float32 or
+// both bfloat16 -> (..., N): x @ weight.T, no bias (the caller adds it).  Rows go in
+// tiles of `tile` (a tile's activations stay in cache while each weight row is read
+// once for it); a tile changes which rows share a weight load, never a row's sums.
+at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const char* name, int64_t max_rows,
+                       int64_t tile) {
   TORCH_CHECK(x.scalar_type() == weight.scalar_type() &&
               (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "linear_rows: float32 or bfloat16 only, x and weight alike");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "linear_rows: weight must be (N, K) contiguous");
+              name, ": float32 or bfloat16 only, x and weight alike");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), name, ": weight must be (N, K) contiguous");
   const int64_t N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(x.size(-1) == K, "linear_rows: activation width ", x.size(-1), " != ", K);
+  TORCH_CHECK(x.size(-1) == K, name, ": activation width ", x.size(-1), " != ", K);
   const at::Tensor x2d = x.reshape({-1, K}).contiguous();
   const int64_t M = x2d.size(0);
-  TORCH_CHECK(M <= kLinearRowsMax, "linear_rows: at most ", kLinearRowsMax, " rows, got ", M);
+  TORCH_CHECK(M <= max_rows, name, ": at most ", max_rows, " rows, got ", M);
   auto shape = x.sizes().vec();
   shape.back() = N;
   at::Tensor out = at::empty({M, N}, x.options());
@@ -606,45 +610,8 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight) {
     using T_ = decltype(tag);
     const T_ *xp = x2d.data_ptr<T_>(), *wp = weight.data_ptr<T_>();
     T_* yp = out.data_ptr<T_>();
-    if (M > 0)
-      at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
-#ifdef FERRUM_X86
-        if (avx2) return linear_rows_avx2<T_>(xp, M, wp, K, b, e, N, yp);
-#endif
-        linear_rows_portable<T_>(xp, M, wp, K, b, e, N, yp);
-      });
-  };
-  if (x.scalar_type() == at::kFloat) run(float{});
-  else run(c10::BFloat16{});
-  return out.view(shape);
-}
-
-// x (..., K) with any number of rows, weight (N, K): linear_rows' arithmetic for every
-// row, so each output is the same dot product in the same order whatever else is in the
-// batch (the batch-invariant linear).  Rows go in tiles of kTileRows (the tile's
-// activations stay in L2 while each weight row is read once for the tile); a tile
-// changes which rows share a weight load, never a row's sums.
-constexpr int64_t kTileRows = 64;
-
-at::Tensor linear_rows_tiled(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type() &&
-              (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "linear_rows_tiled: float32 or bfloat16 only, x and weight alike");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "linear_rows_tiled: weight must be (N, K) contiguous");
-  const int64_t N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(x.size(-1) == K, "linear_rows_tiled: activation width ", x.size(-1), " != ", K);
-  const at::Tensor x2d = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2d.size(0);
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  at::Tensor out = at::empty({M, N}, x.options());
-  const bool avx2 = ferrum_active_isa() >= 1;
-  auto run = [&](auto tag) {
-    using T_ = decltype(tag);
-    const T_ *xp = x2d.data_ptr<T_>(), *wp = weight.data_ptr<T_>();
-    T_* yp = out.data_ptr<T_>();
-    for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
-      const int64_t rows = std::min(kTileRows, M - m0);
+    for (int64_t m0 = 0; m0 < M; m0 += tile) {
+      const int64_t rows = std::min(tile, M - m0);
       at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
 #ifdef FERRUM_X86
         if (avx2) return linear_rows_avx2<T_>(xp + m0 * K, rows, wp, K, b, e, N, yp + m0 * N);
@@ -656,6 +623,17 @@ at::Tensor linear_rows_tiled(const at::Tensor& x, const at::Tensor& weight) {
   if (x.scalar_type() == at::kFloat) run(float{});
   else run(c10::BFloat16{});
   return out.view(shape);
+}
+
+// 1-4 rows: the batch-1 step's linears.
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight) {
+  return rows_linear(x, weight, "linear_rows", kLinearRowsMax, kLinearRowsMax);
+}
+
+// Any number of rows on the same arithmetic, each output the same dot product in the
+// same order whatever else is in the batch (the batch-invariant linear), in tiles of 64.
+at::Tensor linear_rows_tiled(const at::Tensor& x, const at::Tensor& weight) {
+  return rows_linear(x, weight, "linear_rows_tiled", std::numeric_limits<int64_t>::max(), 64);
 }
 
 // ---- a whole decoder layer ----------------------------------------------------------
