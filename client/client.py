@@ -12,6 +12,7 @@ builder, reply parser, streaming shape), each driven by the class's invoker
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
@@ -54,8 +55,20 @@ _UNKNOWN_OUTCOME = frozenset({grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLIN
                               grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
 
 
-def _outcome_unknown(exc: grpc.RpcError) -> bool:
-    return exc.code() in _UNKNOWN_OUTCOME
+@contextlib.contextmanager
+def _errors_mapped(client, rpc: Rpc, request):
+    """Both invokers' errors: ``grpc.RpcError`` becomes the error table's exception, and a
+    call that ended with its outcome unknown (cancelled, timed out, interrupted, the
+    connection lost) has what it may have created released by request_id."""
+    try:
+        yield
+    except grpc.RpcError as exc:
+        if exc.code() in _UNKNOWN_OUTCOME:
+            client._release_created(rpc, request)
+        raise from_rpc_error(exc) from None
+    except BaseException:  # interrupted or cancelled while waiting: the call may have run
+        client._release_created(rpc, request)
+        raise
 
 
 def _release_request(request, name: str):
@@ -269,17 +282,10 @@ class ExecutorClient(_Client):
     def _invoke(self, rpc: Rpc, args: tuple, kwargs: dict, timeout=_CLIENT_TIMEOUT):
         """The sync invoker: one call of ``rpc``, its reply (or replies) parsed."""
         method, request, options = self._call_args(rpc, args, kwargs, timeout)
-        try:
+        with _errors_mapped(self, rpc, request):
             call = method(request, **options)
             if rpc.stream:
                 call = [rpc.seen(self, message, args, kwargs) for message in call]
-        except grpc.RpcError as exc:
-            if _outcome_unknown(exc):
-                self._release_created(rpc, request)
-            raise from_rpc_error(exc) from None
-        except BaseException:  # interrupted while waiting: the call may have run
-            self._release_created(rpc, request)
-            raise
         return rpc.result(self, call, args, kwargs)
 
     def _release_created(self, rpc: Rpc, request) -> None:
@@ -336,19 +342,12 @@ class AsyncExecutorClient(_Client):
     async def _invoke(self, rpc: Rpc, args: tuple, kwargs: dict, timeout=_CLIENT_TIMEOUT):
         """The asyncio invoker: :meth:`ExecutorClient._invoke`, awaited."""
         method, request, options = self._call_args(rpc, args, kwargs, timeout)
-        try:
+        with _errors_mapped(self, rpc, request):
             call = method(request, **options)
             if rpc.stream:
                 call = [rpc.seen(self, message, args, kwargs) async for message in call]
             else:
                 call = await call
-        except grpc.RpcError as exc:
-            if _outcome_unknown(exc):
-                self._release_created(rpc, request)
-            raise from_rpc_error(exc) from None
-        except BaseException:  # cancelled while waiting: the call may have run
-            self._release_created(rpc, request)
-            raise
         return rpc.result(self, call, args, kwargs)
 
     def _release_created(self, rpc: Rpc, request) -> None:
