@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from ferrum_rpc.client import AsyncExecutorClient, AsyncReplicaSetClient, ExecutorClient, ReplicaSetClient
-from ferrum_rpc.client.client import AsyncDecodeSession, DecodeSession
+from ferrum_rpc.client.session import AsyncDecodeSession, DecodeSession
 from ferrum_rpc.client.replicas import AsyncReplicaDecodeSession, ReplicaDecodeSession
 from ferrum_rpc.client.rpc import RPCS
 from tests.system.test_replicas import free_port

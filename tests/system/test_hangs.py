@@ -31,7 +31,7 @@ import pytest
 
 from ferrum_rpc import convert
 from ferrum_rpc.client import ExecutorClient, LengthMismatch, LogitsPolicy, connect
-from ferrum_rpc.client import client as client_module
+from ferrum_rpc.metadata import DEADLINE_HEADER
 from ferrum_rpc.client.generate import generate_ids
 from ferrum_rpc.client.replicas import ReplicaPolicy
 from ferrum_rpc.errors import ExecutorError
@@ -192,9 +192,9 @@ def test_a_call_past_its_absolute_deadline_is_refused_and_changes_nothing(fresh_
                                    logits=pb.LogitsPolicy(kind=pb.LOGITS_KIND_ARGMAX))
         past = str(time.time_ns() - 1_000_000_000)
         with pytest.raises(grpc.RpcError) as caught:
-            stub.Decode(request, timeout=30, metadata=((client_module.DEADLINE_HEADER, past),))
+            stub.Decode(request, timeout=30, metadata=((DEADLINE_HEADER, past),))
         assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-        garbage = ((client_module.DEADLINE_HEADER, "soon"),)
+        garbage = ((DEADLINE_HEADER, "soon"),)
         step = convert.handle_from_proto(stub.Decode(request, timeout=30, metadata=garbage).kv_cache)
         assert step.sequence_length == len(prompt) + 1  # the refused call did not run
         one.release_cache(step)
