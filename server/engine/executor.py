@@ -27,14 +27,13 @@ from typing import Iterable
 import torch
 
 from ferrum_rpc.errors import ExecutorError, InvalidInput, TenantQuotaExceeded
-from ..choice import speculative
-from ..choice.sampling import accept_drafts as choose_drafts
 from ..choice.sampling import row_max
 from ..choice.policy import validate_token_choice
 from ..config import ExecutorConfig, TenantBounds, tenant_bounds
 from .checks import ExecutorChecks
 from .choosing import ChoosesTokens
 from .describe import Describes
+from .speculating import Speculates
 from .forward import Rows, Step, forward
 from ..kv.pool import KvPool
 from ..kv.blocks import BlockManager, SequenceState, Undo
@@ -56,8 +55,6 @@ from ferrum_rpc.types import (
     LogitsKind,
     LogitsPolicy,
     PrefillOutput,
-    SpeculativeOutput,
-    SpeculativeSampling,
     Timing,
     TokenChoice,
     VerifyOutput,
@@ -105,7 +102,7 @@ def verify_policy(policy: LogitsPolicy) -> LogitsPolicy:
     return replace(policy, all_positions=True)
 
 
-class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens):
+class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates):
     """Hosts one model and its KV pool.
 
     Args:
@@ -373,52 +370,6 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens):
         every position (so a long verify runs in chunks like a prompt)."""
         out = self.prefill(token_ids, kv_cache, verify_policy(policy), tenant=tenant, as_output=True)
         return VerifyOutput(out.logits, out.kv_cache, out.timing)
-
-    def speculative_decode(self, token_id: int, draft: list[int], kv_cache: KvCacheHandle,
-                           policy: LogitsPolicy | None = LogitsPolicy(),
-                           sampling: SpeculativeSampling | None = None, tenant: str = "",
-                           choice: TokenChoice | None = None) -> SpeculativeOutput:
-        """One round of speculative decoding: ``token_id`` and the drafts in one forward,
-        the drafts kept that ``speculative.accept_drafts`` keeps (greedy: the longest
-        prefix equal to greedy's choices), the rest truncated, and the logits after
-        the kept ones in ``policy``.  With ``choice`` (not with ``sampling``), drafts
-        are kept while they equal what the policy chooses (``sampling.accept_drafts``:
-        the tokens of Decode steps with that choice) and ``out.chosen`` holds each
-        kept draft's choice, then the next token's; ``policy=None``: no logits with a
-        choice, else full float32.  Fails with no state change; it is one worker
-        job, so nobody sees the drafts' KV."""
-        if len(draft) + 1 > self.config.prefill_chunk:
-            raise InvalidInput(f"{len(draft)} drafts exceed {self.config.prefill_chunk - 1} (one forward's chunk)")
-        if choice is not None:
-            if sampling is not None:
-                raise InvalidInput("token_choice and sampling are exclusive: give one acceptance rule")
-            self.check_token_choice(choice)
-        want_logits = policy is not None or choice is None
-        policy = LogitsPolicy() if policy is None else policy
-        self.check_policy(policy, 1)
-        sampling = speculative.checked_sampling(sampling)
-        out = self.prefill([token_id] + list(draft), kv_cache, LogitsPolicy(LogitsKind.FULL, all_positions=True),
-                           tenant=tenant, as_output=True)
-        undo = Undo(out.kv_cache.cache_id, kv_cache.sequence_length)  # no left_at: the rejected drafts may be gone
-        try:
-            rows = out.logits.values  # (1 + len(draft), vocab) float32: row i predicts what follows input i
-            seq = self.kv.get(out.kv_cache.cache_id, tenant)
-            chosen: tuple = ()
-            if choice is not None:  # the policy's own choices, batched over the rows
-                last = kv_cache.sequence_length + 1  # token_id is in: output for the penalties
-                split = seq.output_start
-                agreed, picks = choose_drafts(rows, draft, choice, last, seq.tokens[:split], seq.tokens[split:last])
-                following, chosen = picks[-1].token_id, tuple(picks)
-            else:
-                agreed, following = speculative.accept_drafts(rows, draft, sampling)
-            if agreed < len(draft):  # the rejected drafts' KV goes (their idle clock was restarted by the forward)
-                self.kv.shrink(seq, kv_cache.sequence_length + 1 + agreed)
-            logits = self.apply_policy(rows[agreed:agreed + 1], policy) if want_logits else None
-            return SpeculativeOutput(tuple(draft[:agreed]), following, logits, self.handle(seq), out.timing,
-                                     chosen=chosen)
-        except BaseException:  # whatever fails after the forward: the sequence is put back as it was
-            self.undo([undo])
-            raise
 
     def truncate_kv(self, kv_cache: KvCacheHandle, new_length: int, tenant: str = "") -> KvCacheHandle:
         seq = self.resolve(kv_cache, tenant)
