@@ -128,6 +128,18 @@ def running_server(model_dir, name: str = "tiny", server_kwargs: dict | None = N
         yield server
 
 
+TENANT_TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-9876543210"}  # tenants_server's
+
+
+@contextlib.contextmanager
+def tenants_server(model_dir, tmp_path_factory, **executor_kwargs):
+    """:func:`running_server` with bearer tokens: tenants alice and bob (TENANT_TOKENS)."""
+    tokens = tmp_path_factory.mktemp("auth") / "tokens"
+    tokens.write_text("".join(f"{name} {token}\n" for name, token in TENANT_TOKENS.items()))
+    with running_server(model_dir, server_kwargs=dict(auth_tokens=str(tokens)), **executor_kwargs) as server:
+        yield server
+
+
 @pytest.fixture(scope="module")
 def tiny_server(tiny_llama_dir):
     with running_server(tiny_llama_dir) as server:

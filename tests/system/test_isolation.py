@@ -15,9 +15,9 @@ import torch
 
 from ferrum_rpc.client import DecodeInput, ExecutorClient, LogitsPolicy, TokenChoice
 from ferrum_rpc.errors import NonFiniteLogits, Reason
-from tests.conftest import running_server
+from tests.conftest import TENANT_TOKENS, tenants_server
 
-ALICE, BOB = "alice-token-0123456789", "bob-token-9876543210"
+ALICE, BOB = TENANT_TOKENS["alice"], TENANT_TOKENS["bob"]
 PROMPT = [1, 17, 42, 99, 5, 230, 17, 8]
 HOSTILE = [TokenChoice(temperature=t, top_k=k, top_p=p, seed=3 + n, repetition_penalty=r, top_logprobs=2)
            for n, (r, t, k, p) in enumerate([(1.4e-45, 1.0, 0, 1.0), (1e-40, 1.0, 20, 1.0), (1e-38, 0.7, 0, 0.9),
@@ -26,9 +26,7 @@ HOSTILE = [TokenChoice(temperature=t, top_k=k, top_p=p, seed=3 + n, repetition_p
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
-    tokens = tmp_path_factory.mktemp("auth") / "tokens"
-    tokens.write_text(f"alice {ALICE}\nbob {BOB}\n")
-    with running_server(tiny_llama_dir, server_kwargs=dict(auth_tokens=str(tokens)), batch_wait_ms=2) as srv:
+    with tenants_server(tiny_llama_dir, tmp_path_factory, batch_wait_ms=2) as srv:
         yield srv
 
 

@@ -16,18 +16,16 @@ import pytest
 from ferrum_rpc.client import AsyncExecutorClient, ExecutorClient, InvalidInput, LogitsPolicy
 from ferrum_rpc.errors import ExecutorError, from_rpc_error
 from ferrum_rpc.v1 import executor_pb2 as pb
-from tests.conftest import running_server
+from tests.conftest import TENANT_TOKENS, tenants_server
 
-ALICE, BOB = "alice-token-0123456789", "bob-token-9876543210"
+ALICE, BOB = TENANT_TOKENS["alice"], TENANT_TOKENS["bob"]
 ARGMAX = LogitsPolicy.argmax()
 PROMPT = [1, 17, 42, 99, 5, 230, 17, 8]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
-    tokens = tmp_path_factory.mktemp("auth") / "tokens"
-    tokens.write_text(f"alice {ALICE}\nbob {BOB}\n")
-    with running_server(tiny_llama_dir, server_kwargs=dict(auth_tokens=str(tokens)), prefill_chunk=8) as srv:
+    with tenants_server(tiny_llama_dir, tmp_path_factory, prefill_chunk=8) as srv:
         yield srv
 
 

@@ -10,9 +10,9 @@ import pytest
 
 from ferrum_rpc.client import DecodeInput, ExecutorClient, LogitsPolicy, TokenChoice
 from ferrum_rpc.errors import ExecutorError, Reason, SequenceLimitExceeded, TenantQuotaExceeded
-from tests.conftest import running_server
+from tests.conftest import TENANT_TOKENS, running_server, tenants_server
 
-ALICE, BOB = "alice-" + "a" * 26, "bob-" + "b" * 28
+ALICE, BOB = TENANT_TOKENS["alice"], TENANT_TOKENS["bob"]
 ARGMAX = LogitsPolicy.argmax()
 GREEDY = TokenChoice(temperature=0.0)
 # a pool of 256 tokens in blocks of 4, 12 live sequences, forwards of 8: by default a
@@ -22,9 +22,7 @@ LIMITS = dict(kv_tokens=256, block_size=4, max_sequences=12, max_batch_size=8)
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
-    path = tmp_path_factory.mktemp("auth") / "tokens"
-    path.write_text(f"alice {ALICE}\nbob {BOB}\n")
-    with running_server(tiny_llama_dir, server_kwargs=dict(auth_tokens=str(path)), **LIMITS) as srv:
+    with tenants_server(tiny_llama_dir, tmp_path_factory, **LIMITS) as srv:
         yield srv
 
 
