@@ -1,17 +1,15 @@
 """The model worker's asyncio front: each call a coroutine that submits its job and
 awaits it; a cancelled await (gRPC cancels a handler whose caller cancelled,
 disconnected or ran out of time) stops the job and undoes what it did, and a
-result that arrives after its caller's deadline is undone too.  Also the
-decode-ahead seats, event-loop bookkeeping."""
+result that arrives after its caller's deadline is undone too.  Decoding ahead
+starts a run the worker drives instead (``runs.py``)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from ferrum_rpc.errors import SequenceLimitExceeded, TenantQuotaExceeded
 from ferrum_rpc.types import DecodeInput, KvCacheHandle, LogitsPolicy, VerifyOutput
 from ..kv.blocks import Undo
 from .executor import verify_policy
@@ -20,31 +18,7 @@ from .jobs import DecodeWork, Job
 
 class AsyncFront:
     """Mixed into :class:`~.worker.ModelWorker` (its ``_put``, ``submit``, ``undo``,
-    ``executor``, ``ahead`` and ``_prefill_job``)."""
-
-    @contextlib.contextmanager
-    def ahead_seats(self, tenant: str, count: int):
-        """Holds ``count`` of ``tenant``'s seats for decoding ahead for the run's life; refuses
-        (TENANT_QUOTA_EXCEEDED) past the tenant's bound, so one tenant's runs take a bounded
-        share of every forward.  Event loop only."""
-        cap, held = self.executor.bounds(tenant).ahead_sequences, self.ahead.get(tenant, 0)
-        if cap and held + count > cap:
-            raise TenantQuotaExceeded(
-                f"your tenant has {held} sequences decoding ahead, its cap is {cap} (--tenant-ahead-sequences); "
-                f"this step's {count} would pass it: wait for a run to end or stop one")
-        total, room = sum(self.ahead.values()), self.executor.config.max_batch_size
-        if total + count > room:  # in total too: more than one forward holds would only queue
-            raise SequenceLimitExceeded(
-                f"the server has {total} sequences decoding ahead, its cap is {room} (--max-batch); "
-                f"this step's {count} would pass it: wait for a run to end")
-        self.ahead[tenant] = held + count
-        try:
-            yield
-        finally:
-            if (left := self.ahead[tenant] - count) > 0:
-                self.ahead[tenant] = left
-            else:
-                del self.ahead[tenant]
+    ``executor`` and ``_prefill_job``)."""
 
     async def call(self, fn: Callable[..., Any], *args: Any, deadline: float | None = None) -> Any:
         return await self._await(self._put(Job(fn, args, deadline=deadline)))

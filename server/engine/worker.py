@@ -49,12 +49,13 @@ from . import scheduler
 from ..kv.blocks import Undo
 from .executor import TorchExecutor
 from .front import AsyncFront
+from .runs import DrivesRuns
 from .jobs import DecodeWork, Job, PromptWork, with_queue_time
 
 log = logging.getLogger(__name__)
 
 
-class ModelWorker(AsyncFront):
+class ModelWorker(AsyncFront, DrivesRuns):
     """Serialises access to one executor on a dedicated thread.
 
     Args:
@@ -83,10 +84,9 @@ class ModelWorker(AsyncFront):
         self._unanswered: set[Future] = set()  # every job's future until it resolves (see fail_all)
         self._cond = threading.Condition()
         self._stopping = False
-        # decoding ahead (the event loop's side; session.py): sequences in runs per tenant, and
-        # runs now waiting for their callers' transport to take their call's replies
+        # decoding ahead (ahead.py): the runs, and their sequences per tenant (their seats)
+        self._runs: list = []
         self.ahead: dict[str, int] = {}
-        self.ahead_paused = 0
         self.loaded: Future = Future()  # resolves to the executor once the thread has built it
         self._thread = threading.Thread(target=self._main, args=(load,), name=f"model-worker[{name}]",
                                         daemon=True)
@@ -180,6 +180,8 @@ class ModelWorker(AsyncFront):
                 future.set_exception(error)
             except InvalidStateError:  # answered meanwhile
                 pass
+        for run in list(self._runs):
+            run.end(error, None)
 
     def _put(self, job: Job) -> Job:
         self._unanswered.add(job.future)
@@ -201,28 +203,30 @@ class ModelWorker(AsyncFront):
     # -- the worker thread --------------------------------------------------------
     def _loop(self) -> None:
         while True:
+            self._settle_runs()
             with self._cond:
                 self._unpark()
-                while not self._jobs:
+                while not self._jobs and not self._runs_want_turn():
                     self._reap()
                     self._cond.wait(self.PARKED_POLL_S if self._parked else self.REAP_EVERY_S)
                     self._unpark()
-                job = self._jobs[0]
-                if job is None:
+                job = self._jobs[0] if self._jobs else None
+                if job is None and self._jobs:
+                    if any(self._runs):
+                        continue  # runs end (Draining) before the thread does: _settle_runs
                     self._jobs.popleft()
                     if not self._jobs:
                         return
                     self._jobs.append(None)  # prompts re-queued behind the stop finish first
                     continue
                 decodes: list[Job] | None = None
-                if job.decode:
-                    decodes = [self._jobs.popleft()]
-                    self._collect(decodes)
-                elif job.prefill and not job.analysis:  # stays queued: _take_prompts takes it
-                    decodes = []
-                    self._collect(decodes)
+                if job is not None and not (job.decode or job.prefill) or job is not None and job.analysis:
+                    self._jobs.popleft()  # a call, or an analysis prompt: alone
                 else:
-                    self._jobs.popleft()
+                    decodes = [self._run_job(run) for run in self._runs if run.running and not run.paused]
+                    if job is not None and job.decode:
+                        decodes.append(self._jobs.popleft())
+                    self._collect(decodes)
             self._reap()
             if decodes is None:
                 if job.prefill:  # an analysis prompt: one part, alone
@@ -442,7 +446,7 @@ class ModelWorker(AsyncFront):
             self._decoded_at = now = time.monotonic()
             self._last_forward_s = forward_ns / 1e9
             for job in decodes:
-                for item in job.decode.inputs:
+                for item in job.decode.inputs if job.run is None else ():  # a run's rows are always in
                     self._decoders[item.kv_cache.cache_id] = now
         for (job, plan), result in zip(planned, results):
             if not isinstance(result, BaseException) and (gone := job.gone()) is not None:

@@ -25,21 +25,23 @@ server, each chosen token streamed as it comes (one message per forward for all
 of the step's sequences), until a stop token, the length, a ``stop`` message
 naming its ``step_id``, or the model's maximum sequence length.
 
-What a decode-ahead run can see of its caller's reading, and so its pause: gRPC
-completes ``context.write`` once the reply's bytes fit the caller's HTTP/2 receive
-window (stream and connection), not when the caller's code reads them; a caller's
-transport reopens the window as the caller reads.  So the session counts the bytes
-of replies handed to gRPC whose write has not completed (``unsent``), and a run
-starts its next forward only when that is zero: every reply of the call went into
-the caller's window.  A caller that stops reading therefore gets at most its
-window's worth of replies plus one forward per run (a paused run runs no forward
-and grows no KV).  The window is the caller's to choose: 64 KiB unless it says
-otherwise (a raw HTTP/2 peer, or gRPC with BDP probing off), about 4 MiB once
-gRPC's BDP probing has grown it on a fast link (measured on loopback), and up to
-the socket buffers (~3 MB measured) for a peer that announces 2^31-1.  What one
-tenant can make the server hold meanwhile is bounded apart from the window: its
-sequences decoding ahead (``ModelWorker.ahead_seats``) and its KV
-(``ExecutorConfig.tenant_kv_tokens``).
+The run itself is the engine's (``engine/ahead.py``): the worker decodes its
+sequences forward after forward without a round trip through the event loop, and
+queues what each forward chose; this module takes those entries off the run's
+bounded queue and sends them.  What a run can see of its caller's reading, and so
+its pause: gRPC completes ``context.write`` once the reply's bytes fit the caller's
+HTTP/2 receive window (stream and connection), not when the caller's code reads
+them; a caller's transport reopens the window as the caller reads.  The session
+takes a run's next entry only once its last reply's write completed, so a caller
+that stops reading leaves the run's queue full and the run paused (it runs no
+forward and grows no KV): the caller holds at most its window's worth of replies
+plus the queue's bound of forwards per run.  The window is the caller's to choose:
+64 KiB unless it says otherwise (a raw HTTP/2 peer, or gRPC with BDP probing off),
+about 4 MiB once gRPC's BDP probing has grown it on a fast link (measured on
+loopback), and up to the socket buffers (~3 MB measured) for a peer that announces
+2^31-1.  What one tenant can make the server hold meanwhile is bounded apart from
+the window: its sequences decoding ahead (``AsyncFront.start_ahead``'s seats) and
+its KV (``ExecutorConfig.tenant_kv_tokens``).
 """
 
 from __future__ import annotations
@@ -50,9 +52,9 @@ import time
 
 from ferrum_rpc import convert
 from ferrum_rpc.errors import InvalidInput, to_status_proto
-from ..kv.blocks import Undo
-from .ledger import Undelivered
+from ..engine.ahead import AheadRun, Emitted, Finish
 from ..engine.worker import ModelWorker
+from .ledger import Undelivered
 from .handler import as_executor_error, check_parsed
 from ferrum_rpc.types import DecodeInput
 from ferrum_rpc.v1 import executor_pb2 as pb
@@ -95,12 +97,10 @@ class DecodeSession:
         self.servicer, self.context, self.tenant, self.deadline = servicer, context, tenant, deadline
         self.replies: asyncio.Queue = asyncio.Queue()  # (reply, its size in bytes)
         self.unsent = 0  # bytes of replies queued or being written: not yet in the caller's window
-        self.all_sent = asyncio.Event()  # set while unsent is 0
-        self.all_sent.set()
         self.ledger = Undelivered()  # steps' results until their replies are handed to gRPC
         self.window = asyncio.Semaphore(MAX_PENDING_STEPS)
         self.steps: set[asyncio.Task] = set()
-        self.ahead: dict[int, asyncio.Event] = {}  # running decode-ahead steps by step_id: set = stop
+        self.ahead: dict[int, AheadRun] = {}  # running decode-ahead steps by step_id
 
     async def serve(self, request_iterator) -> None:
         reader = asyncio.create_task(self._read_all(request_iterator))
@@ -111,7 +111,9 @@ class DecodeSession:
                     self.window.release()
                 else:
                     await self.context.write(entry[0])  # not yielded: see servicer._rpc's docstring
-                    self._sent(entry[1])
+                    self.unsent -= entry[1]
+                    if entry[2] is not None and not entry[2].done():
+                        entry[2].set_result(None)
             await reader  # surfaces a broken request stream
             # gRPC ends the request stream the same way for a half-close and a cancel (an
             # RST_STREAM): the cancel shows as this task being cancelled a moment later
@@ -127,17 +129,12 @@ class DecodeSession:
             for task in list(self.steps):
                 task.cancel()  # a step still at the worker undoes itself (ModelWorker._await)
 
-    async def _hand(self, reply) -> None:
-        """Queues ``reply`` for the caller, counted as unsent until gRPC took it."""
+    async def _hand(self, reply, written: asyncio.Future | None = None) -> None:
+        """Queues ``reply`` for the caller, counted as unsent until gRPC took it; ``written``
+        resolves once it did."""
         size = len(reply) if isinstance(reply, bytes) else reply.ByteSize()  # large replies come serialized
         self.unsent += size
-        self.all_sent.clear()
-        await self.replies.put((reply, size))
-
-    def _sent(self, size: int) -> None:
-        self.unsent -= size
-        if not self.unsent:
-            self.all_sent.set()
+        await self.replies.put((reply, size, written))
 
     async def _read_all(self, request_iterator) -> None:
         requests = request_iterator.__aiter__()
@@ -164,7 +161,7 @@ class DecodeSession:
             if request.stop:
                 check_stop_message(request)
                 if step_id in self.ahead:
-                    self.ahead[step_id].set()
+                    self.ahead[step_id].stop()
                 return
             with contextlib.ExitStack() as pinned:  # a shared-memory region stays mapped to the end
                 with servicer.admit():
@@ -195,73 +192,54 @@ class DecodeSession:
             await self.replies.put(_STEP_DONE)
 
     async def _decode_ahead(self, request, worker: ModelWorker, items: list[DecodeInput], keys: list[int]) -> list:
-        """Decodes up to ``max_new_tokens`` steps on the server, each a seat of the shared
-        forward, streaming each chosen token as it comes.  ``keys`` holds, per item, the
-        ledger entry from where the step found it to where it is now (undone if the step
-        fails or the session is cancelled).  Returns each item's last output."""
+        """Starts a run on the worker (``engine/ahead.py``) and streams what each of its
+        forwards chose, one message per forward, taking the next forward's tokens only
+        once the last reply went into the caller's window.  When the run's last entry is
+        taken, ``keys`` gets its ledger entries (each sequence from where the run found
+        it to where it left it: undone if its reply is never sent).  Returns each item's
+        last output."""
         step_id = request.step_id
         if step_id in self.ahead:  # a stop message must name one run
             raise InvalidInput(f"step_id {step_id} names a decode-ahead step still running")
-        with worker.ahead_seats(self.tenant, len(items)):  # refuses past the tenant's share
-            return await self._run_ahead(request, worker, items, keys)
-
-    async def _run_ahead(self, request, worker: ModelWorker, items: list[DecodeInput], keys: list[int]) -> list:
-        ledger = self.ledger
-        step_id, limit = request.step_id, request.max_new_tokens
-        stop_ids, max_len = frozenset(request.stop_token_ids), worker.executor.max_seq_len
-        stop = self.ahead[step_id] = asyncio.Event()
-        keys.extend(ledger.add(worker, []) for _ in items)
-        emitted, last = [0] * len(items), [None] * len(items)
-        live = list(enumerate(items))
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+        run = worker.start_ahead(items, request.max_new_tokens, frozenset(request.stop_token_ids), self.tenant,
+                                 self.deadline)  # refuses past the tenant's share of seats
+        run.on_entry = lambda: loop.call_soon_threadsafe(ready.set)
+        self.ahead[step_id] = run
         try:
-            while live:
-                if self.unsent:  # a reply of this call is not in the caller's window yet
-                    await self._paused(worker)
-                # The forward about to run, covered before it runs: if the session is cancelled
-                # while it is at the worker, it may still finish, and the sequence must go back
-                # from the length it leaves too (the record whose length does not match is skipped).
-                running = {index: ledger.add(worker, [Undo(item.kv_cache.cache_id,
-                                                           items[index].kv_cache.sequence_length,
-                                                           item.kv_cache.sequence_length + 1)])
-                           for index, item in live}
-                keys.extend(running.values())
-                outs = await worker.decode([item for _, item in live], None, self.deadline, self.tenant)
-                going, results = [], []
-                for (index, item), out in zip(live, outs):
-                    ledger.drop(keys[index])
-                    ledger.drop(running[index])
-                    keys[index] = ledger.add(worker, [Undo.of(items[index].kv_cache, out.kv_cache)])
-                    emitted[index] += 1
-                    last[index] = out
-                    result = pb.DecodeSessionResponse(step_id=step_id, index=index)
-                    result.chosen.CopyFrom(convert.chosen_to_proto(out.chosen))
-                    token = out.chosen.token_id
-                    reason = (pb.FINISH_REASON_STOP_TOKEN if token in stop_ids
-                              else pb.FINISH_REASON_LENGTH if emitted[index] == limit
-                              else pb.FINISH_REASON_STOPPED if stop.is_set()
-                              else pb.FINISH_REASON_MAX_SEQUENCE_LENGTH if out.kv_cache.sequence_length >= max_len
-                              else None)
-                    if reason is None:
-                        going.append((index, DecodeInput(token, out.kv_cache, item.token_choice)))
-                    else:
-                        result.finish_reason = reason
-                        result.kv_cache.CopyFrom(convert.handle_to_proto(out.kv_cache))
-                        result.timing.CopyFrom(convert.timing_to_proto(out.timing))
-                    results.append(result)
-                # one message per forward (a stream message costs the caller ~0.1-0.3 ms of Python)
-                reply = results[0] if len(results) == 1 else pb.DecodeSessionResponse(step_id=step_id,
-                                                                                     results=results)
-                await self._hand(reply)
-                live = going
+            while not run.done:
+                ready.clear()
+                if (entry := run.take()) is None:  # raises the run's error (the run was undone)
+                    await ready.wait()
+                    continue
+                if run.done:  # the last entry: the run's results are this call's now
+                    keys.extend(self.ledger.add(worker, [undo]) for undo in run.undo_records())
+                written = loop.create_future()
+                await self._hand(_ahead_reply(step_id, entry), written)
+                await written  # in the caller's window: the next entry may go
+        except BaseException:
+            run.cancel()  # a running run is ended and undone by the worker
+            raise
         finally:
             self.ahead.pop(step_id, None)
-        return last
+        return run.last
 
-    async def _paused(self, worker: ModelWorker) -> None:
-        """Waits until every reply of this call went into the caller's window.  Usually a
-        moment (the write of the last reply); longer only while the caller does not read."""
-        worker.ahead_paused += 1
-        try:
-            await self.all_sent.wait()
-        finally:
-            worker.ahead_paused -= 1
+
+_FINISH = {Finish.STOP_TOKEN: pb.FINISH_REASON_STOP_TOKEN, Finish.LENGTH: pb.FINISH_REASON_LENGTH,
+           Finish.STOPPED: pb.FINISH_REASON_STOPPED, Finish.MAX_SEQUENCE_LENGTH: pb.FINISH_REASON_MAX_SEQUENCE_LENGTH}
+
+
+def _ahead_reply(step_id: int, entry: list[Emitted]) -> pb.DecodeSessionResponse:
+    """One forward of a run as one message (a stream message costs the caller ~0.1-0.3 ms of
+    Python): a result per sequence, with its handle and timing once it finished."""
+    results = []
+    for emitted in entry:
+        result = pb.DecodeSessionResponse(step_id=step_id, index=emitted.index)
+        result.chosen.CopyFrom(convert.chosen_to_proto(emitted.out.chosen))
+        if emitted.finish is not None:
+            result.finish_reason = _FINISH[emitted.finish]
+            result.kv_cache.CopyFrom(convert.handle_to_proto(emitted.out.kv_cache))
+            result.timing.CopyFrom(convert.timing_to_proto(emitted.out.timing))
+        results.append(result)
+    return results[0] if len(results) == 1 else pb.DecodeSessionResponse(step_id=step_id, results=results)

@@ -16,6 +16,7 @@ import pytest
 from ferrum_rpc import convert
 from ferrum_rpc.client import DecodeInput, ExecutorClient, TokenChoice
 from ferrum_rpc.errors import ExecutorError, Reason
+from ferrum_rpc.server.engine.ahead import QUEUED_FORWARDS
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 from tests.conftest import executor_snapshot
@@ -338,10 +339,10 @@ def _until_still(read, still_s: float, timeout: float):
 def test_a_caller_that_never_reads_the_socket_pauses_the_run_within_its_window(tiny_server, client):
     """A raw HTTP/2 peer with a 1 KiB receive window sends a decode-ahead step of 240
     tokens (20 logprobs each: responses of 80+ bytes) and never reads.  gRPC takes a
-    response only into the caller's window, and the run runs its next forward only once
-    every response of its call was taken: so it pauses after at most
-    window / (smallest response) + 1 forwards (5 measured; 37 when 32 responses
-    handed to gRPC could wait besides).  Paused, it runs
+    response only into the caller's window, the session takes the run's next forward only
+    once the last response's write completed, and the run queues at most QUEUED_FORWARDS
+    forwards: so it pauses after at most window / (smallest response) + 1 (being written)
+    + QUEUED_FORWARDS forwards.  Paused, it runs
     no forwards (GetStatus from another channel) and its sequence's KV stops growing,
     while another caller's decodes are served; closing the socket undoes the run."""
     window, choice = 1024, TokenChoice(temperature=0.0, top_logprobs=20)
@@ -354,7 +355,7 @@ def test_a_caller_that_never_reads_the_socket_pauses_the_run_within_its_window(t
     # no response of this run can be smaller than this one (gRPC's 5-byte prefix included)
     smallest = 5 + len(pb.DecodeSessionResponse(step_id=1, chosen=pb.ChosenToken(
         token_id=1, top_logprobs=[pb.TokenLogprob(token_id=1)] * 20)).SerializeToString())
-    bound = window // smallest + 1
+    bound = window // smallest + 1 + QUEUED_FORWARDS
 
     def length():
         return ex.kv.snapshot().sequences[out.kv_cache.cache_id].length

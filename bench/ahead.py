@@ -1,0 +1,119 @@
+"""Decoding ahead through gRPC against the same run in process, batch 1.
+
+For each variant (a dtype or a quantization of the default model), one greedy
+generation of ``--new-tokens`` tokens after a 32-token prompt:
+
+- ``in_process``: the run inside this process's model worker (``start_ahead``), its
+  tokens taken off the run's queue by a plain thread: the engine alone;
+- ``in_process_steps``: one decode job a token through the same worker (the
+  executor row of ``bench.decode_throughput``);
+- ``grpc_ahead``: ``ferrum-rpc serve`` in its own process, one DecodeSession step
+  decoding ahead (``ExecutorClient.decode_ahead``);
+- ``grpc_steps``: the same server, one unary Decode a token.
+
+Tokens/s counts the decoded tokens over the decode's wall time (the prompt is
+left out), median of ``--repeats``.  The in-process worker is stopped before the
+server starts, so the two never share the cores.
+
+    .venv/bin/python -m bench.ahead [--variants float32 w4a8] [--new-tokens 128] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+from bench.common import log, median_of, served, write_results
+from ferrum_rpc.client import ExecutorClient
+from ferrum_rpc.server.config import QUANTIZATIONS, ExecutorConfig
+from ferrum_rpc.server.engine.executor import TorchExecutor
+from ferrum_rpc.server.engine.worker import ModelWorker
+from ferrum_rpc.server.prepare import prepare_default_model
+from ferrum_rpc.types import DecodeInput, LogitsPolicy, TokenChoice
+
+GREEDY = TokenChoice(temperature=0.0)
+PROMPT = [(17 * i + 5) % 4000 + 100 for i in range(32)]
+TARGET = 0.95  # grpc_ahead over in_process
+
+
+def in_process(worker: ModelWorker, new_tokens: int, ahead: bool) -> float:
+    first = worker.submit_prefill(PROMPT, None, None, choice=GREEDY).result()
+    item = DecodeInput(first.chosen.token_id, first.kv_cache, GREEDY)
+    start = time.perf_counter()
+    if ahead:
+        run = worker.start_ahead([item], new_tokens, frozenset(), "", None)
+        taken = 0
+        while not run.done:
+            if (entry := run.take()) is None:
+                time.sleep(0.0001)  # the consumer polls: it must not steal a core from the forward
+            else:
+                taken += len(entry)
+        assert taken == new_tokens
+        last = run.last[0].kv_cache
+    else:
+        for _ in range(new_tokens):
+            out = worker.submit_decode([item], None).result()[0]
+            item = DecodeInput(out.chosen.token_id, out.kv_cache, GREEDY)
+        last = item.kv_cache
+    elapsed = time.perf_counter() - start
+    worker.submit(worker.executor.release_cache, last.cache_id).result()
+    return elapsed
+
+
+def through_grpc(client: ExecutorClient, new_tokens: int, ahead: bool) -> float:
+    first = client.prefill(PROMPT, logits=LogitsPolicy.argmax())
+    token, handle = first.logits.argmax()[0], first.kv_cache
+    start = time.perf_counter()
+    if ahead:
+        end = client.decode_ahead(token, handle, GREEDY, new_tokens)
+        assert len(end.chosen) == new_tokens
+        handle = end.kv_cache
+    else:
+        for _ in range(new_tokens):
+            out = client.decode(token, handle, token_choice=GREEDY)
+            token, handle = out.chosen.token_id, out.kv_cache
+    elapsed = time.perf_counter() - start
+    client.release_cache(handle)
+    return elapsed
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", nargs="+", default=["float32", "w4a8"])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="ahead")
+    args = parser.parse_args(argv)
+    model_dir = str(prepare_default_model())
+    records = []
+    for variant in args.variants:
+        dtype, quantize = ("float32", variant) if variant in QUANTIZATIONS else (variant, "none")
+        config = ExecutorConfig(dtype=dtype, kv_tokens=4096, quantize=quantize)
+        worker = ModelWorker(functools.partial(TorchExecutor.from_path, "bench", model_dir, config), "bench")
+        worker.loaded.result()
+        rows = {}
+        try:
+            for name, ahead in (("in_process", True), ("in_process_steps", False)):
+                in_process(worker, 8, ahead)  # warm
+                rows[name], _ = median_of(args.repeats, functools.partial(in_process, worker, args.new_tokens, ahead))
+        finally:
+            worker.stop()
+        extra = ("--quantize", quantize) if quantize != "none" else ()
+        with served(model_dir, dtype, extra) as target, ExecutorClient(target) as client:
+            for name, ahead in (("grpc_ahead", True), ("grpc_steps", False)):
+                through_grpc(client, 8, ahead)
+                rows[name], _ = median_of(args.repeats, functools.partial(through_grpc, client, args.new_tokens, ahead))
+        tps = {name: args.new_tokens / seconds for name, seconds in rows.items()}
+        ratio = tps["grpc_ahead"] / tps["in_process"]
+        log.info("%s batch 1: %s; grpc_ahead / in_process %.3f (target >= %.2f)", variant,
+                 ", ".join(f"{n} {v:.1f} tok/s" for n, v in tps.items()), ratio, TARGET)
+        records.append({"variant": variant, "batch": 1, "new_tokens": args.new_tokens,
+                        "tokens_per_s": {n: round(v, 2) for n, v in tps.items()},
+                        "grpc_ahead_vs_in_process": round(ratio, 3),
+                        "grpc_ahead_vs_in_process_steps": round(tps["grpc_ahead"] / tps["in_process_steps"], 3)})
+    write_results(args.out, records)
+
+
+if __name__ == "__main__":
+    main()
