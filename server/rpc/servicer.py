@@ -3,7 +3,7 @@
 No torch here.  Every handler is wrapped by ``handler.py`` (tenant, admission,
 metrics, and every exception to a status in one place, from the shared error
 table); the transfer RPCs are ``migration.TransferRpcs``, the registry and
-shared-memory RPCs ``admin.AdminRpcs``.  Large replies are built and
+shared-memory RPCs ``admin.AdminRpcs``, WatchKvEvents ``watch.KvEventRpcs``.  Large replies are built and
 serialized on a reply-builder thread, a bounded slice at a time, so the event
 loop keeps answering everyone else meanwhile.
 """
@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from ferrum_rpc import convert, hashing, tensor_codec
+from ferrum_rpc import convert, tensor_codec
 from ferrum_rpc.errors import (
     Draining,
     ExecutorError,
@@ -36,6 +36,7 @@ from .ledger import Undelivered
 from ..kv.blocks import Undo
 from .migration import PushConfig, TransferRpcs
 from .admin import AdminRpcs
+from .watch import KvEventRpcs
 from .edge import deadline_of, required_handle
 from .handler import call, handler, query
 from .shm import SharedMemoryRegistry
@@ -86,19 +87,7 @@ def _payload_bytes(logits) -> int:
 
 
 
-def _kv_block(block: kv_events.Stored) -> pb.KvBlock:
-    return pb.KvBlock(block_hash=block.digest, parent_hash=block.parent, token_ids=block.tokens)
-
-
-def _kv_event(number: int, event) -> pb.KvEvent:
-    if isinstance(event, kv_events.Stored):
-        return pb.KvEvent(sequence=number, stored=_kv_block(event))
-    if isinstance(event, kv_events.Removed):
-        return pb.KvEvent(sequence=number, removed=event.digest)
-    return pb.KvEvent(sequence=number, all_cleared=True)
-
-
-class ExecutorServicer(TransferRpcs, AdminRpcs, pb_grpc.ModelExecutorServicer):
+class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, pb_grpc.ModelExecutorServicer):
     """Routes each request to the worker of the model it names (empty = the default)."""
 
     def __init__(self, instance_id: str, tokens: TokenTable | None = None, metrics=None,
@@ -291,48 +280,6 @@ class ExecutorServicer(TransferRpcs, AdminRpcs, pb_grpc.ModelExecutorServicer):
         caps.shared_memory = self.shared_memory
         caps.max_decode_ahead = session.MAX_DECODE_AHEAD
         return caps
-
-    @query  # not admitted: a watch lasts as long as its caller, and draining must not wait for it
-    async def WatchKvEvents(self, request, context, tenant: str):
-        """The caller's tenant's prefix-cache blocks as they are stored and removed
-        (``kv_events.py``), until the caller goes or the model unloads."""
-        worker = self._worker(request.model)
-        kv = worker.executor.kv
-        if not kv.prefix_caching:
-            raise ExecutorError(f"model {worker.executor.name!r} serves with prefix caching off: it caches no blocks "
-                                f"to tell of", code=grpc.StatusCode.UNIMPLEMENTED)
-        if self.state is ServerState.DRAINING:
-            raise Draining("the server is draining: watch another replica")
-        hub = kv.events
-        sub = kv_events.Subscriber(tenant, asyncio.get_running_loop())
-        self.watches.add(sub)
-
-        def hello(snapshot: bool) -> pb.KvEventsHello:  # on the worker thread, between forwards
-            first, blocks = hub.subscribe(sub, lambda: kv.cached_blocks(tenant) if snapshot else [])
-            return pb.KvEventsHello(chain_root=hashing.chain_root(tenant), block_size=kv.block_size,
-                                    model=worker.executor.name, queue_limit=hub.queue_limit, next_sequence=first,
-                                    cached=[_kv_block(b) for b in blocks])
-        try:
-            yield pb.KvEventBatch(hello=await worker.call(hello, request.snapshot))
-            while True:
-                await sub.wake.wait()
-                events, behind, closed = hub.take(sub)
-                if behind:
-                    yield pb.KvEventBatch(resync=True, hello=await worker.call(hello, True))
-                    continue
-                if events:
-                    yield pb.KvEventBatch(events=[_kv_event(n, e) for n, e in events])
-                if closed:
-                    return
-        finally:
-            hub.unsubscribe(sub)
-            self.watches.discard(sub)
-
-    def end_watches(self) -> None:
-        """Ends every WatchKvEvents stream (draining: its subscribers go elsewhere)."""
-        for sub in self.watches:
-            sub.closed = True
-            sub.wake.set()
 
     @query
     async def GetStatus(self, request, context, tenant: str):
