@@ -58,6 +58,7 @@ def handle_to_proto(h: KvCacheHandle) -> pb.KvCacheHandle:
         ),
         model=h.model,
         server_instance_id=h.server_instance_id,
+        adapter=h.adapter,
     )
 
 
@@ -72,6 +73,7 @@ def handle_from_proto(m: pb.KvCacheHandle) -> KvCacheHandle:
         block_table=BlockTable(m.block_table.block_size, tuple(m.block_table.block_ids)),
         model=m.model,
         server_instance_id=m.server_instance_id,
+        adapter=m.adapter,
     )
 
 

@@ -43,6 +43,10 @@ class Reason(str, enum.Enum):
     NON_FINITE_LOGITS = "NON_FINITE_LOGITS"
     TRANSFER_BUDGET_EXHAUSTED = "TRANSFER_BUDGET_EXHAUSTED"
     TRANSFER_STALLED = "TRANSFER_STALLED"
+    ADAPTER_NOT_FOUND = "ADAPTER_NOT_FOUND"
+    ADAPTER_INVALID = "ADAPTER_INVALID"
+    ADAPTER_IN_USE = "ADAPTER_IN_USE"
+    ADAPTER_LIMIT_EXCEEDED = "ADAPTER_LIMIT_EXCEEDED"
 
 
 STATUS_FOR_REASON: dict[Reason, grpc.StatusCode] = {
@@ -71,6 +75,10 @@ STATUS_FOR_REASON: dict[Reason, grpc.StatusCode] = {
     Reason.NON_FINITE_LOGITS: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.TRANSFER_BUDGET_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Reason.TRANSFER_STALLED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Reason.ADAPTER_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Reason.ADAPTER_INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.ADAPTER_IN_USE: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.ADAPTER_LIMIT_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 
@@ -281,6 +289,34 @@ class StartupError(ValueError):
     and the file or option; ``ferrum-rpc serve`` prints it as one line and exits 2."""
 
 
+class AdapterNotFound(ExecutorError):
+    """The call names a LoRA adapter the model does not hold (never loaded, unloaded,
+    or evicted to make room): ListAdapters shows those it holds."""
+
+    reason = Reason.ADAPTER_NOT_FOUND
+
+
+class AdapterInvalid(ExecutorError):
+    """A LoRA adapter folder the server cannot serve: the message names the field of
+    adapter_config.json or the tensor that is wrong (an unsupported option, a module
+    the model lacks, a rank over --max-lora-rank, shapes of another architecture)."""
+
+    reason = Reason.ADAPTER_INVALID
+
+
+class AdapterInUse(ExecutorError):
+    """The adapter has live sequences: release them (or let them expire) first."""
+
+    reason = Reason.ADAPTER_IN_USE
+
+
+class AdapterLimitExceeded(ExecutorError):
+    """No room for another adapter: every slot (--max-adapters) or the byte budget is
+    held by adapters with live sequences."""
+
+    reason = Reason.ADAPTER_LIMIT_EXCEEDED
+
+
 ERROR_CLASSES: dict[Reason, type[ExecutorError]] = {
     cls.reason: cls
     for cls in (
@@ -309,6 +345,10 @@ ERROR_CLASSES: dict[Reason, type[ExecutorError]] = {
         NonFiniteLogits,
         TransferBudgetExhausted,
         TransferStalled,
+        AdapterNotFound,
+        AdapterInvalid,
+        AdapterInUse,
+        AdapterLimitExceeded,
     )
 }
 

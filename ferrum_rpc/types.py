@@ -31,6 +31,7 @@ class KvCacheHandle:
     block_table: BlockTable
     model: str
     server_instance_id: str
+    adapter: str = ""  # the LoRA adapter the sequence runs with ("" = the base model; information)
 
 
 class LogitsKind(enum.Enum):
@@ -370,6 +371,8 @@ class Capabilities:
     kv_fingerprint: str = ""  # the KV compatibility fingerprint's digest: exports import where it is equal
     kv_events: bool = False  # WatchKvEvents is served (prefix caching on)
     batch_invariant: bool = False  # a row's logits do not depend on what shares its forward (--batch-invariant)
+    max_adapters: int = 0  # LoRA adapters loaded at once (--max-adapters; 0: none served)
+    max_lora_rank: int = 0  # the largest rank an adapter may have (--max-lora-rank)
 
     def supports_batch_size(self, batch_size: int) -> bool:
         """Whether one forward may carry ``batch_size`` sequences (the trait's check)."""
@@ -432,3 +435,5 @@ class ExecutorStatus:
     transfer_bytes_in_flight: int = 0
     transfer_budget_bytes: int = 0
     pushes_in_flight: int = 0
+    adapters_loaded: int = 0  # LoRA adapters held, and the bytes of their weights
+    adapter_bytes: int = 0

@@ -122,6 +122,21 @@ class ModelExecutorStub:
                 request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.UnloadModelRequest.SerializeToString,
                 response_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.UnloadModelResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/ferrum.executor.v1.ModelExecutor/LoadAdapter',
+                request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.AdapterEntry.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/ferrum.executor.v1.ModelExecutor/UnloadAdapter',
+                request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/ferrum.executor.v1.ModelExecutor/ListAdapters',
+                request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
         self.RegisterSharedMemory = channel.unary_stream(
                 '/ferrum.executor.v1.ModelExecutor/RegisterSharedMemory',
                 request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.RegisterSharedMemoryRequest.SerializeToString,
@@ -307,6 +322,32 @@ class ModelExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """LoRA adapters on a hosted model (PEFT's folder: adapter_config.json and
+        adapter_model.safetensors). A new sequence names its adapter
+        (PrefillRequest.adapter, PrefillItem.adapter) and keeps it for its life; one
+        forward mixes sequences of several adapters and the base. Load and unload are
+        admin-only when tokens are on; the list is for everyone.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Unloads an adapter; refused (FAILED_PRECONDITION, ADAPTER_IN_USE) while live
+        sequences run with it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """The adapters a model holds, and those evicted to make room.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RegisterSharedMemory(self, request, context):
         """Shared-memory logits for callers on the same host (the model is Triton's
         system shared-memory extension). The caller creates a POSIX shared-memory
@@ -475,6 +516,21 @@ def add_ModelExecutorServicer_to_server(servicer, server):
                     servicer.UnloadModel,
                     request_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.UnloadModelRequest.FromString,
                     response_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.UnloadModelResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.AdapterEntry.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.ListAdaptersResponse.SerializeToString,
             ),
             'RegisterSharedMemory': grpc.unary_stream_rpc_method_handler(
                     servicer.RegisterSharedMemory,
@@ -974,6 +1030,87 @@ class ModelExecutor:
             '/ferrum.executor.v1.ModelExecutor/UnloadModel',
             ferrum__rpc_dot_v1_dot_executor__pb2.UnloadModelRequest.SerializeToString,
             ferrum__rpc_dot_v1_dot_executor__pb2.UnloadModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/LoadAdapter',
+            ferrum__rpc_dot_v1_dot_executor__pb2.LoadAdapterRequest.SerializeToString,
+            ferrum__rpc_dot_v1_dot_executor__pb2.AdapterEntry.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/UnloadAdapter',
+            ferrum__rpc_dot_v1_dot_executor__pb2.UnloadAdapterRequest.SerializeToString,
+            ferrum__rpc_dot_v1_dot_executor__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/ListAdapters',
+            ferrum__rpc_dot_v1_dot_executor__pb2.ListAdaptersRequest.SerializeToString,
+            ferrum__rpc_dot_v1_dot_executor__pb2.ListAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

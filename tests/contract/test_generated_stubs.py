@@ -58,7 +58,8 @@ def test_committed_stubs_carry_the_wire_package_and_service():
         "ForwardVerify", "TruncateKv", "ReleaseCache", "Forward", "DecodeSession", "ForkCache",
         "RegisterSharedMemory", "UnregisterSharedMemory", "SpeculativeDecode", "BatchPrefill",
         "ListModels", "LoadModel", "UnloadModel",
-        "ExportSequence", "ImportSequence", "CreateImportTicket", "PushSequence", "WatchKvEvents",  # issue 23
+        "ExportSequence", "ImportSequence", "CreateImportTicket", "PushSequence", "WatchKvEvents",
+        "LoadAdapter", "UnloadAdapter", "ListAdapters",
     }
     assert service.methods_by_name["BatchDecode"].server_streaming
     assert hasattr(pb_grpc, "ModelExecutorStub") and hasattr(pb_grpc, "ModelExecutorServicer")
