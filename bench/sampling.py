@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from ferrum_rpc.server.choice.sampling import LogprobsMode, TokenChoice, choose_tokens
+from ferrum_rpc.server.choice.sampling import choose_tokens
+from ferrum_rpc.types import LogprobsMode, TokenChoice
 
 
 def _median_ms(fn, repeats: int) -> float:

@@ -27,7 +27,7 @@ from typing import Iterable
 import torch
 
 from ferrum_rpc.errors import ExecutorError, InvalidInput, TenantQuotaExceeded
-from ..choice.sampling import row_max
+from ..choice.rows import row_max
 from ..choice.policy import validate_token_choice
 from ..config import ExecutorConfig, TenantBounds, tenant_bounds
 from .checks import ExecutorChecks

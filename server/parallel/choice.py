@@ -50,9 +50,13 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ..choice import sampling
-from ..choice.sampling import ChosenTokens
 from ferrum_rpc.types import LogprobsMode, TokenChoice
+
+from ..choice.candidates import candidate_width, routes, sample_candidates
+from ..choice.draws import BLOCK, draw, uniforms
+from ..choice.rows import ChosenTokens, Step
+from ..choice.sampling import choose_tokens
+from ..choice.shaping import penalise_counts, unpack_rows
 
 Gather = Callable[[torch.Tensor], list[torch.Tensor]]  # all_gather: this rank's (R, C) -> every rank's
 _STATS = 6  # raw max, raw sum, shaped max, its argmax, tempered max, tempered sum
@@ -116,10 +120,10 @@ def shape_slice(raw: torch.Tensor, requests: Sequence[RowRequest], lo: int, voca
             counts[j, ids[mine] - lo] = n[mine].float()
             s = torch.from_numpy(requests[i].seen)
             seen[j, s[(s >= lo) & (s < lo + width)] - lo] = True
-        out[penalised] = sampling.penalise_counts(out[penalised], [choices[i] for i in penalised], counts, seen)
+        out[penalised] = penalise_counts(out[penalised], [choices[i] for i in penalised], counts, seen)
     masked = [i for i, c in enumerate(choices) if c.allowed_token_bitmask]
     if masked:
-        allowed = sampling.unpack_rows([choices[i].allowed_token_bitmask for i in masked], vocab)[:, lo:lo + width]
+        allowed = unpack_rows([choices[i].allowed_token_bitmask for i in masked], vocab)[:, lo:lo + width]
         out[masked] = out[masked].masked_fill(~allowed, -math.inf)
     return out
 
@@ -162,14 +166,14 @@ def _merge(parts: torch.Tensor, at: int, sent: int, width: int) -> tuple[torch.T
 
 
 def _mass(weights: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(R,) float64 mass of each row's slice, summed as ``sampling._draw`` sums the whole row
+    """(R,) float64 mass of each row's slice, summed as ``draws.draw`` sums the whole row
     (float32 sums of 256-wide blocks above 2048 tokens, so block edges match when a rank
     starts at a multiple of 256)."""
-    if vocab <= 8 * sampling.BLOCK:
+    if vocab <= 8 * BLOCK:
         return weights.double().sum(-1)
-    pad = -weights.shape[1] % sampling.BLOCK
+    pad = -weights.shape[1] % BLOCK
     blocks = torch.nn.functional.pad(weights, (0, pad)) if pad else weights
-    return blocks.view(weights.shape[0], -1, sampling.BLOCK).sum(-1).double().sum(-1)
+    return blocks.view(weights.shape[0], -1, BLOCK).sum(-1).double().sum(-1)
 
 
 # ---------------------------------------------------------------------------- the step
@@ -198,14 +202,14 @@ def choose_sharded(local: torch.Tensor, requests: Sequence[RowRequest], rank: in
     x = shape_slice(raw, requests, lo, vocab)
     rows = len(requests)
     n = min(max(c.top_logprobs for c in choices), vocab)
-    greedy, narrow, wide = sampling.routes(choices, vocab)
+    greedy, narrow, wide = routes(choices, vocab)
     spread = [i for i in wide if plain(choices[i], vocab)]
     whole = [i for i in wide if i not in spread]
     # a candidate costs 8 bytes (value, id), a row 4 a token: a row needing half a slice goes whole
-    costly = [i for i in narrow if 2 * sampling.candidate_width([choices[i]], vocab) >= slice_width]
+    costly = [i for i in narrow if 2 * candidate_width([choices[i]], vocab) >= slice_width]
     whole += costly
     narrow = [i for i in narrow if i not in costly]
-    narrow_width = sampling.candidate_width([choices[i] for i in narrow], vocab) if narrow else 0
+    narrow_width = candidate_width([choices[i] for i in narrow], vocab) if narrow else 0
     width = max(narrow_width, n)
     sent, sent_n = min(width, slice_width), min(n, slice_width)  # no rank has more than its slice
     inverse = 1 / torch.tensor([1.0 if c.is_greedy else c.temperature for c in choices]).unsqueeze(-1)  # (R, 1)
@@ -227,8 +231,7 @@ def choose_sharded(local: torch.Tensor, requests: Sequence[RowRequest], rank: in
     cand, cand_ids = _merge(parts, at, sent, width)
     raw_top, raw_top_ids = _merge(parts, at + 2 * sent, sent_n, n)
 
-    step = sampling.Step(rows, n, any(c.top_logprobs and c.logprobs_mode is LogprobsMode.PROCESSED
-                                      for c in choices))
+    step = Step(rows, n, any(c.top_logprobs and c.logprobs_mode is LogprobsMode.PROCESSED for c in choices))
     if greedy:
         at = torch.tensor(greedy)
         log_norm = z_lse[at]
@@ -236,9 +239,8 @@ def choose_sharded(local: torch.Tensor, requests: Sequence[RowRequest], rank: in
                  cand_ids[at, :n])
     if narrow:
         at = torch.tensor(narrow)
-        whole += sampling.sample_candidates(cand[at, :narrow_width], cand_ids[at, :narrow_width],
-                                            lambda nucleus: z_lse[at][nucleus], narrow, choices, positions, step,
-                                            vocab)
+        whole += sample_candidates(cand[at, :narrow_width], cand_ids[at, :narrow_width],
+                                   lambda nucleus: z_lse[at][nucleus], narrow, choices, positions, step, vocab)
     known = step.token_ids.clone()  # each row's token where this rank knows it, else -1
     known[torch.tensor(whole, dtype=torch.int64)] = -1
     if spread:
@@ -277,7 +279,7 @@ def _draw_spread(z, z_top, spread, choices, positions, rank, lo, vocab, gather):
     masses = torch.cat(gather(_mass(weights, vocab).unsqueeze(-1)), -1)  # (S, N)
     cum = masses.cumsum(-1)
     total = cum[:, -1:]
-    target = sampling.uniforms(choices, spread, positions).unsqueeze(-1) * total  # (S, 1)
+    target = uniforms(choices, spread, positions).unsqueeze(-1) * total  # (S, 1)
     last = torch.where(masses > 0, torch.arange(masses.shape[1]), -1).amax(-1, keepdim=True)
     owner = torch.minimum(torch.searchsorted(cum, target, right=True), last)
     before = torch.where(owner > 0, cum.gather(1, (owner - 1).clamp(min=0)), 0.0)
@@ -285,7 +287,7 @@ def _draw_spread(z, z_top, spread, choices, positions, rank, lo, vocab, gather):
     mine = (owner == rank).squeeze(-1)
     tokens = torch.zeros(0, dtype=torch.int64)
     if bool(mine.any()):
-        tokens = sampling.draw(weights[mine], within[mine])[0] + lo
+        tokens = draw(weights[mine], within[mine])[0] + lo
     return mine, tokens, total.squeeze(-1)
 
 
@@ -316,8 +318,8 @@ def _finish(step, choices, tokens, raw_tok, raw_lse, raw_top, raw_top_ids, whole
     if whole:
         full = gather_rows(raw[torch.tensor(whole)])  # (F, V)
         histories = [requests[i].histories() for i in whole]
-        fell = sampling.choose_tokens(full, [choices[i] for i in whole], [positions[i] for i in whole],
-                                      [h[0] for h in histories], [h[1] for h in histories])
+        fell = choose_tokens(full, [choices[i] for i in whole], [positions[i] for i in whole],
+                             [h[0] for h in histories], [h[1] for h in histories])
         at = torch.tensor(whole)
         tokens = tokens.clone()
         tokens[at], chosen[at] = fell.token_ids, fell.logprobs

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..choice.sampling import ChosenTokens
+from ..choice.rows import ChosenTokens
 from .group import CURRENT, LOST, fail
 from .shard import Shard
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ferrum_rpc.errors import StartupError
-from ..choice.sampling import ChosenTokens
+from ..choice.rows import ChosenTokens
 from ..models.config import ModelConfig
 from .choice import choose_sharded
 
