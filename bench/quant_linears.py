@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ferrum_rpc.server.kernels import qact
 from ferrum_rpc.server.kernels import woq
-from ferrum_rpc.server.models.llama import LINEAR_ROWS_MAX
+from ferrum_rpc.server.models.linear import LINEAR_ROWS_MAX
 
 SHAPES = {"lm_head": (49152, 576), "qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 

@@ -19,6 +19,7 @@ from ..kernels.qact import QACT, UNIT
 from ..kernels.select import packed_float32_wins_at_one_row
 from ..kernels.woq import WOQ, QuantizedLinear
 from .config import ModelConfig
+from .linear import LINEAR_ROWS, FastLinear, fuse_linears, replace_linears
 
 log = logging.getLogger(__name__)
 
@@ -73,79 +74,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-LINEAR_ROWS_MAX = 4  # csrc/fused.cpp kLinearRowsMax
-# the rows linear_rows takes per weight dtype: it loads (and, bfloat16, widens) each weight
-# row once per activation row, so past these oneDNN's packed GEMM was faster (measured
-# alternating, SmolLM2-135M: bfloat16 at 4 rows 0.76x, float32 at 4 rows still 1.09x)
-LINEAR_ROWS = {torch.float32: LINEAR_ROWS_MAX, torch.bfloat16: 2}
-
-
-class FastLinear(nn.Module):
-    """A linear layer that runs on oneDNN with a prepacked weight where that pays.
-
-    Only built where ``kernels.probe_onednn_packed`` found the private ops
-    working on this CPU and torch build.
-
-    On CPU, bfloat16 GEMMs through oneDNN's packed path (AMX where present)
-    run about 2x faster than ``F.linear`` at every batch size.  For float32
-    the packed path always wins for M > 1 (MKL's small-M sgemm is slow), and
-    for one row on some CPUs only (``kernels.packed_float32_wins_at_one_row``
-    times it at load); the packed copy doubles float32 weight memory.  Where the
-    fused ops run (``use_fused_ops``), float32 or bfloat16 forwards of up to
-    ``LINEAR_ROWS[dtype]`` rows go to ``linear_rows`` instead, over the plain weight, which is then kept beside
-    the packed one.
-    """
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: str):
-        super().__init__()
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.pack = pack  # "always" | "batched" | "never"
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight) if pack != "never" else None
-        # "always": only the packed copy is ever read, so the plain one is not kept
-        # (a tied LM head's stays alive as the embedding); "batched" keeps both.
-        self.weight = None if pack == "always" else nn.Parameter(weight, requires_grad=False)
-
-    @property
-    def nbytes(self) -> int:
-        """Weight bytes one forward reads."""
-        return self.in_features * self.out_features * (self.packed if self.packed is not None else self.weight
-                                                       ).element_size()
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, pack: str) -> FastLinear:
-        return cls(linear.weight.data, None if linear.bias is None else linear.bias.data, pack)
-
-    # set by LlamaForCausalLM.use_fused_ops: 1..LINEAR_ROWS[dtype] float32 or bfloat16 rows
-    # run on fused.cpp's linear_rows (a GEMV at memory speed) instead of oneDNN or MKL
-    rows_kernel = False
-    rows_max = 0
-    tiled = False  # set by make_batch_invariant: every row count on linear_rows' arithmetic
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tiled:
-            y = torch.ops.ferrum_fused.linear_rows_tiled(x, self.weight)
-            return y if self.bias is None else y + self.bias
-        rows = x.numel() // x.shape[-1]
-        if self.rows_kernel and rows <= self.rows_max and x.dtype == self.weight.dtype:
-            y = torch.ops.ferrum_fused.linear_rows(x, self.weight)
-            return y if self.bias is None else y + self.bias
-        if self.packed is not None and (self.pack == "always" or rows > 1):
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-
-def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
-    """One linear computing the concatenated outputs of several (one GEMM instead of many)."""
-    first = linears[0]
-    fused = nn.Linear(first.in_features, sum(l.out_features for l in linears), bias=first.bias is not None,
-                      device=first.weight.device, dtype=first.weight.dtype)
-    fused.weight.data = torch.cat([l.weight.data for l in linears])
-    if first.bias is not None:
-        fused.bias.data = torch.cat([l.bias.data for l in linears])
-    return fused
-
-
 class Attention(nn.Module):
     has_qk_norm = False
     gather_heads = None  # tensor parallel: (B, H/N, T, S) weights of this rank's heads -> all heads (parallel/shard.py)
@@ -170,21 +98,32 @@ class Attention(nn.Module):
         self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
-    def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x (..., C) -> (qkv,) when the projections are fused, else (q, k, v)."""
+    def projections(self, x: torch.Tensor, lora=None) -> tuple[torch.Tensor, ...]:
+        """x (..., C) -> (qkv,) when the projections are fused, else (q, k, v);
+        ``lora`` (a ``lora.LayerDeltas``): the adapters' deltas added to them."""
         if self.qkv_proj is None:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        return (self.qkv_proj(x),)
+            proj = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            names = ("q_proj", "k_proj", "v_proj")
+        else:
+            proj, names = (self.qkv_proj(x),), ("qkv_proj",)
+        if lora is not None:
+            for name, y in zip(names, proj):
+                lora.add(name, x, y)
+        return proj
 
-    def forward(self, x: torch.Tensor, rope: Rope | list[Rope], kv) -> torch.Tensor:
+    def output(self, x: torch.Tensor, lora) -> torch.Tensor:
+        y = self.o_proj(x)
+        return y if lora is None else lora.add("o_proj", x, y)
+
+    def forward(self, x: torch.Tensor, rope: Rope | list[Rope], kv, lora=None) -> torch.Tensor:
         if getattr(kv, "ragged", False):  # a RaggedBatch: projections over every token at once, attention per group
-            proj = self.projections(x)  # (1, N, ...) each
+            proj = self.projections(x, lora)  # (1, N, ...) each
             outs = []
             for (group, batch, width, row), group_rope in zip(kv.groups, rope):
                 part = tuple(p[:, row:row + batch * width].view(batch, width, -1) for p in proj)
                 outs.append(self.attend(part, group_rope, group).view(1, batch * width, -1))
-            return self.o_proj(torch.cat(outs, dim=1) if len(outs) > 1 else outs[0])
-        return self.o_proj(self.attend(self.projections(x), rope, kv))
+            return self.output(torch.cat(outs, dim=1) if len(outs) > 1 else outs[0], lora)
+        return self.output(self.attend(self.projections(x, lora), rope, kv), lora)
 
     def attend(self, proj: tuple[torch.Tensor, ...], rope: Rope, kv) -> torch.Tensor:
         """Projections (B, T, ...) -> attention output (B, T, H*D), writing k, v to the pool."""
@@ -249,7 +188,10 @@ class MLP(nn.Module):
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        """``lora`` (a ``lora.LayerDeltas``): the adapters' deltas added to each projection."""
+        if lora is not None:
+            return self.with_deltas(x, lora)
         if self.gate_up_proj is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
         elif self.invariant:
@@ -259,6 +201,20 @@ class MLP(nn.Module):
         else:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def with_deltas(self, x: torch.Tensor, lora) -> torch.Tensor:
+        if self.gate_up_proj is None:
+            h = F.silu(lora.add("gate_proj", x, self.gate_proj(x))) * lora.add("up_proj", x, self.up_proj(x))
+        else:
+            gate_up = lora.add("gate_up_proj", x, self.gate_up_proj(x))
+            if self.invariant:
+                h = torch.ops.ferrum_fused.silu_mul_rows(gate_up)
+            elif self.fused:
+                h = torch.ops.ferrum_fused.silu_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                h = F.silu(gate) * up
+        return lora.add("down_proj", h, self.down_proj(h))
 
 
 class DecoderLayer(nn.Module):
@@ -271,9 +227,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope, kv) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, rope, kv, lora=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
 class Backbone(nn.Module):
@@ -305,6 +261,7 @@ class LlamaForCausalLM(nn.Module):
         self.layer_ops = None  # the layers as one ferrum_fused.DecodeStack, where every layer qualifies
         self.layer_ops_rows: int | None = None  # the most rows they take (float32 linears: linear_rows'), or any
         self.layer_ops_dtype = torch.float32  # their activations' dtype (bfloat16: every linear on linear_rows)
+        self.adapters = None  # a lora.AdapterSet: the LoRA adapters forwards may name per token
 
     def init_rope(self, device: torch.device) -> None:
         self.rope_cos, self.rope_sin = rope_tables(self.config, device)
@@ -322,16 +279,16 @@ class LlamaForCausalLM(nn.Module):
         if rows_kernel and weight.dtype in LINEAR_ROWS:
             log.info("%s linears: 1-%d rows on linear_rows (fused ops), more %s", str(weight.dtype)[6:],
                      LINEAR_ROWS[weight.dtype], "on oneDNN's packed copies" if pack_weights else "on F.linear")
-            _replace_linears(self, "batched" if pack_weights else "never")
+            replace_linears(self, "batched" if pack_weights else "never")
             return
         if not pack_weights:
             return
         if weight.dtype == torch.bfloat16:
-            _replace_linears(self, "always")
+            replace_linears(self, "always")
         elif weight.dtype == torch.float32:
             wins, timing = packed_float32_wins_at_one_row()
             log.info("float32 linears: packed for %s (%s)", "every row count" if wins else "batches", timing)
-            _replace_linears(self, "always" if wins else "batched")
+            replace_linears(self, "always" if wins else "batched")
 
     def use_fused_ops(self, on: bool) -> None:
         """Runs RMSNorm, the MLP activation and (for forwards of up to
@@ -419,25 +376,31 @@ class LlamaForCausalLM(nn.Module):
         return args
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv,
-                capture: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
+                capture: dict[int, torch.Tensor | None] | None = None,
+                adapter_slots: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: (B, T) int64 -> hidden (B, T, hidden); with a
         ``RaggedBatch`` as ``kv``, input_ids (1, N) -> hidden (1, N, hidden) and
         ``positions`` is unused (each group has its own).
 
         ``capture``: layer indices (as transformers' ``output_hidden_states``: 0 the
         embeddings, i the output of layer i, num_layers the normed output) whose
-        hidden states are copied into it."""
+        hidden states are copied into it.
+
+        ``adapter_slots``: per token (shaped as ``input_ids``) or per sequence (B,), the
+        slot in ``self.adapters`` of the LoRA adapter it runs with, -1 the base model;
+        None: the base model everywhere."""
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
+        lora = None if adapter_slots is None else self.adapters.deltas(adapter_slots, input_ids.shape)
         if getattr(kv, "ragged", False):  # input_ids (1, N): every group's tokens, see kv.pool.RaggedBatch
             ropes = [self.rope(group.positions, x.dtype) for group, *_ in kv.groups]
-            for layer in self.model.layers:
-                x = layer(x, ropes, kv)
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, ropes, kv, None if lora is None else lora.layers[i])
             return self.model.norm(x)
         keep = (lambda i, h: capture.__setitem__(i, h.clone()) if i in capture else None) if capture else None
         if keep:
             keep(0, x)
         rope = self.rope(positions, x.dtype, eager=getattr(kv, "attention", None) is not None)
-        if (rope.fused and self.layer_ops is not None and x.dtype == self.layer_ops_dtype
+        if (rope.fused and self.layer_ops is not None and x.dtype == self.layer_ops_dtype and lora is None
                 and (self.layer_ops_rows is None or x.shape[0] * x.shape[1] <= self.layer_ops_rows)):
             stack, pool, n = self.layer_ops, kv.pool, len(self.model.layers)
             step = (self.rope_cos, self.rope_sin, kv.positions, pool.k, pool.v, kv.write_slots, kv.tables)
@@ -450,7 +413,7 @@ class LlamaForCausalLM(nn.Module):
                 x = stack.forward(x, *step, 0, n)
         else:
             for i, layer in enumerate(self.model.layers):
-                x = layer(x, rope, kv)
+                x = layer(x, rope, kv, None if lora is None else lora.layers[i])
                 if keep and i + 1 < len(self.model.layers):
                     keep(i + 1, x)
         out = self.model.norm(x)
@@ -469,11 +432,3 @@ class LlamaForCausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, C) -> float32 logits (N, V)."""
         return self.lm_head(hidden).float()
-
-
-def _replace_linears(root: nn.Module, pack: str) -> None:
-    for name, child in list(root.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(root, name, FastLinear.from_linear(child, pack))
-        else:
-            _replace_linears(child, pack)

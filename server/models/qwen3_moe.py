@@ -42,7 +42,8 @@ class SparseMoeBlock(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        """``lora`` is unused: adapters on expert layers are refused when read (models/lora.py)."""
         B, T, C = x.shape
         flat = x.reshape(-1, C)  # (N, C)
         weights, experts = self.route(flat)

@@ -1,0 +1,299 @@
+"""LoRA adapters on a hosted model: a registry of loaded adapters in numbered slots,
+and the deltas a forward adds to the projections of the tokens that name them.
+
+A forward takes one slot id per token (-1: the base model).  Its tokens are grouped
+by slot, in ascending slot order, and each group's delta ``(x @ A^T) @ B^T`` (the
+scale folded into B when read) is added to the rows of the base projection's output,
+after the base kernel ran (quantized ones included, the delta in float): the gathered
+low-rank products of Punica's SGMV, one small GEMM pair per (group, projection).
+Where a group's rows are contiguous (the engine can order a batch by adapter) they
+are views, else gathered and scattered back.  The model fuses q/k/v and gate/up into
+one linear each: an adapter's A matrices for a fused projection are stacked into one
+(so one GEMM for its low-rank activations) and each B lands on its own slice of the
+fused output.
+
+Batch-invariant models (``model.batch_invariant``) compute every delta with the
+tiled linear whose rows do not depend on the row count, and add it elementwise:
+a token's bits do not depend on the rows that share its forward.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .lora_read import ATTENTION, AdapterError, LoraWeights, read_adapter
+
+log = logging.getLogger(__name__)
+
+BASE = -1  # the slot id of a token that runs the base model
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+@dataclass
+class SiteWeights:
+    """An adapter's weights for one projection of one layer as the forward reads them:
+    the stacked A (R, in) of the modules it targets there, and per module its output
+    columns, its columns of ``x @ A^T`` and its B (out_m, r_m)."""
+
+    a: torch.Tensor
+    parts: list[tuple[int, int, int, int, torch.Tensor]]  # (out_lo, out_hi, r_lo, r_hi, B)
+
+    @property
+    def nbytes(self) -> int:
+        return self.a.numel() * self.a.element_size() + sum(b.numel() * b.element_size() for *_, b in self.parts)
+
+
+@dataclass
+class Adapter:
+    """A loaded adapter: its slot, where it came from, its weights per layer and
+    projection (``sites[layer][projection]``) and who holds it."""
+
+    name: str
+    slot: int
+    path: str
+    rank: int
+    modules: tuple[str, ...]
+    digest: str
+    sites: list[dict[str, SiteWeights]]
+    nbytes: int
+    refs: int = 0  # live users (the engine's sequences): never evicted or removed while > 0
+    last_used: int = 0  # the set's use counter when last acquired or released (LRU among idle ones)
+
+    def info(self) -> dict:
+        return {"name": self.name, "slot": self.slot, "path": self.path, "rank": self.rank,
+                "modules": list(self.modules), "digest": self.digest, "bytes": self.nbytes, "refs": self.refs}
+
+
+def _sites(model, read: LoraWeights) -> list[dict[str, SiteWeights]]:
+    """Per layer, the adapter's weights arranged for the model's projections as they
+    are now (fused or not)."""
+    out = []
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        names = ["qkv_proj" if attn.qkv_proj is not None else None, "o_proj",
+                 "gate_up_proj" if getattr(mlp, "gate_up_proj", None) is not None else None, "down_proj"]
+        projections = {}
+        for name in [n for n in names if n] + [m for m in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+                                                if hasattr(attn if m in ATTENTION else mlp, m)]:
+            modules = FUSED.get(name, (name,))
+            a_parts, parts, out_lo, r_lo = [], [], 0, 0
+            for module in modules:
+                width = _out_features(model.config, module)
+                if (i, module) in read.weights:
+                    a, b = read.weights[i, module]
+                    a_parts.append(a)
+                    parts.append((out_lo, out_lo + width, r_lo, r_lo + a.shape[0], b))
+                    r_lo += a.shape[0]
+                out_lo += width
+            if parts:
+                projections[name] = SiteWeights(torch.cat(a_parts).contiguous(), parts)
+        out.append(projections)
+    return out
+
+
+def _out_features(cfg, module: str) -> int:
+    if module == "q_proj":
+        return cfg.num_heads * cfg.head_dim
+    if module in ("k_proj", "v_proj"):
+        return cfg.num_kv_heads * cfg.head_dim
+    return cfg.intermediate_size if module in ("gate_proj", "up_proj") else cfg.hidden_size
+
+
+class AdapterSet:
+    """The adapters a model can run, in slots 0..max_adapters-1 (``model.adapters``).
+
+    ``add`` reads an adapter folder into a free slot, evicting the least recently
+    used idle adapter when the slots or ``max_bytes`` are full; ``acquire`` /
+    ``release`` count the users an adapter has (the engine holds one per live
+    sequence), and one with users is never evicted or removed.  Thread-safe: reads
+    run outside the lock, the forward reads slots without it (a slot it names is
+    held, so it does not change under it)."""
+
+    def __init__(self, model, max_adapters: int = 8, max_rank: int = 64, max_bytes: int | None = None):
+        if getattr(model, "tp", None) is not None:
+            raise AdapterError("model", "LoRA adapters are not supported with tensor parallelism")
+        if max_adapters < 1 or max_rank < 1:
+            raise ValueError("max_adapters and max_rank must be positive")
+        self.model, self.max_adapters, self.max_rank, self.max_bytes = model, max_adapters, max_rank, max_bytes
+        self.dtype = model.model.embed_tokens.weight.dtype  # the activations' (quantized linears take them too)
+        self.slots: list[Adapter | None] = [None] * max_adapters
+        self.by_name: dict[str, Adapter] = {}
+        self.evicted: list[str] = []  # names evicted to make room, oldest first (for the engine's caches)
+        self._lock = threading.Lock()
+        self._clock = itertools.count(1)
+        model.adapters = self
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.by_name.values())
+
+    def add(self, name: str, folder: str | Path, replace: bool = False) -> int:
+        """Loads the adapter in ``folder`` as ``name``; returns its slot.  With
+        ``replace``, a loaded ``name`` takes the new weights in its slot (its users
+        see them from their next forward)."""
+        if not name or not isinstance(name, str):
+            raise AdapterError("name", "must be a non-empty string")
+        if name in self.by_name and not replace:
+            raise AdapterError("name", f"adapter {name!r} is already loaded")
+        read = read_adapter(folder, self.model.config, self.max_rank, self.dtype)
+        sites = _sites(self.model, read)
+        nbytes = sum(s.nbytes for layer in sites for s in layer.values())
+        with self._lock:
+            old = self.by_name.get(name)
+            if old is not None and not replace:
+                raise AdapterError("name", f"adapter {name!r} is already loaded")
+            self._make_room(nbytes - (old.nbytes if old else 0), keep=name)
+            slot = old.slot if old else self.slots.index(None)
+            adapter = Adapter(name, slot, str(folder), read.rank, read.modules, read.digest, sites, nbytes,
+                              refs=old.refs if old else 0, last_used=next(self._clock))
+            self.slots[slot] = adapter
+            self.by_name[name] = adapter
+        log.info("adapter %s in slot %d: rank %d on %s, %.1f MiB", name, slot, read.rank, ",".join(read.modules),
+                 nbytes / 2**20)
+        return slot
+
+    def _make_room(self, nbytes: int, keep: str) -> None:
+        """Evicts idle adapters, least recently used first, until one more (of
+        ``nbytes``) fits; refuses when the adapters in use leave no room."""
+        def full() -> bool:
+            slots_full = keep not in self.by_name and None not in self.slots
+            return slots_full or (self.max_bytes is not None and self.nbytes + nbytes > self.max_bytes)
+
+        if self.max_bytes is not None and nbytes > self.max_bytes:
+            raise AdapterError("max_bytes", f"the adapter needs {nbytes} bytes, over the limit of {self.max_bytes}")
+        while full():
+            idle = [a for a in self.by_name.values() if a.refs == 0 and a.name != keep]
+            if not idle:
+                field = "max_adapters" if None not in self.slots else "max_bytes"
+                raise AdapterError(field, f"every loaded adapter is in use (limit {self.max_adapters} adapters, "
+                                          f"{self.max_bytes} bytes)")
+            victim = min(idle, key=lambda a: a.last_used)
+            self._drop(victim)
+            self.evicted.append(victim.name)
+            log.info("adapter %s evicted (least recently used, idle)", victim.name)
+
+    def _drop(self, adapter: Adapter) -> None:
+        self.slots[adapter.slot] = None
+        del self.by_name[adapter.name]
+
+    def remove(self, name: str) -> None:
+        with self._lock:
+            adapter = self._get(name)
+            if adapter.refs:
+                raise AdapterError("name", f"adapter {name!r} is in use by {adapter.refs} sequences")
+            self._drop(adapter)
+        log.info("adapter %s removed from slot %d", name, adapter.slot)
+
+    def _get(self, name: str) -> Adapter:
+        adapter = self.by_name.get(name)
+        if adapter is None:
+            raise AdapterError("name", f"unknown adapter {name!r}")
+        return adapter
+
+    def acquire(self, name: str) -> int:
+        """One more user of ``name`` (pinned while it has any); returns its slot."""
+        with self._lock:
+            adapter = self._get(name)
+            adapter.refs += 1
+            adapter.last_used = next(self._clock)
+            return adapter.slot
+
+    def release(self, name: str) -> None:
+        with self._lock:
+            adapter = self._get(name)
+            if adapter.refs <= 0:
+                raise ValueError(f"adapter {name!r} released more often than acquired")
+            adapter.refs -= 1
+            adapter.last_used = next(self._clock)
+
+    def slot(self, name: str) -> int:
+        return self._get(name).slot
+
+    def get(self, name: str) -> Adapter:
+        return self._get(name)
+
+    def info(self) -> list[dict]:
+        with self._lock:
+            return [a.info() for a in sorted(self.by_name.values(), key=lambda a: a.slot)]
+
+    def deltas(self, slots: torch.Tensor, shape: torch.Size) -> LoraDeltas | None:
+        """The forward's plan for tokens of ``shape`` (B, T) whose slots are ``slots``
+        (that shape, or (B,) one per sequence); None when every token runs the base."""
+        slots = slots.to("cpu", torch.int64)
+        if tuple(slots.shape) == (shape[0],) and tuple(slots.shape) != tuple(shape):
+            slots = slots.unsqueeze(1).expand(shape)
+        elif tuple(slots.shape) != tuple(shape):
+            raise ValueError(f"adapter slots of shape {tuple(slots.shape)} for tokens of shape {tuple(shape)}")
+        flat = slots.reshape(-1)
+        groups = []
+        for slot in torch.unique(flat).tolist():  # ascending: a fixed order whatever the batch
+            if slot == BASE:
+                continue
+            adapter = self.slots[slot] if 0 <= slot < len(self.slots) else None
+            if adapter is None:
+                raise ValueError(f"adapter slot {slot} holds no adapter")
+            rows = (flat == slot).nonzero().squeeze(1)
+            first, last = rows[0].item(), rows[-1].item()
+            groups.append((slice(first, last + 1) if last - first + 1 == len(rows) else rows, adapter.sites))
+        if not groups:
+            return None
+        invariant = self.model.batch_invariant
+        return LoraDeltas([LayerDeltas([(rows, sites[i]) for rows, sites in groups if sites[i]], invariant)
+                           for i in range(len(self.model.model.layers))])
+
+
+@dataclass
+class LoraDeltas:
+    """One forward's adapters: per layer, its ``LayerDeltas`` (or None where no adapter
+    of the forward touches the layer)."""
+
+    layers: list[LayerDeltas | None]
+
+    def __post_init__(self):
+        self.layers = [layer if layer.groups else None for layer in self.layers]
+
+
+class LayerDeltas:
+    """One layer's adapter groups in a forward: ``add(projection, x, y)`` adds each
+    group's delta for ``projection`` to its rows of ``y`` (the base output, in place)."""
+
+    def __init__(self, groups: list[tuple[slice | torch.Tensor, dict[str, SiteWeights]]], invariant: bool):
+        self.groups, self.invariant = groups, invariant
+
+    def add(self, projection: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])  # a view: the adds land in y
+        for rows, sites in self.groups:
+            site = sites.get(projection)
+            if site is None:
+                continue
+            gathered = not isinstance(rows, slice)
+            xg = x2.index_select(0, rows) if gathered else x2[rows]
+            if self.invariant:
+                self._add_invariant(site, xg, y2, rows)
+                continue
+            xa = xg @ site.a.T  # (n, R)
+            for lo, hi, r_lo, r_hi, b in site.parts:
+                if gathered:
+                    y2[:, lo:hi].index_add_(0, rows, xa[:, r_lo:r_hi] @ b.T)
+                else:
+                    y2[rows, lo:hi].addmm_(xa[:, r_lo:r_hi], b.T)
+        return y
+
+    @staticmethod
+    def _add_invariant(site: SiteWeights, xg: torch.Tensor, y2: torch.Tensor, rows) -> None:
+        """Each row's delta by the tiled linear (a row's sums in one order at any row
+        count), added elementwise: the same bits whatever else shares the forward."""
+        tiled = torch.ops.ferrum_fused.linear_rows_tiled
+        xa = tiled(xg.contiguous(), site.a)
+        for lo, hi, r_lo, r_hi, b in site.parts:
+            delta = tiled(xa[:, r_lo:r_hi].contiguous(), b)
+            if isinstance(rows, slice):
+                y2[rows, lo:hi] += delta
+            else:
+                y2[:, lo:hi].index_add_(0, rows, delta)

@@ -1,0 +1,214 @@
+"""Reading a PEFT LoRA adapter folder (``adapter_config.json`` +
+``adapter_model.safetensors``) with json and safetensors only, checked against the
+hosted model: what the forward in ``lora.py`` cannot apply exactly is refused with
+an ``AdapterError`` naming the config field or tensor at fault.
+
+A LoRA adapter adds ``(x @ A^T) @ B^T * scale`` to a projection's output, A (r, in)
+and B (out, r); ``scale`` is ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with
+``use_rslora``), per module where ``rank_pattern`` / ``alpha_pattern`` say so.  The
+scale is folded into B here, once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .config import ModelConfig
+
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+ATTENTION, MLP = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
+MODULES = ATTENTION + MLP
+MAX_CONFIG_BYTES = 1 << 20
+# config fields naming PEFT features the forward does not implement: refused when set
+UNSUPPORTED = ("use_dora", "modules_to_save", "fan_in_fan_out", "lora_bias", "use_qalora", "use_bdlora",
+               "layer_replication", "target_parameters", "trainable_token_indices", "alora_invocation_tokens",
+               "megatron_config")
+_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served; ``field`` names the config field, file or
+    tensor at fault."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass
+class LoraWeights:
+    """One adapter as read: per (layer, module) its A (r, in) and its B (out, r)
+    with the scale folded in, in the serving dtype."""
+
+    rank: int  # the largest rank of any module
+    modules: tuple[str, ...]  # the target modules present, in MODULES order
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    digest: str  # sha256 of the config and weight files: the adapter's identity for caches and exports
+
+
+def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Each target module's (out, in) in the model ``cfg`` describes."""
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
+            "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+
+
+def _pattern_value(patterns: dict, key: str, default):
+    """PEFT's rule for ``rank_pattern`` / ``alpha_pattern``: the first pattern that
+    matches the end of the module's name (after a dot), else the default."""
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", key):
+            return value
+    return default
+
+
+def _positive_int(config: dict, field: str) -> int:
+    value = config.get(field)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise AdapterError(field, f"must be a positive integer, not {value!r}")
+    return value
+
+
+def read_config(folder: Path, cfg: ModelConfig, max_rank: int) -> dict:
+    """The adapter's config, checked field by field (before any tensor is read)."""
+    path = folder / CONFIG_FILE
+    if not path.is_file():
+        raise AdapterError(CONFIG_FILE, f"not found in {folder}")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise AdapterError(CONFIG_FILE, f"larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        config = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise AdapterError(CONFIG_FILE, f"not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise AdapterError(CONFIG_FILE, "not a JSON object")
+    if config.get("peft_type") != "LORA":
+        raise AdapterError("peft_type", f"only LORA adapters are served, not {config.get('peft_type')!r}")
+    for field in UNSUPPORTED:
+        if config.get(field):
+            raise AdapterError(field, f"{config[field]!r} is not supported")
+    if config.get("bias", "none") != "none":
+        raise AdapterError("bias", f"only 'none' is supported, not {config['bias']!r}")
+    rank = _positive_int(config, "r")
+    if rank > max_rank:
+        raise AdapterError("r", f"rank {rank} is over the limit of {max_rank}")
+    if not isinstance(config.get("lora_alpha"), (int, float)) or isinstance(config.get("lora_alpha"), bool):
+        raise AdapterError("lora_alpha", f"must be a number, not {config.get('lora_alpha')!r}")
+    for field in ("rank_pattern", "alpha_pattern"):
+        patterns = config.get(field) or {}
+        if not isinstance(patterns, dict) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in patterns.values()):
+            raise AdapterError(field, "must map module patterns to numbers")
+        config[field] = patterns
+    if over := [f"{k}={v}" for k, v in config["rank_pattern"].items() if v > max_rank or v <= 0]:
+        raise AdapterError("rank_pattern", f"ranks out of 1..{max_rank}: {', '.join(over)}")
+    targets = config.get("target_modules")
+    if isinstance(targets, list):
+        if unknown := sorted(set(targets) - set(MODULES)):
+            raise AdapterError("target_modules", f"{unknown} not supported (only {', '.join(MODULES)})")
+        if not targets:
+            raise AdapterError("target_modules", "empty")
+    elif targets is not None and not isinstance(targets, str):  # a string is a regex (or "all-linear")
+        raise AdapterError("target_modules", f"must be a list or a pattern, not {targets!r}")
+    layers = config.get("layers_to_transform")
+    if layers is not None:
+        layers = [layers] if isinstance(layers, int) else layers
+        if (not isinstance(layers, list) or not layers
+                or not all(isinstance(i, int) and 0 <= i < cfg.num_layers for i in layers)):
+            raise AdapterError("layers_to_transform", f"{config['layers_to_transform']!r}: layers of this model "
+                                                      f"are 0..{cfg.num_layers - 1}")
+        config["layers_to_transform"] = sorted(set(layers))
+    return config
+
+
+def read_adapter(folder: str | Path, cfg: ModelConfig, max_rank: int, dtype: torch.dtype) -> LoraWeights:
+    """The adapter in ``folder``, checked against the model ``cfg`` describes, its
+    weights in ``dtype`` (the activations'; quantized models take float32)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise AdapterError("path", f"{folder} is not a folder")
+    config = read_config(folder, cfg, max_rank)
+    path = folder / WEIGHTS_FILE
+    if not path.is_file():
+        raise AdapterError(WEIGHTS_FILE, f"not found in {folder} (only safetensors weights are read)")
+    shapes = module_shapes(cfg)
+    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    try:
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                layer, module, which = _place(key, cfg)
+                found.setdefault((layer, module), {})[which] = f.get_tensor(key)
+    except AdapterError:
+        raise
+    except Exception as e:  # safetensors raises its own error types for a malformed file
+        raise AdapterError(WEIGHTS_FILE, f"unreadable ({e})") from None
+    if not found:
+        raise AdapterError(WEIGHTS_FILE, "holds no LoRA tensors")
+    modules = tuple(m for m in MODULES if any(m == mod for _, mod in found))
+    targets = config.get("target_modules")
+    if isinstance(targets, list) or targets == "all-linear":
+        wanted = MODULES if targets == "all-linear" else targets
+        if extra := sorted(set(modules) - set(wanted)):
+            raise AdapterError("target_modules", f"tensors for {extra}, which target_modules does not name")
+        layers = config["layers_to_transform"] or range(cfg.num_layers)
+        if missing := [f"layers.{i}.{m}" for i in layers for m in wanted if (i, m) not in found]:
+            raise AdapterError(WEIGHTS_FILE, f"missing tensors for {', '.join(missing[:4])}"
+                                             f"{f' and {len(missing) - 4} more' if len(missing) > 4 else ''}")
+    if config["layers_to_transform"] and (stray := sorted({i for i, _ in found} - set(config["layers_to_transform"]))):
+        raise AdapterError("layers_to_transform", f"tensors for layers {stray}, which it does not name")
+    weights, top = {}, 0
+    for (layer, module), pair in sorted(found.items()):
+        name = f"model.layers.{layer}.{'self_attn' if module in ATTENTION else 'mlp'}.{module}"
+        if set(pair) != {"A", "B"}:
+            raise AdapterError(WEIGHTS_FILE, f"missing tensor {name}.lora_{'B' if 'A' in pair else 'A'}.weight")
+        a, b = pair["A"], pair["B"]
+        rank = _pattern_value(config["rank_pattern"], name, config["r"])
+        out, inp = shapes[module]
+        for tensor, want, which in ((a, (rank, inp), "A"), (b, (out, rank), "B")):
+            if tuple(tensor.shape) != want:
+                raise AdapterError(f"base_model.model.{name}.lora_{which}.weight",
+                                   f"shape {tuple(tensor.shape)}, this model needs {want} (rank {rank}): "
+                                   f"an adapter for another model?")
+            if not tensor.is_floating_point():
+                raise AdapterError(f"base_model.model.{name}.lora_{which}.weight", f"dtype {tensor.dtype} is not a float type")
+        alpha = _pattern_value(config["alpha_pattern"], name, config["lora_alpha"])
+        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        weights[(layer, module)] = (a.to(dtype).contiguous(), (b.float() * scale).to(dtype).contiguous())
+        top = max(top, rank)
+    return LoraWeights(top, modules, weights, _digest(folder / CONFIG_FILE, path))
+
+
+def _place(key: str, cfg: ModelConfig) -> tuple[int, str, str]:
+    """(layer, module, "A" or "B") of a tensor's PEFT name, refusing what this model has no place for."""
+    match = _KEY.fullmatch(key)
+    if match is None:
+        raise AdapterError(key, "not a LoRA A/B tensor of a decoder projection (embeddings, lm_head, "
+                                "biases and other modules are not supported)")
+    layer, parent, module = int(match[1]), match[2], match[3]
+    if module not in MODULES or (parent == "self_attn") != (module in ATTENTION):
+        raise AdapterError("target_modules", f"{parent}.{module} is not supported (only {', '.join(MODULES)})")
+    if layer >= cfg.num_layers:
+        raise AdapterError("layers", f"{key} is for layer {layer}; this model has {cfg.num_layers} layers "
+                                     f"(an adapter for another model?)")
+    if module in MLP and cfg.is_moe_layer(layer):
+        raise AdapterError("target_modules", f"layer {layer}'s MLP is a mixture of experts; adapters on experts "
+                                             f"are not supported")
+    return layer, module, match[4]
+
+
+def _digest(*paths: Path) -> str:
+    h = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()
