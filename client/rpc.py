@@ -185,15 +185,17 @@ def _status(c) -> pb.GetStatusRequest:
 def _prefill(c, token_ids: Sequence[int], kv_cache: KvCacheHandle | None = None,
              logits: LogitsPolicy | None = None,
              hidden_states: HiddenStatesRequest | None = None,
-             token_choice: TokenChoice | None = None, request_id: str | None = None) -> pb.PrefillRequest:
+             token_choice: TokenChoice | None = None, request_id: str | None = None,
+             adapter: str = "") -> pb.PrefillRequest:
     """Runs a prompt, or continues ``kv_cache`` with the next chunk of one; with
     ``hidden_states``, also returns those layers' hidden states (``out.hidden_states``).
     With ``token_choice``, the server also chooses the token after it (``out.chosen``);
     ``logits`` None: full float32 logits, none with a token_choice.  ``request_id``:
     the caller's name for the new sequence, unique among its tenant's live ones
     (``release_cache(request_id=...)``); None: the client names it, and releases it
-    by that name if the call is cancelled or times out."""
-    req = pb.PrefillRequest(model=c.model, token_ids=token_ids)
+    by that name if the call is cancelled or times out.  ``adapter``: the LoRA adapter a
+    new sequence runs with (``list_adapters``), kept for its life."""
+    req = pb.PrefillRequest(model=c.model, token_ids=token_ids, adapter=adapter)
     set_logits(req, logits)
     set_choice(req, token_choice)
     if kv_cache is not None:
@@ -250,11 +252,13 @@ def _speculative_decode(c, token_id: int, draft: Sequence[int], kv_cache: KvCach
 
 
 def _batch_prefill(c, prompts: Iterable[Prompt], logits: LogitsPolicy | None = None,
-                   token_choice: TokenChoice | Sequence[TokenChoice | None] | None = None) -> pb.BatchPrefillRequest:
+                   token_choice: TokenChoice | Sequence[TokenChoice | None] | None = None,
+                   adapters: str | Sequence[str] = "") -> pb.BatchPrefillRequest:
     """Several prompts (token ids, or ``(token_ids, handle)`` to continue one) in one
     call, run as shared forwards; outputs in order.  All or nothing. ``token_choice``:
     one for every prompt, or one (or None) per prompt; ``logits`` None: full float32
-    logits, none for prompts with a token_choice."""
+    logits, none for prompts with a token_choice.  ``adapters``: the LoRA adapter of every
+    new sequence, or one per prompt ("" the base model)."""
     req = pb.BatchPrefillRequest(model=c.model)
     set_logits(req, logits)
     prompts = list(prompts)
@@ -262,13 +266,17 @@ def _batch_prefill(c, prompts: Iterable[Prompt], logits: LogitsPolicy | None = N
         else list(token_choice)
     if len(choices) != len(prompts):
         raise ValueError(f"{len(choices)} token choices for {len(prompts)} prompts")
-    for prompt, choice in zip(prompts, choices):
+    adapters = [adapters] * len(prompts) if isinstance(adapters, str) else list(adapters)
+    if len(adapters) != len(prompts):
+        raise ValueError(f"{len(adapters)} adapters for {len(prompts)} prompts")
+    for prompt, choice, adapter in zip(prompts, choices, adapters):
         token_ids, handle = split_prompt(prompt)
         item = req.items.add(token_ids=token_ids)
         if handle is not None:
             item.kv_cache.CopyFrom(convert.handle_to_proto(handle))
         else:
             item.request_id = new_request_id()  # released by this name if the call's outcome is unknown
+            item.adapter = adapter
         set_choice(item, choice)
     return req
 
@@ -324,6 +332,22 @@ def _load_progress(c, message: pb.LoadModelResponse, name: str, path: str, progr
 def _unload_model(c, name: str) -> pb.UnloadModelRequest:
     """Stops serving ``name`` (its sequences go); returns how many sequences it held."""
     return pb.UnloadModelRequest(name=name)
+
+
+def _load_adapter(c, name: str, path: str, replace: bool = False) -> pb.LoadAdapterRequest:
+    """Loads the PEFT LoRA adapter in ``path`` (a folder on the server) as ``name``
+    (``replace``: reload a name no live sequence uses); returns its entry."""
+    return pb.LoadAdapterRequest(model=c.model, name=name, path=path, replace=replace)
+
+
+def _unload_adapter(c, name: str) -> pb.UnloadAdapterRequest:
+    """Unloads adapter ``name`` (refused while live sequences run with it)."""
+    return pb.UnloadAdapterRequest(model=c.model, name=name)
+
+
+def _list_adapters(c) -> pb.ListAdaptersRequest:
+    """The model's adapters (name, path, rank, scaling, modules, bytes, live sequences, digest)."""
+    return pb.ListAdaptersRequest(model=c.model)
 
 
 def _export_sequence(c, kv_cache: KvCacheHandle, file: BinaryIO | None = None,
@@ -409,6 +433,9 @@ RPCS: tuple[Rpc, ...] = (
     Rpc("list_models", "ListModels", _list_models, lambda c, r: list(r.models), "list[pb.ModelEntry]"),
     Rpc("load_model", "LoadModel", _load_model, lambda c, rs: None, "None", stream=True, each=_load_progress),
     Rpc("unload_model", "UnloadModel", _unload_model, lambda c, r: r.sequences_dropped, "int"),
+    Rpc("load_adapter", "LoadAdapter", _load_adapter, lambda c, r: r, "pb.AdapterEntry"),
+    Rpc("unload_adapter", "UnloadAdapter", _unload_adapter, lambda c, r: None, "None"),
+    Rpc("list_adapters", "ListAdapters", _list_adapters, lambda c, r: list(r.adapters), "list[pb.AdapterEntry]"),
     Rpc("export_sequence", "ExportSequence", _export_sequence, _export_result, "bytes | int", stream=True,
         each=_export_each, with_args=True),
     Rpc("import_sequence", "ImportSequence", _import_sequence, lambda c, r: convert.handle_from_proto(r.kv_cache),

@@ -48,6 +48,13 @@ def _one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
+def _lora(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    return name, path
+
+
 def _non_negative_int(value: str) -> int:
     number = int(value)
     if number < 0:
@@ -143,6 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a token's logits bit-identical whatever shares its forward, however its prompt was "
                         "chunked or cached (float32/bfloat16, CPU fused ops; costs prompt speed: see "
                         "docs/server.md)")
+    s.add_argument("--lora", action="append", default=[], metavar="NAME=PATH", type=_lora,
+                   help="load the PEFT LoRA adapter folder PATH as NAME at start-up (repeatable); new sequences "
+                        "name it (Prefill's adapter); LoadAdapter adds more at run time")
+    s.add_argument("--max-adapters", type=_non_negative_int, default=8,
+                   help="LoRA adapters loaded at once; past it the least recently used idle one is evicted "
+                        "(0: none served)")
+    s.add_argument("--max-lora-rank", type=int, default=64, help="the largest LoRA rank an adapter may have")
+    s.add_argument("--adapter-memory-mb", type=_non_negative_int, default=0,
+                   help="MiB the adapters' weights may take in all (0: no cap besides --max-adapters)")
     s.add_argument("--max-batch", type=int, default=64, help="most sequences per forward")
     s.add_argument("--max-seq-len", type=int, default=0, help="0: the model's maximum")
     s.add_argument("--max-message-mb", type=int, default=256, help="largest reply (MiB)")

@@ -22,10 +22,16 @@ _DRAW_TAG = b"ferrum-rpc/token-choice/v1"
 
 # -- the KV block chain ---------------------------------------------------------------------
 
-def chain_root(tenant: str) -> bytes:
+def chain_root(tenant: str, adapter_digest: str = "") -> bytes:
     """Where a tenant's hash chains start: prefix sharing never crosses tenants,
-    so a cache hit (or an event) tells a caller nothing about anyone else's prompts."""
-    return hashlib.blake2b(b"tenant:" + tenant.encode(), digest_size=16).digest()
+    so a cache hit (or an event) tells a caller nothing about anyone else's prompts.
+    A sequence running a LoRA adapter chains from a root of its own, keyed by the
+    adapter's content digest (ListAdapters): its KV is the adapter's, never the base's
+    or another adapter's."""
+    key = b"tenant:" + tenant.encode()
+    if adapter_digest:
+        key += b"\x00adapter:" + adapter_digest.encode()
+    return hashlib.blake2b(key, digest_size=16).digest()
 
 
 def block_hash(parent: bytes, block_tokens: Iterable[int]) -> bytes:

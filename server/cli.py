@@ -65,6 +65,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tenant_max_sequences=args.tenant_max_sequences, tenant_kv_tokens=args.tenant_kv_tokens,
         tenant_ahead_sequences=args.tenant_ahead_sequences,
         tensor_parallel=args.tensor_parallel, tensor_parallel_timeout_s=args.tensor_parallel_timeout,
+        max_adapters=args.max_adapters, max_lora_rank=args.max_lora_rank,
+        adapter_memory_mb=args.adapter_memory_mb, loras=tuple(args.lora),
     )
     try:
         config = _server_config(args, executor)

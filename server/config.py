@@ -91,6 +91,12 @@ class ExecutorConfig:
     # the longest a forward waits for the other ranks before the server fails closed
     tensor_parallel: int = 1
     tensor_parallel_timeout_s: float = 30.0
+    # LoRA adapters (engine/adapters.py): how many at once (0: none served), the largest rank,
+    # the bytes they may take in all (0: no cap), and those loaded at start (name, folder)
+    max_adapters: int = 8
+    max_lora_rank: int = 64
+    adapter_memory_mb: int = 0
+    loras: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
@@ -121,6 +127,11 @@ class ExecutorConfig:
                                      or self.step_ops == "eager" or not self.device.startswith("cpu")):
             raise StartupError("--batch-invariant runs unquantized float32/bfloat16 weights on one CPU with the "
                                "fused ops; not with --quantize, --tensor-parallel, --step-ops eager or a GPU")
+        if self.max_adapters < 0 or self.max_lora_rank < 1 or self.adapter_memory_mb < 0:
+            raise StartupError("--max-adapters and --adapter-memory-mb must be 0 or more, --max-lora-rank positive")
+        if self.loras and (self.tensor_parallel > 1 or not self.max_adapters):
+            raise StartupError("--lora needs --max-adapters above 0 and no --tensor-parallel (adapters are not "
+                               "sharded)")
         if self.quantize != "none" and self.linear_kernel == "onednn-packed":
             raise StartupError("quantized weights do not use the oneDNN packed linear; "
                                "use --linear-kernel auto or aten")

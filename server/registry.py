@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 
 from ferrum_rpc.errors import Draining, ExecutorError, InvalidInput, ModelLoading, ModelNotFound, shown
+from .rpc.edge import MAX_PATH_BYTES
 from .config import ExecutorConfig
 from .engine.executor import TorchExecutor
 from .engine.worker import ModelWorker
@@ -28,7 +29,6 @@ from .engine.worker import ModelWorker
 log = logging.getLogger(__name__)
 
 MAX_NAME_BYTES = 128
-MAX_PATH_BYTES = 4096
 
 
 @dataclass(frozen=True)

@@ -900,7 +900,7 @@ class LoadAdapterRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., name: _Optional[str] = ..., path: _Optional[str] = ..., replace: _Optional[bool] = ...) -> None: ...
 
 class AdapterEntry(_message.Message):
-    __slots__ = ("name", "path", "rank", "scaling", "target_modules", "bytes", "sequences", "load_s")
+    __slots__ = ("name", "path", "rank", "scaling", "target_modules", "bytes", "sequences", "load_s", "digest")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -909,6 +909,7 @@ class AdapterEntry(_message.Message):
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     LOAD_S_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     rank: int
@@ -917,7 +918,8 @@ class AdapterEntry(_message.Message):
     bytes: int
     sequences: int
     load_s: float
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., scaling: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., bytes: _Optional[int] = ..., sequences: _Optional[int] = ..., load_s: _Optional[float] = ...) -> None: ...
+    digest: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., scaling: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., bytes: _Optional[int] = ..., sequences: _Optional[int] = ..., load_s: _Optional[float] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class UnloadAdapterRequest(_message.Message):
     __slots__ = ("model", "name")

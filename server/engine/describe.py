@@ -83,6 +83,8 @@ class Describes:
             kv_events=self.kv.prefix_caching, batch_invariant=getattr(self.model, "batch_invariant", False),
             tensor_parallel_degree=self.shard.degree if self.shard else 1,
             tensor_parallel_fallbacks=self._fallbacks(),
+            max_adapters=self.adapters.max_adapters if self.adapters else 0,
+            max_lora_rank=self.adapters.max_rank if self.adapters else 0,
         )
 
     def _fallbacks(self) -> tuple[str, ...]:

@@ -26,10 +26,11 @@ from typing import Iterable
 
 import torch
 
-from ferrum_rpc.errors import ExecutorError, InvalidInput, TenantQuotaExceeded
+from ferrum_rpc.errors import AdapterInvalid, ExecutorError, InvalidInput, TenantQuotaExceeded
 from ..choice.rows import row_max
 from ..choice.policy import validate_token_choice
 from ..config import ExecutorConfig, TenantBounds, tenant_bounds
+from .adapters import HostsAdapters
 from .checks import ExecutorChecks
 from .choosing import ChoosesTokens
 from .describe import Describes
@@ -102,7 +103,7 @@ def verify_policy(policy: LogitsPolicy) -> LogitsPolicy:
     return replace(policy, all_positions=True)
 
 
-class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates):
+class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsAdapters):
     """Hosts one model and its KV pool.
 
     Args:
@@ -137,6 +138,8 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates):
         self.weights_digest = ""  # of the model folder's files (transfer.weights_digest): the KV fingerprint
         log.info("%s: KV pool of %d blocks x %d tokens (%.1f MiB on %s)", name, num_blocks,
                  config.block_size, self.pool.nbytes / 2**20, self.device)
+        if self.shard is None:
+            self.open_adapters()
 
     def _kv_tokens(self, config: ExecutorConfig, mc) -> int:
         if not config.kv_memory_fraction:
@@ -192,12 +195,14 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates):
     def open_prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None = None,
                      policy: LogitsPolicy | None = LogitsPolicy(),
                      hidden: HiddenStatesRequest | None = None, tenant: str = "",
-                     choice: TokenChoice | None = None, as_output: bool = False, name: str = "") -> PromptInParts:
+                     choice: TokenChoice | None = None, as_output: bool = False, name: str = "",
+                     adapter: str = "") -> PromptInParts:
         """Validates a prefill and opens its sequence (taking any cached prefix),
         to be run in parts, each one step of some forward (see
         :class:`PromptInParts`); raises with no state change. ``policy=None``: the
         logits field was unset (full float32 rows, none with a ``choice``).  ``name``:
-        the caller's request_id for a new sequence (see :meth:`release_named`)."""
+        the caller's request_id for a new sequence (see :meth:`release_named`);
+        ``adapter``: the LoRA adapter a new sequence runs with."""
         if choice is not None:
             self.check_token_choice(choice)
         want_logits = policy is not None or choice is None
@@ -205,7 +210,8 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates):
         if hidden is not None:  # the handle is resolved first: its claimed length is not to be trusted
             start = self.resolve(kv_cache, tenant).length if kv_cache is not None else 0
             self.check_hidden(hidden, len(token_ids), start)
-        opened = self._open_prefill(token_ids, kv_cache, policy, tenant, reuse_prefix=hidden is None, name=name)
+        opened = self._open_prefill(token_ids, kv_cache, policy, tenant, reuse_prefix=hidden is None, name=name,
+                                    adapter=adapter)
         self.kv.pin(opened.seq)
         return PromptInParts(self, opened, list(token_ids), policy, hidden, choice=choice,
                              want_logits=want_logits, as_output=as_output)
@@ -424,7 +430,8 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates):
         return tenant_bounds(self.config, tenant, self.kv.num_blocks * self.kv.block_size)
 
     def _open_prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None,
-                      policy: LogitsPolicy, tenant: str, reuse_prefix: bool = True, name: str = "") -> Opened:
+                      policy: LogitsPolicy, tenant: str, reuse_prefix: bool = True, name: str = "",
+                      adapter: str = "") -> Opened:
         """Validates a prefill and finds (or creates, taking any cached prefix) its sequence."""
         if name:
             if kv_cache is not None:
@@ -439,9 +446,13 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates):
         self.check_length(start, len(token_ids))
         self.check_fits_pool(start + len(token_ids))
         if seq is not None:
+            if adapter and adapter != seq.adapter:
+                raise AdapterInvalid("adapter: a sequence keeps the adapter it was created with; leave it empty "
+                                     "when continuing a sequence")
             return Opened(seq, False, 0, seq.length, seq.last_used)
         self.check_sequence_room(tenant, 1)
-        seq = self.kv.create(uuid.uuid4().hex, tenant, name)
+        adapter, adapter_digest = self.adapter_for_new_sequence(adapter)
+        seq = self.kv.create(uuid.uuid4().hex, tenant, name, adapter, adapter_digest)
         cached = 0
         if reuse_prefix and not policy.all_positions:  # a hit must leave the last token to compute
             cached = self.kv.adopt_prefix(seq, token_ids, len(token_ids) - 1)
@@ -481,5 +492,5 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates):
             cache_id=seq.cache_id, sequence_length=seq.length, num_layers=mc.num_layers,
             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, device=str(self.device),
             block_table=BlockTable(self.kv.block_size, tuple(seq.block_ids)),
-            model=self.name, server_instance_id=self.instance_id,
+            model=self.name, server_instance_id=self.instance_id, adapter=seq.adapter,
         )

@@ -12,6 +12,7 @@ import torch
 
 from ..kv.pool import KvPool, RaggedBatch
 from ..kv.blocks import SequenceState, WritePlan
+from ..models.lora import BASE
 from ferrum_rpc.types import ChosenToken, TokenChoice
 
 if TYPE_CHECKING:
@@ -97,8 +98,12 @@ def _hidden(model: torch.nn.Module, pool: KvPool, steps: list[Step]) -> tuple[to
     capture = dict.fromkeys(layers) if layers else None
     if attention := {layer for s in steps if s.attention for layer in s.attention}:
         kv.attention = dict.fromkeys(attention)
+    slots = _adapter_slots(model, steps, [1] * len(steps))  # one per sequence: (B,)
     with torch.inference_mode():
-        out = model(ids, kv.positions, kv, capture) if capture else model(ids, kv.positions, kv)
+        if slots is not None:
+            out = model(ids, kv.positions, kv, capture, adapter_slots=slots)
+        else:
+            out = model(ids, kv.positions, kv, capture) if capture else model(ids, kv.positions, kv)
     for b, step in enumerate(steps):
         for layer in step.hidden or ():
             step.hidden[layer] = capture[layer][b, :counts[b]].float().cpu()
@@ -112,13 +117,26 @@ def _ragged(model: torch.nn.Module, pool: KvPool, steps: list[Step]) -> tuple[to
     by_length: dict[int, list[int]] = {}
     for i, step in enumerate(steps):
         by_length.setdefault(len(step.tokens), []).append(i)
-    groups, ids, firsts = [], [], [0] * len(steps)
+    groups, ids, firsts, order = [], [], [0] * len(steps), []
     for width, members in by_length.items():
         groups.append(([steps[i].block_ids for i in members], [steps[i].start for i in members], width))
         for i in members:
             firsts[i] = len(ids)
             ids.extend(steps[i].tokens)
+            order.append(i)
     kv = RaggedBatch(pool, groups)
+    slots = _adapter_slots(model, [steps[i] for i in order], [len(steps[i].tokens) for i in order])
     with torch.inference_mode():
-        out = model(torch.tensor([ids], device=pool.k.device), None, kv)  # (1, N, C)
+        ids = torch.tensor([ids], device=pool.k.device)
+        out = model(ids, None, kv) if slots is None else model(ids, None, kv, adapter_slots=slots[None])  # (1, N, C)
     return out[0], firsts
+
+
+def _adapter_slots(model: torch.nn.Module, steps: list[Step], repeats: list[int]) -> torch.Tensor | None:
+    """Each step's LoRA adapter slot (``models/lora.py``), ``repeats[i]`` times for step i,
+    in order; None when every step runs the base model (the forward then takes no adapter path)."""
+    if not any(step.seq.adapter for step in steps):
+        return None
+    adapters = model.adapters
+    slots = [adapters.slot(step.seq.adapter) if step.seq.adapter else BASE for step in steps]
+    return torch.tensor(slots, dtype=torch.int64).repeat_interleave(torch.tensor(repeats))

@@ -25,12 +25,12 @@ class AsyncFront:
 
     async def prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None, policy: LogitsPolicy | None,
                       deadline: float | None = None, hidden=None, tenant: str = "", choice=None,
-                      as_output: bool = False, name: str = "") -> Any:
+                      as_output: bool = False, name: str = "", adapter: str = "") -> Any:
         """A prompt; ``choice`` (a TokenChoice): also the token after it, chosen on this
         thread right after the forward; ``policy=None``: the logits field was unset;
-        ``name``: the caller's request_id for the new sequence."""
+        ``name``: the caller's request_id for the new sequence; ``adapter``: its LoRA adapter."""
         job = self._put(self._prefill_job(token_ids, kv_cache, policy, deadline, tenant, hidden, choice, as_output,
-                                          name))
+                                          name, adapter))
         return await self._await(job, lambda out: [Undo.of(kv_cache, out.kv_cache)])
 
     async def verify(self, token_ids: list[int], kv_cache: KvCacheHandle, policy: LogitsPolicy,

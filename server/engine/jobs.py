@@ -32,6 +32,7 @@ class PromptWork:
     choice: Any = None
     as_output: bool = False
     name: str = ""  # the caller's request_id for the sequence it creates
+    adapter: str = ""  # the LoRA adapter the sequence it creates runs with
 
 
 @dataclass

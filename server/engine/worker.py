@@ -144,8 +144,8 @@ class ModelWorker(AsyncFront, DrivesRuns):
         return self._put(Job(None, (), decode=DecodeWork(inputs, policy), deadline=deadline, tenant=tenant)).future
 
     def _prefill_job(self, token_ids, kv_cache, policy, deadline, tenant, hidden=None, choice=None,
-                     as_output=False, name="") -> Job:
-        return Job(None, (), prefill=PromptWork(token_ids, kv_cache, policy, hidden, choice, as_output, name),
+                     as_output=False, name="", adapter="") -> Job:
+        return Job(None, (), prefill=PromptWork(token_ids, kv_cache, policy, hidden, choice, as_output, name, adapter),
                     deadline=deadline, tenant=tenant)
 
     def _release_named(self, name: str, tenant: str) -> int:  # on this thread, between forwards
@@ -400,7 +400,8 @@ class ModelWorker(AsyncFront, DrivesRuns):
             if job.prompt is None:
                 p = job.prefill
                 job.prompt = ex.open_prefill(p.token_ids, p.kv_cache, p.policy, p.hidden, tenant=job.tenant,
-                                             choice=p.choice, as_output=p.as_output, name=p.name)
+                                             choice=p.choice, as_output=p.as_output, name=p.name,
+                                             adapter=p.adapter)
             return job.prompt.next_part(tokens)
         except BaseException as exc:
             if job.prompt is not None:

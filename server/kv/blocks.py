@@ -45,6 +45,8 @@ class SequenceState:
     pins: int = 0  # jobs using it right now (a chunked prefill, a long verify): never reaped
     tenant: str = ""  # who made it: nobody else can see it (auth off: everyone is tenant "")
     name: str = ""  # the caller's request_id for it, unique among its tenant's live sequences ("" = none)
+    adapter: str = ""  # the LoRA adapter it runs with ("" = the base model), and that adapter's content digest
+    adapter_digest: str = ""
     # (start, end) of each Prefill that ran on it, in order: the penalties' prompt/output
     # split. Everything up to the last Prefill's end is prompt, what came after
     # (decode steps, verified drafts) is output; shrink keeps it consistent.
@@ -240,15 +242,18 @@ class BlockManager:
         """Distinct KV blocks the sequences of ``tenant`` hold (shared ones once)."""
         return len({b for s in self._seqs.values() if s.tenant == tenant for b in s.block_ids})
 
-    def create(self, cache_id: str, tenant: str = "", name: str = "") -> SequenceState:
-        """A new empty sequence of ``tenant``, named ``name`` by its caller (see :meth:`check_name`)."""
+    def create(self, cache_id: str, tenant: str = "", name: str = "", adapter: str = "",
+               adapter_digest: str = "") -> SequenceState:
+        """A new empty sequence of ``tenant``, named ``name`` by its caller (see :meth:`check_name`),
+        running ``adapter`` (its prefix cache is that adapter's, see ``chain_root``)."""
         if cache_id in self._seqs:
             raise ValueError(f"duplicate cache id {cache_id!r}")
         if name:
             self.check_name(tenant, name)
             self._named[(tenant, name)] = cache_id
         self._expired.pop(cache_id, None)
-        seq = self._seqs[cache_id] = SequenceState(cache_id, tenant=tenant, name=name)
+        seq = self._seqs[cache_id] = SequenceState(cache_id, tenant=tenant, name=name, adapter=adapter,
+                                                   adapter_digest=adapter_digest)
         return seq
 
     def release(self, cache_id: str) -> int:
@@ -314,10 +319,10 @@ class BlockManager:
     _block_hash = staticmethod(block_hash)  # the chain routers compute too (ferrum_rpc.hashing)
     _root = staticmethod(chain_root)
 
-    def block_hashes(self, tokens: list[int], tenant: str) -> list[bytes]:
-        """Chained hashes of each full block of ``tokens`` (per tenant): what a sequence
-        holding them has as its ``hashes``."""
-        out, bs, parent = [], self.block_size, self._root(tenant)
+    def block_hashes(self, tokens: list[int], tenant: str, adapter_digest: str = "") -> list[bytes]:
+        """Chained hashes of each full block of ``tokens`` (per tenant and adapter): what a
+        sequence holding them has as its ``hashes``."""
+        out, bs, parent = [], self.block_size, self._root(tenant, adapter_digest)
         for i in range(len(tokens) // bs):
             parent = self._block_hash(parent, tokens[i * bs:(i + 1) * bs])
             out.append(parent)
@@ -334,7 +339,7 @@ class BlockManager:
         self.queried_tokens += len(tokens)
         limit = max(0, min(max_tokens, len(tokens))) // self.block_size * self.block_size
         matched: list[int] = []
-        hashes = self.block_hashes(tokens[:limit], seq.tenant)
+        hashes = self.block_hashes(tokens[:limit], seq.tenant, seq.adapter_digest)
         for digest in hashes:
             block = self._block_of.get(digest)
             if block is None:
@@ -356,7 +361,7 @@ class BlockManager:
             return
         bs = self.block_size
         for i in range(len(seq.hashes), seq.length // bs):
-            parent = seq.hashes[-1] if seq.hashes else self._root(seq.tenant)
+            parent = seq.hashes[-1] if seq.hashes else self._root(seq.tenant, seq.adapter_digest)
             digest = self._block_hash(parent, seq.tokens[i * bs:(i + 1) * bs])
             seq.hashes.append(digest)
             block = seq.block_ids[i]
@@ -450,7 +455,7 @@ class BlockManager:
                 self._ref(block)
             child = self._seqs[cid] = SequenceState(
                 cid, seq.length, list(seq.block_ids), list(seq.tokens), list(seq.hashes), tenant=seq.tenant,
-                prompt_spans=list(seq.prompt_spans),
+                adapter=seq.adapter, adapter_digest=seq.adapter_digest, prompt_spans=list(seq.prompt_spans),
             )
             children.append(child)
         seq.last_used = time.monotonic()

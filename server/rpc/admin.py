@@ -9,13 +9,15 @@ import asyncio
 import contextlib
 import dataclasses
 import time
+from pathlib import Path
 
 import grpc
 
 from ferrum_rpc import convert
-from ferrum_rpc.errors import AdminOnly, Draining, ExecutorError, shown
+from ferrum_rpc.errors import AdapterInvalid, AdminOnly, Draining, ExecutorError, shown
 from ferrum_rpc.types import ServerState
 from ferrum_rpc.v1 import executor_pb2 as pb
+from .edge import MAX_PATH_BYTES
 from .handler import handler, query
 
 
@@ -54,6 +56,26 @@ class AdminRpcs:
             self._worker(request.name)  # the precise refusal: loading, unloaded, unknown
         return pb.UnloadModelResponse(sequences_dropped=await self.registry.unload(request.name))
 
+    # -- LoRA adapters (engine/adapters.py), on the model's worker thread between forwards -------
+    @handler(admin=True)
+    async def LoadAdapter(self, request, context, tenant: str):
+        worker = self._worker(request.model)
+        check_adapter_folder(request.path)
+        entry = await worker.call(worker.executor.load_adapter, request.name, request.path, request.replace)
+        return _adapter_entry(entry)
+
+    @handler(admin=True)
+    async def UnloadAdapter(self, request, context, tenant: str):
+        worker = self._worker(request.model)
+        await worker.call(worker.executor.unload_adapter, request.name)
+        return pb.UnloadAdapterResponse()
+
+    @query
+    async def ListAdapters(self, request, context, tenant: str):
+        worker = self._worker(request.model)
+        entries, evicted = await worker.call(worker.executor.adapter_entries)
+        return pb.ListAdaptersResponse(adapters=[_adapter_entry(e) for e in entries], evicted=evicted)
+
     # -- shared memory -------------------------------------------------------------
     @handler(admit=False, observe=False)  # observed when it answers, not when the registration ends
     async def RegisterSharedMemory(self, request, context, tenant: str):
@@ -91,3 +113,22 @@ class AdminRpcs:
         for region in gone:
             await region.drained()
         return pb.UnregisterSharedMemoryResponse(unregistered=len(gone))
+
+
+def check_adapter_folder(path: str) -> None:
+    """Refuses (ADAPTER_INVALID) a LoadAdapter path over 4,096 bytes, one the OS refuses,
+    or one that is no PEFT adapter folder; errors show a bounded prefix of the path,
+    never the OS's own message with all of it."""
+    if len(path.encode()) > MAX_PATH_BYTES:
+        raise AdapterInvalid(f"path: {shown(path)} is over {MAX_PATH_BYTES} bytes")
+    try:
+        found = bool(path) and (Path(path) / "adapter_config.json").is_file()
+    except (OSError, ValueError) as exc:
+        why = getattr(exc, "strerror", None) or type(exc).__name__
+        raise AdapterInvalid(f"path: {shown(path)} is no adapter folder the server can read ({why})") from None
+    if not found:
+        raise AdapterInvalid(f"path: {shown(path)} is no LoRA adapter folder on the server (no adapter_config.json)")
+
+
+def _adapter_entry(entry: dict) -> pb.AdapterEntry:
+    return pb.AdapterEntry(**entry)

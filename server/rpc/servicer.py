@@ -306,7 +306,7 @@ class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, pb_grpc.ModelExecut
             else None
         with self.logits_targets(policy, [rows], worker, tenant) as targets:
             out = await worker.prefill(list(request.token_ids), handle, policy, deadline_of(context), hidden, tenant,
-                                       choice, name=request.request_id)
+                                       choice, name=request.request_id, adapter=request.adapter)
             undo = [Undo.of(handle, out.kv_cache)]
             reply = pb.PrefillResponse(cached_tokens=out.cached_tokens)
             for array in out.hidden_states:
@@ -424,7 +424,8 @@ class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, pb_grpc.ModelExecut
         deadline = deadline_of(context)
         with self.logits_targets(policy, rows, worker, tenant) as targets:
             outs = await asyncio.gather(*(worker.prefill(list(item.token_ids), handle, policy, deadline, tenant=tenant,
-                                                         choice=choice, name=item.request_id)
+                                                         choice=choice, name=item.request_id,
+                                                         adapter=item.adapter)
                                           for item, handle, choice in zip(request.items, handles, choices)),
                                         return_exceptions=True)
             failed = next((o for o in outs if isinstance(o, BaseException)), None)
