@@ -11,7 +11,7 @@ first usable one.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import grpc
 
