@@ -26,13 +26,17 @@ from tests.unit.client.script import (
 UNAVAILABLE = ExecutorError("connection reset", code=grpc.StatusCode.UNAVAILABLE)
 
 
-def two_sequences(rs):
-    """s on a and t on b, each a prompt of 3 tokens then one decoded token (length 4)."""
+def two_sequences(**queues):
+    """Replicas a and b serving (``queues``: calls queued on each) with s on a and t on b,
+    each a prompt of 3 tokens then one decoded token: the routing and the two handles."""
+    rs = routing("a", "b")
+    for target in ("a", "b"):
+        serving(rs, target, queue=queues.get(target, 0))
     for target, cache_id, prompt in (("a", "s", [1, 2, 3]), ("b", "t", [4, 5, 6])):
         seq = rs._fleet.track(next(r for r in rs._fleet.replicas if r.target == target), prompt,
                               handle(target + "1", cache_id, 3))
         rs._fleet.advance(seq, 3, [7], handle(target + "1", cache_id, 4))
-    return handle("a1", "s", 4), handle("b1", "t", 4)
+    return rs, handle("a1", "s", 4), handle("b1", "t", 4)
 
 
 def history(rs):
@@ -40,9 +44,7 @@ def history(rs):
 
 
 def test_a_batch_runs_one_call_per_owner_and_merges_the_outputs_in_order():
-    rs = routing("a", "b")
-    serving(rs)
-    hs, ht = two_sequences(rs)
+    rs, hs, ht = two_sequences()
     out = Script([Parallel(
         Call("a", "batch_decode", [decoded("a1", "s", 5)], args=([DecodeInput(8, hs)], None)),
         Call("b", "batch_decode", [decoded("b1", "t", 5)], args=([DecodeInput(9, ht)], None)),
@@ -52,9 +54,7 @@ def test_a_batch_runs_one_call_per_owner_and_merges_the_outputs_in_order():
 
 
 def test_a_batch_part_that_fails_for_good_undoes_the_parts_that_ran():
-    rs = routing("a", "b")
-    serving(rs)
-    hs, ht = two_sequences(rs)
+    rs, hs, ht = two_sequences()
     with pytest.raises(InvalidInput):
         Script([
             Parallel(Call("a", "batch_decode", [decoded("a1", "s", 5)]),
@@ -65,10 +65,7 @@ def test_a_batch_part_that_fails_for_good_undoes_the_parts_that_ran():
 
 
 def test_a_batch_prefill_that_fails_releases_the_sequences_it_created():
-    rs = routing("a", "b")
-    serving(rs, "a", queue=0)
-    serving(rs, "b", queue=5)
-    _, ht = two_sequences(rs)
+    rs, _, ht = two_sequences(b=5)
     with pytest.raises(InvalidInput):
         Script([
             Parallel(Call("a", "batch_prefill", [prefilled("a1", "n", 2)], args=([[1, 9]], None, [None])),
@@ -79,9 +76,7 @@ def test_a_batch_prefill_that_fails_releases_the_sequences_it_created():
 
 
 def test_a_batch_part_whose_replica_died_is_replayed_and_run_again_there():
-    rs = routing("a", "b")
-    serving(rs)
-    hs, ht = two_sequences(rs)
+    rs, hs, ht = two_sequences()
     out = Script([
         Parallel(Call("a", "batch_decode", [decoded("a1", "s", 5)]), Call("b", "batch_decode", UNAVAILABLE)),
         Call("a", "prefill", prefilled("a1", "x", 3), args=([4, 5, 6], None, REPLAY_LOGITS)),
@@ -94,9 +89,7 @@ def test_a_batch_part_whose_replica_died_is_replayed_and_run_again_there():
 
 
 def test_a_session_step_drops_the_stream_to_a_lost_replica_before_moving_its_sequences():
-    rs = routing("a", "b")
-    serving(rs)
-    hs, ht = two_sequences(rs)
+    rs, hs, ht = two_sequences()
     out = Script([
         Parallel(Call("a", "step", [decoded("a1", "s", 5)], stream=True),
                  Call("b", "step", UNAVAILABLE, stream=True)),
@@ -121,8 +114,7 @@ def test_release_by_request_id_asks_every_replica_and_skips_the_unreachable():
 
 
 def test_releasing_a_sequence_whose_replica_is_gone_frees_nothing_and_forgets_it():
-    rs = routing("a", "b")
-    hs, _ = two_sequences(rs)
+    rs, hs, _ = two_sequences()
     assert Script([Call("a", "release_cache", UNAVAILABLE, args=(hs,))], rs.clock).run(
         _Contract.release_cache(rs, hs)) == 0
     assert set(history(rs)) == {"t"}

@@ -8,16 +8,37 @@ import pytest
 
 from ferrum_rpc.client.replicas.contract import _Contract
 from ferrum_rpc.client.replicas.policy import REPLAY_LOGITS
-from ferrum_rpc.errors import DeadlineExceeded, Draining, ExecutorError, LengthMismatch
+from ferrum_rpc.errors import DeadlineExceeded, Draining, ExecutorError, LengthMismatch, StaleHandle
 from ferrum_rpc.types import SequencePush
 from ferrum_rpc.v1 import executor_pb2 as pb
-from tests.unit.client.script import Call, Script, decoded, handle, prefilled, routing, serving, verified
+from tests.unit.client.script import (
+    Call,
+    Parallel,
+    Script,
+    capabilities,
+    decoded,
+    handle,
+    prefilled,
+    routing,
+    serving,
+    status,
+    verified,
+)
 
 UNAVAILABLE = ExecutorError("connection reset", code=grpc.StatusCode.UNAVAILABLE)
 
 
 def replica(rs, target):
     return next(r for r in rs._fleet.replicas if r.target == target)
+
+
+def a_sequence_on_a(failover: bool = True, **policy):
+    """Replicas a and b serving (a the less loaded) and a sequence on a: the prompt
+    [1, 2, 3] then the decoded token 7.  The routing and the sequence's handle (length 4)."""
+    rs = routing("a", "b", failover=failover, **policy)
+    serving(rs, "a", queue=0)
+    serving(rs, "b", queue=1)
+    return rs, prompted_and_decoded(rs)
 
 
 def prompted_and_decoded(rs):
@@ -33,20 +54,17 @@ def _run_both(rs):
     yield from _Contract.decode(rs, 7, out.kv_cache)
 
 
-def replayed_on(target, cache_id):
+def replayed_on(target, cache_id, instance=None):
     """The calls that rebuild the sequence on ``target``: its prompt as a Prefill, the
     decoded token as a ForwardVerify (output), neither asking for logits."""
-    instance = target + "1"
+    instance = instance or target + "1"
     return [Call(target, "prefill", prefilled(instance, cache_id, 3), args=([1, 2, 3], None, REPLAY_LOGITS)),
             Call(target, "forward_verify", verified(instance, cache_id, 4),
                  args=([7], handle(instance, cache_id, 3), REPLAY_LOGITS))]
 
 
 def test_a_decode_whose_owner_died_is_replayed_elsewhere_and_goes_on_there():
-    rs = routing("a", "b")
-    serving(rs, "a", queue=0)
-    serving(rs, "b", queue=1)
-    old = prompted_and_decoded(rs)
+    rs, old = a_sequence_on_a()
     out = Script([
         Call("a", "decode", UNAVAILABLE),
         *replayed_on("b", "x"),
@@ -59,34 +77,31 @@ def test_a_decode_whose_owner_died_is_replayed_elsewhere_and_goes_on_there():
     assert not replica(rs, "a").healthy
 
 
-def test_a_draining_owner_pushes_the_sequence_instead_of_a_replay():
-    rs = routing("a", "b")
-    serving(rs, "a", queue=0)
-    serving(rs, "b", queue=1)
-    old = prompted_and_decoded(rs)
-    Script([
-        Call("a", "decode", Draining("stopping")),
-        Call("b", "create_import_ticket", pb.ImportTicket(ticket="t1")),
-        Call("a", "push_sequence", SequencePush(handle("b1", "m", 4), 4096, True),
-             args=(handle("a1", "s", 4), "b", "t1", True)),
-        Call("b", "decode", decoded("b1", "m", 5), args=(8, handle("b1", "m", 4), None, None)),
+def test_a_restarted_owner_is_asked_again_and_may_take_its_sequence_back_by_a_replay():
+    rs, old = a_sequence_on_a()
+    out = Script([
+        Call("a", "decode", StaleHandle("a new server instance")),
+        Parallel(Call("a", "_status_probe", status("a2", queue=0))),  # asked again, not left out
+        Call("a", "capabilities", capabilities()),
+        *replayed_on("a", "x", "a2"),
+        Call("a", "decode", decoded("a2", "x", 5), args=(8, handle("a2", "x", 4), None, None)),
     ], rs.clock).run(_Contract.decode(rs, 8, old))
+    assert out.kv_cache.server_instance_id == "a2" and replica(rs, "a").healthy
+
+
+@pytest.mark.parametrize("moved", [True, False])
+def test_a_draining_owner_pushes_the_sequence_and_a_push_that_did_not_move_it_falls_back_to_a_replay(moved):
+    rs, old = a_sequence_on_a()
+    pushed = [Call("b", "create_import_ticket", pb.ImportTicket(ticket="t1")),
+              Call("a", "push_sequence", SequencePush(handle("b1", "m", 4), 4096, moved),
+                   args=(handle("a1", "s", 4), "b", "t1", True))]
+    if moved:
+        then = [Call("b", "decode", decoded("b1", "m", 5), args=(8, handle("b1", "m", 4), None, None))]
+    else:  # the copy it made is not the sequence: released, and the sequence replayed
+        then = [Call("b", "release_cache", 1, args=(handle("b1", "m", 4),)), *replayed_on("b", "x"),
+                Call("b", "decode", decoded("b1", "x", 5), args=(8, handle("b1", "x", 4), None, None))]
+    Script([Call("a", "decode", Draining("stopping")), *pushed, *then], rs.clock).run(_Contract.decode(rs, 8, old))
     assert rs._fleet.live()[0].replica == "b"
-
-
-def test_a_push_that_did_not_move_the_sequence_is_released_and_the_sequence_replayed():
-    rs = routing("a", "b")
-    serving(rs, "a", queue=0)
-    serving(rs, "b", queue=1)
-    old = prompted_and_decoded(rs)
-    Script([
-        Call("a", "decode", Draining("stopping")),
-        Call("b", "create_import_ticket", pb.ImportTicket(ticket="t1")),
-        Call("a", "push_sequence", SequencePush(handle("b1", "m", 4), 4096, False)),
-        Call("b", "release_cache", 1, args=(handle("b1", "m", 4),)),
-        *replayed_on("b", "x"),
-        Call("b", "decode", decoded("b1", "x", 5)),
-    ], rs.clock).run(_Contract.decode(rs, 8, old))
 
 
 def test_a_call_that_timed_out_but_ran_is_resynced_from_the_history_on_the_replica_it_was_on():
@@ -106,20 +121,14 @@ def test_a_call_that_timed_out_but_ran_is_resynced_from_the_history_on_the_repli
 
 
 def test_without_failover_the_owners_error_reaches_the_caller_and_the_sequence_stays():
-    rs = routing("a", "b", failover=False)
-    serving(rs, "a", queue=0)
-    serving(rs, "b", queue=1)
-    old = prompted_and_decoded(rs)
+    rs, old = a_sequence_on_a(failover=False)
     with pytest.raises(ExecutorError) as err:
         Script([Call("a", "decode", UNAVAILABLE)], rs.clock).run(_Contract.decode(rs, 8, old))
     assert err.value is UNAVAILABLE and rs._fleet.live()[0].replica == "a"
 
 
 def test_a_replay_that_fails_on_every_replica_ends_in_failover_failed_with_the_copies_released():
-    rs = routing("a", "b", max_attempts=2)
-    serving(rs, "a", queue=0)
-    serving(rs, "b", queue=1)
-    old = prompted_and_decoded(rs)
+    rs, old = a_sequence_on_a(max_attempts=2)
     with pytest.raises(ExecutorError, match="could not move sequence"):
         Script([
             Call("a", "decode", UNAVAILABLE),
