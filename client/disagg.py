@@ -26,7 +26,8 @@ import logging
 from typing import TYPE_CHECKING, Any, Generator, Iterable, Mapping, Sequence
 
 if TYPE_CHECKING:
-    from .replicas import _Replica, _Routing, _Sequence
+    from .fleet import _Replica, _Sequence
+    from .replicas.routing import _Routing
     from ferrum_rpc.types import KvCacheHandle
 
 log = logging.getLogger(__name__)

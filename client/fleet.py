@@ -21,7 +21,7 @@ from ferrum_rpc.types import ExecutorStatus, KvCacheHandle
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from .replicas import ReplicaPolicy
+    from .replicas.policy import ReplicaPolicy
 
 Span = tuple[int, int]
 
