@@ -57,6 +57,11 @@ class Step:
         return self.opened.seq
 
     @property
+    def adapter(self) -> str:
+        """The LoRA adapter its sequence runs with ("" = the base model)."""
+        return self.seq.adapter
+
+    @property
     def block_ids(self) -> list[int]:
         """The blocks the forward reads and writes (a tensor-parallel plan carries these)."""
         return self.seq.block_ids
@@ -135,8 +140,8 @@ def _ragged(model: torch.nn.Module, pool: KvPool, steps: list[Step]) -> tuple[to
 def _adapter_slots(model: torch.nn.Module, steps: list[Step], repeats: list[int]) -> torch.Tensor | None:
     """Each step's LoRA adapter slot (``models/lora.py``), ``repeats[i]`` times for step i,
     in order; None when every step runs the base model (the forward then takes no adapter path)."""
-    if not any(step.seq.adapter for step in steps):
+    if not any(step.adapter for step in steps):
         return None
     adapters = model.adapters
-    slots = [adapters.slot(step.seq.adapter) if step.seq.adapter else BASE for step in steps]
+    slots = [adapters.slot(step.adapter) if step.adapter else BASE for step in steps]
     return torch.tensor(slots, dtype=torch.int64).repeat_interleave(torch.tensor(repeats))

@@ -29,6 +29,7 @@ class PlannedStep:
     hidden: dict[int, None] | None = None
     attention: dict[int, None] | None = None
     heads: tuple[int, ...] = ()
+    adapter: str = ""  # adapters are not served sharded: always the base model
 
     @classmethod
     def of(cls, step) -> PlannedStep:
