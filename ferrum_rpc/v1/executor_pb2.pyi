@@ -986,7 +986,7 @@ class SequenceChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[SequenceHeader, _Mapping]] = ..., kv: _Optional[_Union[KvChunk, _Mapping]] = ..., trailer: _Optional[_Union[SequenceTrailer, _Mapping]] = ...) -> None: ...
 
 class SequenceHeader(_message.Message):
-    __slots__ = ("format_version", "fingerprint", "token_ids", "sequence_length", "prompt_spans", "kv_bytes", "kv_bytes_per_token", "model")
+    __slots__ = ("format_version", "fingerprint", "token_ids", "sequence_length", "prompt_spans", "kv_bytes", "kv_bytes_per_token", "model", "adapter", "adapter_digest")
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -995,6 +995,8 @@ class SequenceHeader(_message.Message):
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_DIGEST_FIELD_NUMBER: _ClassVar[int]
     format_version: int
     fingerprint: KvFingerprint
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -1003,7 +1005,9 @@ class SequenceHeader(_message.Message):
     kv_bytes: int
     kv_bytes_per_token: int
     model: str
-    def __init__(self, format_version: _Optional[int] = ..., fingerprint: _Optional[_Union[KvFingerprint, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sequence_length: _Optional[int] = ..., prompt_spans: _Optional[_Iterable[int]] = ..., kv_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    adapter: str
+    adapter_digest: str
+    def __init__(self, format_version: _Optional[int] = ..., fingerprint: _Optional[_Union[KvFingerprint, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sequence_length: _Optional[int] = ..., prompt_spans: _Optional[_Iterable[int]] = ..., kv_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., model: _Optional[str] = ..., adapter: _Optional[str] = ..., adapter_digest: _Optional[str] = ...) -> None: ...
 
 class KvChunk(_message.Message):
     __slots__ = ("first_token", "num_tokens", "data")

@@ -115,6 +115,8 @@ class Snapshot:
     kv: torch.Tensor  # (2, layers, tokens, kv_heads, head_dim) on the CPU, the pool's dtype
     fingerprint: pb.KvFingerprint
     model: str
+    adapter: str = ""
+    adapter_digest: str = ""
 
 
 def snapshot(executor, handle: KvCacheHandle, tenant: str) -> Snapshot:
@@ -125,7 +127,7 @@ def snapshot(executor, handle: KvCacheHandle, tenant: str) -> Snapshot:
     k, v = _pool_rows(executor)
     kv = torch.stack((k.index_select(1, slots), v.index_select(1, slots))).cpu()  # (2, L, T, H, D)
     return Snapshot(executor.handle(seq), tuple(seq.tokens[:seq.length]), tuple(seq.prompt_spans), kv,
-                    fingerprint(executor), executor.name)
+                    fingerprint(executor), executor.name, seq.adapter, seq.adapter_digest)
 
 
 def export_messages(snap: Snapshot, chunk_bytes: int = 0) -> Iterator[pb.SequenceChunk]:
@@ -137,10 +139,12 @@ def export_messages(snap: Snapshot, chunk_bytes: int = 0) -> Iterator[pb.Sequenc
     h = stream_hasher()
     h.update(snap.fingerprint.digest.encode())
     h.update(b"".join(t.to_bytes(4, "little") for t in snap.tokens))
+    _hash_adapter(h, snap.adapter, snap.adapter_digest)
     yield pb.SequenceChunk(header=pb.SequenceHeader(
         format_version=FORMAT_VERSION, fingerprint=snap.fingerprint, token_ids=snap.tokens,
         sequence_length=length, prompt_spans=[x for span in snap.spans for x in span],
-        kv_bytes=per_token * length, kv_bytes_per_token=per_token, model=snap.model))
+        kv_bytes=per_token * length, kv_bytes_per_token=per_token, model=snap.model, adapter=snap.adapter,
+        adapter_digest=snap.adapter_digest))
     step = max(1, (chunk_bytes or DEFAULT_CHUNK_BYTES) // per_token)
     for start in range(0, length, step):
         part = kv[:, :, start:start + step].contiguous()
@@ -161,6 +165,26 @@ class Incoming:
     spans: list[tuple[int, int]]
     kv: torch.Tensor  # (2, layers, tokens, kv_heads, head_dim), the pool's dtype, on the CPU
     fingerprint: str
+    adapter: str = ""
+    adapter_digest: str = ""
+
+
+def _hash_adapter(h, adapter: str, digest: str) -> None:
+    """An export's adapter in its checksum (nothing for the base model's sequences)."""
+    if adapter or digest:
+        h.update(b"adapter:" + adapter.encode() + b"\x00" + digest.encode())
+
+
+def check_adapter(executor, adapter: str, digest: str) -> None:
+    """FINGERPRINT_MISMATCH unless this model holds ``adapter`` with that content digest."""
+    if not adapter and not digest:
+        return
+    held = executor.adapters.by_name.get(adapter) if executor.adapters is not None else None
+    if held is None or held.digest != digest:
+        raise FingerprintMismatch(f"the sequence runs adapter {shown(adapter)} (digest {shown(digest)}); this "
+                                  f"server holds " + (f"another version of it (digest {held.digest})" if held
+                                                      else "no adapter of that name") +
+                                  ": load the same adapter here first")
 
 
 class TransferBudget:
@@ -248,6 +272,7 @@ class Receiver:
             raise FingerprintMismatch(f"the ticket was issued for fingerprint {self.expected}, the stream "
                                       f"carries {shown(header.fingerprint.digest)}")
         _check_fingerprint(header.fingerprint, self.ours)
+        check_adapter(ex, header.adapter, header.adapter_digest)
         length, per_token = header.sequence_length, _bytes_per_token(ex)
         if not 1 <= length or len(header.token_ids) != length:
             raise InvalidInput(f"sequence_length {length} with {len(header.token_ids)} token ids: they must "
@@ -275,6 +300,7 @@ class Receiver:
         self.kv = torch.empty((2, mc.num_layers, length, mc.num_kv_heads, mc.head_dim), dtype=ex.pool.k.dtype)
         self.hash.update(header.fingerprint.digest.encode())
         self.hash.update(b"".join(t.to_bytes(4, "little") for t in header.token_ids))
+        _hash_adapter(self.hash, header.adapter, header.adapter_digest)
 
     def _kv(self, chunk: pb.KvChunk) -> None:
         length, n = self.header.sequence_length, chunk.num_tokens
@@ -298,7 +324,7 @@ class Receiver:
             raise TransferCorrupted("the checksum does not match the stream: it was altered on the way")
         spans = list(self.header.prompt_spans)
         self.checked = Incoming(list(self.header.token_ids), list(zip(spans[::2], spans[1::2])), self.kv,
-                                self.header.fingerprint.digest)
+                                self.header.fingerprint.digest, self.header.adapter, self.header.adapter_digest)
 
     def close(self) -> None:
         """Drops the buffer and gives its bytes back to the budget (the call ended)."""
@@ -325,6 +351,7 @@ def install(executor, incoming: Incoming, tenant: str) -> KvCacheHandle:
     length = len(incoming.tokens)
     if incoming.fingerprint != fingerprint(ex).digest:  # the model may have been reloaded meanwhile
         raise FingerprintMismatch("this server's fingerprint changed during the import")
+    check_adapter(ex, incoming.adapter, incoming.adapter_digest)  # it may have been unloaded meanwhile
     ex.check_sequence_room(tenant, 1)
     need = kv.blocks_for(length)
     if need > kv.num_free:
@@ -333,7 +360,7 @@ def install(executor, incoming: Incoming, tenant: str) -> KvCacheHandle:
         raise TenantQuotaExceeded(f"your tenant would hold {(kv.blocks_held(tenant) + need) * kv.block_size} KV "
                                   f"tokens, over its quota of {quota} (--tenant-kv-tokens); release or truncate "
                                   f"sequences")
-    seq = kv.create(uuid.uuid4().hex, tenant)
+    seq = kv.create(uuid.uuid4().hex, tenant, adapter=incoming.adapter, adapter_digest=incoming.adapter_digest)
     try:
         kv.prepare_write(seq, 0, length)  # cannot fail now: the blocks are there
         slots = torch.tensor(kv.slots(seq, 0, length), dtype=torch.long, device=ex.pool.k.device)

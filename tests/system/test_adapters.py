@@ -185,3 +185,23 @@ def test_changes_are_for_admin_tenants(tiny_llama_dir, adapters, tmp_path):
         with ExecutorClient(srv.target, token=TENANT_TOKENS["alice"]) as alice:
             alice.load_adapter("a", str(adapters["a"]))
             assert [e.name for e in alice.list_adapters()] == ["a"]
+
+
+def test_an_export_moves_with_its_adapter_and_a_mismatch_is_refused(client, tiny_llama_dir, adapters):
+    out = client.prefill(PROMPTS[0], logits=FULL, adapter="a")
+    blob = client.export_sequence(out.kv_cache)
+    with running_server(tiny_llama_dir, kv_tokens=1024, loras=(("b", str(adapters["b"])),)) as other:
+        with ExecutorClient(other.target) as there:
+            with pytest.raises(ExecutorError) as refused:
+                there.import_sequence(blob)  # no adapter "a" there
+            assert refused.value.reason is Reason.FINGERPRINT_MISMATCH and "adapter" in str(refused.value)
+            there.load_adapter("a", str(adapters["b"]))  # a name, but other weights
+            with pytest.raises(ExecutorError) as refused:
+                there.import_sequence(blob)
+            assert refused.value.reason is Reason.FINGERPRINT_MISMATCH and "digest" in str(refused.value)
+            assert there.status().active_sequences == 0
+            there.load_adapter("a", str(adapters["a"]), replace=True)
+            moved = there.import_sequence(blob)
+            assert moved.adapter == "a"
+            np.testing.assert_allclose(rows(there.decode(7, moved, FULL))[-1],
+                                       rows(client.decode(7, out.kv_cache, FULL))[-1], atol=1e-5, rtol=0)
