@@ -65,15 +65,17 @@ class _Contract:
 
     def prefill(self, token_ids: Sequence[int], kv_cache: KvCacheHandle | None = None,
                 logits: LogitsPolicy | None = None, hidden_states: HiddenStatesRequest | None = None,
-                token_choice: TokenChoice | None = None, request_id: str | None = None):
-        """A new prompt placed by load (or prefix locality); a continuation on its owner."""
+                token_choice: TokenChoice | None = None, request_id: str | None = None, adapter: str = ""):
+        """A new prompt placed by load (or prefix locality) on a replica holding its
+        ``adapter``; a continuation on its owner."""
         tokens = list(token_ids)
         if kv_cache is None:
             return (yield from self._new_sequence_flow(
                 tokens, lambda r: _Call(r, "prefill", (tokens, None, logits, hidden_states, token_choice,
-                                                       request_id))))
+                                                       request_id, adapter))))
         return (yield from self._sequence_flow(
-            kv_cache, lambda r, h: _Call(r, "prefill", (tokens, h, logits, hidden_states, token_choice, request_id)),
+            kv_cache, lambda r, h: _Call(r, "prefill", (tokens, h, logits, hidden_states, token_choice, request_id,
+                                                        adapter)),
             lambda out: tokens, prompt=True))
 
     def decode(self, token_id: int, kv_cache: KvCacheHandle, logits: LogitsPolicy | None = None,
@@ -120,15 +122,17 @@ class _Contract:
             lambda out: [token_id, *out.accepted_token_ids]))
 
     def batch_prefill(self, prompts: Iterable[Prompt], logits: LogitsPolicy | None = None,
-                      token_choice: TokenChoice | Sequence[TokenChoice | None] | None = None):
+                      token_choice: TokenChoice | Sequence[TokenChoice | None] | None = None,
+                      adapters: str | Sequence[str] = ""):
         """New prompts placed by load, continuations on their owners; one call per replica."""
         prompts = list(prompts)
         choices = _prompt_choices(len(prompts), token_choice)
+        adapters = [adapters] * len(prompts) if isinstance(adapters, str) else list(adapters)
 
         def call_for(replica, group):
             return _Call(replica, "batch_prefill",
                          ([i.tokens if i.send is None else (i.tokens, i.send) for i in group], logits,
-                          [choices[i.index] for i in group]))
+                          [choices[i.index] for i in group], [adapters[i.index] for i in group]))
         return (yield from self._batch_flow(_prompt_entries(prompts), call_for, prompt=True))
 
     def truncate_kv(self, kv_cache: KvCacheHandle, new_length: int):
@@ -158,6 +162,21 @@ class _Contract:
         for replica in self._fleet.replicas:
             dropped += yield _Call(replica, "unload_model", (name,), False)
         return dropped
+
+    def load_adapter(self, name: str, path: str, replace: bool = False):
+        """Loads the adapter on every replica, one after another; returns the last one's entry."""
+        entry = None
+        for replica in self._fleet.replicas:
+            entry = yield _Call(replica, "load_adapter", (name, path, replace), False)
+        return entry
+
+    def unload_adapter(self, name: str):
+        """Unloads the adapter on every replica."""
+        for replica in self._fleet.replicas:
+            yield _Call(replica, "unload_adapter", (name,), False)
+
+    def list_adapters(self):
+        return (yield from self._any_flow("list_adapters"))
 
     def export_sequence(self, kv_cache: KvCacheHandle, file=None, chunk_bytes: int = 0):
         """Reads the sequence out of the replica that owns it (see ExecutorClient.export_sequence)."""

@@ -90,8 +90,10 @@ class _Failover:
         handle, out = None, None
         try:
             for start, end, prompt in replay_pieces(len(tokens), seq.spans):
-                out = yield _Call(replica, "prefill" if prompt else "forward_verify",
-                                  (tokens[start:end], handle, REPLAY_LOGITS))
+                args = (tokens[start:end], handle, REPLAY_LOGITS)
+                if handle is None and seq.handle.adapter:  # the copy runs the sequence's adapter too
+                    args += (None, None, None, seq.handle.adapter)
+                out = yield _Call(replica, "prefill" if prompt else "forward_verify", args)
                 handle = out.kv_cache
         except ExecutorError as err:
             if handle is not None and not moves_sequence(err):

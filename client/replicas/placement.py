@@ -19,7 +19,7 @@ from .actions import Flow, _Call, _Parallel, _Sleep
 from .policy import moves_sequence
 from ..disagg import PREFILL
 from ..fleet import _Replica
-from ferrum_rpc.errors import ExecutorError, FailoverFailed, KvCapacityExhausted, Reason, StaleHandle
+from ferrum_rpc.errors import AdapterNotFound, ExecutorError, FailoverFailed, KvCapacityExhausted, Reason, StaleHandle
 from ferrum_rpc.types import KvCacheHandle, ServerState
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,9 @@ class _Placement:
             try:
                 out = yield call(replica)
             except ExecutorError as err:
-                if not self.failover or not (moves_sequence(err) or isinstance(err, KvCapacityExhausted)):
+                # a replica that is full, or lacks the prompt's adapter, leaves it to another
+                if not self.failover or not (moves_sequence(err) or isinstance(err, (KvCapacityExhausted,
+                                                                                    AdapterNotFound))):
                     raise
                 self._mark(replica, err)
                 exclude.add(replica)

@@ -205,3 +205,33 @@ def test_an_export_moves_with_its_adapter_and_a_mismatch_is_refused(client, tiny
             assert moved.adapter == "a"
             np.testing.assert_allclose(rows(there.decode(7, moved, FULL))[-1],
                                        rows(client.decode(7, out.kv_cache, FULL))[-1], atol=1e-5, rtol=0)
+
+
+def test_a_replica_set_places_by_adapter_and_replays_it_after_a_sigkill(tiny_llama_dir, adapters):
+    """Two ``ferrum-rpc serve`` replicas, adapter "a" only on the second at first: a new
+    sequence running "a" lands there (the first answers ADAPTER_NOT_FOUND and is passed
+    over).  With "a" on both, the owner is SIGKILLed mid-generation: the sequence is
+    replayed on the survivor under the same adapter, and every step equals the oracle's."""
+    from ferrum_rpc.client.replicas import ReplicaSetClient
+    from ferrum_rpc.harness import all_serving
+    from tests.system.test_replicas import Replica
+
+    lora = ("--lora", f"a={adapters['a']}")
+    with all_serving(Replica(tiny_llama_dir), Replica(tiny_llama_dir, *lora)) as (bare, holder):
+        with ReplicaSetClient([bare.target, holder.target], timeout=30) as fleet:
+            want = oracle(tiny_llama_dir, adapters["a"])
+            ids = list(PROMPTS[1])
+            out = fleet.prefill(ids, logits=FULL, adapter="a")
+            assert fleet.replica_of(out.kv_cache) == holder.target and out.kv_cache.adapter == "a"
+            with ExecutorClient(bare.target) as one:
+                one.load_adapter("a", str(adapters["a"]))
+            handle = out.kv_cache
+            for n, token in enumerate((3, 8, 13, 21)):
+                if n == 2:
+                    owner = {bare.target: bare, holder.target: holder}[fleet.replica_of(handle)]
+                    owner.kill()
+                ids.append(token)
+                step = fleet.decode(token, handle, FULL)
+                np.testing.assert_allclose(rows(step)[-1], want(ids)[-1].numpy(), atol=1e-4, rtol=0)
+                handle = step.kv_cache
+            assert handle.adapter == "a" and fleet.replica_of(handle) == bare.target

@@ -68,8 +68,8 @@ def test_a_batch_prefill_that_fails_releases_the_sequences_it_created():
     rs, _, ht = two_sequences(b=5)
     with pytest.raises(InvalidInput):
         Script([
-            Parallel(Call("a", "batch_prefill", [prefilled("a1", "n", 2)], args=([[1, 9]], None, [None])),
-                     Call("b", "batch_prefill", InvalidInput("too long"), args=([([8, 8], ht)], None, [None]))),
+            Parallel(Call("a", "batch_prefill", [prefilled("a1", "n", 2)], args=([[1, 9]], None, [None], [""])),
+                     Call("b", "batch_prefill", InvalidInput("too long"), args=([([8, 8], ht)], None, [None], [""]))),
             Call("a", "release_cache", 1, args=(handle("a1", "n", 2),)),
         ], rs.clock).run(_Contract.batch_prefill(rs, [[1, 9], ([8, 8], ht)]))
     assert set(history(rs)) == {"s", "t"}

@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from ferrum_rpc.client.replicas.contract import _Contract
-from ferrum_rpc.errors import Draining, ExecutorError, FailoverFailed, InvalidInput
+from ferrum_rpc.errors import AdapterNotFound, Draining, ExecutorError, FailoverFailed, InvalidInput
 from tests.unit.client.script import (
     Call,
     Parallel,
@@ -35,7 +35,7 @@ def test_a_new_prompt_goes_to_the_less_loaded_replica_after_probing_stale_status
     out = Script([
         Parallel(Call("a", "_status_probe", status("a1", queue=3), args=(2.0,)),
                  Call("b", "_status_probe", status("b1", queue=0), args=(2.0,))),
-        Call("b", "prefill", prefilled("b1", "s", 3), args=([1, 2, 3], None, None, None, None, None)),
+        Call("b", "prefill", prefilled("b1", "s", 3), args=([1, 2, 3], None, None, None, None, None, "")),
     ], rs.clock).run(_Contract.prefill(rs, [1, 2, 3]))
     assert out.kv_cache.cache_id == "s"
     (seq,) = rs._fleet.live()
@@ -78,6 +78,18 @@ def test_a_draining_replica_is_left_out_and_the_prompt_placed_on_the_next():
     assert out.kv_cache.server_instance_id == "b1"
     a = replica(rs, "a")
     assert not a.healthy and a.unusable_until == rs.clock() + rs.policy.down_cooldown_s
+
+
+def test_a_replica_without_the_prompts_adapter_is_passed_over_and_stays_healthy():
+    rs = routing("a", "b")
+    serving(rs, "a", queue=0)
+    serving(rs, "b", queue=1)
+    out = Script([
+        Call("a", "prefill", AdapterNotFound("no adapter 'x'"), args=([1, 2, 3], None, None, None, None, None, "x")),
+        Call("b", "prefill", prefilled("b1", "s", 3), args=([1, 2, 3], None, None, None, None, None, "x")),
+    ], rs.clock).run(_Contract.prefill(rs, [1, 2, 3], adapter="x"))
+    assert out.kv_cache.server_instance_id == "b1"
+    assert replica(rs, "a").healthy  # lacking an adapter is no outage
 
 
 def test_an_error_that_is_not_the_replicas_fault_reaches_the_caller_untried_elsewhere():
@@ -137,7 +149,7 @@ def test_the_script_fails_on_wrong_arguments_and_on_steps_left_over():
     rs = routing("a")
     serving(rs)
     with pytest.raises(ScriptError, match="expected args"):
-        Script([Call("a", "prefill", prefilled("a1", "s", 1), args=([2], None, None, None, None, None))],
+        Script([Call("a", "prefill", prefilled("a1", "s", 1), args=([2], None, None, None, None, None, ""))],
                rs.clock).run(_Contract.prefill(rs, [1]))
     with pytest.raises(ScriptError, match="not taken"):
         Script([Call("a", "prefill", prefilled("a1", "t", 1)), Call("a", "decode", None)], rs.clock).run(
