@@ -73,7 +73,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-LINEAR_ROWS_MAX = 4  # csrc/fused.cpp kLinearRowsMax
+LINEAR_ROWS_MAX = 4  # csrc/fused.h kLinearRowsMax
 # the rows linear_rows takes per weight dtype: it loads (and, bfloat16, widens) each weight
 # row once per activation row, so past these oneDNN's packed GEMM was faster (measured
 # alternating, SmolLM2-135M: bfloat16 at 4 rows 0.76x, float32 at 4 rows still 1.09x)
@@ -117,7 +117,7 @@ class FastLinear(nn.Module):
         return cls(linear.weight.data, None if linear.bias is None else linear.bias.data, pack)
 
     # set by LlamaForCausalLM.use_fused_ops: 1..LINEAR_ROWS[dtype] float32 or bfloat16 rows
-    # run on fused.cpp's linear_rows (a GEMV at memory speed) instead of oneDNN or MKL
+    # run on linear_rows.cpp's linear_rows (a GEMV at memory speed) instead of oneDNN or MKL
     rows_kernel = False
     rows_max = 0
     tiled = False  # set by make_batch_invariant: every row count on linear_rows' arithmetic
@@ -313,7 +313,7 @@ class LlamaForCausalLM(nn.Module):
         """Fuses projections and, where ``pack_weights`` (the probe in ``kernels.py``
         said the oneDNN packed linear runs here), prepacks weights (after loading).
         ``rows_kernel``: float32 and bfloat16 weights will run up to ``LINEAR_ROWS[dtype]``
-        rows on fused.cpp's ``linear_rows`` (see ``use_fused_ops``), so their plain
+        rows on linear_rows.cpp's ``linear_rows`` (see ``use_fused_ops``), so their plain
         copies are kept and oneDNN's packed ones serve larger batches only."""
         for module in list(self.modules()):
             if hasattr(module, "fuse"):
@@ -336,7 +336,7 @@ class LlamaForCausalLM(nn.Module):
     def use_fused_ops(self, on: bool) -> None:
         """Runs RMSNorm, the MLP activation and (for forwards of up to
         FUSED_MAX_TOKENS tokens per sequence) RoPE + KV write + attention as
-        the fused ops of ``csrc/fused.cpp``; off: the eager torch ops."""
+        the fused ops of ``csrc/fused.h``; off: the eager torch ops."""
         self.fused_ops = on
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
@@ -374,7 +374,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _decode_stack(self, layer_args: list[tuple]):
         """The layers as one ``ferrum_fused.DecodeStack``: their weights handed over
-        once, a decode step one call (csrc/fused.cpp says why)."""
+        once, a decode step one call (csrc/decode_stack.cpp says why)."""
         cfg = self.config
         stack = torch.classes.ferrum_fused.DecodeStack(cfg.num_heads, cfg.num_kv_heads, 1 / math.sqrt(cfg.head_dim))
         for args in layer_args:
