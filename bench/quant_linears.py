@@ -1,6 +1,6 @@
 """One linear layer at SmolLM2-135M's shapes, 1 / 8 / 32 activation rows, ms
 (best of N): float32 (``F.linear``, oneDNN packed, and for 1-4 rows our
-``linear_rows`` GEMV from ``csrc/fused.cpp``; the LM head, 113 MB, is read from
+``linear_rows`` GEMV from ``csrc/linear_rows.cpp``; the LM head, 113 MB, is read from
 memory every call, the other layers fit the caches), our weight-only int8
 and int4 (``woq.py``), torch's fbgemm dynamic int8 linear (int8 weights per
 channel, activations per call), and our integer-activation kernels (w8a8,

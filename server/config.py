@@ -55,7 +55,7 @@ class ExecutorConfig:
             and less exact; all multiply in integers (``qact.py``; CPU only; KV
             stays in ``dtype``).
         step_ops: "auto" runs RMSNorm, the MLP activation and decode-sized
-            attention as the fused C++ ops of ``csrc/fused.cpp`` where they build
+            attention as the fused C++ ops of ``kernels/csrc`` (``fused.h``) where they build
             and agree with the eager ops here (CPU); "eager" forces the torch
             ops; "fused" fails at load where the fused ops cannot run.
     """

@@ -1,9 +1,9 @@
-"""The fused step ops (``csrc/fused.cpp``): probing, and the choice per model.
+"""The fused step ops (``csrc/fused.h`` lists their files): probing, and the choice per model.
 
 A batch-1 decode step of the 30-layer default model ran ~1,200 small eager
 ops; RMSNorm (~8 ops), the MLP's silu*up (~4) and RoPE + KV write + paged
 attention (~25 per layer) become one op each.  They are built with the int8/int4
-kernels (one library, compiled once and cached, see ``woq.py``) and taken only
+kernels (one library, compiled once and cached, see ``build.py``) and taken only
 where a real call agrees with the eager torch ops on this CPU (``probe_fused``);
 the eager ops stay the fallback (``--step-ops eager``) and run every forward of
 more than ``FUSED_MAX_TOKENS`` tokens per sequence (prompt chunks), where
@@ -12,19 +12,18 @@ per-op cost is amortised and torch's flash attention is faster.
 
 from __future__ import annotations
 
-import functools
 import math
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
-from . import woq
+from .build import load_library
+from .probe import TOLERANCE, Verdict, as_probe, built, check, relative_error, within
 from ..config import STEP_OPS
 from ..kv.pool import KvPool
 
 AUTO, FUSED, EAGER = STEP_OPS
-_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
 def choose_step_ops(requested: str, dtype: torch.dtype, device: torch.device) -> tuple[bool, str]:
@@ -59,37 +58,25 @@ def eager_attention(q, k, v, cos_table, sin_table, positions, pool: KvPool, laye
     return out.transpose(1, 2).reshape(B, T, H * D)
 
 
-def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return (got.float() - want.float()).abs().max().item() / max(want.float().abs().max().item(), 1.0)
-
-
-@functools.lru_cache(maxsize=None)
-def probe_fused(dtype: torch.dtype) -> tuple[bool, str]:
+@as_probe()
+def probe_fused(dtype: torch.dtype) -> Verdict:
     """Whether the fused ops build, load and agree with the eager ops here for ``dtype``.
     Returns (ok, reason); never raises."""
-    try:
-        woq.load_library()
-        ops, gen, tol = torch.ops.ferrum_fused, torch.Generator().manual_seed(0), _TOLERANCE[dtype]
-        x = torch.randn(3, 96, generator=gen).to(dtype)
-        w = (torch.rand(96, generator=gen) + 0.5).to(dtype)
-        want = F.rms_norm(x.float(), (96,), eps=1e-5).to(dtype) * w
-        if (err := _relative_error(ops.rms_norm(x, w, 1e-5), want)) > tol:
-            return False, f"rms_norm disagrees with torch (relative error {err:.2e})"
-        gu = torch.randn(3, 2 * 80, generator=gen).to(dtype)
-        gate, up = gu.chunk(2, dim=-1)
-        if (err := _relative_error(ops.silu_mul(gu), F.silu(gate) * up)) > tol:
-            return False, f"silu_mul disagrees with torch (relative error {err:.2e})"
-        if (err := attention_error(dtype, gen)) > tol:
-            return False, f"paged_attention disagrees with torch (relative error {err:.2e})"
-        if dtype in (torch.float32, torch.bfloat16):
-            w = torch.randn(70, 80, generator=gen).to(dtype)
-            for rows in (1, 3):
-                xr = torch.randn(rows, 80, generator=gen).to(dtype)
-                if (err := _relative_error(ops.linear_rows(xr, w), F.linear(xr, w))) > tol:
-                    return False, f"linear_rows disagrees with torch (relative error {err:.2e})"
-    except Exception as exc:
-        return False, f"{type(exc).__name__}: {str(exc)[:300]}"
-    return True, f"built and probed OK ({torch.ops.ferrum_woq.isa()} inner loops)"
+    load_library()
+    ops, gen, tol = torch.ops.ferrum_fused, torch.Generator().manual_seed(0), TOLERANCE[dtype]
+    x = torch.randn(3, 96, generator=gen).to(dtype)
+    w = (torch.rand(96, generator=gen) + 0.5).to(dtype)
+    want = F.rms_norm(x.float(), (96,), eps=1e-5).to(dtype) * w
+    check(ops.rms_norm(x, w, 1e-5), want, tol, "rms_norm disagrees with torch")
+    gu = torch.randn(3, 2 * 80, generator=gen).to(dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    check(ops.silu_mul(gu), F.silu(gate) * up, tol, "silu_mul disagrees with torch")
+    within(attention_error(dtype, gen), tol, "paged_attention disagrees with torch")
+    w = torch.randn(70, 80, generator=gen).to(dtype)
+    for rows in (1, 3):
+        xr = torch.randn(rows, 80, generator=gen).to(dtype)
+        check(ops.linear_rows(xr, w), F.linear(xr, w), tol, "linear_rows disagrees with torch")
+    return True, built(torch.ops.ferrum_woq.isa())
 
 
 def attention_error(dtype: torch.dtype, gen: torch.Generator, heads: int = 4, kv_heads: int = 2, dim: int = 16,
@@ -116,5 +103,6 @@ def attention_error(dtype: torch.dtype, gen: torch.Generator, heads: int = 4, kv
                                                  1 / math.sqrt(dim))
     real = torch.tensor([[True, True, True], [True, False, False]])  # padded rows' outputs are ignored
     blocks = slice(0, 8)  # not the scratch block: padded tokens all write one slot there, in any order
-    return max(_relative_error(got[real], want[real]), _relative_error(pools[1].k[:, blocks], pools[0].k[:, blocks]),
-               _relative_error(pools[1].v[:, blocks], pools[0].v[:, blocks]))
+    return max(relative_error(got[real], want[real]),
+               relative_error(pools[1].k[:, blocks], pools[0].k[:, blocks]),
+               relative_error(pools[1].v[:, blocks], pools[0].v[:, blocks]))

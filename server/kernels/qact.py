@@ -56,7 +56,6 @@ and multiply bytes by bytes, as llama.cpp does:
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -64,6 +63,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import woq
+from .build import load_library
+from .probe import Verdict, as_probe, built, check
 
 log = logging.getLogger(__name__)
 
@@ -261,33 +262,23 @@ class RotatedQ8Linear(BlockQ8Linear):
 
 
 # -- probing --------------------------------------------------------------------------------
-def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return (got - want).abs().max().item() / max(want.abs().max().item(), 1.0)
-
-
-@functools.lru_cache(maxsize=None)
-def probe() -> tuple[bool, str]:
+@as_probe()
+def probe() -> Verdict:
     """Whether ``csrc/qact.cpp`` builds, loads and agrees with a float reference
     here.  Returns (ok, reason); never raises."""
-    try:
-        woq.load_library()
-        gen = torch.Generator().manual_seed(0)
-        weight = torch.randn(40, 96, generator=gen)
-        few_levels = woq.QuantizedLinear(weight, None, 4, woq.DEQUANT).dequantized()  # Q4_1's grid: rotates
-        for bits, cls, w in ((4, BlockQ8Linear, weight), (8, BlockQ8Linear, weight), (4, TwoDigitLinear, weight),
-                             (8, TwoDigitLinear, weight), (8, RotatedQ8Linear, few_levels)):
-            layer = cls(w, None, bits, QACT)
-            for rows in (1, 3, 5, 12):  # tiles of 4 rows and their remainders; 40 rows: 5 groups of 8
-                x = torch.randn(rows, 96, generator=gen)
-                err = _relative_error(layer(x), F.linear(x, layer.dequantized()))
-                if not err <= _PROBE_TOLERANCE[cls.digits]:
-                    return False, (f"{bits}-bit kernel ({cls.digits} activation digits) disagrees with the "
-                                   f"float reference (relative error {err:.2e})")
-    except Exception as exc:  # a failed build or load means "not here"
-        return False, f"{type(exc).__name__}: {str(exc)[:300]}"
+    load_library()
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 96, generator=gen)
+    few_levels = woq.QuantizedLinear(weight, None, 4, woq.DEQUANT).dequantized()  # Q4_1's grid: rotates
+    for bits, cls, w in ((4, BlockQ8Linear, weight), (8, BlockQ8Linear, weight), (4, TwoDigitLinear, weight),
+                         (8, TwoDigitLinear, weight), (8, RotatedQ8Linear, few_levels)):
+        layer = cls(w, None, bits, QACT)
+        for rows in (1, 3, 5, 12):  # tiles of 4 rows and their remainders; 40 rows: 5 groups of 8
+            x = torch.randn(rows, 96, generator=gen)
+            check(layer(x), F.linear(x, layer.dequantized()), _PROBE_TOLERANCE[cls.digits],
+                        f"{bits}-bit kernel ({cls.digits} activation digits) disagrees with the float reference")
     isa = torch.ops.ferrum_qact.isa()
-    how = {"portable": "", "avx2": " vpmaddubsw"}.get(isa, " vpdpbusd")
-    return True, f"built and probed OK ({isa}{how} inner loops)"
+    return True, built(isa + {"portable": "", "avx2": " vpmaddubsw"}.get(isa, " vpdpbusd"))
 
 
 def choose_kernel(requested_linear: str) -> tuple[str, str]:

@@ -3,9 +3,9 @@
 A fast path is only taken where the running CPU and torch build can run it:
 the oneDNN prepacked linear is a private torch op whose bfloat16 kernels
 need AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT, and on an AVX2-only CPU it raises
-at load.  So every private op is probed here, by a real call checked
-against ``F.linear``, and anything that fails or disagrees falls back to
-plain ``F.linear`` (always correct, on every CPU).  ``linear_kernel="aten"``
+at load.  So every private op is probed here (``probe.py``), by a real call
+checked against ``F.linear``, and anything that fails or disagrees falls back
+to plain ``F.linear`` (always correct, on every CPU).  ``linear_kernel="aten"``
 forces the fallback, so the test suite runs both paths on every machine.
 """
 
@@ -27,10 +27,12 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 from ferrum_rpc.paths import cache_root
+from .probe import TOLERANCE, Verdict, as_probe, check
 from ..config import LINEAR_KERNELS
 
 AUTO, ONEDNN_PACKED, ATEN = LINEAR_KERNELS
-_PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+# oneDNN's bfloat16 linear against F.linear in float32: wider than probe.TOLERANCE's 2e-2.
+_PROBE_TOLERANCE = {torch.float32: TOLERANCE[torch.float32], torch.bfloat16: 3e-2}
 
 
 @dataclass(frozen=True)
@@ -83,8 +85,8 @@ def choose_linear(requested: str, dtype: torch.dtype, device: torch.device) -> K
     return KernelChoice(ATEN, f"fallback: {why}", capability)
 
 
-@functools.lru_cache(maxsize=None)
-def probe_onednn_packed(dtype: torch.dtype) -> tuple[bool, str]:
+@as_probe(failed="oneDNN packed linear failed: ", limit=200)
+def probe_onednn_packed(dtype: torch.dtype) -> Verdict:
     """Whether oneDNN's prepacked linear runs, and agrees with ``F.linear``, for ``dtype``.
 
     Returns (ok, reason).  Never raises: a probe that fails is a "no".
@@ -101,20 +103,14 @@ def probe_onednn_packed(dtype: torch.dtype) -> tuple[bool, str]:
         supported = getattr(ops, "_is_mkldnn_bf16_supported", None)
         if supported is not None and not supported():
             return False, "this CPU lacks oneDNN's bfloat16 support (needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)"
-    try:
-        gen = torch.Generator().manual_seed(0)
-        weight = torch.randn(48, 64, generator=gen).to(dtype)
-        bias = torch.randn(48, generator=gen).to(dtype)
-        packed = ops._reorder_linear_weight(weight)
-        for rows in (1, 5):
-            x = torch.randn(rows, 64, generator=gen).to(dtype)
-            got = ops._linear_pointwise(x, packed, bias, "none", [], "").float()
-            want = F.linear(x.float(), weight.float(), bias.float())
-            err = (got - want).abs().max().item() / max(want.abs().max().item(), 1.0)
-            if not err <= _PROBE_TOLERANCE[dtype]:
-                return False, f"oneDNN packed linear disagrees with F.linear (relative error {err:.2e})"
-    except Exception as exc:  # any failure of a private op means "not here"
-        return False, f"oneDNN packed linear failed: {type(exc).__name__}: {str(exc)[:200]}"
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 64, generator=gen).to(dtype)
+    bias = torch.randn(48, generator=gen).to(dtype)
+    packed = ops._reorder_linear_weight(weight)
+    for rows in (1, 5):
+        x = torch.randn(rows, 64, generator=gen).to(dtype)
+        check(ops._linear_pointwise(x, packed, bias, "none", [], ""), F.linear(x.float(), weight.float(), bias.float()),
+              _PROBE_TOLERANCE[dtype], "oneDNN packed linear disagrees with F.linear")
     return True, f"oneDNN packed linear probed OK for {str(dtype).removeprefix('torch.')}"
 
 

@@ -23,9 +23,9 @@ Every group has a scale and a minimum, ``w = code * scale + min``:
 
 Kernels, chosen by probing once per process (``probe_woq``):
 
-* ``ferrum-woq``: ``csrc/woq.cpp``, compiled here with the system C++ compiler
+* ``ferrum-woq``: ``csrc/woq.cpp``, compiled with the system C++ compiler
   the first time it is needed and cached under ``$FERRUM_RPC_HOME/kernels``
-  (keyed by source, torch version and compiler).  Measured on the 2-core
+  (``build.py``, keyed by source, torch version and compiler).  Measured on the 2-core
   AVX2 and AVX-512 EPYCs, torch's own weight-only ops
   (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``,
   ``_dyn_quant_matmul_4bit``) run 1.5-5x slower than float32 at one row and
@@ -39,21 +39,14 @@ Kernels, chosen by probing once per process (``probe_woq``):
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
-import os
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ferrum_rpc.paths import cache_root
+from .build import load_library
+from .probe import TOLERANCE, Verdict, as_probe, built, check
 from ..config import QUANTIZATIONS  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
@@ -61,91 +54,27 @@ log = logging.getLogger(__name__)
 GROUP = 32  # int4 group length along the input dimension (GGUF Q4_1's block)
 WOQ, DEQUANT = "ferrum-woq", "torch-dequant"
 _DEQUANT_ROWS = 4096  # weight rows expanded at a time by the fallback (bounds its temporary memory)
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("woq.cpp", "fused.cpp", "qact.cpp")]
-_INCLUDED = [Path(__file__).parent / "csrc" / name for name in ("qact_tile.inc", "qact.h")]  # part of the cache key, not compiled alone
-_PROBE_TOLERANCE = 1e-4
-# -fopenmp: at::parallel_for is inline OpenMP; without it every kernel ran on one thread.
-_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
 
 
-# -- building and probing the extension ------------------------------------------------
-def _compiler() -> str:
-    return os.environ.get("CXX", "g++")
-
-
-def _cache_dir() -> Path:
-    return cache_root() / "kernels"
-
-
-def build_extension() -> Path:
-    """Compiles ``csrc/woq.cpp`` and ``csrc/fused.cpp`` into one library, once
-    (cached on disk), and returns it."""
-    from torch.utils import cpp_extension
-
-    source = b"".join(p.read_bytes() for p in _SOURCES + _INCLUDED)
-    version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + torch.__version__.encode() + version.encode()
-                         + sys.platform.encode())
-    target = _cache_dir() / f"cpu-kernels-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    libs = cpp_extension.library_paths()
-    abi = int(torch.compiled_with_cxx11_abi())
-    fd, staging = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    cmd = [_compiler(), *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-           *includes, *map(str, _SOURCES), *[f"-L{p}" for p in libs], "-lc10", "-ltorch_cpu",
-           *[f"-Wl,-rpath,{p}" for p in libs], "-o", staging]
-    log.info("compiling the CPU kernels (int8/int4 linears, fused step ops; once per torch version and "
-             "compiler, ~30 s): %s", target.name)
-    start = time.perf_counter()
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{_compiler()} failed: {done.stderr[-800:]}")
-        os.replace(staging, target)  # atomic: a concurrent build never sees half a file
-    finally:
-        if os.path.exists(staging):
-            os.unlink(staging)
-    log.info("compiled %s in %.1fs", target.name, time.perf_counter() - start)
-    return target
-
-
-@functools.lru_cache(maxsize=None)
-def load_library() -> None:
-    """Builds (once, cached on disk) and loads the CPU kernels into this process.
-    Raises where they cannot be built or loaded.  ``FERRUM_RPC_MAX_ISA``
-    (avx512, avx2 or portable) caps their inner loops, as a weaker CPU would."""
-    torch.ops.load_library(str(build_extension()))
-    if cap := os.environ.get("FERRUM_RPC_MAX_ISA"):
-        log.info("CPU kernels capped at %s inner loops: now %s", cap, torch.ops.ferrum_woq.set_max_isa(cap))
-
-
-@functools.lru_cache(maxsize=None)
-def probe_woq() -> tuple[bool, str]:
+# -- probing the extension -------------------------------------------------------------------
+@as_probe()
+def probe_woq() -> Verdict:
     """Whether our int8/int4 kernels build, load and agree with the reference here.
 
     Returns (ok, reason).  Never raises: any failure is a "no" and the torch
     ops serve instead.
     """
-    try:
-        load_library()
-        gen = torch.Generator().manual_seed(0)
-        weight = torch.randn(40, 96, generator=gen)
-        for bits in (8, 4):
-            layer = QuantizedLinear(weight, None, bits, WOQ)
-            reference = layer.dequantized()
-            for rows in (1, 3, 5, 12, 20):  # every kernel shape: registers, L1 rows, GEMM tiles
-                x = torch.randn(rows, 96, generator=gen)
-                got, want = layer(x), F.linear(x, reference)
-                err = (got - want).abs().max().item() / max(want.abs().max().item(), 1.0)
-                if not err <= _PROBE_TOLERANCE:
-                    return False, f"int{bits} kernel disagrees with the reference (relative error {err:.2e})"
-    except Exception as exc:
-        return False, f"{type(exc).__name__}: {str(exc)[:300]}"
-    return True, f"built and probed OK ({torch.ops.ferrum_woq.isa()} inner loops)"
+    load_library()
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 96, generator=gen)
+    for bits in (8, 4):
+        layer = QuantizedLinear(weight, None, bits, WOQ)
+        reference = layer.dequantized()
+        for rows in (1, 3, 5, 12, 20):  # every kernel shape: registers, L1 rows, GEMM tiles
+            x = torch.randn(rows, 96, generator=gen)
+            check(layer(x), F.linear(x, reference), TOLERANCE[torch.float32],
+                        f"int{bits} kernel disagrees with the reference")
+    return True, built(torch.ops.ferrum_woq.isa())
 
 
 def choose_kernel(requested_linear: str) -> tuple[str, str]:

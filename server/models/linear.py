@@ -1,5 +1,5 @@
 """The float linear layers the decoder runs: ``FastLinear`` (oneDNN's prepacked
-weights, or fused.cpp's ``linear_rows`` for a few rows) and the fusing of several
+weights, or linear_rows.cpp's ``linear_rows`` for a few rows) and the fusing of several
 projections into one GEMM."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 
-LINEAR_ROWS_MAX = 4  # csrc/fused.cpp kLinearRowsMax
+LINEAR_ROWS_MAX = 4  # csrc/fused.h kLinearRowsMax
 # the rows linear_rows takes per weight dtype: it loads (and, bfloat16, widens) each weight
 # row once per activation row, so past these oneDNN's packed GEMM was faster (measured
 # alternating, SmolLM2-135M: bfloat16 at 4 rows 0.76x, float32 at 4 rows still 1.09x)
@@ -53,7 +53,7 @@ class FastLinear(nn.Module):
         return cls(linear.weight.data, None if linear.bias is None else linear.bias.data, pack)
 
     # set by LlamaForCausalLM.use_fused_ops: 1..LINEAR_ROWS[dtype] float32 or bfloat16 rows
-    # run on fused.cpp's linear_rows (a GEMV at memory speed) instead of oneDNN or MKL
+    # run on linear_rows.cpp's linear_rows (a GEMV at memory speed) instead of oneDNN or MKL
     rows_kernel = False
     rows_max = 0
     tiled = False  # set by make_batch_invariant: every row count on linear_rows' arithmetic

@@ -270,7 +270,7 @@ class LlamaForCausalLM(nn.Module):
         """Fuses projections and, where ``pack_weights`` (the probe in ``kernels.py``
         said the oneDNN packed linear runs here), prepacks weights (after loading).
         ``rows_kernel``: float32 and bfloat16 weights will run up to ``LINEAR_ROWS[dtype]``
-        rows on fused.cpp's ``linear_rows`` (see ``use_fused_ops``), so their plain
+        rows on linear_rows.cpp's ``linear_rows`` (see ``use_fused_ops``), so their plain
         copies are kept and oneDNN's packed ones serve larger batches only."""
         for module in list(self.modules()):
             if hasattr(module, "fuse"):
@@ -293,7 +293,7 @@ class LlamaForCausalLM(nn.Module):
     def use_fused_ops(self, on: bool) -> None:
         """Runs RMSNorm, the MLP activation and (for forwards of up to
         FUSED_MAX_TOKENS tokens per sequence) RoPE + KV write + attention as
-        the fused ops of ``csrc/fused.cpp``; off: the eager torch ops."""
+        the fused ops of ``csrc/fused.h``; off: the eager torch ops."""
         self.fused_ops = on
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
@@ -331,7 +331,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _decode_stack(self, layer_args: list[tuple]):
         """The layers as one ``ferrum_fused.DecodeStack``: their weights handed over
-        once, a decode step one call (csrc/fused.cpp says why)."""
+        once, a decode step one call (csrc/decode_stack.cpp says why)."""
         cfg = self.config
         stack = torch.classes.ferrum_fused.DecodeStack(cfg.num_heads, cfg.num_kv_heads, 1 / math.sqrt(cfg.head_dim))
         for args in layer_args:

@@ -125,7 +125,7 @@ def _choose_kernels(model, path: Path, dtype: torch.dtype, device: torch.device,
         model.make_batch_invariant()
     elif quantize == "none":
         model.kernels = choose_linear(linear_kernel, dtype, device)
-        # batch-1 linears on fused.cpp's GEMV unless the fallbacks are forced
+        # batch-1 linears on linear_rows.cpp's GEMV unless the fallbacks are forced
         rows_kernel = fused and dtype in LINEAR_ROWS and linear_kernel != ATEN
         model.optimize_for_inference(model.kernels.linear == ONEDNN_PACKED, rows_kernel)
         if rows_kernel:

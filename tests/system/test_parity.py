@@ -40,7 +40,7 @@ def test_prefill_and_16_greedy_steps_match_transformers(arch, kernel, step, tiny
         assert f"step={step}" in kernel_path
         if kernel == "aten":
             assert kernel_path.startswith("linear=aten")
-        # float32 decodes (one row) run on fused.cpp's linear_rows exactly where the fused ops do
+        # float32 decodes (one row) run on linear_rows.cpp's linear_rows exactly where the fused ops do
         assert ("1-4 rows: linear_rows" in kernel_path) == (kernel == "auto" and step == "fused")
         out = ex.prefill(prompt, logits=LogitsPolicy.full(all_positions=True))
         ref = _hf_logits(oracle, prompt)

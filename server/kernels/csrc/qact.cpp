@@ -328,7 +328,7 @@ void rotate16(const float* x, float* y, int64_t n, bool portable) {
 
 }  // namespace
 
-namespace ferrum_qact {  // qact.h: what fused.cpp's decode stack calls
+namespace ferrum_qact {  // qact.h: what decode_stack.cpp calls
 // On the inner loops of `isa`: the same codes on every path (the vector loops
 // round half to even and multiply in the same order, unfused).
 void quantize_blocks(const float* x, int64_t b0, int64_t b1, int64_t K, int digits, bool rotated, int isa,
@@ -452,7 +452,7 @@ void prefetch_units(const Packed& W, int bits, int64_t u0, int64_t u1, int64_t b
 }
 }  // namespace ferrum_qact
 
-// For fused.cpp's whole-layer op: all N = 16 * units outputs.
+// For decode_stack.cpp's whole-layer op: all N = 16 * units outputs.
 at::Tensor ferrum_qact_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t bits,
                               int64_t digits, bool rotated) {
   return block_linear(x, codes, scales, bits, codes.size(0) * kUnit, digits, rotated);

@@ -1,10 +1,10 @@
-// What qact.cpp lends fused.cpp's decode stack (one OpenMP region for a whole
-// decode step, csrc/fused.cpp DecodeStack): the quantized activation rows, the
-// packed weights, and the two loops a linear is made of, each over a range a
-// thread owns, so the stack splits them between its threads itself.
+// What qact.cpp lends decode_stack.cpp's DecodeStack (one OpenMP region for a
+// whole decode step): the quantized activation rows, the packed weights, and
+// the two loops a linear is made of, each over a range a thread owns, so the
+// stack splits them between its threads itself.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <vector>

@@ -401,10 +401,10 @@ std::string set_max_isa(const std::string& name) {
 
 }  // namespace
 
-// The inner loops in use (0 portable, 1 avx2, 2 avx512), for fused.cpp too.
+// The inner loops in use (0 portable, 1 avx2, 2 avx512), for the fused ops too (common.h).
 int ferrum_active_isa() { return active_isa(); }
 
-// A quantized linear for fused.cpp's whole-layer op: bits 8 or 4.
+// A quantized linear for decode_stack.cpp's whole-layer op: bits 8 or 4.
 at::Tensor ferrum_woq_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                              const at::Tensor& mins, int64_t bits) {
   return bits == 8 ? int8_linear(x, qweight, scales, mins) : int4_linear(x, qweight, scales, mins);

@@ -1,6 +1,6 @@
-"""The fused step ops (csrc/fused.cpp) against the eager torch ops they replace,
-on every inner-loop build this CPU can run, in float32 and bfloat16; and the
-choice between them.  Whole-model parity with transformers on both step paths
+"""The fused step ops (csrc/fused.h lists their files) against the eager torch
+ops they replace, on every inner-loop build this CPU can run, in float32 and
+bfloat16; and the choice between them.  Whole-model parity with transformers on both step paths
 is in tests/system/test_parity.py."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ferrum_rpc.server.kernels import build
 from ferrum_rpc.server.kernels import fused
-from ferrum_rpc.server.kernels import woq
 from ferrum_rpc.server.kernels.fused import attention_error, choose_step_ops
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -156,7 +156,7 @@ def test_step_ops_choice(ops):
     assert choose_step_ops("fused", torch.bfloat16, cpu)[0]
     with pytest.raises(ValueError, match="one of"):
         choose_step_ops("fast", torch.float32, cpu)
-    assert woq.load_library.cache_info().currsize == 1  # built and loaded once per process
+    assert build.load_library.cache_info().currsize == 1  # built and loaded once per process
 
 
 @pytest.mark.parametrize("arch,quantize", [  # llama-q4: Q4_1-grid weights, which w8a8 rotates

@@ -1,0 +1,297 @@
+// decode_layer: a whole decoder layer in one op; DecodeStack: a model's layers
+// held once and a decode step run by one call, as one OpenMP region where every
+// linear quantizes its activations.  Built from the other fused ops (fused.h)
+// and the quantized linears of woq.cpp and qact.cpp.
+#include <ATen/Parallel.h>
+#include <ATen/TensorOperators.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+#include <omp.h>
+
+#include "fused.h"
+#include "qact.h"
+
+#include <algorithm>
+#include <array>
+#include <utility>
+#include <vector>
+
+at::Tensor ferrum_woq_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                             const at::Tensor& mins, int64_t bits);  // woq.cpp
+at::Tensor ferrum_qact_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                              int64_t bits, int64_t digits, bool rotated);  // qact.cpp: packed codes
+
+namespace ferrum_fused {
+namespace {
+
+// One Llama (or Qwen3: qk_norm holds the q/k RMSNorm weights, else empty)
+// decoder layer for a decode-sized float32 forward whose projections
+// are all our int8/int4 linears: the same ops, in the same order, as
+// models/llama.py runs them one Python call at a time (RMSNorm, fused q|k|v,
+// paged attention, o, residual, RMSNorm, fused gate|up, silu*up, down,
+// residual), so a step makes 30 op calls instead of ~400.  Each weight list is
+// [qweight, scales, mins], or [codes, scales] in qact.cpp's packed layout for the
+// linears that quantize their activations too, whose widths (8 or 4) bits holds
+// negated, digits their activation digits (1: w8a8, w4a8; 2: int8, int4) and
+// rotated whether their activations are rotated first (w8a8: qact.cpp rotate16),
+// or [weight] (N, K) float32 with bits 32: linear_rows, so 1-4 rows only (bfloat16
+// weights and x too where every linear is one of those: the eager path's roundings).
+at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
+                        at::TensorList qkv, at::TensorList o, at::TensorList gate_up, at::TensorList down,
+                        at::IntArrayRef bits, at::IntArrayRef digits, at::IntArrayRef rotated, at::TensorList qk_norm, const at::Tensor& cos, const at::Tensor& sin,
+                        const at::Tensor& positions, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& write_slots, const at::Tensor& tables, int64_t num_heads,
+                        int64_t num_kv_heads, double scale) {
+  TORCH_CHECK(bits.size() == 4 && digits.size() == 4 && rotated.size() == 4,
+              "decode_layer: bits, digits and rotated have four entries");
+  const bool all_rows = bits[0] == 32 && bits[1] == 32 && bits[2] == 32 && bits[3] == 32;
+  TORCH_CHECK(x.dim() == 3 && (x.scalar_type() == at::kFloat || (all_rows && x.scalar_type() == at::kBFloat16)),
+              "decode_layer: x must be (B, T, C) float32 (or bfloat16 with every linear on linear_rows)");
+  TORCH_CHECK(qk_norm.empty() || qk_norm.size() == 2, "decode_layer: qk_norm is [] or [q_norm, k_norm] weights");
+  const at::TensorList lists[] = {qkv, o, gate_up, down};
+  for (int i = 0; i < 4; ++i)
+    TORCH_CHECK(lists[i].size() == (bits[i] == 32 ? 1u : bits[i] < 0 ? 2u : 3u),
+                "decode_layer: each linear is [qweight, scales, mins], [codes, scales] with negated bits, "
+                "or [weight] with bits 32");
+  const int64_t B = x.size(0), T = x.size(1), H = num_heads, Hkv = num_kv_heads, D = k_cache.size(3);
+  auto lin = [&](const at::Tensor& in, at::TensorList w, int i) {
+    return bits[i] == 32 ? linear_rows(in, w[0])
+           : bits[i] < 0 ? ferrum_qact_linear(in, w[0], w[1], -bits[i], digits[i], rotated[i] != 0)
+                         : ferrum_woq_linear(in, w[0], w[1], w[2], bits[i]);
+  };
+  const at::Tensor qkv_out = lin(rms_norm(x, ln1, eps), qkv, 0);  // (B, T, (H + 2 Hkv) D)
+  TORCH_CHECK(qkv_out.size(-1) == (H + 2 * Hkv) * D, "decode_layer: q|k|v width does not match the heads");
+  at::Tensor q = qkv_out.narrow(-1, 0, H * D).view({B, T, H, D});
+  at::Tensor k = qkv_out.narrow(-1, H * D, Hkv * D).view({B, T, Hkv, D});
+  if (!qk_norm.empty()) {  // Qwen3: RMSNorm over each head's D before RoPE
+    q = rms_norm(q, qk_norm[0], eps);
+    k = rms_norm(k, qk_norm[1], eps);
+  }
+  const at::Tensor v = qkv_out.narrow(-1, (H + Hkv) * D, Hkv * D).view({B, T, Hkv, D});
+  const at::Tensor attn = paged_attention(q, k, v, cos, sin, positions, k_cache, v_cache, write_slots, tables, scale);
+  at::Tensor h = x + lin(attn, o, 1);
+  return h.add_(lin(silu_mul(lin(rms_norm(h, ln2, eps), gate_up, 2)), down, 3));
+}
+
+// ---- the decode stack ---------------------------------------------------------------
+// A model's layers held once, as decode_layer takes them, and run by one call a
+// step.  A Python call per layer cost ~14 us of argument conversion and
+// dispatch (30 layers: 0.4 ms of a 5 ms batch-1 step), and each of a layer's
+// five parallel loops an OpenMP fork and join.  Where every linear quantizes its
+// activations and a step has at most kStackRows rows, the whole step is one
+// parallel region: the threads split each linear's weight units and the
+// attention's tasks as decode_layer's loops do, and meet at a barrier between
+// phases; a row's norm, RoPE and quantization go to the thread that owns the
+// row, silu*up and its quantization by blocks.  Each output is the same kernel's
+// arithmetic in the same order, so the bits equal decode_layer's.  Otherwise
+// (float32 linears, batches) the layers run one decode_layer each, in C++.
+constexpr int64_t kStackRows = 4;
+constexpr int64_t kPrefetchBytes = 256 << 10;  // of o's weights, behind the attention
+
+struct StackLayer {
+  at::Tensor ln1, ln2;
+  double eps;
+  std::vector<at::Tensor> lin[4];  // qkv, o, gate_up, down: decode_layer's weight lists
+  std::array<int64_t, 4> bits, digits, rotated;
+  std::vector<at::Tensor> qk_norm;
+  ferrum_qact::Packed packed[4];  // where bits < 0
+};
+
+class DecodeStack : public torch::CustomClassHolder {
+ public:
+  DecodeStack(int64_t num_heads, int64_t num_kv_heads, double scale)
+      : H_(num_heads), Hkv_(num_kv_heads), scale_(scale) {
+    TORCH_CHECK(H_ > 0 && Hkv_ > 0 && H_ % Hkv_ == 0, "DecodeStack: heads must be a multiple of kv heads");
+  }
+
+  void add_layer(at::Tensor ln1, at::Tensor ln2, double eps, std::vector<at::Tensor> qkv, std::vector<at::Tensor> o,
+                 std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down, std::vector<int64_t> bits,
+                 std::vector<int64_t> digits, std::vector<int64_t> rotated, std::vector<at::Tensor> qk_norm) {
+    TORCH_CHECK(bits.size() == 4 && digits.size() == 4 && rotated.size() == 4,
+                "DecodeStack: bits, digits and rotated have four entries");
+    for (at::Tensor& w : qk_norm) w = w.contiguous();  // the one region reads the norms' weights by pointer
+    StackLayer L{ln1.contiguous(), ln2.contiguous(), eps, {qkv, o, gate_up, down}, {}, {}, {}, qk_norm, {}};
+    bool packed = true;
+    for (int i = 0; i < 4; ++i) {
+      L.bits[i] = bits[i], L.digits[i] = digits[i], L.rotated[i] = rotated[i];
+      TORCH_CHECK(L.lin[i].size() == (bits[i] == 32 ? 1u : bits[i] < 0 ? 2u : 3u),
+                  "DecodeStack: each linear is [qweight, scales, mins], [codes, scales] with negated bits, "
+                  "or [weight] with bits 32");
+      if (bits[i] < 0) L.packed[i] = ferrum_qact::packed(L.lin[i][0], L.lin[i][1], -bits[i]);
+      packed = packed && bits[i] < 0 && (digits[i] == 1 || digits[i] == 2) && (!rotated[i] || digits[i] == 1);
+    }
+    if (packed) {  // the widths the one-region step relies on, alike in every layer
+      const int64_t C = ln1.numel(), I = L.packed[3].G * 32, D = L.packed[0].N / (H_ + 2 * Hkv_);
+      packed = ln1.scalar_type() == at::kFloat && ln2.scalar_type() == at::kFloat && ln1.dim() == 1 &&
+               ln2.dim() == 1 && ln2.numel() == C &&
+               L.packed[0].G * 32 == C && L.packed[0].N == (H_ + 2 * Hkv_) * D && L.packed[1].G * 32 == H_ * D &&
+               L.packed[1].N == C && L.packed[2].G * 32 == C && L.packed[2].N == 2 * I && L.packed[3].N == C &&
+               (qk_norm.empty() || (qk_norm.size() == 2 && qk_norm[0].numel() == D && qk_norm[1].numel() == D &&
+                                    qk_norm[0].scalar_type() == at::kFloat && qk_norm[1].scalar_type() == at::kFloat));
+      packed = packed && (layers_.empty() || (C == C_ && I == I_ && D == D_));
+      C_ = C, I_ = I, D_ = D;
+    }
+    one_region_ = packed && (layers_.empty() || one_region_);
+    layers_.push_back(std::move(L));
+  }
+
+  // x (B, T, C) -> (B, T, C) after layers [first, last); k_pool/v_pool (layers,
+  // blocks, block_size, Hkv, D), the rest as decode_layer takes them.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+                     const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& write_slots,
+                     const at::Tensor& tables, int64_t first, int64_t last) {
+    TORCH_CHECK(0 <= first && first <= last && last <= size(), "DecodeStack: layers ", first, "..", last, " of ", size());
+    TORCH_CHECK(k_pool.dim() == 5 && v_pool.sizes() == k_pool.sizes() && k_pool.size(0) == size(),
+                "DecodeStack: the pool must be (layers, blocks, block_size, kv_heads, head_dim)");
+    if (one_region_ && x.dim() == 3 && x.scalar_type() == at::kFloat && x.size(0) * x.size(1) <= kStackRows &&
+        x.size(2) == C_ && k_pool.size(4) == D_)
+      return forward_one_region(x, cos, sin, positions, k_pool, v_pool, write_slots, tables, first, last);
+    at::Tensor h = x;
+    for (int64_t l = first; l < last; ++l) {
+      const StackLayer& L = layers_[l];
+      h = decode_layer(h, L.ln1, L.ln2, L.eps, L.lin[0], L.lin[1], L.lin[2], L.lin[3], L.bits, L.digits, L.rotated,
+                       L.qk_norm, cos, sin, positions, k_pool.select(0, l), v_pool.select(0, l), write_slots, tables,
+                       H_, Hkv_, scale_);
+    }
+    return h;
+  }
+
+  bool one_region() const { return one_region_; }
+  int64_t size() const { return int64_t(layers_.size()); }
+
+ private:
+  at::Tensor forward_one_region(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                const at::Tensor& positions, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                const at::Tensor& write_slots, const at::Tensor& tables, int64_t first, int64_t last);
+
+  std::vector<StackLayer> layers_;
+  int64_t H_, Hkv_, D_ = 0, C_ = 0, I_ = 0;
+  double scale_;
+  bool one_region_ = false;
+};
+
+at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                           const at::Tensor& positions, const at::Tensor& k_pool,
+                                           const at::Tensor& v_pool, const at::Tensor& write_slots,
+                                           const at::Tensor& tables, int64_t first, int64_t last) {
+  const int64_t B = x.size(0), T = x.size(1), M = B * T, C = C_, I = I_, H = H_, Hkv = Hkv_, D = D_;
+  const int64_t Wq = (H + 2 * Hkv) * D;
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.scalar_type() == at::kFloat &&
+              v_pool.scalar_type() == at::kFloat && k_pool.size(3) == Hkv, "DecodeStack: pool layers");
+  const PagedIndex ix = checked_index(positions, write_slots, tables, M, B, cos, sin, D, k_pool.size(1), k_pool.size(2));
+  at::Tensor h = x.contiguous().clone();  // (B, T, C): the residual stream, updated in place
+  if (M == 0) return h;
+  const int64_t maxK = std::max({C, H * D, I});
+  std::vector<float> xn(M * maxK), qkv(M * Wq), qf(M * H * D), gu(M * 2 * I), y(M * C), scratch(M * maxK);
+  ferrum_qact::Q8Rows X = ferrum_qact::rows_for(M, maxK, 2);
+  const AttnArgs args{B, T, H, Hkv, D, k_pool.size(2), ix.tab.size(1), ix.pos.data_ptr<int64_t>(),
+                      ix.tab.data_ptr<int64_t>(), float(scale_)};
+  const int64_t layer_floats = k_pool.stride(0), *slots = ix.slots.data_ptr<int64_t>();
+  float *hp = h.data_ptr<float>(), *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const bool avx2 = avx2_on();
+  const int isa = ferrum_qact::isa_level(), threads = at::get_num_threads();
+#pragma omp parallel num_threads(threads)
+  {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    auto mine = [&](int64_t n) { return std::pair<int64_t, int64_t>{n * tid / nt, n * (tid + 1) / nt}; };
+    auto rms = [&](const float* in, const at::Tensor& w, int64_t c, double eps, float* out) {
+      rms_on(avx2, in, w.data_ptr<float>(), c, float(eps), out);
+    };
+    // rows of `in` (M, K) quantized for linear i, by the threads that own them
+    auto quantize_rows = [&](const StackLayer& L, int i, const float* in, int64_t K) {
+      const auto [m0, m1] = mine(M);
+      ferrum_qact::quantize_blocks(in, m0 * K / 32, m1 * K / 32, K, int(L.digits[i]), L.rotated[i] != 0, isa, X,
+                                   scratch.data());
+    };
+    // linear i over the quantized rows: this thread's units into out (M, N)
+    auto linear = [&](const StackLayer& L, int i, float* out) {
+      const auto [u0, u1] = mine(L.packed[i].U);
+      ferrum_qact::run_units(isa, L.packed[i], int(-L.bits[i]), u0, u1, X, M, int(L.digits[i]), out);
+      return std::pair<int64_t, int64_t>{u0 * 16, std::min(u1 * 16, L.packed[i].N)};
+    };
+    auto norm_and_quantize = [&](const StackLayer& L, const at::Tensor& w, int i) {  // h's rows for linear i
+      const auto [m0, m1] = mine(M);
+      for (int64_t m = m0; m < m1; ++m) rms(hp + m * C, w, C, L.eps, xn.data() + m * C);
+      quantize_rows(L, i, xn.data(), C);
+    };
+    auto residual = [&](std::pair<int64_t, int64_t> cols) {  // h += y over this thread's columns
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = cols.first; n < cols.second; ++n) hp[m * C + n] += y[m * C + n];
+    };
+    for (int64_t l = first; l < last; ++l) {
+      const StackLayer& L = layers_[l];
+      float *kc = kp + l * layer_floats, *vc = vp + l * layer_floats;
+      norm_and_quantize(L, L.ln1, 0);
+#pragma omp barrier
+      linear(L, 0, qkv.data());
+#pragma omp barrier
+      {
+        // o's weights (a thread's share: ~90 KB on SmolLM2) into L2 while RoPE and the
+        // attention run, which leave memory idle: o's phase 206 -> 121 us a step,
+        // RoPE's 35 -> 97 (issuing the hints), the step 0.03-0.06 ms shorter, w4a8
+        // batch 1 on Zen 4, alternating rounds.  The same at the start of the other
+        // linears (32 KB, behind their 1-2 us phases) measured nothing.
+        const auto [o0, o1] = mine(L.packed[1].U);
+        ferrum_qact::prefetch_units(L.packed[1], int(-L.bits[1]), o0, o1, kPrefetchBytes);
+        const auto [m0, m1] = mine(M);
+        if (!L.qk_norm.empty())  // Qwen3: RMSNorm over each head's D before RoPE
+          for (int64_t m = m0; m < m1; ++m)
+            for (int64_t hd = 0; hd < H + Hkv; ++hd) {
+              float* head = qkv.data() + m * Wq + hd * D;
+              rms(head, L.qk_norm[hd < H ? 0 : 1], D, L.eps, head);
+            }
+        rope_and_write<float>(args, qkv.data(), {T * Wq, Wq, D}, qkv.data() + H * D, {T * Wq, Wq, D},
+                              qkv.data() + (H + Hkv) * D, {T * Wq, Wq, D}, cp, sp, slots, m0, m1, qf.data(), kc, vc);
+      }
+#pragma omp barrier
+      {
+        const auto [t0, t1] = mine(attention_tasks(args, threads));
+        attend_tasks<float>(args, threads, qf.data(), kc, vc, t0, t1, xn.data());  // xn: (M, H D) now
+      }
+#pragma omp barrier
+      quantize_rows(L, 1, xn.data(), H * D);
+#pragma omp barrier
+      residual(linear(L, 1, y.data()));
+#pragma omp barrier
+      norm_and_quantize(L, L.ln2, 2);
+#pragma omp barrier
+      linear(L, 2, gu.data());
+#pragma omp barrier
+      {  // silu(gate) * up and its quantization, by blocks of 32
+        const auto [b0, b1] = mine(M * I / 32);
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t m = b / (I / 32), c = b % (I / 32) * 32;
+          const float* g = gu.data() + m * 2 * I + c;
+          silu_mul_on(avx2, g, g + I, 32, xn.data() + m * I + c);
+        }
+        ferrum_qact::quantize_blocks(xn.data(), b0, b1, I, int(L.digits[3]), L.rotated[3] != 0, isa, X,
+                                     scratch.data());
+      }
+#pragma omp barrier
+      residual(linear(L, 3, y.data()));
+#pragma omp barrier
+    }
+  }
+  return h;
+}
+
+}  // namespace
+}  // namespace ferrum_fused
+
+TORCH_LIBRARY(ferrum_fused, m) {
+  m.class_<ferrum_fused::DecodeStack>("DecodeStack")
+      .def(torch::init<int64_t, int64_t, double>())
+      .def("add_layer", &ferrum_fused::DecodeStack::add_layer)
+      .def("forward", &ferrum_fused::DecodeStack::forward)
+      .def("one_region", &ferrum_fused::DecodeStack::one_region)
+      .def("size", &ferrum_fused::DecodeStack::size);
+  m.def("decode_layer(Tensor x, Tensor ln1, Tensor ln2, float eps, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, "
+        "Tensor[] down, int[] bits, int[] digits, int[] rotated, Tensor[] qk_norm, Tensor cos, Tensor sin, "
+        "Tensor positions, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor write_slots, Tensor tables, "
+        "int num_heads, int num_kv_heads, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(ferrum_fused, CPU, m) {
+  m.impl("decode_layer", &ferrum_fused::decode_layer);
+}

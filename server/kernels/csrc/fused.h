@@ -1,0 +1,83 @@
+// The fused CPU ops for the decode step, one file each: each replaces a run of
+// small eager ops (a batch-1 step of a 30-layer model was ~1,200 of them, 5-10 us each):
+//
+//   rms_norm.cpp      rms_norm: x * rsqrt(mean(x^2) + eps) * weight          (~8 ops -> 1)
+//   silu_mul.cpp      silu_mul, silu_mul_rows: silu(gate) * up over a fused
+//                     gate|up projection                                     (~4 ops -> 1)
+//   attention.cpp     paged_attention: RoPE on q and k, k/v written into the paged pool,
+//                     causal attention read straight from the pool blocks   (~25 ops -> 1)
+//   linear_rows.cpp   linear_rows: a float32 or bfloat16 linear over 1-4 rows, at memory
+//                     speed; linear_rows_tiled: the same arithmetic over any number of
+//                     rows (batch-invariant mode)
+//   decode_stack.cpp  decode_layer (a whole decoder layer) and DecodeStack (a model's
+//                     layers, a decode step one call), built from the ops above
+//
+// Each file registers its ops in the ferrum_fused library (decode_stack.cpp
+// defines it, the others add fragments).  The eager torch ops in
+// models/llama.py stay the fallback (--step-ops eager) and the reference these
+// are probed against.  This header: what the files call in one another.
+#pragma once
+
+#include "common.h"
+
+#include <vector>
+
+namespace ferrum_fused {
+
+// rms_norm.cpp: one row of c on the loops `avx2` picks (rms_norm's and the decode stack's: the same bits).
+template <typename T>
+void rms_on(bool avx2, const T* x, const T* w, int64_t c, float eps, T* y);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// silu_mul.cpp: y = silu(g) * u over n elements on the loops `avx2` picks (silu_mul's and the decode stack's).
+template <typename T>
+void silu_mul_on(bool avx2, const T* g, const T* u, int64_t n, T* y);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+
+// linear_rows.cpp: x (..., K) with 1-4 rows times weight (N, K), both float32 or both bfloat16.
+constexpr int64_t kLinearRowsMax = 4;
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight);
+
+// ---- attention.cpp ------------------------------------------------------------------
+struct AttnArgs {
+  int64_t B, T, H, Hkv, D, bs, nb;
+  const int64_t *pos, *tables;
+  float scale;
+};
+
+// The pool's indices checked (positions against cos/sin and the tables, write
+// slots and block ids against the pool), as contiguous int64.
+struct PagedIndex {
+  at::Tensor pos, slots, tab;
+};
+PagedIndex checked_index(const at::Tensor& positions, const at::Tensor& write_slots, const at::Tensor& tables,
+                         int64_t BT, int64_t B, const at::Tensor& cos, const at::Tensor& sin, int64_t D,
+                         int64_t blocks, int64_t bs);
+
+// Strides of a (B, T, heads, D) tensor with a contiguous last dim.
+struct Heads {
+  int64_t b, t, h;
+};
+
+// RoPE on each (b, t) of [bt0, bt1)'s queries (into qf (B*T, H, D) float32) and
+// keys, and those keys and values written into the pool layer (slots sp).
+template <typename T>
+void rope_and_write(const AttnArgs& a, const T* qp, Heads qs, const T* kp, Heads ks, const T* vp, Heads vs,
+                    const float* cp, const float* snp, const int64_t* sp, int64_t bt0, int64_t bt1, float* qfp,
+                    T* kc, T* vc);
+
+// The attention's tasks for `threads` threads: a (b, t) query's heads, a kv head's
+// group of them or one head each.
+int64_t attention_tasks(const AttnArgs& a, int threads);
+
+// Tasks [begin, end) of attention_tasks (after rope_and_write): out (B*T, H*D).
+template <typename T>
+void attend_tasks(const AttnArgs& a, int threads, const float* qfp, const T* kc, const T* vc, int64_t begin,
+                  int64_t end, T* op);
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                           const at::Tensor& sin, const at::Tensor& positions, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& write_slots, const at::Tensor& tables,
+                           double scale);
+
+}  // namespace ferrum_fused
