@@ -5,7 +5,7 @@ registry.  The adapters are made here with peft (random low-rank weights on ever
 target module); the steps alternate base and adapter runs so both see the same
 machine, and each figure is a median.
 
-    python -m bench.lora [--steps 24] [--dtype float32] [--quantize none]
+    python -m bench.lora [--steps 24] [--dtype float32] [--quantize none] [--threads N]
 """
 
 from __future__ import annotations
@@ -100,8 +100,11 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--quantize", default="none")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model_dir = default_model_dir()
     model = load_model(model_dir, TORCH_DTYPES[args.dtype], torch.device("cpu"), quantize=args.quantize)
     registry = AdapterSet(model, max_adapters=8, max_rank=64)
@@ -125,6 +128,7 @@ def main() -> None:
              ("b1 one adapter", [slots[0]], 0.9)]
     for name, picks, target in cases:
         record = {"what": name, "dtype": args.dtype, "quantize": args.quantize, "rank": args.rank,
+                  "threads": torch.get_num_threads(),
                   **compare(model, picks, args.steps), "target": target}
         print(f"{name}: base {record['base_ms']:.1f} ms/step ({record['base_tok_s']:.0f} tok/s), "
               f"adapters {record['lora_ms']:.1f} ms/step ({record['lora_tok_s']:.0f} tok/s): "

@@ -236,8 +236,14 @@ class AdapterSet:
             groups.append((slice(first, last + 1) if last - first + 1 == len(rows) else rows, adapter.sites))
         if not groups:
             return None
-        invariant = self.model.batch_invariant
-        return LoraDeltas([LayerDeltas([(rows, sites[i]) for rows, sites in groups if sites[i]], invariant)
+        invariant, order = self.model.batch_invariant, None
+        if not invariant and any(not isinstance(rows, slice) for rows, _ in groups):
+            # the groups' rows gathered once per projection, in group order: each group a slice of that
+            order = torch.cat([torch.arange(r.start, r.stop) if isinstance(r, slice) else r for r, _ in groups])
+            sizes = [r.stop - r.start if isinstance(r, slice) else len(r) for r, _ in groups]
+            starts = list(itertools.accumulate([0] + sizes))
+            groups = [(slice(lo, hi), sites) for (lo, hi), (_, sites) in zip(zip(starts, starts[1:]), groups)]
+        return LoraDeltas([LayerDeltas([(rows, sites[i]) for rows, sites in groups if sites[i]], invariant, order)
                            for i in range(len(self.model.model.layers))])
 
 
@@ -254,13 +260,19 @@ class LoraDeltas:
 
 class LayerDeltas:
     """One layer's adapter groups in a forward: ``add(projection, x, y)`` adds each
-    group's delta for ``projection`` to its rows of ``y`` (the base output, in place)."""
+    group's delta for ``projection`` to its rows of ``y`` (the base output, in place).
+    With ``order`` (rows of some group not contiguous, default kernels), the groups'
+    rows are gathered in that order once per projection, each group is a slice of
+    them, and the deltas go back in one ``index_add_``."""
 
-    def __init__(self, groups: list[tuple[slice | torch.Tensor, dict[str, SiteWeights]]], invariant: bool):
-        self.groups, self.invariant = groups, invariant
+    def __init__(self, groups: list[tuple[slice | torch.Tensor, dict[str, SiteWeights]]], invariant: bool,
+                 order: torch.Tensor | None = None):
+        self.groups, self.invariant, self.order = groups, invariant, order
 
     def add(self, projection: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])  # a view: the adds land in y
+        if self.order is not None:
+            return self._add_gathered(projection, x2, y2, y)
         for rows, sites in self.groups:
             site = sites.get(projection)
             if site is None:
@@ -275,4 +287,18 @@ class LayerDeltas:
                 y2[rows].addmm_(torch.mm(x2[rows], site.a_t), site.b_t)
             else:
                 y2.index_add_(0, rows, torch.mm(torch.mm(x2.index_select(0, rows), site.a_t), site.b_t))
+        return y
+
+    def _add_gathered(self, projection: str, x2: torch.Tensor, y2: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        xs = x2.index_select(0, self.order)
+        delta = None
+        for rows, sites in self.groups:
+            site = sites.get(projection)
+            if site is None:
+                continue
+            if delta is None:  # zeros: the rows of groups without this projection add nothing
+                delta = y2.new_zeros(len(self.order), y2.shape[1])
+            torch.mm(torch.mm(xs[rows], site.a_t), site.b_t, out=delta[rows])
+        if delta is not None:
+            y2.index_add_(0, self.order, delta)
         return y
