@@ -174,12 +174,12 @@ def read_adapter(folder: str | Path, cfg: ModelConfig, max_rank: int, dtype: tor
         rank = _pattern_value(config["rank_pattern"], name, config["r"])
         out, inp = shapes[module]
         for tensor, want, which in ((a, (rank, inp), "A"), (b, (out, rank), "B")):
+            key = f"base_model.model.{name}.lora_{which}.weight"
             if tuple(tensor.shape) != want:
-                raise AdapterError(f"base_model.model.{name}.lora_{which}.weight",
-                                   f"shape {tuple(tensor.shape)}, this model needs {want} (rank {rank}): "
-                                   f"an adapter for another model?")
+                raise AdapterError(key, f"shape {tuple(tensor.shape)}, this model needs {want} (rank {rank}): "
+                                        f"an adapter for another model?")
             if not tensor.is_floating_point():
-                raise AdapterError(f"base_model.model.{name}.lora_{which}.weight", f"dtype {tensor.dtype} is not a float type")
+                raise AdapterError(key, f"dtype {tensor.dtype} is not a float type")
         alpha = _pattern_value(config["alpha_pattern"], name, config["lora_alpha"])
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         weights[(layer, module)] = (a.to(dtype).contiguous(), (b.float() * scale).to(dtype).contiguous())

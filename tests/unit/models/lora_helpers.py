@@ -4,6 +4,7 @@ drives it (a batched prefill, then batched decode steps of given tokens)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -42,8 +43,10 @@ def edit_config(folder: Path, out: Path, **changes) -> Path:
     return out
 
 
+@functools.lru_cache(maxsize=16)
 def oracle(model_dir, adapter: Path | None, model=None):
-    """transformers' model (or ``model``) with peft's adapter on it: full-sequence logits."""
+    """transformers' model (or ``model``) with peft's adapter on it: full-sequence logits
+    (one per checkpoint and adapter, kept: they are read-only)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
