@@ -16,11 +16,15 @@ and annotations), and its docstring is the method's.
 from __future__ import annotations
 
 import inspect
+import os
 import uuid
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable, Sequence, Union
 
-from ferrum_rpc import convert, sequence_file, tensor_codec
+import numpy as np
+
+from ferrum_rpc import convert, hashing, sequence_file, tensor_codec
 from ferrum_rpc.errors import ExecutorError
 from ferrum_rpc.types import (  # the table's `returns` name some of these
     Capabilities,
@@ -350,6 +354,31 @@ def _list_adapters(c) -> pb.ListAdaptersRequest:
     return pb.ListAdaptersRequest(model=c.model)
 
 
+def _update_weights(c, tensors, invalidate_sequences: bool = False, chunk_bytes: int = 4 << 20):
+    """Replaces the model's weights in place (admin): ``tensors`` is one safetensors
+    file (its bytes or its path) or ``{checkpoint name: numpy array}``, some or all of
+    the checkpoint's tensors.  ``invalidate_sequences``: live sequences are dropped
+    (their next call fails WEIGHTS_CHANGED) instead of going on with their old KV.
+    Returns the reply (weights_version, tensors, rebuild_s, paused_s, sequences_invalidated)."""
+    if isinstance(tensors, dict):
+        from safetensors.numpy import save
+        data = save({name: np.ascontiguousarray(array) for name, array in tensors.items()})
+    elif isinstance(tensors, (str, os.PathLike)):
+        data = Path(tensors).read_bytes()
+    else:
+        data = bytes(tensors)
+    checksum = hashing.stream_hasher()
+    checksum.update(data)
+
+    def messages():
+        yield pb.WeightsChunk(header=pb.WeightsHeader(model=c.model, total_bytes=len(data),
+                                                      invalidate_sequences=invalidate_sequences))
+        for start in range(0, len(data), chunk_bytes):
+            yield pb.WeightsChunk(data=data[start:start + chunk_bytes])
+        yield pb.WeightsChunk(trailer=pb.WeightsTrailer(checksum=checksum.digest()))
+    return messages()
+
+
 def _export_sequence(c, kv_cache: KvCacheHandle, file: BinaryIO | None = None,
                      chunk_bytes: int = 0) -> pb.ExportSequenceRequest:
     """Reads a sequence out (it is unchanged on the server): its tokens, KV and
@@ -436,6 +465,7 @@ RPCS: tuple[Rpc, ...] = (
     Rpc("load_adapter", "LoadAdapter", _load_adapter, lambda c, r: r, "pb.AdapterEntry"),
     Rpc("unload_adapter", "UnloadAdapter", _unload_adapter, lambda c, r: None, "None"),
     Rpc("list_adapters", "ListAdapters", _list_adapters, lambda c, r: list(r.adapters), "list[pb.AdapterEntry]"),
+    Rpc("update_weights", "UpdateWeights", _update_weights, lambda c, r: r, "pb.UpdateWeightsResponse"),
     Rpc("export_sequence", "ExportSequence", _export_sequence, _export_result, "bytes | int", stream=True,
         each=_export_each, with_args=True),
     Rpc("import_sequence", "ImportSequence", _import_sequence, lambda c, r: convert.handle_from_proto(r.kv_cache),

@@ -59,6 +59,7 @@ def handle_to_proto(h: KvCacheHandle) -> pb.KvCacheHandle:
         model=h.model,
         server_instance_id=h.server_instance_id,
         adapter=h.adapter,
+        weights_version=h.weights_version,
     )
 
 
@@ -74,6 +75,7 @@ def handle_from_proto(m: pb.KvCacheHandle) -> KvCacheHandle:
         model=m.model,
         server_instance_id=m.server_instance_id,
         adapter=m.adapter,
+        weights_version=m.weights_version,
     )
 
 

@@ -47,6 +47,7 @@ class Reason(str, enum.Enum):
     ADAPTER_INVALID = "ADAPTER_INVALID"
     ADAPTER_IN_USE = "ADAPTER_IN_USE"
     ADAPTER_LIMIT_EXCEEDED = "ADAPTER_LIMIT_EXCEEDED"
+    WEIGHTS_CHANGED = "WEIGHTS_CHANGED"
 
 
 STATUS_FOR_REASON: dict[Reason, grpc.StatusCode] = {
@@ -79,6 +80,7 @@ STATUS_FOR_REASON: dict[Reason, grpc.StatusCode] = {
     Reason.ADAPTER_INVALID: grpc.StatusCode.INVALID_ARGUMENT,
     Reason.ADAPTER_IN_USE: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.ADAPTER_LIMIT_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.WEIGHTS_CHANGED: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 
@@ -317,6 +319,13 @@ class AdapterLimitExceeded(ExecutorError):
     reason = Reason.ADAPTER_LIMIT_EXCEEDED
 
 
+class WeightsChanged(ExecutorError):
+    """The model's weights were updated with invalidate_sequences: the sequences that
+    lived then were dropped (their KV came from the old weights).  Start a new one."""
+
+    reason = Reason.WEIGHTS_CHANGED
+
+
 ERROR_CLASSES: dict[Reason, type[ExecutorError]] = {
     cls.reason: cls
     for cls in (
@@ -349,6 +358,7 @@ ERROR_CLASSES: dict[Reason, type[ExecutorError]] = {
         AdapterInvalid,
         AdapterInUse,
         AdapterLimitExceeded,
+        WeightsChanged,
     )
 }
 

@@ -22,15 +22,18 @@ _DRAW_TAG = b"ferrum-rpc/token-choice/v1"
 
 # -- the KV block chain ---------------------------------------------------------------------
 
-def chain_root(tenant: str, adapter_digest: str = "") -> bytes:
+def chain_root(tenant: str, adapter_digest: str = "", weights_version: int = 0) -> bytes:
     """Where a tenant's hash chains start: prefix sharing never crosses tenants,
     so a cache hit (or an event) tells a caller nothing about anyone else's prompts.
     A sequence running a LoRA adapter chains from a root of its own, keyed by the
     adapter's content digest (ListAdapters): its KV is the adapter's, never the base's
-    or another adapter's."""
+    or another adapter's.  After an UpdateWeights (``weights_version`` above 0) chains
+    start from a root of that version: KV computed with older weights is never a hit."""
     key = b"tenant:" + tenant.encode()
     if adapter_digest:
         key += b"\x00adapter:" + adapter_digest.encode()
+    if weights_version:
+        key += b"\x00weights:" + str(weights_version).encode()
     return hashlib.blake2b(key, digest_size=16).digest()
 
 
@@ -64,13 +67,19 @@ def draw_key(seed: int, position: int) -> int:
 
 def stream_hasher():
     """A BLAKE2b-256 hasher: an export stream's checksum over its fingerprint digest,
-    token ids and KV bytes, in stream order."""
+    token ids and KV bytes, in stream order; an UpdateWeights stream's over its data."""
     return hashlib.blake2b(digest_size=32)
 
 
 def text_digest(text: str) -> str:
     """BLAKE2b-128 (hex) of ``text`` (a KV fingerprint's fields, one per line)."""
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def updated_weights_digest(before: str, update_checksum: bytes) -> str:
+    """The weights digest after an UpdateWeights: BLAKE2b-256 (hex) of the digest before
+    and the update's checksum (an export's fingerprint then names the new weights)."""
+    return hashlib.blake2b(before.encode() + update_checksum, digest_size=32).hexdigest()
 
 
 def weights_digest(path: str | Path) -> str:

@@ -32,6 +32,7 @@ class KvCacheHandle:
     model: str
     server_instance_id: str
     adapter: str = ""  # the LoRA adapter the sequence runs with ("" = the base model; information)
+    weights_version: int = 0  # the model's weights version when the handle was issued (information)
 
 
 class LogitsKind(enum.Enum):
@@ -373,6 +374,7 @@ class Capabilities:
     batch_invariant: bool = False  # a row's logits do not depend on what shares its forward (--batch-invariant)
     max_adapters: int = 0  # LoRA adapters loaded at once (--max-adapters; 0: none served)
     max_lora_rank: int = 0  # the largest rank an adapter may have (--max-lora-rank)
+    weights_version: int = 0  # 0 as loaded, one more after each UpdateWeights
 
     def supports_batch_size(self, batch_size: int) -> bool:
         """Whether one forward may carry ``batch_size`` sequences (the trait's check)."""
@@ -437,3 +439,4 @@ class ExecutorStatus:
     pushes_in_flight: int = 0
     adapters_loaded: int = 0  # LoRA adapters held, and the bytes of their weights
     adapter_bytes: int = 0
+    weights_version: int = 0

@@ -175,6 +175,13 @@ class _Contract:
         for replica in self._fleet.replicas:
             yield _Call(replica, "unload_adapter", (name,), False)
 
+    def update_weights(self, tensors, invalidate_sequences: bool = False, chunk_bytes: int = 4 << 20):
+        """Updates the weights on every replica, one after another; returns the last reply."""
+        reply = None
+        for replica in self._fleet.replicas:
+            reply = yield _Call(replica, "update_weights", (tensors, invalidate_sequences, chunk_bytes), False)
+        return reply
+
     def list_adapters(self):
         return (yield from self._any_flow("list_adapters"))
 

@@ -77,7 +77,7 @@ class BlockTable(_message.Message):
     def __init__(self, block_size: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvCacheHandle(_message.Message):
-    __slots__ = ("cache_id", "sequence_length", "num_layers", "num_kv_heads", "head_dim", "device", "block_table", "model", "server_instance_id", "adapter")
+    __slots__ = ("cache_id", "sequence_length", "num_layers", "num_kv_heads", "head_dim", "device", "block_table", "model", "server_instance_id", "adapter", "weights_version")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class KvCacheHandle(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SERVER_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
     sequence_length: int
     num_layers: int
@@ -98,7 +99,8 @@ class KvCacheHandle(_message.Message):
     model: str
     server_instance_id: str
     adapter: str
-    def __init__(self, cache_id: _Optional[str] = ..., sequence_length: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., device: _Optional[str] = ..., block_table: _Optional[_Union[BlockTable, _Mapping]] = ..., model: _Optional[str] = ..., server_instance_id: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
+    weights_version: int
+    def __init__(self, cache_id: _Optional[str] = ..., sequence_length: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., device: _Optional[str] = ..., block_table: _Optional[_Union[BlockTable, _Mapping]] = ..., model: _Optional[str] = ..., server_instance_id: _Optional[str] = ..., adapter: _Optional[str] = ..., weights_version: _Optional[int] = ...) -> None: ...
 
 class LogitsPolicy(_message.Message):
     __slots__ = ("kind", "dtype", "top_k", "all_positions", "shared_memory")
@@ -260,7 +262,7 @@ class GetCapabilitiesRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("model", "max_batch_size", "max_sequence_length", "kv_block_size", "kv_num_blocks", "kv_capacity_tokens", "logits_kinds", "logits_dtypes", "chunked_prefill", "forward_verify", "truncate_kv", "max_message_bytes", "models", "idle_timeout_s", "prefill_chunk_tokens", "decode_session", "prefix_cache", "fork_cache", "mixture_of_experts", "architecture", "kv_bytes", "kernel_path", "cpu_capability", "quantization", "shared_memory", "speculative_decode", "batch_prefill", "attention_mechanisms", "supported_dtypes", "supported_devices", "tensor_parallel", "pipeline_parallel", "dynamic_batching", "continuous_batching", "memory", "optimal_batch_size", "token_choice", "max_decode_ahead", "tensor_parallel_degree", "tensor_parallel_fallbacks", "accepts_imports", "kv_fingerprint", "kv_events", "batch_invariant", "max_adapters", "max_lora_rank")
+    __slots__ = ("model", "max_batch_size", "max_sequence_length", "kv_block_size", "kv_num_blocks", "kv_capacity_tokens", "logits_kinds", "logits_dtypes", "chunked_prefill", "forward_verify", "truncate_kv", "max_message_bytes", "models", "idle_timeout_s", "prefill_chunk_tokens", "decode_session", "prefix_cache", "fork_cache", "mixture_of_experts", "architecture", "kv_bytes", "kernel_path", "cpu_capability", "quantization", "shared_memory", "speculative_decode", "batch_prefill", "attention_mechanisms", "supported_dtypes", "supported_devices", "tensor_parallel", "pipeline_parallel", "dynamic_batching", "continuous_batching", "memory", "optimal_batch_size", "token_choice", "max_decode_ahead", "tensor_parallel_degree", "tensor_parallel_fallbacks", "accepts_imports", "kv_fingerprint", "kv_events", "batch_invariant", "max_adapters", "max_lora_rank", "weights_version")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +309,7 @@ class Capabilities(_message.Message):
     BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     MAX_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_batch_size: int
     max_sequence_length: int
@@ -353,7 +356,8 @@ class Capabilities(_message.Message):
     batch_invariant: bool
     max_adapters: int
     max_lora_rank: int
-    def __init__(self, model: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., logits_kinds: _Optional[_Iterable[_Union[LogitsKind, str]]] = ..., logits_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., chunked_prefill: _Optional[bool] = ..., forward_verify: _Optional[bool] = ..., truncate_kv: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., idle_timeout_s: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., decode_session: _Optional[bool] = ..., prefix_cache: _Optional[bool] = ..., fork_cache: _Optional[bool] = ..., mixture_of_experts: _Optional[bool] = ..., architecture: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., kernel_path: _Optional[str] = ..., cpu_capability: _Optional[str] = ..., quantization: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., speculative_decode: _Optional[bool] = ..., batch_prefill: _Optional[bool] = ..., attention_mechanisms: _Optional[_Iterable[str]] = ..., supported_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., supported_devices: _Optional[_Iterable[str]] = ..., tensor_parallel: _Optional[bool] = ..., pipeline_parallel: _Optional[bool] = ..., dynamic_batching: _Optional[bool] = ..., continuous_batching: _Optional[bool] = ..., memory: _Optional[_Union[MemoryRequirements, _Mapping]] = ..., optimal_batch_size: _Optional[int] = ..., token_choice: _Optional[bool] = ..., max_decode_ahead: _Optional[int] = ..., tensor_parallel_degree: _Optional[int] = ..., tensor_parallel_fallbacks: _Optional[_Iterable[str]] = ..., accepts_imports: _Optional[bool] = ..., kv_fingerprint: _Optional[str] = ..., kv_events: _Optional[bool] = ..., batch_invariant: _Optional[bool] = ..., max_adapters: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
+    weights_version: int
+    def __init__(self, model: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., logits_kinds: _Optional[_Iterable[_Union[LogitsKind, str]]] = ..., logits_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., chunked_prefill: _Optional[bool] = ..., forward_verify: _Optional[bool] = ..., truncate_kv: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., idle_timeout_s: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., decode_session: _Optional[bool] = ..., prefix_cache: _Optional[bool] = ..., fork_cache: _Optional[bool] = ..., mixture_of_experts: _Optional[bool] = ..., architecture: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., kernel_path: _Optional[str] = ..., cpu_capability: _Optional[str] = ..., quantization: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., speculative_decode: _Optional[bool] = ..., batch_prefill: _Optional[bool] = ..., attention_mechanisms: _Optional[_Iterable[str]] = ..., supported_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., supported_devices: _Optional[_Iterable[str]] = ..., tensor_parallel: _Optional[bool] = ..., pipeline_parallel: _Optional[bool] = ..., dynamic_batching: _Optional[bool] = ..., continuous_batching: _Optional[bool] = ..., memory: _Optional[_Union[MemoryRequirements, _Mapping]] = ..., optimal_batch_size: _Optional[int] = ..., token_choice: _Optional[bool] = ..., max_decode_ahead: _Optional[int] = ..., tensor_parallel_degree: _Optional[int] = ..., tensor_parallel_fallbacks: _Optional[_Iterable[str]] = ..., accepts_imports: _Optional[bool] = ..., kv_fingerprint: _Optional[str] = ..., kv_events: _Optional[bool] = ..., batch_invariant: _Optional[bool] = ..., max_adapters: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., weights_version: _Optional[int] = ...) -> None: ...
 
 class MemoryRequirements(_message.Message):
     __slots__ = ("parameter_bytes", "kv_bytes_per_token_per_layer", "activation_bytes_per_token", "overhead_bytes", "num_layers")
@@ -376,7 +380,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("state", "server_instance_id", "model", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "active_sequences", "queue_depth", "forwards", "tokens_processed", "uptime_s", "kv_blocks_shared", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "prefix_cache_hit_rate", "sequences_expired", "kv_blocks_cached", "executor_state", "prefill_operations", "decode_operations", "avg_prefill_ms", "avg_decode_ms", "memory_allocated_bytes", "memory_used_bytes", "memory_peak_bytes", "memory_utilization", "tenant_max_sequences", "tenant_kv_tokens", "tenant_ahead_sequences", "ahead_sequences", "ahead_runs_paused", "session_bytes_unsent", "imports_in_flight", "transfer_bytes_in_flight", "transfer_budget_bytes", "pushes_in_flight", "adapters_loaded", "adapter_bytes")
+    __slots__ = ("state", "server_instance_id", "model", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "active_sequences", "queue_depth", "forwards", "tokens_processed", "uptime_s", "kv_blocks_shared", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "prefix_cache_hit_rate", "sequences_expired", "kv_blocks_cached", "executor_state", "prefill_operations", "decode_operations", "avg_prefill_ms", "avg_decode_ms", "memory_allocated_bytes", "memory_used_bytes", "memory_peak_bytes", "memory_utilization", "tenant_max_sequences", "tenant_kv_tokens", "tenant_ahead_sequences", "ahead_sequences", "ahead_runs_paused", "session_bytes_unsent", "imports_in_flight", "transfer_bytes_in_flight", "transfer_budget_bytes", "pushes_in_flight", "adapters_loaded", "adapter_bytes", "weights_version")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[Status.State]
@@ -439,6 +443,7 @@ class Status(_message.Message):
     PUSHES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_LOADED_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     state: Status.State
     server_instance_id: str
     model: str
@@ -477,7 +482,8 @@ class Status(_message.Message):
     pushes_in_flight: int
     adapters_loaded: int
     adapter_bytes: int
-    def __init__(self, state: _Optional[_Union[Status.State, str]] = ..., server_instance_id: _Optional[str] = ..., model: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., active_sequences: _Optional[int] = ..., queue_depth: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., uptime_s: _Optional[float] = ..., kv_blocks_shared: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., sequences_expired: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., executor_state: _Optional[_Union[Status.ExecutorState, str]] = ..., prefill_operations: _Optional[int] = ..., decode_operations: _Optional[int] = ..., avg_prefill_ms: _Optional[float] = ..., avg_decode_ms: _Optional[float] = ..., memory_allocated_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_peak_bytes: _Optional[int] = ..., memory_utilization: _Optional[float] = ..., tenant_max_sequences: _Optional[int] = ..., tenant_kv_tokens: _Optional[int] = ..., tenant_ahead_sequences: _Optional[int] = ..., ahead_sequences: _Optional[int] = ..., ahead_runs_paused: _Optional[int] = ..., session_bytes_unsent: _Optional[int] = ..., imports_in_flight: _Optional[int] = ..., transfer_bytes_in_flight: _Optional[int] = ..., transfer_budget_bytes: _Optional[int] = ..., pushes_in_flight: _Optional[int] = ..., adapters_loaded: _Optional[int] = ..., adapter_bytes: _Optional[int] = ...) -> None: ...
+    weights_version: int
+    def __init__(self, state: _Optional[_Union[Status.State, str]] = ..., server_instance_id: _Optional[str] = ..., model: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., active_sequences: _Optional[int] = ..., queue_depth: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., uptime_s: _Optional[float] = ..., kv_blocks_shared: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., sequences_expired: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., executor_state: _Optional[_Union[Status.ExecutorState, str]] = ..., prefill_operations: _Optional[int] = ..., decode_operations: _Optional[int] = ..., avg_prefill_ms: _Optional[float] = ..., avg_decode_ms: _Optional[float] = ..., memory_allocated_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_peak_bytes: _Optional[int] = ..., memory_utilization: _Optional[float] = ..., tenant_max_sequences: _Optional[int] = ..., tenant_kv_tokens: _Optional[int] = ..., tenant_ahead_sequences: _Optional[int] = ..., ahead_sequences: _Optional[int] = ..., ahead_runs_paused: _Optional[int] = ..., session_bytes_unsent: _Optional[int] = ..., imports_in_flight: _Optional[int] = ..., transfer_bytes_in_flight: _Optional[int] = ..., transfer_budget_bytes: _Optional[int] = ..., pushes_in_flight: _Optional[int] = ..., adapters_loaded: _Optional[int] = ..., adapter_bytes: _Optional[int] = ..., weights_version: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("model", "token_ids", "kv_cache", "logits", "hidden_states", "token_choice", "request_id", "adapter")
@@ -938,6 +944,46 @@ class ListAdaptersRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     model: str
     def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class WeightsChunk(_message.Message):
+    __slots__ = ("header", "data", "trailer")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    header: WeightsHeader
+    data: bytes
+    trailer: WeightsTrailer
+    def __init__(self, header: _Optional[_Union[WeightsHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., trailer: _Optional[_Union[WeightsTrailer, _Mapping]] = ...) -> None: ...
+
+class WeightsHeader(_message.Message):
+    __slots__ = ("model", "total_bytes", "invalidate_sequences")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INVALIDATE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    total_bytes: int
+    invalidate_sequences: bool
+    def __init__(self, model: _Optional[str] = ..., total_bytes: _Optional[int] = ..., invalidate_sequences: _Optional[bool] = ...) -> None: ...
+
+class WeightsTrailer(_message.Message):
+    __slots__ = ("checksum",)
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    checksum: bytes
+    def __init__(self, checksum: _Optional[bytes] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("weights_version", "tensors", "rebuild_s", "paused_s", "sequences_invalidated")
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    REBUILD_S_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_S_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_INVALIDATED_FIELD_NUMBER: _ClassVar[int]
+    weights_version: int
+    tensors: int
+    rebuild_s: float
+    paused_s: float
+    sequences_invalidated: int
+    def __init__(self, weights_version: _Optional[int] = ..., tensors: _Optional[int] = ..., rebuild_s: _Optional[float] = ..., paused_s: _Optional[float] = ..., sequences_invalidated: _Optional[int] = ...) -> None: ...
 
 class ListAdaptersResponse(_message.Message):
     __slots__ = ("adapters", "evicted")

@@ -137,6 +137,11 @@ class ModelExecutorStub:
                 request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.ListAdaptersRequest.SerializeToString,
                 response_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.ListAdaptersResponse.FromString,
                 _registered_method=True)
+        self.UpdateWeights = channel.stream_unary(
+                '/ferrum.executor.v1.ModelExecutor/UpdateWeights',
+                request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.WeightsChunk.SerializeToString,
+                response_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
         self.RegisterSharedMemory = channel.unary_stream(
                 '/ferrum.executor.v1.ModelExecutor/RegisterSharedMemory',
                 request_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.RegisterSharedMemoryRequest.SerializeToString,
@@ -348,6 +353,20 @@ class ModelExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateWeights(self, request_iterator, context):
+        """Replaces a hosted model's weights in place (a trainer's new step): a header,
+        then the bytes of one safetensors file holding some or all of the checkpoint's
+        tensors (names, shapes and floating dtypes as in the model's files), then a
+        trailer with their BLAKE2b-256. Checked whole before anything changes; then,
+        between two forwards, the model is rebuilt (re-quantized, re-packed) with them
+        and swapped in: every forward runs on one version, and a failed or cancelled
+        update leaves the old weights serving. The weights version goes up by one; the
+        prefix cache starts afresh. Admin-only when tokens are on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RegisterSharedMemory(self, request, context):
         """Shared-memory logits for callers on the same host (the model is Triton's
         system shared-memory extension). The caller creates a POSIX shared-memory
@@ -531,6 +550,11 @@ def add_ModelExecutorServicer_to_server(servicer, server):
                     servicer.ListAdapters,
                     request_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.ListAdaptersRequest.FromString,
                     response_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.ListAdaptersResponse.SerializeToString,
+            ),
+            'UpdateWeights': grpc.stream_unary_rpc_method_handler(
+                    servicer.UpdateWeights,
+                    request_deserializer=ferrum__rpc_dot_v1_dot_executor__pb2.WeightsChunk.FromString,
+                    response_serializer=ferrum__rpc_dot_v1_dot_executor__pb2.UpdateWeightsResponse.SerializeToString,
             ),
             'RegisterSharedMemory': grpc.unary_stream_rpc_method_handler(
                     servicer.RegisterSharedMemory,
@@ -1111,6 +1135,33 @@ class ModelExecutor:
             '/ferrum.executor.v1.ModelExecutor/ListAdapters',
             ferrum__rpc_dot_v1_dot_executor__pb2.ListAdaptersRequest.SerializeToString,
             ferrum__rpc_dot_v1_dot_executor__pb2.ListAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeights(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/ferrum.executor.v1.ModelExecutor/UpdateWeights',
+            ferrum__rpc_dot_v1_dot_executor__pb2.WeightsChunk.SerializeToString,
+            ferrum__rpc_dot_v1_dot_executor__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -31,6 +31,7 @@ from ..choice.rows import row_max
 from ..choice.policy import validate_token_choice
 from ..config import ExecutorConfig, TenantBounds, tenant_bounds
 from .adapters import HostsAdapters
+from .weights import UpdatesWeights, checkpoint_index
 from .checks import ExecutorChecks
 from .choosing import ChoosesTokens
 from .describe import Describes
@@ -103,7 +104,7 @@ def verify_policy(policy: LogitsPolicy) -> LogitsPolicy:
     return replace(policy, all_positions=True)
 
 
-class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsAdapters):
+class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsAdapters, UpdatesWeights):
     """Hosts one model and its KV pool.
 
     Args:
@@ -166,6 +167,7 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsA
                            config.step_ops, shard=shard, batch_invariant=config.batch_invariant)
         executor = cls(name, model, config, instance_id or uuid.uuid4().hex)
         executor.weights_digest = weights_digest(path)
+        executor.path, executor.checkpoint = Path(path), checkpoint_index(path)
         return executor
 
     # -- the contract: validate, plan, run ------------------------------------------
@@ -493,4 +495,5 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsA
             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, device=str(self.device),
             block_table=BlockTable(self.kv.block_size, tuple(seq.block_ids)),
             model=self.name, server_instance_id=self.instance_id, adapter=seq.adapter,
+            weights_version=self.weights_version,
         )

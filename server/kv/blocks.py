@@ -24,10 +24,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from ferrum_rpc.errors import Cancelled, CacheExpired, CacheNotFound, InvalidInput, KvCapacityExhausted, shown
+from ferrum_rpc.errors import (Cancelled, CacheExpired, CacheNotFound, InvalidInput, KvCapacityExhausted,
+                               WeightsChanged, shown)
 from ferrum_rpc.hashing import block_hash, chain_root
 from ferrum_rpc.types import KvCacheHandle
-from .events import KvEventHub, Removed, Stored
+from .events import Cleared, KvEventHub, Removed, Stored
 
 _EXPIRED_MEMORY = 100_000  # expired ids remembered, to answer CACHE_EXPIRED instead of NOT_FOUND
 RELEASED_NAME_S = 600.0  # how long a request_id released before its sequence existed stays refused
@@ -139,6 +140,8 @@ class BlockManager:
         self.events: KvEventHub | None = None  # set by the executor (kv_events.py)
         self._seqs: dict[str, SequenceState] = {}
         self._expired: OrderedDict[str, str] = OrderedDict()  # cache id -> its tenant
+        self._invalidated: OrderedDict[str, str] = OrderedDict()  # dropped by a weights update: id -> tenant
+        self.generation = 0  # the model's weights version: prefix-cache chains start from a root of it
         self._named: dict[tuple[str, str], str] = {}  # (tenant, request_id) -> cache id of a live sequence
         # (tenant, request_id) released while no sequence had it -> when: a call bringing it later is refused
         self._released_names: OrderedDict[tuple[str, str], float] = OrderedDict()
@@ -226,6 +229,9 @@ class BlockManager:
         seq = self._seqs.get(cache_id)
         if seq is not None and (tenant is None or seq.tenant == tenant):
             return seq
+        if tenant is not None and self._invalidated.get(cache_id) == tenant:
+            raise WeightsChanged(f"KV cache {shown(cache_id)} was dropped when the model's weights changed; "
+                                 f"start a new sequence")
         if cache_id in self._expired and seq is None and (tenant is None or self._expired[cache_id] == tenant):
             raise CacheExpired(f"KV cache {shown(cache_id)} was reclaimed after sitting idle")
         raise CacheNotFound(f"no KV cache with id {shown(cache_id)}")
@@ -317,7 +323,32 @@ class BlockManager:
 
     # -- prefix cache -------------------------------------------------------------
     _block_hash = staticmethod(block_hash)  # the chain routers compute too (ferrum_rpc.hashing)
-    _root = staticmethod(chain_root)
+    def _root(self, tenant: str, adapter_digest: str = "") -> bytes:
+        return chain_root(tenant, adapter_digest, self.generation)
+
+    def start_generation(self, generation: int) -> None:
+        """The weights changed: every cached block is forgotten (KV events say
+        all_cleared), and chains start from roots of ``generation`` from now on."""
+        self.generation = generation
+        self._hash_of.clear()
+        self._block_of.clear()
+        self._published.clear()
+        if self.events is not None:
+            self.events.publish_all(Cleared())
+
+    def invalidate(self) -> int:
+        """Drops every live sequence no job is using now, and makes every call naming any
+        of them (a job's too, once it is done) fail WEIGHTS_CHANGED; returns how many
+        were dropped."""
+        dropped = 0
+        for cid, seq in list(self._seqs.items()):
+            self._invalidated[cid] = seq.tenant
+            if len(self._invalidated) > _EXPIRED_MEMORY:
+                self._invalidated.popitem(last=False)
+            if not seq.pins:
+                self.release(cid)
+                dropped += 1
+        return dropped
 
     def block_hashes(self, tokens: list[int], tenant: str, adapter_digest: str = "") -> list[bytes]:
         """Chained hashes of each full block of ``tokens`` (per tenant and adapter): what a

@@ -46,14 +46,16 @@ def _return_freed_memory() -> None:
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
                linear_kernel: str = "auto", quantize: str = "none", step_ops: str = "auto",
-               shard=None, batch_invariant: bool = False) -> LlamaForCausalLM:
+               shard=None, batch_invariant: bool = False,
+               overrides: dict[str, torch.Tensor] | None = None) -> LlamaForCausalLM:
     """Loads weights onto ``device`` in ``dtype``, computes the RoPE tables, fuses the
     projections and puts them on the linear kernel probed for this CPU (``kernels.py``),
     or quantizes them (``woq.py``); the choice is kept as ``model.kernels``.
 
     ``shard``: this rank's place in a tensor-parallel group (``parallel.shard.Shard``):
     only its slices are read and built, and it installs its collectives on the model
-    (``model.tp`` is then the shard)."""
+    (``model.tp`` is then the shard).  ``overrides``: checkpoint tensors (by their names
+    in the files) to load instead of the files' (an UpdateWeights), converted as they are."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     files = sorted(path.glob("*.safetensors"))
@@ -67,6 +69,8 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
             shard.fallbacks += (f"quantize {quantize} -> none (quantized kernels run unsharded only)",)
             quantize = "none"
     state = _read_state(files, dtype, device) if shard is None else shard.read(files, dtype, device)
+    for name, tensor in (overrides or {}).items():
+        state[name] = tensor.to(device=device, dtype=dtype)
     if cfg.num_experts:
         fuse_expert_weights(state, cfg)
     if cfg.tie_word_embeddings or "lm_head.weight" not in state:

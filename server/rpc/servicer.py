@@ -37,6 +37,7 @@ from ..kv.blocks import Undo
 from .migration import PushConfig, TransferRpcs
 from .admin import AdminRpcs
 from .watch import KvEventRpcs
+from .weights import WeightsRpcs
 from .edge import deadline_of, required_handle
 from .handler import call, handler, query
 from .shm import SharedMemoryRegistry
@@ -87,7 +88,7 @@ def _payload_bytes(logits) -> int:
 
 
 
-class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, pb_grpc.ModelExecutorServicer):
+class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, WeightsRpcs, pb_grpc.ModelExecutorServicer):
     """Routes each request to the worker of the model it names (empty = the default)."""
 
     def __init__(self, instance_id: str, tokens: TokenTable | None = None, metrics=None,
@@ -98,6 +99,7 @@ class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, pb_grpc.ModelExecut
         self.budget = transfer.TransferBudget(transfer_budget_bytes, self._largest_pool_bytes)
         self.import_idle_s = import_idle_s
         self._imports: set = set()  # the ImportReads of imports running (a drain ends them)
+        self._updating: dict = {}  # model name -> the lock one UpdateWeights holds at a time
         self.instance_id = instance_id
         self.admin_tenants = frozenset(admin_tenants)
         self.registry = registry  # the models hosted, and how they are loaded and unloaded
@@ -459,6 +461,7 @@ class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, pb_grpc.ModelExecut
     # An import admits itself (TransferRpcs._importing): it is refused while draining, but a
     # drain does not wait for it as for an in-flight call.
     ImportSequence = handler(admit=False, ticketed=True)(TransferRpcs.ImportSequence)
+    UpdateWeights = handler(admin=True)(WeightsRpcs.UpdateWeights)
     CreateImportTicket = call(TransferRpcs.CreateImportTicket)
     PushSequence = handler(admit=False)(TransferRpcs.PushSequence)
 

@@ -59,7 +59,7 @@ def test_committed_stubs_carry_the_wire_package_and_service():
         "RegisterSharedMemory", "UnregisterSharedMemory", "SpeculativeDecode", "BatchPrefill",
         "ListModels", "LoadModel", "UnloadModel",
         "ExportSequence", "ImportSequence", "CreateImportTicket", "PushSequence", "WatchKvEvents",
-        "LoadAdapter", "UnloadAdapter", "ListAdapters",
+        "LoadAdapter", "UnloadAdapter", "ListAdapters", "UpdateWeights",
     }
     assert service.methods_by_name["BatchDecode"].server_streaming
     assert hasattr(pb_grpc, "ModelExecutorStub") and hasattr(pb_grpc, "ModelExecutorServicer")

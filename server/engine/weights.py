@@ -1,0 +1,106 @@
+"""Weights that change: UpdateWeights' executor side.  The new tensors (one safetensors
+file's bytes, some or all of the checkpoint's) are checked against the checkpoint's
+names, shapes and dtypes; then, on the worker thread between two forwards, the model
+is rebuilt with them the way it was loaded (converted, fused, quantized, packed:
+``models.loader.load_model``) and swapped in, so every forward runs on one version.
+Nothing changes until the swap: a bad file, or a caller that went away during the
+rebuild, leaves the old weights serving."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load as load_safetensors
+
+from ferrum_rpc.errors import Cancelled, InvalidInput, shown
+from ferrum_rpc.hashing import updated_weights_digest
+from ..models import TORCH_DTYPES, load_model
+
+log = logging.getLogger(__name__)
+
+HEADER_SLACK = 1 << 20  # an update's file may exceed the tensors' bytes by its header, at most this
+FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def checkpoint_index(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor of a model folder's safetensors files: name -> (shape, dtype)."""
+    index = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            for name in f.keys():
+                part = f.get_slice(name)
+                index[name.removeprefix("_orig_mod.")] = (tuple(part.get_shape()), part.get_dtype())
+    return index
+
+
+class UpdatesWeights:
+    """Mixed into :class:`~.executor.TorchExecutor` (its ``model``, ``config``, ``kv``,
+    ``shard``, ``adapters``, ``name``, ``path``)."""
+
+    weights_version = 0
+    checkpoint: dict[str, tuple[tuple[int, ...], str]] = {}
+
+    @property
+    def update_limit_bytes(self) -> int:
+        """The largest UpdateWeights file: every checkpoint tensor plus a header."""
+        sizes = {"F32": 4, "BF16": 2, "F16": 2}
+        return sum(sizes.get(dtype, 8) * (torch.Size(shape).numel()) for shape, dtype in self.checkpoint.values()) \
+            + HEADER_SLACK
+
+    def read_update(self, data: bytes) -> dict[str, torch.Tensor]:
+        """The tensors of an update file, checked against the checkpoint (INVALID_INPUT
+        naming the first tensor that is not the model's)."""
+        if self.shard is not None:
+            raise InvalidInput("UpdateWeights does not run on a tensor-parallel model: restart its ranks on the "
+                               "new weights")
+        try:
+            tensors = load_safetensors(data)
+        except Exception as exc:  # the format's own parser: any failure means "not a safetensors file"
+            raise InvalidInput(f"the update is not one safetensors file ({type(exc).__name__})") from None
+        if not tensors:
+            raise InvalidInput("the update holds no tensors")
+        for name, tensor in tensors.items():
+            name = name.removeprefix("_orig_mod.")
+            if name not in self.checkpoint:
+                raise InvalidInput(f"tensor {shown(name)}: the model has no tensor of that name")
+            shape, _ = self.checkpoint[name]
+            if tuple(tensor.shape) != shape:
+                raise InvalidInput(f"tensor {shown(name)}: shape {tuple(tensor.shape)}, the model's is {shape}")
+            if tensor.dtype not in FLOAT_DTYPES.values():
+                raise InvalidInput(f"tensor {shown(name)}: dtype {tensor.dtype}, not a floating dtype "
+                                   f"(float32, bfloat16 or float16)")
+            if not torch.isfinite(tensor).all():
+                raise InvalidInput(f"tensor {shown(name)}: holds a NaN or an infinity")
+        return {name.removeprefix("_orig_mod."): t for name, t in tensors.items()}
+
+    def update_weights(self, data: bytes, checksum: bytes, invalidate: bool,
+                       gone: Callable[[], bool] = lambda: False) -> dict:
+        """Rebuilds the model with the tensors in ``data`` and swaps it in (worker thread,
+        between forwards); returns what the reply says.  ``gone()``: the caller went away
+        (checked before the swap: then nothing changes)."""
+        start = time.perf_counter()
+        tensors = self.read_update(data)
+        cfg = self.config
+        model = load_model(self.path, TORCH_DTYPES[cfg.dtype], torch.device(cfg.device), cfg.linear_kernel,
+                           cfg.quantize, cfg.step_ops, batch_invariant=cfg.batch_invariant, overrides=tensors)
+        rebuild_s = time.perf_counter() - start
+        if gone():
+            raise Cancelled("the caller cancelled the update; the old weights still serve")
+        if self.adapters is not None:  # the adapters' weights are the adapters': they stay
+            model.adapters, self.adapters.model = self.adapters, model
+        self.model = model
+        self.weights_version += 1
+        self.weights_digest = updated_weights_digest(self.weights_digest, checksum)
+        self.kv.start_generation(self.weights_version)
+        dropped = self.kv.invalidate() if invalidate else 0
+        paused_s = time.perf_counter() - start
+        log.info("%s: weights version %d (%d tensors): rebuilt in %.2fs, forwards paused %.2fs%s", self.name,
+                 self.weights_version, len(tensors), rebuild_s, paused_s,
+                 f", {dropped} sequences dropped" if invalidate else "")
+        return {"weights_version": self.weights_version, "tensors": len(tensors), "rebuild_s": rebuild_s,
+                "paused_s": paused_s, "sequences_invalidated": dropped}
