@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from ferrum_rpc.errors import StartupError
 from ..kernels import qact
@@ -68,7 +68,10 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
                         quantize, dtype)
             shard.fallbacks += (f"quantize {quantize} -> none (quantized kernels run unsharded only)",)
             quantize = "none"
-    state = _read_state(files, dtype, device) if shard is None else shard.read(files, dtype, device)
+    if shard is None:
+        state = _read_state(files, dtype, device, skip=set(overrides or ()))
+    else:
+        state = shard.read(files, dtype, device)
     for name, tensor in (overrides or {}).items():
         state[name] = tensor.to(device=device, dtype=dtype)
     if cfg.num_experts:
@@ -103,11 +106,16 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     return model
 
 
-def _read_state(files: list[Path], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+def _read_state(files: list[Path], dtype: torch.dtype, device: torch.device,
+                skip: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors in ``dtype`` on ``device``, but those named in ``skip``."""
     state: dict[str, torch.Tensor] = {}
     for i, f in enumerate(files, 1):
         log.info("loading %s (%d/%d)", f.name, i, len(files))
-        for name, tensor in load_file(f, device="cpu").items():
+        with safe_open(f, "pt") as opened:
+            names = [n for n in opened.keys() if n.removeprefix("_orig_mod.") not in skip]
+            tensors = {n: opened.get_tensor(n) for n in names}
+        for name, tensor in tensors.items():
             if "rotary_emb" in name:  # old checkpoints carry inv_freq buffers
                 continue
             owned = tensor.to(device=device, dtype=dtype)

@@ -59,9 +59,10 @@ class WeightsRpcs:
                 raise InvalidInput(f"the data holds {len(data)} bytes, total_bytes said {header.total_bytes}")
             if not secrets.compare_digest(message.trailer.checksum, digest.digest()):
                 raise TransferCorrupted("the checksum does not match the data: it was altered on the way")
+            data = bytes(data)  # the format's parser takes bytes; the bytearray goes
             gone = threading.Event()
             try:
-                done = await worker.call(executor.update_weights, bytes(data), digest.digest(),
+                done = await worker.call(executor.update_weights, data, digest.digest(),
                                          header.invalidate_sequences, gone.is_set)
             except asyncio.CancelledError:
                 gone.set()  # a rebuild under way is not swapped in
