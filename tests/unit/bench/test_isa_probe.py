@@ -4,8 +4,10 @@ executed), and names every option to cmake, AMX off."""
 
 from __future__ import annotations
 
+import importlib.util
 import platform
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,3 +54,10 @@ def test_the_portable_build_names_every_option():
     named = {a.removeprefix("-D").split("=")[0] for a in args}
     assert named == {"GGML_NATIVE", *llama_cpp.ISA_OPTIONS, "GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16"}
     assert len(args) == len(named)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is not None, reason="llama_cpp importable here")
+def test_a_first_forward_that_fails_says_why():
+    """The probe in an environment without llama-cpp-python: reported, not raised."""
+    why = llama_cpp.first_forward(Path(sys.executable), Path("/nonexistent.gguf"))
+    assert why is not None and why.startswith("exit status 1: ModuleNotFoundError"), why
