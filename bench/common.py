@@ -53,6 +53,33 @@ def _read_bandwidth_here(mib: int, repeats: int) -> float:
     return buf.numel() * 4 / best / 1e9
 
 
+PEAK_SHAPES = ((256, 576, 3072), (512, 1536, 576), (1024, 1024, 1024))  # (M, K, N)
+
+
+def compute_peak_gflops(dtype: str, repeats: int = 5) -> float:
+    """The GEMM throughput torch reaches here in ``dtype`` (``F.linear`` of M x K by N x K,
+    the best of :data:`PEAK_SHAPES`: the model's own and square ones), GFLOP/s; in a
+    child process, as :func:`read_bandwidth_gbs` and for the same reason."""
+    done = subprocess.run([sys.executable, "-c", "from bench.common import _compute_peak_here as f; "
+                           f"print(f({dtype!r}, {repeats}))"], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).resolve().parent.parent)
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def _compute_peak_here(dtype: str, repeats: int) -> float:
+    best = 0.0
+    for m, k, n in PEAK_SHAPES:
+        x, w = torch.randn(m, k).to(getattr(torch, dtype)), torch.randn(n, k).to(getattr(torch, dtype))
+        torch.nn.functional.linear(x, w)  # warm-up: the library picks and packs its kernel
+        fastest = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            fastest = min(fastest, time.perf_counter() - start)
+        best = max(best, 2 * m * k * n / fastest / 1e9)
+    return best
+
+
 def median_of(runs: int, fn) -> tuple[float, list[float]]:
     """Runs ``fn`` (returning seconds) ``runs`` times; returns the median and all values."""
     values = [fn() for _ in range(runs)]
@@ -71,19 +98,20 @@ def bench_server(model_dir: str, dtype: str, kv_tokens: int, *extra: str) -> Ser
 
 
 @contextlib.contextmanager
-def served(model_dir: str, dtype: str, extra: tuple[str, ...] = ()):
+def served(model_dir: str, dtype: str, extra: tuple[str, ...] = (), kv_tokens: int = 32768):
     """``ferrum-rpc serve`` in its own process (as deployed); yields "host:port"."""
-    with bench_server(model_dir, dtype, 32768, *extra) as server:
+    with bench_server(model_dir, dtype, kv_tokens, *extra) as server:
         server.wait_serving(300)
         yield server.target
         RSS_MB[server.target] = rss_mb(server.pid)
 
 
-def write_results(name: str, records: list[dict]) -> Path:
+def write_results(name: str, records: list[dict], meta: dict | None = None) -> Path:
+    """``records`` and the run's facts (torch, threads, machine, time, and ``meta``) as JSON."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
-            "processor": platform.processor(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "processor": platform.processor(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **(meta or {})}
     path.write_text(json.dumps({"meta": meta, "records": records}, indent=2))
     log.info("wrote %s", path)
     return path

@@ -139,17 +139,13 @@ def grid_agreements(model_dir: Path, ids: list[int], positions: int) -> dict[str
     return out
 
 
-def llama_cpp_argmaxes(ids: list[int]) -> np.ndarray | None:
-    exe = llama_cpp.python()
-    if exe is None:
-        log.info("llama.cpp skipped: build its environment once with python -m bench.llama_cpp --setup")
-        return None
-    cmd = [str(exe), "-m", "bench.llama_cpp", "--argmax", "--gguf", str(find_gguf()), "--ids", json.dumps(ids)]
+def llama_cpp_argmaxes(ids: list[int]) -> np.ndarray:
+    """llama.cpp's argmax at every position (exits with one line when its anchor is
+    missing or its run fails: ``--llama-cpp`` asked for that row)."""
+    cmd = [str(llama_cpp.require()), "-m", "bench.llama_cpp", "--argmax", "--gguf", str(find_gguf()),
+           "--ids", json.dumps(ids)]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    if done.returncode:
-        log.warning("llama.cpp failed: %s", done.stderr[-500:])
-        return None
-    return np.asarray(json.loads(done.stdout.strip().splitlines()[-1]))
+    return np.asarray(json.loads(llama_cpp.anchor_output(done, "--argmax").strip().splitlines()[-1]))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -160,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--grids", action="store_true", help="the activation-grid study instead of --modes")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.llama_cpp:
+        llama_cpp.require()  # before the long part: a missing anchor stops the run at once
     model_dir = prepare_default_model()
     ids = english_ids(model_dir, args.positions)
     if args.grids:
@@ -172,8 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     for mode in args.modes:
         results[mode] = float((argmaxes(model_dir, mode, ids)[:args.positions] == reference).mean())
-    if args.llama_cpp and (theirs := llama_cpp_argmaxes(ids)) is not None:
-        results["llama.cpp Q4_1"] = float((theirs[:args.positions] == reference).mean())
+    if args.llama_cpp:
+        results["llama.cpp Q4_1"] = float((llama_cpp_argmaxes(ids)[:args.positions] == reference).mean())
     print(f"greedy top-1 agreement with float32 over {args.positions} positions of tests/data/english.txt:")
     for mode, agreement in results.items():
         print(f"  {mode:28} {agreement:.2%}")

@@ -15,7 +15,13 @@ def _load(name: str) -> list[dict]:
     return json.loads(path.read_text())["records"] if path.exists() else []
 
 
+def decode_rows(records: list[dict]) -> list[dict]:
+    """bench.decode_throughput's decode rows (not its prompt and long-context rows)."""
+    return [r for r in records if r.get("kind", "decode") == "decode"]
+
+
 def decode_table(records: list[dict]) -> str:
+    records = decode_rows(records)
     by = {(r["system"], r["dtype"], r["batch"]): r for r in records}
     lines = ["| dtype | batch | transformers `generate` | executor in-process | executor via gRPC "
              "| gRPC / in-process | gRPC / transformers | decode-only gRPC / transformers |",
@@ -39,6 +45,7 @@ def step_table(records: list[dict]) -> str:
     lines = ["| system | variant | batch | tokens/s | decode tokens/s | / transformers float32 | / llama.cpp "
              "| decode / llama.cpp | step ms | weight-read ms | not weight reads | RSS MiB | peak RSS MiB |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    records = decode_rows(records)
     rows = [r for r in records if r["system"] in ("executor", "grpc", "grpc-ahead", "llama.cpp")]
     for r in sorted(rows, key=lambda r: (r["batch"], r["system"], r["dtype"])):
         hf = by.get(("transformers", "bfloat16" if r["dtype"] == "bfloat16" else "float32", r["batch"]))
@@ -51,6 +58,24 @@ def step_table(records: list[dict]) -> str:
                      f"| {r['decode_tokens_per_s']:.1f} | {vs_hf} | {vs_llama} | {decode_vs} | {fmt('step_ms')} "
                      f"| {fmt('weight_read_ms')} | {fmt('rest_fraction', '{:.0%}')} | {fmt('rss_mb', '{:.0f}')} "
                      f"| {fmt('peak_rss_mb', '{:.0f}')} |")
+    return "\n".join(lines)
+
+
+def limits_table(records: list[dict]) -> str:
+    """Every row of bench.decode_throughput (decode, prompt, long-context decode) beside
+    its limit: what bounds it, the time that alone takes, and the share of it reached."""
+    lines = ["| kind | system | variant | batch | tokens | tokens/s | ms | limit | limit ms | share of limit |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    order = {"decode": 0, "prompt": 1, "context": 2}
+    rows = [r for r in records if "limit_share" in r]
+    for r in sorted(rows, key=lambda r: (order[r.get("kind", "decode")], r.get("prompt_tokens", r.get("context", 0)),
+                                         r["batch"], r["dtype"], r["system"])):
+        kind = r.get("kind", "decode")
+        tokens = {"decode": r.get("prompt_len"), "prompt": r.get("prompt_tokens"), "context": r.get("context")}[kind]
+        ms = r["ms"] if kind == "prompt" else r["step_ms"]
+        rate = r["decode_tokens_per_s"] if kind == "decode" else r["tokens_per_s"]
+        lines.append(f"| {kind} | {r['system']} | {r['dtype']} | {r['batch']} | {tokens} | {rate:.1f} | {ms:.2f} "
+                     f"| {r['limit']} | {r['limit_ms']:.2f} | {r['limit_share']:.0%} |")
     return "\n".join(lines)
 
 
@@ -107,6 +132,7 @@ def failover_table(records: list[dict]) -> str:
 def main() -> None:
     print(decode_table(_load("decode_throughput")), end="\n\n")
     print(step_table(_load("decode_throughput")), end="\n\n")
+    print(limits_table(_load("decode_throughput")), end="\n\n")
     print(concurrency_table(_load("concurrency")), end="\n\n")
     print(wire_lines(_load("wire")), end="\n\n")
     print(mixed_table(_load("mixed")), end="\n\n")

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -27,10 +28,11 @@ from .ahead import (
     run_ahead,
     run_ahead_async,
 )
+from .ready import Readiness
 from .rpc import INVOKED, STATUS, DecodeItem, Rpc, with_methods
 from .session import AsyncDecodeSession, DecodeSession
 from .shm import AsyncSharedMemoryRegion, SharedMemoryRegion
-from ferrum_rpc.errors import from_rpc_error
+from ferrum_rpc.errors import ExecutorError, from_rpc_error
 from ferrum_rpc.metadata import deadline_metadata
 from ferrum_rpc.types import KvCacheHandle, TokenChoice
 from ferrum_rpc.v1 import executor_pb2 as pb
@@ -220,9 +222,9 @@ class _Client:
                  token: str | None = None, failover: bool = True, replica_policy=None,
                  channel_options: Sequence[tuple[str, object]] = (),
                  keepalive: Keepalive | None = DEFAULT_KEEPALIVE):
-        self.model, self.timeout = model, timeout
+        self.model, self.timeout, self.target = model, timeout, _single(target)
         options = _options(max_message_bytes, keepalive) + list(channel_options)
-        self._channel = _channel(_single(target), options, tls, token, aio=self._aio)
+        self._channel = _channel(self.target, options, tls, token, aio=self._aio)
         self._stub = pb_grpc.ModelExecutorStub(self._channel)
         self._regions: dict[str, Any] = {}
         self._releasing: set = set()  # asyncio client: releases by request_id still running
@@ -286,8 +288,31 @@ class ExecutorClient(_Client):
                 log.info("releasing request_id %s after a lost reply failed: %s", name, exc.code())
 
     def wait_ready(self, timeout: float = 30.0) -> None:
-        """Blocks until the channel connects (``grpc.FutureTimeoutError`` after ``timeout``)."""
-        grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        """Blocks until the server serves this client's model, so that the next call is
+        not refused MODEL_LOADING: the channel connects, then GetStatus is asked (pauses of
+        20 ms growing to 0.5 s) until it answers STATE_SERVING for the model.  While the
+        server starts it answers STATE_LOADING, and while LoadModel loads the model,
+        MODEL_LOADING; both are waited out, as is a lost connection.
+
+        Raises :class:`~ferrum_rpc.errors.NotServing` (a ``grpc.FutureTimeoutError``)
+        once ``timeout`` seconds pass, naming what it saw last; ``Draining`` for a server
+        shutting down; and at once whatever waiting cannot change (MODEL_NOT_FOUND,
+        UNAUTHENTICATED, ...)."""
+        ready = Readiness(self, timeout)
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=ready.left())
+        except grpc.FutureTimeoutError:
+            raise ready.expired() from None
+        while True:
+            try:
+                outcome = self._status_probe(ready.left())
+            except ExecutorError as err:
+                outcome = err
+            if ready.served(outcome):
+                return
+            if ready.left() <= 0:
+                raise ready.expired()
+            time.sleep(ready.pause())
 
     def decode_session(self) -> DecodeSession:
         """Opens a DecodeSession stream: ``session.step(items)`` per step, no per-call setup."""
@@ -358,12 +383,23 @@ class AsyncExecutorClient(_Client):
         task.add_done_callback(self._releasing.discard)
 
     async def wait_ready(self, timeout: float = 30.0) -> None:
-        """Waits until the channel connects (``grpc.FutureTimeoutError`` after ``timeout``,
-        as :meth:`ExecutorClient.wait_ready`)."""
+        """Waits until the server serves this client's model (as
+        :meth:`ExecutorClient.wait_ready`, with the same errors)."""
+        ready = Readiness(self, timeout)
         try:
-            await asyncio.wait_for(self._channel.channel_ready(), timeout)
+            await asyncio.wait_for(self._channel.channel_ready(), ready.left())
         except asyncio.TimeoutError:
-            raise grpc.FutureTimeoutError() from None
+            raise ready.expired() from None
+        while True:
+            try:
+                outcome = await self._status_probe(ready.left())
+            except ExecutorError as err:
+                outcome = err
+            if ready.served(outcome):
+                return
+            if ready.left() <= 0:
+                raise ready.expired()
+            await asyncio.sleep(ready.pause())
 
     def decode_session(self) -> AsyncDecodeSession:
         """Opens a DecodeSession stream: ``await session.step(items)`` per step."""

@@ -284,6 +284,14 @@ class FailoverFailed(ExecutorError):
         self.cause, self.attempts = cause, attempts
 
 
+class NotServing(grpc.FutureTimeoutError, TimeoutError):
+    """Client side, never on the wire: ``wait_ready`` ran out of time before the server
+    served the model.  The message names the target, the model and what was last seen
+    (no connection, the server still loading, the model still loading).  A
+    ``grpc.FutureTimeoutError`` (what ``wait_ready`` raised when it waited only for the
+    connection) and a ``TimeoutError``."""
+
+
 class StartupError(ValueError):
     """Never on the wire: a server that cannot start as configured (a token or TLS
     file missing, unreadable or invalid, a model folder that is none, an address it

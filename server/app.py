@@ -76,7 +76,10 @@ class App:
     port_file: PortFile | None = None
 
     async def load(self) -> None:
-        """Loads and warms every model, then reports SERVING."""
+        """Loads and warms every model, then reports SERVING.  Each model is "loading"
+        until it serves (calls naming it get MODEL_LOADING, not MODEL_NOT_FOUND, while
+        the ones before it already serve), as a model LoadModel loads is."""
+        self.registry.loading.update((spec.name, spec.path) for spec in self.config.models)
         for spec in self.config.models:
             await self.registry.load(spec.name, spec.path)
         self.servicer.state = ServerState.SERVING

@@ -75,6 +75,7 @@ class Registry:
         """Loads, warms and adds one model (start-up: raises what loading raised)."""
         worker = await self._start(name, path)
         await self._warm(worker)
+        self.loading.pop(name, None)  # a name start-up marked loading (App.load); no await until _add lists it
         await self._add(worker, path)
         return worker
 

@@ -49,7 +49,8 @@ class _Contract:
         return {r.target: out for r, out in zip(self._fleet.replicas, (yield from self._statuses_flow()))}
 
     def wait_ready(self, timeout: float = 30.0):
-        """Waits until every replica's channel connects (each within ``timeout``)."""
+        """Waits until every replica serves the model (each within ``timeout``; see
+        ``ExecutorClient.wait_ready``)."""
         for replica in self._fleet.replicas:
             yield _Call(replica, "wait_ready", (timeout,), False)
 

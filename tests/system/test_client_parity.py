@@ -18,6 +18,7 @@ from ferrum_rpc.client import AsyncExecutorClient, AsyncReplicaSetClient, Execut
 from ferrum_rpc.client.session import AsyncDecodeSession, DecodeSession
 from ferrum_rpc.client.replicas import AsyncReplicaDecodeSession, ReplicaDecodeSession
 from ferrum_rpc.client.rpc import RPCS
+from ferrum_rpc.errors import NotServing
 from tests.system.test_replicas import free_port
 
 PAIRS = [
@@ -131,14 +132,17 @@ def test_the_check_sees_a_drift():
 
 
 def test_wait_ready_times_out_alike():
-    """Nothing listens on the port: both clients raise grpc.FutureTimeoutError."""
+    """Nothing listens on the port: both clients raise NotServing (a grpc.FutureTimeoutError)
+    naming the target, the model and what they saw."""
     target = f"127.0.0.1:{free_port()}"
-    with ExecutorClient(target) as ex, pytest.raises(grpc.FutureTimeoutError):
+    said = rf"{target} did not serve model 'm' within 0.2 s \(last seen: no connection\)"
+    with ExecutorClient(target, model="m") as ex, pytest.raises(NotServing, match=said) as raised:
         ex.wait_ready(0.2)
+    assert isinstance(raised.value, grpc.FutureTimeoutError)
 
     async def run():
-        async with AsyncExecutorClient(target) as aex:
-            with pytest.raises(grpc.FutureTimeoutError):
+        async with AsyncExecutorClient(target, model="m") as aex:
+            with pytest.raises(NotServing, match=said):
                 await aex.wait_ready(0.2)
 
     asyncio.run(run())

@@ -288,12 +288,14 @@ def test_sigterm_drains_in_flight_calls_and_exits_zero(tiny_llama_dir):
         health = health_pb2_grpc.HealthStub(health_channel)
         assert health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=5).status == SERVING
 
-        # four threads decode one sequence each, a fifth decodes two in one BatchDecode
+        # four threads decode one sequence each, a fifth decodes two in one BatchDecode; their
+        # clients are ready first (wait_ready asks GetStatus, which the held batch would delay)
         topk = LogitsPolicy.topk(3)
+        callers = [client() for _ in range(5)]
         for i in range(4):
-            calls.append(start_call(f"decode-{i}", client().decode, 10 + i, seqs[i], topk))
+            calls.append(start_call(f"decode-{i}", callers[i].decode, 10 + i, seqs[i], topk))
             time.sleep(0.02)
-        calls.append(start_call("batch-decode", client().batch_decode, [(20, seqs[4]), (21, seqs[5])], topk))
+        calls.append(start_call("batch-decode", callers[4].batch_decode, [(20, seqs[4]), (21, seqs[5])], topk))
         time.sleep(0.3)
         killed = time.monotonic()
         assert all(rec.sent and not rec.done for rec, _ in calls), \
