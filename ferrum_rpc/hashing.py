@@ -86,7 +86,13 @@ def weights_digest(path: str | Path) -> str:
     """BLAKE2b-256 (hex) of a model folder's config.json and *.safetensors, in name order
     (~1 GB/s: half a second for SmolLM2-135M in float32)."""
     folder = Path(path)
-    files = [folder / "config.json", *sorted(folder.glob("*.safetensors"))]
+    return files_digest([folder / "config.json", *sorted(folder.glob("*.safetensors"))])
+
+
+def files_digest(files: Sequence[str | Path]) -> str:
+    """BLAKE2b-256 (hex) over each file's name and BLAKE2b-256, in the order given: a
+    model's weights digest, a LoRA adapter's digest (AdapterEntry.digest)."""
+    files = [Path(f) for f in files]
     h = hashlib.blake2b(digest_size=32)
     for f in files:
         h.update(f.name.encode() + b"\0")

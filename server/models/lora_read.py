@@ -11,7 +11,6 @@ scale is folded into B here, once.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ferrum_rpc.hashing import files_digest
 from .config import ModelConfig
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -51,7 +51,7 @@ class LoraWeights:
     rank: int  # the largest rank of any module
     modules: tuple[str, ...]  # the target modules present, in MODULES order
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
-    digest: str  # sha256 of the config and weight files: the adapter's identity for caches and exports
+    digest: str  # of the config and weight files (hashing.files_digest): its identity for caches and exports
 
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -184,7 +184,7 @@ def read_adapter(folder: str | Path, cfg: ModelConfig, max_rank: int, dtype: tor
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         weights[(layer, module)] = (a.to(dtype).contiguous(), (b.float() * scale).to(dtype).contiguous())
         top = max(top, rank)
-    return LoraWeights(top, modules, weights, _digest(folder / CONFIG_FILE, path))
+    return LoraWeights(top, modules, weights, files_digest([folder / CONFIG_FILE, path]))
 
 
 def _place(key: str, cfg: ModelConfig) -> tuple[int, str, str]:
@@ -203,12 +203,3 @@ def _place(key: str, cfg: ModelConfig) -> tuple[int, str, str]:
         raise AdapterError("target_modules", f"layer {layer}'s MLP is a mixture of experts; adapters on experts "
                                              f"are not supported")
     return layer, module, match[4]
-
-
-def _digest(*paths: Path) -> str:
-    h = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-    return h.hexdigest()

@@ -329,14 +329,27 @@ RPC_ANSWERS = {
     "ForkCache": "OK", "Forward": "UNIMPLEMENTED", "SpeculativeDecode": "OK", "BatchPrefill": "OK",
     "ListModels": "OK", "LoadModel": "OK", "UnloadModel": "OK", "RegisterSharedMemory": "OK",
     "UnregisterSharedMemory": "OK", "ExportSequence": "OK", "ImportSequence": "OK 1", "CreateImportTicket": "OK",
-    "PushSequence": "OK 1", "WatchKvEvents": "OK",
+    "PushSequence": "OK 1", "WatchKvEvents": "OK", "LoadAdapter": "OK 8", "ListAdapters": "OK 1",
+    "UnloadAdapter": "OK", "UpdateWeights": "OK 1",
 }
 
 
 @pytest.fixture(scope="module")
-def rpc_lines(cpp_bin, server, tiny_llama_dir) -> dict:
+def rpc_lines(cpp_bin, server, tiny_llama_dir, tmp_path_factory) -> dict:
+    """Every RPC once; UpdateWeights with the model's own tensors (the same weights: the
+    module's other tests see the same logits), LoadAdapter with an adapter made by peft."""
+    from ferrum_rpc.hashing import stream_hasher
+    from tests.unit.models.lora_helpers import make_adapter
+
+    folder = tmp_path_factory.mktemp("cpp-update")
+    adapter = make_adapter(tiny_llama_dir, folder / "adapter", seed=3, r=8)
+    update = (tiny_llama_dir / "model.safetensors").read_bytes()
+    checksum = stream_hasher()
+    checksum.update(update)
+    (folder / "update.safetensors").write_bytes(update)
     return lines(run(cpp_bin, "ferrum-cpp-check", "rpcs", "--target", server.target, "--load-dir",
-                     tiny_llama_dir).stdout)
+                     tiny_llama_dir, "--adapter-dir", adapter, "--update-file", folder / "update.safetensors",
+                     "--update-checksum", checksum.hexdigest()).stdout)
 
 
 def test_the_table_names_every_rpc_of_the_contract():

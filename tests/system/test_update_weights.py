@@ -129,9 +129,16 @@ def raw_update(target: str, messages) -> grpc.RpcError:
     return failed.value
 
 
+@pytest.fixture(scope="module")
+def cold_server(tiny_llama_dir):
+    """No prefix cache: the same prompt gives the same bits every time it runs."""
+    with running_server(tiny_llama_dir, prefix_caching=False) as srv:
+        yield srv
+
+
 @pytest.mark.parametrize("case", ["checksum", "truncated", "no_trailer", "name", "shape", "dtype", "not_safetensors",
                                   "too_big"])
-def test_a_bad_update_changes_nothing(tiny_llama_dir, perturbed, case):
+def test_a_bad_update_changes_nothing(cold_server, perturbed, case):
     from ferrum_rpc.hashing import stream_hasher
     tensors, _ = perturbed
     name = "model.layers.0.mlp.up_proj.weight"
@@ -147,8 +154,9 @@ def test_a_bad_update_changes_nothing(tiny_llama_dir, perturbed, case):
     messages = [pb.WeightsChunk(header=pb.WeightsHeader(total_bytes=total)), pb.WeightsChunk(data=sent)]
     if case != "no_trailer":
         messages.append(pb.WeightsChunk(trailer=pb.WeightsTrailer(checksum=digest)))
-    with running_server(tiny_llama_dir, prefix_caching=False) as srv, ExecutorClient(srv.target) as c:
-        before, handle = logits(c), c.prefill(PROMPT, logits=FULL).kv_cache  # cold both: the same bits
+    srv = cold_server
+    with ExecutorClient(srv.target) as c:
+        before, handle = logits(c), c.prefill(PROMPT, logits=FULL).kv_cache
         error = raw_update(srv.target, messages)
         want = {"checksum": grpc.StatusCode.DATA_LOSS, "no_trailer": grpc.StatusCode.DATA_LOSS}.get(
             case, grpc.StatusCode.INVALID_ARGUMENT)
@@ -156,7 +164,7 @@ def test_a_bad_update_changes_nothing(tiny_llama_dir, perturbed, case):
         if case in ("name", "shape", "dtype"):
             assert "tensor" in error.details()
         assert np.array_equal(logits(c), before) and c.status().weights_version == 0
-        c.decode(3, handle, FULL)  # its sequence untouched
+        c.release_cache(c.decode(3, handle, FULL).kv_cache)  # its sequence untouched
 
 
 def test_updates_are_for_admin_tenants(tiny_llama_dir, perturbed, tmp_path):

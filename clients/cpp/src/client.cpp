@@ -306,6 +306,37 @@ pb::UnloadModelResponse Client::unload_model(const std::string& name) const {
   return *call(*this, &Stub::UnloadModel, req);
 }
 
+pb::AdapterEntry Client::load_adapter(const pb::LoadAdapterRequest& request) const {
+  pb::LoadAdapterRequest req = request;
+  if (req.model().empty()) req.set_model(model());
+  return *call(*this, &Stub::LoadAdapter, req);
+}
+
+pb::UnloadAdapterResponse Client::unload_adapter(const std::string& name) const {
+  pb::UnloadAdapterRequest req;
+  req.set_model(model());
+  req.set_name(name);
+  return *call(*this, &Stub::UnloadAdapter, req);
+}
+
+pb::ListAdaptersResponse Client::list_adapters() const {
+  pb::ListAdaptersRequest req;
+  req.set_model(model());
+  return *call(*this, &Stub::ListAdapters, req);
+}
+
+pb::UpdateWeightsResponse Client::update_weights(const std::vector<pb::WeightsChunk>& chunks) const {
+  auto ctx = context();
+  pb::UpdateWeightsResponse resp;
+  auto writer = stub_->UpdateWeights(ctx.get(), &resp);
+  for (const auto& c : chunks)
+    if (!writer->Write(c)) break;  // the server ended the call: its status says why
+  writer->WritesDone();
+  grpc::Status status = writer->Finish();
+  if (!status.ok()) throw error_from_status(status);
+  return resp;
+}
+
 Client::Registration::Registration(std::unique_ptr<grpc::ClientContext> ctx,
                                    std::unique_ptr<grpc::ClientReader<pb::RegisterSharedMemoryResponse>> reader)
     : ctx_(std::move(ctx)), reader_(std::move(reader)) {

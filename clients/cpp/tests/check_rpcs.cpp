@@ -4,6 +4,9 @@
 // --push-allow is PUSH_TARGET_REFUSED).
 #include "check.hpp"
 
+#include <fstream>
+#include <iterator>
+
 namespace check {
 
 using ferrum::LogitsPolicy;
@@ -131,6 +134,33 @@ int run_rpcs(const ferrum_args::Args& args) {
       return last.stage();
     });
     outcome("UnloadModel", [&] { return n(ex.unload_model("cpp-loaded").sequences_dropped()); });
+  }
+  if (args.has("adapter-dir")) {  // a PEFT adapter folder for this model
+    outcome("LoadAdapter", [&] {
+      ferrum::pb::LoadAdapterRequest req;
+      req.set_name("cpp-adapter");
+      req.set_path(args.str("adapter-dir"));
+      return n(ex.load_adapter(req).rank());
+    });
+    outcome("ListAdapters", [&] { return n(ex.list_adapters().adapters_size()); });
+    outcome("UnloadAdapter", [&] {
+      ex.unload_adapter("cpp-adapter");
+      return "";
+    });
+  }
+  if (args.has("update-file")) {  // a safetensors file of this model's tensors, and its BLAKE2b-256 (hex)
+    outcome("UpdateWeights", [&] {
+      std::ifstream in(args.str("update-file"), std::ios::binary);
+      std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      std::vector<ferrum::pb::WeightsChunk> chunks(1);
+      chunks[0].mutable_header()->set_model(ex.model());
+      chunks[0].mutable_header()->set_total_bytes(data.size());
+      for (size_t at = 0; at < data.size(); at += 1 << 20) chunks.emplace_back().set_data(data.substr(at, 1 << 20));
+      std::string hex = args.str("update-checksum"), checksum;
+      for (size_t i = 0; i + 1 < hex.size(); i += 2) checksum.push_back(char(std::stoi(hex.substr(i, 2), nullptr, 16)));
+      chunks.emplace_back().mutable_trailer()->set_checksum(checksum);
+      return n(ex.update_weights(chunks).weights_version());
+    });
   }
   outcome("ReleaseCache", [&] {
     ex.release_cache(h);

@@ -115,6 +115,13 @@ class Client {
                                    const std::function<void(const pb::LoadModelResponse&)>& progress = nullptr) const;
   pb::UnloadModelResponse unload_model(const std::string& name) const;
 
+  // Weights that change: LoRA adapters (a new sequence names one in its Prefill), and
+  // an in-place update (the chunks of an UpdateWeights stream: header, data, trailer).
+  pb::AdapterEntry load_adapter(const pb::LoadAdapterRequest& request) const;
+  pb::UnloadAdapterResponse unload_adapter(const std::string& name) const;
+  pb::ListAdaptersResponse list_adapters() const;
+  pb::UpdateWeightsResponse update_weights(const std::vector<pb::WeightsChunk>& chunks) const;
+
   // Shared memory: registers a region for the duration of the returned stream
   // (its first reply names the object); unregisters by name.
   class Registration;
