@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import threading
 import time
 
 from bench.common import log, median_of, served, write_results
@@ -42,11 +43,14 @@ def in_process(worker: ModelWorker, new_tokens: int, ahead: bool) -> float:
     item = DecodeInput(first.chosen.token_id, first.kv_cache, GREEDY)
     start = time.perf_counter()
     if ahead:
+        ready = threading.Event()
         run = worker.start_ahead([item], new_tokens, frozenset(), "", None)
+        run.on_entry = ready.set  # the worker wakes the consumer, as the RPC layer's event loop is woken
         taken = 0
         while not run.done:
+            ready.clear()
             if (entry := run.take()) is None:
-                time.sleep(0.0001)  # the consumer polls: it must not steal a core from the forward
+                ready.wait()
             else:
                 taken += len(entry)
         assert taken == new_tokens
@@ -95,14 +99,14 @@ def main(argv: list[str] | None = None) -> None:
         rows = {}
         try:
             for name, ahead in (("in_process", True), ("in_process_steps", False)):
-                in_process(worker, 8, ahead)  # warm
+                in_process(worker, args.new_tokens, ahead)  # warm: the first forwards of a process are slow
                 rows[name], _ = median_of(args.repeats, functools.partial(in_process, worker, args.new_tokens, ahead))
         finally:
             worker.stop()
         extra = ("--quantize", quantize) if quantize != "none" else ()
         with served(model_dir, dtype, extra) as target, ExecutorClient(target) as client:
             for name, ahead in (("grpc_ahead", True), ("grpc_steps", False)):
-                through_grpc(client, 8, ahead)
+                through_grpc(client, args.new_tokens, ahead)
                 rows[name], _ = median_of(args.repeats, functools.partial(through_grpc, client, args.new_tokens, ahead))
         tps = {name: args.new_tokens / seconds for name, seconds in rows.items()}
         ratio = tps["grpc_ahead"] / tps["in_process"]
