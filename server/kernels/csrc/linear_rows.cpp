@@ -9,7 +9,8 @@
 // contiguous range of weight rows; each output is one thread's dot product in a
 // fixed order (four chains of 8 lanes over K, then summed, in float32; bfloat16
 // rounded once at the end, as the eager linear), so the bits do not depend on
-// the thread count or on which rows ride along.
+// the thread count or on which rows ride along.  linear_rows_tiled runs 8 rows
+// and more on a register-blocked kernel with that same order per output.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
