@@ -1,9 +1,10 @@
 """Batch invariance on the real model, in process: how many seeded generations change
 their text when their sequence shares the forward or its prompt comes from the prefix
 cache (default kernels vs --batch-invariant), and what the invariant kernels cost in
-decode (batch 1 and 32) and prompt throughput, side by side in one run.
+decode (batch 1 and 32) and prompt throughput, side by side in one run (medians of
+rounds in which the two take turns, and their ratios).
 
-    python -m bench.determinism [--seeds 16] [--tokens 32]
+    python -m bench.determinism [--seeds 16] [--tokens 32] [--repeats 3] [--threads N]
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import random
+import statistics
 import time
 
 import torch
@@ -99,18 +101,33 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="throughput rounds, the two kernels taking turns in each; medians are recorded")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     records = []
     for dtype in args.dtypes.split(","):
-        for invariant in (False, True):
-            ex = _executor(dtype, invariant)
-            record = {"dtype": dtype, "batch_invariant": invariant, **divergence(ex, args.seeds, args.tokens),
-                      "decode_b1_tok_s": 1e3 / _step_ms(ex, 1), "decode_b32_tok_s": 32e3 / _step_ms(ex, 32),
-                      "prompt_512_tok_s": _prompt_tps(ex)}
+        pair = {invariant: _executor(dtype, invariant) for invariant in (False, True)}
+        found = {invariant: divergence(ex, args.seeds, args.tokens) for invariant, ex in pair.items()}
+        rounds = {invariant: {"decode_b1_tok_s": [], "decode_b32_tok_s": [], "prompt_512_tok_s": []}
+                  for invariant in pair}
+        for _ in range(args.repeats):  # taking turns, so a noisy spell on a shared host hits both
+            for invariant, ex in pair.items():
+                rounds[invariant]["decode_b1_tok_s"].append(1e3 / _step_ms(ex, 1))
+                rounds[invariant]["decode_b32_tok_s"].append(32e3 / _step_ms(ex, 32))
+                rounds[invariant]["prompt_512_tok_s"].append(_prompt_tps(ex))
+        for invariant in pair:
+            record = {"dtype": dtype, "batch_invariant": invariant, "threads": torch.get_num_threads(),
+                      **found[invariant], **{k: statistics.median(v) for k, v in rounds[invariant].items()}}
+            if invariant:
+                base = records[-1]
+                record["vs_default"] = {k: record[k] / base[k] for k in rounds[invariant]}
             print({k: round(v, 1) if isinstance(v, float) else v for k, v in record.items()}, flush=True)
             records.append(record)
-            del ex
+        del pair
     print("written:", write_results("determinism", records))
 
 

@@ -310,9 +310,10 @@ class LlamaForCausalLM(nn.Module):
         each linear on ``linear_rows_tiled`` (a row's dot products in one fixed order at
         any row count), RoPE, the pool write and attention in the fused op for any
         number of tokens (a query's reduction over its keys in one fixed order), the
-        per-row fused RMSNorm and activation, and no whole-layer decode op (its own
-        arithmetic for 1-4 rows).  So a token's logits do not depend on the batch, the
-        prompt's chunking or the prefix cache.  Needs the fused ops on and the plain
+        per-row fused RMSNorm and activation.  The whole-layer decode op stays for the
+        forwards it takes (a few rows): it runs those same ops, ``linear_rows`` on the
+        tiled linear's arithmetic, so its bits equal the per-op path's.  So a token's
+        logits do not depend on the batch, the prompt's chunking or the prefix cache.  Needs the fused ops on and the plain
         float32 or bfloat16 weights (``optimize_for_inference(False, rows_kernel=True)``)."""
         if not self.fused_ops:
             raise ValueError("batch invariance runs on the fused ops, which are off")
@@ -325,7 +326,6 @@ class LlamaForCausalLM(nn.Module):
                 module.invariant = True
             elif isinstance(module, nn.Linear):
                 raise ValueError(f"batch invariance: a linear outside FastLinear ({type(module).__name__})")
-        self.layer_ops = None
         self.fused_max_tokens = 1 << 62
         self.batch_invariant = True
 

@@ -277,6 +277,23 @@ def test_decode_stack_in_one_region_equals_decode_layer_per_layer(tiny_llama_dir
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_rows_tiled_equals_linear_rows_bit_for_bit_at_every_row_count(ops, isa, dtype):
+    """The blocked kernel (8 rows and more) and the 1-4 row kernel give a row the same
+    bits: every row count 1..70 against each row alone through linear_rows, with K
+    that leaves every kind of remainder (blocks past the last whole four, a scalar
+    tail) and N that leaves partial weight panels."""
+    gen = torch.Generator().manual_seed(11)
+    for n, k in [(13, 576), (7, 200), (20, 83), (5, 1024)]:
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        x = torch.randn(70, k, generator=gen).to(dtype)
+        alone = torch.cat([ops.linear_rows(x[i:i + 1], w) for i in range(70)])
+        for rows in range(1, 71):
+            got = ops.linear_rows_tiled(x[:rows], w)
+            assert torch.equal(got, alone[:rows]), (n, k, rows)
+        assert torch.equal(ops.linear_rows(x[:4], w), alone[:4])  # 4 rows sharing each weight load
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_rows_tiled_gives_a_row_the_same_bits_in_any_batch(ops, isa, dtype):
     """The batch-invariant linear: any row count (tiles of 64 and remainders of the 4-,
     2- and 1-row groups), each row's output bit-identical alone, in any subset and
