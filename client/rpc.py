@@ -367,14 +367,14 @@ def _update_weights(c, tensors, invalidate_sequences: bool = False, chunk_bytes:
         data = Path(tensors).read_bytes()
     else:
         data = bytes(tensors)
-    checksum = hashing.stream_hasher()
-    checksum.update(data)
-
-    def messages():
+    def messages():  # hashed as it goes: the hash of one chunk overlaps the sending of the one before
+        checksum = hashing.stream_hasher()
         yield pb.WeightsChunk(header=pb.WeightsHeader(model=c.model, total_bytes=len(data),
                                                       invalidate_sequences=invalidate_sequences))
         for start in range(0, len(data), chunk_bytes):
-            yield pb.WeightsChunk(data=data[start:start + chunk_bytes])
+            chunk = data[start:start + chunk_bytes]
+            yield pb.WeightsChunk(data=chunk)
+            checksum.update(chunk)
         yield pb.WeightsChunk(trailer=pb.WeightsTrailer(checksum=checksum.digest()))
     return messages()
 

@@ -49,7 +49,8 @@ class WeightsRpcs:
                     if len(data) + len(message.data) > header.total_bytes:
                         raise InvalidInput(f"the data passes total_bytes ({header.total_bytes})")
                     data += message.data
-                    digest.update(message.data)
+                    # off the event loop (hashlib lets go of the GIL): the next message arrives meanwhile
+                    await asyncio.get_running_loop().run_in_executor(None, digest.update, message.data)
                 elif part == "trailer":
                     break
                 else:
