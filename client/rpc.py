@@ -16,15 +16,11 @@ and annotations), and its docstring is the method's.
 from __future__ import annotations
 
 import inspect
-import os
 import uuid
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable, Sequence, Union
 
-import numpy as np
-
-from ferrum_rpc import convert, hashing, sequence_file, tensor_codec
+from ferrum_rpc import convert, sequence_file, tensor_codec
 from ferrum_rpc.errors import ExecutorError
 from ferrum_rpc.types import (  # the table's `returns` name some of these
     Capabilities,
@@ -44,6 +40,7 @@ from ferrum_rpc.types import (  # the table's `returns` name some of these
     VerifyOutput,
 )
 from ferrum_rpc.v1 import executor_pb2 as pb
+from . import admin
 
 DecodeItem = Union[DecodeInput, tuple[int, KvCacheHandle]]
 Prompt = Union[Sequence[int], tuple[Sequence[int], KvCacheHandle]]
@@ -317,68 +314,6 @@ def _fork_cache(c, kv_cache: KvCacheHandle, num_children: int) -> pb.ForkCacheRe
     return pb.ForkCacheRequest(kv_cache=convert.handle_to_proto(kv_cache), num_children=num_children)
 
 
-def _list_models(c) -> pb.ListModelsRequest:
-    """Every hosted model: name, state, folder, default flag and live status."""
-    return pb.ListModelsRequest()
-
-
-def _load_model(c, name: str, path: str, progress=None) -> pb.LoadModelRequest:
-    """Loads the model in ``path`` (a folder on the server) as ``name``; returns once
-    it serves.  ``progress(stage, elapsed_s)`` sees each stage."""
-    return pb.LoadModelRequest(name=name, path=path)
-
-
-def _load_progress(c, message: pb.LoadModelResponse, name: str, path: str, progress=None) -> None:
-    if progress is not None:
-        progress(message.stage, message.elapsed_s)
-
-
-def _unload_model(c, name: str) -> pb.UnloadModelRequest:
-    """Stops serving ``name`` (its sequences go); returns how many sequences it held."""
-    return pb.UnloadModelRequest(name=name)
-
-
-def _load_adapter(c, name: str, path: str, replace: bool = False) -> pb.LoadAdapterRequest:
-    """Loads the PEFT LoRA adapter in ``path`` (a folder on the server) as ``name``
-    (``replace``: reload a name no live sequence uses); returns its entry."""
-    return pb.LoadAdapterRequest(model=c.model, name=name, path=path, replace=replace)
-
-
-def _unload_adapter(c, name: str) -> pb.UnloadAdapterRequest:
-    """Unloads adapter ``name`` (refused while live sequences run with it)."""
-    return pb.UnloadAdapterRequest(model=c.model, name=name)
-
-
-def _list_adapters(c) -> pb.ListAdaptersRequest:
-    """The model's adapters (name, path, rank, scaling, modules, bytes, live sequences, digest)."""
-    return pb.ListAdaptersRequest(model=c.model)
-
-
-def _update_weights(c, tensors, invalidate_sequences: bool = False, chunk_bytes: int = 4 << 20):
-    """Replaces the model's weights in place (admin): ``tensors`` is one safetensors
-    file (its bytes or its path) or ``{checkpoint name: numpy array}``, some or all of
-    the checkpoint's tensors.  ``invalidate_sequences``: live sequences are dropped
-    (their next call fails WEIGHTS_CHANGED) instead of going on with their old KV.
-    Returns the reply (weights_version, tensors, rebuild_s, paused_s, sequences_invalidated)."""
-    if isinstance(tensors, dict):
-        from safetensors.numpy import save
-        data = save({name: np.ascontiguousarray(array) for name, array in tensors.items()})
-    elif isinstance(tensors, (str, os.PathLike)):
-        data = Path(tensors).read_bytes()
-    else:
-        data = bytes(tensors)
-    def messages():  # hashed as it goes: the hash of one chunk overlaps the sending of the one before
-        checksum = hashing.stream_hasher()
-        yield pb.WeightsChunk(header=pb.WeightsHeader(model=c.model, total_bytes=len(data),
-                                                      invalidate_sequences=invalidate_sequences))
-        for start in range(0, len(data), chunk_bytes):
-            chunk = data[start:start + chunk_bytes]
-            yield pb.WeightsChunk(data=chunk)
-            checksum.update(chunk)
-        yield pb.WeightsChunk(trailer=pb.WeightsTrailer(checksum=checksum.digest()))
-    return messages()
-
-
 def _export_sequence(c, kv_cache: KvCacheHandle, file: BinaryIO | None = None,
                      chunk_bytes: int = 0) -> pb.ExportSequenceRequest:
     """Reads a sequence out (it is unchanged on the server): its tokens, KV and
@@ -459,13 +394,13 @@ RPCS: tuple[Rpc, ...] = (
         "KvCacheHandle"),
     Rpc("release_cache", "ReleaseCache", _release_cache, lambda c, r: r.blocks_freed, "int"),
     Rpc("fork_cache", "ForkCache", _fork_cache, _handles, "list[KvCacheHandle]"),
-    Rpc("list_models", "ListModels", _list_models, lambda c, r: list(r.models), "list[pb.ModelEntry]"),
-    Rpc("load_model", "LoadModel", _load_model, lambda c, rs: None, "None", stream=True, each=_load_progress),
-    Rpc("unload_model", "UnloadModel", _unload_model, lambda c, r: r.sequences_dropped, "int"),
-    Rpc("load_adapter", "LoadAdapter", _load_adapter, lambda c, r: r, "pb.AdapterEntry"),
-    Rpc("unload_adapter", "UnloadAdapter", _unload_adapter, lambda c, r: None, "None"),
-    Rpc("list_adapters", "ListAdapters", _list_adapters, lambda c, r: list(r.adapters), "list[pb.AdapterEntry]"),
-    Rpc("update_weights", "UpdateWeights", _update_weights, lambda c, r: r, "pb.UpdateWeightsResponse"),
+    Rpc("list_models", "ListModels", admin.list_models, lambda c, r: list(r.models), "list[pb.ModelEntry]"),
+    Rpc("load_model", "LoadModel", admin.load_model, lambda c, rs: None, "None", stream=True, each=admin.load_progress),
+    Rpc("unload_model", "UnloadModel", admin.unload_model, lambda c, r: r.sequences_dropped, "int"),
+    Rpc("load_adapter", "LoadAdapter", admin.load_adapter, lambda c, r: r, "pb.AdapterEntry"),
+    Rpc("unload_adapter", "UnloadAdapter", admin.unload_adapter, lambda c, r: None, "None"),
+    Rpc("list_adapters", "ListAdapters", admin.list_adapters, lambda c, r: list(r.adapters), "list[pb.AdapterEntry]"),
+    Rpc("update_weights", "UpdateWeights", admin.update_weights, lambda c, r: r, "pb.UpdateWeightsResponse"),
     Rpc("export_sequence", "ExportSequence", _export_sequence, _export_result, "bytes | int", stream=True,
         each=_export_each, with_args=True),
     Rpc("import_sequence", "ImportSequence", _import_sequence, lambda c, r: convert.handle_from_proto(r.kv_cache),
