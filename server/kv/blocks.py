@@ -28,7 +28,7 @@ from ferrum_rpc.errors import (Cancelled, CacheExpired, CacheNotFound, InvalidIn
                                WeightsChanged, shown)
 from ferrum_rpc.hashing import block_hash, chain_root
 from ferrum_rpc.types import KvCacheHandle
-from .events import Cleared, KvEventHub, Removed, Stored
+from .events import KvEventHub, Removed, Stored
 
 _EXPIRED_MEMORY = 100_000  # expired ids remembered, to answer CACHE_EXPIRED instead of NOT_FOUND
 RELEASED_NAME_S = 600.0  # how long a request_id released before its sequence existed stays refused
@@ -327,14 +327,15 @@ class BlockManager:
         return chain_root(tenant, adapter_digest, self.generation)
 
     def start_generation(self, generation: int) -> None:
-        """The weights changed: every cached block is forgotten (KV events say
-        all_cleared), and chains start from roots of ``generation`` from now on."""
+        """The weights changed: every cached block is forgotten, and chains start from
+        roots of ``generation`` from now on (KV-event streams resync: a new hello names
+        the root, its snapshot is empty)."""
         self.generation = generation
         self._hash_of.clear()
         self._block_of.clear()
         self._published.clear()
         if self.events is not None:
-            self.events.publish_all(Cleared())
+            self.events.resync_all()
 
     def invalidate(self) -> int:
         """Drops every live sequence no job is using now, and makes every call naming any

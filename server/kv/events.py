@@ -116,6 +116,15 @@ class KvEventHub:
                 self._subs.pop(sub.tenant, None)
             self.active = bool(self._subs)
 
+    def resync_all(self) -> None:
+        """Every stream starts over from a fresh hello and snapshot (the weights changed:
+        chains start from new roots, and every cached block was forgotten)."""
+        with self._lock:
+            for subs in self._subs.values():
+                for sub in subs:
+                    sub.behind, sub.buffer = True, []
+                    self._notify(sub)
+
     def close(self) -> None:
         """The pool is gone (the model unloads): every stream says all_cleared and ends."""
         self.publish_all(Cleared())

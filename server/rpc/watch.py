@@ -46,7 +46,8 @@ class KvEventRpcs:
 
         def hello(snapshot: bool) -> pb.KvEventsHello:  # on the worker thread, between forwards
             first, blocks = hub.subscribe(sub, lambda: kv.cached_blocks(tenant) if snapshot else [])
-            return pb.KvEventsHello(chain_root=hashing.chain_root(tenant), block_size=kv.block_size,
+            return pb.KvEventsHello(chain_root=hashing.chain_root(tenant, "", kv.generation),
+                                    block_size=kv.block_size,
                                     model=worker.executor.name, queue_limit=hub.queue_limit, next_sequence=first,
                                     cached=[_kv_block(b) for b in blocks])
         try:

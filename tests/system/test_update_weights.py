@@ -111,11 +111,21 @@ def test_invalidated_sequences_say_so(tiny_llama_dir, perturbed):
 
 
 def test_the_prefix_cache_starts_afresh(tiny_llama_dir, perturbed):
+    """No block cached before the update is a hit after it, and a KV-event watcher is
+    resynced: a new hello names the new chain root, with an empty snapshot."""
+    from ferrum_rpc.hashing import chain_root
     tensors, folder = perturbed
     prompt = list(range(30, 62))
-    with running_server(tiny_llama_dir) as srv, ExecutorClient(srv.target) as c:
+    with running_server(tiny_llama_dir) as srv, ExecutorClient(srv.target) as c, \
+            grpc.insecure_channel(srv.target) as channel:
         c.prefill(prompt, logits=FULL)  # kept: its blocks stay cached
+        watch = pb_grpc.ModelExecutorStub(channel).WatchKvEvents(pb.WatchKvEventsRequest(snapshot=True), timeout=30)
+        first = next(watch)
+        assert first.hello.chain_root == chain_root("") and len(first.hello.cached) > 0
         c.update_weights(tensors)
+        resync = next(b for b in watch if b.HasField("hello"))
+        assert resync.resync and resync.hello.chain_root == chain_root("", "", 1) and not resync.hello.cached
+        watch.cancel()
         out = c.prefill(prompt, logits=FULL)
         assert out.cached_tokens == 0
     with running_server(folder) as fresh, ExecutorClient(fresh.target) as f:
