@@ -95,6 +95,11 @@ def _hidden(model: torch.nn.Module, pool: KvPool, steps: list[Step]) -> tuple[to
     counts = [len(s.tokens) for s in steps]
     if len(set(counts)) > 1 and not any(s.hidden or s.attention for s in steps):
         return _ragged(model, pool, steps)
+    if any(s.adapter for s in steps) and not any(s.hidden or s.attention for s in steps):
+        order = sorted(range(len(steps)), key=lambda i: _slot(model, steps[i]))
+        if order != list(range(len(steps))):  # rows grouped by adapter: each group's product on contiguous rows
+            hidden, firsts = _hidden(model, pool, [steps[i] for i in order])
+            return hidden, [firsts[order.index(i)] for i in range(len(steps))]
     width = max(counts)
     device = pool.k.device
     kv = pool.batch([s.block_ids for s in steps], [s.start for s in steps], counts)
@@ -120,8 +125,8 @@ def _hidden(model: torch.nn.Module, pool: KvPool, steps: list[Step]) -> tuple[to
 
 def _ragged(model: torch.nn.Module, pool: KvPool, steps: list[Step]) -> tuple[torch.Tensor, list[int]]:
     by_length: dict[int, list[int]] = {}
-    for i, step in enumerate(steps):
-        by_length.setdefault(len(step.tokens), []).append(i)
+    for i in sorted(range(len(steps)), key=lambda i: _slot(model, steps[i])):  # adapters' rows together
+        by_length.setdefault(len(steps[i].tokens), []).append(i)
     groups, ids, firsts, order = [], [], [0] * len(steps), []
     for width, members in by_length.items():
         groups.append(([steps[i].block_ids for i in members], [steps[i].start for i in members], width))
@@ -142,6 +147,10 @@ def _adapter_slots(model: torch.nn.Module, steps: list[Step], repeats: list[int]
     in order; None when every step runs the base model (the forward then takes no adapter path)."""
     if not any(step.adapter for step in steps):
         return None
-    adapters = model.adapters
-    slots = [adapters.slot(step.adapter) if step.adapter else BASE for step in steps]
+    slots = [_slot(model, step) for step in steps]
     return torch.tensor(slots, dtype=torch.int64).repeat_interleave(torch.tensor(repeats))
+
+
+def _slot(model: torch.nn.Module, step: Step) -> int:
+    """The adapter slot a step runs with (BASE: the base model)."""
+    return model.adapters.slot(step.adapter) if step.adapter else BASE

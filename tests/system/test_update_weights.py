@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -82,12 +83,15 @@ def test_a_load_through_the_update_sees_only_whole_versions(tiny_llama_dir, pert
         threads = [threading.Thread(target=generate, args=(i,)) for i in range(16)]
         for t in threads:
             t.start()
-        while len(seen) < 32:
-            threading.Event().wait(0.01)
+        def wait_for(n: int) -> None:
+            deadline = time.monotonic() + 60
+            while len(seen) < n and not errors:
+                assert time.monotonic() < deadline, f"{len(seen)} of {n} rows after 60 s"
+                time.sleep(0.01)
+
+        wait_for(32)
         c.update_weights(tensors)
-        count = len(seen)
-        while len(seen) < count + 32:
-            threading.Event().wait(0.01)
+        wait_for(len(seen) + 32)
         stop.set()
         for t in threads:
             t.join()
