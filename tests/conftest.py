@@ -132,12 +132,28 @@ TENANT_TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-9876543210
 
 
 @contextlib.contextmanager
-def tenants_server(model_dir, tmp_path_factory, **executor_kwargs):
-    """:func:`running_server` with bearer tokens: tenants alice and bob (TENANT_TOKENS)."""
+def tenants_server(model_dir, tmp_path_factory, admin_tenants: tuple[str, ...] = (), **executor_kwargs):
+    """:func:`running_server` with bearer tokens: tenants alice and bob (TENANT_TOKENS),
+    ``admin_tenants`` of them admins."""
     tokens = tmp_path_factory.mktemp("auth") / "tokens"
     tokens.write_text("".join(f"{name} {token}\n" for name, token in TENANT_TOKENS.items()))
-    with running_server(model_dir, server_kwargs=dict(auth_tokens=str(tokens)), **executor_kwargs) as server:
+    with running_server(model_dir, server_kwargs=dict(auth_tokens=str(tokens), admin_tenants=admin_tenants),
+                        **executor_kwargs) as server:
         yield server
+
+
+@pytest.fixture
+def alice(server):
+    """A client of tenant alice (TENANT_TOKENS) on the module's ``server``."""
+    with ExecutorClient(server.target, timeout=30, token=TENANT_TOKENS["alice"]) as c:
+        yield c
+
+
+@pytest.fixture
+def bob(server):
+    """A client of tenant bob (TENANT_TOKENS) on the module's ``server``."""
+    with ExecutorClient(server.target, timeout=30, token=TENANT_TOKENS["bob"]) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

@@ -99,7 +99,10 @@ def _hidden(model: torch.nn.Module, pool: KvPool, steps: list[Step]) -> tuple[to
         order = sorted(range(len(steps)), key=lambda i: _slot(model, steps[i]))
         if order != list(range(len(steps))):  # rows grouped by adapter: each group's product on contiguous rows
             hidden, firsts = _hidden(model, pool, [steps[i] for i in order])
-            return hidden, [firsts[order.index(i)] for i in range(len(steps))]
+            placed = [0] * len(steps)
+            for position, i in enumerate(order):
+                placed[i] = firsts[position]
+            return hidden, placed
     width = max(counts)
     device = pool.k.device
     kv = pool.batch([s.block_ids for s in steps], [s.start for s in steps], counts)

@@ -205,6 +205,11 @@ class AdapterSet:
             adapter.refs -= 1
             adapter.last_used = next(self._clock)
 
+    def touch(self, name: str) -> None:
+        """A use of ``name`` (a new sequence): it moves off the eviction list's head."""
+        with self._lock:
+            self._get(name).last_used = next(self._clock)
+
     def slot(self, name: str) -> int:
         return self._get(name).slot
 

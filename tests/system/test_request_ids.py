@@ -29,18 +29,6 @@ def server(tiny_llama_dir, tmp_path_factory):
         yield srv
 
 
-@pytest.fixture
-def alice(server):
-    with ExecutorClient(server.target, timeout=30, token=ALICE) as c:
-        yield c
-
-
-@pytest.fixture
-def bob(server):
-    with ExecutorClient(server.target, timeout=30, token=BOB) as c:
-        yield c
-
-
 def _worker(server):
     return server.app.servicer.workers["tiny"]
 

@@ -26,18 +26,6 @@ def server(tiny_llama_dir, tmp_path_factory):
         yield srv
 
 
-@pytest.fixture
-def alice(server):
-    with ExecutorClient(server.target, timeout=30, token=ALICE) as c:
-        yield c
-
-
-@pytest.fixture
-def bob(server):
-    with ExecutorClient(server.target, timeout=30, token=BOB) as c:
-        yield c
-
-
 def test_status_shows_the_default_bounds(alice):
     status = alice.status()
     assert (status.tenant_max_sequences, status.tenant_kv_tokens, status.tenant_ahead_sequences) == (6, 128, 2)

@@ -18,7 +18,7 @@ from ferrum_rpc.client import ExecutorClient, LogitsPolicy
 from ferrum_rpc.errors import ExecutorError, Reason
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
-from tests.conftest import TENANT_TOKENS, running_server
+from tests.conftest import TENANT_TOKENS, running_server, tenants_server
 
 FULL = LogitsPolicy()
 PROMPT = [1, 17, 42, 99, 5, 230, 17, 8]
@@ -181,12 +181,9 @@ def test_a_bad_update_changes_nothing(cold_server, perturbed, case):
         c.release_cache(c.decode(3, handle, FULL).kv_cache)  # its sequence untouched
 
 
-def test_updates_are_for_admin_tenants(tiny_llama_dir, perturbed, tmp_path):
+def test_updates_are_for_admin_tenants(tiny_llama_dir, perturbed, tmp_path_factory):
     tensors, _ = perturbed
-    tokens = tmp_path / "tokens"
-    tokens.write_text("".join(f"{name} {token}\n" for name, token in TENANT_TOKENS.items()))
-    with running_server(tiny_llama_dir, prefix_caching=False,
-                        server_kwargs=dict(auth_tokens=str(tokens), admin_tenants=("alice",))) as srv:
+    with tenants_server(tiny_llama_dir, tmp_path_factory, admin_tenants=("alice",), prefix_caching=False) as srv:
         with ExecutorClient(srv.target, token=TENANT_TOKENS["bob"]) as bob:
             before = logits(bob)
             with pytest.raises(ExecutorError) as refused:

@@ -45,6 +45,22 @@ void read_stream(const Client& c,
   if (!status.ok() && !(stopped && status.error_code() == grpc::StatusCode::CANCELLED))
     throw error_from_status(status);
 }
+
+// A client stream: every message written, in order; the reply, or the status's error.
+template <typename Req, typename Resp>
+Resp write_stream(const Client& c,
+                  std::unique_ptr<grpc::ClientWriter<Req>> (Stub::*method)(grpc::ClientContext*, Resp*),
+                  const std::vector<Req>& messages) {
+  auto ctx = c.context();
+  Resp resp;
+  auto writer = (c.stub().*method)(ctx.get(), &resp);
+  for (const auto& m : messages)
+    if (!writer->Write(m)) break;  // the server ended the call: its status says why
+  writer->WritesDone();
+  grpc::Status status = writer->Finish();
+  if (!status.ok()) throw error_from_status(status);
+  return resp;
+}
 }  // namespace
 
 std::string new_request_id() {
@@ -266,15 +282,7 @@ std::vector<pb::SequenceChunk> Client::export_sequence(const Handle& h, uint64_t
 }
 
 Handle Client::import_sequence(const std::vector<pb::SequenceChunk>& chunks) const {
-  auto ctx = context();
-  pb::ImportSequenceResponse resp;
-  auto writer = stub_->ImportSequence(ctx.get(), &resp);
-  for (const auto& c : chunks)
-    if (!writer->Write(c)) break;  // the server ended the call: its status says why
-  writer->WritesDone();
-  grpc::Status status = writer->Finish();
-  if (!status.ok()) throw error_from_status(status);
-  return Handle(resp.kv_cache());
+  return Handle(write_stream(*this, &Stub::ImportSequence, chunks).kv_cache());
 }
 
 pb::ImportTicket Client::create_import_ticket(const pb::CreateImportTicketRequest& request) const {
@@ -326,15 +334,7 @@ pb::ListAdaptersResponse Client::list_adapters() const {
 }
 
 pb::UpdateWeightsResponse Client::update_weights(const std::vector<pb::WeightsChunk>& chunks) const {
-  auto ctx = context();
-  pb::UpdateWeightsResponse resp;
-  auto writer = stub_->UpdateWeights(ctx.get(), &resp);
-  for (const auto& c : chunks)
-    if (!writer->Write(c)) break;  // the server ended the call: its status says why
-  writer->WritesDone();
-  grpc::Status status = writer->Finish();
-  if (!status.ok()) throw error_from_status(status);
-  return resp;
+  return write_stream(*this, &Stub::UpdateWeights, chunks);
 }
 
 Client::Registration::Registration(std::unique_ptr<grpc::ClientContext> ctx,
