@@ -15,9 +15,10 @@ import math
 import re
 import time
 from pathlib import Path
+from typing import Callable
 
-from ferrum_rpc.errors import (AdapterInUse, AdapterInvalid, AdapterLimitExceeded, AdapterNotFound, ExecutorError,
-                               StartupError)
+from ferrum_rpc.errors import (AdapterInUse, AdapterInvalid, AdapterLimitExceeded, AdapterNotFound, Cancelled,
+                               ExecutorError, StartupError)
 from ..kv.blocks import SequenceState
 from ..models.lora import BASE, AdapterSet
 from ..models.lora_read import AdapterError
@@ -60,8 +61,11 @@ class HostsAdapters:
         for adapter in self.adapters.by_name.values():
             adapter.refs = users.get(adapter.name, 0)
 
-    def load_adapter(self, name: str, path: str, replace: bool = False) -> dict:
-        """Loads (or, with ``replace``, reloads) adapter ``name`` from ``path``; returns its entry."""
+    def load_adapter(self, name: str, path: str, replace: bool = False,
+                     gone: Callable[[], bool] = lambda: False) -> dict:
+        """Loads (or, with ``replace``, reloads) adapter ``name`` from ``path``; returns its entry.
+        ``gone()``: the caller went away; a new adapter read meanwhile is dropped again (a
+        replaced one's new weights stand: the old ones are gone)."""
         adapters = self._adapter_set()
         if not ADAPTER_NAME.fullmatch(name or ""):
             raise AdapterInvalid(f"name: an adapter name is 1 to 128 bytes of [A-Za-z0-9._-], got {name[:40]!r}")
@@ -71,6 +75,8 @@ class HostsAdapters:
             raise AdapterInvalid(f"name: adapter {name!r} is loaded already (set replace to reload it)")
         if held is not None and held.refs:
             raise AdapterInUse(f"adapter {name!r} has {held.refs} live sequences: it cannot be replaced under them")
+        if gone():
+            raise Cancelled("the caller cancelled the load")
         start = time.perf_counter()
         try:
             adapters.add(name, path, replace=replace)
@@ -80,6 +86,9 @@ class HostsAdapters:
             raise AdapterInvalid(str(exc)) from None
         except OSError as exc:
             raise AdapterInvalid(f"path: cannot read the adapter folder: {exc.strerror or exc}") from None
+        if gone() and held is None:
+            adapters.remove(name)
+            raise Cancelled("the caller cancelled the load; the adapter was dropped again")
         self.adapter_scaling[name] = _scaling(path)
         return self.adapter_entry(name, load_s=time.perf_counter() - start)
 
@@ -114,7 +123,7 @@ class HostsAdapters:
         held = adapters.by_name.get(adapter)
         if held is None:
             raise AdapterNotFound(f"model {self.name!r} holds no adapter {adapter[:128]!r} (ListAdapters)")
-        held.last_used = next(adapters._clock)  # a use keeps it off the eviction list's head
+        adapters.touch(adapter)
         return held.name, held.digest
 
     def adapter_slot(self, seq: SequenceState) -> int:

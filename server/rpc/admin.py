@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import threading
 import time
 from pathlib import Path
 
@@ -61,7 +62,13 @@ class AdminRpcs:
     async def LoadAdapter(self, request, context, tenant: str):
         worker = self._worker(request.model)
         check_adapter_folder(request.path)
-        entry = await worker.call(worker.executor.load_adapter, request.name, request.path, request.replace)
+        gone = threading.Event()
+        try:
+            entry = await worker.call(worker.executor.load_adapter, request.name, request.path, request.replace,
+                                      gone.is_set)
+        except asyncio.CancelledError:
+            gone.set()  # a load under way drops what it read (a queued one never runs)
+            raise
         return _adapter_entry(entry)
 
     @handler(admin=True)

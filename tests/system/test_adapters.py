@@ -11,7 +11,7 @@ import pytest
 
 from ferrum_rpc.client import DecodeInput, ExecutorClient, LogitsPolicy, TokenChoice
 from ferrum_rpc.errors import ExecutorError, Reason
-from tests.conftest import TENANT_TOKENS, running_server
+from tests.conftest import TENANT_TOKENS, running_server, tenants_server
 from tests.unit.models.lora_helpers import edit_config, make_adapter, oracle
 
 PROMPTS = ([1, 17, 42, 99, 5, 230, 17, 8], [3, 4, 5, 6, 7, 8, 9, 10, 11], [200, 201, 9, 9, 9, 12])
@@ -173,10 +173,8 @@ def client_dir(client) -> str:
     return client.list_models()[0].path
 
 
-def test_changes_are_for_admin_tenants(tiny_llama_dir, adapters, tmp_path):
-    tokens = tmp_path / "tokens"
-    tokens.write_text("".join(f"{name} {token}\n" for name, token in TENANT_TOKENS.items()))
-    with running_server(tiny_llama_dir, server_kwargs=dict(auth_tokens=str(tokens), admin_tenants=("alice",))) as srv:
+def test_changes_are_for_admin_tenants(tiny_llama_dir, adapters, tmp_path_factory):
+    with tenants_server(tiny_llama_dir, tmp_path_factory, admin_tenants=("alice",)) as srv:
         with ExecutorClient(srv.target, token=TENANT_TOKENS["bob"]) as bob:
             with pytest.raises(ExecutorError) as refused:
                 bob.load_adapter("a", str(adapters["a"]))
@@ -235,3 +233,25 @@ def test_a_replica_set_places_by_adapter_and_replays_it_after_a_sigkill(tiny_lla
                 np.testing.assert_allclose(rows(step)[-1], want(ids)[-1].numpy(), atol=1e-4, rtol=0)
                 handle = step.kv_cache
             assert handle.adapter == "a" and fleet.replica_of(handle) == bare.target
+
+
+def test_a_load_whose_deadline_passes_while_queued_loads_nothing(server, adapters):
+    """The worker is held; a LoadAdapter with a short deadline waits behind it and
+    expires: once the worker is free the load never runs."""
+    import threading
+    import time
+
+    worker = server.app.servicer.workers["tiny"]
+    gate = threading.Event()
+    held = worker.submit(gate.wait, 30)
+    while not held.running():
+        time.sleep(0.001)
+    try:
+        with ExecutorClient(server.target, timeout=0.3) as impatient:
+            with pytest.raises(ExecutorError) as expired:
+                impatient.load_adapter("late", str(adapters["c"]))
+            assert expired.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        gate.set()
+    with ExecutorClient(server.target) as c:
+        assert "late" not in {e.name for e in c.list_adapters()}
