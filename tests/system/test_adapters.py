@@ -251,6 +251,10 @@ def test_a_load_whose_deadline_passes_while_queued_loads_nothing(server, adapter
             with pytest.raises(ExecutorError) as expired:
                 impatient.load_adapter("late", str(adapters["c"]))
             assert expired.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = time.monotonic() + 10
+        while server.app.servicer.inflight:  # the server's side of the call has ended too
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
     finally:
         gate.set()
     with ExecutorClient(server.target) as c:

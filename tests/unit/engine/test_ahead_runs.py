@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from ferrum_rpc.errors import Cancelled, Draining, SequenceLimitExceeded, TenantQuotaExceeded
+from ferrum_rpc.errors import Cancelled, DeadlineExceeded, Draining, SequenceLimitExceeded, TenantQuotaExceeded
 from ferrum_rpc.server.config import ExecutorConfig
 from ferrum_rpc.server.engine.ahead import Finish
 from ferrum_rpc.server.engine.executor import TorchExecutor
@@ -185,3 +185,19 @@ def test_a_forward_that_fails_for_the_run_ends_it_undone(worker):
         drain(run)
     assert not isinstance(failed.value, AssertionError)
     assert lengths(worker) == before and worker.ahead == {}
+
+
+def test_a_run_past_its_deadline_ends_undone(worker):
+    """The worker is held while the run's deadline passes: it is ended before its first forward."""
+    item = prompt(worker, [5, 6, 7])
+    before = lengths(worker)
+    gate = threading.Event()
+    held = worker.submit(gate.wait, 30)
+    while not held.running():
+        time.sleep(0.001)
+    run = worker.start_ahead([item], 4000, frozenset(), "", time.monotonic() + 0.05, bound=10_000)
+    time.sleep(0.1)
+    gate.set()
+    with pytest.raises(DeadlineExceeded):
+        drain(run, timeout=60)
+    assert worker.submit(lambda: lengths(worker)).result(timeout=10) == before and worker.ahead == {}
