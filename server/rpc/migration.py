@@ -25,6 +25,7 @@ from ferrum_rpc.errors import (
     ExecutorError,
     FingerprintMismatch,
     InvalidInput,
+    Reason,
     TransferStalled,
     from_rpc_error,
     shown,
@@ -292,17 +293,19 @@ class TransferRpcs:
         remaining = context.time_remaining()
         timeout = self.push.timeout_s if remaining is None else remaining
         failed = None
+        metadata = ((transfer.TICKET_HEADER, request.ticket), (transfer.TENANT_HEADER, tenant))
         async with self.push.channel(address, host) as channel:  # closed when the push ends
+            stub = pb_grpc.ModelExecutorStub(channel)
             try:
-                reply = await _stream_to(pb_grpc.ModelExecutorStub(channel).ImportSequence(
-                    timeout=timeout,
-                    metadata=((transfer.TICKET_HEADER, request.ticket), (transfer.TENANT_HEADER, tenant))), counted())
+                reply = await _stream_to(stub.ImportSequence(timeout=timeout, metadata=metadata), counted())
             except grpc.RpcError as exc:
                 # Raised below, outside this handler: an error raised in it would keep the
                 # gRPC error as its context, and through its traceback the call, which keeps
                 # the closed channel's subchannel reconnecting to the target until the
                 # garbage collector finds the cycle.
                 failed = from_rpc_error(exc)
+            if failed is not None and failed.reason is None and failed.code is grpc.StatusCode.INTERNAL:
+                failed = await _ticket_refusal(stub, timeout, metadata) or failed
         if failed is not None and failed.reason is None:  # no refusal: unreachable, broken or hung
             log.warning("push of %s to %s (%s) failed after %.1f s: %s", snap.handle.cache_id, shown(request.target),
                         address, time.perf_counter() - start, failed)
@@ -316,6 +319,26 @@ class TransferRpcs:
                  sent, request.target, 1e3 * (time.perf_counter() - start),
                  " and released it" if released else " (kept here)")
         return pb.PushSequenceResponse(kv_cache=reply.kv_cache, bytes_sent=sent, released=released)
+
+
+TICKET_REASONS = (Reason.TICKET_NOT_FOUND, Reason.TICKET_EXPIRED, Reason.TICKET_USED)
+
+
+async def _ticket_refusal(stub, timeout: float, metadata) -> ExecutorError | None:
+    """What the receiver says of the ticket alone, asked with an ImportSequence that sends
+    no message: a receiver that refused the ticket while we still wrote sometimes ends the
+    call so that gRPC reports only "Internal error from Core".  The receiver checks the
+    ticket before reading, and a ticket it would take is given back when the empty stream
+    fails, so asking changes nothing.  None: not a ticket refusal."""
+    call = stub.ImportSequence(timeout=timeout, metadata=metadata)
+    try:
+        with contextlib.suppress(Exception):
+            await call.done_writing()
+        await call
+    except grpc.RpcError as exc:
+        refusal = from_rpc_error(exc)
+        return refusal if refusal.reason in TICKET_REASONS else None
+    return None
 
 
 async def _stream_to(call, messages) -> pb.ImportSequenceResponse:
