@@ -57,7 +57,14 @@ class DrivesRuns:
 
     def _runs_want_turn(self) -> bool:
         """A run can join a forward, or must be ended (lock held)."""
-        return any(run.running and (not run.paused or run.cancelled or self._stopping) for run in self._runs)
+        return any(run.running and not run.paused for run in self._runs) or self._runs_to_settle()
+
+    def _runs_to_settle(self) -> bool:
+        """A running run must be ended before anything else runs (lock held): its caller
+        went away, its deadline passed, or the worker stops."""
+        now = time.monotonic()
+        return any(run.running and (run.cancelled or self._stopping
+                                    or run.deadline is not None and now > run.deadline) for run in self._runs)
 
     def _settle_runs(self) -> None:
         """Ends the runs whose caller went away, whose deadline passed or whose worker is

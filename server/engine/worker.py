@@ -210,6 +210,8 @@ class ModelWorker(AsyncFront, DrivesRuns):
                     self._reap()
                     self._cond.wait(self.PARKED_POLL_S if self._parked else self.REAP_EVERY_S)
                     self._unpark()
+                if self._runs_to_settle():
+                    continue  # ended and undone first (the top of the loop): a call behind it sees its undo
                 job = self._jobs[0] if self._jobs else None
                 if job is None and self._jobs:
                     if any(self._runs):
