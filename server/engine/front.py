@@ -13,19 +13,16 @@ from typing import Any, Callable
 from ferrum_rpc.types import DecodeInput, KvCacheHandle, LogitsPolicy, VerifyOutput
 from ..kv.blocks import Undo
 from .executor import verify_policy
-from .jobs import DecodeWork, Job
+from .jobs import DecodeWork, Done, Job
 
 
 class AsyncFront:
     """Mixed into :class:`~.worker.ModelWorker` (its ``_put``, ``submit``, ``undo``,
     ``executor`` and ``_prefill_job``)."""
 
-    async def call(self, fn: Callable[..., Any], *args: Any, deadline: float | None = None) -> Any:
-        return await self._await(self._put(Job(fn, args, deadline=deadline)))
-
     async def prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None, policy: LogitsPolicy | None,
                       deadline: float | None = None, hidden=None, tenant: str = "", choice=None,
-                      as_output: bool = False, name: str = "", adapter: str = "") -> Any:
+                      as_output: bool = False, name: str = "", adapter: str = "") -> Done:
         """A prompt; ``choice`` (a TokenChoice): also the token after it, chosen on this
         thread right after the forward; ``policy=None``: the logits field was unset;
         ``name``: the caller's request_id for the new sequence; ``adapter``: its LoRA adapter."""
@@ -34,20 +31,22 @@ class AsyncFront:
         return await self._await(job, lambda out: [Undo.of(kv_cache, out.kv_cache)])
 
     async def verify(self, token_ids: list[int], kv_cache: KvCacheHandle, policy: LogitsPolicy,
-                     deadline: float | None = None, tenant: str = "") -> VerifyOutput:
+                     deadline: float | None = None, tenant: str = "") -> Done:
         """ForwardVerify: a continued prefill over every position (chunked when long,
         batched with other prompts when short)."""
-        out = await self.prefill(token_ids, kv_cache, verify_policy(policy), deadline, tenant=tenant, as_output=True)
-        return VerifyOutput(out.logits, out.kv_cache, out.timing)
+        out, undo = await self.prefill(token_ids, kv_cache, verify_policy(policy), deadline, tenant=tenant,
+                                       as_output=True)
+        return Done(VerifyOutput(out.logits, out.kv_cache, out.timing), undo)
 
     async def decode(self, inputs: list[DecodeInput], policy: LogitsPolicy, deadline: float | None = None,
-                     tenant: str = "") -> list:
-        job = self._put(Job(None, (), decode=DecodeWork(inputs, policy), deadline=deadline, tenant=tenant))
-        return await self._await(job, lambda outs: [Undo.of(i.kv_cache, o.kv_cache) for i, o in zip(inputs, outs)])
+                     tenant: str = "") -> Done:
+        """A decode step; the undo records are one per input, in order."""
+        work = DecodeWork(inputs, policy)
+        return await self._await(self._put(Job(None, (), decode=work, deadline=deadline, tenant=tenant)), work.undo)
 
     async def speculative(self, token_id: int, draft: list[int], kv_cache: KvCacheHandle,
                           policy: LogitsPolicy | None, deadline: float | None = None, sampling=None,
-                          tenant: str = "", choice=None) -> Any:
+                          tenant: str = "", choice=None) -> Done:
         """SpeculativeDecode: verify, accept (by ``choice``, a TokenChoice, when given) and
         truncate as one job."""
         job = self._put(Job(self.executor.speculative_decode,
@@ -56,7 +55,7 @@ class AsyncFront:
         return await self._await(job, lambda out: [Undo.of(kv_cache, out.kv_cache)])
 
     async def fork(self, kv_cache: KvCacheHandle, num_children: int, deadline: float | None = None,
-                   tenant: str = "") -> list:
+                   tenant: str = "") -> Done:
         job = self._put(Job(self.executor.fork_cache, (kv_cache, num_children, tenant), deadline=deadline,
                              tenant=tenant))
         return await self._await(job, lambda children: [Undo.of(None, c) for c in children])
@@ -67,15 +66,20 @@ class AsyncFront:
         return await self.call(self._release_named, name, tenant)
 
     async def create(self, fn: Callable[..., KvCacheHandle], *args: Any, deadline: float | None = None,
-                     tenant: str = "") -> KvCacheHandle:
+                     tenant: str = "") -> Done:
         """A call that makes one new sequence and returns its handle (ImportSequence):
         released again if its caller went away."""
         job = self._put(Job(fn, args, deadline=deadline, tenant=tenant))
         return await self._await(job, lambda handle: [Undo.of(None, handle)])
 
+    async def call(self, fn: Callable[..., Any], *args: Any, deadline: float | None = None) -> Any:
+        return await self._await(self._put(Job(fn, args, deadline=deadline)))
+
     async def _await(self, job: Job, undo: Callable[[Any], list[Undo]] | None = None) -> Any:
-        """Waits for a job.  If the waiting coroutine is cancelled (gRPC cancels a
-        handler whose caller cancelled, disconnected or ran out of time), a queued
+        """Waits for a job; given ``undo`` (what builds its result's records), returns
+        :class:`Done`, the result with those records.  If the waiting coroutine is
+        cancelled (gRPC cancels a handler whose caller cancelled, disconnected or ran
+        out of time), a queued
         job is dropped, a running prompt is stopped before its next part and undone, and
         one that finished anyway has its records (``undo(result)``, see ``Undo``)
         applied, so a reply nobody receives leaves no sequence behind."""
@@ -92,7 +96,7 @@ class AsyncFront:
             # call must change nothing.  The undo is queued ahead of the caller's retry.
             self.undo(undo(result), "a call answered after its deadline")
             raise gone
-        return result
+        return result if undo is None else Done(result, undo(result))
 
     def _undo_if_done(self, future: Future, undo: Callable[[Any], list[Undo]]) -> None:
         if future.cancelled() or future.exception() is not None:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from ferrum_rpc.errors import Cancelled, DeadlineExceeded, ExecutorError
 from ferrum_rpc.types import DecodeInput, HiddenStatesRequest, KvCacheHandle, LogitsPolicy
+from ..kv.blocks import Undo
 from .prompt import PromptInParts
 
 
@@ -18,6 +19,10 @@ class DecodeWork:
     """A decode step: one token for each sequence, and what each reply carries."""
     inputs: list[DecodeInput]
     policy: LogitsPolicy
+
+    def undo(self, outs: list) -> list[Undo]:
+        """Each sequence back to the length its input handle had (one record an input)."""
+        return [Undo.of(i.kv_cache, o.kv_cache) for i, o in zip(self.inputs, outs)]
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,13 @@ class PromptWork:
     as_output: bool = False
     name: str = ""  # the caller's request_id for the sequence it creates
     adapter: str = ""  # the LoRA adapter the sequence it creates runs with
+
+
+class Done(NamedTuple):
+    """A finished call's result and the undo records that put back what it changed:
+    the records its caller applies if the reply never goes out (see ``Undo``)."""
+    out: Any
+    undo: list[Undo]
 
 
 @dataclass

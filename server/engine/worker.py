@@ -455,7 +455,7 @@ class ModelWorker(AsyncFront, DrivesRuns):
             if not isinstance(result, BaseException) and (gone := job.gone()) is not None:
                 # its caller stopped waiting during the forward: what it committed goes back
                 if job.decode:
-                    self.executor.undo([Undo.of(i.kv_cache, o.kv_cache) for i, o in zip(job.decode.inputs, result)])
+                    self.executor.undo(job.decode.undo(result))
                 result = gone
             if isinstance(result, BaseException):  # this call's own rows failed; run() undid it
                 if job.prompt is not None:

@@ -246,8 +246,8 @@ class TransferRpcs:
                 if receiver is None:
                     raise transfer.TransferCorrupted("the import stream was empty: truncated")
                 incoming = receiver.done()
-                handle = await worker.create(transfer.install, worker.executor, incoming, tenant,
-                                             deadline=deadline_of(context), tenant=tenant)
+                handle, _ = await worker.create(transfer.install, worker.executor, incoming, tenant,
+                                                deadline=deadline_of(context), tenant=tenant)
             finally:  # however the call ended: the buffer goes (even while a traceback keeps
                 # this frame) and its bytes leave the budget
                 incoming = None

@@ -227,9 +227,9 @@ class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, WeightsRpcs, pb_grp
                                                            target=targets[index])
 
     @staticmethod
-    def register_decodes(ledger: Undelivered, worker: ModelWorker, items: list[DecodeInput], outs) -> list[int]:
-        """One ledger entry per decoded sequence: back to its length, if nothing moved it since."""
-        return [ledger.add(worker, [Undo.of(i.kv_cache, o.kv_cache)]) for i, o in zip(items, outs)]
+    def register_decodes(ledger: Undelivered, worker: ModelWorker, undo: list[Undo]) -> list[int]:
+        """One ledger entry per decoded sequence (``undo``: a decode's records, one an input)."""
+        return [ledger.add(worker, [record]) for record in undo]
 
     @staticmethod
     def _result(message, out, received_ns: int, target=None):
@@ -307,9 +307,8 @@ class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, WeightsRpcs, pb_grp
         hidden = convert.hidden_request_from_proto(request.hidden_states) if request.HasField("hidden_states") \
             else None
         with self.logits_targets(policy, [rows], worker, tenant) as targets:
-            out = await worker.prefill(list(request.token_ids), handle, policy, deadline_of(context), hidden, tenant,
-                                       choice, name=request.request_id, adapter=request.adapter)
-            undo = [Undo.of(handle, out.kv_cache)]
+            out, undo = await worker.prefill(list(request.token_ids), handle, policy, deadline_of(context), hidden,
+                                             tenant, choice, name=request.request_id, adapter=request.adapter)
             reply = pb.PrefillResponse(cached_tokens=out.cached_tokens)
             for array in out.hidden_states:
                 tensor_codec.encode_into(reply.hidden_states.add(), array)
@@ -324,8 +323,7 @@ class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, WeightsRpcs, pb_grp
         item = DecodeInput(request.token_id, required_handle(request), _choice(worker, request))
         policy = _policy_or_unset(request)
         with self.logits_targets(policy, [1], worker, tenant) as targets:
-            (out,) = await worker.decode([item], policy, deadline_of(context), tenant)
-            undo = [Undo.of(item.kv_cache, out.kv_cache)]
+            (out,), undo = await worker.decode([item], policy, deadline_of(context), tenant)
             return await self._reply(pb.DecodeResponse(), out, received, worker, undo, targets[0])
 
     @call
@@ -334,8 +332,8 @@ class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, WeightsRpcs, pb_grp
         worker, items, policy = self.decode_batch(request)
         ledger = Undelivered()
         with self.logits_targets(policy, [1] * len(items), worker, tenant) as targets:
-            outs = await worker.decode(items, policy, deadline_of(context), tenant)
-            keys = self.register_decodes(ledger, worker, items, outs)
+            outs, undo = await worker.decode(items, policy, deadline_of(context), tenant)
+            keys = self.register_decodes(ledger, worker, undo)
             try:
                 async for _, reply in self.step_replies(pb.BatchDecodeResponse, {}, outs, received,
                                                          request.single_reply, targets, keys):
@@ -352,8 +350,7 @@ class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, WeightsRpcs, pb_grp
         handle = required_handle(request)
         policy = convert.policy_from_proto(request.logits)
         with self.logits_targets(policy, [len(request.token_ids)], worker, tenant) as targets:
-            out = await worker.verify(list(request.token_ids), handle, policy, deadline_of(context), tenant)
-            undo = [Undo.of(handle, out.kv_cache)]
+            out, undo = await worker.verify(list(request.token_ids), handle, policy, deadline_of(context), tenant)
             return await self._reply(pb.ForwardVerifyResponse(), out, received, worker, undo,
                                      targets[0])
 
@@ -377,7 +374,7 @@ class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, WeightsRpcs, pb_grp
     @call
     async def ForkCache(self, request, context, tenant: str):
         worker = self._worker(request.kv_cache.model)
-        children = await worker.fork(required_handle(request), request.num_children, deadline_of(context), tenant)
+        children, _ = await worker.fork(required_handle(request), request.num_children, deadline_of(context), tenant)
         return pb.ForkCacheResponse(children=[convert.handle_to_proto(c) for c in children])
 
     @call
@@ -392,12 +389,11 @@ class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, WeightsRpcs, pb_grp
             if request.HasField("sampling"):
                 m = request.sampling
                 sampling = SpeculativeSampling(m.temperature, m.top_k, m.top_p, m.seed)
-            out = await worker.speculative(request.token_id, list(request.draft_token_ids), handle, policy,
+            out, undo = await worker.speculative(request.token_id, list(request.draft_token_ids), handle, policy,
                                            deadline_of(context), sampling, tenant, choice)
             reply = pb.SpeculativeDecodeResponse(accepted_token_ids=out.accepted_token_ids,
                                                  next_token_id=out.next_token_id,
                                                  chosen=[convert.chosen_to_proto(c) for c in out.chosen])
-            undo = [Undo.of(handle, out.kv_cache)]
             return await self._reply(reply, out, received, worker, undo, targets[0])
 
     @call
@@ -432,15 +428,15 @@ class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, WeightsRpcs, pb_grp
                                         return_exceptions=True)
             failed = next((o for o in outs if isinstance(o, BaseException)), None)
             if failed is not None:  # all or nothing: the prompts that ran are undone
-                done = [Undo.of(h, o.kv_cache) for o, h in zip(outs, handles) if not isinstance(o, BaseException)]
+                done = [record for o in outs if not isinstance(o, BaseException) for record in o.undo]
                 if done:
                     await worker.call(worker.executor.undo, done)
                 raise failed
             ledger = Undelivered()
-            for out, handle in zip(outs, handles):
-                ledger.add(worker, [Undo.of(handle, out.kv_cache)])
+            for done in outs:
+                ledger.add(worker, done.undo)
             try:
-                for index, out in enumerate(outs):
+                for index, (out, _) in enumerate(outs):
                     yield await self._reply(pb.BatchPrefillResponse(index=index, cached_tokens=out.cached_tokens),
                                             out, received, target=targets[index])
             except BaseException:  # all or nothing, up to the last reply (see Undelivered.keep)

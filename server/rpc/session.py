@@ -176,8 +176,8 @@ class DecodeSession:
                     else:
                         targets = pinned.enter_context(
                             servicer.logits_targets(policy, [1] * len(items), worker, tenant))
-                        outs = await worker.decode(items, policy, self.deadline, tenant)
-                        keys = servicer.register_decodes(ledger, worker, items, outs)  # no await since the decode
+                        outs, undo = await worker.decode(items, policy, self.deadline, tenant)
+                        keys = servicer.register_decodes(ledger, worker, undo)  # no await since the decode
                 if not request.max_new_tokens:
                     async for _, reply in servicer.step_replies(pb.DecodeSessionResponse, {"step_id": step_id},
                                                                  outs, received, request.single_reply, targets, keys):
