@@ -303,16 +303,15 @@ class ExecutorClient(_Client):
             grpc.channel_ready_future(self._channel).result(timeout=ready.left())
         except grpc.FutureTimeoutError:
             raise ready.expired() from None
-        while True:
-            try:
-                outcome = self._status_probe(ready.left())
-            except ExecutorError as err:
-                outcome = err
-            if ready.served(outcome):
-                return
-            if ready.left() <= 0:
-                raise ready.expired()
+        while not ready.done(self._asked(ready)):
             time.sleep(ready.pause())
+
+    def _asked(self, ready: Readiness):
+        """One GetStatus probe's outcome: the status, or the error it gave."""
+        try:
+            return self._status_probe(ready.left())
+        except ExecutorError as err:
+            return err
 
     def decode_session(self) -> DecodeSession:
         """Opens a DecodeSession stream: ``session.step(items)`` per step, no per-call setup."""
@@ -390,16 +389,14 @@ class AsyncExecutorClient(_Client):
             await asyncio.wait_for(self._channel.channel_ready(), ready.left())
         except asyncio.TimeoutError:
             raise ready.expired() from None
-        while True:
-            try:
-                outcome = await self._status_probe(ready.left())
-            except ExecutorError as err:
-                outcome = err
-            if ready.served(outcome):
-                return
-            if ready.left() <= 0:
-                raise ready.expired()
+        while not ready.done(await self._asked(ready)):
             await asyncio.sleep(ready.pause())
+
+    async def _asked(self, ready: Readiness):
+        try:
+            return await self._status_probe(ready.left())
+        except ExecutorError as err:
+            return err
 
     def decode_session(self) -> AsyncDecodeSession:
         """Opens a DecodeSession stream: ``await session.step(items)`` per step."""

@@ -46,6 +46,14 @@ class Readiness:
         self.seen = "the server still loading its models"
         return False
 
+    def done(self, outcome) -> bool:
+        """:meth:`served`, and once time has run out without it, :meth:`expired` raised."""
+        if self.served(outcome):
+            return True
+        if self.left() <= 0:
+            raise self.expired()
+        return False
+
     def pause(self) -> float:
         pause, self._pause = min(self._pause, self.left()), min(2 * self._pause, READY_PAUSE_S[1])
         return pause

@@ -43,40 +43,19 @@ _KIND_TO_PROTO = {
 _KIND_FROM_PROTO = {v: k for k, v in _KIND_TO_PROTO.items()}
 _KIND_FROM_PROTO[pb.LOGITS_KIND_UNSPECIFIED] = LogitsKind.FULL
 _ID_SLICE = 1 << 18
+# A handle's fields that the message carries as they are (all but the block table).
+_HANDLE_SCALARS = tuple(f.name for f in dataclass_fields(KvCacheHandle) if f.name != "block_table")
 
 
 def handle_to_proto(h: KvCacheHandle) -> pb.KvCacheHandle:
-    return pb.KvCacheHandle(
-        cache_id=h.cache_id,
-        sequence_length=h.sequence_length,
-        num_layers=h.num_layers,
-        num_kv_heads=h.num_kv_heads,
-        head_dim=h.head_dim,
-        device=h.device,
-        block_table=pb.BlockTable(
-            block_size=h.block_table.block_size, block_ids=h.block_table.block_ids
-        ),
-        model=h.model,
-        server_instance_id=h.server_instance_id,
-        adapter=h.adapter,
-        weights_version=h.weights_version,
-    )
+    fields = {name: getattr(h, name) for name in _HANDLE_SCALARS}
+    return pb.KvCacheHandle(**fields, block_table=pb.BlockTable(block_size=h.block_table.block_size,
+                                                                block_ids=h.block_table.block_ids))
 
 
 def handle_from_proto(m: pb.KvCacheHandle) -> KvCacheHandle:
-    return KvCacheHandle(
-        cache_id=m.cache_id,
-        sequence_length=m.sequence_length,
-        num_layers=m.num_layers,
-        num_kv_heads=m.num_kv_heads,
-        head_dim=m.head_dim,
-        device=m.device,
-        block_table=BlockTable(m.block_table.block_size, tuple(m.block_table.block_ids)),
-        model=m.model,
-        server_instance_id=m.server_instance_id,
-        adapter=m.adapter,
-        weights_version=m.weights_version,
-    )
+    fields = {name: getattr(m, name) for name in _HANDLE_SCALARS}
+    return KvCacheHandle(**fields, block_table=BlockTable(m.block_table.block_size, tuple(m.block_table.block_ids)))
 
 
 def policy_to_proto(p: LogitsPolicy) -> pb.LogitsPolicy:

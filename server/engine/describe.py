@@ -23,19 +23,6 @@ class Describes:
     """Mixed into :class:`~.executor.TorchExecutor` (reads its model, config, pool,
     block manager, stats and shard)."""
 
-    @property
-    def forwards(self) -> int:
-        return self.stats.forwards
-
-    @property
-    def tokens_processed(self) -> int:
-        return self.stats.tokens_processed
-
-    @property
-    def batch_sizes(self):
-        """Forwards by the number of sequences in them."""
-        return self.stats.batch_sizes
-
     def memory_requirements(self) -> MemoryRequirements:
         return self.stats.memory_requirements()
 

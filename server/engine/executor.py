@@ -47,23 +47,10 @@ from ..parallel.shard import Shard
 from .prompt import PromptInParts
 from .stats import Stats
 from ferrum_rpc.hashing import weights_digest
-from ferrum_rpc.types import (
-    BlockTable,
-    DecodeInput,
-    DecodeOutput,
-    HiddenStatesRequest,
-    KvCacheHandle,
-    Logits,
-    LogitsKind,
-    LogitsPolicy,
-    PrefillOutput,
-    Timing,
-    TokenChoice,
-    VerifyOutput,
-)
+from ferrum_rpc.types import (BlockTable, DecodeInput, DecodeOutput, HiddenStatesRequest, KvCacheHandle, Logits,
+                              LogitsKind, LogitsPolicy, PrefillOutput, Timing, TokenChoice, VerifyOutput)
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass

@@ -96,8 +96,6 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     await context.abort_with_status(to_rpc_status(as_executor_error(exc)))
 
 
-
-
 def handler(*, admit: bool = True, admin: bool = False, observe: bool = True, ticketed: bool = False):
     """The one wrapper around every RPC: a request that did not parse is refused,
     the caller's tenant is found (and passed to the method as its last
@@ -136,32 +134,13 @@ def handler(*, admit: bool = True, admin: bool = False, observe: bool = True, ti
                 stack.enter_context(self.admit())
             return tenant
 
-        if inspect.isasyncgenfunction(method):
-            @functools.wraps(method)
-            async def stream(self, request, context):
-                start, tenant = time.perf_counter(), ""
-                try:
-                    with contextlib.ExitStack() as stack:
-                        tenant = enter(self, request, context, stack)
-                        async with contextlib.aclosing(method(self, request, context, tenant)) as replies:
-                            async for reply in replies:
-                                await context.write(reply)  # see the docstring
-                except Exception as exc:
-                    if observe:
-                        self.observe(method.__name__, tenant, exc, start)
-                    await _abort(context, exc)
-                else:
-                    if observe:
-                        self.observe(method.__name__, tenant, None, start)
-            return stream
-
-        @functools.wraps(method)
-        async def unary(self, request, context):
+        async def served(self, request, context, body):
+            """``body(tenant)`` once the call may run; its error becomes the call's status."""
             start, tenant = time.perf_counter(), ""
             try:
                 with contextlib.ExitStack() as stack:
                     tenant = enter(self, request, context, stack)
-                    reply = await method(self, request, context, tenant)
+                    reply = await body(tenant)
             except Exception as exc:
                 if observe:
                     self.observe(method.__name__, tenant, exc, start)
@@ -170,6 +149,20 @@ def handler(*, admit: bool = True, admin: bool = False, observe: bool = True, ti
                 if observe:
                     self.observe(method.__name__, tenant, None, start, getattr(reply, "timing", None))
                 return reply
+
+        if inspect.isasyncgenfunction(method):
+            @functools.wraps(method)
+            async def stream(self, request, context):
+                async def write_all(tenant: str) -> None:
+                    async with contextlib.aclosing(method(self, request, context, tenant)) as replies:
+                        async for reply in replies:
+                            await context.write(reply)  # see the docstring
+                await served(self, request, context, write_all)
+            return stream
+
+        @functools.wraps(method)
+        async def unary(self, request, context):
+            return await served(self, request, context, lambda tenant: method(self, request, context, tenant))
         return unary
     return wrap
 

@@ -95,10 +95,10 @@ class _ExecutorCollector:
             for tenant, n in sorted(per_tenant.items()):
                 alive.add_metric([ex.name, tenant], n)
             expired.add_metric(model, kv.expired_count)
-            tokens.add_metric(model, ex.tokens_processed)
+            tokens.add_metric(model, ex.stats.tokens_processed)
             queried.add_metric(model, kv.queried_tokens)
             hits.add_metric(model, kv.hit_tokens)
-            sizes = dict(ex.batch_sizes)
+            sizes = dict(ex.stats.batch_sizes)
             buckets = [(str(bound), sum(n for size, n in sizes.items() if size <= bound)) for bound in BATCH_BUCKETS]
             buckets.append(("+Inf", sum(sizes.values())))
             batches.add_metric(model, buckets, sum(size * n for size, n in sizes.items()))

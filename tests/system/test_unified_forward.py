@@ -68,13 +68,13 @@ def test_prompt_parts_and_decodes_share_forwards_and_each_equals_transformers(mo
     prompt_parts, cont_parts = [3, 5, 5, 3], [2, 5, 2]  # prompt: 8->11->16->21->24, the rest below
     outputs = {}
     for step in range(4):
-        forwards = ex.forwards
+        forwards = ex.stats.forwards
         plans = [ex.plan_decode([DecodeInput(decoded[k][step], seqs[k][0]) for k in seqs], FULL)]
         parts = [(prompt, prompt.next_part(prompt_parts[step]))]
         if step < len(cont_parts):
             parts.append((cont, cont.next_part(cont_parts[step])))
         results = ex.run(plans + [plan for _, plan in parts])
-        assert ex.forwards == forwards + 1  # one forward for everything
+        assert ex.stats.forwards == forwards + 1  # one forward for everything
         for k, out in zip(seqs, results[0]):
             seqs[k][1].append(decoded[k][step])
             seqs[k] = (out.kv_cache, seqs[k][1])
@@ -143,7 +143,7 @@ def test_worker_puts_decodes_first_then_prompt_parts_up_to_the_budget(model, bud
 
         async def scenario():
             worker.submit(gate.wait, 30)  # holds the worker while the queue fills
-            before = (ex.forwards, ex.tokens_processed)
+            before = (ex.stats.forwards, ex.stats.tokens_processed)
             prefill = asyncio.ensure_future(worker.prefill(prompt, None, FULL))
             await asyncio.sleep(0.05)
             decodes = [asyncio.ensure_future(worker.decode([DecodeInput(100 + i, h)], FULL))
@@ -153,14 +153,14 @@ def test_worker_puts_decodes_first_then_prompt_parts_up_to_the_budget(model, bud
             results = await asyncio.gather(prefill, *decodes)
             return before, results
 
-        (forwards0, tokens0), (out, *decoded) = asyncio.run(scenario())
-        assert ex.forwards - forwards0 == forwards
-        assert ex.tokens_processed - tokens0 == sum(tokens)
+        (forwards0, tokens0), ((out, _), *decoded) = asyncio.run(scenario())
+        assert ex.stats.forwards - forwards0 == forwards
+        assert ex.stats.tokens_processed - tokens0 == sum(tokens)
         np.testing.assert_allclose(out.logits.values[0], oracle(hf, prompt)[-1], atol=ATOL, rtol=0)
-        for i, ((step,), start) in enumerate(zip(decoded, starts)):
+        for i, (((step,), _), start) in enumerate(zip(decoded, starts)):
             np.testing.assert_allclose(step.logits.values[0], oracle(hf, start + [100 + i])[-1], atol=ATOL, rtol=0)
         if budget:
-            assert decoded[0][0].timing.batch_size == 4  # three decodes and the prompt's part, one forward
+            assert decoded[0].out[0].timing.batch_size == 4  # three decodes and the prompt's part, one forward
     finally:
         worker.stop(30)
 
@@ -180,7 +180,7 @@ def test_a_prompt_abandoned_between_parts_is_undone_while_decodes_go_on(tiny_lla
             gate.set()
             handle, steps = h, 0
             while steps < 3 or ex.kv.count("") < 2:  # the prompt is open and has parts in
-                (out,) = await worker.decode([DecodeInput(9, handle)], LogitsPolicy.argmax())
+                (out,), _ = await worker.decode([DecodeInput(9, handle)], LogitsPolicy.argmax())
                 handle, steps = out.kv_cache, steps + 1
             prefill.cancel()
             with pytest.raises(asyncio.CancelledError):

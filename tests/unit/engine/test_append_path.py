@@ -36,10 +36,10 @@ def test_prefill_verify_and_decodes_in_one_forward_each_equal_transformers(ex, h
         cont.next_part(len(verify)),  # ForwardVerify: every position
         ex.plan_decode([DecodeInput(99, ha)], FULL),  # a decode
     ]
-    forwards = ex.forwards
+    forwards = ex.stats.forwards
     new_rows, cont_rows, (decoded,) = ex.run(plans)
     prefill, verified = new.part_done(plans[0], new_rows), cont.part_done(plans[1], cont_rows)
-    assert ex.forwards == forwards + 1  # one forward for all three kinds
+    assert ex.stats.forwards == forwards + 1  # one forward for all three kinds
     np.testing.assert_allclose(prefill.logits.values[0], oracle_rows(hf_tiny_llama, c)[-1], atol=ATOL, rtol=0)
     np.testing.assert_allclose(verified.logits.values, oracle_rows(hf_tiny_llama, b + verify)[-3:], atol=ATOL,
                                rtol=0)

@@ -79,13 +79,13 @@ def test_a_flooding_tenant_does_not_starve_another_tenants_decode(tiny_llama_dir
             handles[tenant] = [w.submit_prefill([i + 1, 2], None, policy, tenant=tenant).result(timeout=30).kv_cache
                                for i in range(count)]
         gate = hold(w)
-        start = ex.forwards
+        start = ex.stats.forwards
         ran_in: dict[str, list[int]] = {"a": [], "b": []}
         jobs = []
         for tenant in ("a", "b"):
             for h in handles[tenant]:
                 future = w.submit_decode([DecodeInput(7, h)], policy, tenant=tenant)  # queued behind the gate
-                future.add_done_callback(lambda f, t=tenant: ran_in[t].append(ex.forwards - start))
+                future.add_done_callback(lambda f, t=tenant: ran_in[t].append(ex.stats.forwards - start))
                 jobs.append(future)
         gate.set()
         for future in jobs:
