@@ -65,6 +65,9 @@ class Rpc:
         names: the request_ids of the sequences a request would create; when such a call
             ends with its outcome unknown (cancelled, timed out, connection lost), the
             invoker releases them by name, so a lost reply leaves no orphan.
+        replicas: how a replica set runs the call when it writes no flow of its own
+            (``replicas/contract.py``): ``"any"``, one usable replica answers (queries);
+            ``"every"``, each replica in turn, returning the last one's result.
     """
 
     name: str
@@ -76,6 +79,7 @@ class Rpc:
     each: Callable[..., None] | None = None
     with_args: bool = False
     names: Callable[[Any], list[str]] | None = None
+    replicas: str = ""
 
     def seen(self, client, message, args: tuple, kwargs: dict):
         """A streamed message as it arrives: shown to ``each``, then kept."""
@@ -375,12 +379,13 @@ def _speculative_output(c, reply: pb.SpeculativeDecodeResponse) -> SpeculativeOu
                              out.timing, tuple(convert.chosen_from_proto(m) for m in reply.chosen))
 
 
-STATUS = Rpc("status", "GetStatus", _status, lambda c, r: convert.status_from_proto(r), "ExecutorStatus")
+STATUS = Rpc("status", "GetStatus", _status, lambda c, r: convert.status_from_proto(r), "ExecutorStatus",
+             replicas="any")
 
 RPCS: tuple[Rpc, ...] = (
-    Rpc("info", "GetModelInfo", _info, lambda c, r: convert.model_info_from_proto(r), "ModelInfo"),
+    Rpc("info", "GetModelInfo", _info, lambda c, r: convert.model_info_from_proto(r), "ModelInfo", replicas="any"),
     Rpc("capabilities", "GetCapabilities", _capabilities, lambda c, r: convert.capabilities_from_proto(r),
-        "Capabilities"),
+        "Capabilities", replicas="any"),
     STATUS,
     Rpc("prefill", "Prefill", _prefill, prefill_output, "PrefillOutput", names=created_names),
     Rpc("decode", "Decode", _decode, lambda c, r: chosen_output(c, DecodeOutput, r), "DecodeOutput"),
@@ -394,13 +399,17 @@ RPCS: tuple[Rpc, ...] = (
         "KvCacheHandle"),
     Rpc("release_cache", "ReleaseCache", _release_cache, lambda c, r: r.blocks_freed, "int"),
     Rpc("fork_cache", "ForkCache", _fork_cache, _handles, "list[KvCacheHandle]"),
-    Rpc("list_models", "ListModels", admin.list_models, lambda c, r: list(r.models), "list[pb.ModelEntry]"),
-    Rpc("load_model", "LoadModel", admin.load_model, lambda c, rs: None, "None", stream=True, each=admin.load_progress),
+    Rpc("list_models", "ListModels", admin.list_models, lambda c, r: list(r.models), "list[pb.ModelEntry]",
+        replicas="any"),
+    Rpc("load_model", "LoadModel", admin.load_model, lambda c, rs: None, "None", stream=True, each=admin.load_progress,
+        replicas="every"),
     Rpc("unload_model", "UnloadModel", admin.unload_model, lambda c, r: r.sequences_dropped, "int"),
-    Rpc("load_adapter", "LoadAdapter", admin.load_adapter, lambda c, r: r, "pb.AdapterEntry"),
-    Rpc("unload_adapter", "UnloadAdapter", admin.unload_adapter, lambda c, r: None, "None"),
-    Rpc("list_adapters", "ListAdapters", admin.list_adapters, lambda c, r: list(r.adapters), "list[pb.AdapterEntry]"),
-    Rpc("update_weights", "UpdateWeights", admin.update_weights, lambda c, r: r, "pb.UpdateWeightsResponse"),
+    Rpc("load_adapter", "LoadAdapter", admin.load_adapter, lambda c, r: r, "pb.AdapterEntry", replicas="every"),
+    Rpc("unload_adapter", "UnloadAdapter", admin.unload_adapter, lambda c, r: None, "None", replicas="every"),
+    Rpc("list_adapters", "ListAdapters", admin.list_adapters, lambda c, r: list(r.adapters), "list[pb.AdapterEntry]",
+        replicas="any"),
+    Rpc("update_weights", "UpdateWeights", admin.update_weights, lambda c, r: r, "pb.UpdateWeightsResponse",
+        replicas="every"),
     Rpc("export_sequence", "ExportSequence", _export_sequence, _export_result, "bytes | int", stream=True,
         each=_export_each, with_args=True),
     Rpc("import_sequence", "ImportSequence", _import_sequence, lambda c, r: convert.handle_from_proto(r.kv_cache),

@@ -18,7 +18,7 @@ from .batches import _entries, _item_choices, _prompt_choices, _prompt_entries
 from ..ahead import AheadResult, run_ahead, run_ahead_async
 from ..client import AsyncExecutorClient
 from ..disagg import DECODE
-from ..rpc import RPCS, DecodeItem, Prompt, method
+from ..rpc import RPCS, DecodeItem, Prompt, Rpc, method
 from ferrum_rpc import sequence_file
 from ferrum_rpc.errors import ExecutorError
 from ferrum_rpc.types import (
@@ -53,16 +53,6 @@ class _Contract:
         ``ExecutorClient.wait_ready``)."""
         for replica in self._fleet.replicas:
             yield _Call(replica, "wait_ready", (timeout,), False)
-
-    def info(self):
-        return (yield from self._any_flow("info"))
-
-    def capabilities(self):
-        return (yield from self._any_flow("capabilities"))
-
-    def status(self):
-        """One usable replica's status (see :meth:`replica_status` for all)."""
-        return (yield from self._any_flow("status"))
 
     def prefill(self, token_ids: Sequence[int], kv_cache: KvCacheHandle | None = None,
                 logits: LogitsPolicy | None = None, hidden_states: HiddenStatesRequest | None = None,
@@ -149,42 +139,12 @@ class _Contract:
     def fork_cache(self, kv_cache: KvCacheHandle, num_children: int):
         return (yield from self._fork_flow(kv_cache, num_children))
 
-    def list_models(self):
-        return (yield from self._any_flow("list_models"))
-
-    def load_model(self, name: str, path: str, progress=None):
-        """Loads the model on every replica, one after another."""
-        for replica in self._fleet.replicas:
-            yield _Call(replica, "load_model", (name, path, progress), False)
-
     def unload_model(self, name: str):
         """Unloads the model on every replica; returns the sequences dropped in all."""
         dropped = 0
         for replica in self._fleet.replicas:
             dropped += yield _Call(replica, "unload_model", (name,), False)
         return dropped
-
-    def load_adapter(self, name: str, path: str, replace: bool = False):
-        """Loads the adapter on every replica, one after another; returns the last one's entry."""
-        entry = None
-        for replica in self._fleet.replicas:
-            entry = yield _Call(replica, "load_adapter", (name, path, replace), False)
-        return entry
-
-    def unload_adapter(self, name: str):
-        """Unloads the adapter on every replica."""
-        for replica in self._fleet.replicas:
-            yield _Call(replica, "unload_adapter", (name,), False)
-
-    def update_weights(self, tensors, invalidate_sequences: bool = False, chunk_bytes: int = 4 << 20):
-        """Updates the weights on every replica, one after another; returns the last reply."""
-        reply = None
-        for replica in self._fleet.replicas:
-            reply = yield _Call(replica, "update_weights", (tensors, invalidate_sequences, chunk_bytes), False)
-        return reply
-
-    def list_adapters(self):
-        return (yield from self._any_flow("list_adapters"))
 
     def export_sequence(self, kv_cache: KvCacheHandle, file=None, chunk_bytes: int = 0):
         """Reads the sequence out of the replica that owns it (see ExecutorClient.export_sequence)."""
@@ -251,6 +211,34 @@ def _driven(flow: Callable[..., Flow], name: str | None = None) -> Callable[[boo
     return lambda aio: method(name, flow, _RESULTS.get(name, inspect.Signature.empty),
                               lambda self, *args, **kwargs: self._drive(flow(self, *args, **kwargs)), aio)
 
+
+def _table_flow(rpc: Rpc) -> Callable[..., Flow]:
+    """The flow of a call the clients' table marks ``replicas="any"`` (one usable
+    replica answers) or ``"every"`` (each replica in turn; the last one's result), with
+    the call's parameters and docstring."""
+    signature = inspect.signature(rpc.request)
+
+    def flow(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        args = tuple(bound.arguments.values())[1:]
+        if rpc.replicas == "any":
+            return (yield from self._any_flow(rpc.name, args))
+        result = None
+        for replica in self._fleet.replicas:
+            result = yield _Call(replica, rpc.name, args, False)
+        return result
+
+    flow.__signature__ = signature
+    flow.__name__ = flow.__qualname__ = rpc.name
+    flow.__doc__ = (rpc.request.__doc__ or "") + ("" if rpc.replicas == "any" else
+                                                  "\n\n    On a replica set: on every replica, one after another.")
+    return flow
+
+
+for _rpc in RPCS:  # the calls with no flow written above
+    if _rpc.replicas and _rpc.name not in vars(_Contract):
+        setattr(_Contract, _rpc.name, _table_flow(_rpc))
 
 # What ReplicaSetClient and AsyncReplicaSetClient get: a method per call of _Contract.
 DRIVEN = {name: _driven(flow) for name, flow in vars(_Contract).items() if inspect.isfunction(flow)}
