@@ -43,12 +43,14 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.root, self.block_size, self.next = b"", 0, 0
+        self.adapter_roots: dict[str, bytes] = {}
         self.hashes: set[bytes] = set()
         self.ready = False  # a snapshot arrived and every event since
 
     def start(self, hello: pb.KvEventsHello) -> None:
         with self._lock:
             self.root, self.block_size, self.next = hello.chain_root, hello.block_size, hello.next_sequence
+            self.adapter_roots = dict(hello.adapter_roots)
             self.hashes = {b.block_hash for b in hello.cached}
             self.ready = True
 
@@ -72,13 +74,18 @@ class PrefixIndex:
             self.ready = False
             self.hashes = set()
 
-    def matched_tokens(self, tokens: Sequence[int]) -> int | None:
-        """Leading tokens of ``tokens`` this replica holds as cached blocks (None: unknown)."""
+    def matched_tokens(self, tokens: Sequence[int], adapter: str = "") -> int | None:
+        """Leading tokens of ``tokens`` this replica holds as cached blocks for sequences
+        running ``adapter`` ("": the base model; 0 where it does not hold the adapter;
+        None: unknown)."""
         with self._lock:
             if not self.ready or not self.block_size:
                 return None
+            root = self.adapter_roots.get(adapter) if adapter else self.root
+            if root is None:
+                return 0
             n = 0
-            for digest in chain(self.root, self.block_size, tokens):
+            for digest in chain(root, self.block_size, tokens):
                 if digest not in self.hashes:
                     break
                 n += 1
@@ -107,11 +114,12 @@ class KvRouter:
         for thread in self._threads:
             thread.start()
 
-    def matched_tokens(self, tokens: Sequence[int]) -> dict[str, int]:
-        """Per target whose index is complete: the leading tokens of ``tokens`` it has cached."""
+    def matched_tokens(self, tokens: Sequence[int], adapter: str = "") -> dict[str, int]:
+        """Per target whose index is complete: the leading tokens of ``tokens`` it has
+        cached for sequences running ``adapter``."""
         out = {}
         for target, index in self.indexes.items():
-            n = index.matched_tokens(tokens)
+            n = index.matched_tokens(tokens, adapter)
             if n is not None:
                 out[target] = n
         return out

@@ -63,7 +63,7 @@ class _Contract:
         if kv_cache is None:
             return (yield from self._new_sequence_flow(
                 tokens, lambda r: _Call(r, "prefill", (tokens, None, logits, hidden_states, token_choice,
-                                                       request_id, adapter))))
+                                                       request_id, adapter)), adapter))
         return (yield from self._sequence_flow(
             kv_cache, lambda r, h: _Call(r, "prefill", (tokens, h, logits, hidden_states, token_choice, request_id,
                                                         adapter)),

@@ -121,7 +121,7 @@ class _Failover:
         start, attempts, last = self.clock(), 0, cause
         what = f"move sequence {seq.handle.cache_id!r} ({len(seq.tokens)} tokens) off {old.target}"
         while True:
-            replica = yield from self._place_flow(seq.tokens, exclude, DECODE)
+            replica = yield from self._place_flow(seq.tokens, exclude, DECODE, seq.handle.adapter)
             if replica is None:
                 attempts += 1
                 yield from self._wait_or_fail(start, attempts, last, what)
@@ -151,7 +151,8 @@ class _Failover:
         caller's length), or None when it could not (the sequence stays where it is)."""
         old, start = seq.replica, self.clock()
         if replica is None:
-            replica = yield from self._place_flow(seq.tokens if seq.tokens is not None else [], {old}, DECODE)
+            replica = yield from self._place_flow(seq.tokens if seq.tokens is not None else [], {old}, DECODE,
+                                                  seq.handle.adapter)
         if replica is None:
             return None
         try:

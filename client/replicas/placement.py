@@ -10,6 +10,7 @@ first usable one.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable, Sequence
 
@@ -29,12 +30,12 @@ class _Placement:
     """Placement, probes and the bounds of a retry, as flows (part of :class:`~.routing._Routing`,
     whose state they read: ``_fleet``, ``policy``, ``failover``, ``_roles``, ``_router``, ``clock``)."""
 
-    def _preferred(self, tokens: Sequence[int]) -> _Replica | None:
-        """The replica whose cache holds the longest run of ``tokens``' leading blocks (by
-        its KV events; the less loaded of equals), else the first-tokens LRU's."""
+    def _preferred(self, tokens: Sequence[int], adapter: str = "") -> _Replica | None:
+        """The replica whose cache holds the longest run of ``tokens``' leading blocks for
+        ``adapter`` (by its KV events; the less loaded of equals), else the first-tokens LRU's."""
         fleet = self._fleet
         if self._router is not None:
-            matched = self._router.matched_tokens(tokens)
+            matched = self._router.matched_tokens(tokens, adapter)
             longest = max(matched.values(), default=0)
             if longest:
                 holders = [r for r in fleet.replicas if matched.get(r.target) == longest]
@@ -88,15 +89,16 @@ class _Placement:
                 replica.healthy = True
 
     def _place_flow(self, tokens: Sequence[int], exclude: set[_Replica] = frozenset(),
-                    role: str | None = None) -> Flow:
-        """The replica a new sequence of ``tokens`` goes to, or None when none is usable:
-        the better of two random usable replicas by load, or the prefix's replica
-        (locality) unless it is more loaded than that by ``locality_slack``; with
-        replica roles, one that does ``role``'s work if any is usable."""
+                    role: str | None = None, adapter: str = "") -> Flow:
+        """The replica a new sequence of ``tokens`` (running ``adapter``) goes to, or None
+        when none is usable: the better of two random usable replicas by load, or the
+        prefix's replica (locality) unless it is more loaded than that by
+        ``locality_slack``; with replica roles, one that does ``role``'s work if any is usable."""
         if role is not None and self._roles.enabled:
-            return (yield from self._roles.place_flow(self._place_flow, tokens, exclude, role))
+            place = functools.partial(self._place_flow, adapter=adapter)
+            return (yield from self._roles.place_flow(place, tokens, exclude, role))
         fleet, policy = self._fleet, self.policy
-        preferred = self._preferred(tokens)
+        preferred = self._preferred(tokens, adapter)
         tried: set[_Replica] = set(exclude)
         while True:
             now = self.clock()
@@ -124,14 +126,14 @@ class _Placement:
             return best
 
     # -- new sequences ----------------------------------------------------------------------
-    def _new_sequence_flow(self, tokens: list[int], call: Callable[[_Replica], _Call]) -> Flow:
+    def _new_sequence_flow(self, tokens: list[int], call: Callable[[_Replica], _Call], adapter: str = "") -> Flow:
         """Runs ``call(replica)`` (a prefill of ``tokens``) on a placed replica; with failover,
         a replica that cannot take it (unreachable, draining, full) is left out and
         the next one tried, within the policy's bounds."""
         exclude: set[_Replica] = set()
         start, attempts, last = self.clock(), 0, None
         while True:
-            replica = yield from self._place_flow(tokens, exclude, PREFILL)
+            replica = yield from self._place_flow(tokens, exclude, PREFILL, adapter)
             if replica is None and not self.failover:  # no retries: let the server answer
                 replica = min(self._fleet.replicas, key=lambda r: r.unusable_until)
             if replica is None:

@@ -1142,20 +1142,29 @@ class KvBlock(_message.Message):
     def __init__(self, block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvEventsHello(_message.Message):
-    __slots__ = ("chain_root", "block_size", "model", "queue_limit", "cached", "next_sequence")
+    __slots__ = ("chain_root", "block_size", "model", "queue_limit", "cached", "next_sequence", "adapter_roots")
+    class AdapterRootsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
     CHAIN_ROOT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     QUEUE_LIMIT_FIELD_NUMBER: _ClassVar[int]
     CACHED_FIELD_NUMBER: _ClassVar[int]
     NEXT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ROOTS_FIELD_NUMBER: _ClassVar[int]
     chain_root: bytes
     block_size: int
     model: str
     queue_limit: int
     cached: _containers.RepeatedCompositeFieldContainer[KvBlock]
     next_sequence: int
-    def __init__(self, chain_root: _Optional[bytes] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., queue_limit: _Optional[int] = ..., cached: _Optional[_Iterable[_Union[KvBlock, _Mapping]]] = ..., next_sequence: _Optional[int] = ...) -> None: ...
+    adapter_roots: _containers.ScalarMap[str, bytes]
+    def __init__(self, chain_root: _Optional[bytes] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., queue_limit: _Optional[int] = ..., cached: _Optional[_Iterable[_Union[KvBlock, _Mapping]]] = ..., next_sequence: _Optional[int] = ..., adapter_roots: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
 
 class KvEvent(_message.Message):
     __slots__ = ("sequence", "stored", "removed", "all_cleared")

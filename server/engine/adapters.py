@@ -89,6 +89,7 @@ class HostsAdapters:
         if gone() and held is None:
             adapters.remove(name)
             raise Cancelled("the caller cancelled the load; the adapter was dropped again")
+        self.kv.events.resync_all()  # the watchers' hellos name the adapters' roots (and one may be evicted)
         self.adapter_scaling[name] = _scaling(path)
         return self.adapter_entry(name, load_s=time.perf_counter() - start)
 
@@ -100,6 +101,11 @@ class HostsAdapters:
         if users := adapters.by_name[name].refs:
             raise AdapterInUse(f"adapter {name!r} has {users} live sequences: release them first")
         adapters.remove(name)
+        self.kv.events.resync_all()
+
+    def adapter_digests(self) -> dict[str, str]:
+        """Each loaded adapter's content digest, by name (the roots of its KV chains)."""
+        return {} if self.adapters is None else {a.name: a.digest for a in self.adapters.by_name.values()}
 
     def adapter_entry(self, name: str, load_s: float = 0.0) -> dict:
         a = self.adapters.by_name[name]

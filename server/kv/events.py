@@ -118,7 +118,8 @@ class KvEventHub:
 
     def resync_all(self) -> None:
         """Every stream starts over from a fresh hello and snapshot (the weights changed:
-        chains start from new roots, and every cached block was forgotten)."""
+        chains start from new roots, and every cached block was forgotten; or the
+        adapters changed, whose roots the hello names)."""
         with self._lock:
             for subs in self._subs.values():
                 for sub in subs:

@@ -47,6 +47,8 @@ class KvEventRpcs:
         def hello(snapshot: bool) -> pb.KvEventsHello:  # on the worker thread, between forwards
             first, blocks = hub.subscribe(sub, lambda: kv.cached_blocks(tenant) if snapshot else [])
             return pb.KvEventsHello(chain_root=hashing.chain_root(tenant, "", kv.generation),
+                                    adapter_roots={name: hashing.chain_root(tenant, digest, kv.generation)
+                                                   for name, digest in worker.executor.adapter_digests().items()},
                                     block_size=kv.block_size,
                                     model=worker.executor.name, queue_limit=hub.queue_limit, next_sequence=first,
                                     cached=[_kv_block(b) for b in blocks])

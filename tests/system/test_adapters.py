@@ -5,6 +5,8 @@ that never cross adapters, and every refusal from the error table."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import numpy as np
 import pytest
@@ -259,3 +261,48 @@ def test_a_load_whose_deadline_passes_while_queued_loads_nothing(server, adapter
         gate.set()
     with ExecutorClient(server.target) as c:
         assert "late" not in {e.name for e in c.list_adapters()}
+
+
+def test_kv_events_name_adapter_roots_and_route_adapter_prompts_to_their_cache(tiny_llama_dir, adapters):
+    """Replica X caches 4 system prompts of 24 tokens under adapter "a".  Its KV-event
+    hello names "a"'s chain root, so a replica set's router sees those blocks as "a"'s
+    (and not the base model's): each follow-up running "a" goes to X and hits 24 cached
+    tokens.  Loading another adapter resyncs the streams, and the new hello names it."""
+    from ferrum_rpc import hashing
+    from ferrum_rpc.client.replicas import ReplicaPolicy, ReplicaSetClient
+    from ferrum_rpc.harness import all_serving
+    from tests.system.test_replicas import Replica
+
+    lora = ("--lora", f"a={adapters['a']}", "--max-adapters", "3")
+    with all_serving(Replica(tiny_llama_dir, *lora), Replica(tiny_llama_dir, *lora)) as (x, y):
+        systems = [[(11 * i + 5 * j) % 290 + 3 for j in range(24)] for i in range(4)]
+        with ExecutorClient(x.target, timeout=30) as direct:
+            kept = [direct.prefill(s + [5, 6, 7], adapter="a").kv_cache for s in systems]
+            (entry,) = direct.list_adapters()
+        with ReplicaSetClient([x.target, y.target], timeout=30,
+                              replica_policy=ReplicaPolicy(status_ttl_s=0.05, seed=0)) as fleet:
+            router = fleet._router
+            end = time.monotonic() + 20
+            while any(router.matched_tokens(s, "a").get(x.target, 0) < 24 for s in systems):
+                assert time.monotonic() < end, "the events never arrived"
+                time.sleep(0.05)
+            index = router.indexes[x.target]
+            assert index.adapter_roots == {"a": hashing.chain_root("", entry.digest)}
+            assert all(router.matched_tokens(s).get(x.target) == 0 for s in systems)  # not the base's blocks
+            assert all(router.matched_tokens(s, "b").get(x.target) == 0 for s in systems)  # an adapter X lacks
+            outs = [fleet.prefill(s + [9, 10, 11, i], adapter="a") for i, s in enumerate(systems)]
+            assert [o.cached_tokens for o in outs] == [24] * 4
+            assert {fleet.replica_of(o.kv_cache) for o in outs} == {x.target}
+            for o in outs:
+                fleet.release_cache(o.kv_cache)
+            with ExecutorClient(x.target, timeout=30) as direct:
+                direct.load_adapter("c", str(adapters["c"]))
+                digest = next(e.digest for e in direct.list_adapters() if e.name == "c")
+            end = time.monotonic() + 20
+            while "c" not in index.adapter_roots:
+                assert time.monotonic() < end, "no new hello after the load"
+                time.sleep(0.05)
+            assert index.adapter_roots["c"] == hashing.chain_root("", digest)
+        with ExecutorClient(x.target, timeout=30) as direct:
+            for handle in kept:
+                direct.release_cache(handle)
