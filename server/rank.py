@@ -53,7 +53,8 @@ def serve_rank(group: Group, model_path: str, executor_config) -> None:
     device = group.device(executor_config.device)
     model = load_model(model_path, TORCH_DTYPES[executor_config.dtype], device, executor_config.linear_kernel,
                        executor_config.quantize, executor_config.step_ops,
-                       shard=Shard.of_model(group.rank, group.degree, model_path))
+                       shard=Shard.of_model(group.rank, group.degree, model_path),
+                       batch_invariant=executor_config.batch_invariant)
     shard: Shard = model.tp
     kind, num_blocks, block_size = receive(device)  # the pool rank 0 sized
     assert kind == "pool", kind

@@ -53,6 +53,7 @@ class Shard:
     lm_head_bytes: int = 0  # what the LM head's reductions and token choice sent to rank 0, summed
     choice_fallback_rows: int = 0  # token-choice rows that needed whole rows (see tp_choice)
     fallbacks: tuple[str, ...] = ()  # fast paths that cannot run sharded, and what runs instead
+    fixed_order: bool = False  # the layers' sums in rank order (a batch-invariant model; see install)
 
     @classmethod
     def of_model(cls, rank: int, degree: int, path: str | Path) -> Shard:
@@ -143,10 +144,23 @@ class Shard:
             layer.self_attn.gather_heads = self.gather_heads
         model.layer_ops = None  # the whole-layer decode op has no all-reduce inside: the per-op path runs
         model.tp = self
+        self.fixed_order = getattr(model, "batch_invariant", False)
 
     def _all_reduce_hook(self, _module, _inputs, out: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter_ns()
-        dist.all_reduce(out)
+        if self.fixed_order:
+            # Batch-invariant: every rank's part, summed in rank order.  A library
+            # all-reduce splits the tensor into chunks by its size, and a chunk's order
+            # of summation depends on where it falls, so a row's bits would follow the
+            # batch's row count (at three ranks and more).
+            parts = [torch.empty_like(out) for _ in range(self.degree)]
+            dist.all_gather(parts, out.contiguous())
+            total = parts[0]
+            for part in parts[1:]:
+                total += part
+            out.copy_(total)
+        else:
+            dist.all_reduce(out)
         self.allreduce_ns += time.perf_counter_ns() - t0
         self.allreduce_bytes += out.numel() * out.element_size()
         return out

@@ -133,6 +133,6 @@ def test_seeded_generation_is_the_same_alone_and_under_load(server, client):
 
 
 def test_options_it_cannot_serve_are_refused_at_start():
-    for bad in (dict(quantize="int8"), dict(tensor_parallel=2), dict(step_ops="eager")):
+    for bad in (dict(quantize="int8"), dict(step_ops="eager")):
         with pytest.raises(StartupError, match="--batch-invariant"):
             ExecutorConfig(batch_invariant=True, **bad)
