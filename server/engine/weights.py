@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
-from ferrum_rpc.errors import Cancelled, InvalidInput
+from ferrum_rpc.errors import Cancelled
 from ferrum_rpc.hashing import updated_weights_digest
 from ..models import TORCH_DTYPES, load_model
 from .weights_file import HEADER_SLACK, WeightsUpload
@@ -36,8 +36,8 @@ def checkpoint_index(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]
 
 
 class UpdatesWeights:
-    """Mixed into :class:`~.executor.TorchExecutor` (its ``model``, ``config``, ``kv``,
-    ``shard``, ``adapters``, ``name``, ``path``)."""
+    """Mixed into :class:`~.executor.TorchExecutor` (its ``model``, ``config``, ``device``,
+    ``kv``, ``shard``, ``runner``, ``adapters``, ``name``, ``path``)."""
 
     weights_version = 0
     checkpoint: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -51,9 +51,6 @@ class UpdatesWeights:
 
     def weights_upload(self, total_bytes: int) -> WeightsUpload:
         """Where an update's ``total_bytes`` go as they arrive (read and checked off the worker)."""
-        if self.shard is not None:
-            raise InvalidInput("UpdateWeights does not run on a tensor-parallel model: restart its ranks on the "
-                               "new weights")
         return WeightsUpload(total_bytes, self.checkpoint)
 
     def update_weights(self, tensors: dict[str, torch.Tensor], checksum: bytes, invalidate: bool,
@@ -63,11 +60,19 @@ class UpdatesWeights:
         caller went away (checked before the swap: then nothing changes)."""
         start = time.perf_counter()
         cfg = self.config
-        model = load_model(self.path, TORCH_DTYPES[cfg.dtype], torch.device(cfg.device), cfg.linear_kernel,
-                           cfg.quantize, cfg.step_ops, batch_invariant=cfg.batch_invariant, overrides=tensors)
+
+        def build(overrides: dict[str, torch.Tensor]):
+            return load_model(self.path, TORCH_DTYPES[cfg.dtype], self.device, cfg.linear_kernel, cfg.quantize,
+                              cfg.step_ops, shard=self.shard, batch_invariant=cfg.batch_invariant,
+                              overrides=overrides)
+
+        if self.runner is None:
+            model = build(tensors)
+            if gone():
+                raise Cancelled("the caller cancelled the update; the old weights still serve")
+        else:  # every rank builds its shard from its slices, and all switch to it or none does
+            model = self.runner.update(tensors, build, gone)
         rebuild_s = time.perf_counter() - start
-        if gone():
-            raise Cancelled("the caller cancelled the update; the old weights still serve")
         if self.adapters is not None:  # the adapters' weights are the adapters': they stay
             model.adapters, self.adapters.model = self.adapters, model
         self.model = model

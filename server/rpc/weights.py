@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import grpc
-
-from ferrum_rpc.errors import ExecutorError, InvalidInput, TransferCorrupted
+from ferrum_rpc.errors import InvalidInput, TransferCorrupted
 from ferrum_rpc.v1 import executor_pb2 as pb
 from .handler import Malformed
 from .migration import ImportReads
@@ -30,9 +28,6 @@ class WeightsRpcs:
         header = first.header
         worker = self._worker(header.model)
         executor = worker.executor
-        if getattr(executor, "shard", None) is not None:
-            raise ExecutorError("UpdateWeights is not served with --tensor-parallel: restart the ranks on the new "
-                                "weights", code=grpc.StatusCode.UNIMPLEMENTED)
         if not 0 < header.total_bytes <= executor.update_limit_bytes:
             raise InvalidInput(f"total_bytes {header.total_bytes}: an update of this model is 1 to "
                                f"{executor.update_limit_bytes} bytes (its checkpoint and a header)")
