@@ -92,7 +92,7 @@ def serialize_chunk(message) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
-def update_weights(c, tensors, invalidate_sequences: bool = False, chunk_bytes: int = 16 << 20):
+def update_weights(c, tensors, invalidate_sequences: bool = False, chunk_bytes: int = 1 << 20):
     """Replaces the model's weights in place (admin): ``tensors`` is one safetensors
     file (its bytes or its path) or ``{checkpoint name: numpy array}``, some or all of
     the checkpoint's tensors.  ``invalidate_sequences``: live sequences are dropped

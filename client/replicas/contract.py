@@ -176,7 +176,7 @@ class _Contract:
         for replica in self._fleet.replicas:
             yield _Call(replica, "unload_adapter", (name,), False)
 
-    def update_weights(self, tensors, invalidate_sequences: bool = False, chunk_bytes: int = 16 << 20):
+    def update_weights(self, tensors, invalidate_sequences: bool = False, chunk_bytes: int = 1 << 20):
         """Updates the weights on every replica, one after another; returns the last reply."""
         reply = None
         for replica in self._fleet.replicas:

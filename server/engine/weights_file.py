@@ -100,20 +100,21 @@ class WeightsUpload:
 
     def _read_head(self, view: memoryview) -> memoryview:
         """Takes the header's bytes from ``view`` and parses it once whole; returns the rest."""
-        need = 8 if len(self.head) < 8 else 8 + int.from_bytes(self.head[:8], "little")
-        take = min(need - len(self.head), len(view))
-        self.head += view[:take]
-        view = view[take:]
-        if len(self.head) == 8:
-            length = int.from_bytes(self.head, "little")
+        while self.data_start is None and len(view):
+            need = 8 if len(self.head) < 8 else 8 + int.from_bytes(self.head[:8], "little")
+            take = min(need - len(self.head), len(view))
+            self.head += view[:take]
+            view = view[take:]
+            if len(self.head) < 8:
+                continue
+            length = int.from_bytes(self.head[:8], "little")
             if length > min(HEADER_SLACK, self.total - 8):
                 raise not_safetensors(f"a header of {length} bytes")
-            return self._read_head(view)
-        if len(self.head) == need:
-            self._parse_header(bytes(self.head[8:]))
-            self.data_start, self.head = need, bytearray()
-            while self.next < len(self.slots) and not self.slots[self.next].array.nbytes:
-                self._complete(self.slots[self.next])  # a tensor with no elements is whole already
+            if len(self.head) == 8 + length:
+                self._parse_header(bytes(self.head[8:]))
+                self.data_start, self.head = 8 + length, bytearray()
+                while self.next < len(self.slots) and not self.slots[self.next].array.nbytes:
+                    self._complete(self.slots[self.next])  # a tensor with no elements is whole already
         return view
 
     def _parse_header(self, text: bytes) -> None:
