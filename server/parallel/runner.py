@@ -103,12 +103,17 @@ class Runner:
         """An UpdateWeights on every rank: the whole tensors go to every rank, each builds
         its shard of the new model with its slices (``build(tensors)``), and all switch to
         it or none does (:func:`agree`): a rank that could not build, or a caller that
-        went away, leaves every rank on the old weights.  Returns rank 0's new model."""
+        went away, leaves every rank on the old weights.  Returns rank 0's new model.
+        The watchdog bounds the broadcast, and the wait for the other ranks once this
+        rank has built its shard (as it bounds a forward), not this rank's own build."""
         self._check()
         try:
+            self.busy_since = time.monotonic()
             _send(("update", [(name, t.shape, t.dtype) for name, t in tensors.items()]), self.device)
             share_tensors(tensors, self.device)
+            self.busy_since = None
             model, why = _built(build, tensors)
+            self.busy_since = time.monotonic()
             if not agree(model is not None, self.device):
                 raise_after = RuntimeError(f"{why or 'a rank could not build its shard'}: the old weights still "
                                            "serve on every rank")
@@ -120,6 +125,8 @@ class Runner:
         except BaseException as exc:
             fail(f"a tensor-parallel weights update failed: {type(exc).__name__}: {exc}")
             raise LOST.error from exc
+        finally:
+            self.busy_since = None
         if raise_after is not None:
             raise raise_after
         return model
