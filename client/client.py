@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 import grpc
 
+from . import admin
 from .ahead import (
     AheadResult,
     run_ahead,
@@ -226,6 +227,10 @@ class _Client:
         options = _options(max_message_bytes, keepalive) + list(channel_options)
         self._channel = _channel(self.target, options, tls, token, aio=self._aio)
         self._stub = pb_grpc.ModelExecutorStub(self._channel)
+        # UpdateWeights' data messages arrive from the request builder written on the wire already
+        self._stub.UpdateWeights = self._channel.stream_unary(
+            "/ferrum.executor.v1.ModelExecutor/UpdateWeights", request_serializer=admin.serialize_chunk,
+            response_deserializer=pb.UpdateWeightsResponse.FromString, _registered_method=True)
         self._regions: dict[str, Any] = {}
         self._releasing: set = set()  # asyncio client: releases by request_id still running
 

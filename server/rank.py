@@ -15,7 +15,7 @@ from .engine.forward import forward
 from .kv.pool import KvPool
 from .models import TORCH_DTYPES, load_model
 from .parallel.group import Group, join
-from .parallel.runner import receive
+from .parallel.runner import follow_update, receive
 from .parallel.shard import Shard
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,11 @@ def serve_rank(group: Group, model_path: str, executor_config) -> None:
             shard.reduce_logits(local, top)
             if requests:
                 shard.choose(local, requests)
+        elif message[0] == "update":  # UpdateWeights: this rank's slices of the new tensors
+            model = follow_update(message[1], model, lambda tensors: load_model(
+                model_path, TORCH_DTYPES[executor_config.dtype], device, executor_config.linear_kernel,
+                executor_config.quantize, executor_config.step_ops, shard=shard,
+                batch_invariant=executor_config.batch_invariant, overrides=tensors), device)
         elif message[0] == "copy":
             pool.copy_blocks(message[1])
         elif message[0] == "stop":

@@ -1,10 +1,10 @@
 """Weights that change: UpdateWeights' executor side.  The new tensors (one safetensors
-file's bytes, some or all of the checkpoint's) are checked against the checkpoint's
-names, shapes and dtypes; then, on the worker thread between two forwards, the model
-is rebuilt with them the way it was loaded (converted, fused, quantized, packed:
-``models.loader.load_model``) and swapped in, so every forward runs on one version.
-Nothing changes until the swap: a bad file, or a caller that went away during the
-rebuild, leaves the old weights serving."""
+file, some or all of the checkpoint's) are read and checked as they arrive
+(``weights_file.py``: names, shapes, dtypes, finite values, the checksum); then, on the
+worker thread between two forwards, the model is rebuilt with them the way it was
+loaded (converted, fused, quantized, packed: ``models.loader.load_model``) and swapped
+in, so every forward runs on one version.  Nothing changes until the swap: a bad file,
+or a caller that went away during the rebuild, leaves the old weights serving."""
 
 from __future__ import annotations
 
@@ -15,16 +15,13 @@ from typing import Callable
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load as load_safetensors
 
-from ferrum_rpc.errors import Cancelled, InvalidInput, shown
+from ferrum_rpc.errors import Cancelled
 from ferrum_rpc.hashing import updated_weights_digest
 from ..models import TORCH_DTYPES, load_model
+from .weights_file import HEADER_SLACK, WeightsUpload
 
 log = logging.getLogger(__name__)
-
-HEADER_SLACK = 1 << 20  # an update's file may exceed the tensors' bytes by its header, at most this
-FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 def checkpoint_index(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -39,8 +36,8 @@ def checkpoint_index(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]
 
 
 class UpdatesWeights:
-    """Mixed into :class:`~.executor.TorchExecutor` (its ``model``, ``config``, ``kv``,
-    ``shard``, ``adapters``, ``name``, ``path``)."""
+    """Mixed into :class:`~.executor.TorchExecutor` (its ``model``, ``config``, ``device``,
+    ``kv``, ``shard``, ``runner``, ``adapters``, ``name``, ``path``)."""
 
     weights_version = 0
     checkpoint: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -52,45 +49,30 @@ class UpdatesWeights:
         return sum(sizes.get(dtype, 8) * (torch.Size(shape).numel()) for shape, dtype in self.checkpoint.values()) \
             + HEADER_SLACK
 
-    def read_update(self, data: bytes) -> dict[str, torch.Tensor]:
-        """The tensors of an update file, checked against the checkpoint (INVALID_INPUT
-        naming the first tensor that is not the model's)."""
-        if self.shard is not None:
-            raise InvalidInput("UpdateWeights does not run on a tensor-parallel model: restart its ranks on the "
-                               "new weights")
-        try:
-            tensors = load_safetensors(data)
-        except Exception as exc:  # the format's own parser: any failure means "not a safetensors file"
-            raise InvalidInput(f"the update is not one safetensors file ({type(exc).__name__})") from None
-        if not tensors:
-            raise InvalidInput("the update holds no tensors")
-        for name, tensor in tensors.items():
-            name = name.removeprefix("_orig_mod.")
-            if name not in self.checkpoint:
-                raise InvalidInput(f"tensor {shown(name)}: the model has no tensor of that name")
-            shape, _ = self.checkpoint[name]
-            if tuple(tensor.shape) != shape:
-                raise InvalidInput(f"tensor {shown(name)}: shape {tuple(tensor.shape)}, the model's is {shape}")
-            if tensor.dtype not in FLOAT_DTYPES.values():
-                raise InvalidInput(f"tensor {shown(name)}: dtype {tensor.dtype}, not a floating dtype "
-                                   f"(float32, bfloat16 or float16)")
-            if not torch.isfinite(tensor).all():
-                raise InvalidInput(f"tensor {shown(name)}: holds a NaN or an infinity")
-        return {name.removeprefix("_orig_mod."): t for name, t in tensors.items()}
+    def weights_upload(self, total_bytes: int) -> WeightsUpload:
+        """Where an update's ``total_bytes`` go as they arrive (read and checked off the worker)."""
+        return WeightsUpload(total_bytes, self.checkpoint)
 
-    def update_weights(self, data: bytes, checksum: bytes, invalidate: bool,
+    def update_weights(self, tensors: dict[str, torch.Tensor], checksum: bytes, invalidate: bool,
                        gone: Callable[[], bool] = lambda: False) -> dict:
-        """Rebuilds the model with the tensors in ``data`` and swaps it in (worker thread,
-        between forwards); returns what the reply says.  ``gone()``: the caller went away
-        (checked before the swap: then nothing changes)."""
+        """Rebuilds the model with ``tensors`` (an upload's, checked) and swaps it in
+        (worker thread, between forwards); returns what the reply says.  ``gone()``: the
+        caller went away (checked before the swap: then nothing changes)."""
         start = time.perf_counter()
-        tensors = self.read_update(data)
         cfg = self.config
-        model = load_model(self.path, TORCH_DTYPES[cfg.dtype], torch.device(cfg.device), cfg.linear_kernel,
-                           cfg.quantize, cfg.step_ops, batch_invariant=cfg.batch_invariant, overrides=tensors)
+
+        def build(overrides: dict[str, torch.Tensor]):
+            return load_model(self.path, TORCH_DTYPES[cfg.dtype], self.device, cfg.linear_kernel, cfg.quantize,
+                              cfg.step_ops, shard=self.shard, batch_invariant=cfg.batch_invariant,
+                              overrides=overrides)
+
+        if self.runner is None:
+            model = build(tensors)
+            if gone():
+                raise Cancelled("the caller cancelled the update; the old weights still serve")
+        else:  # every rank builds its shard from its slices, and all switch to it or none does
+            model = self.runner.update(tensors, build, gone)
         rebuild_s = time.perf_counter() - start
-        if gone():
-            raise Cancelled("the caller cancelled the update; the old weights still serve")
         if self.adapters is not None:  # the adapters' weights are the adapters': they stay
             model.adapters, self.adapters.model = self.adapters, model
         self.model = model

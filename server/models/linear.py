@@ -74,8 +74,11 @@ class FastLinear(nn.Module):
 def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
     """One linear computing the concatenated outputs of several (one GEMM instead of many)."""
     first = linears[0]
-    fused = nn.Linear(first.in_features, sum(l.out_features for l in linears), bias=first.bias is not None,
-                      device=first.weight.device, dtype=first.weight.dtype)
+    # skip_init: its random initialisation would be thrown away at once (and takes as
+    # long as the concatenation)
+    fused = torch.nn.utils.skip_init(nn.Linear, first.in_features, sum(l.out_features for l in linears),
+                                     bias=first.bias is not None, device=first.weight.device,
+                                     dtype=first.weight.dtype)
     fused.weight.data = torch.cat([l.weight.data for l in linears])
     if first.bias is not None:
         fused.bias.data = torch.cat([l.bias.data for l in linears])

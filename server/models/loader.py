@@ -54,8 +54,9 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
 
     ``shard``: this rank's place in a tensor-parallel group (``parallel.shard.Shard``):
     only its slices are read and built, and it installs its collectives on the model
-    (``model.tp`` is then the shard).  ``overrides``: checkpoint tensors (by their names
-    in the files) to load instead of the files' (an UpdateWeights), converted as they are."""
+    (``model.tp`` is then the shard).  ``overrides``: whole checkpoint tensors (by their
+    names in the files) to load instead of the files' (an UpdateWeights), converted as
+    they are (and sliced, with ``shard``)."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     files = sorted(path.glob("*.safetensors"))
@@ -64,14 +65,17 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     start = time.perf_counter()
     if shard is not None:
         if quantize != "none":  # the int8/int4 kernels and the whole-layer decode op assume whole layers
-            log.warning("tensor parallel: --quantize %s cannot run sharded; serving %s weights unquantized",
-                        quantize, dtype)
-            shard.fallbacks += (f"quantize {quantize} -> none (quantized kernels run unsharded only)",)
+            fallback = f"quantize {quantize} -> none (quantized kernels run unsharded only)"
+            if fallback not in shard.fallbacks:  # said once, not again at each UpdateWeights' rebuild
+                log.warning("tensor parallel: --quantize %s cannot run sharded; serving %s weights unquantized",
+                            quantize, dtype)
+                shard.fallbacks += (fallback,)
             quantize = "none"
     if shard is None:
         state = _read_state(files, dtype, device, skip=set(overrides or ()))
     else:
-        state = shard.read(files, dtype, device)
+        state = shard.read(files, dtype, device, skip=set(overrides or ()))
+        overrides = {name: shard.slice_tensor(name, tensor) for name, tensor in (overrides or {}).items()}
     for name, tensor in (overrides or {}).items():
         state[name] = tensor.to(device=device, dtype=dtype)
     if cfg.num_experts:

@@ -6,6 +6,7 @@ handed in: this room runs plans, it does not make them."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -13,9 +14,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ferrum_rpc.errors import Cancelled
 from ..choice.rows import ChosenTokens
 from .group import CURRENT, LOST, fail
 from .shard import Shard
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -95,6 +99,38 @@ class Runner:
             raise LOST.error from exc
         pool.copy_blocks(pairs)
 
+    def update(self, tensors: dict[str, torch.Tensor], build: Callable, gone: Callable[[], bool]):
+        """An UpdateWeights on every rank: the whole tensors go to every rank, each builds
+        its shard of the new model with its slices (``build(tensors)``), and all switch to
+        it or none does (:func:`agree`): a rank that could not build, or a caller that
+        went away, leaves every rank on the old weights.  Returns rank 0's new model.
+        The watchdog bounds the broadcast, and the wait for the other ranks once this
+        rank has built its shard (as it bounds a forward), not this rank's own build."""
+        self._check()
+        try:
+            self.busy_since = time.monotonic()
+            _send(("update", [(name, t.shape, t.dtype) for name, t in tensors.items()]), self.device)
+            share_tensors(tensors, self.device)
+            self.busy_since = None
+            model, why = _built(build, tensors)
+            self.busy_since = time.monotonic()
+            if not agree(model is not None, self.device):
+                raise_after = RuntimeError(f"{why or 'a rank could not build its shard'}: the old weights still "
+                                           "serve on every rank")
+            else:
+                switch = not gone()
+                _send(("switch", switch), self.device)
+                raise_after = None if switch else Cancelled("the caller cancelled the update; the old weights "
+                                                            "still serve on every rank")
+        except BaseException as exc:
+            fail(f"a tensor-parallel weights update failed: {type(exc).__name__}: {exc}")
+            raise LOST.error from exc
+        finally:
+            self.busy_since = None
+        if raise_after is not None:
+            raise raise_after
+        return model
+
     def stop(self) -> None:
         """Tells the other ranks to exit (a normal shutdown)."""
         if LOST.error is None:
@@ -106,6 +142,44 @@ class Runner:
             raise LOST.error
 
 
+
+
+def share_tensors(tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Broadcasts rank 0's tensors (filled in place on the other ranks), as their bytes."""
+    for tensor in tensors.values():
+        data = tensor.reshape(-1).view(torch.uint8)
+        moved = data.to(device)
+        dist.broadcast(moved, src=0)
+        if moved.data_ptr() != data.data_ptr():
+            data.copy_(moved.cpu())
+
+
+def _built(build: Callable, tensors: dict[str, torch.Tensor]):
+    """(the model ``build`` made, None) or (None, why it could not)."""
+    try:
+        return build(tensors), None
+    except Exception as exc:  # told to every rank by agree(); the old model stays
+        log.exception("building the updated shard failed")
+        return None, f"building the new weights failed ({type(exc).__name__}: {exc})"
+
+
+def agree(ok: bool, device: torch.device) -> bool:
+    """Whether every rank's ``ok`` is true (a MIN all-reduce)."""
+    flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def follow_update(specs: list, model, build: Callable, device: torch.device):
+    """A rank other than 0's side of :meth:`Runner.update`: the model it serves next."""
+    tensors = {name: torch.empty(shape, dtype=dtype) for name, shape, dtype in specs}
+    share_tensors(tensors, device)
+    new, _ = _built(build, tensors)
+    if not agree(new is not None, device):
+        return model
+    kind, switch = receive(device)
+    assert kind == "switch", kind
+    return new if switch else model
 
 
 def send_pool(runner: Runner, num_blocks: int, block_size: int) -> None:

@@ -40,6 +40,19 @@ def vocab_bounds(vocab: int, degree: int) -> list[tuple[int, int]]:
     return [(min(r * per, vocab), min((r + 1) * per, vocab)) for r in range(degree)]
 
 
+class _Whole:
+    """A tensor in memory, read the way :meth:`Shard._slice` reads a safetensors slice."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.tensor[index]
+
+
 @dataclass
 class Shard:
     """This process's place in the group, and what the split costs (for the bench)."""
@@ -76,15 +89,17 @@ class Shard:
                        moe_intermediate_size=cfg.moe_intermediate_size // n, vocab_size=hi - lo)
 
     # -- loading: only this rank's slices are read ----------------------------------------
-    def read(self, files: list[Path], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-        """This rank's slices of every tensor (safetensors' ``get_slice`` reads just those bytes)."""
+    def read(self, files: list[Path], dtype: torch.dtype, device: torch.device,
+             skip: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+        """This rank's slices of every tensor but those named in ``skip`` (safetensors'
+        ``get_slice`` reads just those bytes)."""
         from safetensors import safe_open
 
         state = {}
         for f in files:
             with safe_open(f, framework="pt", device="cpu") as sf:
                 for name in sf.keys():
-                    if "rotary_emb" in name:
+                    if "rotary_emb" in name or name.removeprefix("_orig_mod.") in skip:
                         continue
                     tensor = self._slice(name.removeprefix("_orig_mod."), sf.get_slice(name))
                     owned = tensor.to(device=device, dtype=dtype)
@@ -92,6 +107,10 @@ class Shard:
                         owned = owned.clone()
                     state[name.removeprefix("_orig_mod.")] = owned
         return state
+
+    def slice_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a whole checkpoint tensor (an UpdateWeights'), in memory of its own."""
+        return self._slice(name, _Whole(tensor)).clone(memory_format=torch.contiguous_format)
 
     def _slice(self, name: str, sl) -> torch.Tensor:
         r, n = self.rank, self.degree

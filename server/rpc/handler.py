@@ -59,6 +59,26 @@ def _deserializer(cls):
     return parse
 
 
+DATA_TAG = b"\x12"  # WeightsChunk.data: field 2, length-delimited
+
+
+def weights_chunk(parse):
+    """UpdateWeights' deserializer: a message holding only ``data`` becomes a view of its
+    payload in the bytes gRPC handed over (no copy); any other is ``parse``'d."""
+    def read(message: bytes):
+        if message[:1] == DATA_TAG:
+            length, at, shift = 0, 1, 0
+            while at < len(message) and at < 11:  # a varint: 7 bits a byte, high bit set on all but the last
+                byte = message[at]
+                length, at, shift = length | (byte & 0x7F) << shift, at + 1, shift + 7
+                if not byte & 0x80:
+                    if at + length == len(message):
+                        return memoryview(message)[at:]
+                    break
+        return parse(message)
+    return read
+
+
 def _serialize(message) -> bytes:
     """Replies built off the loop arrive serialized already."""
     return message if isinstance(message, bytes) else message.SerializeToString()
@@ -72,16 +92,16 @@ def check_parsed(request) -> None:
 def add_executor_service(servicer, server: grpc.aio.Server) -> None:
     """Registers the ModelExecutor service with our deserializer and serializer
     (the generated ``add_ModelExecutorServicer_to_server`` would let a parse error
-    become UNKNOWN with a traceback)."""
+    become UNKNOWN with a traceback); UpdateWeights' data messages reach it unparsed."""
     service = pb.DESCRIPTOR.services_by_name["ModelExecutor"]
-    handlers = {
-        method.name: HANDLER_FACTORIES[method.client_streaming, method.server_streaming](
+    handlers = {}
+    for method in service.methods:
+        parse = _deserializer(getattr(pb, method.input_type.name))
+        handlers[method.name] = HANDLER_FACTORIES[method.client_streaming, method.server_streaming](
             getattr(servicer, method.name),
-            request_deserializer=_deserializer(getattr(pb, method.input_type.name)),
+            request_deserializer=weights_chunk(parse) if method.name == "UpdateWeights" else parse,
             response_serializer=_serialize,
         )
-        for method in service.methods
-    }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
