@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ferrum_rpc.client import ExecutorClient, LogitsPolicy
-from ferrum_rpc.server.kernels import qact
+from ferrum_rpc.server.kernels import qact, woq
 from ferrum_rpc.server.config import ExecutorConfig
 from tests.conftest import running_server
 from tests.unit.kernels.test_woq import _gguf_blocks, _oracle_with_our_weights
@@ -256,6 +256,30 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(bits, extension):
     small, large = torch.randn(2, 128, generator=gen), 1000 * torch.randn(5, 128, generator=gen)
     alone, beside = layer(small), layer(torch.cat([small, large]))[:2]
     assert torch.allclose(alone, beside, rtol=1e-5, atol=1e-5 * alone.abs().max().item())
+
+
+@pytest.mark.parametrize("cls", [qact.BlockQ8Linear, qact.TwoDigitLinear, qact.RotatedQ8Linear])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_rows_bits_do_not_depend_on_the_row_count(cls, bits, isa):
+    """--batch-invariant's quantized linear: a row's outputs are bit-identical alone, in
+    any place of the tiles of 8, 4 and the rest, and on one or two threads."""
+    gen = torch.Generator().manual_seed(bits)
+    weight = woq.QuantizedLinear(torch.randn(75, 96, generator=gen), None, 4, woq.DEQUANT).dequantized()
+    layer = cls(weight, None, bits, qact.QACT)  # Q4_1's grid: the 8-bit rotated layer rotates
+    assert layer.rotated == (cls is qact.RotatedQ8Linear and bits == 8)
+    x = torch.randn(21, 96, generator=gen) * torch.logspace(-2, 1, 96)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = layer(x)
+        torch.set_num_threads(2)
+        full = layer(x)
+        assert torch.equal(full, one_thread)
+        for m in range(len(x)):
+            assert torch.equal(layer(x[m:m + 1]), full[m:m + 1]), m
+        assert torch.equal(layer(x[3:16]), full[3:16]) and torch.equal(layer(x[5:]), full[5:])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_choice_and_fallbacks(extension):
