@@ -14,7 +14,9 @@ import torch.nn.functional as F
 
 from ferrum_rpc.client import ExecutorClient, LogitsPolicy
 from ferrum_rpc.server.kernels import qact, woq
+from ferrum_rpc.errors import StartupError
 from ferrum_rpc.server.config import ExecutorConfig
+from ferrum_rpc.server.models import load_model
 from tests.conftest import running_server
 from tests.unit.kernels.test_woq import _gguf_blocks, _oracle_with_our_weights
 
@@ -290,6 +292,23 @@ def test_choice_and_fallbacks(extension):
         ExecutorConfig(quantize="w2a8")
     with pytest.raises(ValueError, match="CPU path"):
         ExecutorConfig(quantize="w4a8", device="cuda")
+
+
+@pytest.mark.parametrize("quantize", ["int8", "w4a8"])
+def test_batch_invariant_quantized_models_run_every_linear_on_block_linear(quantize, tiny_llama_dir, extension,
+                                                                         monkeypatch):
+    """int8/int4 too (not woq.py's float-activation kernels), whatever --linear-kernel asks;
+    the whole-layer op for up to 4 rows; refused at load where qact.cpp cannot run."""
+    for linear in ("auto", "aten"):
+        model = load_model(tiny_llama_dir, torch.float32, torch.device("cpu"), linear_kernel=linear,
+                           quantize=quantize, batch_invariant=True)
+        layers = [m for m in model.modules() if isinstance(m, woq.QuantizedLinear)]
+        assert layers and all(m.kernel == qact.QACT and isinstance(m, qact.BlockQ8Linear) for m in layers)
+        assert model.batch_invariant and model.kernels.linear == f"{quantize} {qact.QACT}"
+        assert model.layer_ops is not None and model.layer_ops_rows == 4
+    monkeypatch.setattr(qact, "probe", lambda: (False, "not in this test"))
+    with pytest.raises(StartupError, match=f"--batch-invariant --quantize {quantize} needs.*not in this test"):
+        load_model(tiny_llama_dir, torch.float32, torch.device("cpu"), quantize=quantize, batch_invariant=True)
 
 
 def test_bad_quantize_value_is_one_line_and_exit_2():
