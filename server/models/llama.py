@@ -25,9 +25,6 @@ log = logging.getLogger(__name__)
 
 
 FUSED_MAX_TOKENS = 16  # forwards of up to this many tokens per sequence (decode, short verifies) run fused
-# the most rows a batch-invariant model's quantized whole-layer op takes: up to here its
-# decode_layer runs silu*up on silu_mul_rows' loops (csrc/silu_mul.cpp), past it on ATen's
-STACK_INVARIANT_ROWS = 4
 
 
 @dataclass
@@ -319,8 +316,8 @@ class LlamaForCausalLM(nn.Module):
         logits do not depend on the batch, the prompt's chunking or the prefix cache.  Needs the fused ops on and the plain
         float32 or bfloat16 weights (``optimize_for_inference(False, rows_kernel=True)``), or linears quantized
         for csrc/qact.cpp (``qact.BlockQ8Linear``, kernel ``QACT``): each activation row quantized on its own
-        grid per block, each output's blocks summed in one order whatever the row count.  With those the
-        whole-layer op takes up to ``STACK_INVARIANT_ROWS`` rows (its silu*up of more rows is ATen's)."""
+        grid per block, each output's blocks summed in one order whatever the row count; with those the
+        whole-layer op takes forwards of any size, its silu*up on the per-row loops (``set_rows_silu``)."""
         if not self.fused_ops:
             raise ValueError("batch invariance runs on the fused ops, which are off")
         for module in self.modules():
@@ -336,8 +333,8 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, nn.Linear):
                 raise ValueError(f"batch invariance: a linear outside FastLinear ({type(module).__name__})")
         self.fused_max_tokens = 1 << 62
-        if self.layer_ops is not None and self.layer_ops_rows is None:
-            self.layer_ops_rows = STACK_INVARIANT_ROWS
+        if self.layer_ops is not None:
+            self.layer_ops.set_rows_silu(True)
         self.batch_invariant = True
 
     def _decode_stack(self, layer_args: list[tuple]):
