@@ -2,14 +2,16 @@
 their text when their sequence shares the forward or its prompt comes from the prefix
 cache (default kernels vs --batch-invariant), and what the invariant kernels cost in
 decode (batch 1 and 32) and prompt throughput, side by side in one run (medians of
-rounds in which the two take turns, and their ratios).
+rounds in which the two take turns, and their ratios); per dtype and ``--quantize`` mode.
 
     python -m bench.determinism [--seeds 16] [--tokens 32] [--repeats 3] [--threads N]
+        [--dtypes float32,bfloat16] [--quantize none,w4a8,int8] [--name determinism]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import random
 import statistics
@@ -27,9 +29,9 @@ log = logging.getLogger("bench.determinism")
 ARGMAX = LogitsPolicy.argmax()
 
 
-def _executor(dtype: str, invariant: bool) -> TorchExecutor:
+def _executor(dtype: str, quantize: str, invariant: bool) -> TorchExecutor:
     return TorchExecutor.from_path("m", default_model_dir(), ExecutorConfig(
-        dtype=dtype, kv_tokens=65536, batch_invariant=invariant, max_batch_size=64))
+        dtype=dtype, quantize=quantize, kv_tokens=65536, batch_invariant=invariant, max_batch_size=64))
 
 
 def _prompts(n: int) -> list[list[int]]:
@@ -101,6 +103,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--quantize", default="none", help="--quantize modes, comma-separated (none: float weights)")
+    parser.add_argument("--name", default="determinism", help="the results file, bench/results/NAME.json")
     parser.add_argument("--repeats", type=int, default=3,
                         help="throughput rounds, the two kernels taking turns in each; medians are recorded")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -109,8 +113,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     records = []
-    for dtype in args.dtypes.split(","):
-        pair = {invariant: _executor(dtype, invariant) for invariant in (False, True)}
+    for dtype, quantize in itertools.product(args.dtypes.split(","), args.quantize.split(",")):
+        pair = {invariant: _executor(dtype, quantize, invariant) for invariant in (False, True)}
         found = {invariant: divergence(ex, args.seeds, args.tokens) for invariant, ex in pair.items()}
         rounds = {invariant: {"decode_b1_tok_s": [], "decode_b32_tok_s": [], "prompt_512_tok_s": []}
                   for invariant in pair}
@@ -120,7 +124,7 @@ def main() -> None:
                 rounds[invariant]["decode_b32_tok_s"].append(32e3 / _step_ms(ex, 32))
                 rounds[invariant]["prompt_512_tok_s"].append(_prompt_tps(ex))
         for invariant in pair:
-            record = {"dtype": dtype, "batch_invariant": invariant, "threads": torch.get_num_threads(),
+            record = {"dtype": dtype, "quantize": quantize, "batch_invariant": invariant, "threads": torch.get_num_threads(),
                       **found[invariant], **{k: statistics.median(v) for k, v in rounds[invariant].items()}}
             if invariant:
                 base = records[-1]
@@ -128,7 +132,7 @@ def main() -> None:
             print({k: round(v, 1) if isinstance(v, float) else v for k, v in record.items()}, flush=True)
             records.append(record)
         del pair
-    print("written:", write_results("determinism", records))
+    print("written:", write_results(args.name, records))
 
 
 if __name__ == "__main__":

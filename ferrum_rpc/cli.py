@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "build and agree with torch here (CPU); eager: torch ops only; fused: fail if they cannot")
     s.add_argument("--batch-invariant", action="store_true",
                    help="a token's logits bit-identical whatever shares its forward, however its prompt was "
-                        "chunked or cached (float32/bfloat16, CPU fused ops; costs prompt speed: see "
+                        "chunked or cached (float32/bfloat16, any --quantize, CPU fused ops; costs prompt speed: see "
                         "docs/server.md)")
     s.add_argument("--lora", action="append", default=[], metavar="NAME=PATH", type=_lora,
                    help="load the PEFT LoRA adapter folder PATH as NAME at start-up (repeatable); new sequences "

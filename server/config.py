@@ -123,10 +123,9 @@ class ExecutorConfig:
                 raise StartupError(f"{name} (--{name.replace('_', '-')}) must be 0 (no cap) or positive")
         if self.tensor_parallel < 1 or self.tensor_parallel_timeout_s <= 0:
             raise StartupError("--tensor-parallel must be at least 1 and --tensor-parallel-timeout positive")
-        if self.batch_invariant and (self.quantize != "none" or self.step_ops == "eager"
-                                     or not self.device.startswith("cpu")):
-            raise StartupError("--batch-invariant runs unquantized float32/bfloat16 weights on CPUs with the "
-                               "fused ops; not with --quantize, --step-ops eager or a GPU")
+        if self.batch_invariant and (self.step_ops == "eager" or not self.device.startswith("cpu")):
+            raise StartupError("--batch-invariant runs on CPUs with the fused ops; not with --step-ops eager or "
+                               "a GPU")
         if self.max_adapters < 0 or self.max_lora_rank < 1 or self.adapter_memory_mb < 0:
             raise StartupError("--max-adapters and --adapter-memory-mb must be 0 or more, --max-lora-rank positive")
         if self.loras and (self.tensor_parallel > 1 or not self.max_adapters):

@@ -314,7 +314,10 @@ class LlamaForCausalLM(nn.Module):
         forwards it takes (a few rows): it runs those same ops, ``linear_rows`` on the
         tiled linear's arithmetic, so its bits equal the per-op path's.  So a token's
         logits do not depend on the batch, the prompt's chunking or the prefix cache.  Needs the fused ops on and the plain
-        float32 or bfloat16 weights (``optimize_for_inference(False, rows_kernel=True)``)."""
+        float32 or bfloat16 weights (``optimize_for_inference(False, rows_kernel=True)``), or linears quantized
+        for csrc/qact.cpp (``qact.BlockQ8Linear``, kernel ``QACT``): each activation row quantized on its own
+        grid per block, each output's blocks summed in one order whatever the row count; with those the
+        whole-layer op takes forwards of any size, its silu*up on the per-row loops (``set_rows_silu``)."""
         if not self.fused_ops:
             raise ValueError("batch invariance runs on the fused ops, which are off")
         for module in self.modules():
@@ -324,9 +327,14 @@ class LlamaForCausalLM(nn.Module):
                 module.tiled = True
             elif isinstance(module, MLP):
                 module.invariant = True
+            elif isinstance(module, QuantizedLinear):
+                if module.kernel != QACT or not hasattr(module, "digits"):
+                    raise ValueError(f"batch invariance: quantized linears run {QACT}, not {module.kernel}")
             elif isinstance(module, nn.Linear):
                 raise ValueError(f"batch invariance: a linear outside FastLinear ({type(module).__name__})")
         self.fused_max_tokens = 1 << 62
+        if self.layer_ops is not None:
+            self.layer_ops.set_rows_silu(True)
         self.batch_invariant = True
 
     def _decode_stack(self, layer_args: list[tuple]):

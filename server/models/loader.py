@@ -20,6 +20,7 @@ from ..kernels import woq
 from ..kernels.fused import choose_step_ops
 from ..kernels.select import ATEN, ONEDNN_PACKED, KernelChoice, choose_linear, cpu_capability
 from .config import ModelConfig
+from .linear import replace_linears
 from .llama import LINEAR_ROWS, LlamaForCausalLM
 from .qwen3 import Qwen3ForCausalLM
 from .qwen3_moe import Qwen3MoeForCausalLM, fuse_expert_weights
@@ -134,9 +135,12 @@ def _choose_kernels(model, path: Path, dtype: torch.dtype, device: torch.device,
     fused, step_why = choose_step_ops(step_ops, dtype, device)
     if batch_invariant:
         _check_invariant(model, dtype, quantize, fused, step_why)
-        model.kernels = KernelChoice("linear_rows_tiled", "batch-invariant: every row count on one arithmetic",
-                                     cpu_capability())
-        model.optimize_for_inference(False, rows_kernel=True)
+        if quantize == "none":
+            model.kernels = KernelChoice("linear_rows_tiled", "batch-invariant: every row count on one arithmetic",
+                                         cpu_capability())
+            model.optimize_for_inference(False, rows_kernel=True)
+        else:
+            model.kernels = _quantize_invariant(model, path, quantize)
         model.use_fused_ops(True)
         model.make_batch_invariant()
     elif quantize == "none":
@@ -171,10 +175,29 @@ def _choose_kernels(model, path: Path, dtype: torch.dtype, device: torch.device,
              model.kernels.cpu_capability)
 
 
+def _quantize_invariant(model, path: Path, quantize: str) -> KernelChoice:
+    """Quantizes a batch-invariant model's linears for csrc/qact.cpp's ``block_linear`` in
+    every mode (int8 and int4 with two activation digits), whatever ``--linear-kernel``
+    asks: it quantizes each activation row on its own grid (per block of 32, never a
+    scale over the batch) and sums each output's blocks in one order at any row count,
+    while the float-activation kernels (``woq.py``: registers for 1-4 rows, a BLAS GEMM
+    past 12) and the torch fallbacks (``F.linear``) change their order with the rows.
+    Linears it cannot take (an input width not a multiple of 32) run ``linear_rows_tiled``."""
+    ok, why = qact.probe()
+    if not ok:
+        raise StartupError(f"--batch-invariant --quantize {quantize} needs csrc/qact.cpp's kernels, which cannot "
+                           f"run here ({why})")
+    model.optimize_for_inference(False)  # fuse projections, then quantize the fused weights
+    nbytes = qact.quantize_model(model, quantize, qact.QACT, skip=(".mlp.gate",))
+    replace_linears(model, "never")  # those left unquantized: tiled by make_batch_invariant
+    log.info("%s: linear weights quantized to %s: %.1f MiB", path.name, quantize, nbytes / 2**20)
+    digits = "two int8 digits" if quantize in ("int8", "int4") else "int8"
+    return KernelChoice(f"{quantize} {qact.QACT}", f"batch-invariant: activations as {digits} per block of "
+                        f"each row, every row count on one arithmetic; {why}", cpu_capability())
+
+
 def _check_invariant(model, dtype: torch.dtype, quantize: str, fused: bool, step_why: str) -> None:
     """Refuses (StartupError) a batch-invariant model this build cannot make invariant."""
-    if quantize != "none":
-        raise StartupError(f"--batch-invariant runs float32 or bfloat16 weights; --quantize {quantize} is not covered")
     if dtype not in LINEAR_ROWS:
         raise StartupError(f"--batch-invariant runs float32 or bfloat16, not {dtype}")
     if model.config.num_experts:

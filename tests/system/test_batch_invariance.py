@@ -3,19 +3,26 @@ at a position are bit-identical alone and inside batches of other sequences of o
 lengths in any order, with its prompt cold, from the prefix cache, or in any chunking,
 and a prompt token's logits equal the same token's decode logits; a seeded generation
 gives the same tokens alone and while other callers share its forwards.  float32 and
-bfloat16 on the tiny Llama and Qwen3 checkpoints."""
+bfloat16 on the tiny Llama and Qwen3 checkpoints, and the quantized modes (int8, int4,
+w8a8 rotated on Q4_1-grid weights, w4a8 in float32 and bfloat16) on csrc/qact.cpp's
+inner loops: AVX-512 VNNI, AVX-VNNI, AVX2 and portable, each where this CPU has it;
+and float32 split over two tensor-parallel ranks (real rank processes)."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 
 import numpy as np
 import pytest
+import torch
 
 from ferrum_rpc.client import DecodeInput, ExecutorClient, LogitsPolicy, TokenChoice
 from ferrum_rpc.errors import StartupError
 from ferrum_rpc.server.config import ExecutorConfig
+from ferrum_rpc.server.kernels.build import load_library
+from ferrum_rpc.harness import ServerProcess, all_serving
 from tests.conftest import running_server
 
 FULL = LogitsPolicy.full()
@@ -32,12 +39,51 @@ def _bits(out) -> np.ndarray:
     return values.view(np.uint32)
 
 
-@pytest.fixture(scope="module", params=[("llama", "float32"), ("llama", "bfloat16"), ("qwen3", "float32")],
-                ids=lambda p: "-".join(p))
-def server(request, tiny_llama_dir, tiny_qwen3_dir):
-    model = tiny_llama_dir if request.param[0] == "llama" else tiny_qwen3_dir
-    with running_server(model, dtype=request.param[1], batch_invariant=True, prefill_chunk=16,
-                        step_token_budget=24) as srv:
+# (model, dtype, --quantize, inner loops: the cap set on csrc's kernels, "" for the best here)
+CASES = [("llama", "float32", "none", ""), ("llama", "bfloat16", "none", ""), ("qwen3", "float32", "none", ""),
+         ("llama", "float32", "int8", ""), ("q4llama", "float32", "int4", ""), ("q4llama", "float32", "w8a8", ""),
+         ("qwen3", "float32", "w4a8", ""), ("llama", "bfloat16", "w4a8", ""),
+         ("q4llama", "float32", "w8a8", "avx-vnni"), ("q4llama", "float32", "w8a8", "avx2"),
+         ("llama", "float32", "int4", "avx2"), ("llama", "float32", "int8", "portable"),
+         ("llama", "float32", "none", "", 2)]  # last: split over 2 tensor-parallel ranks
+
+
+@contextlib.contextmanager
+def _inner_loops(name: str):
+    """csrc's kernels capped at ``name``'s inner loops (woq.cpp's cap binds every file,
+    qact.cpp's picks among its VNNI loops), skipping where this CPU lacks them."""
+    if not name:
+        yield
+        return
+    load_library()
+    woq_cap, qact_cap = {"avx-vnni": ("avx2", "avx-vnni"), "avx2": ("avx2", "avx2"),
+                         "portable": ("portable", "portable")}[name]
+    try:
+        torch.ops.ferrum_woq.set_max_isa(woq_cap)
+        if torch.ops.ferrum_qact.set_max_isa(qact_cap) != name:
+            pytest.skip(f"this CPU has no {name} inner loops (runs {torch.ops.ferrum_qact.isa()})")
+        yield
+    finally:
+        torch.ops.ferrum_woq.set_max_isa("avx512")
+        torch.ops.ferrum_qact.set_max_isa("avx512-vnni")
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda p: "-".join(str(f) if isinstance(f, str) else f"tp{f}" for f in p if f))
+def server(request, tiny_llama_dir, tiny_qwen3_dir, tiny_q4_llama_dir):
+    name, dtype, quantize, loops, *split = request.param
+    model = {"llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir, "q4llama": tiny_q4_llama_dir}[name]
+    if split:  # ranks are processes of a `ferrum-rpc serve`
+        serving = all_serving(ServerProcess(f"tiny={model}", "--dtype", dtype, "--batch-invariant",
+                                            "--tensor-parallel", str(split[0]), "--prefill-chunk", "16",
+                                            "--step-token-budget", "24", "--kv-tokens", "2048", "--block-size",
+                                            "4", "--no-warmup"), timeout=180)
+    else:
+        serving = running_server(model, dtype=dtype, quantize=quantize, batch_invariant=True, prefill_chunk=16,
+                                 step_token_budget=24)
+    with _inner_loops(loops), serving as srv:
+        if split:
+            (srv,) = srv
+        srv.case = request.param
         yield srv
 
 
@@ -47,8 +93,13 @@ def client(server):
         yield c
 
 
-def test_capabilities_say_so(client):
-    assert client.capabilities().batch_invariant
+def test_capabilities_say_so(server, client):
+    caps = client.capabilities()
+    assert caps.batch_invariant
+    quantize, loops = server.case[2:4]
+    if quantize != "none":  # every linear on qact.cpp's kernels, on the inner loops asked for
+        assert caps.quantization == quantize and f"linear={quantize} ferrum-qact" in caps.kernel_path
+        assert torch.ops.ferrum_qact.isa() == (loops or torch.ops.ferrum_qact.isa())
 
 
 def _decode_row(client, prompt, token, others=(), seed=0):
@@ -133,6 +184,6 @@ def test_seeded_generation_is_the_same_alone_and_under_load(server, client):
 
 
 def test_options_it_cannot_serve_are_refused_at_start():
-    for bad in (dict(quantize="int8"), dict(step_ops="eager")):
+    for bad in (dict(step_ops="eager"), dict(device="cuda")):
         with pytest.raises(StartupError, match="--batch-invariant"):
             ExecutorConfig(batch_invariant=True, **bad)

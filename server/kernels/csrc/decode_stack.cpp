@@ -36,12 +36,15 @@ namespace {
 // rotated whether their activations are rotated first (w8a8: qact.cpp rotate16),
 // or [weight] (N, K) float32 with bits 32: linear_rows, so 1-4 rows only (bfloat16
 // weights and x too where every linear is one of those: the eager path's roundings).
-at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
-                        at::TensorList qkv, at::TensorList o, at::TensorList gate_up, at::TensorList down,
-                        at::IntArrayRef bits, at::IntArrayRef digits, at::IntArrayRef rotated, at::TensorList qk_norm, const at::Tensor& cos, const at::Tensor& sin,
-                        const at::Tensor& positions, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& write_slots, const at::Tensor& tables, int64_t num_heads,
-                        int64_t num_kv_heads, double scale) {
+// `rows_silu`: silu*up on silu_mul_rows' loops at any row count (the batch-invariant
+// model's MLP), not silu_mul's (ATen's past 4 rows, as the default model's).
+at::Tensor layer_step(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
+                      at::TensorList qkv, at::TensorList o, at::TensorList gate_up, at::TensorList down,
+                      at::IntArrayRef bits, at::IntArrayRef digits, at::IntArrayRef rotated, at::TensorList qk_norm,
+                      const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+                      const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& write_slots,
+                      const at::Tensor& tables, int64_t num_heads, int64_t num_kv_heads, double scale,
+                      bool rows_silu) {
   TORCH_CHECK(bits.size() == 4 && digits.size() == 4 && rotated.size() == 4,
               "decode_layer: bits, digits and rotated have four entries");
   const bool all_rows = bits[0] == 32 && bits[1] == 32 && bits[2] == 32 && bits[3] == 32;
@@ -70,7 +73,18 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Te
   const at::Tensor v = qkv_out.narrow(-1, (H + Hkv) * D, Hkv * D).view({B, T, Hkv, D});
   const at::Tensor attn = paged_attention(q, k, v, cos, sin, positions, k_cache, v_cache, write_slots, tables, scale);
   at::Tensor h = x + lin(attn, o, 1);
-  return h.add_(lin(silu_mul(lin(rms_norm(h, ln2, eps), gate_up, 2)), down, 3));
+  const at::Tensor gu = lin(rms_norm(h, ln2, eps), gate_up, 2);
+  return h.add_(lin(rows_silu ? silu_mul_rows(gu) : silu_mul(gu), down, 3));
+}
+
+at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
+                        at::TensorList qkv, at::TensorList o, at::TensorList gate_up, at::TensorList down,
+                        at::IntArrayRef bits, at::IntArrayRef digits, at::IntArrayRef rotated, at::TensorList qk_norm,
+                        const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+                        const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& write_slots,
+                        const at::Tensor& tables, int64_t num_heads, int64_t num_kv_heads, double scale) {
+  return layer_step(x, ln1, ln2, eps, qkv, o, gate_up, down, bits, digits, rotated, qk_norm, cos, sin, positions,
+                    k_cache, v_cache, write_slots, tables, num_heads, num_kv_heads, scale, false);
 }
 
 // ---- the decode stack ---------------------------------------------------------------
@@ -149,14 +163,16 @@ class DecodeStack : public torch::CustomClassHolder {
     at::Tensor h = x;
     for (int64_t l = first; l < last; ++l) {
       const StackLayer& L = layers_[l];
-      h = decode_layer(h, L.ln1, L.ln2, L.eps, L.lin[0], L.lin[1], L.lin[2], L.lin[3], L.bits, L.digits, L.rotated,
-                       L.qk_norm, cos, sin, positions, k_pool.select(0, l), v_pool.select(0, l), write_slots, tables,
-                       H_, Hkv_, scale_);
+      h = layer_step(h, L.ln1, L.ln2, L.eps, L.lin[0], L.lin[1], L.lin[2], L.lin[3], L.bits, L.digits, L.rotated,
+                     L.qk_norm, cos, sin, positions, k_pool.select(0, l), v_pool.select(0, l), write_slots, tables,
+                     H_, Hkv_, scale_, rows_silu_);
     }
     return h;
   }
 
   bool one_region() const { return one_region_; }
+  // silu*up per row at any row count (layer_step's rows_silu): the batch-invariant model's
+  void set_rows_silu(bool on) { rows_silu_ = on; }
   int64_t size() const { return int64_t(layers_.size()); }
 
  private:
@@ -168,6 +184,7 @@ class DecodeStack : public torch::CustomClassHolder {
   int64_t H_, Hkv_, D_ = 0, C_ = 0, I_ = 0;
   double scale_;
   bool one_region_ = false;
+  bool rows_silu_ = false;
 };
 
 at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
@@ -285,6 +302,7 @@ TORCH_LIBRARY(ferrum_fused, m) {
       .def("add_layer", &ferrum_fused::DecodeStack::add_layer)
       .def("forward", &ferrum_fused::DecodeStack::forward)
       .def("one_region", &ferrum_fused::DecodeStack::one_region)
+      .def("set_rows_silu", &ferrum_fused::DecodeStack::set_rows_silu)
       .def("size", &ferrum_fused::DecodeStack::size);
   m.def("decode_layer(Tensor x, Tensor ln1, Tensor ln2, float eps, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, "
         "Tensor[] down, int[] bits, int[] digits, int[] rotated, Tensor[] qk_norm, Tensor cos, Tensor sin, "

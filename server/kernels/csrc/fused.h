@@ -33,6 +33,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 template <typename T>
 void silu_mul_on(bool avx2, const T* g, const T* u, int64_t n, T* y);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor silu_mul_rows(const at::Tensor& gate_up);  // this file's loops for any row count
 
 // linear_rows.cpp: x (..., K) with 1-4 rows times weight (N, K), both float32 or both bfloat16.
 constexpr int64_t kLinearRowsMax = 4;

@@ -13,8 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from ferrum_rpc.client import ExecutorClient, LogitsPolicy
-from ferrum_rpc.server.kernels import qact
+from ferrum_rpc.server.kernels import qact, woq
+from ferrum_rpc.errors import StartupError
 from ferrum_rpc.server.config import ExecutorConfig
+from ferrum_rpc.server.models import load_model
 from tests.conftest import running_server
 from tests.unit.kernels.test_woq import _gguf_blocks, _oracle_with_our_weights
 
@@ -258,6 +260,30 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(bits, extension):
     assert torch.allclose(alone, beside, rtol=1e-5, atol=1e-5 * alone.abs().max().item())
 
 
+@pytest.mark.parametrize("cls", [qact.BlockQ8Linear, qact.TwoDigitLinear, qact.RotatedQ8Linear])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_rows_bits_do_not_depend_on_the_row_count(cls, bits, isa):
+    """--batch-invariant's quantized linear: a row's outputs are bit-identical alone, in
+    any place of the tiles of 8, 4 and the rest, and on one or two threads."""
+    gen = torch.Generator().manual_seed(bits)
+    weight = woq.QuantizedLinear(torch.randn(75, 96, generator=gen), None, 4, woq.DEQUANT).dequantized()
+    layer = cls(weight, None, bits, qact.QACT)  # Q4_1's grid: the 8-bit rotated layer rotates
+    assert layer.rotated == (cls is qact.RotatedQ8Linear and bits == 8)
+    x = torch.randn(21, 96, generator=gen) * torch.logspace(-2, 1, 96)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = layer(x)
+        torch.set_num_threads(2)
+        full = layer(x)
+        assert torch.equal(full, one_thread)
+        for m in range(len(x)):
+            assert torch.equal(layer(x[m:m + 1]), full[m:m + 1]), m
+        assert torch.equal(layer(x[3:16]), full[3:16]) and torch.equal(layer(x[5:]), full[5:])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_choice_and_fallbacks(extension):
     kernel, why = qact.choose_kernel("auto")
     assert kernel == qact.QACT and why.startswith("built and probed OK")
@@ -266,6 +292,23 @@ def test_choice_and_fallbacks(extension):
         ExecutorConfig(quantize="w2a8")
     with pytest.raises(ValueError, match="CPU path"):
         ExecutorConfig(quantize="w4a8", device="cuda")
+
+
+@pytest.mark.parametrize("quantize", ["int8", "w4a8"])
+def test_batch_invariant_quantized_models_run_every_linear_on_block_linear(quantize, tiny_llama_dir, extension,
+                                                                         monkeypatch):
+    """int8/int4 too (not woq.py's float-activation kernels), whatever --linear-kernel asks;
+    the whole-layer op for any row count; refused at load where qact.cpp cannot run."""
+    for linear in ("auto", "aten"):
+        model = load_model(tiny_llama_dir, torch.float32, torch.device("cpu"), linear_kernel=linear,
+                           quantize=quantize, batch_invariant=True)
+        layers = [m for m in model.modules() if isinstance(m, woq.QuantizedLinear)]
+        assert layers and all(m.kernel == qact.QACT and isinstance(m, qact.BlockQ8Linear) for m in layers)
+        assert model.batch_invariant and model.kernels.linear == f"{quantize} {qact.QACT}"
+        assert model.layer_ops is not None and model.layer_ops_rows is None
+    monkeypatch.setattr(qact, "probe", lambda: (False, "not in this test"))
+    with pytest.raises(StartupError, match=f"--batch-invariant --quantize {quantize} needs.*not in this test"):
+        load_model(tiny_llama_dir, torch.float32, torch.device("cpu"), quantize=quantize, batch_invariant=True)
 
 
 def test_bad_quantize_value_is_one_line_and_exit_2():
