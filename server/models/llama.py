@@ -100,7 +100,7 @@ class Attention(nn.Module):
 
     def projections(self, x: torch.Tensor, lora=None) -> tuple[torch.Tensor, ...]:
         """x (..., C) -> (qkv,) when the projections are fused, else (q, k, v);
-        ``lora`` (a ``lora.LayerDeltas``): the adapters' deltas added to them."""
+        ``lora`` (a ``lora.LayerDeltas`` or ``KernelDeltas``): the adapters' deltas added to them."""
         if self.qkv_proj is None:
             proj = self.q_proj(x), self.k_proj(x), self.v_proj(x)
             names = ("q_proj", "k_proj", "v_proj")
@@ -189,7 +189,7 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
-        """``lora`` (a ``lora.LayerDeltas``): the adapters' deltas added to each projection."""
+        """``lora`` (a ``lora.LayerDeltas`` or ``KernelDeltas``): the adapters' deltas added to each projection."""
         if lora is not None:
             return self.with_deltas(x, lora)
         if self.gate_up_proj is None:
@@ -408,17 +408,22 @@ class LlamaForCausalLM(nn.Module):
         if keep:
             keep(0, x)
         rope = self.rope(positions, x.dtype, eager=getattr(kv, "attention", None) is not None)
-        if (rope.fused and self.layer_ops is not None and x.dtype == self.layer_ops_dtype and lora is None
+        if (rope.fused and self.layer_ops is not None and x.dtype == self.layer_ops_dtype
+                and (lora is None or lora.batch is not None)
                 and (self.layer_ops_rows is None or x.shape[0] * x.shape[1] <= self.layer_ops_rows)):
-            stack, pool, n = self.layer_ops, kv.pool, len(self.model.layers)
+            pool, n = kv.pool, len(self.model.layers)
             step = (self.rope_cos, self.rope_sin, kv.positions, pool.k, pool.v, kv.write_slots, kv.tables)
+            if lora is None:
+                run = self.layer_ops.forward
+            else:  # each token's LoRA delta after each linear, in the stack (lora.cpp)
+                run = lambda *args: self.layer_ops.forward_lora(*args, lora.batch)  # noqa: E731
             if keep:  # a layer a call, to copy each one's output
                 for i in range(n):
-                    x = stack.forward(x, *step, i, i + 1)
+                    x = run(x, *step, i, i + 1)
                     if i + 1 < n:
                         keep(i + 1, x)
             else:
-                x = stack.forward(x, *step, 0, n)
+                x = run(x, *step, 0, n)
         else:
             for i, layer in enumerate(self.model.layers):
                 x = layer(x, rope, kv, None if lora is None else lora.layers[i])

@@ -202,13 +202,13 @@ def _quantize_invariant(model, path: Path, quantize: str) -> KernelChoice:
 
 def invariant_by_default(model, dtype: torch.dtype, linear_kernel: str, quantize: str, fused: bool) -> bool:
     """Whether a model whose --batch-invariant is unset runs batch-invariant: the
-    quantized modes do where they can (their linears are qact.cpp's kernels either way,
-    and the per-row ops around them cost nothing measurable), with the kernel choice
-    left to the server; float weights do not (the tiled linear costs batched and prompt
+    quantized modes do where the server would choose qact.cpp's kernels anyway (the
+    same linears either way, and the per-row ops around them cost nothing measurable);
+    float weights do not (the tiled linear costs batched and prompt
     speed against oneDNN's GEMM)."""
     if quantize == "none" or linear_kernel != "auto" or not fused or dtype not in LINEAR_ROWS:
         return False
-    return not model.config.num_experts and qact.probe()[0]
+    return not model.config.num_experts and qact.choose_kernel(linear_kernel)[0] == qact.QACT
 
 
 def _check_invariant(model, dtype: torch.dtype, quantize: str, fused: bool, step_why: str) -> None:

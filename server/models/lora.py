@@ -1,22 +1,24 @@
 """LoRA adapters on a hosted model: a registry of loaded adapters in numbered slots,
 and the deltas a forward adds to the projections of the tokens that name them.
 
-A forward takes one slot id per token (-1: the base model).  Its tokens are grouped
-by slot, in ascending slot order, and each group's delta ``(x @ A^T) @ B^T`` (the
-scale folded into B when read) is added to the rows of the base projection's output,
-after the base kernel ran (quantized ones included, the delta in float): the gathered
-low-rank products of Punica's SGMV, one small GEMM pair per (group, projection).
-Where a group's rows are contiguous (the engine can order a batch by adapter) they
-are views, else gathered and scattered back.  The model fuses q/k/v and gate/up into
-one linear each: an adapter's A matrices for a fused projection are stacked into one
-(R, in) and its B matrices placed block-diagonally in one (out, R), each on its
-module's rows of the fused output (zeros elsewhere): two GEMMs per group and fused
-projection, not one per module (small GEMMs cost their dispatch more than their
-arithmetic), for a B up to 3x its size on q/k/v.
+A forward takes one slot id per token (-1: the base model).  Each token's delta
+``(x @ A^T) @ B^T`` (the scale folded into B when read) is added to its row of the
+base projection's output, after the base kernel ran (quantized ones included, the
+delta in float).  The model fuses q/k/v and gate/up into one linear each: an
+adapter's A matrices for a fused projection are stacked into one (R, in), so one
+product serves the modules it targets there, and each module's B (held transposed,
+(rank, width)) adds to its own outputs of the fused projection.
 
-Batch-invariant models (``model.batch_invariant``) compute every delta with the
-tiled linear whose rows do not depend on the row count, and add it elementwise:
-a token's bits do not depend on the rows that share its forward.
+On the fused step ops (``model.fused_ops``: the kernels library is loaded) every
+delta runs in C++ (``kernels/csrc/lora.cpp``): a ``LoraBatch`` per forward holds each
+token's adapter, and adds every row's delta to a projection in one call, each row
+with its own adapter's weights (the BGMV shape); the decode stack takes it too, so a
+decode step with adapters stays one call (``DecodeStack.forward_lora``).  A row's
+delta is one fixed sequence of float32 operations whatever shares the forward, so
+batch-invariant models keep a token's bits independent of its batch.  Without the
+fused ops the deltas are torch GEMMs: the tokens grouped by slot, in ascending slot
+order, one small GEMM pair per (group, projection) on contiguous rows (gathered
+once per projection where a group's rows are not).
 """
 
 from __future__ import annotations
@@ -35,17 +37,36 @@ log = logging.getLogger(__name__)
 
 BASE = -1  # the slot id of a token that runs the base model
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+PACK = 32  # a packed B block's outputs (lora.h's kLoraPack)
+SITES = {"qkv_proj": 0, "o_proj": 1, "gate_up_proj": 2, "down_proj": 3}  # the decode stack's linears, in order
+
+
+def _pack(b: torch.Tensor) -> torch.Tensor:
+    """A module's B (width, rank) as lora.cpp reads it: (blocks, rank, PACK), block j
+    its outputs [j PACK, (j + 1) PACK), zeros past its width."""
+    width, rank = b.shape
+    blocks = -(-width // PACK)
+    padded = b.new_zeros(blocks * PACK, rank)
+    padded[:width] = b
+    return padded.view(blocks, PACK, rank).transpose(1, 2).contiguous()
 
 
 class SiteWeights:
     """An adapter's weights for one projection of one layer as the forward reads them:
-    the stacked A (R, in) of the modules it targets there and their B matrices
-    block-diagonally in one (out, R), and both transposed (views, for the GEMMs)."""
+    the stacked A (R, in) of the modules it targets there, and per module its B
+    packed (``_pack``), with its first output in the projection, its width and its
+    first row in A: ``segments`` [(out_lo, width, r_lo, packed)]."""
 
-    def __init__(self, a: torch.Tensor, b: torch.Tensor):
-        self.a, self.b = a.contiguous(), b.contiguous()
-        self.a_t, self.b_t = self.a.t(), self.b.t()
-        self.nbytes = self.a.numel() * self.a.element_size() + self.b.numel() * self.b.element_size()
+    def __init__(self, a: torch.Tensor, segments: list[tuple[int, int, int, torch.Tensor]]):
+        self.a, self.segments = a.contiguous(), segments
+        self.nbytes = sum(t.numel() * t.element_size() for t in [self.a] + [p for *_, p in segments])
+
+    def add_to(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y (rows, out) += the delta of x (rows, in): torch GEMMs (the path off the fused ops)."""
+        low = torch.mm(x, self.a.t())
+        for out_lo, width, r_lo, packed in self.segments:
+            blocks = torch.matmul(low[:, r_lo:r_lo + packed.shape[1]], packed)  # (blocks, rows, PACK)
+            y[:, out_lo:out_lo + width] += blocks.transpose(0, 1).reshape(len(x), -1)[:, :width]
 
 
 @dataclass
@@ -61,6 +82,7 @@ class Adapter:
     digest: str
     sites: list[dict[str, SiteWeights]]
     nbytes: int
+    kernel: object | None  # the same weights as a lora.cpp LoraAdapter (on the fused step ops), or None
     refs: int = 0  # live users (the engine's sequences): never evicted or removed while > 0
     last_used: int = 0  # the set's use counter when last acquired or released (LRU among idle ones)
 
@@ -85,17 +107,30 @@ def _sites(model, read: LoraWeights) -> list[dict[str, SiteWeights]]:
             if not targeted:
                 continue
             widths = [shapes[m][0] for m in modules]
-            a = torch.cat([read.weights[i, m][0] for m in targeted])
-            b = a.new_zeros(sum(widths), a.shape[0])
-            r_lo = 0
-            for module, out_lo, width in zip(modules, itertools.accumulate([0] + widths), widths):
+            segments, r_lo = [], 0
+            for module, out_lo in zip(modules, itertools.accumulate([0] + widths)):
                 if module in targeted:
-                    part = read.weights[i, module][1]
-                    b[out_lo:out_lo + width, r_lo:r_lo + part.shape[1]] = part
-                    r_lo += part.shape[1]
-            projections[name] = SiteWeights(a, b)
+                    b = read.weights[i, module][1]
+                    segments.append((out_lo, b.shape[0], r_lo, _pack(b)))
+                    r_lo += b.shape[1]
+            projections[name] = SiteWeights(torch.cat([read.weights[i, m][0] for m in targeted]), segments)
         out.append(projections)
     return out
+
+
+def _kernel(model, sites: list[dict[str, SiteWeights]]):
+    """The adapter as lora.cpp's ``LoraAdapter`` (sharing the tensors), where the model
+    runs the fused step ops on fused projections; else None (torch GEMMs only)."""
+    layers = model.model.layers
+    if not model.fused_ops or any(l.self_attn.qkv_proj is None or getattr(l.mlp, "gate_up_proj", None) is None
+                                  for l in layers):
+        return None
+    kernel = torch.classes.ferrum_fused.LoraAdapter(len(layers))
+    for i, projections in enumerate(sites):
+        for name, site in projections.items():
+            out_lo, widths, r_lo, packed = zip(*site.segments)
+            kernel.set_site(i, SITES[name], site.a, list(packed), list(widths), list(out_lo), list(r_lo))
+    return kernel
 
 
 class AdapterSet:
@@ -136,6 +171,7 @@ class AdapterSet:
             raise AdapterError("name", f"adapter {name!r} is already loaded")
         read = read_adapter(folder, self.model.config, self.max_rank, self.dtype)
         sites = _sites(self.model, read)
+        kernel = _kernel(self.model, sites)
         nbytes = sum(s.nbytes for layer in sites for s in layer.values())
         with self._lock:
             old = self.by_name.get(name)
@@ -144,7 +180,7 @@ class AdapterSet:
             self._make_room(nbytes - (old.nbytes if old else 0), keep=name)
             slot = old.slot if old else self.slots.index(None)
             adapter = Adapter(name, slot, str(folder), read.rank, read.modules, read.digest, sites, nbytes,
-                              refs=old.refs if old else 0, last_used=next(self._clock))
+                              kernel, refs=old.refs if old else 0, last_used=next(self._clock))
             self.slots[slot] = adapter
             self.by_name[name] = adapter
         log.info("adapter %s in slot %d: rank %d on %s, %.1f MiB", name, slot, read.rank, ",".join(read.modules),
@@ -229,81 +265,95 @@ class AdapterSet:
         elif tuple(slots.shape) != tuple(shape):
             raise ValueError(f"adapter slots of shape {tuple(slots.shape)} for tokens of shape {tuple(shape)}")
         flat = slots.reshape(-1)
-        groups = []
-        for slot in torch.unique(flat).tolist():  # ascending: a fixed order whatever the batch
-            if slot == BASE:
-                continue
-            adapter = self.slots[slot] if 0 <= slot < len(self.slots) else None
+        present = [slot for slot in torch.unique(flat).tolist() if slot != BASE]  # ascending
+        adapters = [self.slots[slot] if 0 <= slot < len(self.slots) else None for slot in present]
+        for slot, adapter in zip(present, adapters):
             if adapter is None:
                 raise ValueError(f"adapter slot {slot} holds no adapter")
+        if not adapters:
+            return None
+        layers = range(len(self.model.model.layers))
+        if self.model.fused_ops and all(a.kernel is not None for a in adapters):
+            lookup = torch.full((len(self.slots) + 1,), -1, dtype=torch.int64)  # slot + 1 -> the batch's index
+            lookup[torch.tensor(present) + 1] = torch.arange(len(present))
+            batch = torch.classes.ferrum_fused.LoraBatch(lookup[flat + 1])
+            for adapter in adapters:
+                batch.add_adapter(adapter.kernel)
+            return LoraDeltas([KernelDeltas(batch, i, set().union(*(a.sites[i] for a in adapters))) for i in layers],
+                              batch)
+        if self.model.batch_invariant:
+            raise ValueError("batch-invariant adapters run on the fused ops' kernels, which are off")
+        groups = []
+        for slot, adapter in zip(present, adapters):
             rows = (flat == slot).nonzero().squeeze(1)
             first, last = rows[0].item(), rows[-1].item()
             groups.append((slice(first, last + 1) if last - first + 1 == len(rows) else rows, adapter.sites))
-        if not groups:
-            return None
-        invariant, order = self.model.batch_invariant, None
-        if not invariant and any(not isinstance(rows, slice) for rows, _ in groups):
+        order = None
+        if any(not isinstance(rows, slice) for rows, _ in groups):
             # the groups' rows gathered once per projection, in group order: each group a slice of that
             order = torch.cat([torch.arange(r.start, r.stop) if isinstance(r, slice) else r for r, _ in groups])
             sizes = [r.stop - r.start if isinstance(r, slice) else len(r) for r, _ in groups]
             starts = list(itertools.accumulate([0] + sizes))
             groups = [(slice(lo, hi), sites) for (lo, hi), (_, sites) in zip(zip(starts, starts[1:]), groups)]
-        return LoraDeltas([LayerDeltas([(rows, sites[i]) for rows, sites in groups if sites[i]], invariant, order)
-                           for i in range(len(self.model.model.layers))])
+        return LoraDeltas([LayerDeltas([(rows, sites[i]) for rows, sites in groups if sites[i]], order)
+                           for i in layers])
 
 
 @dataclass
 class LoraDeltas:
-    """One forward's adapters: per layer, its ``LayerDeltas`` (or None where no adapter
-    of the forward touches the layer)."""
+    """One forward's adapters: per layer, its ``LayerDeltas`` or ``KernelDeltas`` (None
+    where no adapter of the forward touches the layer); ``batch``: the forward's
+    ``LoraBatch`` where the deltas run in lora.cpp (the decode stack takes it)."""
 
-    layers: list[LayerDeltas | None]
+    layers: list
+    batch: object | None = None
 
     def __post_init__(self):
-        self.layers = [layer if layer.groups else None for layer in self.layers]
+        self.layers = [layer if layer else None for layer in self.layers]
+
+
+class KernelDeltas:
+    """One layer's deltas in lora.cpp: ``add(projection, x, y)`` adds every row's
+    delta to ``y`` (the base output, in place) in one call."""
+
+    def __init__(self, batch, layer: int, projections: set[str]):
+        self.batch, self.layer, self.projections = batch, layer, projections
+
+    def __bool__(self) -> bool:
+        return bool(self.projections)
+
+    def add(self, projection: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if projection in self.projections:
+            self.batch.add(self.layer, SITES[projection], x, y)
+        return y
 
 
 class LayerDeltas:
-    """One layer's adapter groups in a forward: ``add(projection, x, y)`` adds each
-    group's delta for ``projection`` to its rows of ``y`` (the base output, in place).
-    With ``order`` (rows of some group not contiguous, default kernels), the groups'
-    rows are gathered in that order once per projection, each group is a slice of
-    them, and the deltas go back in one ``index_add_``."""
+    """One layer's adapter groups in a forward, on torch GEMMs: ``add(projection, x, y)``
+    adds each group's delta for ``projection`` to its rows of ``y`` (the base output,
+    in place).  With ``order`` (rows of some group not contiguous), the groups' rows
+    are gathered in that order once per projection, each group is a slice of them,
+    and the deltas go back in one ``index_add_``."""
 
-    def __init__(self, groups: list[tuple[slice | torch.Tensor, dict[str, SiteWeights]]], invariant: bool,
-                 order: torch.Tensor | None = None):
-        self.groups, self.invariant, self.order = groups, invariant, order
+    def __init__(self, groups: list[tuple[slice, dict[str, SiteWeights]]], order: torch.Tensor | None = None):
+        self.groups, self.order = groups, order
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
 
     def add(self, projection: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])  # a view: the adds land in y
-        if self.order is not None:
-            return self._add_gathered(projection, x2, y2, y)
+        if self.order is None:
+            for rows, sites in self.groups:
+                if projection in sites:
+                    sites[projection].add_to(x2[rows], y2[rows])
+            return y
+        xs, delta = x2.index_select(0, self.order), None
         for rows, sites in self.groups:
-            site = sites.get(projection)
-            if site is None:
-                continue
-            if self.invariant:  # the tiled linear: a row's sums in one order at any row count, added elementwise
-                tiled = torch.ops.ferrum_fused.linear_rows_tiled
-                if isinstance(rows, slice):
-                    y2[rows] += tiled(tiled(x2[rows].contiguous(), site.a), site.b)
-                else:
-                    y2.index_add_(0, rows, tiled(tiled(x2.index_select(0, rows), site.a), site.b))
-            elif isinstance(rows, slice):
-                y2[rows].addmm_(torch.mm(x2[rows], site.a_t), site.b_t)
-            else:
-                y2.index_add_(0, rows, torch.mm(torch.mm(x2.index_select(0, rows), site.a_t), site.b_t))
-        return y
-
-    def _add_gathered(self, projection: str, x2: torch.Tensor, y2: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        xs = x2.index_select(0, self.order)
-        delta = None
-        for rows, sites in self.groups:
-            site = sites.get(projection)
-            if site is None:
-                continue
-            if delta is None:  # zeros: the rows of groups without this projection add nothing
-                delta = y2.new_zeros(len(self.order), y2.shape[1])
-            torch.mm(torch.mm(xs[rows], site.a_t), site.b_t, out=delta[rows])
+            if projection in sites:
+                if delta is None:  # zeros: the rows of groups without this projection add nothing
+                    delta = y2.new_zeros(len(self.order), y2.shape[1])
+                sites[projection].add_to(xs[rows], delta[rows])
         if delta is not None:
             y2.index_add_(0, self.order, delta)
         return y

@@ -9,6 +9,7 @@
 #include <omp.h>
 
 #include "fused.h"
+#include "lora.h"
 #include "qact.h"
 
 #include <algorithm>
@@ -38,13 +39,15 @@ namespace {
 // weights and x too where every linear is one of those: the eager path's roundings).
 // `rows_silu`: silu*up on silu_mul_rows' loops at any row count (the batch-invariant
 // model's MLP), not silu_mul's (ATen's past 4 rows, as the default model's).
+// With `lora` (the forward's LoRA rows), each linear's output takes their deltas
+// for layer `layer` (lora.cpp), in float, after the base kernel ran.
 at::Tensor layer_step(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
                       at::TensorList qkv, at::TensorList o, at::TensorList gate_up, at::TensorList down,
                       at::IntArrayRef bits, at::IntArrayRef digits, at::IntArrayRef rotated, at::TensorList qk_norm,
                       const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
                       const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& write_slots,
                       const at::Tensor& tables, int64_t num_heads, int64_t num_kv_heads, double scale,
-                      bool rows_silu) {
+                      bool rows_silu, const LoraBatch* lora, int64_t layer) {
   TORCH_CHECK(bits.size() == 4 && digits.size() == 4 && rotated.size() == 4,
               "decode_layer: bits, digits and rotated have four entries");
   const bool all_rows = bits[0] == 32 && bits[1] == 32 && bits[2] == 32 && bits[3] == 32;
@@ -58,9 +61,11 @@ at::Tensor layer_step(const at::Tensor& x, const at::Tensor& ln1, const at::Tens
                 "or [weight] with bits 32");
   const int64_t B = x.size(0), T = x.size(1), H = num_heads, Hkv = num_kv_heads, D = k_cache.size(3);
   auto lin = [&](const at::Tensor& in, at::TensorList w, int i) {
-    return bits[i] == 32 ? linear_rows(in, w[0])
-           : bits[i] < 0 ? ferrum_qact_linear(in, w[0], w[1], -bits[i], digits[i], rotated[i] != 0)
-                         : ferrum_woq_linear(in, w[0], w[1], w[2], bits[i]);
+    at::Tensor out = bits[i] == 32 ? linear_rows(in, w[0])
+                     : bits[i] < 0 ? ferrum_qact_linear(in, w[0], w[1], -bits[i], digits[i], rotated[i] != 0)
+                                   : ferrum_woq_linear(in, w[0], w[1], w[2], bits[i]);
+    if (lora != nullptr) lora->apply(layer, i, in, out);
+    return out;
   };
   const at::Tensor qkv_out = lin(rms_norm(x, ln1, eps), qkv, 0);  // (B, T, (H + 2 Hkv) D)
   TORCH_CHECK(qkv_out.size(-1) == (H + 2 * Hkv) * D, "decode_layer: q|k|v width does not match the heads");
@@ -84,7 +89,7 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Te
                         const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& write_slots,
                         const at::Tensor& tables, int64_t num_heads, int64_t num_kv_heads, double scale) {
   return layer_step(x, ln1, ln2, eps, qkv, o, gate_up, down, bits, digits, rotated, qk_norm, cos, sin, positions,
-                    k_cache, v_cache, write_slots, tables, num_heads, num_kv_heads, scale, false);
+                    k_cache, v_cache, write_slots, tables, num_heads, num_kv_heads, scale, false, nullptr, 0);
 }
 
 // ---- the decode stack ---------------------------------------------------------------
@@ -154,20 +159,17 @@ class DecodeStack : public torch::CustomClassHolder {
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
                      const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& write_slots,
                      const at::Tensor& tables, int64_t first, int64_t last) {
-    TORCH_CHECK(0 <= first && first <= last && last <= size(), "DecodeStack: layers ", first, "..", last, " of ", size());
-    TORCH_CHECK(k_pool.dim() == 5 && v_pool.sizes() == k_pool.sizes() && k_pool.size(0) == size(),
-                "DecodeStack: the pool must be (layers, blocks, block_size, kv_heads, head_dim)");
-    if (one_region_ && x.dim() == 3 && x.scalar_type() == at::kFloat && x.size(0) * x.size(1) <= kStackRows &&
-        x.size(2) == C_ && k_pool.size(4) == D_)
-      return forward_one_region(x, cos, sin, positions, k_pool, v_pool, write_slots, tables, first, last);
-    at::Tensor h = x;
-    for (int64_t l = first; l < last; ++l) {
-      const StackLayer& L = layers_[l];
-      h = layer_step(h, L.ln1, L.ln2, L.eps, L.lin[0], L.lin[1], L.lin[2], L.lin[3], L.bits, L.digits, L.rotated,
-                     L.qk_norm, cos, sin, positions, k_pool.select(0, l), v_pool.select(0, l), write_slots, tables,
-                     H_, Hkv_, scale_, rows_silu_);
-    }
-    return h;
+    return run(x, cos, sin, positions, k_pool, v_pool, write_slots, tables, first, last, nullptr);
+  }
+
+  // forward, each token with the LoRA adapter `lora` names for it (the layers one
+  // layer_step each: the deltas follow their base linears).
+  at::Tensor forward_lora(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                          const at::Tensor& positions, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                          const at::Tensor& write_slots, const at::Tensor& tables, int64_t first, int64_t last,
+                          c10::intrusive_ptr<LoraBatch> lora) {
+    TORCH_CHECK(x.dim() == 3 && lora->rows() == x.size(0) * x.size(1), "DecodeStack: one LoRA row per token");
+    return run(x, cos, sin, positions, k_pool, v_pool, write_slots, tables, first, last, lora.get());
   }
 
   bool one_region() const { return one_region_; }
@@ -176,6 +178,25 @@ class DecodeStack : public torch::CustomClassHolder {
   int64_t size() const { return int64_t(layers_.size()); }
 
  private:
+  at::Tensor run(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+                 const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& write_slots,
+                 const at::Tensor& tables, int64_t first, int64_t last, const LoraBatch* lora) {
+    TORCH_CHECK(0 <= first && first <= last && last <= size(), "DecodeStack: layers ", first, "..", last, " of ", size());
+    TORCH_CHECK(k_pool.dim() == 5 && v_pool.sizes() == k_pool.sizes() && k_pool.size(0) == size(),
+                "DecodeStack: the pool must be (layers, blocks, block_size, kv_heads, head_dim)");
+    if (lora == nullptr && one_region_ && x.dim() == 3 && x.scalar_type() == at::kFloat &&
+        x.size(0) * x.size(1) <= kStackRows && x.size(2) == C_ && k_pool.size(4) == D_)
+      return forward_one_region(x, cos, sin, positions, k_pool, v_pool, write_slots, tables, first, last);
+    at::Tensor h = x;
+    for (int64_t l = first; l < last; ++l) {
+      const StackLayer& L = layers_[l];
+      h = layer_step(h, L.ln1, L.ln2, L.eps, L.lin[0], L.lin[1], L.lin[2], L.lin[3], L.bits, L.digits, L.rotated,
+                     L.qk_norm, cos, sin, positions, k_pool.select(0, l), v_pool.select(0, l), write_slots, tables,
+                     H_, Hkv_, scale_, rows_silu_, lora, l);
+    }
+    return h;
+  }
+
   at::Tensor forward_one_region(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                 const at::Tensor& positions, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                 const at::Tensor& write_slots, const at::Tensor& tables, int64_t first, int64_t last);
@@ -297,12 +318,23 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
 }  // namespace ferrum_fused
 
 TORCH_LIBRARY(ferrum_fused, m) {
+  // lora.cpp's classes here, before DecodeStack, whose forward_lora takes a LoraBatch
+  m.class_<ferrum_fused::LoraAdapter>("LoraAdapter")
+      .def(torch::init<int64_t>())
+      .def("set_site", &ferrum_fused::LoraAdapter::set_site)
+      .def("layers", &ferrum_fused::LoraAdapter::layers);
+  m.class_<ferrum_fused::LoraBatch>("LoraBatch")
+      .def(torch::init<at::Tensor>())
+      .def("add_adapter", &ferrum_fused::LoraBatch::add_adapter)
+      .def("add", &ferrum_fused::LoraBatch::add)
+      .def("rows", &ferrum_fused::LoraBatch::rows);
   m.class_<ferrum_fused::DecodeStack>("DecodeStack")
       .def(torch::init<int64_t, int64_t, double>())
       .def("add_layer", &ferrum_fused::DecodeStack::add_layer)
       .def("forward", &ferrum_fused::DecodeStack::forward)
-      .def("one_region", &ferrum_fused::DecodeStack::one_region)
+      .def("forward_lora", &ferrum_fused::DecodeStack::forward_lora)
       .def("set_rows_silu", &ferrum_fused::DecodeStack::set_rows_silu)
+      .def("one_region", &ferrum_fused::DecodeStack::one_region)
       .def("size", &ferrum_fused::DecodeStack::size);
   m.def("decode_layer(Tensor x, Tensor ln1, Tensor ln2, float eps, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, "
         "Tensor[] down, int[] bits, int[] digits, int[] rotated, Tensor[] qk_norm, Tensor cos, Tensor sin, "

@@ -11,6 +11,8 @@
 //                     rows (batch-invariant mode)
 //   decode_stack.cpp  decode_layer (a whole decoder layer) and DecodeStack (a model's
 //                     layers, a decode step one call), built from the ops above
+//   lora.cpp          LoraAdapter, LoraBatch: LoRA deltas per row, each row its own
+//                     adapter, after a projection (lora.h; the decode stack calls them)
 //
 // Each file registers its ops in the ferrum_fused library (decode_stack.cpp
 // defines it, the others add fragments).  The eager torch ops in

@@ -37,10 +37,16 @@ def _check(got: torch.Tensor, logits, prompt: list[int], feed: list[int]) -> Non
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("which,per_token", [(0, False), (1, False), (2, True), (3, True)])
-def test_adapter_logits_equal_transformers_with_peft(tiny_llama_dir, adapters, which, per_token):
-    model = load_model(tiny_llama_dir, torch.float32, CPU)
-    slot = AdapterSet(model, max_adapters=4, max_rank=64).add("a", adapters[which])
+@pytest.mark.parametrize("which,per_token,step_ops", [(0, False, "auto"), (1, False, "auto"), (2, True, "auto"),
+                                                     (3, True, "auto"), (0, False, "eager"), (3, True, "eager")])
+def test_adapter_logits_equal_transformers_with_peft(tiny_llama_dir, adapters, which, per_token, step_ops):
+    """auto: the fused step ops, the deltas in lora.cpp (decode steps inside the decode
+    stack); eager: torch GEMMs."""
+    model = load_model(tiny_llama_dir, torch.float32, CPU, step_ops=step_ops)
+    registry = AdapterSet(model, max_adapters=4, max_rank=64)
+    slot = registry.add("a", adapters[which])
+    fast = step_ops == "auto"
+    assert (registry.get("a").kernel is not None) == fast and (model.layer_ops is not None) == fast
     logits, base = oracle(tiny_llama_dir, adapters[which]), oracle(tiny_llama_dir, None)
     got = run(model, PROMPTS[:2], [slot, slot], FEEDS[:2], per_token=per_token)
     for rows, prompt, feed in zip(got, PROMPTS, FEEDS):

@@ -34,23 +34,11 @@ def model(tiny_llama_dir):
     return load_model(tiny_llama_dir, torch.float32, CPU)
 
 
-SITE = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up",
-        "up_proj": "gate_up", "down_proj": "down"}
-WIDTH = {"qkv": 64 + 32 + 32, "o": 64, "gate_up": 128 + 128, "down": 64}  # the tiny Llama's fused outputs
-
-
 def _file_bytes(folder) -> int:
     """What the registry holds of the tiny Llama's adapter in ``folder`` (float32): the
-    file's A matrices, and per fused projection one B of its whole output width by the
-    sum of its modules' ranks."""
-    ranks: dict[tuple[str, str], int] = {}
-    held = 0
-    for key, t in load_file(folder / "adapter_model.safetensors").items():
-        if ".lora_A." in key:
-            layer, site = key.split(".")[4], SITE[key.split(".")[6]]
-            ranks[layer, site] = ranks.get((layer, site), 0) + t.shape[0]
-            held += t.numel() * 4
-    return held + sum(WIDTH[site] * rank * 4 for (_, site), rank in ranks.items())
+    file's A and B matrices, nothing more (B transposed, no zeros for the modules a
+    fused projection's adapter leaves alone)."""
+    return sum(t.numel() * 4 for t in load_file(folder / "adapter_model.safetensors").values())
 
 
 def test_slots_bytes_and_lru_eviction_of_idle_adapters(model, small):

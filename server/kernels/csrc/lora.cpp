@@ -1,0 +1,312 @@
+// LoRA deltas added to a projection's output rows, each row with its own adapter
+// (the BGMV shape: a row gathers its adapter's A and B), in one call per projection
+// and in the decode stack's layers (lora.h declares the classes).
+//
+// A row's delta runs in two phases.  Down: t = A x into float32, each component
+// one chain of 8 lanes over K's blocks of 8 in order, the lanes summed in one fixed
+// tree, then the products past the last whole block one fused multiply-add at a
+// time.  Up: each output n of a module starts at 0 and takes B[n, r] t[r] for r in
+// ascending order, one fused multiply-add each, then y[n] += that sum.  Every
+// output is one thread's sum in that order, whatever the threads, the blocking,
+// the other rows or their adapters, so a row's bits do not depend on its batch
+// (batch-invariant mode).
+//
+// Rows are taken grouped by adapter, two at a time where two share one (each
+// weight vector loaded once for both), so an adapter's weights are read from memory
+// once a projection and from cache for its other rows.  B is packed in blocks of
+// kLoraPack outputs, (blocks, rank, kLoraPack): a block's rank vectors lie side by
+// side, so the up phase reads B in order, eight outputs a vector with t[r]
+// broadcast, several vectors' sums in flight.
+#include <omp.h>
+#include <ATen/Parallel.h>
+
+#include "lora.h"
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+
+namespace ferrum_fused {
+namespace {
+
+constexpr int64_t kParallelWork = 1 << 15;  // multiply-adds below which one thread runs a call
+
+// The blocking: one row, 8 components (down) and 2 packed blocks (up) a step; two
+// rows, 4 components and 1 block.  Each fits AVX2's 16 registers (8 sums).
+constexpr int kDown1 = 8, kDown2 = 4;
+static_assert(kDown2 * 2 <= kDown1, "a down step's sums fit kDown1");
+
+#ifdef FERRUM_X86
+__attribute__((target("avx2,fma"))) FERRUM_INLINE float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// out[m * RB + r] = A row a[r] . row x[m], for MB rows and RB components.
+template <typename T, int MB, int RB>
+__attribute__((target("avx2,fma"))) void down_avx2(const T* const* a, const T* const* x, int64_t K, float* out) {
+  __m256 acc[MB][RB];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < RB; ++r) acc[m][r] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 xv[MB];
+    for (int m = 0; m < MB; ++m) xv[m] = load8(x[m] + k);
+    for (int r = 0; r < RB; ++r) {
+      const __m256 av = load8(a[r] + k);
+      for (int m = 0; m < MB; ++m) acc[m][r] = _mm256_fmadd_ps(av, xv[m], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < RB; ++r) {
+      float s = hsum(acc[m][r]);
+      for (int64_t j = k; j < K; ++j) s = std::fma(load(a[r][j]), load(x[m][j]), s);
+      out[m * RB + r] = s;
+    }
+}
+
+// y[0..min(n, 8)) += acc's lanes, each rounded once to T.
+template <typename T>
+__attribute__((target("avx2,fma"))) FERRUM_INLINE void add8(__m256 acc, T* y, int64_t n) {
+  float d[8];
+  _mm256_storeu_ps(d, acc);
+  if constexpr (std::is_same_v<T, float>) {
+    if (n >= 8) return _mm256_storeu_ps(y, _mm256_add_ps(_mm256_loadu_ps(y), acc));
+  }
+  for (int64_t i = 0; i < std::min<int64_t>(n, 8); ++i) y[i] = store<T>(load(y[i]) + d[i]);
+}
+// y[m][0..n) += the sums of NB packed blocks at p (block stride rank * kLoraPack) with t[m].
+template <typename T, int MB, int NB>
+__attribute__((target("avx2,fma"))) void up_avx2(const T* p, int64_t rank, const float* const* t, int64_t n,
+                                                 T* const* y) {
+  constexpr int V = NB * kLoraPack / 8;
+  __m256 acc[MB][V];
+  for (int m = 0; m < MB; ++m)
+    for (int v = 0; v < V; ++v) acc[m][v] = _mm256_setzero_ps();
+  for (int64_t r = 0; r < rank; ++r) {
+    __m256 tr[MB];
+    for (int m = 0; m < MB; ++m) tr[m] = _mm256_set1_ps(t[m][r]);
+    for (int v = 0; v < V; ++v) {
+      const __m256 bv = load8(p + (v * 8 / kLoraPack) * rank * kLoraPack + r * kLoraPack + v * 8 % kLoraPack);
+      for (int m = 0; m < MB; ++m) acc[m][v] = _mm256_fmadd_ps(bv, tr[m], acc[m][v]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int v = 0; v < V && v * 8 < n; ++v) add8(acc[m][v], y[m] + v * 8, n - v * 8);
+}
+#endif
+
+// The same sums, portably (the lanes' tree as hsum's).
+template <typename T, int MB, int RB>
+void down_portable(const T* const* a, const T* const* x, int64_t K, float* out) {
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < RB; ++r) {
+      float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      int64_t k = 0;
+      for (; k + 8 <= K; k += 8)
+        for (int i = 0; i < 8; ++i) l[i] = std::fma(load(a[r][k + i]), load(x[m][k + i]), l[i]);
+      float s = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+      for (; k < K; ++k) s = std::fma(load(a[r][k]), load(x[m][k]), s);
+      out[m * RB + r] = s;
+    }
+}
+template <typename T, int MB, int NB>
+void up_portable(const T* p, int64_t rank, const float* const* t, int64_t n, T* const* y) {
+  for (int m = 0; m < MB; ++m)
+    for (int64_t i = 0; i < std::min<int64_t>(n, NB * kLoraPack); ++i) {
+      const T* b = p + i / kLoraPack * rank * kLoraPack + i % kLoraPack;
+      float c = 0.0f;
+      for (int64_t r = 0; r < rank; ++r) c = std::fma(load(b[r * kLoraPack]), t[m][r], c);
+      y[m][i] = store<T>(load(y[m][i]) + c);
+    }
+}
+
+template <typename T, int MB, int RB>
+void down(bool avx2, const T* const* a, const T* const* x, int64_t K, float* out) {
+#ifdef FERRUM_X86
+  if (avx2) return down_avx2<T, MB, RB>(a, x, K, out);
+#endif
+  down_portable<T, MB, RB>(a, x, K, out);
+}
+template <typename T, int MB, int NB>
+void up(bool avx2, const T* p, int64_t rank, const float* const* t, int64_t n, T* const* y) {
+#ifdef FERRUM_X86
+  if (avx2) return up_avx2<T, MB, NB>(p, rank, t, n, y);
+#endif
+  up_portable<T, MB, NB>(p, rank, t, n, y);
+}
+
+// One or two rows that run one adapter's weights at this projection: the rows, the
+// site, where their low-rank values start in the call's t (R each), and the first
+// of their units in each phase.
+struct RowBlock {
+  int64_t m[2];
+  int rows;
+  const LoraSite* site;
+  int64_t t_off, down_unit, up_unit;
+};
+
+// A row block's units: components of kDown1 or kDown2 (down), packed blocks of its
+// segments two or one at a time (up).
+int64_t down_units(const RowBlock& b) {
+  const int64_t step = b.rows == 1 ? kDown1 : kDown2;
+  return (b.site->R + step - 1) / step;
+}
+int64_t up_units(const RowBlock& b) {
+  int64_t n = 0;
+  for (const LoraSegment& s : b.site->segments) n += b.rows == 1 ? (s.blocks + 1) / 2 : s.blocks;
+  return n;
+}
+
+template <typename T>
+void run(const std::vector<RowBlock>& blocks, int64_t total_r, int64_t total_down, int64_t total_up, const T* x,
+         int64_t K, T* y, int64_t N, bool parallel) {
+  std::vector<float> low(static_cast<size_t>(total_r));  // each row's t
+  const bool avx2 = avx2_on();
+  auto find = [&](int64_t u, int64_t RowBlock::*first) {  // the block holding unit u: the last starting <= u
+    const auto it = std::upper_bound(blocks.begin(), blocks.end(), u,
+                                     [&](int64_t v, const RowBlock& b) { return v < b.*first; });
+    return int64_t(it - blocks.begin()) - 1;
+  };
+  auto down_range = [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0, i = u0 < u1 ? find(u0, &RowBlock::down_unit) : 0; u < u1; ++u) {
+      while (i + 1 < int64_t(blocks.size()) && blocks[i + 1].down_unit <= u) ++i;
+      const RowBlock& b = blocks[i];
+      const int64_t R = b.site->R, step = b.rows == 1 ? kDown1 : kDown2, r0 = (u - b.down_unit) * step;
+      const T* a[kDown1];
+      for (int r = 0; r < step; ++r) a[r] = b.site->a.data_ptr<T>() + std::min(r0 + r, R - 1) * K;  // past R: discarded
+      const T* xs[2] = {x + b.m[0] * K, x + b.m[b.rows - 1] * K};
+      float out[kDown1];
+      if (b.rows == 1) down<T, 1, kDown1>(avx2, a, xs, K, out);
+      else down<T, 2, kDown2>(avx2, a, xs, K, out);
+      for (int m = 0; m < b.rows; ++m)
+        for (int64_t r = r0; r < std::min(r0 + step, R); ++r) low[b.t_off + m * R + r] = out[m * step + r - r0];
+    }
+  };
+  auto up_range = [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0, i = u0 < u1 ? find(u0, &RowBlock::up_unit) : 0; u < u1; ++u) {
+      while (i + 1 < int64_t(blocks.size()) && blocks[i + 1].up_unit <= u) ++i;
+      const RowBlock& b = blocks[i];
+      const int64_t per = b.rows == 1 ? 2 : 1;  // packed blocks a unit
+      int64_t left = u - b.up_unit;
+      for (const LoraSegment& s : b.site->segments) {
+        const int64_t units = (s.blocks + per - 1) / per;
+        if (left >= units) {
+          left -= units;
+          continue;
+        }
+        const int64_t first = left * per, n0 = first * kLoraPack, n = std::min(per * kLoraPack, s.width - n0);
+        const T* p = s.packed.data_ptr<T>() + first * s.rank * kLoraPack;
+        const float* t[2] = {low.data() + b.t_off + s.r_lo, low.data() + b.t_off + b.site->R * (b.rows - 1) + s.r_lo};
+        T* ys[2] = {y + b.m[0] * N + s.out_lo + n0, y + b.m[b.rows - 1] * N + s.out_lo + n0};
+        if (b.rows == 2) up<T, 2, 1>(avx2, p, s.rank, t, n, ys);
+        else if (n > kLoraPack) up<T, 1, 2>(avx2, p, s.rank, t, n, ys);
+        else up<T, 1, 1>(avx2, p, s.rank, t, n, ys);
+        break;
+      }
+    }
+  };
+  if (!parallel) {
+    down_range(0, total_down);
+    up_range(0, total_up);
+    return;
+  }
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    down_range(total_down * tid / nt, total_down * (tid + 1) / nt);
+#pragma omp barrier
+    up_range(total_up * tid / nt, total_up * (tid + 1) / nt);
+  }
+}
+
+}  // namespace
+
+LoraAdapter::LoraAdapter(int64_t layers) : sites_(static_cast<size_t>(std::max<int64_t>(layers, 0))) {
+  TORCH_CHECK(layers > 0, "LoraAdapter: layers must be positive");
+}
+
+void LoraAdapter::set_site(int64_t layer, int64_t site, at::Tensor a, std::vector<at::Tensor> packed,
+                           std::vector<int64_t> widths, std::vector<int64_t> out_lo, std::vector<int64_t> r_lo) {
+  TORCH_CHECK(0 <= layer && layer < layers() && 0 <= site && site < kLoraSites, "LoraAdapter: layer ", layer,
+              " site ", site, " out of range");
+  TORCH_CHECK(a.dim() == 2 && a.is_contiguous() && (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16),
+              "LoraAdapter: A must be (R, K) contiguous float32 or bfloat16");
+  TORCH_CHECK(!packed.empty() && packed.size() == widths.size() && packed.size() == out_lo.size() &&
+              packed.size() == r_lo.size(), "LoraAdapter: one width, out_lo and r_lo per B");
+  LoraSite s{a, {}, a.size(0), a.size(1)};
+  for (size_t i = 0; i < packed.size(); ++i) {
+    const at::Tensor& b = packed[i];
+    TORCH_CHECK(b.dim() == 3 && b.size(2) == kLoraPack && b.is_contiguous() && b.scalar_type() == a.scalar_type(),
+                "LoraAdapter: each B must be packed (blocks, rank, ", kLoraPack, ") contiguous, A's dtype");
+    TORCH_CHECK(widths[i] > (b.size(0) - 1) * kLoraPack && widths[i] <= b.size(0) * kLoraPack,
+                "LoraAdapter: B ", i, " of width ", widths[i], " in ", b.size(0), " blocks");
+    TORCH_CHECK(out_lo[i] >= 0 && r_lo[i] >= 0 && r_lo[i] + b.size(1) <= s.R, "LoraAdapter: B ", i,
+                " reads ranks ", r_lo[i], "..", r_lo[i] + b.size(1), " of ", s.R);
+    s.segments.push_back({b, out_lo[i], widths[i], r_lo[i], b.size(1), b.size(0)});
+  }
+  sites_[layer][site] = std::move(s);
+}
+
+LoraBatch::LoraBatch(const at::Tensor& rows) {
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "LoraBatch: rows must be (M,) int64");
+  const at::Tensor r = rows.contiguous();
+  rows_.assign(r.data_ptr<int64_t>(), r.data_ptr<int64_t>() + r.numel());
+  for (int64_t m = 0; m < int64_t(rows_.size()); ++m)
+    if (rows_[m] >= 0) order_.push_back(m);
+  std::stable_sort(order_.begin(), order_.end(), [&](int64_t a, int64_t b) { return rows_[a] < rows_[b]; });
+}
+
+void LoraBatch::add_adapter(c10::intrusive_ptr<LoraAdapter> adapter) { adapters_.push_back(std::move(adapter)); }
+
+void LoraBatch::apply(int64_t layer, int64_t site, const at::Tensor& x, const at::Tensor& y) const {
+  TORCH_CHECK(0 <= site && site < kLoraSites, "LoraBatch: site ", site, " out of range");
+  const int64_t K = x.size(-1), N = y.size(-1), M = int64_t(rows_.size());
+  TORCH_CHECK(x.numel() == M * K && y.numel() == M * N, "LoraBatch: x and y must have ", M, " rows");
+  TORCH_CHECK(y.is_contiguous() && y.scalar_type() == x.scalar_type(), "LoraBatch: y must be contiguous, x's dtype");
+  std::vector<RowBlock> blocks;
+  int64_t total_r = 0, total_down = 0, total_up = 0, work = 0;
+  for (const int64_t m : order_) {
+    TORCH_CHECK(rows_[m] < int64_t(adapters_.size()), "LoraBatch: row ", m, " names adapter ", rows_[m], " of ",
+                adapters_.size());
+    const LoraAdapter& adapter = *adapters_[rows_[m]];
+    TORCH_CHECK(0 <= layer && layer < adapter.layers(), "LoraBatch: layer ", layer, " out of range");
+    const LoraSite& s = adapter.site(layer, site);
+    if (!s.a.defined()) continue;
+    if (!blocks.empty() && blocks.back().site == &s && blocks.back().rows == 1) {  // a second row, same weights
+      blocks.back().m[1] = m, blocks.back().rows = 2;
+    } else {
+      TORCH_CHECK(s.K == K && s.a.scalar_type() == x.scalar_type(), "LoraBatch: the adapter's A is (", s.R, ", ",
+                  s.K, ") ", s.a.scalar_type(), ", x has width ", K, " ", x.scalar_type());
+      for (const LoraSegment& g : s.segments)
+        TORCH_CHECK(g.out_lo + g.width <= N, "LoraBatch: a B writes outputs up to ", g.out_lo + g.width, " of ", N);
+      if (!blocks.empty()) {
+        const RowBlock& b = blocks.back();
+        total_down += down_units(b), total_up += up_units(b), total_r += b.rows * b.site->R;
+      }
+      blocks.push_back({{m, m}, 1, &s, total_r, total_down, total_up});
+    }
+    work += s.R * K;
+    for (const LoraSegment& g : s.segments) work += g.rank * g.width;
+  }
+  if (blocks.empty()) return;
+  const RowBlock& last = blocks.back();
+  total_down += down_units(last), total_up += up_units(last), total_r += last.rows * last.site->R;
+  const at::Tensor xc = x.contiguous();
+  const bool parallel = work >= kParallelWork && at::get_num_threads() > 1 && !omp_in_parallel();
+  if (x.scalar_type() == at::kFloat)
+    run<float>(blocks, total_r, total_down, total_up, xc.data_ptr<float>(), K, y.data_ptr<float>(), N, parallel);
+  else if (x.scalar_type() == at::kBFloat16)
+    run<c10::BFloat16>(blocks, total_r, total_down, total_up, xc.data_ptr<c10::BFloat16>(), K,
+                       y.data_ptr<c10::BFloat16>(), N, parallel);
+  else
+    TORCH_CHECK(false, "LoraBatch: float32 or bfloat16 only");
+}
+
+at::Tensor LoraBatch::add(int64_t layer, int64_t site, const at::Tensor& x, at::Tensor y) const {
+  apply(layer, site, x, y);
+  return y;
+}
+
+}  // namespace ferrum_fused
