@@ -78,7 +78,7 @@ class ExecutorConfig:
     step_ops: str = "auto"
     # every linear, attention and norm on one per-row arithmetic: a row's logits do not
     # depend on the batch, the prompt's chunking or the prefix cache (models.llama.make_batch_invariant)
-    batch_invariant: bool | None = None  # None: on where it costs nothing measurable (loader.invariant_by_default)
+    batch_invariant: bool = False
     max_sequences: int = 10_000  # live sequences in all, forks included (0: no cap); ~17 KB each
     # Per-tenant bounds (see tenant_bounds).  None: the default, which binds each tenant of
     # --auth-tokens and not the anonymous caller of a server without tokens (everyone is that

@@ -47,7 +47,7 @@ def _return_freed_memory() -> None:
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
                linear_kernel: str = "auto", quantize: str = "none", step_ops: str = "auto",
-               shard=None, batch_invariant: bool | None = False,
+               shard=None, batch_invariant: bool = False,
                overrides: dict[str, torch.Tensor] | None = None) -> LlamaForCausalLM:
     """Loads weights onto ``device`` in ``dtype``, computes the RoPE tables, fuses the
     projections and puts them on the linear kernel probed for this CPU (``kernels.py``),
@@ -131,10 +131,8 @@ def _read_state(files: list[Path], dtype: torch.dtype, device: torch.device,
 
 
 def _choose_kernels(model, path: Path, dtype: torch.dtype, device: torch.device, linear_kernel: str,
-                    quantize: str, step_ops: str, batch_invariant: bool | None = False) -> None:
+                    quantize: str, step_ops: str, batch_invariant: bool = False) -> None:
     fused, step_why = choose_step_ops(step_ops, dtype, device)
-    if batch_invariant is None:
-        batch_invariant = invariant_by_default(model, dtype, linear_kernel, quantize, fused)
     if batch_invariant:
         _check_invariant(model, dtype, quantize, fused, step_why)
         if quantize == "none":
@@ -198,17 +196,6 @@ def _quantize_invariant(model, path: Path, quantize: str) -> KernelChoice:
     return KernelChoice(f"{quantize} {qact.QACT}", f"batch-invariant: activations as "
                         f"{'two int8 digits' if two_digits else 'int8'} per block of each row, every row count on "
                         f"one arithmetic; {why}" + (f"; {note}" if note else ""), cpu_capability())
-
-
-def invariant_by_default(model, dtype: torch.dtype, linear_kernel: str, quantize: str, fused: bool) -> bool:
-    """Whether a model whose --batch-invariant is unset runs batch-invariant: the
-    quantized modes do where the server would choose qact.cpp's kernels anyway (the
-    same linears either way, and the per-row ops around them cost nothing measurable);
-    float weights do not (the tiled linear costs batched and prompt
-    speed against oneDNN's GEMM)."""
-    if quantize == "none" or linear_kernel != "auto" or not fused or dtype not in LINEAR_ROWS:
-        return False
-    return not model.config.num_experts and qact.choose_kernel(linear_kernel)[0] == qact.QACT
 
 
 def _check_invariant(model, dtype: torch.dtype, quantize: str, fused: bool, step_why: str) -> None:

@@ -6,7 +6,7 @@ equal, bit for bit, the same seed's generated alone on an idle server: the repla
 by prefill on the survivor (kill) and the KV pushed to it (drain) continue with the
 logits the sequence would have had, whichever other rows shared its forwards.
 
-``FERRUM_STRIKE_ROUNDS`` sets the rounds (2 by default; the figures in the notes
+``FERRUM_STRIKE_ROUNDS`` sets the rounds (1 by default; the figures in the notes
 come from 10)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ferrum_rpc.client import ExecutorClient, TokenChoice, connect
 from ferrum_rpc.client.replicas import ReplicaPolicy
 from ferrum_rpc.harness import ServerProcess, all_serving
 
-ROUNDS = int(os.environ.get("FERRUM_STRIKE_ROUNDS", "2"))
+ROUNDS = int(os.environ.get("FERRUM_STRIKE_ROUNDS", "1"))
 LOAD = 16
 TOKENS = 24
 KILL_AT = 8
@@ -60,16 +60,17 @@ def replicas(tiny_llama_dir):
 
 
 @pytest.fixture(scope="module")
-def alone(tiny_llama_dir):
-    """Each (prompt, seed)'s text generated alone on an idle server of its own."""
+def alone(replicas):
+    """Each (prompt, seed)'s generation alone on an idle server (the first replica, asked
+    at the start of a round, before the load begins)."""
     cache: dict = {}
-    with all_serving(ServerProcess(f"tiny={tiny_llama_dir}", *FLAGS)) as (server,):
-        with ExecutorClient(server.target, timeout=30) as one:
-            def text(i: int, seed: int) -> list[int]:
-                if (i, seed) not in cache:
-                    cache[(i, seed)] = _generate(one, i, seed)
-                return cache[(i, seed)]
-            yield text
+
+    def text(i: int, seed: int) -> list:
+        if (i, seed) not in cache:
+            with ExecutorClient(replicas[0].target, timeout=30) as one:
+                cache[(i, seed)] = _generate(one, i, seed)
+        return cache[(i, seed)]
+    return text
 
 
 def _round(replicas, alone, n: int, how: str) -> None:
