@@ -19,7 +19,7 @@ from safetensors import safe_open
 from ferrum_rpc.errors import Cancelled
 from ferrum_rpc.hashing import updated_weights_digest
 from ..models import TORCH_DTYPES, load_model
-from .weights_file import HEADER_SLACK, WeightsUpload
+from .weights_file import DTYPE_BYTES, FLOAT_DTYPES, HEADER_SLACK, WeightsUpload
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +45,8 @@ class UpdatesWeights:
     @property
     def update_limit_bytes(self) -> int:
         """The largest UpdateWeights file: every checkpoint tensor plus a header."""
-        sizes = {"F32": 4, "BF16": 2, "F16": 2}
-        return sum(sizes.get(dtype, 8) * (torch.Size(shape).numel()) for shape, dtype in self.checkpoint.values()) \
-            + HEADER_SLACK
+        return sum((DTYPE_BYTES[dtype] if dtype in FLOAT_DTYPES else 8) * torch.Size(shape).numel()
+                   for shape, dtype in self.checkpoint.values()) + HEADER_SLACK
 
     def weights_upload(self, total_bytes: int) -> WeightsUpload:
         """Where an update's ``total_bytes`` go as they arrive (read and checked off the worker)."""

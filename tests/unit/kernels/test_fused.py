@@ -23,16 +23,6 @@ def ops():
     return torch.ops.ferrum_fused
 
 
-@pytest.fixture(params=["avx512", "avx2", "portable"])
-def isa(request, ops):
-    ran = torch.ops.ferrum_woq.set_max_isa(request.param)
-    if ran != request.param:
-        torch.ops.ferrum_woq.set_max_isa("avx512")
-        pytest.skip(f"this CPU cannot run the {request.param} path")
-    yield request.param
-    torch.ops.ferrum_woq.set_max_isa("avx512")
-
-
 def rel(got, want) -> float:
     return (got.float() - want.float()).abs().max().item() / max(want.float().abs().max().item(), 1.0)
 

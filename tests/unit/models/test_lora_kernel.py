@@ -23,16 +23,6 @@ def ops():
     return torch.classes.ferrum_fused
 
 
-@pytest.fixture(params=["avx512", "avx2", "portable"])
-def isa(request, ops):
-    ran = torch.ops.ferrum_woq.set_max_isa(request.param)
-    if ran != request.param:
-        torch.ops.ferrum_woq.set_max_isa("avx512")
-        pytest.skip(f"this CPU cannot run the {request.param} path")
-    yield request.param
-    torch.ops.ferrum_woq.set_max_isa("avx512")
-
-
 def make_site(gen: torch.Generator, ranks: dict[int, int], dtype: torch.dtype) -> SiteWeights:
     """A fused-projection site: module i (of WIDTHS) with rank ranks[i], the others untouched."""
     a_parts, segments, r_lo, out_lo = [], [], 0, 0
