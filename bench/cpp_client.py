@@ -69,13 +69,13 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     from tests.contract.test_cpp_client import build_dir, cpp_bin_path  # the tests' build, reused
-    binary = str(cpp_bin_path() / "ferrum-generate")
+    binary = str(cpp_bin_path(optimized=True) / "ferrum-generate")
     if args.model_dir:
         model_dir = args.model_dir
     else:
         from ferrum_rpc.server.prepare import prepare_default_model
         model_dir = str(prepare_default_model())
-    log.info("C++ build: %s", build_dir())
+    log.info("C++ build: %s", build_dir(optimized=True))
 
     py_s, cpp_s = [], []
     with served(model_dir, args.dtype) as target, ExecutorClient(target, timeout=120) as ex:
