@@ -4,6 +4,7 @@ N server-side steps equal N single steps token for token (greedy and seeded, one
 item and a batch of mixed lengths); a stop token ends it; a stop message ends it
 with a handle covering exactly the tokens received; a cancelled session leaves the
 sequence where the step found it; a caller that stops reading pauses the step;
+``forwards_per_response`` packs several forwards a message with the same tokens;
 bad requests are refused with no state change."""
 
 from __future__ import annotations
