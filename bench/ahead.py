@@ -8,12 +8,18 @@ generation of ``--new-tokens`` tokens after a 32-token prompt:
 - ``in_process_steps``: one decode job a token through the same worker (the
   executor row of ``bench.decode_throughput``);
 - ``grpc_ahead``: ``ferrum-rpc serve`` in its own process, one DecodeSession step
-  decoding ahead (``ExecutorClient.decode_ahead``);
+  decoding ahead (``ExecutorClient.decode_ahead`` with no ``on_token``: 16 forwards'
+  tokens a response, ``DecodeSessionRequest.forwards_per_response``);
+- ``grpc_ahead_streamed``: the same with an ``on_token`` watching each token as it
+  comes (one response per forward);
 - ``grpc_steps``: the same server, one unary Decode a token.
 
 Tokens/s counts the decoded tokens over the decode's wall time (the prompt is
 left out), median of ``--repeats``.  The in-process worker is stopped before the
-server starts, so the two never share the cores.
+server starts, so the two never share the cores.  For the gRPC rows the server
+process's CPU time per token (user + system, /proc, the call's prefill and release
+included) and this process's are recorded too: the CPU a message costs is what the
+forwards lose on a host whose cores they share.
 
     .venv/bin/python -m bench.ahead [--variants float32 w4a8] [--new-tokens 128] [--repeats 5]
 """
@@ -22,10 +28,12 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import threading
 import time
+from pathlib import Path
 
-from bench.common import log, median_of, served, write_results
+from bench.common import bench_server, log, median_of, write_results
 from ferrum_rpc.client import ExecutorClient
 from ferrum_rpc.server.config import QUANTIZATIONS, ExecutorConfig
 from ferrum_rpc.server.engine.executor import TorchExecutor
@@ -65,12 +73,19 @@ def in_process(worker: ModelWorker, new_tokens: int, ahead: bool) -> float:
     return elapsed
 
 
-def through_grpc(client: ExecutorClient, new_tokens: int, ahead: bool) -> float:
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU time so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def through_grpc(client: ExecutorClient, new_tokens: int, ahead: bool, streamed: bool = False) -> float:
     first = client.prefill(PROMPT, logits=LogitsPolicy.argmax())
     token, handle = first.logits.argmax()[0], first.kv_cache
     start = time.perf_counter()
     if ahead:
-        end = client.decode_ahead(token, handle, GREEDY, new_tokens)
+        seen = []
+        end = client.decode_ahead(token, handle, GREEDY, new_tokens, on_token=seen.append if streamed else None)
         assert len(end.chosen) == new_tokens
         handle = end.kv_cache
     else:
@@ -104,17 +119,30 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             worker.stop()
         extra = ("--quantize", quantize) if quantize != "none" else ()
-        with served(model_dir, dtype, extra) as target, ExecutorClient(target) as client:
-            for name, ahead in (("grpc_ahead", True), ("grpc_steps", False)):
-                through_grpc(client, args.new_tokens, ahead)
-                rows[name], _ = median_of(args.repeats, functools.partial(through_grpc, client, args.new_tokens, ahead))
+        cpu_ms = {}
+        with bench_server(model_dir, dtype, 32768, *extra) as server:
+            server.wait_serving(300)
+            with ExecutorClient(server.target) as client:
+                for name, ahead, streamed in (("grpc_ahead", True, False), ("grpc_ahead_streamed", True, True),
+                                              ("grpc_steps", False, False)):
+                    call = functools.partial(through_grpc, client, args.new_tokens, ahead, streamed)
+                    call()
+                    server_cpu, client_cpu = cpu_seconds(server.pid), time.process_time()
+                    rows[name], _ = median_of(args.repeats, call)
+                    cpu_ms[name] = {"server": round((cpu_seconds(server.pid) - server_cpu) * 1e3
+                                                    / (args.repeats * args.new_tokens), 3),
+                                    "client": round((time.process_time() - client_cpu) * 1e3
+                                                    / (args.repeats * args.new_tokens), 3)}
         tps = {name: args.new_tokens / seconds for name, seconds in rows.items()}
         ratio = tps["grpc_ahead"] / tps["in_process"]
-        log.info("%s batch 1: %s; grpc_ahead / in_process %.3f (target >= %.2f)", variant,
-                 ", ".join(f"{n} {v:.1f} tok/s" for n, v in tps.items()), ratio, TARGET)
+        log.info("%s batch 1: %s; grpc_ahead / in_process %.3f (target >= %.2f), streamed %.3f; CPU ms a token %s",
+                 variant, ", ".join(f"{n} {v:.1f} tok/s" for n, v in tps.items()), ratio, TARGET,
+                 tps["grpc_ahead_streamed"] / tps["in_process"], cpu_ms)
         records.append({"variant": variant, "batch": 1, "new_tokens": args.new_tokens,
                         "tokens_per_s": {n: round(v, 2) for n, v in tps.items()},
+                        "cpu_ms_per_token": cpu_ms,
                         "grpc_ahead_vs_in_process": round(ratio, 3),
+                        "grpc_ahead_streamed_vs_in_process": round(tps["grpc_ahead_streamed"] / tps["in_process"], 3),
                         "grpc_ahead_vs_in_process_steps": round(tps["grpc_ahead"] / tps["in_process_steps"], 3)})
     write_results(args.out, records)
 

@@ -24,6 +24,12 @@ from ferrum_rpc.types import ChosenToken, DecodeInput, KvCacheHandle, LogitsPoli
 from ferrum_rpc.v1 import executor_pb2 as pb
 
 _ARGMAX = LogitsPolicy.argmax()  # a resumed run's catch-up only needs the KV
+# A whole run that no on_token watches asks for a response per this many forwards
+# (DecodeSessionRequest.forwards_per_response): each response costs the server a
+# socket write and this process a read, on the cores the forwards need when both
+# share a host; a lost run's replay (see run_ahead) redoes at most this many forwards
+# more than it would have.
+UNWATCHED_FORWARDS_PER_RESPONSE = 16
 
 FINISH_REASONS = {
     pb.FINISH_REASON_LENGTH: "length",  # max_new_tokens emitted
@@ -44,11 +50,13 @@ class AheadResult:
 
 
 def ahead_request(session, items: Iterable[rpcs.DecodeItem], max_new_tokens: int,
-                  token_choice: TokenChoice | None, stop_token_ids: Iterable[int]) -> pb.DecodeSessionRequest:
+                  token_choice: TokenChoice | None, stop_token_ids: Iterable[int],
+                  forwards_per_response: int = 0) -> pb.DecodeSessionRequest:
     request = session._request(items, None, token_choice)
     request.single_reply = False
     request.max_new_tokens = max_new_tokens
     request.stop_token_ids.extend(stop_token_ids)
+    request.forwards_per_response = forwards_per_response
     return request
 
 
@@ -158,6 +166,11 @@ def _finished_early(got: list[ChosenToken], max_new_tokens: int, stop_ids: froze
     return "stopped" if stopped else None
 
 
+def _forwards_per_response(on_token) -> int:
+    """One response per forward for a run whose tokens someone watches as they come."""
+    return 0 if on_token is not None else UNWATCHED_FORWARDS_PER_RESPONSE
+
+
 def _resume_args(got: list[ChosenToken], token_id: int) -> tuple[list[int], int]:
     """What a resumed run appends first (the tokens a lost run had already emitted, all
     but its last) and the token it then goes on from."""
@@ -182,7 +195,7 @@ def run_ahead(client, kv_cache: KvCacheHandle, token_id: int, token_choice: Toke
     session = client.decode_session()
     try:
         run = session.decode_ahead([DecodeInput(token, handle, token_choice)], max_new_tokens - len(got),
-                                   token_choice, sorted(stop_ids))
+                                   token_choice, sorted(stop_ids), _forwards_per_response(on_token))
         for _, chosen in run:
             got.append(chosen)
             if on_token is not None and on_token(chosen) and not stopped[0]:
@@ -211,7 +224,7 @@ async def run_ahead_async(client, kv_cache: KvCacheHandle, token_id: int, token_
     session = client.decode_session()
     try:
         run = await session.decode_ahead([DecodeInput(token, handle, token_choice)], max_new_tokens - len(got),
-                                         token_choice, sorted(stop_ids))
+                                         token_choice, sorted(stop_ids), _forwards_per_response(on_token))
         async for _, chosen in run:
             got.append(chosen)
             wants_stop = on_token(chosen) if on_token is not None else None

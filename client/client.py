@@ -328,7 +328,8 @@ class ExecutorClient(_Client):
         tokens on its own (one DecodeSession step, each token streamed as it is chosen;
         see :mod:`ferrum_rpc.client.ahead`), to the end of the run.  ``on_token(chosen)``
         sees each token as it arrives; returning True stops the run after the server's
-        current forward.  On a replica set a run whose owner is lost goes on elsewhere."""
+        current forward.  Without ``on_token`` the server sends the tokens a few forwards
+        at a time (fewer messages, less CPU on both sides).  On a replica set a run whose owner is lost goes on elsewhere."""
         return run_ahead(self, kv_cache, token_id, token_choice, max_new_tokens, stop_token_ids, [], on_token,
                          [False])
 

@@ -72,11 +72,13 @@ class DecodeSession(_Session):
         return rpcs.batch_outputs(self, replies)
 
     def decode_ahead(self, items: Iterable[DecodeItem], max_new_tokens: int,
-                     token_choice: TokenChoice | None = None, stop_token_ids: Iterable[int] = ()) -> DecodeAhead:
+                     token_choice: TokenChoice | None = None, stop_token_ids: Iterable[int] = (),
+                     forwards_per_response: int = 0) -> DecodeAhead:
         """Starts decoding ahead (see :mod:`ferrum_rpc.client.ahead`): the server chooses
-        and appends up to ``max_new_tokens`` tokens per item on its own, streaming each;
+        and appends up to ``max_new_tokens`` tokens per item on its own, streaming each
+        (or, with ``forwards_per_response`` > 1, that many forwards' tokens at a time);
         iterate the run (to its end) before the next step on this session."""
-        request = ahead_request(self, items, max_new_tokens, token_choice, stop_token_ids)
+        request = ahead_request(self, items, max_new_tokens, token_choice, stop_token_ids, forwards_per_response)
         self._requests.put(request)
         return DecodeAhead(self, request)
 
@@ -123,10 +125,10 @@ class AsyncDecodeSession(_Session):
         return rpcs.batch_outputs(self, replies)
 
     async def decode_ahead(self, items: Iterable[DecodeItem], max_new_tokens: int,
-                           token_choice: TokenChoice | None = None,
-                           stop_token_ids: Iterable[int] = ()) -> AsyncDecodeAhead:
+                           token_choice: TokenChoice | None = None, stop_token_ids: Iterable[int] = (),
+                           forwards_per_response: int = 0) -> AsyncDecodeAhead:
         """:meth:`DecodeSession.decode_ahead`: ``async for index, chosen in run``."""
-        request = ahead_request(self, items, max_new_tokens, token_choice, stop_token_ids)
+        request = ahead_request(self, items, max_new_tokens, token_choice, stop_token_ids, forwards_per_response)
         try:
             await self._call.write(request)
         except grpc.RpcError as exc:

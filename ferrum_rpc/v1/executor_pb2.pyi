@@ -600,7 +600,7 @@ class BatchDecodeResponse(_message.Message):
     def __init__(self, index: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., results: _Optional[_Iterable[_Union[BatchDecodeResponse, _Mapping]]] = ..., chosen: _Optional[_Union[ChosenToken, _Mapping]] = ...) -> None: ...
 
 class DecodeSessionRequest(_message.Message):
-    __slots__ = ("step_id", "model", "items", "logits", "single_reply", "max_new_tokens", "stop_token_ids", "stop")
+    __slots__ = ("step_id", "model", "items", "logits", "single_reply", "max_new_tokens", "stop_token_ids", "stop", "forwards_per_response")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
@@ -609,6 +609,7 @@ class DecodeSessionRequest(_message.Message):
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_PER_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     model: str
     items: _containers.RepeatedCompositeFieldContainer[DecodeItem]
@@ -617,7 +618,8 @@ class DecodeSessionRequest(_message.Message):
     max_new_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     stop: bool
-    def __init__(self, step_id: _Optional[int] = ..., model: _Optional[str] = ..., items: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ..., logits: _Optional[_Union[LogitsPolicy, _Mapping]] = ..., single_reply: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[bool] = ...) -> None: ...
+    forwards_per_response: int
+    def __init__(self, step_id: _Optional[int] = ..., model: _Optional[str] = ..., items: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ..., logits: _Optional[_Union[LogitsPolicy, _Mapping]] = ..., single_reply: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[bool] = ..., forwards_per_response: _Optional[int] = ...) -> None: ...
 
 class DecodeSessionResponse(_message.Message):
     __slots__ = ("step_id", "index", "logits", "kv_cache", "timing", "error", "results", "chosen", "finish_reason")

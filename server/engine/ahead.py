@@ -85,19 +85,30 @@ class AheadRun:
     def take(self) -> list[Emitted] | None:
         """The next forward's tokens, or None if none is queued yet.  Raises the run's
         error once it failed.  After the last entry, ``done`` is true."""
+        entries = self.take_some(1)
+        return entries[0] if entries else None
+
+    def take_some(self, limit: int) -> list[list[Emitted]]:
+        """Up to ``limit`` queued forwards' tokens, oldest first (empty if none is queued
+        yet), as :meth:`take`."""
         with self._lock:
             if self._entries:
                 was_full = len(self._entries) >= self.bound
-                entry = self._entries.popleft()
+                entries = [self._entries.popleft() for _ in range(min(limit, len(self._entries)))]
                 if not self._entries and self._state is _State.FINISHED:
                     self._state = _State.HANDED
             elif self._error is not None:
                 raise self._error
             else:
-                return None
+                return []
         if was_full:
             self._wake()  # a paused run may join the next forward
-        return entry
+        return entries
+
+    @property
+    def queued(self) -> int:
+        """Forwards whose tokens wait for the consumer."""
+        return len(self._entries)
 
     @property
     def done(self) -> bool:

@@ -22,7 +22,8 @@ call changes no state.
 
 A step with ``max_new_tokens`` decodes ahead: up to that many forwards on the
 server, each chosen token streamed as it comes (one message per forward for all
-of the step's sequences), until a stop token, the length, a ``stop`` message
+of the step's sequences, or per ``forwards_per_response`` forwards for a caller
+that asks for fewer messages), until a stop token, the length, a ``stop`` message
 naming its ``step_id``, or the model's maximum sequence length.
 
 The run itself is the engine's (``engine/ahead.py``): the worker decodes its
@@ -35,7 +36,8 @@ them; a caller's transport reopens the window as the caller reads.  The session
 takes a run's next entry only once its last reply's write completed, so a caller
 that stops reading leaves the run's queue full and the run paused (it runs no
 forward and grows no KV): the caller holds at most its window's worth of replies
-plus the queue's bound of forwards per run.  The window is the caller's to choose:
+plus the queue's bound of forwards per run (two, or a message's forwards and one
+more with ``forwards_per_response``).  The window is the caller's to choose:
 64 KiB unless it says otherwise (a raw HTTP/2 peer, or gRPC with BDP probing off),
 about 4 MiB once gRPC's BDP probing has grown it on a fast link (measured on
 loopback), and up to the socket buffers (~3 MB measured) for a peer that announces
@@ -52,7 +54,7 @@ import time
 
 from ferrum_rpc import convert
 from ferrum_rpc.errors import InvalidInput, to_status_proto
-from ..engine.ahead import AheadRun, Emitted, Finish
+from ..engine.ahead import QUEUED_FORWARDS, AheadRun, Emitted, Finish
 from ..engine.worker import ModelWorker
 from .ledger import Undelivered
 from .handler import as_executor_error, check_parsed
@@ -63,13 +65,14 @@ MAX_PENDING_STEPS = 8  # steps whose replies the caller has not taken yet
 SESSION_END_GRACE_S = 0.02  # a session whose requests ended waits this long for a cancel (0.2 ms measured)
 MAX_DECODE_AHEAD = 4096  # DecodeSessionRequest.max_new_tokens bound (Capabilities.max_decode_ahead)
 MAX_STOP_TOKENS = 64  # DecodeSessionRequest.stop_token_ids bound
+MAX_HELD_TOKENS = 1024  # a decode-ahead response holds no more forwards once it holds this many tokens
 
 _STEP_DONE = object()  # a step's last entry in the reply queue: frees its window seat
 
 
 def check_stop_message(request) -> None:
     if request.items or request.max_new_tokens or request.stop_token_ids or request.HasField("logits") \
-            or request.single_reply or request.model:
+            or request.single_reply or request.model or request.forwards_per_response:
         raise InvalidInput("a DecodeSession stop message carries its step_id and stop only")
 
 
@@ -82,6 +85,9 @@ def check_ahead(request, worker: ModelWorker, items: list[DecodeInput]) -> None:
     missing = [n for n, item in enumerate(items) if item.token_choice is None]
     if missing:
         raise InvalidInput(f"decoding ahead needs a token_choice on every item (items {missing} have none)")
+    if request.forwards_per_response > MAX_DECODE_AHEAD:
+        raise InvalidInput(f"forwards_per_response must be at most {MAX_DECODE_AHEAD}, "
+                           f"got {request.forwards_per_response}")
     if len(request.stop_token_ids) > MAX_STOP_TOKENS:
         raise InvalidInput(f"stop_token_ids holds at most {MAX_STOP_TOKENS} ids, got {len(request.stop_token_ids)}")
     vocab = worker.executor.model_config.vocab_size
@@ -170,6 +176,9 @@ class DecodeSession:
                     if request.stop_token_ids and not request.max_new_tokens:
                         raise InvalidInput("stop_token_ids end a decode-ahead run: set max_new_tokens, or leave "
                                            "them empty (a single step stops nowhere)")
+                    if request.forwards_per_response and not request.max_new_tokens:
+                        raise InvalidInput("forwards_per_response is decoding ahead's: set max_new_tokens, or "
+                                           "leave it 0")
                     if request.max_new_tokens:
                         check_ahead(request, worker, items)
                         outs = await self._decode_ahead(request, worker, items, keys)
@@ -192,32 +201,45 @@ class DecodeSession:
             await self.replies.put(_STEP_DONE)
 
     async def _decode_ahead(self, request, worker: ModelWorker, items: list[DecodeInput], keys: list[int]) -> list:
-        """Starts a run on the worker (``engine/ahead.py``) and streams what each of its
-        forwards chose, one message per forward, taking the next forward's tokens only
-        once the last reply went into the caller's window.  When the run's last entry is
-        taken, ``keys`` gets its ledger entries (each sequence from where the run found
-        it to where it left it: undone if its reply is never sent).  Returns each item's
-        last output."""
+        """Starts a run on the worker (``engine/ahead.py``) and streams what its forwards
+        chose, one message per forward (or per ``forwards_per_response`` forwards, queued
+        by the run meanwhile: its queue's bound is that many and one more), taking the
+        next forwards' tokens only once the last reply went into the caller's window.  When
+        the run's last entry is taken, ``keys`` gets its ledger entries (each sequence
+        from where the run found it to where it left it: undone if its reply is never
+        sent).  Returns each item's last output."""
         step_id = request.step_id
         if step_id in self.ahead:  # a stop message must name one run
             raise InvalidInput(f"step_id {step_id} names a decode-ahead step still running")
         loop = asyncio.get_running_loop()
         ready = asyncio.Event()
+        per_response = max(1, min(request.forwards_per_response, MAX_HELD_TOKENS // len(items)))
+        # the run's queue holds a message's forwards and one more (run while that message is
+        # written); start_ahead refuses past the tenant's share of seats
         run = worker.start_ahead(items, request.max_new_tokens, frozenset(request.stop_token_ids), self.tenant,
-                                 self.deadline)  # refuses past the tenant's share of seats
-        run.on_entry = lambda: loop.call_soon_threadsafe(ready.set)
+                                 self.deadline, max(QUEUED_FORWARDS, per_response + 1))
+
+        def on_entry() -> None:  # worker thread: wakes this task once per message, not per forward
+            if run.queued >= per_response or not run.running:
+                loop.call_soon_threadsafe(ready.set)
+
+        run.on_entry = on_entry
         self.ahead[step_id] = run
         try:
             while not run.done:
                 ready.clear()
-                if (entry := run.take()) is None:  # raises the run's error (the run was undone)
+                if run.running and run.queued < per_response:
+                    await ready.wait()
+                    continue
+                entries = run.take_some(per_response)  # raises the run's error (the run was undone)
+                if not entries:  # not expected (a run stops running with an entry queued, or fails)
                     await ready.wait()
                     continue
                 if run.done:  # the last entry: the run's results are this call's now
                     keys.extend(self.ledger.add(worker, [undo]) for undo in run.undo_records())
                 written = loop.create_future()
-                await self._hand(_ahead_reply(step_id, entry), written)
-                await written  # in the caller's window: the next entry may go
+                await self._hand(_ahead_reply(step_id, [e for entry in entries for e in entry]), written)
+                await written  # in the caller's window: the next forwards may go
         except BaseException:
             run.cancel()  # a running run is ended and undone by the worker
             raise
@@ -231,8 +253,9 @@ _FINISH = {Finish.STOP_TOKEN: pb.FINISH_REASON_STOP_TOKEN, Finish.LENGTH: pb.FIN
 
 
 def _ahead_reply(step_id: int, entry: list[Emitted]) -> pb.DecodeSessionResponse:
-    """One forward of a run as one message (a stream message costs the caller ~0.1-0.3 ms of
-    Python): a result per sequence, with its handle and timing once it finished."""
+    """One or more forwards of a run as one message (each message costs the server a socket
+    write and the caller a read): a result per sequence and forward, in order, with its
+    handle and timing once it finished."""
     results = []
     for emitted in entry:
         result = pb.DecodeSessionResponse(step_id=step_id, index=emitted.index)

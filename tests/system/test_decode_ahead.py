@@ -4,6 +4,7 @@ N server-side steps equal N single steps token for token (greedy and seeded, one
 item and a batch of mixed lengths); a stop token ends it; a stop message ends it
 with a handle covering exactly the tokens received; a cancelled session leaves the
 sequence where the step found it; a caller that stops reading pauses the step;
+``forwards_per_response`` packs several forwards a message with the same tokens;
 bad requests are refused with no state change."""
 
 from __future__ import annotations
@@ -67,6 +68,38 @@ def test_decoding_ahead_equals_single_steps(client, choice):
         step = client.decode(result.chosen[-1].token_id, result.kv_cache, token_choice=choice)
         assert step.kv_cache.sequence_length == len(prompt) + n + 1
         client.release_cache(step.kv_cache)
+
+
+def test_forwards_per_response_sends_several_forwards_a_message_with_the_same_tokens(client, tiny_server):
+    """``forwards_per_response`` = 4 over 10 forwards of 3 items: 3 messages (4, 4 and 2
+    forwards), each's ``results`` forward after forward in item order, the handles on
+    the last; the tokens those of single steps.  The client's whole run (no on_token)
+    asks for it and gets the same tokens."""
+    n = 10
+    want = [_single_steps(client, p, GREEDY, n) for p in PROMPTS]
+    outs = [client.prefill(p, token_choice=GREEDY) for p in PROMPTS]
+    request = pb.DecodeSessionRequest(step_id=5, max_new_tokens=n, forwards_per_response=4)
+    for o in outs:
+        item = request.items.add(token_id=o.chosen.token_id, kv_cache=convert.handle_to_proto(o.kv_cache))
+        item.token_choice.CopyFrom(convert.token_choice_to_proto(GREEDY))
+    with grpc.insecure_channel(tiny_server.target) as channel:
+        replies = list(pb_grpc.ModelExecutorStub(channel).DecodeSession(iter([request]), timeout=30))
+    assert [len(r.results) for r in replies] == [12, 12, 6]
+    results = [r for reply in replies for r in reply.results]
+    assert [r.index for r in results] == [0, 1, 2] * n
+    got = [[o.chosen.token_id] for o in outs]
+    for r in results:
+        got[r.index].append(r.chosen.token_id)
+    assert got == want
+    assert [r.finish_reason for r in results[-3:]] == [pb.FINISH_REASON_LENGTH] * 3
+    assert not any(r.HasField("kv_cache") for r in results[:-3])
+    for prompt, r in zip(PROMPTS, results[-3:]):
+        assert r.kv_cache.sequence_length == len(prompt) + n
+        client.release_cache(convert.handle_from_proto(r.kv_cache))
+    out = client.prefill(PROMPTS[2], token_choice=GREEDY)
+    result = client.decode_ahead(out.chosen.token_id, out.kv_cache, GREEDY, n)
+    assert [out.chosen.token_id] + [c.token_id for c in result.chosen] == want[2]
+    client.release_cache(result.kv_cache)
 
 
 def test_a_stop_token_ends_the_item_and_is_emitted(client):
@@ -162,6 +195,8 @@ def test_a_caller_that_stops_reading_pauses_the_run(tiny_server):
     (lambda r: r.stop_token_ids.append(320), "outside the vocabulary"),
     (lambda r: r.stop_token_ids.extend(range(65)), "at most 64"),
     (lambda r: (setattr(r, "max_new_tokens", 0), r.stop_token_ids.append(5)), "set max_new_tokens"),
+    (lambda r: setattr(r, "forwards_per_response", 4097), "at most 4096"),
+    (lambda r: (setattr(r, "max_new_tokens", 0), setattr(r, "forwards_per_response", 2)), "set max_new_tokens"),
 ])
 def test_bad_decode_ahead_requests_change_nothing(client, tiny_server, change, why):
     out = client.prefill(PROMPTS[0], token_choice=GREEDY)
@@ -181,9 +216,10 @@ def test_bad_decode_ahead_requests_change_nothing(client, tiny_server, change, w
 def test_a_stop_message_with_anything_else_is_refused(tiny_server):
     with grpc.insecure_channel(tiny_server.target) as channel:
         stub = pb_grpc.ModelExecutorStub(channel)
-        (reply,) = list(stub.DecodeSession(iter([pb.DecodeSessionRequest(step_id=3, stop=True,
-                                                                         max_new_tokens=4)]), timeout=30))
-    assert reply.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "stop only" in reply.error.message
+        for extra in ({"max_new_tokens": 4}, {"forwards_per_response": 4}):
+            (reply,) = list(stub.DecodeSession(iter([pb.DecodeSessionRequest(step_id=3, stop=True, **extra)]),
+                                               timeout=30))
+            assert reply.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "stop only" in reply.error.message
 
 
 def test_the_server_advertises_its_bound(client):

@@ -1,6 +1,6 @@
 """Decode-ahead runs inside the engine (a real tiny executor, no gRPC): the run gives the
-tokens step-by-step decoding gives, stops where it should, pauses on a full queue,
-and a cancelled, failed or drained run leaves every sequence where it found it."""
+tokens step-by-step decoding gives, stops where it should, pauses on a full queue
+(several forwards taken at once, in order, unpause it), and a cancelled, failed or drained run leaves every sequence where it found it."""
 
 from __future__ import annotations
 
@@ -109,6 +109,25 @@ def test_a_run_whose_queue_is_full_pauses_until_its_consumer_takes(worker):
         time.sleep(0.001)
     drain(run)
     assert run.last[0].kv_cache.sequence_length == start + 20
+
+
+def test_take_some_takes_the_oldest_forwards_in_order_and_unpauses_the_run(worker):
+    item = prompt(worker, [5, 6, 7])
+    start = item.kv_cache.sequence_length
+    run = worker.start_ahead([item], 12, frozenset(), "", None, bound=5)
+    end = time.monotonic() + 30
+    while not run.paused:
+        assert time.monotonic() < end
+        time.sleep(0.001)
+    assert run.queued == 5
+    first = run.take_some(3)
+    assert [entry[0].out.kv_cache.sequence_length for entry in first] == [start + 1, start + 2, start + 3]
+    while lengths(worker)[item.kv_cache.cache_id] < start + 6:  # no longer paused
+        assert time.monotonic() < end
+        time.sleep(0.001)
+    rest = drain(run)
+    assert [e[0].out.kv_cache.sequence_length for e in first + rest] == list(range(start + 1, start + 13))
+    assert rest[-1][0].finish is Finish.LENGTH and run.take_some(4) == [] and run.done
 
 
 def test_a_cancelled_run_changes_nothing(worker):
