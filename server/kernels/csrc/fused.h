@@ -42,12 +42,12 @@ constexpr int64_t kLinearRowsMax = 4;
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight);
 // What linear_rows_with runs beside the linear: prepare(x2d, out) first, with x's
 // rows (M, K) contiguous and the output (M, N) not yet written; then in each thread of
-// one parallel region (or once, tid 0 of 1, on one thread) before(tid, nt), that
-// thread's outputs of the linear, a barrier, after(n0, n1) over the outputs [n0, n1)
-// the thread wrote (every output one thread's).
+// one parallel region (or once, tid 0 of 1, on one thread) before(tid, nt, n0, n1),
+// that thread's outputs [n0, n1) of the linear, a barrier, after(n0, n1) (every
+// output one thread's).
 struct RowsHook {
   virtual void prepare(const at::Tensor& x2d, const at::Tensor& out) = 0;
-  virtual void before(int tid, int nt) = 0;
+  virtual void before(int tid, int nt, int64_t n0, int64_t n1) = 0;
   virtual void after(int64_t n0, int64_t n1) = 0;
   virtual ~RowsHook() = default;
 };

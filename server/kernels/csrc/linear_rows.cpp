@@ -416,7 +416,7 @@ at::Tensor linear_rows_with(const at::Tensor& x, const at::Tensor& weight, RowsH
   };
   auto body = [&](int tid, int nt) {
     const int64_t n0 = N * tid / nt / 16 * 16, n1 = tid + 1 == nt ? N : N * (tid + 1) / nt / 16 * 16;
-    hook.before(tid, nt);
+    hook.before(tid, nt, n0, n1);
     if (x.scalar_type() == at::kFloat) cols(float{}, n0, n1);
     else cols(c10::BFloat16{}, n0, n1);
     return std::pair<int64_t, int64_t>{n0, n1};
