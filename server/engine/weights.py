@@ -1,10 +1,13 @@
 """Weights that change: UpdateWeights' executor side.  The new tensors (one safetensors
 file, some or all of the checkpoint's) are read and checked as they arrive
-(``weights_file.py``: names, shapes, dtypes, finite values, the checksum); then, on the
-worker thread between two forwards, the model is rebuilt with them the way it was
-loaded (converted, fused, quantized, packed: ``models.loader.load_model``) and swapped
-in, so every forward runs on one version.  Nothing changes until the swap: a bad file,
-or a caller that went away during the rebuild, leaves the old weights serving."""
+(``weights_file.py``: names, shapes, dtypes, finite values, the checksum); then the
+model is rebuilt with them the way it was loaded (converted, fused, quantized, packed:
+``models.loader.load_model``) beside the serving one, off the worker (``build_weights``:
+forwards go on meanwhile, on the old weights), and swapped in on the worker between two
+forwards, so every forward runs on one version and decoding pauses only for the swap.
+With tensor parallelism the ranks rebuild on the worker (they agree to switch together).
+Nothing changes until the swap: a bad file, or a caller that went away during the
+rebuild, leaves the old weights serving."""
 
 from __future__ import annotations
 
@@ -52,26 +55,39 @@ class UpdatesWeights:
         """Where an update's ``total_bytes`` go as they arrive (read and checked off the worker)."""
         return WeightsUpload(total_bytes, self.checkpoint)
 
-    def update_weights(self, tensors: dict[str, torch.Tensor], checksum: bytes, invalidate: bool,
-                       gone: Callable[[], bool] = lambda: False) -> dict:
-        """Rebuilds the model with ``tensors`` (an upload's, checked) and swaps it in
-        (worker thread, between forwards); returns what the reply says.  ``gone()``: the
-        caller went away (checked before the swap: then nothing changes)."""
-        start = time.perf_counter()
+    def _build(self, tensors: dict[str, torch.Tensor]):
         cfg = self.config
+        return load_model(self.path, TORCH_DTYPES[cfg.dtype], self.device, cfg.linear_kernel, cfg.quantize,
+                          cfg.step_ops, shard=self.shard, batch_invariant=cfg.batch_invariant, overrides=tensors)
 
-        def build(overrides: dict[str, torch.Tensor]):
-            return load_model(self.path, TORCH_DTYPES[cfg.dtype], self.device, cfg.linear_kernel, cfg.quantize,
-                              cfg.step_ops, shard=self.shard, batch_invariant=cfg.batch_invariant,
-                              overrides=overrides)
+    def build_weights(self, tensors: dict[str, torch.Tensor]) -> tuple[object, float] | None:
+        """The model rebuilt with ``tensors`` and the seconds that took, built on the
+        calling thread (any but the worker: nothing the forwards read changes), for
+        ``update_weights`` to swap in; None with tensor parallelism (the ranks build on
+        the worker, together)."""
+        if self.runner is not None:
+            return None
+        start = time.perf_counter()
+        model = self._build(tensors)
+        return model, time.perf_counter() - start
 
-        if self.runner is None:
-            model = build(tensors)
-            if gone():
-                raise Cancelled("the caller cancelled the update; the old weights still serve")
+    def update_weights(self, tensors: dict[str, torch.Tensor], checksum: bytes, invalidate: bool,
+                       gone: Callable[[], bool] = lambda: False, built: tuple[object, float] | None = None) -> dict:
+        """Swaps in the model ``build_weights`` made of ``tensors`` (an upload's, checked),
+        or rebuilds it here first where ``built`` is None (worker thread, between
+        forwards); returns what the reply says.  ``gone()``: the caller went away
+        (checked before the swap: then nothing changes)."""
+        start = time.perf_counter()
+        if built is not None:
+            model, rebuild_s = built
+        elif self.runner is None:
+            model = self._build(tensors)
+            rebuild_s = time.perf_counter() - start
         else:  # every rank builds its shard from its slices, and all switch to it or none does
-            model = self.runner.update(tensors, build, gone)
-        rebuild_s = time.perf_counter() - start
+            model = self.runner.update(tensors, self._build, gone)
+            rebuild_s = time.perf_counter() - start
+        if self.runner is None and gone():
+            raise Cancelled("the caller cancelled the update; the old weights still serve")
         if self.adapters is not None:  # the adapters' weights are the adapters': they stay
             model.adapters, self.adapters.model = self.adapters, model
         self.model = model

@@ -23,9 +23,11 @@ once per projection where a group's rows are not).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -265,7 +267,8 @@ class AdapterSet:
         elif tuple(slots.shape) != tuple(shape):
             raise ValueError(f"adapter slots of shape {tuple(slots.shape)} for tokens of shape {tuple(shape)}")
         flat = slots.reshape(-1)
-        present = [slot for slot in torch.unique(flat).tolist() if slot != BASE]  # ascending
+        listed = flat.tolist()  # a step's few slots: Python lists cost less than torch ops on them
+        present = sorted(set(listed) - {BASE})
         adapters = [self.slots[slot] if 0 <= slot < len(self.slots) else None for slot in present]
         for slot, adapter in zip(present, adapters):
             if adapter is None:
@@ -274,13 +277,14 @@ class AdapterSet:
             return None
         layers = range(len(self.model.model.layers))
         if self.model.fused_ops and all(a.kernel is not None for a in adapters):
-            lookup = torch.full((len(self.slots) + 1,), -1, dtype=torch.int64)  # slot + 1 -> the batch's index
-            lookup[torch.tensor(present) + 1] = torch.arange(len(present))
-            batch = torch.classes.ferrum_fused.LoraBatch(lookup[flat + 1])
+            index = {slot: i for i, slot in enumerate(present)}  # slot -> the batch's index
+            batch = torch.classes.ferrum_fused.LoraBatch(torch.tensor([index.get(s, -1) for s in listed],
+                                                                      dtype=torch.int64))
             for adapter in adapters:
                 batch.add_adapter(adapter.kernel)
-            return LoraDeltas([KernelDeltas(batch, i, set().union(*(a.sites[i] for a in adapters))) for i in layers],
-                              batch)
+            # the per-layer plans only where a forward leaves the decode stack (most steps never read them)
+            return LoraDeltas(lambda: [KernelDeltas(batch, i, set().union(*(a.sites[i] for a in adapters)))
+                                       for i in layers], batch)
         if self.model.batch_invariant:
             raise ValueError("batch-invariant adapters run on the fused ops' kernels, which are off")
         groups = []
@@ -295,21 +299,22 @@ class AdapterSet:
             sizes = [r.stop - r.start if isinstance(r, slice) else len(r) for r, _ in groups]
             starts = list(itertools.accumulate([0] + sizes))
             groups = [(slice(lo, hi), sites) for (lo, hi), (_, sites) in zip(zip(starts, starts[1:]), groups)]
-        return LoraDeltas([LayerDeltas([(rows, sites[i]) for rows, sites in groups if sites[i]], order)
-                           for i in layers])
+        return LoraDeltas(lambda: [LayerDeltas([(rows, sites[i]) for rows, sites in groups if sites[i]], order)
+                                   for i in layers])
 
 
-@dataclass
 class LoraDeltas:
-    """One forward's adapters: per layer, its ``LayerDeltas`` or ``KernelDeltas`` (None
-    where no adapter of the forward touches the layer); ``batch``: the forward's
-    ``LoraBatch`` where the deltas run in lora.cpp (the decode stack takes it)."""
+    """One forward's adapters: ``layers``, per layer, its ``LayerDeltas`` or
+    ``KernelDeltas`` (None where no adapter of the forward touches the layer), made on
+    first use from ``make``; ``batch``: the forward's ``LoraBatch`` where the deltas
+    run in lora.cpp (the decode stack takes it)."""
 
-    layers: list
-    batch: object | None = None
+    def __init__(self, make: Callable[[], list], batch: object | None = None):
+        self._make, self.batch = make, batch
 
-    def __post_init__(self):
-        self.layers = [layer if layer else None for layer in self.layers]
+    @functools.cached_property
+    def layers(self) -> list:
+        return [layer if layer else None for layer in self._make()]
 
 
 class KernelDeltas:

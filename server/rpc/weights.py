@@ -1,9 +1,9 @@
 """UpdateWeights: a hosted model's weights replaced in place (``engine/weights.py`` does
 the rebuild and the swap).  Each data message's bytes go, off the event loop, to the
 executor's upload (``engine/weights_file.py``: hashed, parsed and checked as they come)
-while the next message is read; the trailer's checksum is compared at the end, and only
-the rebuild and the swap run on the model's worker.  One update at a time per model;
-admin tenants only (when tokens are on)."""
+while the next message is read; the trailer's checksum is compared at the end, the new
+model is built off the worker too (forwards go on), and only the swap runs on the
+model's worker.  One update at a time per model; admin tenants only (when tokens are on)."""
 
 from __future__ import annotations
 
@@ -59,8 +59,10 @@ class WeightsRpcs:
             del upload
             gone = threading.Event()
             try:
+                # the new model built beside the serving one, off the worker (forwards go on)
+                built = await loop.run_in_executor(None, executor.build_weights, tensors)
                 done = await worker.call(executor.update_weights, tensors, message.trailer.checksum,
-                                         header.invalidate_sequences, gone.is_set)
+                                         header.invalidate_sequences, gone.is_set, built)
             except asyncio.CancelledError:
                 gone.set()  # a rebuild under way is not swapped in
                 raise

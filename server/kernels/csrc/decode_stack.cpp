@@ -40,7 +40,9 @@ namespace {
 // `rows_silu`: silu*up on silu_mul_rows' loops at any row count (the batch-invariant
 // model's MLP), not silu_mul's (ATen's past 4 rows, as the default model's).
 // With `lora` (the forward's LoRA rows), each linear's output takes their deltas
-// for layer `layer` (lora.cpp), in float, after the base kernel ran.
+// for layer `layer` (lora.cpp), in float, after the base kernel ran: inside
+// linear_rows' parallel region for the float linears, by a call of their own after
+// the quantized ones.
 at::Tensor layer_step(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
                       at::TensorList qkv, at::TensorList o, at::TensorList gate_up, at::TensorList down,
                       at::IntArrayRef bits, at::IntArrayRef digits, at::IntArrayRef rotated, at::TensorList qk_norm,
@@ -61,6 +63,7 @@ at::Tensor layer_step(const at::Tensor& x, const at::Tensor& ln1, const at::Tens
                 "or [weight] with bits 32");
   const int64_t B = x.size(0), T = x.size(1), H = num_heads, Hkv = num_kv_heads, D = k_cache.size(3);
   auto lin = [&](const at::Tensor& in, at::TensorList w, int i) {
+    if (lora != nullptr && bits[i] == 32) return lora->linear(layer, i, in, w[0]);  // the deltas in its region
     at::Tensor out = bits[i] == 32 ? linear_rows(in, w[0])
                      : bits[i] < 0 ? ferrum_qact_linear(in, w[0], w[1], -bits[i], digits[i], rotated[i] != 0)
                                    : ferrum_woq_linear(in, w[0], w[1], w[2], bits[i]);
@@ -327,6 +330,7 @@ TORCH_LIBRARY(ferrum_fused, m) {
       .def(torch::init<at::Tensor>())
       .def("add_adapter", &ferrum_fused::LoraBatch::add_adapter)
       .def("add", &ferrum_fused::LoraBatch::add)
+      .def("linear", &ferrum_fused::LoraBatch::linear)
       .def("rows", &ferrum_fused::LoraBatch::rows);
   m.class_<ferrum_fused::DecodeStack>("DecodeStack")
       .def(torch::init<int64_t, int64_t, double>())

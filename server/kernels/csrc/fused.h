@@ -40,6 +40,19 @@ at::Tensor silu_mul_rows(const at::Tensor& gate_up);  // this file's loops for a
 // linear_rows.cpp: x (..., K) with 1-4 rows times weight (N, K), both float32 or both bfloat16.
 constexpr int64_t kLinearRowsMax = 4;
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight);
+// What linear_rows_with runs beside the linear: prepare(x2d, out) first, with x's
+// rows (M, K) contiguous and the output (M, N) not yet written; then in each thread of
+// one parallel region (or once, tid 0 of 1, on one thread) before(tid, nt, n0, n1),
+// that thread's outputs [n0, n1) of the linear, a barrier, after(n0, n1) (every
+// output one thread's).
+struct RowsHook {
+  virtual void prepare(const at::Tensor& x2d, const at::Tensor& out) = 0;
+  virtual void before(int tid, int nt, int64_t n0, int64_t n1) = 0;
+  virtual void after(int64_t n0, int64_t n1) = 0;
+  virtual ~RowsHook() = default;
+};
+// linear_rows (the same bits) with `hook` in its parallel region: no fork of its own.
+at::Tensor linear_rows_with(const at::Tensor& x, const at::Tensor& weight, RowsHook& hook);
 
 // ---- attention.cpp ------------------------------------------------------------------
 struct AttnArgs {

@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <omp.h>
 #include <torch/library.h>
 
 #include "fused.h"
@@ -380,6 +381,60 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const char
 
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight) {
   return rows_linear(x, weight, "linear_rows", kLinearRowsMax, kLinearRowsMax);
+}
+
+at::Tensor linear_rows_with(const at::Tensor& x, const at::Tensor& weight, RowsHook& hook) {
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() &&
+              (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "linear_rows: float32 or bfloat16 only, x and weight alike");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "linear_rows: weight must be (N, K) contiguous");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(x.size(-1) == K, "linear_rows: activation width ", x.size(-1), " != ", K);
+  const at::Tensor x2d = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2d.size(0);
+  TORCH_CHECK(M <= kLinearRowsMax, "linear_rows: at most ", kLinearRowsMax, " rows, got ", M);
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  at::Tensor out = at::empty({M, N}, x.options());
+  hook.prepare(x2d, out);
+  const bool avx2 = avx2_on();
+#ifdef FERRUM_X86
+  const bool dot16 = dot16_on();
+#endif
+  // this thread's outputs [n0, n1), as rows_linear's loop body
+  auto cols = [&](auto tag, int64_t n0, int64_t n1) {
+    using T_ = decltype(tag);
+    const T_ *xp = x2d.data_ptr<T_>(), *wp = weight.data_ptr<T_>();
+    T_* yp = out.data_ptr<T_>();
+#ifdef FERRUM_X86
+    if constexpr (std::is_same_v<T_, c10::BFloat16>) {
+      if (dot16) return linear_rows_dot16(xp, M, wp, K, n0, n1, N, yp);
+    }
+    if (avx2) return linear_rows_avx2<T_>(xp, M, wp, K, n0, n1, N, yp);
+#endif
+    linear_rows_portable<T_>(xp, M, wp, K, n0, n1, N, yp);
+  };
+  auto body = [&](int tid, int nt) {
+    const int64_t n0 = N * tid / nt / 16 * 16, n1 = tid + 1 == nt ? N : N * (tid + 1) / nt / 16 * 16;
+    hook.before(tid, nt, n0, n1);
+    if (x.scalar_type() == at::kFloat) cols(float{}, n0, n1);
+    else cols(c10::BFloat16{}, n0, n1);
+    return std::pair<int64_t, int64_t>{n0, n1};
+  };
+  // rows_linear's split: threads while each takes 64 outputs or more
+  const int threads = int(std::min<int64_t>(at::get_num_threads(), N / 64));
+  if (threads <= 1 || omp_in_parallel()) {
+    body(0, 1);
+    hook.after(0, N);
+    return out.view(shape);
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    const auto [n0, n1] = body(omp_get_thread_num(), omp_get_num_threads());
+#pragma omp barrier
+    hook.after(n0, n1);
+  }
+  return out.view(shape);
 }
 
 // Any number of rows on the same arithmetic, each output the same dot product in the

@@ -17,9 +17,17 @@
 // kLoraPack outputs, (blocks, rank, kLoraPack): a block's rank vectors lie side by
 // side, so the up phase reads B in order, eight outputs a vector with t[r]
 // broadcast, several vectors' sums in flight.
+//
+// In the decode stack a float linear's deltas run inside the linear's own parallel
+// region (LoraBatch::linear, linear_rows_with): each thread takes its share of the
+// down phase before its share of the base outputs, and after one barrier adds the
+// deltas of the outputs it wrote, so a step with adapters forks no more than one
+// without.  The up phase by output columns takes the packed blocks as the one by
+// units does and keeps only the thread's outputs: every output the same sum.
 #include <omp.h>
 #include <ATen/Parallel.h>
 
+#include "fused.h"
 #include "lora.h"
 
 #include <algorithm>
@@ -66,20 +74,21 @@ __attribute__((target("avx2,fma"))) void down_avx2(const T* const* a, const T* c
     }
 }
 
-// y[0..min(n, 8)) += acc's lanes, each rounded once to T.
+// y[i] += acc's lane i for i in [lo, hi) & [0, 8), each rounded once to T.
 template <typename T>
-__attribute__((target("avx2,fma"))) FERRUM_INLINE void add8(__m256 acc, T* y, int64_t n) {
+__attribute__((target("avx2,fma"))) FERRUM_INLINE void add8(__m256 acc, T* y, int64_t lo, int64_t hi) {
   float d[8];
   _mm256_storeu_ps(d, acc);
   if constexpr (std::is_same_v<T, float>) {
-    if (n >= 8) return _mm256_storeu_ps(y, _mm256_add_ps(_mm256_loadu_ps(y), acc));
+    if (lo <= 0 && hi >= 8) return _mm256_storeu_ps(y, _mm256_add_ps(_mm256_loadu_ps(y), acc));
   }
-  for (int64_t i = 0; i < std::min<int64_t>(n, 8); ++i) y[i] = store<T>(load(y[i]) + d[i]);
+  for (int64_t i = std::max<int64_t>(lo, 0); i < std::min<int64_t>(hi, 8); ++i) y[i] = store<T>(load(y[i]) + d[i]);
 }
-// y[m][0..n) += the sums of NB packed blocks at p (block stride rank * kLoraPack) with t[m].
+// y[m][lo..hi) += the sums of NB packed blocks at p (block stride rank * kLoraPack) with
+// t[m], hi <= NB kLoraPack.
 template <typename T, int MB, int NB>
-__attribute__((target("avx2,fma"))) void up_avx2(const T* p, int64_t rank, const float* const* t, int64_t n,
-                                                 T* const* y) {
+__attribute__((target("avx2,fma"))) void up_avx2(const T* p, int64_t rank, const float* const* t, int64_t lo,
+                                                 int64_t hi, T* const* y) {
   constexpr int V = NB * kLoraPack / 8;
   __m256 acc[MB][V];
   for (int m = 0; m < MB; ++m)
@@ -93,7 +102,7 @@ __attribute__((target("avx2,fma"))) void up_avx2(const T* p, int64_t rank, const
     }
   }
   for (int m = 0; m < MB; ++m)
-    for (int v = 0; v < V && v * 8 < n; ++v) add8(acc[m][v], y[m] + v * 8, n - v * 8);
+    for (int v = lo / 8; v < V && v * 8 < hi; ++v) add8(acc[m][v], y[m] + v * 8, lo - v * 8, hi - v * 8);
 }
 #endif
 
@@ -112,9 +121,9 @@ void down_portable(const T* const* a, const T* const* x, int64_t K, float* out) 
     }
 }
 template <typename T, int MB, int NB>
-void up_portable(const T* p, int64_t rank, const float* const* t, int64_t n, T* const* y) {
+void up_portable(const T* p, int64_t rank, const float* const* t, int64_t lo, int64_t hi, T* const* y) {
   for (int m = 0; m < MB; ++m)
-    for (int64_t i = 0; i < std::min<int64_t>(n, NB * kLoraPack); ++i) {
+    for (int64_t i = lo; i < std::min<int64_t>(hi, NB * kLoraPack); ++i) {
       const T* b = p + i / kLoraPack * rank * kLoraPack + i % kLoraPack;
       float c = 0.0f;
       for (int64_t r = 0; r < rank; ++r) c = std::fma(load(b[r * kLoraPack]), t[m][r], c);
@@ -130,22 +139,12 @@ void down(bool avx2, const T* const* a, const T* const* x, int64_t K, float* out
   down_portable<T, MB, RB>(a, x, K, out);
 }
 template <typename T, int MB, int NB>
-void up(bool avx2, const T* p, int64_t rank, const float* const* t, int64_t n, T* const* y) {
+void up(bool avx2, const T* p, int64_t rank, const float* const* t, int64_t lo, int64_t hi, T* const* y) {
 #ifdef FERRUM_X86
-  if (avx2) return up_avx2<T, MB, NB>(p, rank, t, n, y);
+  if (avx2) return up_avx2<T, MB, NB>(p, rank, t, lo, hi, y);
 #endif
-  up_portable<T, MB, NB>(p, rank, t, n, y);
+  up_portable<T, MB, NB>(p, rank, t, lo, hi, y);
 }
-
-// One or two rows that run one adapter's weights at this projection: the rows, the
-// site, where their low-rank values start in the call's t (R each), and the first
-// of their units in each phase.
-struct RowBlock {
-  int64_t m[2];
-  int rows;
-  const LoraSite* site;
-  int64_t t_off, down_unit, up_unit;
-};
 
 // A row block's units: components of kDown1 or kDown2 (down), packed blocks of its
 // segments two or one at a time (up).
@@ -159,17 +158,25 @@ int64_t up_units(const RowBlock& b) {
   return n;
 }
 
+// One projection's deltas over rows x (M, K) into y (M, N): the two phases by units
+// (down, then up once every t is known), or the up phase by output columns.
 template <typename T>
-void run(const std::vector<RowBlock>& blocks, int64_t total_r, int64_t total_down, int64_t total_up, const T* x,
-         int64_t K, T* y, int64_t N, bool parallel) {
-  std::vector<float> low(static_cast<size_t>(total_r));  // each row's t
-  const bool avx2 = avx2_on();
-  auto find = [&](int64_t u, int64_t RowBlock::*first) {  // the block holding unit u: the last starting <= u
-    const auto it = std::upper_bound(blocks.begin(), blocks.end(), u,
+struct Runner {
+  const LoraPlan& plan;
+  const T* x;
+  int64_t K;
+  T* y;
+  int64_t N;
+  float* low;  // each row block's t, at its t_off
+  bool avx2;
+
+  int64_t find(int64_t u, int64_t RowBlock::*first) const {  // the block holding unit u: the last starting <= u
+    const auto it = std::upper_bound(plan.blocks.begin(), plan.blocks.end(), u,
                                      [&](int64_t v, const RowBlock& b) { return v < b.*first; });
-    return int64_t(it - blocks.begin()) - 1;
-  };
-  auto down_range = [&](int64_t u0, int64_t u1) {
+    return int64_t(it - plan.blocks.begin()) - 1;
+  }
+  void down_range(int64_t u0, int64_t u1) const {
+    const auto& blocks = plan.blocks;
     for (int64_t u = u0, i = u0 < u1 ? find(u0, &RowBlock::down_unit) : 0; u < u1; ++u) {
       while (i + 1 < int64_t(blocks.size()) && blocks[i + 1].down_unit <= u) ++i;
       const RowBlock& b = blocks[i];
@@ -183,8 +190,20 @@ void run(const std::vector<RowBlock>& blocks, int64_t total_r, int64_t total_dow
       for (int m = 0; m < b.rows; ++m)
         for (int64_t r = r0; r < std::min(r0 + step, R); ++r) low[b.t_off + m * R + r] = out[m * step + r - r0];
     }
-  };
-  auto up_range = [&](int64_t u0, int64_t u1) {
+  }
+  // The packed blocks [first, first + nb) of segment s for row block b, their outputs
+  // [lo, hi) (counted from the first block's first output).
+  void up_blocks(const RowBlock& b, const LoraSegment& s, int64_t first, int64_t nb, int64_t lo, int64_t hi) const {
+    const int64_t n0 = first * kLoraPack;
+    const T* p = s.packed.data_ptr<T>() + first * s.rank * kLoraPack;
+    const float* t[2] = {low + b.t_off + s.r_lo, low + b.t_off + b.site->R * (b.rows - 1) + s.r_lo};
+    T* ys[2] = {y + b.m[0] * N + s.out_lo + n0, y + b.m[b.rows - 1] * N + s.out_lo + n0};
+    if (b.rows == 2) up<T, 2, 1>(avx2, p, s.rank, t, lo, hi, ys);
+    else if (nb == 2) up<T, 1, 2>(avx2, p, s.rank, t, lo, hi, ys);
+    else up<T, 1, 1>(avx2, p, s.rank, t, lo, hi, ys);
+  }
+  void up_range(int64_t u0, int64_t u1) const {
+    const auto& blocks = plan.blocks;
     for (int64_t u = u0, i = u0 < u1 ? find(u0, &RowBlock::up_unit) : 0; u < u1; ++u) {
       while (i + 1 < int64_t(blocks.size()) && blocks[i + 1].up_unit <= u) ++i;
       const RowBlock& b = blocks[i];
@@ -196,30 +215,103 @@ void run(const std::vector<RowBlock>& blocks, int64_t total_r, int64_t total_dow
           left -= units;
           continue;
         }
-        const int64_t first = left * per, n0 = first * kLoraPack, n = std::min(per * kLoraPack, s.width - n0);
-        const T* p = s.packed.data_ptr<T>() + first * s.rank * kLoraPack;
-        const float* t[2] = {low.data() + b.t_off + s.r_lo, low.data() + b.t_off + b.site->R * (b.rows - 1) + s.r_lo};
-        T* ys[2] = {y + b.m[0] * N + s.out_lo + n0, y + b.m[b.rows - 1] * N + s.out_lo + n0};
-        if (b.rows == 2) up<T, 2, 1>(avx2, p, s.rank, t, n, ys);
-        else if (n > kLoraPack) up<T, 1, 2>(avx2, p, s.rank, t, n, ys);
-        else up<T, 1, 1>(avx2, p, s.rank, t, n, ys);
+        const int64_t first = left * per, nb = std::min(per, s.blocks - first);
+        up_blocks(b, s, first, nb, 0, std::min(nb * kLoraPack, s.width - first * kLoraPack));
         break;
       }
     }
-  };
+  }
+  // The A rows of down units [u0, u1) and the packed B blocks of outputs [c0, c1)
+  // fetched toward the core's L2 cache, all requests at once: the down phase reads
+  // each A row (a few cache lines) beside 7 others, streams too short for the hardware
+  // prefetcher to learn, and B's blocks arrive while the base linear runs.
+  void prefetch(int64_t u0, int64_t u1, int64_t c0, int64_t c1) const {
+#ifdef FERRUM_X86
+    auto lines = [](const void* p, int64_t bytes) {
+      for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(static_cast<const char*>(p) + o, _MM_HINT_T1);
+    };
+    for (const RowBlock& b : plan.blocks) {
+      const int64_t step = b.rows == 1 ? kDown1 : kDown2, units = down_units(b);
+      const int64_t lo = std::max(u0, b.down_unit), hi = std::min(u1, b.down_unit + units);
+      if (lo < hi)
+        lines(b.site->a.data_ptr<T>() + (lo - b.down_unit) * step * K,
+              (std::min((hi - b.down_unit) * step, b.site->R) - (lo - b.down_unit) * step) * K * int64_t(sizeof(T)));
+      for (const LoraSegment& s : b.site->segments) {
+        const int64_t first = (std::max(c0, s.out_lo) - s.out_lo) / kLoraPack;
+        const int64_t last = (std::min(c1, s.out_lo + s.width) - s.out_lo + kLoraPack - 1) / kLoraPack;
+        if (first < last)
+          lines(s.packed.data_ptr<T>() + first * s.rank * kLoraPack,
+                (last - first) * s.rank * kLoraPack * int64_t(sizeof(T)));
+      }
+    }
+#endif
+  }
+  // Every row block's outputs [c0, c1) of the projection: the packed blocks that touch
+  // them, taken as up_range takes them (each output the same sum), only those added.
+  void up_cols(int64_t c0, int64_t c1) const {
+    for (const RowBlock& b : plan.blocks) {
+      const int64_t per = b.rows == 1 ? 2 : 1;
+      for (const LoraSegment& s : b.site->segments) {
+        const int64_t lo = std::max(c0, s.out_lo) - s.out_lo, hi = std::min(c1, s.out_lo + s.width) - s.out_lo;
+        if (lo >= hi) continue;
+        for (int64_t first = lo / kLoraPack; first * kLoraPack < hi; first += per) {
+          const int64_t nb = std::min(per, s.blocks - first), n0 = first * kLoraPack;
+          up_blocks(b, s, first, nb, std::max<int64_t>(lo - n0, 0), std::min(hi - n0, nb * kLoraPack));
+        }
+      }
+    }
+  }
+};
+
+template <typename T>
+void run(const LoraPlan& plan, const T* x, int64_t K, T* y, int64_t N, bool parallel) {
+  std::vector<float> low(static_cast<size_t>(plan.total_r));  // each row's t
+  const Runner<T> r{plan, x, K, y, N, low.data(), avx2_on()};
   if (!parallel) {
-    down_range(0, total_down);
-    up_range(0, total_up);
+    r.down_range(0, plan.total_down);
+    r.up_range(0, plan.total_up);
     return;
   }
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
-    down_range(total_down * tid / nt, total_down * (tid + 1) / nt);
+    r.down_range(plan.total_down * tid / nt, plan.total_down * (tid + 1) / nt);
 #pragma omp barrier
-    up_range(total_up * tid / nt, total_up * (tid + 1) / nt);
+    r.up_range(plan.total_up * tid / nt, plan.total_up * (tid + 1) / nt);
   }
 }
+
+// The deltas run inside linear_rows_with's region: each thread its share of the down
+// units before its base outputs, then (after the barrier) the deltas of those outputs.
+class LoraHook : public RowsHook {
+ public:
+  explicit LoraHook(const LoraPlan& plan) : plan_(plan), low_(static_cast<size_t>(plan.total_r)) {}
+  void prepare(const at::Tensor& x2d, const at::Tensor& out) override { x_ = x2d, y_ = out; }
+  void before(int tid, int nt, int64_t n0, int64_t n1) override {
+    with([&](const auto& r) {
+      const int64_t u0 = plan_.total_down * tid / nt, u1 = plan_.total_down * (tid + 1) / nt;
+      r.prefetch(u0, u1, n0, n1);
+      r.down_range(u0, u1);
+    });
+  }
+  void after(int64_t n0, int64_t n1) override {
+    with([&](const auto& r) { r.up_cols(n0, n1); });
+  }
+
+ private:
+  template <typename F>
+  void with(F f) {
+    const int64_t K = x_.size(1), N = y_.size(1);
+    if (x_.scalar_type() == at::kFloat)
+      f(Runner<float>{plan_, x_.data_ptr<float>(), K, y_.data_ptr<float>(), N, low_.data(), avx2_on()});
+    else
+      f(Runner<c10::BFloat16>{plan_, x_.data_ptr<c10::BFloat16>(), K, y_.data_ptr<c10::BFloat16>(), N,
+                              low_.data(), avx2_on()});
+  }
+  const LoraPlan& plan_;
+  std::vector<float> low_;
+  at::Tensor x_, y_;
+};
 
 }  // namespace
 
@@ -260,13 +352,10 @@ LoraBatch::LoraBatch(const at::Tensor& rows) {
 
 void LoraBatch::add_adapter(c10::intrusive_ptr<LoraAdapter> adapter) { adapters_.push_back(std::move(adapter)); }
 
-void LoraBatch::apply(int64_t layer, int64_t site, const at::Tensor& x, const at::Tensor& y) const {
+LoraPlan LoraBatch::plan(int64_t layer, int64_t site, int64_t K, int64_t N, at::ScalarType dtype) const {
   TORCH_CHECK(0 <= site && site < kLoraSites, "LoraBatch: site ", site, " out of range");
-  const int64_t K = x.size(-1), N = y.size(-1), M = int64_t(rows_.size());
-  TORCH_CHECK(x.numel() == M * K && y.numel() == M * N, "LoraBatch: x and y must have ", M, " rows");
-  TORCH_CHECK(y.is_contiguous() && y.scalar_type() == x.scalar_type(), "LoraBatch: y must be contiguous, x's dtype");
-  std::vector<RowBlock> blocks;
-  int64_t total_r = 0, total_down = 0, total_up = 0, work = 0;
+  LoraPlan plan;
+  auto& blocks = plan.blocks;
   for (const int64_t m : order_) {
     TORCH_CHECK(rows_[m] < int64_t(adapters_.size()), "LoraBatch: row ", m, " names adapter ", rows_[m], " of ",
                 adapters_.size());
@@ -277,29 +366,38 @@ void LoraBatch::apply(int64_t layer, int64_t site, const at::Tensor& x, const at
     if (!blocks.empty() && blocks.back().site == &s && blocks.back().rows == 1) {  // a second row, same weights
       blocks.back().m[1] = m, blocks.back().rows = 2;
     } else {
-      TORCH_CHECK(s.K == K && s.a.scalar_type() == x.scalar_type(), "LoraBatch: the adapter's A is (", s.R, ", ",
-                  s.K, ") ", s.a.scalar_type(), ", x has width ", K, " ", x.scalar_type());
+      TORCH_CHECK(s.K == K && s.a.scalar_type() == dtype, "LoraBatch: the adapter's A is (", s.R, ", ", s.K, ") ",
+                  s.a.scalar_type(), ", x has width ", K, " ", dtype);
       for (const LoraSegment& g : s.segments)
         TORCH_CHECK(g.out_lo + g.width <= N, "LoraBatch: a B writes outputs up to ", g.out_lo + g.width, " of ", N);
       if (!blocks.empty()) {
         const RowBlock& b = blocks.back();
-        total_down += down_units(b), total_up += up_units(b), total_r += b.rows * b.site->R;
+        plan.total_down += down_units(b), plan.total_up += up_units(b), plan.total_r += b.rows * b.site->R;
       }
-      blocks.push_back({{m, m}, 1, &s, total_r, total_down, total_up});
+      blocks.push_back({{m, m}, 1, &s, plan.total_r, plan.total_down, plan.total_up});
     }
-    work += s.R * K;
-    for (const LoraSegment& g : s.segments) work += g.rank * g.width;
+    plan.work += s.R * K;
+    for (const LoraSegment& g : s.segments) plan.work += g.rank * g.width;
   }
-  if (blocks.empty()) return;
-  const RowBlock& last = blocks.back();
-  total_down += down_units(last), total_up += up_units(last), total_r += last.rows * last.site->R;
+  if (!blocks.empty()) {
+    const RowBlock& last = blocks.back();
+    plan.total_down += down_units(last), plan.total_up += up_units(last), plan.total_r += last.rows * last.site->R;
+  }
+  return plan;
+}
+
+void LoraBatch::apply(int64_t layer, int64_t site, const at::Tensor& x, const at::Tensor& y) const {
+  const int64_t K = x.size(-1), N = y.size(-1), M = int64_t(rows_.size());
+  TORCH_CHECK(x.numel() == M * K && y.numel() == M * N, "LoraBatch: x and y must have ", M, " rows");
+  TORCH_CHECK(y.is_contiguous() && y.scalar_type() == x.scalar_type(), "LoraBatch: y must be contiguous, x's dtype");
+  const LoraPlan plan = this->plan(layer, site, K, N, x.scalar_type());
+  if (plan.blocks.empty()) return;
   const at::Tensor xc = x.contiguous();
-  const bool parallel = work >= kParallelWork && at::get_num_threads() > 1 && !omp_in_parallel();
+  const bool parallel = plan.work >= kParallelWork && at::get_num_threads() > 1 && !omp_in_parallel();
   if (x.scalar_type() == at::kFloat)
-    run<float>(blocks, total_r, total_down, total_up, xc.data_ptr<float>(), K, y.data_ptr<float>(), N, parallel);
+    run<float>(plan, xc.data_ptr<float>(), K, y.data_ptr<float>(), N, parallel);
   else if (x.scalar_type() == at::kBFloat16)
-    run<c10::BFloat16>(blocks, total_r, total_down, total_up, xc.data_ptr<c10::BFloat16>(), K,
-                       y.data_ptr<c10::BFloat16>(), N, parallel);
+    run<c10::BFloat16>(plan, xc.data_ptr<c10::BFloat16>(), K, y.data_ptr<c10::BFloat16>(), N, parallel);
   else
     TORCH_CHECK(false, "LoraBatch: float32 or bfloat16 only");
 }
@@ -307,6 +405,15 @@ void LoraBatch::apply(int64_t layer, int64_t site, const at::Tensor& x, const at
 at::Tensor LoraBatch::add(int64_t layer, int64_t site, const at::Tensor& x, at::Tensor y) const {
   apply(layer, site, x, y);
   return y;
+}
+
+at::Tensor LoraBatch::linear(int64_t layer, int64_t site, const at::Tensor& x, const at::Tensor& weight) const {
+  const int64_t K = x.size(-1), N = weight.size(0), M = int64_t(rows_.size());
+  TORCH_CHECK(x.numel() == M * K, "LoraBatch: x must have ", M, " rows");
+  const LoraPlan plan = this->plan(layer, site, K, N, x.scalar_type());
+  if (plan.blocks.empty()) return linear_rows(x, weight);
+  LoraHook hook(plan);
+  return linear_rows_with(x, weight, hook);
 }
 
 }  // namespace ferrum_fused

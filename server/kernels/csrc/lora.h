@@ -2,7 +2,8 @@
 // and fused projection (LoraAdapter), and one forward's rows with the adapter each
 // runs (LoraBatch), which adds every row's delta (x @ A^T) @ B^T to a projection's
 // output in place.  decode_stack.cpp registers both classes (before DecodeStack,
-// whose forward_lora takes a LoraBatch) and calls LoraBatch::apply after each linear.
+// whose forward_lora takes a LoraBatch) and calls LoraBatch::linear for its float
+// linears (the deltas in the linear's parallel region), LoraBatch::apply after the others.
 #pragma once
 
 #include <torch/custom_class.h>
@@ -38,6 +39,23 @@ struct LoraSite {
   int64_t R = 0, K = 0;
 };
 
+// One or two rows that run one adapter's weights at a projection: the rows, the
+// site, where their low-rank values start in the call's t (R each), and the first
+// of their units in each phase (lora.cpp).
+struct RowBlock {
+  int64_t m[2];
+  int rows;
+  const LoraSite* site;
+  int64_t t_off, down_unit, up_unit;
+};
+
+// A projection's deltas for one forward: its row blocks, grouped by adapter, the
+// low-rank values and units they take, and their multiply-adds.
+struct LoraPlan {
+  std::vector<RowBlock> blocks;
+  int64_t total_r = 0, total_down = 0, total_up = 0, work = 0;
+};
+
 class LoraAdapter : public torch::CustomClassHolder {
  public:
   explicit LoraAdapter(int64_t layers);
@@ -62,9 +80,15 @@ class LoraBatch : public torch::CustomClassHolder {
   void apply(int64_t layer, int64_t site, const at::Tensor& x, const at::Tensor& y) const;
   // The Python binding: the same, y returned.
   at::Tensor add(int64_t layer, int64_t site, const at::Tensor& x, at::Tensor y) const;
+  // linear_rows(x, weight) with each row's delta at projection `site` of `layer`
+  // added: the bits of linear_rows then apply, the deltas inside the linear's own
+  // parallel region (no fork or call of their own).
+  at::Tensor linear(int64_t layer, int64_t site, const at::Tensor& x, const at::Tensor& weight) const;
   int64_t rows() const { return int64_t(rows_.size()); }
 
  private:
+  // The row blocks of projection `site` of `layer` for x of width K, dtype, into N outputs (checked).
+  LoraPlan plan(int64_t layer, int64_t site, int64_t K, int64_t N, at::ScalarType dtype) const;
   std::vector<int64_t> rows_;
   std::vector<c10::intrusive_ptr<LoraAdapter>> adapters_;
   std::vector<int64_t> order_;  // the rows that run an adapter, grouped by adapter (the weights stay in cache)

@@ -23,10 +23,10 @@ def ops():
     return torch.classes.ferrum_fused
 
 
-def make_site(gen: torch.Generator, ranks: dict[int, int], dtype: torch.dtype) -> SiteWeights:
-    """A fused-projection site: module i (of WIDTHS) with rank ranks[i], the others untouched."""
+def make_site(gen: torch.Generator, ranks: dict[int, int], dtype: torch.dtype, widths=WIDTHS) -> SiteWeights:
+    """A fused-projection site: module i (of ``widths``) with rank ranks[i], the others untouched."""
     a_parts, segments, r_lo, out_lo = [], [], 0, 0
-    for i, width in enumerate(WIDTHS):
+    for i, width in enumerate(widths):
         if i in ranks:
             a_parts.append(torch.randn(ranks[i], K, generator=gen))
             b = torch.randn(width, ranks[i], generator=gen) / ranks[i] ** 0.5
@@ -43,10 +43,10 @@ def as_kernel(ops, site: SiteWeights, layer: int = 1, layers: int = 2):
     return kernel
 
 
-def want_delta(site: SiteWeights, x: torch.Tensor) -> torch.Tensor:
+def want_delta(site: SiteWeights, x: torch.Tensor, widths=WIDTHS) -> torch.Tensor:
     """The delta of rows x in float64, from the packed weights unpacked by hand."""
     low = x.double() @ site.a.double().t()
-    out = torch.zeros(len(x), sum(WIDTHS), dtype=torch.float64)
+    out = torch.zeros(len(x), sum(widths), dtype=torch.float64)
     for out_lo, width, r_lo, packed in site.segments:
         b = packed.double().transpose(1, 2).reshape(-1, packed.shape[1])[:width]  # (width, rank)
         out[:, out_lo:out_lo + width] = low[:, r_lo:r_lo + b.shape[1]] @ b.t()
@@ -101,6 +101,40 @@ def test_a_rows_bits_do_not_depend_on_its_batch(ops, isa, monkeypatch):
         for rows in ([0, 0], [0, 1, 0, 2], [0] + [1, 2, -1, 0] * 15 + [1, 0, 2], [0] * 256):  # the last: threads split it
             for n in (1, 2):
                 assert torch.equal(delta_of_row0(rows, n), alone), (rows, n)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_deltas_in_the_linears_region_give_the_bits_of_the_linear_then_the_deltas(ops, isa, dtype):
+    """``LoraBatch.linear`` (the decode stack's float linears: the deltas inside
+    linear_rows' parallel region, each thread those of its own outputs) against
+    linear_rows then ``add``: the same bits, at 1 and 2 threads, for 1-4 rows of
+    several adapters and base rows; widths whose thread split falls inside a packed
+    block; and the float64 sum."""
+    gen = torch.Generator().manual_seed(3)
+    widths = (200, 72, 72)  # 344 outputs: two threads split them at 160, inside q's sixth block
+    sites = [make_site(gen, ranks, dtype, widths) for ranks in SITE_RANKS]
+    kernels = [as_kernel(ops, site) for site in sites]
+    w = torch.randn(sum(widths), K, generator=gen).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        for rows in ([0], [1], [2, 2], [0, -1, 1, 0], [-1, 2, 2, -1]):
+            batch = ops.LoraBatch(torch.tensor(rows))
+            for kernel in kernels:
+                batch.add_adapter(kernel)
+            x = torch.randn(len(rows), K, generator=gen).to(dtype)
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                got = batch.linear(1, SITES["qkv_proj"], x, w)
+                assert torch.equal(got, batch.add(1, SITES["qkv_proj"], x, torch.ops.ferrum_fused.linear_rows(x, w))), (rows, n)
+            assert torch.equal(batch.linear(0, SITES["qkv_proj"], x, w), torch.ops.ferrum_fused.linear_rows(x, w))  # no site there
+            want = x.double() @ w.double().t()
+            for m, a in enumerate(rows):
+                if a >= 0:
+                    want[m] += want_delta(sites[a], x[m:m + 1], widths)[0]
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got.double(), want, atol=tol * want.abs().max().item(), rtol=0)
     finally:
         torch.set_num_threads(threads)
 
