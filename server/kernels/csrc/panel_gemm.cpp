@@ -31,6 +31,7 @@
 #include "fused.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 
 namespace ferrum_fused {
@@ -263,16 +264,22 @@ void panels_range(const char* x, int64_t xe, int64_t ldx, int64_t M, const char*
   }
 }
 
+// Whether bfloat16 takes the dot product: the CPU has it, the cap allows AVX-512, and
+// set_panel_dot has not turned it off (tests run the AVX-512 multiply-add path so).
+std::atomic<bool> g_dot_allowed{true};
 bool dot_on() {
 #ifdef FERRUM_X86
   static const bool cpu = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512f");
-  return cpu && ferrum_active_isa() >= 2;
+  return cpu && ferrum_active_isa() >= 2 && g_dot_allowed.load();
 #else
   return false;
 #endif
 }
 
 }  // namespace
+
+// Allows (or not) the dot product for bfloat16; returns whether it was allowed.
+bool set_panel_dot(bool allowed) { return g_dot_allowed.exchange(allowed); }
 
 // weight (N, K) float32 or bfloat16, contiguous -> panel_linear's packed panels.
 at::Tensor pack_panels(const at::Tensor& weight) {
@@ -347,6 +354,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
 TORCH_LIBRARY_FRAGMENT(ferrum_fused, m) {
   m.def("pack_panels(Tensor weight) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor panels, int n) -> Tensor");
+  m.def("set_panel_dot(bool allowed) -> bool", &ferrum_fused::set_panel_dot);
 }
 
 TORCH_LIBRARY_IMPL(ferrum_fused, CPU, m) {

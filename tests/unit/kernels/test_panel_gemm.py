@@ -63,7 +63,16 @@ def test_panel_linear_gives_the_same_bits_on_one_and_two_threads(ops, isa, dtype
     assert torch.equal(one, two)
 
 
-def test_the_fused_multiply_add_paths_give_the_same_bits(ops):
+@pytest.fixture(params=[True, False], ids=["dot", "no-dot"])
+def dot(request, ops):
+    """bfloat16 on the AVX-512 BF16 dot product where the CPU has it, or (no-dot) on the
+    AVX-512 multiply-add path a CPU without it takes."""
+    ops.set_panel_dot(request.param)
+    yield request.param
+    ops.set_panel_dot(True)
+
+
+def test_the_fused_multiply_add_paths_give_the_same_bits(ops, dot):
     """One chain of fused multiply-adds per output whatever the vector width: float32 on
     every path alike, and bfloat16 on every path but the AVX-512 BF16 dot product."""
     gen = torch.Generator().manual_seed(5)
@@ -78,8 +87,27 @@ def test_the_fused_multiply_add_paths_give_the_same_bits(ops):
     assert "portable" in got
     for cap, (f32, bf16) in got.items():
         assert torch.equal(f32, got["portable"][0]), cap
-        if cap != "avx512":  # AVX-512 takes the dot product for bfloat16 where the CPU has it
+        if cap != "avx512" or not dot:  # AVX-512 takes the dot product for bfloat16 where allowed and present
             assert torch.equal(bf16, got["portable"][1]), cap
+
+
+def test_the_avx512_multiply_add_path_keeps_a_rows_bits_in_bfloat16(ops):
+    """The path an AVX-512 CPU without BF16 takes for bfloat16 (here: the dot product
+    turned off): a row alone and in blocks of 2..70 rows, close to float64."""
+    if torch.ops.ferrum_woq.set_max_isa("avx512") != "avx512":
+        pytest.skip("this CPU cannot run the avx512 path")
+    gen = torch.Generator().manual_seed(6)
+    w, x = torch.randn(40, 83, generator=gen).bfloat16(), torch.randn(70, 83, generator=gen).bfloat16()
+    panels = ops.pack_panels(w)
+    ops.set_panel_dot(False)
+    try:
+        full = ops.panel_linear(x, panels, 40)
+        assert all(torch.equal(ops.panel_linear(x[:rows], panels, 40), full[:rows]) for rows in range(1, 71))
+        assert torch.equal(torch.cat([ops.panel_linear(x[i:i + 1], panels, 40) for i in range(70)]), full)
+    finally:
+        ops.set_panel_dot(True)
+    want = F.linear(x.double(), w.double())
+    assert (full.double() - want).abs().max() / want.abs().max() < TOL[torch.bfloat16]
 
 
 def test_panel_linear_refuses_what_it_does_not_run(ops):
