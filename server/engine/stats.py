@@ -29,9 +29,9 @@ def resident_weight_bytes(model: torch.nn.Module) -> int:
     seen: dict[int, int] = {}
     for module in model.modules():
         tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-        packed = getattr(module, "packed", None)
-        if isinstance(packed, torch.Tensor):
-            tensors.append(packed)
+        for extra in ("packed", "panels"):  # oneDNN's packed copy, panel_gemm.cpp's
+            if isinstance(packed := getattr(module, extra, None), torch.Tensor):
+                tensors.append(packed)
         for t in tensors:
             if t.layout != torch.strided or t.is_mkldnn:  # opaque (oneDNN-packed): no storage to share
                 seen[id(t)] = t.numel() * t.element_size()

@@ -76,6 +76,8 @@ def probe_fused(dtype: torch.dtype) -> Verdict:
     for rows in (1, 3):
         xr = torch.randn(rows, 80, generator=gen).to(dtype)
         check(ops.linear_rows(xr, w), F.linear(xr, w), tol, "linear_rows disagrees with torch")
+        check(ops.panel_linear(xr, ops.pack_panels(w), 70), F.linear(xr, w), tol,
+              "panel_linear disagrees with torch")
     return True, built(torch.ops.ferrum_woq.isa())
 
 

@@ -56,11 +56,13 @@ class FastLinear(nn.Module):
     # run on linear_rows.cpp's linear_rows (a GEMV at memory speed) instead of oneDNN or MKL
     rows_kernel = False
     rows_max = 0
-    tiled = False  # set by make_batch_invariant: every row count on linear_rows' arithmetic
+    # set by make_batch_invariant: the weight packed for csrc/panel_gemm.cpp's panel_linear,
+    # which every row count runs (each output one chain over K, whatever the batch)
+    panels: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tiled:
-            y = torch.ops.ferrum_fused.linear_rows_tiled(x, self.weight)
+        if self.panels is not None:
+            y = torch.ops.ferrum_fused.panel_linear(x, self.panels, self.out_features)
             return y if self.bias is None else y + self.bias
         rows = x.numel() // x.shape[-1]
         if self.rows_kernel and rows <= self.rows_max and x.dtype == self.weight.dtype:

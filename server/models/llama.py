@@ -307,12 +307,12 @@ class LlamaForCausalLM(nn.Module):
 
     def make_batch_invariant(self) -> None:
         """Computes every row of every forward the same way, whatever else shares it:
-        each linear on ``linear_rows_tiled`` (a row's dot products in one fixed order at
-        any row count), RoPE, the pool write and attention in the fused op for any
+        each float linear on ``panel_linear`` (csrc/panel_gemm.cpp: its weight packed once,
+        each output one multiply-add chain over K at any row count), RoPE, the pool write and attention in the fused op for any
         number of tokens (a query's reduction over its keys in one fixed order), the
-        per-row fused RMSNorm and activation.  The whole-layer decode op stays for the
-        forwards it takes (a few rows): it runs those same ops, ``linear_rows`` on the
-        tiled linear's arithmetic, so its bits equal the per-op path's.  So a token's
+        per-row fused RMSNorm and activation.  The whole-layer decode op is rebuilt on the
+        packed weights and takes forwards of any size: it runs those same ops, so its bits
+        equal the per-op path's.  So a token's
         logits do not depend on the batch, the prompt's chunking or the prefix cache.  Needs the fused ops on and the plain
         float32 or bfloat16 weights (``optimize_for_inference(False, rows_kernel=True)``), or linears quantized
         for csrc/qact.cpp (``qact.BlockQ8Linear``, kernel ``QACT``): each activation row quantized on its own
@@ -324,7 +324,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, FastLinear):
                 if module.weight is None or not module.weight.is_contiguous():
                     raise ValueError("batch invariance needs every linear's plain, contiguous weight")
-                module.tiled = True
+                module.panels = torch.ops.ferrum_fused.pack_panels(module.weight)
             elif isinstance(module, MLP):
                 module.invariant = True
             elif isinstance(module, QuantizedLinear):
@@ -333,6 +333,9 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, nn.Linear):
                 raise ValueError(f"batch invariance: a linear outside FastLinear ({type(module).__name__})")
         self.fused_max_tokens = 1 << 62
+        if self.layer_ops is not None:
+            args = self._whole_layer_args()  # the float linears' packed panels now
+            self.layer_ops = self._decode_stack(args) if args else None
         if self.layer_ops is not None:
             self.layer_ops.set_rows_silu(True)
         self.batch_invariant = True
@@ -350,9 +353,10 @@ class LlamaForCausalLM(nn.Module):
         """Per layer, the weights ``ferrum_fused.decode_layer`` takes, when every layer
         is a plain Llama or Qwen3 block (a dense MLP; Qwen3's q/k RMSNorm in the op) whose projections are all
         our int8/int4 linears without bias (weight-only, or packed ones, whose widths
-        are passed negated, with their activation digits) or float32 linears on
-        ``linear_rows`` (bits 32: forwards of up to ``layer_ops_rows`` rows; float32 or,
-        all of them, bfloat16: ``layer_ops_dtype``); else None (the per-op path runs)."""
+        are passed negated, with their activation digits) or float linears on
+        ``linear_rows`` (bits 32, [weight]: forwards of up to ``layer_ops_rows`` rows) or, batch-invariant,
+        on ``panel_linear`` (bits 32, [weight, panels]: any row count); float32 or, all of them, bfloat16:
+        ``layer_ops_dtype``; else None (the per-op path runs)."""
         args, rows, dtypes = [], [], set()
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -368,9 +372,10 @@ class LlamaForCausalLM(nn.Module):
                 return None
             if any(isinstance(l, QuantizedLinear) and l.kernel == QACT and l.out_features % UNIT for l in linears):
                 return None  # the whole-layer op takes every packed unit's 16 outputs
-            rows += [l.rows_max for l in linears if isinstance(l, FastLinear)]
+            rows += [l.rows_max for l in linears if isinstance(l, FastLinear) and l.panels is None]
             dtypes |= {l.weight.dtype if isinstance(l, FastLinear) else torch.float32 for l in linears}
-            weights = [[l.weight] if isinstance(l, FastLinear) else l.kernel_args() for l in linears]
+            weights = [([l.weight] if l.panels is None else [l.weight, l.panels]) if isinstance(l, FastLinear)
+                       else l.kernel_args() for l in linears]
             bits = [32 if isinstance(l, FastLinear) else -l.bits if l.kernel == QACT else l.bits for l in linears]
             args.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                          layer.input_layernorm.eps, *weights, bits,

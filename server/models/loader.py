@@ -136,7 +136,7 @@ def _choose_kernels(model, path: Path, dtype: torch.dtype, device: torch.device,
     if batch_invariant:
         _check_invariant(model, dtype, quantize, fused, step_why)
         if quantize == "none":
-            model.kernels = KernelChoice("linear_rows_tiled", "batch-invariant: every row count on one arithmetic",
+            model.kernels = KernelChoice("panel_gemm", "batch-invariant: every row count on one arithmetic",
                                          cpu_capability())
             model.optimize_for_inference(False, rows_kernel=True)
         else:
@@ -182,14 +182,14 @@ def _quantize_invariant(model, path: Path, quantize: str) -> KernelChoice:
     scale over the batch) and sums each output's blocks in one order at any row count,
     while the float-activation kernels (``woq.py``: registers for 1-4 rows, a BLAS GEMM
     past 12) and the torch fallbacks (``F.linear``) change their order with the rows.
-    Linears it cannot take (an input width not a multiple of 32) run ``linear_rows_tiled``."""
+    Linears it cannot take (an input width not a multiple of 32) run ``panel_linear``."""
     ok, why = qact.probe()
     if not ok:
         raise StartupError(f"--batch-invariant --quantize {quantize} needs csrc/qact.cpp's kernels, which cannot "
                            f"run here ({why})")
     model.optimize_for_inference(False)  # fuse projections, then quantize the fused weights
     nbytes = qact.quantize_model(model, quantize, qact.QACT, skip=(".mlp.gate",))
-    replace_linears(model, "never")  # those left unquantized: tiled by make_batch_invariant
+    replace_linears(model, "never")  # those left unquantized: panel_linear by make_batch_invariant
     log.info("%s: linear weights quantized to %s: %.1f MiB", path.name, quantize, nbytes / 2**20)
     two_digits = quantize in ("int8", "int4")
     note = "" if two_digits else qact.rotation_note(model)

@@ -35,8 +35,10 @@ namespace {
 // linears that quantize their activations too, whose widths (8 or 4) bits holds
 // negated, digits their activation digits (1: w8a8, w4a8; 2: int8, int4) and
 // rotated whether their activations are rotated first (w8a8: qact.cpp rotate16),
-// or [weight] (N, K) float32 with bits 32: linear_rows, so 1-4 rows only (bfloat16
-// weights and x too where every linear is one of those: the eager path's roundings).
+// or [weight] (N, K) float32 with bits 32: linear_rows, so 1-4 rows only, or
+// [weight, panels] with bits 32: panel_linear on pack_panels' copy, any rows (the
+// batch-invariant model's); bfloat16 weights and x too where every linear is one of
+// those (the eager path's roundings).
 // `rows_silu`: silu*up on silu_mul_rows' loops at any row count (the batch-invariant
 // model's MLP), not silu_mul's (ATen's past 4 rows, as the default model's).
 // With `lora` (the forward's LoRA rows), each linear's output takes their deltas
@@ -58,13 +60,15 @@ at::Tensor layer_step(const at::Tensor& x, const at::Tensor& ln1, const at::Tens
   TORCH_CHECK(qk_norm.empty() || qk_norm.size() == 2, "decode_layer: qk_norm is [] or [q_norm, k_norm] weights");
   const at::TensorList lists[] = {qkv, o, gate_up, down};
   for (int i = 0; i < 4; ++i)
-    TORCH_CHECK(lists[i].size() == (bits[i] == 32 ? 1u : bits[i] < 0 ? 2u : 3u),
+    TORCH_CHECK(bits[i] == 32 ? lists[i].size() == 1u || lists[i].size() == 2u
+                              : lists[i].size() == (bits[i] < 0 ? 2u : 3u),
                 "decode_layer: each linear is [qweight, scales, mins], [codes, scales] with negated bits, "
-                "or [weight] with bits 32");
+                "or [weight] or [weight, panels] with bits 32");
   const int64_t B = x.size(0), T = x.size(1), H = num_heads, Hkv = num_kv_heads, D = k_cache.size(3);
   auto lin = [&](const at::Tensor& in, at::TensorList w, int i) {
-    if (lora != nullptr && bits[i] == 32) return lora->linear(layer, i, in, w[0]);  // the deltas in its region
-    at::Tensor out = bits[i] == 32 ? linear_rows(in, w[0])
+    if (lora != nullptr && bits[i] == 32 && w.size() == 1)
+      return lora->linear(layer, i, in, w[0]);  // the deltas inside linear_rows' region
+    at::Tensor out = bits[i] == 32 ? (w.size() == 2 ? panel_linear(in, w[1], w[0].size(0)) : linear_rows(in, w[0]))
                      : bits[i] < 0 ? ferrum_qact_linear(in, w[0], w[1], -bits[i], digits[i], rotated[i] != 0)
                                    : ferrum_woq_linear(in, w[0], w[1], w[2], bits[i]);
     if (lora != nullptr) lora->apply(layer, i, in, out);
@@ -136,9 +140,10 @@ class DecodeStack : public torch::CustomClassHolder {
     bool packed = true;
     for (int i = 0; i < 4; ++i) {
       L.bits[i] = bits[i], L.digits[i] = digits[i], L.rotated[i] = rotated[i];
-      TORCH_CHECK(L.lin[i].size() == (bits[i] == 32 ? 1u : bits[i] < 0 ? 2u : 3u),
+      TORCH_CHECK(bits[i] == 32 ? L.lin[i].size() == 1u || L.lin[i].size() == 2u
+                                : L.lin[i].size() == (bits[i] < 0 ? 2u : 3u),
                   "DecodeStack: each linear is [qweight, scales, mins], [codes, scales] with negated bits, "
-                  "or [weight] with bits 32");
+                  "or [weight] or [weight, panels] with bits 32");
       if (bits[i] < 0) L.packed[i] = ferrum_qact::packed(L.lin[i][0], L.lin[i][1], -bits[i]);
       packed = packed && bits[i] < 0 && (digits[i] == 1 || digits[i] == 2) && (!rotated[i] || digits[i] == 1);
     }

@@ -8,7 +8,9 @@
 //                     causal attention read straight from the pool blocks   (~25 ops -> 1)
 //   linear_rows.cpp   linear_rows: a float32 or bfloat16 linear over 1-4 rows, at memory
 //                     speed; linear_rows_tiled: the same arithmetic over any number of
-//                     rows (batch-invariant mode)
+//                     rows
+//   panel_gemm.cpp    pack_panels, panel_linear: the batch-invariant float linear, an
+//                     outer-product GEMM over packed weight panels, one chain per output
 //   decode_stack.cpp  decode_layer (a whole decoder layer) and DecodeStack (a model's
 //                     layers, a decode step one call), built from the ops above
 //   lora.cpp          LoraAdapter, LoraBatch: LoRA deltas per row, each row its own
@@ -53,6 +55,10 @@ struct RowsHook {
 };
 // linear_rows (the same bits) with `hook` in its parallel region: no fork of its own.
 at::Tensor linear_rows_with(const at::Tensor& x, const at::Tensor& weight, RowsHook& hook);
+
+// panel_gemm.cpp: weight (N, K) packed once; x (..., K) times it -> (..., N), each output one chain over K.
+at::Tensor pack_panels(const at::Tensor& weight);
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N);
 
 // ---- attention.cpp ------------------------------------------------------------------
 struct AttnArgs {

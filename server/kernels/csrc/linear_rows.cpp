@@ -1,6 +1,7 @@
 // linear_rows: float32 or bfloat16 weights times 1-4 activation rows, at memory
 // speed; linear_rows_tiled: the same arithmetic over any number of rows (the
-// batch-invariant linear).  fused.h lists the fused ops.
+// batch-invariant linear before panel_gemm.cpp; kept for bench.panel_gemm's
+// comparison).  fused.h lists the fused ops.
 //
 // The batch-1 step's linears (a decode, a verify of a few drafts): oneDNN's packed
 // GEMM read 30 layers' float32 weights at ~21 GB/s here and MKL's sgemv at ~12,

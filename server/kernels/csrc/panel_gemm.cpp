@@ -1,0 +1,363 @@
+// panel_linear: the batch-invariant float32 / bfloat16 linear, an outer-product
+// GEMM over weights packed once (pack_panels) into K-major panels of 16 output
+// columns.
+//
+// Every output is ONE sequential chain over k = 0..K-1, started from zero:
+// acc = fma(x[k], w[k], acc) in float32 (bfloat16 widened, exactly), or, on the
+// AVX-512 BF16 dot product, acc += x[2j] w[2j] + x[2j+1] w[2j+1] one pair j at a
+// time.  No split of K, no tree: the register tile (how many rows and panels an
+// inner loop holds), the row count, the edge tiles and the thread split decide
+// only which outputs run side by side, never an output's sum, so a row's bits
+// are the same alone, in any batch and on any thread count.  The fused
+// multiply-add chain is also the same on every path (AVX-512F, AVX2+FMA and the
+// portable loop's std::fma), so those give identical bits; the dot product's
+// chain is its own (a different instruction, flushing subnormals), taken for
+// bfloat16 wherever the CPU has it.  bfloat16 outputs are rounded once at the end.
+//
+// Layout: float32 (P, K, 16), P = ceil(N / 16), column c of panel p the weight
+// row 16 p + c (zeros past N); bfloat16 (P, ceil(K / 2), 16, 2): each column's k
+// pair side by side (zeros past N and K), what the dot product takes, and what
+// the fused multiply-add paths split into even and odd k by a shift and a mask.
+// The kernel broadcasts an activation element (or pair) and multiplies a
+// panel's row of 16 into accumulators: MR rows x NP panels a tile, 24
+// accumulators on AVX-512 (32 registers), 12 on AVX2 (16).  One or two rows take
+// up to 8 panels at once, so a single row streams 8 panels' weights with 8
+// independent chains (the FMA latency hidden, the step reading at memory speed).
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include "fused.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+
+namespace ferrum_fused {
+namespace {
+
+constexpr int64_t kCols = 16;   // output columns a panel
+constexpr int kMaxPanels = 8;   // panels a tile at most
+constexpr int kMaxRows = 8;     // rows a tile at most
+constexpr int64_t kTileStride = kMaxPanels * kCols;  // a tile's float32 results, row stride
+
+// What a tile reads: MR rows of x (row stride ldx), NP panels of w (panel stride
+// ps elements) over K (bfloat16 panels: ceil(K / 2) pairs), results into c.
+struct TileArgs {
+  const void* x;
+  int64_t ldx;
+  const void* w;
+  int64_t ps, K;
+  float* c;
+};
+
+// The most panels a tile of `mr` rows takes with `acc` accumulator registers of
+// `per_panel` vectors a panel.
+constexpr int panels_for(int mr, int acc, int per_panel) {
+  return std::max(1, std::min(kMaxPanels, acc / (mr * per_panel)));
+}
+
+#ifdef FERRUM_X86
+// ---- AVX-512F: float32 weights, or bfloat16 pairs by fused multiply-adds ------------
+struct Avx512 {
+  static constexpr int kRows = 8;
+  static constexpr int panels(int mr) { return panels_for(mr, 24, 1); }
+  template <int MR, int NP, bool BF>
+  __attribute__((target("avx512f,fma"))) static void run(const TileArgs& a) {
+    const float* x = static_cast<const float*>(a.x);
+    __m512 acc[MR][NP];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_setzero_ps();
+    if constexpr (!BF) {
+      const float* w = static_cast<const float*>(a.w);
+      for (int64_t k = 0; k < a.K; ++k) {
+        __m512 b[NP];
+        for (int j = 0; j < NP; ++j) b[j] = _mm512_loadu_ps(w + j * a.ps + k * kCols);
+        for (int r = 0; r < MR; ++r) {
+          const __m512 xv = _mm512_set1_ps(x[r * a.ldx + k]);
+          for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_fmadd_ps(xv, b[j], acc[r][j]);
+        }
+      }
+    } else {
+      const uint16_t* w = static_cast<const uint16_t*>(a.w);
+      const __m512i high = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+      int64_t k = 0;
+      for (; k + 2 <= a.K; k += 2) {  // pair k / 2: k's products for every row, then k + 1's
+        __m512 b[NP];
+        for (int j = 0; j < NP; ++j)
+          b[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(w + j * a.ps + k * kCols), 16));
+        for (int r = 0; r < MR; ++r) {
+          const __m512 xv = _mm512_set1_ps(x[r * a.ldx + k]);
+          for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_fmadd_ps(xv, b[j], acc[r][j]);
+        }
+        for (int j = 0; j < NP; ++j)
+          b[j] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(w + j * a.ps + k * kCols), high));
+        for (int r = 0; r < MR; ++r) {
+          const __m512 xv = _mm512_set1_ps(x[r * a.ldx + k + 1]);
+          for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_fmadd_ps(xv, b[j], acc[r][j]);
+        }
+      }
+      if (k < a.K)  // an odd K's last k: the even halves of the last pairs
+        for (int r = 0; r < MR; ++r) {
+          const __m512 xv = _mm512_set1_ps(x[r * a.ldx + k]);
+          for (int j = 0; j < NP; ++j)
+            acc[r][j] = _mm512_fmadd_ps(
+                xv, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(w + j * a.ps + k * kCols), 16)),
+                acc[r][j]);
+        }
+    }
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NP; ++j) _mm512_storeu_ps(a.c + r * kTileStride + j * kCols, acc[r][j]);
+  }
+};
+template <bool BF>
+struct Avx512Of : Avx512 {
+  template <int MR, int NP>
+  static void tile(const TileArgs& a) { Avx512::run<MR, NP, BF>(a); }
+};
+
+// ---- AVX-512 BF16: bfloat16 pairs by the dot product --------------------------------
+struct Dot {
+  static constexpr int kRows = 8;
+  static constexpr int panels(int mr) { return panels_for(mr, 24, 1); }
+  template <int MR, int NP>
+  __attribute__((target("avx512f,avx512bf16"))) static void tile(const TileArgs& a) {
+    const uint16_t* x = static_cast<const uint16_t*>(a.x);  // rows padded to an even width
+    const uint16_t* w = static_cast<const uint16_t*>(a.w);
+    __m512 acc[MR][NP];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < a.K; k += 2) {
+      __m512i b[NP];
+      for (int j = 0; j < NP; ++j) b[j] = _mm512_loadu_si512(w + j * a.ps + k * kCols);
+      for (int r = 0; r < MR; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * a.ldx + k, sizeof pair);
+        const __m512i xv = _mm512_set1_epi32(pair);
+        for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)xv, (__m512bh)b[j]);
+      }
+    }
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NP; ++j) _mm512_storeu_ps(a.c + r * kTileStride + j * kCols, acc[r][j]);
+  }
+};
+
+// ---- AVX2+FMA: a panel as two 8-lane halves -----------------------------------------
+struct Avx2 {
+  static constexpr int kRows = 6;
+  static constexpr int panels(int mr) { return panels_for(mr, 12, 2); }
+  template <int MR, int V>
+  __attribute__((target("avx2,fma"))) static FERRUM_INLINE void step(__m256 (&acc)[MR][V], const __m256 (&b)[V],
+                                                                     const float* x, int64_t ldx, int64_t k) {
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xv = _mm256_set1_ps(x[r * ldx + k]);
+      for (int j = 0; j < V; ++j) acc[r][j] = _mm256_fmadd_ps(xv, b[j], acc[r][j]);
+    }
+  }
+  // half j % 2 of panel j / 2's pairs at k (k even): 8 columns' k and k + 1
+  __attribute__((target("avx2,fma"))) static FERRUM_INLINE __m256i pairs(const uint16_t* w, int64_t ps, int j,
+                                                                         int64_t k) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (j / 2) * ps + k * kCols + (j % 2) * 16));
+  }
+  template <int MR, int NP, bool BF>
+  __attribute__((target("avx2,fma"))) static void run(const TileArgs& a) {
+    const float* x = static_cast<const float*>(a.x);
+    constexpr int V = 2 * NP;
+    __m256 acc[MR][V];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < V; ++j) acc[r][j] = _mm256_setzero_ps();
+    __m256 b[V];
+    if constexpr (!BF) {
+      const float* w = static_cast<const float*>(a.w);
+      for (int64_t k = 0; k < a.K; ++k) {
+        for (int j = 0; j < V; ++j) b[j] = _mm256_loadu_ps(w + (j / 2) * a.ps + k * kCols + (j % 2) * 8);
+        step<MR, V>(acc, b, x, a.ldx, k);
+      }
+    } else {
+      const uint16_t* w = static_cast<const uint16_t*>(a.w);
+      const __m256i high = _mm256_set1_epi32(int32_t(0xFFFF0000u));
+      int64_t k = 0;
+      for (; k + 2 <= a.K; k += 2) {
+        for (int j = 0; j < V; ++j) b[j] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs(w, a.ps, j, k), 16));
+        step<MR, V>(acc, b, x, a.ldx, k);
+        for (int j = 0; j < V; ++j) b[j] = _mm256_castsi256_ps(_mm256_and_si256(pairs(w, a.ps, j, k), high));
+        step<MR, V>(acc, b, x, a.ldx, k + 1);
+      }
+      if (k < a.K) {
+        for (int j = 0; j < V; ++j) b[j] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs(w, a.ps, j, k), 16));
+        step<MR, V>(acc, b, x, a.ldx, k);
+      }
+    }
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < V; ++j) _mm256_storeu_ps(a.c + r * kTileStride + j * 8, acc[r][j]);
+  }
+};
+template <bool BF>
+struct Avx2Of : Avx2 {
+  template <int MR, int NP>
+  static void tile(const TileArgs& a) { Avx2::run<MR, NP, BF>(a); }
+};
+#endif
+
+// ---- portable: the same chain, std::fma an element at a time -------------------------
+template <bool BF>
+struct Portable {
+  static constexpr int kRows = 4;
+  static constexpr int panels(int) { return 2; }
+  template <int MR, int NP>
+  static void tile(const TileArgs& a) {
+    const float* x = static_cast<const float*>(a.x);
+    for (int r = 0; r < MR; ++r)
+      for (int64_t col = 0; col < NP * kCols; ++col) {
+        const int64_t base = (col / kCols) * a.ps, c = col % kCols;
+        float acc = 0.0f;
+        for (int64_t k = 0; k < a.K; ++k) {
+          float wk;
+          if constexpr (BF) wk = load(static_cast<const c10::BFloat16*>(a.w)[base + (k / 2) * 2 * kCols + 2 * c + k % 2]);
+          else wk = static_cast<const float*>(a.w)[base + k * kCols + c];
+          acc = std::fma(x[r * a.ldx + k], wk, acc);
+        }
+        a.c[r * kTileStride + col] = acc;
+      }
+  }
+};
+
+// A tile of `np` panels (1..Path::panels(MR)) for MR rows, as compile-time sizes.
+template <class Path, int MR, int NP>
+void tile_np(int np, const TileArgs& a) {
+  if constexpr (NP > 1)
+    if (np < NP) return tile_np<Path, MR, NP - 1>(np, a);
+  Path::template tile<MR, NP>(a);
+}
+template <class Path, int MR = 1>
+void tile(int mr, int np, const TileArgs& a) {
+  if constexpr (MR < Path::kRows)
+    if (mr > MR) return tile<Path, MR + 1>(mr, np, a);
+  tile_np<Path, MR, Path::panels(MR)>(np, a);
+}
+
+// Panels [p0, p1) for all M rows of x into y (M, N): groups of as many panels as a
+// tile of the first rows takes (their weights stay in cache), every row tile of
+// the group in turn.  xe: x's element size in bytes; ps: a panel's elements.
+template <class Path, typename T>
+void panels_range(const char* x, int64_t xe, int64_t ldx, int64_t M, const char* w, int64_t we, int64_t ps,
+                  int64_t K, int64_t N, int64_t p0, int64_t p1, T* y) {
+  alignas(64) float c[kMaxRows * kTileStride];
+  const int group = Path::panels(int(std::min<int64_t>(M, Path::kRows)));
+  for (int64_t g = p0; g < p1; g += group) {
+    const int64_t g1 = std::min(p1, g + group);
+    for (int64_t m = 0; m < M; m += Path::kRows) {
+      const int mr = int(std::min<int64_t>(Path::kRows, M - m));
+      for (int64_t p = g; p < g1;) {
+        const int np = int(std::min<int64_t>(Path::panels(mr), g1 - p));
+        tile<Path>(mr, np, TileArgs{x + m * ldx * xe, ldx, w + p * ps * we, ps, K, c});
+        const int64_t n0 = p * kCols, cols = std::min<int64_t>(np * kCols, N - n0);
+        for (int r = 0; r < mr; ++r) {
+          T* out = y + (m + r) * N + n0;
+          const float* src = c + r * kTileStride;
+          for (int64_t i = 0; i < cols; ++i) out[i] = store<T>(src[i]);
+        }
+        p += np;
+      }
+    }
+  }
+}
+
+// Whether bfloat16 takes the dot product: the CPU has it, the cap allows AVX-512, and
+// set_panel_dot has not turned it off (tests run the AVX-512 multiply-add path so).
+std::atomic<bool> g_dot_allowed{true};
+bool dot_on() {
+#ifdef FERRUM_X86
+  static const bool cpu = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512f");
+  return cpu && ferrum_active_isa() >= 2 && g_dot_allowed.load();
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+// Allows (or not) the dot product for bfloat16; returns whether it was allowed.
+bool set_panel_dot(bool allowed) { return g_dot_allowed.exchange(allowed); }
+
+// weight (N, K) float32 or bfloat16, contiguous -> panel_linear's packed panels.
+at::Tensor pack_panels(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
+              "pack_panels: weight must be (N, K) float32 or bfloat16");
+  const int64_t N = weight.size(0), K = weight.size(1), P = (N + kCols - 1) / kCols;
+  if (weight.scalar_type() == at::kFloat) {
+    at::Tensor padded = at::zeros({P * kCols, K}, weight.options());
+    padded.narrow(0, 0, N).copy_(weight);
+    return padded.view({P, kCols, K}).transpose(1, 2).contiguous();
+  }
+  const int64_t K2 = (K + 1) / 2;
+  at::Tensor padded = at::zeros({P * kCols, 2 * K2}, weight.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
+  return padded.view({P, kCols, K2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// x (..., K) times the packed weight of pack_panels (N outputs) -> (..., N), no bias.
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N) {
+  const bool bf16 = panels.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.scalar_type() == panels.scalar_type() && (bf16 || x.scalar_type() == at::kFloat),
+              "panel_linear: float32 or bfloat16 only, x and panels alike");
+  const int64_t K = x.size(-1), P = (N + kCols - 1) / kCols;
+  TORCH_CHECK(panels.is_contiguous() && panels.dim() == (bf16 ? 4 : 3) && panels.size(0) == P &&
+                  panels.size(1) == (bf16 ? (K + 1) / 2 : K) && panels.size(2) == kCols &&
+                  (!bf16 || panels.size(3) == 2),
+              "panel_linear: panels are not pack_panels' of an (", N, ", ", K, ") weight");
+  const at::Tensor x2d = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2d.size(0);
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out.view(shape);
+  const bool dot = bf16 && dot_on();
+  // the rows as the tiles read them: bfloat16 pairs (an odd K padded) for the dot
+  // product, float32 for the fused multiply-adds
+  at::Tensor xs;
+  if (dot && K % 2) {
+    xs = at::zeros({M, K + 1}, x2d.options());
+    xs.narrow(1, 0, K).copy_(x2d);
+  } else {
+    xs = dot ? x2d : x2d.to(at::kFloat);
+  }
+  const int64_t ldx = xs.size(1), ps = panels.numel() / P;
+  const char* xp = static_cast<const char*>(xs.data_ptr());
+  const char* wp = static_cast<const char*>(panels.data_ptr());
+  const int64_t xe = xs.element_size(), we = panels.element_size();
+  const int isa = ferrum_active_isa();
+  auto run = [&](auto* y) {
+    using T = std::remove_pointer_t<decltype(y)>;
+    auto range = [&](auto path, int64_t b, int64_t e) {
+      panels_range<decltype(path), T>(xp, xe, ldx, M, wp, we, ps, K, N, b, e, y);
+    };
+    // a thread's share: whole groups of panels, at least a few per thread
+    const int64_t grain = std::max<int64_t>(4, 2 * kMaxPanels * 64 / std::max<int64_t>(M, 64));
+    at::parallel_for(0, P, grain, [&](int64_t b, int64_t e) {
+#ifdef FERRUM_X86
+      if (dot) return range(Dot{}, b, e);
+      if (isa >= 2) return bf16 ? range(Avx512Of<true>{}, b, e) : range(Avx512Of<false>{}, b, e);
+      if (isa >= 1) return bf16 ? range(Avx2Of<true>{}, b, e) : range(Avx2Of<false>{}, b, e);
+#endif
+      bf16 ? range(Portable<true>{}, b, e) : range(Portable<false>{}, b, e);
+    });
+  };
+  if (bf16) run(out.data_ptr<c10::BFloat16>());
+  else run(out.data_ptr<float>());
+  return out.view(shape);
+}
+
+}  // namespace ferrum_fused
+
+TORCH_LIBRARY_FRAGMENT(ferrum_fused, m) {
+  m.def("pack_panels(Tensor weight) -> Tensor");
+  m.def("panel_linear(Tensor x, Tensor panels, int n) -> Tensor");
+  m.def("set_panel_dot(bool allowed) -> bool", &ferrum_fused::set_panel_dot);
+}
+
+TORCH_LIBRARY_IMPL(ferrum_fused, CPU, m) {
+  m.impl("pack_panels", &ferrum_fused::pack_panels);
+  m.impl("panel_linear", &ferrum_fused::panel_linear);
+}

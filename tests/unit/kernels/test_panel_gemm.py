@@ -1,0 +1,159 @@
+"""csrc/panel_gemm.cpp: the batch-invariant float linear (each output one chain over K)
+against a float64 reference, and a row's bits alone, in any block of rows, at the
+tiles' edges and on any thread count, on every inner-loop path this CPU has."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ferrum_rpc.server.kernels import fused
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+# (N, K): a partial last panel, a K below a pair, an odd K, a panel exactly, SmolLM2's width
+SHAPES = [(13, 576), (70, 83), (16, 1), (40, 64)]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ok, why = fused.probe_fused(torch.float32)
+    assert ok, f"the fused ops should build and agree on this machine: {why}"
+    return torch.ops.ferrum_fused
+
+
+def run(ops, x, w):
+    return ops.panel_linear(x, ops.pack_panels(w), w.shape[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_panel_linear_is_close_to_float64_and_a_row_has_the_same_bits_in_any_block(ops, isa, dtype):
+    gen = torch.Generator().manual_seed(3)
+    for n, k in SHAPES:
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        x = torch.randn(70, k, generator=gen).to(dtype)
+        panels = ops.pack_panels(w)
+        full = ops.panel_linear(x, panels, n)
+        want = F.linear(x.double(), w.double())
+        assert (full.double() - want).abs().max() / want.abs().max() < TOL[dtype], (n, k)
+        alone = torch.cat([ops.panel_linear(x[i:i + 1], panels, n) for i in range(70)])
+        assert torch.equal(alone, full), (n, k)
+        for rows in range(2, 71):  # every row tile and its edges: blocks of 2..70 at two offsets
+            assert torch.equal(ops.panel_linear(x[:rows], panels, n), full[:rows]), (n, k, rows)
+            start = 70 - rows
+            assert torch.equal(ops.panel_linear(x[start:], panels, n), full[start:]), (n, k, rows)
+        pick = torch.randperm(70, generator=gen)[:23]
+        assert torch.equal(ops.panel_linear(x[pick], panels, n), full[pick])
+        assert torch.equal(ops.panel_linear(x.view(7, 10, k), panels, n).view(70, n), full)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_panel_linear_gives_the_same_bits_on_one_and_two_threads(ops, isa, dtype):
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(1000, 96, generator=gen).to(dtype)  # 63 panels: the threads split them unevenly
+    x = torch.randn(37, 96, generator=gen).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(ops, x, w)
+        torch.set_num_threads(2)
+        two = run(ops, x, w)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@pytest.fixture(params=[True, False], ids=["dot", "no-dot"])
+def dot(request, ops):
+    """bfloat16 on the AVX-512 BF16 dot product where the CPU has it, or (no-dot) on the
+    AVX-512 multiply-add path a CPU without it takes."""
+    ops.set_panel_dot(request.param)
+    yield request.param
+    ops.set_panel_dot(True)
+
+
+def test_the_fused_multiply_add_paths_give_the_same_bits(ops, dot):
+    """One chain of fused multiply-adds per output whatever the vector width: float32 on
+    every path alike, and bfloat16 on every path but the AVX-512 BF16 dot product."""
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(11, 77, generator=gen), torch.randn(35, 77, generator=gen)
+    got = {}
+    try:
+        for cap in ("avx512", "avx2", "portable"):
+            if torch.ops.ferrum_woq.set_max_isa(cap) == cap:
+                got[cap] = (run(ops, x, w), run(ops, x.bfloat16(), w.bfloat16()))
+    finally:
+        torch.ops.ferrum_woq.set_max_isa("avx512")
+    assert "portable" in got
+    for cap, (f32, bf16) in got.items():
+        assert torch.equal(f32, got["portable"][0]), cap
+        if cap != "avx512" or not dot:  # AVX-512 takes the dot product for bfloat16 where allowed and present
+            assert torch.equal(bf16, got["portable"][1]), cap
+
+
+def test_the_avx512_multiply_add_path_keeps_a_rows_bits_in_bfloat16(ops):
+    """The path an AVX-512 CPU without BF16 takes for bfloat16 (here: the dot product
+    turned off): a row alone and in blocks of 2..70 rows, close to float64."""
+    if torch.ops.ferrum_woq.set_max_isa("avx512") != "avx512":
+        pytest.skip("this CPU cannot run the avx512 path")
+    gen = torch.Generator().manual_seed(6)
+    w, x = torch.randn(40, 83, generator=gen).bfloat16(), torch.randn(70, 83, generator=gen).bfloat16()
+    panels = ops.pack_panels(w)
+    ops.set_panel_dot(False)
+    try:
+        full = ops.panel_linear(x, panels, 40)
+        assert all(torch.equal(ops.panel_linear(x[:rows], panels, 40), full[:rows]) for rows in range(1, 71))
+        assert torch.equal(torch.cat([ops.panel_linear(x[i:i + 1], panels, 40) for i in range(70)]), full)
+    finally:
+        ops.set_panel_dot(True)
+    want = F.linear(x.double(), w.double())
+    assert (full.double() - want).abs().max() / want.abs().max() < TOL[torch.bfloat16]
+
+
+def test_panel_linear_refuses_what_it_does_not_run(ops):
+    w = torch.randn(20, 32)
+    panels = ops.pack_panels(w)
+    with pytest.raises(RuntimeError, match="alike"):
+        ops.panel_linear(torch.randn(2, 32).bfloat16(), panels, 20)
+    with pytest.raises(RuntimeError, match="pack_panels"):
+        ops.panel_linear(torch.randn(2, 31), panels, 20)
+    with pytest.raises(RuntimeError, match="pack_panels"):
+        ops.panel_linear(torch.randn(2, 32), panels, 40)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.pack_panels(w.half())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_invariant_model_runs_panel_linear_and_its_whole_layer_op_gives_the_per_op_bits(tiny_llama_dir, ops,
+                                                                                           dtype):
+    """--batch-invariant: every float linear (the LM head too) on its packed panels, and
+    the whole-layer op, rebuilt on them, takes forwards of any size with the per-op
+    path's bits (a decode, a 6-row verify)."""
+    from ferrum_rpc.server.config import ExecutorConfig
+    from ferrum_rpc.server.engine.executor import TorchExecutor
+    from ferrum_rpc.server.models.linear import FastLinear
+    from ferrum_rpc.types import LogitsPolicy
+
+    ex = TorchExecutor.from_path("tiny", tiny_llama_dir, ExecutorConfig(kv_tokens=256, block_size=4, dtype=dtype,
+                                                                        batch_invariant=True))
+    model = ex.model
+    linears = [m for m in model.modules() if isinstance(m, FastLinear)]
+    assert linears and all(m.panels is not None for m in linears) and model.lm_head in linears
+    assert model.kernels.linear == "panel_gemm"
+    assert model.layer_ops is not None and model.layer_ops_rows is None
+    full = LogitsPolicy.full()
+    twins = [ex.prefill([5, 17, 101, 3, 250, 42], None, full).kv_cache for _ in range(2)]
+    saved = model.layer_ops
+
+    def both(step):
+        whole = step(twins[0])
+        model.layer_ops = None
+        try:
+            per_op = step(twins[1])
+        finally:
+            model.layer_ops = saved
+        assert torch.equal(whole.logits.values, per_op.logits.values)
+        twins[:] = [whole.kv_cache, per_op.kv_cache]
+
+    both(lambda kv: ex.decode(7, kv, full))
+    both(lambda kv: ex.forward_verify([4, 5, 6, 7, 8, 9], kv, full))
