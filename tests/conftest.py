@@ -26,6 +26,18 @@ TINY = dict(
 )
 
 
+def pytest_sessionstart(session):
+    """Compiles the CPU kernels before any test runs (a minute on 2 cores when their sources
+    changed), so that no test's timeout and no server's start-up wait include the build.
+    A build that fails is left for the tests that need the kernels to report."""
+    from ferrum_rpc.server.kernels.build import build_extension
+
+    try:
+        build_extension()
+    except Exception as error:  # noqa: BLE001 (each kernel test reports it in its own words)
+        logging.getLogger(__name__).warning("CPU kernels not built before the session: %s", error)
+
+
 def _save_tiny(path, config_cls, model_cls, seed: int, **extra):
     torch.manual_seed(seed)
     model = model_cls(config_cls(**{**TINY, **extra})).eval()  # extra may override TINY
