@@ -98,21 +98,19 @@ AttnPlan attention_plan(const AttnArgs& a, int threads) {
   const bool split = int64_t(blocks.size()) * a.Hkv < 4 * threads, per_head = split && split_tasks < 4 * threads;
   for (const Block& k : blocks)
     for (int64_t kvh = 0; kvh < a.Hkv; ++kvh)
-      for (int64_t g0 = 0; g0 < G; g0 += per_head ? 1 : G)
+      for (int64_t g0 = 0; g0 < G; g0 += per_head ? 1 : G) {
+        const int64_t group = split ? int64_t(plan.done.size()) : -1;
+        if (split) plan.done.push_back(0);
         for (int64_t c0 = 0; c0 < k.chunks; c0 += split ? 1 : k.chunks) {
           const int64_t g1 = per_head ? g0 + 1 : G, c1 = split ? c0 + 1 : k.chunks;
           int64_t cost = 1;
           for (int64_t t = k.t0; t < k.t1; ++t)
             cost += std::max<int64_t>(0, std::min(a.pos[k.b * a.T + t] + 1, c1 * C) - c0 * C) * (g1 - g0);
-          plan.tasks.push_back({k.b, k.t0, k.t1, kvh, g0, g1, c0, c1, cost});
+          plan.tasks.push_back({k.b, k.t0, k.t1, kvh, g0, g1, c0, c1, cost, group});
           plan.cost_end.push_back((plan.cost_end.empty() ? 0 : plan.cost_end.back()) + cost);
         }
-  if (split) {
-    for (int64_t bt = 0; bt < a.B * a.T; ++bt)
-      if (a.pos[bt] + 1 > C)
-        for (int64_t h = 0; h < a.H; ++h) plan.merges.push_back(bt * a.H + h);
-    if (!plan.merges.empty()) plan.part.resize(a.B * a.T * a.H * plan.chunks * (2 + a.D));
-  }
+      }
+  if (split && plan.chunks > 1) plan.part.resize(a.B * a.T * a.H * plan.chunks * (2 + a.D));
   return plan;
 }
 
@@ -163,16 +161,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                        {k.stride(0), k.stride(1), k.stride(2)}, v.data_ptr<T_>(),
                        {v.stride(0), v.stride(1), v.stride(2)}, cos.data_ptr<float>(), sin.data_ptr<float>(),
                        ix.slots.data_ptr<int64_t>(), 0, B * T, qf.data_ptr<float>(), kc, vc);
-    // 2. the queries' heads over their sequences' blocks, then the merges of split chunks
+    // 2. the queries' heads over their sequences' blocks
     AttnPlan plan = attention_plan(args, threads);
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t tid = begin; tid < end; ++tid) {
         const auto [t0, t1] = attention_share(plan, int(tid), threads);
         attend_tasks<T_>(args, plan, qf.data_ptr<float>(), kc, vc, t0, t1, out.data_ptr<T_>());
       }
-    });
-    at::parallel_for(0, int64_t(plan.merges.size()), 1, [&](int64_t begin, int64_t end) {
-      attend_merges<T_>(args, plan, begin, end, out.data_ptr<T_>());
     });
   });
   return out;

@@ -13,6 +13,7 @@
 #include "fused.h"
 
 #include <algorithm>
+#include <atomic>
 #include <type_traits>
 #include <vector>
 
@@ -20,6 +21,8 @@ namespace ferrum_fused {
 namespace {
 
 constexpr int64_t kC = kAttnChunk;
+constexpr int64_t kPrefetchKeys = 32;  // how far ahead of the scores K rows are asked for
+constexpr int64_t kValueRows = 64;  // keys a pass over V takes for every query and head (16 KB in float32)
 
 // The 8 lanes of a sum, in one tree: the same code for every path.
 FERRUM_INLINE float sum8(const float* l) {
@@ -55,20 +58,25 @@ void scores8_portable(const float* q, const T* kc, const int64_t* offs, int64_t 
   }
 }
 
-// The chunk of `len` keys: s (its scores, padded to a multiple of 8) -> dst (m, l, sums).
-template <typename T>
-void chunk_portable(float* s, int64_t len, const T* vc, const int64_t* offs, int64_t D, float* dst) {
+// The chunk's `len` scores s (padded to a multiple of 8) -> their max and sum of
+// exps into dst[0], dst[1], the exps into s.
+void exps_portable(float* s, int64_t len, float* dst) {
   float m = -INFINITY;
   for (int64_t j = 0; j < len; ++j) m = std::max(m, s[j]);
   float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   for (int64_t j = 0; j < len; ++j) lanes[j % 8] += (s[j] = std::exp(s[j] - m));
-  float* acc = dst + 2;
-  std::fill(acc, acc + D, 0.0f);
-  for (int64_t j = 0; j < len; ++j) {
-    const T* v = vc + offs[j];
-    for (int64_t i = 0; i < D; ++i) acc[i] += s[j] * load(v[i]);
-  }
   dst[0] = m, dst[1] = sum8(lanes);
+}
+
+// acc (D) += p[j] v_j for keys j in [j0, j1), in order (acc zeroed first where j0 is 0).
+template <typename T>
+void values_portable(const float* p, int64_t j0, int64_t j1, const T* vc, const int64_t* offs, int64_t D,
+                     float* acc) {
+  if (j0 == 0) std::fill(acc, acc + D, 0.0f);
+  for (int64_t j = j0; j < j1; ++j) {
+    const T* v = vc + offs[j];
+    for (int64_t i = 0; i < D; ++i) acc[i] += p[j] * load(v[i]);
+  }
 }
 
 #ifdef FERRUM_X86
@@ -92,11 +100,9 @@ __attribute__((target("avx2,fma"))) inline void scores8_avx2(const float* q, con
   _mm256_storeu_ps(s, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));
 }
 
-// chunk_portable's steps on registers: the exps 8 keys at a time (lanes past len
-// hold -inf: exp8 gives 0, which adds nothing), the values 64 dims at a time.
-template <typename T>
-__attribute__((target("avx2,fma"))) inline void chunk_avx2(float* s, int64_t len, const T* vc, const int64_t* offs,
-                                                           int64_t D, float* dst) {
+// exps_portable and values_portable on registers: the exps 8 keys at a time (lanes
+// past len hold -inf: exp8 gives 0, which adds nothing), the values 64 dims at a time.
+__attribute__((target("avx2,fma"))) inline void exps_avx2(float* s, int64_t len, float* dst) {
   float m = -INFINITY;
   for (int64_t j = 0; j < len; ++j) m = std::max(m, s[j]);
   const __m256 mv = _mm256_set1_ps(m);
@@ -108,26 +114,31 @@ __attribute__((target("avx2,fma"))) inline void chunk_avx2(float* s, int64_t len
   }
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, lsum);
+  dst[0] = m, dst[1] = sum8(lanes);
+}
+
+template <typename T>
+__attribute__((target("avx2,fma"))) inline void values_avx2(const float* p, int64_t j0, int64_t j1, const T* vc,
+                                                            const int64_t* offs, int64_t D, float* acc) {
   for (int64_t c = 0; c < D; c += 64) {
     const int64_t w = std::min<int64_t>(64, D - c) / 8;
-    __m256 acc[8];
-    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    __m256 r[8];
+    for (int64_t i = 0; i < w; ++i) r[i] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + c + 8 * i);
     if (w == 8) {
-      for (int64_t j = 0; j < len; ++j) {
-        const __m256 p = _mm256_set1_ps(s[j]);
+      for (int64_t j = j0; j < j1; ++j) {
+        const __m256 pj = _mm256_set1_ps(p[j]);
         const T* v = vc + offs[j] + c;
-        for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(p, load8(v + 8 * i), acc[i]);
+        for (int i = 0; i < 8; ++i) r[i] = _mm256_fmadd_ps(pj, load8(v + 8 * i), r[i]);
       }
     } else {
-      for (int64_t j = 0; j < len; ++j) {
-        const __m256 p = _mm256_set1_ps(s[j]);
+      for (int64_t j = j0; j < j1; ++j) {
+        const __m256 pj = _mm256_set1_ps(p[j]);
         const T* v = vc + offs[j] + c;
-        for (int64_t i = 0; i < w; ++i) acc[i] = _mm256_fmadd_ps(p, load8(v + 8 * i), acc[i]);
+        for (int64_t i = 0; i < w; ++i) r[i] = _mm256_fmadd_ps(pj, load8(v + 8 * i), r[i]);
       }
     }
-    for (int64_t i = 0; i < w; ++i) _mm256_storeu_ps(dst + 2 + c + 8 * i, acc[i]);
+    for (int64_t i = 0; i < w; ++i) _mm256_storeu_ps(acc + c + 8 * i, r[i]);
   }
-  dst[0] = m, dst[1] = sum8(lanes);
 }
 #endif
 
@@ -135,6 +146,47 @@ struct Scratch {
   std::vector<float> state, s, chunk;
   std::vector<int64_t> offs;
 };
+
+// A query head's partials (its chunks in order) merged into out.
+template <typename T>
+void merge_partials(const AttnPlan& plan, int64_t qh, int64_t chunks, int64_t D, float* state, T* out) {
+  const int64_t W = 2 + D;
+  const float* part = plan.part.data() + qh * plan.chunks * W;
+  std::copy(part, part + W, state);
+  for (int64_t c = 1; c < chunks; ++c) merge_chunk(state, part + c * W, D);
+  finish(state, D, out);
+}
+
+// A task's queries and heads done: the output where it held all their chunks, else
+// its chunk's partial, and where it is its group's last, the group's merges.
+template <typename T>
+void finish_task(const AttnArgs& a, AttnPlan& plan, const AttnTask& k, Scratch& sc, T* op) {
+  const int64_t D = a.D, H = a.H, G = a.H / a.Hkv, W = 2 + D, Gt = k.g1 - k.g0, bt0 = k.b * a.T + k.t0;
+  const int64_t* pos = a.pos + bt0;
+  for (int64_t i = 0; i < k.t1 - k.t0; ++i) {
+    const int64_t n = pos[i] + 1, chunks = (n + kC - 1) / kC;
+    if (n <= k.c0 * kC) continue;
+    for (int64_t g = 0; g < Gt; ++g) {
+      const int64_t qh = (bt0 + i) * H + k.kvh * G + k.g0 + g;
+      const float* state = sc.state.data() + (i * Gt + g) * W;
+      if (k.c0 == 0 && k.c1 >= chunks) finish(state, D, op + qh * D);
+      else std::copy(state, state + W, plan.part.data() + (qh * plan.chunks + k.c0) * W);
+    }
+  }
+  if (k.group < 0) return;
+  int64_t group_chunks = 0;  // the group's tasks: one per chunk of its longest query
+  for (int64_t i = 0; i < k.t1 - k.t0; ++i) group_chunks = std::max(group_chunks, (pos[i] + kC) / kC);
+  std::atomic_ref<int> done(plan.done[k.group]);
+  if (done.fetch_add(1, std::memory_order_acq_rel) + 1 != group_chunks) return;
+  for (int64_t i = 0; i < k.t1 - k.t0; ++i) {
+    const int64_t chunks = (pos[i] + kC) / kC;
+    for (int64_t g = 0; g < Gt && chunks > 1; ++g) {
+      const int64_t qh = (bt0 + i) * H + k.kvh * G + k.g0 + g;
+      merge_partials(plan, qh, chunks, D, sc.chunk.data(), op + qh * D);
+    }
+  }
+  done.store(0, std::memory_order_relaxed);  // the plan serves the next layer (after a barrier)
+}
 
 // One task on the loops VEC picks (the vector ones: float or bfloat16, D a multiple of 8).
 template <typename T, bool VEC>
@@ -147,19 +199,34 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
   for (int64_t i = 0; i < nq; ++i) nmax = std::max(nmax, pos[i] + 1);
   sc.state.resize(nq * Gt * W);
   sc.s.resize(nq * Gt * kC);
-  sc.chunk.resize(W);
-  sc.offs.resize(kC);
-  int64_t* offs = sc.offs.data();
+  sc.chunk.resize(nq * Gt * W);
+  // the task's keys' row offsets, then to a multiple of 8 key 0's (those scores are masked)
+  const int64_t first = k.c0 * kC, last = std::min(k.c1 * kC, nmax);
+  if (last <= first) return finish_task(a, plan, k, sc, op);
+  sc.offs.resize((last - first + 7) / 8 * 8);
+  for (int64_t j = first, blk = j / a.bs, off = j % a.bs; j < last; ++j) {
+    sc.offs[j - first] = (table[blk] * a.bs + off) * row + k.kvh * D;
+    if (++off == a.bs) off = 0, ++blk;
+  }
+  std::fill(sc.offs.begin() + (last - first), sc.offs.end(), sc.offs[0]);
   auto query = [&](int64_t i, int64_t g) { return qf + ((bt0 + i) * H + k.kvh * G + k.g0 + g) * D; };
   for (int64_t c = k.c0; c < k.c1; ++c) {
     const int64_t j0 = c * kC, j1 = std::min(j0 + kC, nmax);
     if (j1 <= j0) break;
-    // the keys' row offsets, past j1 (to a multiple of 8) key j0's (their scores are masked)
-    for (int64_t j = j0; j < j0 + kC && (j < j1 || (j - j0) % 8 != 0); ++j) {
-      const int64_t key = j < j1 ? j : j0;
-      offs[j - j0] = (table[key / a.bs] * a.bs + key % a.bs) * row + k.kvh * D;
-    }
-    for (int64_t r = 0; r < j1 - j0; r += 8)  // 8 keys' rows at a time, for every query and head
+    const int64_t* offs = sc.offs.data() + (j0 - first);
+    // The rows' cache lines asked for ahead: K kPrefetchKeys keys ahead of the
+    // scores, V as the scores pass (the value pass follows).  Each kv head's row is
+    // a few lines of every token's, and the blocks lie anywhere: without the hints
+    // a step waited on memory about twice as long as it computed.
+    auto prefetch = [&](const T* base, int64_t j) {
+      const char* line = reinterpret_cast<const char*>(base + sc.offs[j - first]);
+      for (int64_t b = 0; b < int64_t(D * sizeof(T)); b += 64) __builtin_prefetch(line + b, 0, 3);
+    };
+    for (int64_t r = 0; r < j1 - j0; r += 8) {  // 8 keys' rows at a time, for every query and head
+      for (int64_t j = j0 + r; j < std::min(j0 + r + 8, j1); ++j) {
+        if (j + kPrefetchKeys < last) prefetch(kc, j + kPrefetchKeys);
+        prefetch(vc, j);
+      }
       for (int64_t i = 0; i < nq; ++i) {
         const int64_t len = std::min(pos[i] + 1, j0 + kC) - j0;
         if (len <= r) continue;
@@ -173,32 +240,41 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
           for (int64_t l = std::max<int64_t>(len - r, 0); l < 8; ++l) s[l] = -INFINITY;
         }
       }
+    }
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t len = std::min(pos[i] + 1, j0 + kC) - j0;
-      if (len <= 0) continue;
-      for (int64_t g = 0; g < Gt; ++g) {
-        float* state = sc.state.data() + (i * Gt + g) * W;
-        float* dst = c == k.c0 ? state : sc.chunk.data();
+      for (int64_t g = 0; g < Gt && len > 0; ++g) {
         float* s = sc.s.data() + (i * Gt + g) * kC;
 #ifdef FERRUM_X86
-        if constexpr (VEC) chunk_avx2(s, len, vc, offs, D, dst);
+        if constexpr (VEC) exps_avx2(s, len, sc.chunk.data() + (i * Gt + g) * W);
         else
 #endif
-          chunk_portable(s, len, vc, offs, D, dst);
-        if (c != k.c0) merge_chunk(state, dst, D);
+          exps_portable(s, len, sc.chunk.data() + (i * Gt + g) * W);
+      }
+    }
+    for (int64_t r = 0; r < j1 - j0; r += kValueRows)  // V by sub-chunks (in L1 for every query and head)
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t len = std::min(pos[i] + 1, j0 + kC) - j0;
+        for (int64_t g = 0; g < Gt && len > r; ++g) {
+          const float* p = sc.s.data() + (i * Gt + g) * kC;
+          float* acc = sc.chunk.data() + (i * Gt + g) * W + 2;
+#ifdef FERRUM_X86
+          if constexpr (VEC) values_avx2(p, r, std::min(len, r + kValueRows), vc, offs, D, acc);
+          else
+#endif
+            values_portable(p, r, std::min(len, r + kValueRows), vc, offs, D, acc);
+        }
+      }
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t len = std::min(pos[i] + 1, j0 + kC) - j0;
+      for (int64_t g = 0; g < Gt && len > 0; ++g) {
+        float *state = sc.state.data() + (i * Gt + g) * W, *chunk = sc.chunk.data() + (i * Gt + g) * W;
+        if (c == k.c0) std::copy(chunk, chunk + W, state);
+        else merge_chunk(state, chunk, D);
       }
     }
   }
-  for (int64_t i = 0; i < nq; ++i) {
-    const int64_t n = pos[i] + 1, chunks = (n + kC - 1) / kC;
-    if (n <= k.c0 * kC) continue;
-    for (int64_t g = 0; g < Gt; ++g) {
-      const int64_t h = k.kvh * G + k.g0 + g;
-      const float* state = sc.state.data() + (i * Gt + g) * W;
-      if (k.c0 == 0 && k.c1 >= chunks) finish(state, D, op + ((bt0 + i) * H + h) * D);
-      else std::copy(state, state + W, plan.part.data() + (((bt0 + i) * H + h) * plan.chunks + k.c0) * W);
-    }
-  }
+  finish_task(a, plan, k, sc, op);
 }
 
 #ifdef FERRUM_X86
@@ -233,25 +309,11 @@ void attend_tasks(const AttnArgs& a, AttnPlan& plan, const float* qfp, const T* 
   }
 }
 
-template <typename T>
-void attend_merges(const AttnArgs& a, const AttnPlan& plan, int64_t begin, int64_t end, T* op) {
-  const int64_t D = a.D, W = 2 + D;
-  std::vector<float> state(W);
-  for (int64_t u = begin; u < end; ++u) {
-    const int64_t qh = plan.merges[u], n = a.pos[qh / a.H] + 1, chunks = (n + kC - 1) / kC;
-    const float* part = plan.part.data() + qh * plan.chunks * W;
-    std::copy(part, part + W, state.data());
-    for (int64_t c = 1; c < chunks; ++c) merge_chunk(state.data(), part + c * W, D);
-    finish(state.data(), D, op + qh * D);
-  }
-}
-
-#define FERRUM_ATTEND(T)                                                                                          \
-  template void attend_tasks<T>(const AttnArgs&, AttnPlan&, const float*, const T*, const T*, int64_t, int64_t, T*); \
-  template void attend_merges<T>(const AttnArgs&, const AttnPlan&, int64_t, int64_t, T*);
-FERRUM_ATTEND(float)
-FERRUM_ATTEND(double)
-FERRUM_ATTEND(c10::BFloat16)
-#undef FERRUM_ATTEND
+template void attend_tasks<float>(const AttnArgs&, AttnPlan&, const float*, const float*, const float*, int64_t,
+                                  int64_t, float*);
+template void attend_tasks<double>(const AttnArgs&, AttnPlan&, const float*, const double*, const double*, int64_t,
+                                   int64_t, double*);
+template void attend_tasks<c10::BFloat16>(const AttnArgs&, AttnPlan&, const float*, const c10::BFloat16*,
+                                          const c10::BFloat16*, int64_t, int64_t, c10::BFloat16*);
 
 }  // namespace ferrum_fused

@@ -288,11 +288,6 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
         const auto [t0, t1] = attention_share(plan, tid, nt);
         attend_tasks<float>(args, plan, qf.data(), kc, vc, t0, t1, xn.data());  // xn: (M, H D) now
       }
-      if (!plan.merges.empty()) {  // the same for every thread: the split chunks merged
-#pragma omp barrier
-        const auto [u0, u1] = mine(int64_t(plan.merges.size()));
-        attend_merges<float>(args, plan, u0, u1, xn.data());
-      }
 #pragma omp barrier
       quantize_rows(L, 1, xn.data(), H * D);
 #pragma omp barrier

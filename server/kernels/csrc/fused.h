@@ -77,20 +77,22 @@ void rope_and_write(const AttnArgs& a, const T* qp, Heads qs, const T* kp, Heads
 // chunks merged in order (attention_tasks.cpp).  A task is a block of up to
 // kAttnBlock consecutive queries of one sequence (their K and V rows read once for
 // the block and the kv head's query heads), one kv head, its heads [g0, g1) and its
-// chunks [c0, c1): all of them, the output written, or one, the chunk's partial
-// kept for the merge pass.  How the work is cut into tasks (which depends on the
-// threads) changes no bit.
+// chunks [c0, c1): all of them, the output written; or one (a short batch: its
+// chunks spread over the threads), the chunk's partial kept, and the group's last
+// task to finish merges the partials.  How the work is cut into tasks (which
+// depends on the threads) changes no bit.
 constexpr int64_t kAttnChunk = 256;
 constexpr int64_t kAttnBlock = 8;
 
 struct AttnTask {
   int64_t b, t0, t1, kvh, g0, g1, c0, c1, cost;
+  int64_t group;  // split chunks: the index of the tasks of the same queries and heads, else -1
 };
 
 struct AttnPlan {
   std::vector<AttnTask> tasks;
   std::vector<int64_t> cost_end;  // tasks' costs summed through each task
-  std::vector<int64_t> merges;    // (b*T + t) * H + h of each query head whose chunks were split
+  std::vector<int> done;          // split chunks: each group's tasks finished (back to 0 once merged)
   int64_t chunks = 0;             // the most chunks of any query: the partials' stride
   std::vector<float> part;        // split chunks' partials: (B*T, H, chunks, 2 + D), m, l, then the sums
 };
@@ -101,15 +103,11 @@ AttnPlan attention_plan(const AttnArgs& a, int threads);
 // Thread `tid` of `nt`'s share of the plan's tasks, balanced by their keys.
 std::pair<int64_t, int64_t> attention_share(const AttnPlan& plan, int tid, int nt);
 
-// Tasks [begin, end) of the plan (after rope_and_write): out (B*T, H*D), or the
-// plan's partials where a task holds one chunk of a query with several.
+// Tasks [begin, end) of the plan (after rope_and_write): out (B*T, H*D).  Tasks
+// may run on any threads at once; out is complete once all have run.
 template <typename T>
 void attend_tasks(const AttnArgs& a, AttnPlan& plan, const float* qfp, const T* kc, const T* vc, int64_t begin,
                   int64_t end, T* op);
-
-// The plan's merges [begin, end) (after every task): their partials in chunk order into out.
-template <typename T>
-void attend_merges(const AttnArgs& a, const AttnPlan& plan, int64_t begin, int64_t end, T* op);
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                            const at::Tensor& sin, const at::Tensor& positions, const at::Tensor& k_cache,
