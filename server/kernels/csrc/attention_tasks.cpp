@@ -100,6 +100,27 @@ __attribute__((target("avx2,fma"))) inline void scores8_avx2(const float* q, con
   _mm256_storeu_ps(s, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));
 }
 
+// Two query heads' scores for 4 keys at once: each K vector loaded once for both
+// (6 loads for 8 FMAs, not 9); each score the same chain and tree as scores8_avx2's.
+template <typename T>
+__attribute__((target("avx2,fma"))) inline void scores2x4_avx2(const float* q0, const float* q1, const T* kc,
+                                                               const int64_t* offs, int64_t D, float scale, float* s0,
+                                                               float* s1) {
+  __m256 acc[8];
+  for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < D; i += 8) {
+    const __m256 a = _mm256_loadu_ps(q0 + i), b = _mm256_loadu_ps(q1 + i);
+    for (int r = 0; r < 4; ++r) {
+      const __m256 kv = load8(kc + offs[r] + i);
+      acc[r] = _mm256_fmadd_ps(a, kv, acc[r]);
+      acc[4 + r] = _mm256_fmadd_ps(b, kv, acc[4 + r]);
+    }
+  }
+  const __m256 sums = _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale));
+  _mm_storeu_ps(s0, _mm256_castps256_ps128(sums));
+  _mm_storeu_ps(s1, _mm256_extractf128_ps(sums, 1));
+}
+
 // exps_portable and values_portable on registers: the exps 8 keys at a time (lanes
 // past len hold -inf: exp8 gives 0, which adds nothing), the values 64 dims at a time.
 __attribute__((target("avx2,fma"))) inline void exps_avx2(float* s, int64_t len, float* dst) {
@@ -140,11 +161,39 @@ __attribute__((target("avx2,fma"))) inline void values_avx2(const float* p, int6
     for (int64_t i = 0; i < w; ++i) _mm256_storeu_ps(acc + c + 8 * i, r[i]);
   }
 }
+
+// values_avx2 for two query heads of one query at once, 32 dims at a time: each V
+// vector loaded once for both; each sum the same chain as values_avx2's.
+template <typename T>
+__attribute__((target("avx2,fma"))) inline void values2_avx2(const float* p0, const float* p1, int64_t j0, int64_t j1,
+                                                             const T* vc, const int64_t* offs, int64_t D, float* acc0,
+                                                             float* acc1) {
+  for (int64_t c = 0; c < D; c += 32) {
+    __m256 x[4], y[4];
+    for (int i = 0; i < 4; ++i) {
+      x[i] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc0 + c + 8 * i);
+      y[i] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc1 + c + 8 * i);
+    }
+    for (int64_t j = j0; j < j1; ++j) {
+      const __m256 a = _mm256_set1_ps(p0[j]), b = _mm256_set1_ps(p1[j]);
+      const T* v = vc + offs[j] + c;
+      for (int i = 0; i < 4; ++i) {
+        const __m256 vv = load8(v + 8 * i);
+        x[i] = _mm256_fmadd_ps(a, vv, x[i]);
+        y[i] = _mm256_fmadd_ps(b, vv, y[i]);
+      }
+    }
+    for (int i = 0; i < 4; ++i) {
+      _mm256_storeu_ps(acc0 + c + 8 * i, x[i]);
+      _mm256_storeu_ps(acc1 + c + 8 * i, y[i]);
+    }
+  }
+}
 #endif
 
 struct Scratch {
   std::vector<float> state, s, chunk;
-  std::vector<int64_t> offs;
+  std::vector<int64_t> offs, held;
 };
 
 // A query head's partials (its chunks in order) merged into out.
@@ -200,6 +249,7 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
   sc.state.resize(nq * Gt * W);
   sc.s.resize(nq * Gt * kC);
   sc.chunk.resize(nq * Gt * W);
+  sc.held.resize(nq * Gt);
   // the task's keys' row offsets, then to a multiple of 8 key 0's (those scores are masked)
   const int64_t first = k.c0 * kC, last = std::min(k.c1 * kC, nmax);
   if (last <= first) return finish_task(a, plan, k, sc, op);
@@ -227,18 +277,32 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
         if (j + kPrefetchKeys < last) prefetch(kc, j + kPrefetchKeys);
         prefetch(vc, j);
       }
-      for (int64_t i = 0; i < nq; ++i) {
-        const int64_t len = std::min(pos[i] + 1, j0 + kC) - j0;
-        if (len <= r) continue;
-        for (int64_t g = 0; g < Gt; ++g) {
-          float* s = sc.s.data() + (i * Gt + g) * kC + r;
+      int64_t held = 0;  // the query heads these keys reach (the vector loops take them in pairs)
+      for (int64_t i = 0; i < nq; ++i)
+        for (int64_t g = 0; g < Gt && std::min(pos[i] + 1, j0 + kC) - j0 > r; ++g) sc.held[held++] = i * Gt + g;
+      int64_t u = 0;
 #ifdef FERRUM_X86
-          if constexpr (VEC) scores8_avx2(query(i, g), kc, offs + r, D, a.scale, s);
-          else
-#endif
-            scores8_portable(query(i, g), kc, offs + r, D, a.scale, s);
-          for (int64_t l = std::max<int64_t>(len - r, 0); l < 8; ++l) s[l] = -INFINITY;
+      if constexpr (VEC)
+        for (; u + 2 <= held; u += 2) {
+          const int64_t x = sc.held[u], y = sc.held[u + 1];
+          float *sx = sc.s.data() + x * kC + r, *sy = sc.s.data() + y * kC + r;
+          const float *qx = query(x / Gt, x % Gt), *qy = query(y / Gt, y % Gt);
+          scores2x4_avx2(qx, qy, kc, offs + r, D, a.scale, sx, sy);
+          scores2x4_avx2(qx, qy, kc, offs + r + 4, D, a.scale, sx + 4, sy + 4);
         }
+#endif
+      for (; u < held; ++u) {
+        const int64_t x = sc.held[u];
+#ifdef FERRUM_X86
+        if constexpr (VEC) scores8_avx2(query(x / Gt, x % Gt), kc, offs + r, D, a.scale, sc.s.data() + x * kC + r);
+        else
+#endif
+          scores8_portable(query(x / Gt, x % Gt), kc, offs + r, D, a.scale, sc.s.data() + x * kC + r);
+      }
+      for (int64_t x = 0; x < held; ++x) {  // keys past a query's own: -inf (their exps are 0)
+        const int64_t len = std::min(pos[sc.held[x] / Gt] + 1, j0 + kC) - j0;
+        float* s = sc.s.data() + sc.held[x] * kC + r;
+        for (int64_t l = std::max<int64_t>(len - r, 0); l < 8; ++l) s[l] = -INFINITY;
       }
     }
     for (int64_t i = 0; i < nq; ++i) {
@@ -255,14 +319,21 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
     for (int64_t r = 0; r < j1 - j0; r += kValueRows)  // V by sub-chunks (in L1 for every query and head)
       for (int64_t i = 0; i < nq; ++i) {
         const int64_t len = std::min(pos[i] + 1, j0 + kC) - j0;
-        for (int64_t g = 0; g < Gt && len > r; ++g) {
-          const float* p = sc.s.data() + (i * Gt + g) * kC;
-          float* acc = sc.chunk.data() + (i * Gt + g) * W + 2;
+        const int64_t end = std::min(len, r + kValueRows);
+        auto p = [&](int64_t g) { return sc.s.data() + (i * Gt + g) * kC; };
+        auto acc = [&](int64_t g) { return sc.chunk.data() + (i * Gt + g) * W + 2; };
+        int64_t g = 0;
 #ifdef FERRUM_X86
-          if constexpr (VEC) values_avx2(p, r, std::min(len, r + kValueRows), vc, offs, D, acc);
+        if constexpr (VEC)
+          for (; g + 2 <= Gt && len > r && D % 32 == 0; g += 2)
+            values2_avx2(p(g), p(g + 1), r, end, vc, offs, D, acc(g), acc(g + 1));
+#endif
+        for (; g < Gt && len > r; ++g) {
+#ifdef FERRUM_X86
+          if constexpr (VEC) values_avx2(p(g), r, end, vc, offs, D, acc(g));
           else
 #endif
-            values_portable(p, r, std::min(len, r + kValueRows), vc, offs, D, acc);
+            values_portable(p(g), r, end, vc, offs, D, acc(g));
         }
       }
     for (int64_t i = 0; i < nq; ++i) {
