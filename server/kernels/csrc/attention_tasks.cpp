@@ -9,7 +9,9 @@
 // they hold, so the bits of a query do not depend on the batch, the other queries
 // of its forward, the threads, or whether it is a prompt token or a decode step.
 // A block's K and V rows are read once for all its queries and heads: K by 8 rows
-// (in L1 while every query's scores take them), V by chunks (in L2).
+// (in L1 while every query's scores take them), V by 64 (in L1 while every query's
+// sums take them); the vector loops take query heads in pairs, so each K or V vector
+// loaded feeds two FMAs.
 #include "fused.h"
 
 #include <algorithm>
@@ -21,7 +23,6 @@ namespace ferrum_fused {
 namespace {
 
 constexpr int64_t kC = kAttnChunk;
-constexpr int64_t kPrefetchKeys = 32;  // how far ahead of the scores K rows are asked for
 constexpr int64_t kValueRows = 64;  // keys a pass over V takes for every query and head (16 KB in float32)
 
 // The 8 lanes of a sum, in one tree: the same code for every path.
@@ -129,7 +130,10 @@ __attribute__((target("avx2,fma"))) inline void exps_avx2(float* s, int64_t len,
   const __m256 mv = _mm256_set1_ps(m);
   __m256 lsum = _mm256_setzero_ps();
   for (int64_t j = 0; j < len; j += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+    // a NaN score stays NaN (as std::exp's), where exp8's clamp would make it finite: a
+    // query over corrupt keys must give non-finite logits, not plausible ones
+    const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(s + j), mv);
+    const __m256 e = _mm256_blendv_ps(exp8(x), x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     _mm256_storeu_ps(s + j, e);
     lsum = _mm256_add_ps(lsum, e);
   }
@@ -264,19 +268,7 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
     const int64_t j0 = c * kC, j1 = std::min(j0 + kC, nmax);
     if (j1 <= j0) break;
     const int64_t* offs = sc.offs.data() + (j0 - first);
-    // The rows' cache lines asked for ahead: K kPrefetchKeys keys ahead of the
-    // scores, V as the scores pass (the value pass follows).  Each kv head's row is
-    // a few lines of every token's, and the blocks lie anywhere: without the hints
-    // a step waited on memory about twice as long as it computed.
-    auto prefetch = [&](const T* base, int64_t j) {
-      const char* line = reinterpret_cast<const char*>(base + sc.offs[j - first]);
-      for (int64_t b = 0; b < int64_t(D * sizeof(T)); b += 64) __builtin_prefetch(line + b, 0, 3);
-    };
     for (int64_t r = 0; r < j1 - j0; r += 8) {  // 8 keys' rows at a time, for every query and head
-      for (int64_t j = j0 + r; j < std::min(j0 + r + 8, j1); ++j) {
-        if (j + kPrefetchKeys < last) prefetch(kc, j + kPrefetchKeys);
-        prefetch(vc, j);
-      }
       int64_t held = 0;  // the query heads these keys reach (the vector loops take them in pairs)
       for (int64_t i = 0; i < nq; ++i)
         for (int64_t g = 0; g < Gt && std::min(pos[i] + 1, j0 + kC) - j0 > r; ++g) sc.held[held++] = i * Gt + g;

@@ -106,3 +106,11 @@ def test_bfloat16_pool_matches_float64(ops, isa):
         want = seq.reference(p - 1)
         assert (prompt[p - 1].double() - want).abs().max() <= 1e-2 * want.abs().max(), p
         assert torch.equal(seq.run(p - 1, p)[0], prompt[p - 1]), p
+
+
+def test_a_nan_key_gives_a_nan_output(ops, isa):
+    """Corrupt KV must not pass for plausible attention (the executor fails such a row)."""
+    seq = Sequence(300, 16, torch.float32, seed=4)
+    seq.run(0, seq.n - 1)
+    seq.k_cache[seq.table[0], 3] = float("nan")  # key 3, in the first chunk
+    assert seq.run(seq.n - 1, seq.n).isnan().all()
