@@ -254,20 +254,18 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
   sc.s.resize(nq * Gt * kC);
   sc.chunk.resize(nq * Gt * W);
   sc.held.resize(nq * Gt);
-  // the task's keys' row offsets, then to a multiple of 8 key 0's (those scores are masked)
-  const int64_t first = k.c0 * kC, last = std::min(k.c1 * kC, nmax);
-  if (last <= first) return finish_task(a, plan, k, sc, op);
-  sc.offs.resize((last - first + 7) / 8 * 8);
-  for (int64_t j = first, blk = j / a.bs, off = j % a.bs; j < last; ++j) {
-    sc.offs[j - first] = (table[blk] * a.bs + off) * row + k.kvh * D;
-    if (++off == a.bs) off = 0, ++blk;
-  }
-  std::fill(sc.offs.begin() + (last - first), sc.offs.end(), sc.offs[0]);
+  sc.offs.resize(kC);
+  int64_t* offs = sc.offs.data();
   auto query = [&](int64_t i, int64_t g) { return qf + ((bt0 + i) * H + k.kvh * G + k.g0 + g) * D; };
   for (int64_t c = k.c0; c < k.c1; ++c) {
     const int64_t j0 = c * kC, j1 = std::min(j0 + kC, nmax);
     if (j1 <= j0) break;
-    const int64_t* offs = sc.offs.data() + (j0 - first);
+    // the chunk's keys' row offsets, then to a multiple of 8 key j0's (those scores are masked)
+    for (int64_t j = j0, blk = j0 / a.bs, off = j0 % a.bs; j < j1; ++j) {
+      offs[j - j0] = (table[blk] * a.bs + off) * row + k.kvh * D;
+      if (++off == a.bs) off = 0, ++blk;
+    }
+    for (int64_t j = j1 - j0; j % 8 != 0; ++j) offs[j] = offs[0];
     for (int64_t r = 0; r < j1 - j0; r += 8) {  // 8 keys' rows at a time, for every query and head
       int64_t held = 0;  // the query heads these keys reach (the vector loops take them in pairs)
       for (int64_t i = 0; i < nq; ++i)
