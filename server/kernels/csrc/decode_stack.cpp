@@ -237,6 +237,7 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const bool avx2 = avx2_on();
   const int isa = ferrum_qact::isa_level(), threads = at::get_num_threads();
+  AttnPlan plan = attention_plan(args, threads);  // the same positions in every layer
 #pragma omp parallel num_threads(threads)
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -292,8 +293,8 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
       }
 #pragma omp barrier
       {
-        const auto [t0, t1] = mine(attention_tasks(args, threads));
-        attend_tasks<float>(args, threads, qf.data(), kc, vc, t0, t1, xn.data());  // xn: (M, H D) now
+        const auto [t0, t1] = attention_share(plan, tid, nt);
+        attend_tasks<float>(args, plan, qf.data(), kc, vc, t0, t1, xn.data());  // xn: (M, H D) now
       }
 #pragma omp barrier
       quantize_rows(L, 1, xn.data(), H * D);

@@ -24,6 +24,7 @@
 
 #include "common.h"
 
+#include <utility>
 #include <vector>
 
 namespace ferrum_fused {
@@ -88,13 +89,43 @@ void rope_and_write(const AttnArgs& a, const T* qp, Heads qs, const T* kp, Heads
                     const float* cp, const float* snp, const int64_t* sp, int64_t bt0, int64_t bt1, float* qfp,
                     T* kc, T* vc);
 
-// The attention's tasks for `threads` threads: a (b, t) query's heads, a kv head's
-// group of them or one head each.
-int64_t attention_tasks(const AttnArgs& a, int threads);
+// The attention's arithmetic is fixed per query, whatever the batch, the other
+// queries of the forward, the thread count or the path (prompt, decode step,
+// decode stack): its keys in chunks of kAttnChunk from key 0; per chunk and head
+// the scores' max m, the sum l of exp(score - m) and the values' weighted sum; the
+// chunks merged in order (attention_tasks.cpp).  A task is a block of up to
+// kAttnBlock consecutive queries of one sequence (their K and V rows read once for
+// the block and the kv head's query heads), one kv head, its heads [g0, g1) and its
+// chunks [c0, c1): all of them, the output written; or one (a short batch: its
+// chunks spread over the threads), the chunk's partial kept, and the group's last
+// task to finish merges the partials.  How the work is cut into tasks (which
+// depends on the threads) changes no bit.
+constexpr int64_t kAttnChunk = 256;
+constexpr int64_t kAttnBlock = 8;
 
-// Tasks [begin, end) of attention_tasks (after rope_and_write): out (B*T, H*D).
+struct AttnTask {
+  int64_t b, t0, t1, kvh, g0, g1, c0, c1, cost;
+  int64_t group;  // split chunks: the index of the tasks of the same queries and heads, else -1
+};
+
+struct AttnPlan {
+  std::vector<AttnTask> tasks;
+  std::vector<int64_t> cost_end;  // tasks' costs summed through each task
+  std::vector<int> done;          // split chunks: each group's tasks finished (back to 0 once merged)
+  int64_t chunks = 0;             // the most chunks of any query: the partials' stride
+  std::vector<float> part;        // split chunks' partials: (B*T, H, chunks, 2 + D), m, l, then the sums
+};
+
+// The tasks for the queries of `a` on `threads` threads.
+AttnPlan attention_plan(const AttnArgs& a, int threads);
+
+// Thread `tid` of `nt`'s share of the plan's tasks, balanced by their keys.
+std::pair<int64_t, int64_t> attention_share(const AttnPlan& plan, int tid, int nt);
+
+// Tasks [begin, end) of the plan (after rope_and_write): out (B*T, H*D).  Tasks
+// may run on any threads at once; out is complete once all have run.
 template <typename T>
-void attend_tasks(const AttnArgs& a, int threads, const float* qfp, const T* kc, const T* vc, int64_t begin,
+void attend_tasks(const AttnArgs& a, AttnPlan& plan, const float* qfp, const T* kc, const T* vc, int64_t begin,
                   int64_t end, T* op);
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,

@@ -1,0 +1,380 @@
+// The attention's tasks (fused.h: AttnPlan): a block of queries of one sequence,
+// one kv head's query heads, over their keys read from the pool blocks.
+//
+// A query's arithmetic is fixed whatever task holds it: its keys 0..n-1 in chunks
+// of kAttnChunk; per chunk and head the scores (a dot product in one order), their
+// max m, p = exp(score - m) and their sum l (8 lanes by key, then one tree), the
+// values' sum weighted by p (key by key, in key order); the chunks merged in order
+// (merge_chunk), then divided by l.  Tasks differ only in which queries and chunks
+// they hold, so the bits of a query do not depend on the batch, the other queries
+// of its forward, the threads, or whether it is a prompt token or a decode step.
+// A block's K and V rows are read once for all its queries and heads: K by 8 rows
+// (in L1 while every query's scores take them), V by 64 (in L1 while every query's
+// sums take them); the vector loops take query heads in pairs, so each K or V vector
+// loaded feeds two FMAs.
+#include "fused.h"
+
+#include <algorithm>
+#include <atomic>
+#include <type_traits>
+#include <vector>
+
+namespace ferrum_fused {
+namespace {
+
+constexpr int64_t kC = kAttnChunk;
+constexpr int64_t kValueRows = 64;  // keys a pass over V takes for every query and head (16 KB in float32)
+
+// The 8 lanes of a sum, in one tree: the same code for every path.
+FERRUM_INLINE float sum8(const float* l) {
+  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
+// A chunk's result (m, l, then the D sums) merged into a query head's state, the
+// chunks of a query in order.  One compiled copy without a target attribute, for
+// every caller: a copy compiled for FMA could contract a * b + c, another not.
+__attribute__((noinline)) void merge_chunk(float* state, const float* chunk, int64_t D) {
+  const float m = std::max(state[0], chunk[0]);
+  const float a = std::exp(state[0] - m), b = std::exp(chunk[0] - m);
+  state[0] = m;
+  state[1] = state[1] * a + chunk[1] * b;
+  for (int64_t i = 0; i < D; ++i) state[2 + i] = state[2 + i] * a + chunk[2 + i] * b;
+}
+
+template <typename T>
+__attribute__((noinline)) void finish(const float* state, int64_t D, T* out) {
+  const float inv = 1.0f / state[1];
+  for (int64_t i = 0; i < D; ++i) out[i] = store<T>(state[2 + i] * inv);
+}
+
+// ---- portable loops -------------------------------------------------------------------
+// s[r] = q . k_r * scale for the 8 rows at offs: each dot in 8 lanes (i mod 8), then sum8.
+template <typename T>
+void scores8_portable(const float* q, const T* kc, const int64_t* offs, int64_t D, float scale, float* s) {
+  for (int r = 0; r < 8; ++r) {
+    float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    const T* k = kc + offs[r];
+    for (int64_t i = 0; i < D; ++i) lanes[i % 8] += q[i] * load(k[i]);
+    s[r] = sum8(lanes) * scale;
+  }
+}
+
+// The chunk's `len` scores s (padded to a multiple of 8) -> their max and sum of
+// exps into dst[0], dst[1], the exps into s.
+void exps_portable(float* s, int64_t len, float* dst) {
+  float m = -INFINITY;
+  for (int64_t j = 0; j < len; ++j) m = std::max(m, s[j]);
+  float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t j = 0; j < len; ++j) lanes[j % 8] += (s[j] = std::exp(s[j] - m));
+  dst[0] = m, dst[1] = sum8(lanes);
+}
+
+// acc (D) += p[j] v_j for keys j in [j0, j1), in order (acc zeroed first where j0 is 0).
+template <typename T>
+void values_portable(const float* p, int64_t j0, int64_t j1, const T* vc, const int64_t* offs, int64_t D,
+                     float* acc) {
+  if (j0 == 0) std::fill(acc, acc + D, 0.0f);
+  for (int64_t j = j0; j < j1; ++j) {
+    const T* v = vc + offs[j];
+    for (int64_t i = 0; i < D; ++i) acc[i] += p[j] * load(v[i]);
+  }
+}
+
+#ifdef FERRUM_X86
+// ---- the same on 256-bit registers (head dims a multiple of 8) ------------------------
+// 8 vectors -> their 8 horizontal sums, in order (each ((a0+a1)+(a2+a3))+((a4+a5)+(a6+a7))).
+__attribute__((target("avx2,fma"))) inline __m256 hsum8x8(const __m256* s) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(s[4], s[5]), _mm256_hadd_ps(s[6], s[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+template <typename T>
+__attribute__((target("avx2,fma"))) inline void scores8_avx2(const float* q, const T* kc, const int64_t* offs,
+                                                             int64_t D, float scale, float* s) {
+  __m256 acc[8];
+  for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < D; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+    for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(qv, load8(kc + offs[r] + i), acc[r]);
+  }
+  _mm256_storeu_ps(s, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));
+}
+
+// Two query heads' scores for 4 keys at once: each K vector loaded once for both
+// (6 loads for 8 FMAs, not 9); each score the same chain and tree as scores8_avx2's.
+template <typename T>
+__attribute__((target("avx2,fma"))) inline void scores2x4_avx2(const float* q0, const float* q1, const T* kc,
+                                                               const int64_t* offs, int64_t D, float scale, float* s0,
+                                                               float* s1) {
+  __m256 acc[8];
+  for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < D; i += 8) {
+    const __m256 a = _mm256_loadu_ps(q0 + i), b = _mm256_loadu_ps(q1 + i);
+    for (int r = 0; r < 4; ++r) {
+      const __m256 kv = load8(kc + offs[r] + i);
+      acc[r] = _mm256_fmadd_ps(a, kv, acc[r]);
+      acc[4 + r] = _mm256_fmadd_ps(b, kv, acc[4 + r]);
+    }
+  }
+  const __m256 sums = _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale));
+  _mm_storeu_ps(s0, _mm256_castps256_ps128(sums));
+  _mm_storeu_ps(s1, _mm256_extractf128_ps(sums, 1));
+}
+
+// exps_portable and values_portable on registers: the exps 8 keys at a time (lanes
+// past len hold -inf: exp8 gives 0, which adds nothing), the values 64 dims at a time.
+__attribute__((target("avx2,fma"))) inline void exps_avx2(float* s, int64_t len, float* dst) {
+  float m = -INFINITY;
+  for (int64_t j = 0; j < len; ++j) m = std::max(m, s[j]);
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 lsum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < len; j += 8) {
+    // a NaN score stays NaN (as std::exp's), where exp8's clamp would make it finite: a
+    // query over corrupt keys must give non-finite logits, not plausible ones
+    const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(s + j), mv);
+    const __m256 e = _mm256_blendv_ps(exp8(x), x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    _mm256_storeu_ps(s + j, e);
+    lsum = _mm256_add_ps(lsum, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, lsum);
+  dst[0] = m, dst[1] = sum8(lanes);
+}
+
+template <typename T>
+__attribute__((target("avx2,fma"))) inline void values_avx2(const float* p, int64_t j0, int64_t j1, const T* vc,
+                                                            const int64_t* offs, int64_t D, float* acc) {
+  for (int64_t c = 0; c < D; c += 64) {
+    const int64_t w = std::min<int64_t>(64, D - c) / 8;
+    __m256 r[8];
+    for (int64_t i = 0; i < w; ++i) r[i] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + c + 8 * i);
+    if (w == 8) {
+      for (int64_t j = j0; j < j1; ++j) {
+        const __m256 pj = _mm256_set1_ps(p[j]);
+        const T* v = vc + offs[j] + c;
+        for (int i = 0; i < 8; ++i) r[i] = _mm256_fmadd_ps(pj, load8(v + 8 * i), r[i]);
+      }
+    } else {
+      for (int64_t j = j0; j < j1; ++j) {
+        const __m256 pj = _mm256_set1_ps(p[j]);
+        const T* v = vc + offs[j] + c;
+        for (int64_t i = 0; i < w; ++i) r[i] = _mm256_fmadd_ps(pj, load8(v + 8 * i), r[i]);
+      }
+    }
+    for (int64_t i = 0; i < w; ++i) _mm256_storeu_ps(acc + c + 8 * i, r[i]);
+  }
+}
+
+// values_avx2 for two query heads of one query at once, 32 dims at a time: each V
+// vector loaded once for both; each sum the same chain as values_avx2's.
+template <typename T>
+__attribute__((target("avx2,fma"))) inline void values2_avx2(const float* p0, const float* p1, int64_t j0, int64_t j1,
+                                                             const T* vc, const int64_t* offs, int64_t D, float* acc0,
+                                                             float* acc1) {
+  for (int64_t c = 0; c < D; c += 32) {
+    __m256 x[4], y[4];
+    for (int i = 0; i < 4; ++i) {
+      x[i] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc0 + c + 8 * i);
+      y[i] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc1 + c + 8 * i);
+    }
+    for (int64_t j = j0; j < j1; ++j) {
+      const __m256 a = _mm256_set1_ps(p0[j]), b = _mm256_set1_ps(p1[j]);
+      const T* v = vc + offs[j] + c;
+      for (int i = 0; i < 4; ++i) {
+        const __m256 vv = load8(v + 8 * i);
+        x[i] = _mm256_fmadd_ps(a, vv, x[i]);
+        y[i] = _mm256_fmadd_ps(b, vv, y[i]);
+      }
+    }
+    for (int i = 0; i < 4; ++i) {
+      _mm256_storeu_ps(acc0 + c + 8 * i, x[i]);
+      _mm256_storeu_ps(acc1 + c + 8 * i, y[i]);
+    }
+  }
+}
+#endif
+
+struct Scratch {
+  std::vector<float> state, s, chunk;
+  std::vector<int64_t> offs, held;
+};
+
+// A query head's partials (its chunks in order) merged into out.
+template <typename T>
+void merge_partials(const AttnPlan& plan, int64_t qh, int64_t chunks, int64_t D, float* state, T* out) {
+  const int64_t W = 2 + D;
+  const float* part = plan.part.data() + qh * plan.chunks * W;
+  std::copy(part, part + W, state);
+  for (int64_t c = 1; c < chunks; ++c) merge_chunk(state, part + c * W, D);
+  finish(state, D, out);
+}
+
+// A task's queries and heads done: the output where it held all their chunks, else
+// its chunk's partial, and where it is its group's last, the group's merges.
+template <typename T>
+void finish_task(const AttnArgs& a, AttnPlan& plan, const AttnTask& k, Scratch& sc, T* op) {
+  const int64_t D = a.D, H = a.H, G = a.H / a.Hkv, W = 2 + D, Gt = k.g1 - k.g0, bt0 = k.b * a.T + k.t0;
+  const int64_t* pos = a.pos + bt0;
+  for (int64_t i = 0; i < k.t1 - k.t0; ++i) {
+    const int64_t n = pos[i] + 1, chunks = (n + kC - 1) / kC;
+    if (n <= k.c0 * kC) continue;
+    for (int64_t g = 0; g < Gt; ++g) {
+      const int64_t qh = (bt0 + i) * H + k.kvh * G + k.g0 + g;
+      const float* state = sc.state.data() + (i * Gt + g) * W;
+      if (k.c0 == 0 && k.c1 >= chunks) finish(state, D, op + qh * D);
+      else std::copy(state, state + W, plan.part.data() + (qh * plan.chunks + k.c0) * W);
+    }
+  }
+  if (k.group < 0) return;
+  int64_t group_chunks = 0;  // the group's tasks: one per chunk of its longest query
+  for (int64_t i = 0; i < k.t1 - k.t0; ++i) group_chunks = std::max(group_chunks, (pos[i] + kC) / kC);
+  std::atomic_ref<int> done(plan.done[k.group]);
+  if (done.fetch_add(1, std::memory_order_acq_rel) + 1 != group_chunks) return;
+  for (int64_t i = 0; i < k.t1 - k.t0; ++i) {
+    const int64_t chunks = (pos[i] + kC) / kC;
+    for (int64_t g = 0; g < Gt && chunks > 1; ++g) {
+      const int64_t qh = (bt0 + i) * H + k.kvh * G + k.g0 + g;
+      merge_partials(plan, qh, chunks, D, sc.chunk.data(), op + qh * D);
+    }
+  }
+  done.store(0, std::memory_order_relaxed);  // the plan serves the next layer (after a barrier)
+}
+
+// One task on the loops VEC picks (the vector ones: float or bfloat16, D a multiple of 8).
+template <typename T, bool VEC>
+FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& k, const float* qf, const T* kc,
+                             const T* vc, Scratch& sc, T* op) {
+  const int64_t D = a.D, H = a.H, G = a.H / a.Hkv, row = a.Hkv * D, W = 2 + D;
+  const int64_t Gt = k.g1 - k.g0, nq = k.t1 - k.t0, bt0 = k.b * a.T + k.t0;
+  const int64_t *table = a.tables + k.b * a.nb, *pos = a.pos + bt0;
+  int64_t nmax = 0;
+  for (int64_t i = 0; i < nq; ++i) nmax = std::max(nmax, pos[i] + 1);
+  sc.state.resize(nq * Gt * W);
+  sc.s.resize(nq * Gt * kC);
+  sc.chunk.resize(nq * Gt * W);
+  sc.held.resize(nq * Gt);
+  sc.offs.resize(kC);
+  int64_t* offs = sc.offs.data();
+  auto query = [&](int64_t i, int64_t g) { return qf + ((bt0 + i) * H + k.kvh * G + k.g0 + g) * D; };
+  for (int64_t c = k.c0; c < k.c1; ++c) {
+    const int64_t j0 = c * kC, j1 = std::min(j0 + kC, nmax);
+    if (j1 <= j0) break;
+    // the chunk's keys' row offsets, then to a multiple of 8 key j0's (those scores are masked)
+    for (int64_t j = j0, blk = j0 / a.bs, off = j0 % a.bs; j < j1; ++j) {
+      offs[j - j0] = (table[blk] * a.bs + off) * row + k.kvh * D;
+      if (++off == a.bs) off = 0, ++blk;
+    }
+    for (int64_t j = j1 - j0; j % 8 != 0; ++j) offs[j] = offs[0];
+    for (int64_t r = 0; r < j1 - j0; r += 8) {  // 8 keys' rows at a time, for every query and head
+      int64_t held = 0;  // the query heads these keys reach (the vector loops take them in pairs)
+      for (int64_t i = 0; i < nq; ++i)
+        for (int64_t g = 0; g < Gt && std::min(pos[i] + 1, j0 + kC) - j0 > r; ++g) sc.held[held++] = i * Gt + g;
+      int64_t u = 0;
+#ifdef FERRUM_X86
+      if constexpr (VEC)
+        for (; u + 2 <= held; u += 2) {
+          const int64_t x = sc.held[u], y = sc.held[u + 1];
+          float *sx = sc.s.data() + x * kC + r, *sy = sc.s.data() + y * kC + r;
+          const float *qx = query(x / Gt, x % Gt), *qy = query(y / Gt, y % Gt);
+          scores2x4_avx2(qx, qy, kc, offs + r, D, a.scale, sx, sy);
+          scores2x4_avx2(qx, qy, kc, offs + r + 4, D, a.scale, sx + 4, sy + 4);
+        }
+#endif
+      for (; u < held; ++u) {
+        const int64_t x = sc.held[u];
+#ifdef FERRUM_X86
+        if constexpr (VEC) scores8_avx2(query(x / Gt, x % Gt), kc, offs + r, D, a.scale, sc.s.data() + x * kC + r);
+        else
+#endif
+          scores8_portable(query(x / Gt, x % Gt), kc, offs + r, D, a.scale, sc.s.data() + x * kC + r);
+      }
+      for (int64_t x = 0; x < held; ++x) {  // keys past a query's own: -inf (their exps are 0)
+        const int64_t len = std::min(pos[sc.held[x] / Gt] + 1, j0 + kC) - j0;
+        float* s = sc.s.data() + sc.held[x] * kC + r;
+        for (int64_t l = std::max<int64_t>(len - r, 0); l < 8; ++l) s[l] = -INFINITY;
+      }
+    }
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t len = std::min(pos[i] + 1, j0 + kC) - j0;
+      for (int64_t g = 0; g < Gt && len > 0; ++g) {
+        float* s = sc.s.data() + (i * Gt + g) * kC;
+#ifdef FERRUM_X86
+        if constexpr (VEC) exps_avx2(s, len, sc.chunk.data() + (i * Gt + g) * W);
+        else
+#endif
+          exps_portable(s, len, sc.chunk.data() + (i * Gt + g) * W);
+      }
+    }
+    for (int64_t r = 0; r < j1 - j0; r += kValueRows)  // V by sub-chunks (in L1 for every query and head)
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t len = std::min(pos[i] + 1, j0 + kC) - j0;
+        const int64_t end = std::min(len, r + kValueRows);
+        auto p = [&](int64_t g) { return sc.s.data() + (i * Gt + g) * kC; };
+        auto acc = [&](int64_t g) { return sc.chunk.data() + (i * Gt + g) * W + 2; };
+        int64_t g = 0;
+#ifdef FERRUM_X86
+        if constexpr (VEC)
+          for (; g + 2 <= Gt && len > r && D % 32 == 0; g += 2)
+            values2_avx2(p(g), p(g + 1), r, end, vc, offs, D, acc(g), acc(g + 1));
+#endif
+        for (; g < Gt && len > r; ++g) {
+#ifdef FERRUM_X86
+          if constexpr (VEC) values_avx2(p(g), r, end, vc, offs, D, acc(g));
+          else
+#endif
+            values_portable(p(g), r, end, vc, offs, D, acc(g));
+        }
+      }
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t len = std::min(pos[i] + 1, j0 + kC) - j0;
+      for (int64_t g = 0; g < Gt && len > 0; ++g) {
+        float *state = sc.state.data() + (i * Gt + g) * W, *chunk = sc.chunk.data() + (i * Gt + g) * W;
+        if (c == k.c0) std::copy(chunk, chunk + W, state);
+        else merge_chunk(state, chunk, D);
+      }
+    }
+  }
+  finish_task(a, plan, k, sc, op);
+}
+
+#ifdef FERRUM_X86
+template <typename T>
+__attribute__((target("avx2,fma"))) void task_avx2(const AttnArgs& a, AttnPlan& plan, const AttnTask& k,
+                                                   const float* qf, const T* kc, const T* vc, Scratch& sc, T* op) {
+  task_body<T, true>(a, plan, k, qf, kc, vc, sc, op);
+}
+#endif
+template <typename T>
+void task_portable(const AttnArgs& a, AttnPlan& plan, const AttnTask& k, const float* qf, const T* kc, const T* vc,
+                   Scratch& sc, T* op) {
+  task_body<T, false>(a, plan, k, qf, kc, vc, sc, op);
+}
+
+}  // namespace
+
+template <typename T>
+void attend_tasks(const AttnArgs& a, AttnPlan& plan, const float* qfp, const T* kc, const T* vc, int64_t begin,
+                  int64_t end, T* op) {
+  thread_local Scratch sc;
+  const bool vec = avx2_on() && a.D % 8 == 0;
+  for (int64_t i = begin; i < end; ++i) {
+#ifdef FERRUM_X86
+    if constexpr (!std::is_same_v<T, double>)
+      if (vec) {
+        task_avx2(a, plan, plan.tasks[i], qfp, kc, vc, sc, op);
+        continue;
+      }
+#endif
+    task_portable(a, plan, plan.tasks[i], qfp, kc, vc, sc, op);
+  }
+}
+
+template void attend_tasks<float>(const AttnArgs&, AttnPlan&, const float*, const float*, const float*, int64_t,
+                                  int64_t, float*);
+template void attend_tasks<double>(const AttnArgs&, AttnPlan&, const float*, const double*, const double*, int64_t,
+                                   int64_t, double*);
+template void attend_tasks<c10::BFloat16>(const AttnArgs&, AttnPlan&, const float*, const c10::BFloat16*,
+                                          const c10::BFloat16*, int64_t, int64_t, c10::BFloat16*);
+
+}  // namespace ferrum_fused

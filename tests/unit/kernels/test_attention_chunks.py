@@ -1,0 +1,116 @@
+"""The fused paged attention's fixed arithmetic (csrc/attention_tasks.cpp): a query's
+keys in chunks of 256, so its bits are the same alone, in a block of prompt queries,
+as a decode step, in a batch, on 1 or 2 threads, and close to a float64 reference,
+at context lengths around the chunk boundaries."""
+
+import pytest
+import torch
+
+from ferrum_rpc.server.kernels import fused
+
+H, HKV, BS, SCALE = 6, 2, 16, 0.3
+LENGTHS = (1, 8, 255, 256, 257, 512, 513, 520)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ok, why = fused.probe_fused(torch.float32)
+    assert ok, f"the fused ops should build and agree on this machine: {why}"
+    return torch.ops.ferrum_fused
+
+
+class Sequence:
+    """One sequence's K and V in shuffled pool blocks, written by a prompt's fused op."""
+
+    def __init__(self, length: int, dim: int, dtype: torch.dtype, seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        self.n, self.dim, self.dtype = length, dim, dtype
+        blocks = (length + BS - 1) // BS
+        self.k_cache = torch.full((blocks + 2, BS, HKV, dim), float("nan"), dtype=dtype)  # unwritten slots: NaN
+        self.v_cache = self.k_cache.clone()
+        self.table = torch.randperm(blocks + 2, generator=gen)[:blocks]
+        self.q = torch.randn(length, H, dim, generator=gen).to(dtype)
+        self.k = torch.randn(length, HKV, dim, generator=gen).to(dtype)
+        self.v = torch.randn(length, HKV, dim, generator=gen).to(dtype)
+        # no rotation (cos 1, sin 0): the reference is plain attention
+        self.cos, self.sin = torch.ones(max(LENGTHS), dim), torch.zeros(max(LENGTHS), dim)
+
+    def slots(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.table[positions // BS] * BS + positions % BS
+
+    def run(self, start: int, stop: int) -> torch.Tensor:
+        """Queries start..stop-1 as one forward (B 1, T stop - start): (T, H * D)."""
+        pos = torch.arange(start, stop)
+        return torch.ops.ferrum_fused.paged_attention(
+            self.q[None, start:stop], self.k[None, start:stop], self.v[None, start:stop], self.cos, self.sin,
+            pos[None], self.k_cache, self.v_cache, self.slots(pos), self.table[None], SCALE)[0]
+
+    def reference(self, p: int) -> torch.Tensor:
+        """Query p in float64: (H * D)."""
+        q, k, v = self.q[p].double(), self.k[:p + 1].double(), self.v[:p + 1].double()
+        k, v = k.repeat_interleave(H // HKV, dim=1), v.repeat_interleave(H // HKV, dim=1)  # (n, H, D)
+        w = torch.softmax(torch.einsum("hd,nhd->hn", q, k) * SCALE, dim=-1)
+        return torch.einsum("hn,nhd->hd", w, v).reshape(-1)
+
+
+def batch_run(seqs: list[Sequence], positions: list[int]) -> torch.Tensor:
+    """A decode step of several sequences (one query each) in one forward: (B, H * D)."""
+    nb = max(len(s.table) for s in seqs)
+    blocks = sum(s.k_cache.shape[0] for s in seqs)
+    k_cache = torch.cat([s.k_cache for s in seqs])
+    v_cache = torch.cat([s.v_cache for s in seqs])
+    base, tables, slots = 0, [], []
+    for s, p in zip(seqs, positions):
+        t = s.table + base
+        tables.append(torch.cat([t, t[:1].repeat(nb - len(t))]))
+        slots.append(s.slots(torch.tensor([p])) + base * BS)
+        base += s.k_cache.shape[0]
+    assert base == blocks
+    pick = lambda x: torch.stack([s.__dict__[x][p] for s, p in zip(seqs, positions)])[:, None]  # noqa: E731
+    return torch.ops.ferrum_fused.paged_attention(
+        pick("q"), pick("k"), pick("v"), seqs[0].cos, seqs[0].sin, torch.tensor(positions)[:, None], k_cache, v_cache,
+        torch.cat(slots), torch.stack(tables), SCALE)[:, 0]
+
+
+@pytest.mark.parametrize("dim", [16, 12])  # 16: the vector loops where the ISA has them; 12: the portable ones
+def test_a_query_has_the_same_bits_in_a_prompt_alone_in_a_batch_and_on_any_threads(ops, isa, dim):
+    if dim % 8 and isa != "avx2":
+        pytest.skip("a head dim that is no multiple of 8 runs the portable loops on any ISA: once is enough")
+    seq = Sequence(max(LENGTHS), dim, torch.float32, seed=dim)
+    prompt = seq.run(0, seq.n)  # every query in blocks of consecutive queries
+    for p in LENGTHS:
+        want = seq.reference(p - 1)
+        assert (prompt[p - 1].double() - want).abs().max() <= 2e-6 * want.abs().max() + 1e-6, p
+    chunked = torch.cat([seq.run(0, 300), seq.run(300, seq.n)])  # a prompt in two forwards
+    assert torch.equal(chunked, prompt)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for p in LENGTHS:  # a decode step alone (its chunks split across tasks, then merged)
+                assert torch.equal(seq.run(p - 1, p)[0], prompt[p - 1]), (n, p)
+    finally:
+        torch.set_num_threads(threads)
+    others = [Sequence(n, dim, torch.float32, seed=n) for n in (40, 300)]
+    for o in others:
+        o.run(0, o.n)
+    step = batch_run([others[0], seq, others[1]], [39, 256, 299])
+    assert torch.equal(step[1], prompt[256])
+    assert torch.equal(step[2], others[1].run(0, 300)[299])
+
+
+def test_bfloat16_pool_matches_float64(ops, isa):
+    seq = Sequence(300, 16, torch.bfloat16, seed=3)
+    prompt = seq.run(0, seq.n)
+    for p in (1, 256, 257, 300):
+        want = seq.reference(p - 1)
+        assert (prompt[p - 1].double() - want).abs().max() <= 1e-2 * want.abs().max(), p
+        assert torch.equal(seq.run(p - 1, p)[0], prompt[p - 1]), p
+
+
+def test_a_nan_key_gives_a_nan_output(ops, isa):
+    """Corrupt KV must not pass for plausible attention (the executor fails such a row)."""
+    seq = Sequence(300, 16, torch.float32, seed=4)
+    seq.run(0, seq.n - 1)
+    seq.k_cache[seq.table[0], 3] = float("nan")  # key 3, in the first chunk
+    assert seq.run(seq.n - 1, seq.n).isnan().all()
