@@ -51,7 +51,9 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight);
 struct RowsHook {
   virtual void prepare(const at::Tensor& x2d, const at::Tensor& out) = 0;
   virtual void before(int tid, int nt, int64_t n0, int64_t n1) = 0;
-  virtual void after(int64_t n0, int64_t n1) = 0;
+  virtual void after(int tid, int64_t n0, int64_t n1) = 0;
+  // whether after() reads what other threads' before() wrote (a barrier between them)
+  virtual bool joins() const { return true; }
   virtual ~RowsHook() = default;
 };
 // linear_rows (the same bits) with `hook` in its parallel region: no fork of its own.

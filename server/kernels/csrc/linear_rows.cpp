@@ -426,14 +426,17 @@ at::Tensor linear_rows_with(const at::Tensor& x, const at::Tensor& weight, RowsH
   const int threads = int(std::min<int64_t>(at::get_num_threads(), N / 64));
   if (threads <= 1 || omp_in_parallel()) {
     body(0, 1);
-    hook.after(0, N);
+    hook.after(0, 0, N);
     return out.view(shape);
   }
 #pragma omp parallel num_threads(threads)
   {
-    const auto [n0, n1] = body(omp_get_thread_num(), omp_get_num_threads());
+    const int tid = omp_get_thread_num();
+    const auto [n0, n1] = body(tid, omp_get_num_threads());
+    if (hook.joins()) {  // the same answer on every thread
 #pragma omp barrier
-    hook.after(n0, n1);
+    }
+    hook.after(tid, n0, n1);
   }
   return out.view(shape);
 }

@@ -19,10 +19,9 @@
 // broadcast, several vectors' sums in flight.
 //
 // In the decode stack a float linear's deltas run inside the linear's own parallel
-// region (LoraBatch::linear, linear_rows_with): each thread takes its share of the
-// down phase before its share of the base outputs, and after one barrier adds the
-// deltas of the outputs it wrote, so a step with adapters forks no more than one
-// without.  The up phase by output columns takes the packed blocks as the one by
+// region (LoraBatch::linear, linear_rows_with): each thread computes the whole down
+// phase before its share of the base outputs, then adds the deltas of the outputs it
+// wrote, so a step with adapters forks and waits no more than one without.  The up phase by output columns takes the packed blocks as the one by
 // units does and keeps only the thread's outputs: every output the same sum.
 #include <omp.h>
 #include <ATen/Parallel.h>
@@ -281,35 +280,40 @@ void run(const LoraPlan& plan, const T* x, int64_t K, T* y, int64_t N, bool para
   }
 }
 
-// The deltas run inside linear_rows_with's region: each thread its share of the down
-// units before its base outputs, then (after the barrier) the deltas of those outputs.
+// The deltas run inside linear_rows_with's region (1-4 rows): every thread computes all
+// of the down phase (each t the same sum on any thread; a few thousand multiply-adds a
+// row) into its own t, then its share of the base outputs, then the deltas of those
+// outputs: no barrier between the phases.
 class LoraHook : public RowsHook {
  public:
-  explicit LoraHook(const LoraPlan& plan) : plan_(plan), low_(static_cast<size_t>(plan.total_r)) {}
+  explicit LoraHook(const LoraPlan& plan)
+      : plan_(plan), lows_(static_cast<size_t>(std::max(1, at::get_num_threads())),
+                           std::vector<float>(static_cast<size_t>(plan.total_r))) {}
   void prepare(const at::Tensor& x2d, const at::Tensor& out) override { x_ = x2d, y_ = out; }
   void before(int tid, int nt, int64_t n0, int64_t n1) override {
-    with([&](const auto& r) {
-      const int64_t u0 = plan_.total_down * tid / nt, u1 = plan_.total_down * (tid + 1) / nt;
-      r.prefetch(u0, u1, n0, n1);
-      r.down_range(u0, u1);
+    with(tid, [&](const auto& r) {
+      r.prefetch(0, plan_.total_down, n0, n1);  // A, and this thread's B blocks
+      r.down_range(0, plan_.total_down);
     });
   }
-  void after(int64_t n0, int64_t n1) override {
-    with([&](const auto& r) { r.up_cols(n0, n1); });
+  void after(int tid, int64_t n0, int64_t n1) override {
+    with(tid, [&](const auto& r) { r.up_cols(n0, n1); });
   }
+  bool joins() const override { return false; }
 
  private:
   template <typename F>
-  void with(F f) {
+  void with(int tid, F f) {
     const int64_t K = x_.size(1), N = y_.size(1);
+    float* low = lows_.at(static_cast<size_t>(tid)).data();
     if (x_.scalar_type() == at::kFloat)
-      f(Runner<float>{plan_, x_.data_ptr<float>(), K, y_.data_ptr<float>(), N, low_.data(), avx2_on()});
+      f(Runner<float>{plan_, x_.data_ptr<float>(), K, y_.data_ptr<float>(), N, low, avx2_on()});
     else
-      f(Runner<c10::BFloat16>{plan_, x_.data_ptr<c10::BFloat16>(), K, y_.data_ptr<c10::BFloat16>(), N,
-                              low_.data(), avx2_on()});
+      f(Runner<c10::BFloat16>{plan_, x_.data_ptr<c10::BFloat16>(), K, y_.data_ptr<c10::BFloat16>(), N, low,
+                              avx2_on()});
   }
   const LoraPlan& plan_;
-  std::vector<float> low_;
+  std::vector<std::vector<float>> lows_;  // a t per thread
   at::Tensor x_, y_;
 };
 
