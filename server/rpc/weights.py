@@ -58,12 +58,16 @@ class WeightsRpcs:
                     adding.add_done_callback(lambda f: f.cancelled() or f.exception())
             del upload
             gone = threading.Event()
+            # the new model built beside the serving one, off the worker (forwards go on)
+            build = loop.run_in_executor(None, executor.build_weights, tensors)
             try:
-                # the new model built beside the serving one, off the worker (forwards go on)
-                built = await loop.run_in_executor(None, executor.build_weights, tensors)
+                built = await asyncio.shield(build)
                 done = await worker.call(executor.update_weights, tensors, message.trailer.checksum,
                                          header.invalidate_sequences, gone.is_set, built)
             except asyncio.CancelledError:
                 gone.set()  # a rebuild under way is not swapped in
+                # the lock is held until a cancelled build's thread lets its model go, so a
+                # next update never builds a third copy of the weights beside it
+                await asyncio.wait({build})
                 raise
         return pb.UpdateWeightsResponse(**done)
