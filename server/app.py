@@ -8,15 +8,11 @@ and flips health to SERVING.  ``serve`` is the CLI's entry point.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
-import os
 import signal
 import threading
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -26,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from ferrum_rpc.errors import ExecutorError, StartupError
 from .rpc.auth import AuthInterceptor, TlsFiles, TokenTable
 from .config import ServerConfig, parse_allow
+from .preflight import PortFile, check_tls_files, preflight
 from .rpc.migration import PushConfig
 from .registry import Registry
 from .rpc.handler import add_executor_service
@@ -151,53 +148,6 @@ class App:
         return self.servicer.registry
 
 
-class PortFile:
-    """``--port-file``: a JSON object saying where a server listens (address, host, port,
-    instance_id, pid, state), for whoever started it with port 0.  Each write goes to a
-    temporary file in the same folder and then replaces the file, so a reader never sees
-    half of one.  It is written once listening (state "listening"), again once every
-    model serves ("serving"), and removed when the server exits."""
-
-    def __init__(self, path: str):
-        self.path = Path(path)
-        self.fields: dict = {}
-
-    def _put(self, text: str, keep: bool = True) -> None:
-        """Writes ``text`` to a temporary file beside the path, then moves it there (or,
-        with ``keep`` false, removes it: a test that the folder takes files)."""
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        try:
-            tmp.write_text(text)
-            if keep:
-                os.replace(tmp, self.path)
-            else:
-                tmp.unlink()
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise StartupError(f"cannot write the --port-file {self.path}: {exc.strerror or exc}") from None
-
-    def check(self) -> None:
-        """Refuses, before binding anything, a path that cannot be written: its folder
-        missing or read-only, or the path a folder."""
-        if self.path.is_dir() or not self.path.parent.is_dir():
-            problem = "it is a folder" if self.path.is_dir() else f"no folder {self.path.parent}"
-            raise StartupError(f"cannot write the --port-file {self.path}: {problem}")
-        self._put("", keep=False)
-
-    def write(self, **fields) -> None:
-        self.fields.update(fields, pid=os.getpid())
-        self._put(json.dumps(self.fields) + "\n")
-
-    def remove(self) -> None:
-        """Removes the file if it is still the one this process wrote."""
-        try:
-            if self.fields and json.loads(self.path.read_text()).get("pid") == os.getpid():
-                self.path.unlink()
-        except (OSError, ValueError):
-            pass
-
-
 async def build_server(config: ServerConfig) -> App:
     """Binds ``config.host:config.port`` (0 picks a free port) and starts serving health."""
     instance_id = uuid.uuid4().hex
@@ -258,33 +208,9 @@ async def build_server(config: ServerConfig) -> App:
 
 
 def _tls_credentials(config: ServerConfig) -> grpc.ServerCredentials:
-    """The server's TLS credentials, the files checked here first: gRPC's own failure
-    says only that it could not bind.  Each file must be readable PEM (the key
-    unencrypted) and the key must be the certificate's."""
-    import ssl
-
-    files = (("--tls-cert", config.tls_cert), ("--tls-key", config.tls_key), ("--tls-client-ca", config.tls_client_ca))
-    for option, path in files:
-        if path:
-            try:
-                Path(path).read_bytes()
-            except OSError as exc:
-                raise StartupError(f"cannot read the {option} file {path}: {exc.strerror or exc}") from None
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    for option, path in (("--tls-cert", config.tls_cert), ("--tls-client-ca", config.tls_client_ca)):
-        if path:
-            try:
-                context.load_verify_locations(cafile=path)  # parses every certificate in it
-            except (ssl.SSLError, ValueError) as exc:
-                raise StartupError(f"the {option} file {path} holds no valid PEM certificate "
-                                   f"({getattr(exc, 'reason', None) or exc})") from None
-    try:  # the password callback fails an encrypted key instead of prompting on the terminal
-        context.load_cert_chain(config.tls_cert, config.tls_key, password=lambda: b"")
-    except (ssl.SSLError, ValueError) as exc:
-        reason = getattr(exc, "reason", None)
-        problem = "is not the private key of" if reason == "KEY_VALUES_MISMATCH" else \
-            f"is no unencrypted PEM private key{f' ({reason})' if reason else ''} for"
-        raise StartupError(f"the --tls-key file {config.tls_key} {problem} --tls-cert {config.tls_cert}") from None
+    """The server's TLS credentials, the files checked first (``preflight.check_tls_files``):
+    gRPC's own failure says only that it could not bind."""
+    check_tls_files(config)
     return TlsFiles(config.tls_cert, config.tls_key, config.tls_client_ca).credentials()
 
 
@@ -307,28 +233,11 @@ def _bind_error(host: str, port: int) -> StartupError:
     return StartupError(f"cannot listen on {host}:{port} (--host/--port): {why}")
 
 
-def _check_model_folders(config: ServerConfig) -> None:
-    """Refuses, before binding anything, a --model that is no model folder, or two with one name."""
-    for number, spec in enumerate(config.models):
-        where = f"--model {spec.name}={spec.path}"
-        if any(other.name == spec.name for other in config.models[:number]):
-            raise StartupError(f"{where}: a model named {spec.name!r} is given twice (name them: --model NAME=PATH)")
-        try:
-            if not Path(spec.path).is_dir():
-                raise StartupError(f"{where}: no such folder")
-            if not (Path(spec.path) / "config.json").is_file():
-                raise StartupError(f"{where}: not a model folder (no config.json)")
-        except OSError as exc:
-            raise StartupError(f"{where}: {exc.strerror or exc}") from None
-
-
 async def serve(config: ServerConfig) -> None:
     """Runs until SIGTERM/SIGINT, then drains.  A server that cannot start (see
     :class:`StartupError`: files, address, a model that does not load) raises
     StartupError naming the problem and the file or option."""
-    _check_model_folders(config)
-    if config.port_file:
-        PortFile(config.port_file).check()
+    preflight(config)
     app = await build_server(config)
     try:
         await _run(app)

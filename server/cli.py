@@ -46,13 +46,9 @@ def openmp_spin() -> str | None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     spin = openmp_spin()
-    import torch
-
-    from .app import serve
     from .config import MIB, ExecutorConfig
+    from .preflight import preflight
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     executor = ExecutorConfig(
         dtype=args.dtype, device=args.device, kv_tokens=args.kv_tokens, block_size=args.block_size,
         max_batch_size=args.max_batch, max_seq_len=args.max_seq_len,
@@ -73,6 +69,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"ferrum-rpc serve: {exc}", file=sys.stderr)
         return 2
+    preflight(config)  # the files and folders, before torch loads: a misconfiguration fails at once
+    import torch
+
+    from .app import serve
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.tensor_parallel > 1:
         return _serve_tensor_parallel(args, config)
     if spin:  # after the checks: a misconfiguration stays one line

@@ -1,7 +1,7 @@
 """The server's rooms keep their direction: rpc -> engine -> kv / choice / parallel /
 kernels -> models, read from every module's imports (function-local ones included;
 imports under ``if TYPE_CHECKING:`` are annotations, not dependencies).  The process
-modules at the top (app, cli, rank, registry, prepare) may use any room; config is
+modules at the top (app, cli, rank, registry, prepare, preflight) may use any room; config is
 read by all.  rpc/ and the block manager import no torch."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 SERVER = Path(__file__).resolve().parents[3] / "server"
-RANK = {"app": 5, "cli": 5, "rank": 5, "registry": 5, "prepare": 5,
+RANK = {"app": 5, "cli": 5, "rank": 5, "registry": 5, "prepare": 5, "preflight": 5,
         "rpc": 4, "engine": 3, "choice": 2, "parallel": 2, "models": 1, "kernels": 1, "kv": 0,
         "config": -1, "__init__": -1}
 
