@@ -146,10 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--step-ops", default="auto", choices=["auto", "fused", "eager"],
                    help="auto: fused C++ ops for RMSNorm, the MLP activation and decode attention where they "
                         "build and agree with torch here (CPU); eager: torch ops only; fused: fail if they cannot")
-    s.add_argument("--batch-invariant", action="store_true",
+    s.add_argument("--batch-invariant", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
                    help="a token's logits bit-identical whatever shares its forward, however its prompt was "
-                        "chunked or cached (float32/bfloat16, any --quantize, CPU fused ops; costs prompt speed: see "
-                        "docs/server.md)")
+                        "chunked or cached; auto (the default): wherever the model, dtype and kernels allow it "
+                        "(float32/bfloat16, any --quantize, CPU fused ops, --linear-kernel auto; GetCapabilities "
+                        "says which); on (or the bare flag): refuse to start where they do not; off: the "
+                        "per-shape kernels (see docs/server.md)")
     s.add_argument("--lora", action="append", default=[], metavar="NAME=PATH", type=_lora,
                    help="load the PEFT LoRA adapter folder PATH as NAME at start-up (repeatable); new sequences "
                         "name it (Prefill's adapter); LoadAdapter adds more at run time")

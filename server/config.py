@@ -11,6 +11,7 @@ MIB = 1 << 20
 LINEAR_KERNELS = ("auto", "onednn-packed", "aten")  # see kernels.py
 QUANTIZATIONS = ("none", "int8", "int4", "w8a8", "w4a8")  # see woq.py and qact.py
 STEP_OPS = ("auto", "fused", "eager")  # see fused.py
+BATCH_INVARIANT = ("auto", "on", "off")  # see models/loader.py
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,10 @@ class ExecutorConfig:
     quantize: str = "none"
     step_ops: str = "auto"
     # every linear, attention and norm on one per-row arithmetic: a row's logits do not
-    # depend on the batch, the prompt's chunking or the prefix cache (models.llama.make_batch_invariant)
-    batch_invariant: bool = False
+    # depend on the batch, the prompt's chunking or the prefix cache (models.llama.make_batch_invariant).
+    # "auto": wherever this model, dtype, device and kernel choice allow it (the loader says why
+    # not otherwise); "on": refuse to start where they do not; "off".  True / False mean on / off.
+    batch_invariant: str | bool = "auto"
     max_sequences: int = 10_000  # live sequences in all, forks included (0: no cap); ~17 KB each
     # Per-tenant bounds (see tenant_bounds).  None: the default, which binds each tenant of
     # --auth-tokens and not the anonymous caller of a server without tokens (everyone is that
@@ -123,7 +126,11 @@ class ExecutorConfig:
                 raise StartupError(f"{name} (--{name.replace('_', '-')}) must be 0 (no cap) or positive")
         if self.tensor_parallel < 1 or self.tensor_parallel_timeout_s <= 0:
             raise StartupError("--tensor-parallel must be at least 1 and --tensor-parallel-timeout positive")
-        if self.batch_invariant and (self.step_ops == "eager" or not self.device.startswith("cpu")):
+        if isinstance(self.batch_invariant, bool):
+            object.__setattr__(self, "batch_invariant", "on" if self.batch_invariant else "off")
+        if self.batch_invariant not in BATCH_INVARIANT:
+            raise StartupError(f"batch_invariant must be one of {BATCH_INVARIANT}, not {self.batch_invariant!r}")
+        if self.batch_invariant == "on" and (self.step_ops == "eager" or not self.device.startswith("cpu")):
             raise StartupError("--batch-invariant runs on CPUs with the fused ops; not with --step-ops eager or "
                                "a GPU")
         if self.max_adapters < 0 or self.max_lora_rank < 1 or self.adapter_memory_mb < 0:

@@ -47,7 +47,7 @@ def _return_freed_memory() -> None:
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
                linear_kernel: str = "auto", quantize: str = "none", step_ops: str = "auto",
-               shard=None, batch_invariant: bool = False,
+               shard=None, batch_invariant: str = "auto",
                overrides: dict[str, torch.Tensor] | None = None) -> LlamaForCausalLM:
     """Loads weights onto ``device`` in ``dtype``, computes the RoPE tables, fuses the
     projections and puts them on the linear kernel probed for this CPU (``kernels.py``),
@@ -131,10 +131,19 @@ def _read_state(files: list[Path], dtype: torch.dtype, device: torch.device,
 
 
 def _choose_kernels(model, path: Path, dtype: torch.dtype, device: torch.device, linear_kernel: str,
-                    quantize: str, step_ops: str, batch_invariant: bool = False) -> None:
+                    quantize: str, step_ops: str, batch_invariant: str = "auto") -> None:
     fused, step_why = choose_step_ops(step_ops, dtype, device)
-    if batch_invariant:
-        _check_invariant(model, dtype, quantize, fused, step_why)
+    batch_invariant = {True: "on", False: "off"}.get(batch_invariant, batch_invariant)
+    invariant = False
+    if batch_invariant != "off":
+        why_not = _invariant_blocker(model, dtype, quantize, fused, step_why,
+                                     linear_kernel if batch_invariant == "auto" else "auto")
+        if why_not and batch_invariant == "on":
+            raise StartupError(f"--batch-invariant {why_not}")
+        if why_not:
+            log.info("%s: not batch-invariant: --batch-invariant %s", path.name, why_not)
+        invariant = not why_not
+    if invariant:
         if quantize == "none":
             model.kernels = KernelChoice("panel_gemm", "batch-invariant: every row count on one arithmetic",
                                          cpu_capability())
@@ -168,7 +177,7 @@ def _choose_kernels(model, path: Path, dtype: torch.dtype, device: torch.device,
                 why += f"; {note}"
         model.kernels = KernelChoice(f"{quantize} {kernel}", why, cpu_capability())
         log.info("%s: linear weights quantized to %s: %.1f MiB", path.name, quantize, nbytes / 2**20)
-    if not batch_invariant:
+    if not invariant:
         model.use_fused_ops(fused)
     model.kernels = dataclasses.replace(model.kernels, step=step_why)
     log.info("%s: kernel path %s on CPU capability %s", path.name, model.kernels.describe(),
@@ -183,10 +192,7 @@ def _quantize_invariant(model, path: Path, quantize: str) -> KernelChoice:
     while the float-activation kernels (``woq.py``: registers for 1-4 rows, a BLAS GEMM
     past 12) and the torch fallbacks (``F.linear``) change their order with the rows.
     Linears it cannot take (an input width not a multiple of 32) run ``panel_linear``."""
-    ok, why = qact.probe()
-    if not ok:
-        raise StartupError(f"--batch-invariant --quantize {quantize} needs csrc/qact.cpp's kernels, which cannot "
-                           f"run here ({why})")
+    _, why = qact.choose_kernel("auto")  # QACT: _invariant_blocker asked first
     model.optimize_for_inference(False)  # fuse projections, then quantize the fused weights
     nbytes = qact.quantize_model(model, quantize, qact.QACT, skip=(".mlp.gate",))
     replace_linears(model, "never")  # those left unquantized: panel_linear by make_batch_invariant
@@ -198,13 +204,20 @@ def _quantize_invariant(model, path: Path, quantize: str) -> KernelChoice:
                         f"one arithmetic; {why}" + (f"; {note}" if note else ""), cpu_capability())
 
 
-def _check_invariant(model, dtype: torch.dtype, quantize: str, fused: bool, step_why: str) -> None:
-    """Refuses (StartupError) a batch-invariant model this build cannot make invariant."""
+def _invariant_blocker(model, dtype: torch.dtype, quantize: str, fused: bool, step_why: str,
+                       linear_kernel: str) -> str | None:
+    """Why this build cannot make the model batch-invariant (a clause that follows
+    "--batch-invariant"), or None where it can."""
     if dtype not in LINEAR_ROWS:
-        raise StartupError(f"--batch-invariant runs float32 or bfloat16, not {dtype}")
+        return f"runs float32 or bfloat16, not {dtype}"
     if model.config.num_experts:
-        raise StartupError("--batch-invariant: mixture-of-experts models are not covered (their experts' GEMMs "
-                           "group tokens by expert)")
+        return "does not cover mixture-of-experts models (their experts' GEMMs group tokens by expert)"
     if not fused:
-        raise StartupError(f"--batch-invariant needs the fused CPU ops, which cannot run here ({step_why})")
-
+        return f"needs the fused CPU ops, which cannot run here ({step_why})"
+    if linear_kernel != "auto":
+        return f"needs --linear-kernel auto, not {linear_kernel}"
+    if quantize != "none":
+        kernel, why = qact.choose_kernel(linear_kernel)
+        if kernel != qact.QACT:
+            return f"--quantize {quantize} needs csrc/qact.cpp's kernels, which cannot run here ({why})"
+    return None

@@ -78,8 +78,8 @@ def server(request, tiny_llama_dir, tiny_qwen3_dir, tiny_q4_llama_dir):
                                             "--step-token-budget", "24", "--kv-tokens", "2048", "--block-size",
                                             "4", "--no-warmup"), timeout=180)
     else:
-        serving = running_server(model, dtype=dtype, quantize=quantize, batch_invariant=True, prefill_chunk=16,
-                                 step_token_budget=24)
+        # the default configuration: batch-invariant wherever it can be
+        serving = running_server(model, dtype=dtype, quantize=quantize, prefill_chunk=16, step_token_budget=24)
     with _inner_loops(loops), serving as srv:
         if split:
             (srv,) = srv
@@ -189,3 +189,29 @@ def test_options_it_cannot_serve_are_refused_at_start():
     for bad in (dict(step_ops="eager"), dict(device="cuda")):
         with pytest.raises(StartupError, match="--batch-invariant"):
             ExecutorConfig(batch_invariant=True, **bad)
+
+
+def test_the_default_is_invariant_where_it_can_be_and_says_why_not(tiny_llama_dir, tiny_moe_dir, caplog):
+    """--batch-invariant auto (the default) turns it on where the model, dtype and kernels allow
+    and logs why not elsewhere; on (the bare flag) refuses to start there instead; off is off."""
+    from ferrum_rpc.cli import build_parser
+    from ferrum_rpc.server.models.loader import load_model
+
+    parse = lambda *a: build_parser().parse_args(["serve", *a]).batch_invariant  # noqa: E731
+    assert (parse(), parse("--batch-invariant"), parse("--batch-invariant", "off")) == ("auto", "on", "off")
+    assert ExecutorConfig().batch_invariant == "auto" and ExecutorConfig(batch_invariant=True).batch_invariant == "on"
+    cpu = torch.device("cpu")
+    assert load_model(tiny_llama_dir, torch.float32, cpu).batch_invariant
+    assert load_model(tiny_llama_dir, torch.bfloat16, cpu).batch_invariant
+    assert not load_model(tiny_llama_dir, torch.float32, cpu, batch_invariant="off").batch_invariant
+    for model_dir, options, why in ((tiny_moe_dir, {}, "mixture-of-experts"),
+                                    (tiny_llama_dir, dict(linear_kernel="aten"), "--linear-kernel auto, not aten"),
+                                    (tiny_llama_dir, dict(step_ops="eager"), "fused CPU ops")):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="ferrum_rpc.server.models.loader"):
+            assert not load_model(model_dir, torch.float32, cpu, **options).batch_invariant
+        assert any("not batch-invariant: --batch-invariant" in r.message and why in r.message
+                   for r in caplog.records), why
+        if "linear_kernel" not in options:  # on: the linear kernel asked for is overridden, not refused
+            with pytest.raises(StartupError, match=f"--batch-invariant .*{why}"):
+                load_model(model_dir, torch.float32, cpu, batch_invariant="on", **options)

@@ -49,9 +49,20 @@ def test_memory_requirements_agree_with_the_pool_and_the_weights(tiny_llama_dir)
 
 
 def test_packed_weights_are_counted_once(tiny_llama_dir):
-    """Where linears run on oneDNN-packed weights, the packed copy replaces the plain one:
-    the weights in memory are still the checkpoint's bytes, not twice them."""
-    with running_server(tiny_llama_dir) as packed, ExecutorClient(packed.target, timeout=30) as ex:
+    """Where linears run on oneDNN-packed weights (batch invariance off), the packed copy
+    replaces the plain one: the weights in memory are still the checkpoint's bytes, not
+    twice them.  The batch-invariant default keeps the plain weights and the panels the
+    panel GEMM runs on, and counts both."""
+    with running_server(tiny_llama_dir) as invariant, ExecutorClient(invariant.target, timeout=30) as ex:
+        caps = ex.capabilities()
+        assert caps.batch_invariant
+        linears = [m for m in invariant.app.servicer.workers["tiny"].executor.model.modules()
+                   if isinstance(m, FastLinear)]
+        panels = sum(m.panels.untyped_storage().nbytes() for m in linears)
+        assert panels >= sum(m.weight.numel() * 4 for m in linears)  # every float linear packed (zeros pad)
+        assert caps.memory.parameter_bytes == checkpoint_bytes(tiny_llama_dir) + panels
+    with running_server(tiny_llama_dir, batch_invariant="off") as packed, \
+            ExecutorClient(packed.target, timeout=30) as ex:
         caps = ex.capabilities()
         if "onednn-packed" not in caps.kernel_path:
             pytest.skip(f"oneDNN packed linears do not run on this CPU ({caps.kernel_path})")

@@ -24,7 +24,14 @@ def _hf_logits(model, ids: list[int]) -> np.ndarray:
     return model(torch.tensor([ids])).logits[0].numpy()
 
 
-KERNELS = ["auto", "aten"]  # whatever the probe picks here, and the forced fallback
+# auto: batch-invariant where the fused ops run (the panel GEMM), else whatever the probe
+# picks; per-shape: the probe's pick with batch invariance off; aten: the forced fallback
+KERNELS = ["auto", "per-shape", "aten"]
+
+
+def _kernels(kernel: str, step: str) -> dict:
+    return dict(linear_kernel="aten" if kernel == "aten" else "auto", step_ops=step,
+                batch_invariant="off" if kernel == "per-shape" else "auto")
 
 
 @pytest.mark.parametrize("step", ["fused", "eager"])  # the fused step ops (fused.py) and their fallback
@@ -34,14 +41,17 @@ def test_prefill_and_16_greedy_steps_match_transformers(arch, kernel, step, tiny
     model_dir = tiny_llama_dir if arch == "llama" else tiny_qwen3_dir
     oracle = _oracle(model_dir, arch)
     prompt = [5, 17, 101, 3, 250, 42, 7, 9, 300, 11, 64, 2, 77]
-    with running_server(model_dir, linear_kernel=kernel, step_ops=step) as server, \
-            ExecutorClient(server.target, timeout=30) as ex:
-        kernel_path = ex.capabilities().kernel_path
+    with running_server(model_dir, **_kernels(kernel, step)) as server, ExecutorClient(server.target, timeout=30) as ex:
+        caps = ex.capabilities()
+        kernel_path = caps.kernel_path
         assert f"step={step}" in kernel_path
         if kernel == "aten":
             assert kernel_path.startswith("linear=aten")
-        # float32 decodes (one row) run on linear_rows.cpp's linear_rows exactly where the fused ops do
-        assert ("1-4 rows: linear_rows" in kernel_path) == (kernel == "auto" and step == "fused")
+        invariant = kernel == "auto" and step == "fused"
+        assert caps.batch_invariant == invariant
+        assert kernel_path.startswith("linear=panel_gemm (batch-invariant") == invariant
+        # without it, float32 decodes (one row) run on linear_rows.cpp's linear_rows exactly where the fused ops do
+        assert ("1-4 rows: linear_rows" in kernel_path) == (kernel == "per-shape" and step == "fused")
         out = ex.prefill(prompt, logits=LogitsPolicy.full(all_positions=True))
         ref = _hf_logits(oracle, prompt)
         assert out.logits.values.shape == ref.shape
@@ -221,13 +231,13 @@ def test_logits_policies_agree_with_full_logits(client):
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_bfloat16_serving_stays_close_to_float32_transformers(arch, kernel, step, tiny_llama_dir, tiny_qwen3_dir):
-    """bfloat16 runs through other kernels (oneDNN packed weights where the CPU has them);
-    each path must still compute the same model."""
+    """bfloat16 runs through other kernels (the panel GEMM's bfloat16 chain, oneDNN packed
+    weights where the CPU has them); each path must still compute the same model."""
     model_dir = tiny_llama_dir if arch == "llama" else tiny_qwen3_dir
     oracle = _oracle(model_dir, arch)
     prompt = [5, 17, 101, 3, 250, 42, 7, 9]
     ref = _hf_logits(oracle, prompt + [11])
-    with running_server(model_dir, dtype="bfloat16", linear_kernel=kernel, step_ops=step) as server, \
+    with running_server(model_dir, dtype="bfloat16", **_kernels(kernel, step)) as server, \
             ExecutorClient(server.target, timeout=30) as ex:
         assert ex.info().dtype == "bfloat16"
         out = ex.prefill(prompt, logits=LogitsPolicy.full(all_positions=True))
