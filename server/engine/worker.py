@@ -265,7 +265,8 @@ class ModelWorker(AsyncFront, DrivesRuns):
             id(job), scheduler.Kind.PROMPT, job.tenant, (seq,) if seq is not None else (),
             remaining=job.prompt.remaining if job.prompt is not None else len(job.prefill.token_ids),
             started=job.prompt is not None, blocks_to_finish=self._blocks_to_finish(job),
-            must_run=self._stopping or job.gone() is not None, patient=patient, analysis=job.analysis)
+            must_run=self._stopping or job.gone() is not None or self._never_fits(job), patient=patient,
+            analysis=job.analysis)
 
     def _snapshot(self) -> tuple[list[scheduler.Queued], dict[int, Job]]:
         return [self._view(j) for j in self._jobs], {id(j): j for j in self._jobs if j is not None}
@@ -314,6 +315,16 @@ class ModelWorker(AsyncFront, DrivesRuns):
         tokens, handle = job.prefill.token_ids, job.prefill.kv_cache
         start = handle.sequence_length if handle is not None else 0
         return kv.blocks_for(start + len(tokens)) - kv.blocks_for(start) + (1 if start % kv.block_size else 0)
+
+    def _never_fits(self, job: Job) -> bool:
+        """A prompt no wait can admit (past the longest sequence, or more blocks than the
+        whole pool): it runs at once, so its open fails with its own reason without waiting."""
+        if job.prompt is not None:
+            return False
+        handle = job.prefill.kv_cache
+        end = (handle.sequence_length if handle is not None else 0) + len(job.prefill.token_ids)
+        ex = self.executor
+        return end > ex.max_seq_len or ex.kv.blocks_for(end) > ex.kv.num_blocks
 
     def _park(self, job: Job) -> None:  # lock held
         if job.parked_at is None:

@@ -18,7 +18,8 @@ import torch
 
 from ferrum_rpc import convert
 from ferrum_rpc.client import ExecutorClient, LogitsPolicy
-from ferrum_rpc.errors import CacheExpired, InvalidInput, KvCapacityExhausted, ModelNotFound, from_rpc_error
+from ferrum_rpc.errors import (CacheExpired, InvalidInput, KvCapacityExhausted, ModelNotFound, SequenceTooLong,
+                               from_rpc_error)
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 from tests.conftest import TINY, running_server
@@ -196,11 +197,18 @@ def test_three_expired_long_prefills_leave_no_blocks_behind(tiny_llama_dir):
 
 
 def test_prompt_larger_than_the_whole_pool_is_refused_before_any_forward(tiny_llama_dir):
-    with running_server(tiny_llama_dir, kv_tokens=64, prefill_chunk=8) as server, \
-            ExecutorClient(server.target, timeout=30) as ex:
+    """Refused at once: no wait for room can admit it (a deadline of half the admission
+    wait would expire if it were parked like a prompt that may fit later)."""
+    from ferrum_rpc.server.engine.worker import ModelWorker
+
+    with running_server(tiny_llama_dir, kv_tokens=64, prefill_chunk=8, max_seq_len=256) as server, \
+            ExecutorClient(server.target, timeout=30) as ex, \
+            ExecutorClient(server.target, timeout=ModelWorker.ADMISSION_WAIT_S / 2) as hasty:
         forwards = ex.status().forwards
         with pytest.raises(KvCapacityExhausted, match="whole pool"):
-            ex.prefill(prompt(100))
+            hasty.prefill(prompt(100))
+        with pytest.raises(SequenceTooLong):
+            hasty.prefill(prompt(300))
         handle = ex.prefill(prompt(8)).kv_cache
         with pytest.raises(KvCapacityExhausted, match="whole pool"):
             ex.forward_verify(prompt(80), handle)
