@@ -1,5 +1,5 @@
-"""One seed, one text, under load and across replicas: two batch-invariant
-``ferrum-rpc serve`` processes behind a replica-set client, sixteen seeded
+"""One seed, one text, under load and across replicas: two ``ferrum-rpc serve``
+processes (batch-invariant by default; each test checks they say so) behind a replica-set client, sixteen seeded
 generations keeping both busy, and one more whose replica is SIGKILLed (or drained
 by migration) in the middle.  Every round, each generation's tokens and logprobs
 equal, bit for bit, the same seed's generated alone on an idle server: the replay
@@ -27,7 +27,7 @@ LOAD = 16
 TOKENS = 24
 KILL_AT = 8
 FAST = ReplicaPolicy(status_ttl_s=0.5, down_cooldown_s=0.3, seed=0, kv_events=False)
-FLAGS = ("--batch-invariant", "--kv-tokens", "4096", "--block-size", "4", "--no-warmup", "--threads", "1",
+FLAGS = ("--kv-tokens", "4096", "--block-size", "4", "--no-warmup", "--threads", "1",
          "--grace", "10", "--prefill-chunk", "8", "--step-token-budget", "24", "--max-batch", "32")
 
 
@@ -109,5 +109,8 @@ def _round(replicas, alone, n: int, how: str) -> None:
 
 @pytest.mark.parametrize("how", ["kill", "drain"])
 def test_struck_generation_keeps_its_text_under_load(replicas, alone, how):
+    for replica in replicas:  # the default configuration
+        with ExecutorClient(replica.target, timeout=30) as client:
+            assert client.capabilities().batch_invariant
     for n in range(ROUNDS):
         _round(replicas, alone, n, how)
