@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from ferrum_rpc.errors import ExecutorError, StartupError
 from .rpc.auth import AuthInterceptor, TlsFiles, TokenTable
 from .config import ServerConfig, parse_allow
-from .preflight import PortFile, check_tls_files, preflight
+from .preflight import PortFile, check_tls_files
 from .rpc.migration import PushConfig
 from .registry import Registry
 from .rpc.handler import add_executor_service
@@ -234,10 +234,10 @@ def _bind_error(host: str, port: int) -> StartupError:
 
 
 async def serve(config: ServerConfig) -> None:
-    """Runs until SIGTERM/SIGINT, then drains.  A server that cannot start (see
-    :class:`StartupError`: files, address, a model that does not load) raises
-    StartupError naming the problem and the file or option."""
-    preflight(config)
+    """Runs until SIGTERM/SIGINT, then drains; ``config`` has passed ``preflight`` (the
+    CLI runs it before importing torch).  A server that cannot start (see
+    :class:`StartupError`: address, a model that does not load) raises StartupError
+    naming the problem and the option."""
     app = await build_server(config)
     try:
         await _run(app)

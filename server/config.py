@@ -14,6 +14,11 @@ STEP_OPS = ("auto", "fused", "eager")  # see fused.py
 BATCH_INVARIANT = ("auto", "on", "off")  # see models/loader.py
 
 
+def batch_invariant_mode(value: str | bool) -> str:
+    """A batch_invariant setting as one of BATCH_INVARIANT: True and False mean on and off."""
+    return ("on" if value else "off") if isinstance(value, bool) else value
+
+
 @dataclass(frozen=True)
 class ExecutorConfig:
     """Limits of one hosted model.
@@ -126,8 +131,7 @@ class ExecutorConfig:
                 raise StartupError(f"{name} (--{name.replace('_', '-')}) must be 0 (no cap) or positive")
         if self.tensor_parallel < 1 or self.tensor_parallel_timeout_s <= 0:
             raise StartupError("--tensor-parallel must be at least 1 and --tensor-parallel-timeout positive")
-        if isinstance(self.batch_invariant, bool):
-            object.__setattr__(self, "batch_invariant", "on" if self.batch_invariant else "off")
+        object.__setattr__(self, "batch_invariant", batch_invariant_mode(self.batch_invariant))
         if self.batch_invariant not in BATCH_INVARIANT:
             raise StartupError(f"batch_invariant must be one of {BATCH_INVARIANT}, not {self.batch_invariant!r}")
         if self.batch_invariant == "on" and (self.step_ops == "eager" or not self.device.startswith("cpu")):

@@ -1,8 +1,8 @@
 """The start-up checks that need no model and no torch: the --model folders, the
 --port-file, the --auth-tokens file and the TLS files.  ``ferrum-rpc serve`` runs
 them before it imports torch, so a misconfigured start fails in a fraction of a
-second with one line; ``app.serve`` runs them again for callers that start a server
-in process."""
+second with one line.  ``app.build_server`` checks the TLS files itself too, for
+servers started in process."""
 
 from __future__ import annotations
 

@@ -317,14 +317,18 @@ class ModelWorker(AsyncFront, DrivesRuns):
         return kv.blocks_for(start + len(tokens)) - kv.blocks_for(start) + (1 if start % kv.block_size else 0)
 
     def _never_fits(self, job: Job) -> bool:
-        """A prompt no wait can admit (past the longest sequence, or more blocks than the
-        whole pool): it runs at once, so its open fails with its own reason without waiting."""
+        """A prompt no wait can admit (the executor's length and whole-pool checks refuse
+        it): it runs at once, so its open fails with its own reason without waiting."""
         if job.prompt is not None:
             return False
-        handle = job.prefill.kv_cache
-        end = (handle.sequence_length if handle is not None else 0) + len(job.prefill.token_ids)
-        ex = self.executor
-        return end > ex.max_seq_len or ex.kv.blocks_for(end) > ex.kv.num_blocks
+        handle, tokens = job.prefill.kv_cache, len(job.prefill.token_ids)
+        start = handle.sequence_length if handle is not None else 0
+        try:
+            self.executor.check_length(start, tokens)
+            self.executor.check_fits_pool(start + tokens)
+        except ExecutorError:
+            return True
+        return False
 
     def _park(self, job: Job) -> None:  # lock held
         if job.parked_at is None:

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from ferrum_rpc.errors import StartupError
+from ..config import batch_invariant_mode
 from ..kernels import qact
 from ..kernels import woq
 from ..kernels.fused import choose_step_ops
@@ -133,7 +134,7 @@ def _read_state(files: list[Path], dtype: torch.dtype, device: torch.device,
 def _choose_kernels(model, path: Path, dtype: torch.dtype, device: torch.device, linear_kernel: str,
                     quantize: str, step_ops: str, batch_invariant: str = "auto") -> None:
     fused, step_why = choose_step_ops(step_ops, dtype, device)
-    batch_invariant = {True: "on", False: "off"}.get(batch_invariant, batch_invariant)
+    batch_invariant = batch_invariant_mode(batch_invariant)
     invariant = False
     if batch_invariant != "off":
         why_not = _invariant_blocker(model, dtype, quantize, fused, step_why,

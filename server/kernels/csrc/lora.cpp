@@ -21,8 +21,9 @@
 // In the decode stack a float linear's deltas run inside the linear's own parallel
 // region (LoraBatch::linear, linear_rows_with): each thread computes the whole down
 // phase before its share of the base outputs, then adds the deltas of the outputs it
-// wrote, so a step with adapters forks and waits no more than one without.  The up phase by output columns takes the packed blocks as the one by
-// units does and keeps only the thread's outputs: every output the same sum.
+// wrote, so a step with adapters forks and waits no more than one without.  The up
+// phase by output columns takes the packed blocks as the one by units does and keeps
+// only the thread's outputs: every output the same sum.
 #include <omp.h>
 #include <ATen/Parallel.h>
 
