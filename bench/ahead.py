@@ -15,8 +15,10 @@ generation of ``--new-tokens`` tokens after a 32-token prompt:
 - ``grpc_steps``: the same server, one unary Decode a token.
 
 Tokens/s counts the decoded tokens over the decode's wall time (the prompt is
-left out), median of ``--repeats``.  The in-process worker is stopped before the
-server starts, so the two never share the cores.  For the gRPC rows the server
+left out), median of ``--repeats`` rounds.  The in-process worker and the server
+(same configuration, same KV pool) are both up, idle while the other runs, and the
+rows take turns within each round, so a host whose speed drifts moves every row
+alike; the gRPC/in-process figure is the median of the rounds' own ratios.  For the gRPC rows the server
 process's CPU time per token (user + system, /proc, the call's prefill and release
 included) and this process's are recorded too: the CPU a message costs is what the
 forwards lose on a host whose cores they share.
@@ -29,11 +31,12 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import statistics
 import threading
 import time
 from pathlib import Path
 
-from bench.common import bench_server, log, median_of, write_results
+from bench.common import bench_server, log, write_results
 from ferrum_rpc.client import ExecutorClient
 from ferrum_rpc.server.config import QUANTIZATIONS, ExecutorConfig
 from ferrum_rpc.server.engine.executor import TorchExecutor
@@ -108,40 +111,47 @@ def main(argv: list[str] | None = None) -> None:
     records = []
     for variant in args.variants:
         dtype, quantize = ("float32", variant) if variant in QUANTIZATIONS else (variant, "none")
-        config = ExecutorConfig(dtype=dtype, kv_tokens=4096, quantize=quantize)
+        config = ExecutorConfig(dtype=dtype, kv_tokens=32768, quantize=quantize)
+        extra = ("--quantize", quantize) if quantize != "none" else ()
         worker = ModelWorker(functools.partial(TorchExecutor.from_path, "bench", model_dir, config), "bench")
         worker.loaded.result()
-        rows = {}
         try:
-            for name, ahead in (("in_process", True), ("in_process_steps", False)):
-                in_process(worker, args.new_tokens, ahead)  # warm: the first forwards of a process are slow
-                rows[name], _ = median_of(args.repeats, functools.partial(in_process, worker, args.new_tokens, ahead))
+            with bench_server(model_dir, dtype, 32768, *extra) as server:
+                server.wait_serving(300)
+                with ExecutorClient(server.target) as client:
+                    calls = {"in_process": functools.partial(in_process, worker, args.new_tokens, True),
+                             "in_process_steps": functools.partial(in_process, worker, args.new_tokens, False)}
+                    for name, ahead, streamed in (("grpc_ahead", True, False), ("grpc_ahead_streamed", True, True),
+                                                  ("grpc_steps", False, False)):
+                        calls[name] = functools.partial(through_grpc, client, args.new_tokens, ahead, streamed)
+                    for call in calls.values():
+                        call()  # warm: the first forwards of a process are slow
+                    # the rows take turns, round after round, so a host that drifts moves them all
+                    seconds = {name: [] for name in calls}
+                    cpu = {name: [0.0, 0.0] for name in calls if name.startswith("grpc")}
+                    for _ in range(args.repeats):
+                        for name, call in calls.items():
+                            server_cpu, client_cpu = cpu_seconds(server.pid), time.process_time()
+                            seconds[name].append(call())
+                            if name in cpu:
+                                cpu[name][0] += cpu_seconds(server.pid) - server_cpu
+                                cpu[name][1] += time.process_time() - client_cpu
         finally:
             worker.stop()
-        extra = ("--quantize", quantize) if quantize != "none" else ()
-        cpu_ms = {}
-        with bench_server(model_dir, dtype, 32768, *extra) as server:
-            server.wait_serving(300)
-            with ExecutorClient(server.target) as client:
-                for name, ahead, streamed in (("grpc_ahead", True, False), ("grpc_ahead_streamed", True, True),
-                                              ("grpc_steps", False, False)):
-                    call = functools.partial(through_grpc, client, args.new_tokens, ahead, streamed)
-                    call()
-                    server_cpu, client_cpu = cpu_seconds(server.pid), time.process_time()
-                    rows[name], _ = median_of(args.repeats, call)
-                    cpu_ms[name] = {"server": round((cpu_seconds(server.pid) - server_cpu) * 1e3
-                                                    / (args.repeats * args.new_tokens), 3),
-                                    "client": round((time.process_time() - client_cpu) * 1e3
-                                                    / (args.repeats * args.new_tokens), 3)}
-        tps = {name: args.new_tokens / seconds for name, seconds in rows.items()}
-        ratio = tps["grpc_ahead"] / tps["in_process"]
-        log.info("%s batch 1: %s; grpc_ahead / in_process %.3f (target >= %.2f), streamed %.3f; CPU ms a token %s",
-                 variant, ", ".join(f"{n} {v:.1f} tok/s" for n, v in tps.items()), ratio, TARGET,
-                 tps["grpc_ahead_streamed"] / tps["in_process"], cpu_ms)
+        tps = {name: args.new_tokens / statistics.median(values) for name, values in seconds.items()}
+        per_round = [a / b for a, b in zip(seconds["in_process"], seconds["grpc_ahead"])]
+        ratio = statistics.median(per_round)
+        cpu_ms = {name: {"server": round(s * 1e3 / (args.repeats * args.new_tokens), 3),
+                         "client": round(c * 1e3 / (args.repeats * args.new_tokens), 3)}
+                  for name, (s, c) in cpu.items()}
+        log.info("%s batch 1: %s; grpc_ahead / in_process %.3f (median of the rounds' ratios; target >= %.2f), "
+                 "streamed %.3f; CPU ms a token %s", variant, ", ".join(f"{n} {v:.1f} tok/s" for n, v in tps.items()),
+                 ratio, TARGET, tps["grpc_ahead_streamed"] / tps["in_process"], cpu_ms)
         records.append({"variant": variant, "batch": 1, "new_tokens": args.new_tokens,
                         "tokens_per_s": {n: round(v, 2) for n, v in tps.items()},
                         "cpu_ms_per_token": cpu_ms,
                         "grpc_ahead_vs_in_process": round(ratio, 3),
+                        "grpc_ahead_vs_in_process_rounds": [round(r, 3) for r in per_round],
                         "grpc_ahead_streamed_vs_in_process": round(tps["grpc_ahead_streamed"] / tps["in_process"], 3),
                         "grpc_ahead_vs_in_process_steps": round(tps["grpc_ahead"] / tps["in_process_steps"], 3)})
     write_results(args.out, records)
