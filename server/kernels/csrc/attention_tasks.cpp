@@ -24,6 +24,21 @@ namespace {
 
 constexpr int64_t kC = kAttnChunk;
 constexpr int64_t kValueRows = 64;  // keys a pass over V takes for every query and head (16 KB in float32)
+constexpr int64_t kAhead = 16;      // rows a loop asks the cache for before it reaches them
+constexpr int64_t kAskQueries = 2;  // tasks of at most this many queries ask ahead
+
+// Asks L2 for rows offs[j0..j1) of c (D elements each).  A kv head's row of a key is a
+// few lines, consecutive keys' rows a token's width apart and every block elsewhere in
+// the pool: without asking, a long context's decode waits on memory most of its time
+// (its K and V do not fit the caches), with the cores idle.
+template <typename T>
+FERRUM_INLINE void prefetch_rows(const T* c, const int64_t* offs, int64_t j0, int64_t j1, int64_t D) {
+#ifdef FERRUM_X86
+  const int64_t bytes = D * int64_t(sizeof(T));
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(c + offs[j]) + b, _MM_HINT_T1);
+#endif
+}
 
 // The 8 lanes of a sum, in one tree: the same code for every path.
 FERRUM_INLINE float sum8(const float* l) {
@@ -144,13 +159,15 @@ __attribute__((target("avx2,fma"))) inline void exps_avx2(float* s, int64_t len,
 
 template <typename T>
 __attribute__((target("avx2,fma"))) inline void values_avx2(const float* p, int64_t j0, int64_t j1, const T* vc,
-                                                            const int64_t* offs, int64_t D, float* acc) {
+                                                            const int64_t* offs, int64_t D, float* acc, bool ask) {
+  if (ask) prefetch_rows(vc, offs, j0, std::min(j1, j0 + kAhead), D);
   for (int64_t c = 0; c < D; c += 64) {
     const int64_t w = std::min<int64_t>(64, D - c) / 8;
     __m256 r[8];
     for (int64_t i = 0; i < w; ++i) r[i] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + c + 8 * i);
     if (w == 8) {
       for (int64_t j = j0; j < j1; ++j) {
+        if (ask && c == 0 && j + kAhead < j1) prefetch_rows(vc, offs, j + kAhead, j + kAhead + 1, D);
         const __m256 pj = _mm256_set1_ps(p[j]);
         const T* v = vc + offs[j] + c;
         for (int i = 0; i < 8; ++i) r[i] = _mm256_fmadd_ps(pj, load8(v + 8 * i), r[i]);
@@ -171,7 +188,8 @@ __attribute__((target("avx2,fma"))) inline void values_avx2(const float* p, int6
 template <typename T>
 __attribute__((target("avx2,fma"))) inline void values2_avx2(const float* p0, const float* p1, int64_t j0, int64_t j1,
                                                              const T* vc, const int64_t* offs, int64_t D, float* acc0,
-                                                             float* acc1) {
+                                                             float* acc1, bool ask) {
+  if (ask) prefetch_rows(vc, offs, j0, std::min(j1, j0 + kAhead), D);
   for (int64_t c = 0; c < D; c += 32) {
     __m256 x[4], y[4];
     for (int i = 0; i < 4; ++i) {
@@ -179,6 +197,7 @@ __attribute__((target("avx2,fma"))) inline void values2_avx2(const float* p0, co
       y[i] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc1 + c + 8 * i);
     }
     for (int64_t j = j0; j < j1; ++j) {
+      if (ask && c == 0 && j + kAhead < j1) prefetch_rows(vc, offs, j + kAhead, j + kAhead + 1, D);
       const __m256 a = _mm256_set1_ps(p0[j]), b = _mm256_set1_ps(p1[j]);
       const T* v = vc + offs[j] + c;
       for (int i = 0; i < 4; ++i) {
@@ -250,6 +269,10 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
   const int64_t *table = a.tables + k.b * a.nb, *pos = a.pos + bt0;
   int64_t nmax = 0;
   for (int64_t i = 0; i < nq; ++i) nmax = std::max(nmax, pos[i] + 1);
+  // a decode step's task (a query or two) reads each K and V row once or twice: it asks
+  // for them ahead; a prompt's block of queries reuses them from L1 and would only pay
+  // for the asking
+  const bool ask = VEC && nq <= kAskQueries;
   sc.state.resize(nq * Gt * W);
   sc.s.resize(nq * Gt * kC);
   sc.chunk.resize(nq * Gt * W);
@@ -266,7 +289,11 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
       if (++off == a.bs) off = 0, ++blk;
     }
     for (int64_t j = j1 - j0; j % 8 != 0; ++j) offs[j] = offs[0];
+    if (ask) prefetch_rows(kc, offs, 0, std::min(kAhead, j1 - j0), D);
     for (int64_t r = 0; r < j1 - j0; r += 8) {  // 8 keys' rows at a time, for every query and head
+      // the next kAhead rows, asked again each pass (a line already asked for costs little;
+      // a window that asked each row once waited longer)
+      if (ask) prefetch_rows(kc, offs, std::min(r + 8, j1 - j0), std::min(r + 8 + kAhead, j1 - j0), D);
       int64_t held = 0;  // the query heads these keys reach (the vector loops take them in pairs)
       for (int64_t i = 0; i < nq; ++i)
         for (int64_t g = 0; g < Gt && std::min(pos[i] + 1, j0 + kC) - j0 > r; ++g) sc.held[held++] = i * Gt + g;
@@ -316,11 +343,11 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
 #ifdef FERRUM_X86
         if constexpr (VEC)
           for (; g + 2 <= Gt && len > r && D % 32 == 0; g += 2)
-            values2_avx2(p(g), p(g + 1), r, end, vc, offs, D, acc(g), acc(g + 1));
+            values2_avx2(p(g), p(g + 1), r, end, vc, offs, D, acc(g), acc(g + 1), ask);
 #endif
         for (; g < Gt && len > r; ++g) {
 #ifdef FERRUM_X86
-          if constexpr (VEC) values_avx2(p(g), r, end, vc, offs, D, acc(g));
+          if constexpr (VEC) values_avx2(p(g), r, end, vc, offs, D, acc(g), ask);
           else
 #endif
             values_portable(p(g), r, end, vc, offs, D, acc(g));
