@@ -293,7 +293,10 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
     for (int64_t r = 0; r < j1 - j0; r += 8) {  // 8 keys' rows at a time, for every query and head
       // the next kAhead rows, asked again each pass (a line already asked for costs little;
       // a window that asked each row once waited longer)
-      if (ask) prefetch_rows(kc, offs, std::min(r + 8, j1 - j0), std::min(r + 8 + kAhead, j1 - j0), D);
+      if (ask) {  // and the same keys' V rows, in L2 by the time the sums take them
+        prefetch_rows(kc, offs, std::min(r + 8, j1 - j0), std::min(r + 8 + kAhead, j1 - j0), D);
+        prefetch_rows(vc, offs, r, std::min(r + 8, j1 - j0), D);
+      }
       int64_t held = 0;  // the query heads these keys reach (the vector loops take them in pairs)
       for (int64_t i = 0; i < nq; ++i)
         for (int64_t g = 0; g < Gt && std::min(pos[i] + 1, j0 + kC) - j0 > r; ++g) sc.held[held++] = i * Gt + g;
