@@ -60,13 +60,33 @@ def cpp_bin_path(optimized: bool = False) -> Path:
                            "(apt-get install libgrpc++-dev protobuf-compiler-grpc cmake)")
     out = build_dir(optimized)
     build_type = ["-DCMAKE_BUILD_TYPE=Release"] if optimized else ["-DCMAKE_BUILD_TYPE=Debug", "-DCMAKE_CXX_FLAGS_DEBUG=-O0"]
+    # A fresh clone's files are all newer than the last build's, so CMake would compile
+    # everything again; a build of exactly these sources, flags and tools is used as it is.
+    digest, stamp = _sources_digest(build_type), out / "sources.sha1"
+    if stamp.exists() and stamp.read_text() == digest:
+        return out
+    stamp.unlink(missing_ok=True)  # a failed build leaves no stamp behind
     # This Python has googleapis-common-protos (grpcio-status): the google/rpc protos come from it.
     subprocess.run(["cmake", "-S", str(ROOT / "clients" / "cpp"), "-B", str(out), f"-DPython3_EXECUTABLE={sys.executable}",
                     *build_type], check=True, capture_output=True)
     build = subprocess.run(["cmake", "--build", str(out), "-j2"], capture_output=True, text=True)
     if build.returncode != 0:
         raise AssertionError(build.stdout[-4000:] + build.stderr[-4000:])
+    stamp.write_text(digest)
     return out
+
+
+def _sources_digest(flags: list[str]) -> str:
+    """What a build of clients/cpp depends on: its files and protos/ (paths and bytes),
+    the flags, this Python (the google/rpc protos' home) and the gRPC tools installed."""
+    h = hashlib.sha256("\0".join([*flags, sys.executable]).encode())
+    for folder in (ROOT / "clients" / "cpp", ROOT / "protos"):
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+            h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    for tool in ("cmake", "protoc", "grpc_cpp_plugin"):
+        st = Path(shutil.which(tool)).resolve().stat()
+        h.update(f"{tool} {st.st_size} {st.st_mtime_ns}".encode())
+    return h.hexdigest()
 
 
 @pytest.fixture(scope="session")
