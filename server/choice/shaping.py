@@ -26,9 +26,10 @@ LOGIT_LIMIT = 1e30
 def held_finite(logits: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """(R, V) float32 -> the rows to choose from, and the rows that hold a NaN or an
     infinity.  Those rows are zeroed (every path stays defined on them; their results
-    are discarded) and rows past +-LOGIT_LIMIT are held to it: one aminmax pass, and a
-    copy only when some row needs either."""
-    low, high = torch.aminmax(logits, dim=-1)  # a NaN anywhere in a row makes both NaN
+    are discarded) and rows past +-LOGIT_LIMIT are held to it: a row's max and min, and a
+    copy only when some row needs either.  amax and amin, not aminmax: ATen's aminmax
+    over the last dim is several times slower on the CPU."""
+    low, high = logits.amin(-1), logits.amax(-1)  # a NaN anywhere in a row makes both NaN
     bad = ~(torch.isfinite(low) & torch.isfinite(high))
     wide = (low < -LOGIT_LIMIT) | (high > LOGIT_LIMIT)
     if not bool((bad | wide).any()):
