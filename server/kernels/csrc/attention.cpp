@@ -76,6 +76,9 @@ void rope_and_write(const AttnArgs& a, const T* qp, Heads qs, const T* kp, Heads
 template void rope_and_write<float>(const AttnArgs&, const float*, Heads, const float*, Heads, const float*, Heads,
                                     const float*, const float*, const int64_t*, int64_t, int64_t, float*, float*,
                                     float*);
+template void rope_and_write<c10::BFloat16>(const AttnArgs&, const c10::BFloat16*, Heads, const c10::BFloat16*, Heads,
+                                            const c10::BFloat16*, Heads, const float*, const float*, const int64_t*,
+                                            int64_t, int64_t, float*, c10::BFloat16*, c10::BFloat16*);
 
 AttnPlan attention_plan(const AttnArgs& a, int threads) {
   AttnPlan plan;

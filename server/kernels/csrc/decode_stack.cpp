@@ -14,6 +14,8 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -114,6 +116,42 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Te
 constexpr int64_t kStackRows = 4;
 constexpr int64_t kPrefetchBytes = 256 << 10;  // of o's weights, behind the attention
 
+// The regions' barrier: the threads meet ~10 times a layer, a few microseconds
+// apart, and libgomp's barrier spins only GOMP_SPINCOUNT times before it sleeps on
+// a futex (the server sets 2,000 so that idle threads give the cores back between
+// calls), so a wait cost a sleep and a wake-up.  This one spins with pause, then
+// yields the core (a thread whose partner was descheduled does not burn it); the
+// region's end is still libgomp's.  Sense by phase: each thread reads the phase
+// before it arrives, the last to arrive resets the count and advances the phase.
+class SpinBarrier {
+ public:
+  void set_threads(int n) { n_ = n; }
+  void wait() {
+    const int phase = phase_.load(std::memory_order_relaxed);
+    if (count_.fetch_add(1, std::memory_order_acq_rel) + 1 == n_) {
+      count_.store(0, std::memory_order_relaxed);
+      phase_.store(phase + 1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; phase_.load(std::memory_order_acquire) == phase;) {
+      if (spins < kSpins) {
+        ++spins;
+#ifdef FERRUM_X86
+        _mm_pause();
+#endif
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+
+ private:
+  static constexpr int kSpins = 1 << 16;
+  alignas(64) std::atomic<int> count_{0};
+  alignas(64) std::atomic<int> phase_{0};
+  int n_ = 1;
+};
+
 struct StackLayer {
   at::Tensor ln1, ln2;
   double eps;
@@ -159,6 +197,22 @@ class DecodeStack : public torch::CustomClassHolder {
       C_ = C, I_ = I, D_ = D;
     }
     one_region_ = packed && (layers_.empty() || one_region_);
+    bool panels = true;
+    for (int i = 0; i < 4; ++i) panels = panels && bits[i] == 32 && L.lin[i].size() == 2u;
+    if (panels) {  // float linears on their packed panels: the widths the panels' region relies on
+      const at::ScalarType dt = L.lin[0][1].scalar_type();
+      const int64_t C = ln1.numel(), Wq = L.lin[0][0].size(0), D = Wq / (H_ + 2 * Hkv_), I = L.lin[3][0].size(1);
+      panels = (dt == at::kFloat || dt == at::kBFloat16) && ln1.scalar_type() == dt && ln2.scalar_type() == dt &&
+               ln1.dim() == 1 && ln2.dim() == 1 && ln2.numel() == C && Wq == (H_ + 2 * Hkv_) * D &&
+               L.lin[0][0].size(1) == C && L.lin[1][0].size(0) == C && L.lin[1][0].size(1) == H_ * D &&
+               L.lin[2][0].size(0) == 2 * I && L.lin[2][0].size(1) == C && L.lin[3][0].size(0) == C &&
+               (qk_norm.empty() || (qk_norm.size() == 2 && qk_norm[0].numel() == D && qk_norm[1].numel() == D &&
+                                    qk_norm[0].scalar_type() == dt && qk_norm[1].scalar_type() == dt));
+      for (int i = 0; i < 4; ++i) panels = panels && L.lin[i][1].scalar_type() == dt;
+      panels = panels && (layers_.empty() || (C == C_ && I == I_ && D == D_ && dt == panel_dtype_));
+      C_ = C, I_ = I, D_ = D, panel_dtype_ = dt;
+    }
+    panels_region_ = panels && (layers_.empty() || panels_region_);
     layers_.push_back(std::move(L));
   }
 
@@ -181,6 +235,11 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   bool one_region() const { return one_region_; }
+  // whether a step of a few rows whose linears are all float panels runs as one region
+  bool panels_region() const { return panels_region_; }
+  // whether steps of a few rows may run as one region (both kinds; off: a layer_step a
+  // layer, the same bits): for benchmarks and tests that compare the two
+  void set_regions(bool on) { regions_ = on; }
   // silu*up per row at any row count (layer_step's rows_silu): the batch-invariant model's
   void set_rows_silu(bool on) { rows_silu_ = on; }
   int64_t size() const { return int64_t(layers_.size()); }
@@ -192,9 +251,18 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(0 <= first && first <= last && last <= size(), "DecodeStack: layers ", first, "..", last, " of ", size());
     TORCH_CHECK(k_pool.dim() == 5 && v_pool.sizes() == k_pool.sizes() && k_pool.size(0) == size(),
                 "DecodeStack: the pool must be (layers, blocks, block_size, kv_heads, head_dim)");
-    if (lora == nullptr && one_region_ && x.dim() == 3 && x.scalar_type() == at::kFloat &&
+    if (lora == nullptr && regions_ && one_region_ && x.dim() == 3 && x.scalar_type() == at::kFloat &&
         x.size(0) * x.size(1) <= kStackRows && x.size(2) == C_ && k_pool.size(4) == D_)
       return forward_one_region(x, cos, sin, positions, k_pool, v_pool, write_slots, tables, first, last);
+    if (lora == nullptr && regions_ && panels_region_ && x.dim() == 3 && x.scalar_type() == panel_dtype_ &&
+        x.size(0) * x.size(1) <= kStackRows && x.size(2) == C_ && k_pool.size(4) == D_) {
+      const bool bf16 = panel_dtype_ == at::kBFloat16;
+      // the dot product reads rows of bfloat16 pairs: every linear's input width even
+      if (!panel_path(bf16).dot || (C_ % 2 == 0 && (H_ * D_) % 2 == 0 && I_ % 2 == 0))
+        return bf16 ? forward_panels<c10::BFloat16>(x, cos, sin, positions, k_pool, v_pool, write_slots, tables,
+                                                    first, last)
+                    : forward_panels<float>(x, cos, sin, positions, k_pool, v_pool, write_slots, tables, first, last);
+    }
     at::Tensor h = x;
     for (int64_t l = first; l < last; ++l) {
       const StackLayer& L = layers_[l];
@@ -208,11 +276,18 @@ class DecodeStack : public torch::CustomClassHolder {
   at::Tensor forward_one_region(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                 const at::Tensor& positions, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                 const at::Tensor& write_slots, const at::Tensor& tables, int64_t first, int64_t last);
+  template <typename E>
+  at::Tensor forward_panels(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                            const at::Tensor& positions, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                            const at::Tensor& write_slots, const at::Tensor& tables, int64_t first, int64_t last);
 
   std::vector<StackLayer> layers_;
   int64_t H_, Hkv_, D_ = 0, C_ = 0, I_ = 0;
   double scale_;
   bool one_region_ = false;
+  bool panels_region_ = false;
+  bool regions_ = true;
+  at::ScalarType panel_dtype_ = at::kFloat;
   bool rows_silu_ = false;
 };
 
@@ -238,9 +313,12 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
   const bool avx2 = avx2_on();
   const int isa = ferrum_qact::isa_level(), threads = at::get_num_threads();
   AttnPlan plan = attention_plan(args, threads);  // the same positions in every layer
+  SpinBarrier bar;
 #pragma omp parallel num_threads(threads)
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+#pragma omp single
+    bar.set_threads(nt);  // the team as formed (single's own barrier publishes it)
     auto mine = [&](int64_t n) { return std::pair<int64_t, int64_t>{n * tid / nt, n * (tid + 1) / nt}; };
     auto rms = [&](const float* in, const at::Tensor& w, int64_t c, double eps, float* out) {
       rms_on(avx2, in, w.data_ptr<float>(), c, float(eps), out);
@@ -270,9 +348,9 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
       const StackLayer& L = layers_[l];
       float *kc = kp + l * layer_floats, *vc = vp + l * layer_floats;
       norm_and_quantize(L, L.ln1, 0);
-#pragma omp barrier
+      bar.wait();
       linear(L, 0, qkv.data());
-#pragma omp barrier
+      bar.wait();
       {
         // o's weights (a thread's share: ~90 KB on SmolLM2) into L2 while RoPE and the
         // attention run, which leave memory idle: o's phase 206 -> 121 us a step,
@@ -291,20 +369,20 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
         rope_and_write<float>(args, qkv.data(), {T * Wq, Wq, D}, qkv.data() + H * D, {T * Wq, Wq, D},
                               qkv.data() + (H + Hkv) * D, {T * Wq, Wq, D}, cp, sp, slots, m0, m1, qf.data(), kc, vc);
       }
-#pragma omp barrier
+      bar.wait();
       {
         const auto [t0, t1] = attention_share(plan, tid, nt);
         attend_tasks<float>(args, plan, qf.data(), kc, vc, t0, t1, xn.data());  // xn: (M, H D) now
       }
-#pragma omp barrier
+      bar.wait();
       quantize_rows(L, 1, xn.data(), H * D);
-#pragma omp barrier
+      bar.wait();
       residual(linear(L, 1, y.data()));
-#pragma omp barrier
+      bar.wait();
       norm_and_quantize(L, L.ln2, 2);
-#pragma omp barrier
+      bar.wait();
       linear(L, 2, gu.data());
-#pragma omp barrier
+      bar.wait();
       {  // silu(gate) * up and its quantization, by blocks of 32
         const auto [b0, b1] = mine(M * I / 32);
         for (int64_t b = b0; b < b1; ++b) {
@@ -315,9 +393,134 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
         ferrum_qact::quantize_blocks(xn.data(), b0, b1, I, int(L.digits[3]), L.rotated[3] != 0, isa, X,
                                      scratch.data());
       }
-#pragma omp barrier
+      bar.wait();
       residual(linear(L, 3, y.data()));
-#pragma omp barrier
+      bar.wait();
+    }
+  }
+  return h;
+}
+
+// The step of a few rows when every linear is a float panel linear (the batch-
+// invariant float32 and bfloat16 models): one parallel region as above, each
+// linear's panels shared out (panel_range), norms, RoPE and the pool write by the
+// threads that own the rows, the attention's tasks by attention_share, silu*up by
+// blocks of 32.  Each output is the per-op path's arithmetic (rms_norm,
+// panel_linear, paged_attention, silu_mul_rows, the residual adds rounded as
+// ATen rounds a bfloat16 sum), so the bits equal layer_step's.
+template <typename E>
+at::Tensor DecodeStack::forward_panels(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                       const at::Tensor& positions, const at::Tensor& k_pool,
+                                       const at::Tensor& v_pool, const at::Tensor& write_slots,
+                                       const at::Tensor& tables, int64_t first, int64_t last) {
+  const int64_t B = x.size(0), Tn = x.size(1), M = B * Tn, C = C_, I = I_, H = H_, Hkv = Hkv_, D = D_;
+  const int64_t Wq = (H + 2 * Hkv) * D;
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.scalar_type() == x.scalar_type() &&
+              v_pool.scalar_type() == x.scalar_type() && k_pool.size(3) == Hkv, "DecodeStack: pool layers");
+  const PagedIndex ix = checked_index(positions, write_slots, tables, M, B, cos, sin, D, k_pool.size(1), k_pool.size(2));
+  at::Tensor h = x.contiguous().clone();  // (B, T, C): the residual stream, updated in place
+  if (M == 0) return h;
+  const PanelPath path = panel_path(std::is_same_v<E, c10::BFloat16>);
+  const bool widen = !std::is_same_v<E, float> && !path.dot;  // the tiles read bfloat16 rows widened to float32
+  const int64_t maxK = std::max({C, H * D, I});
+  std::vector<E> xn(M * maxK), qkv(M * Wq), gu(M * 2 * I), y(M * C);
+  std::vector<float> qf(M * H * D), xw(widen ? M * maxK : 0);
+  const AttnArgs args{B, Tn, H, Hkv, D, k_pool.size(2), ix.tab.size(1), ix.pos.data_ptr<int64_t>(),
+                      ix.tab.data_ptr<int64_t>(), float(scale_)};
+  const int64_t layer_elems = k_pool.stride(0), *slots = ix.slots.data_ptr<int64_t>();
+  E *hp = h.data_ptr<E>(), *kp = k_pool.data_ptr<E>(), *vp = v_pool.data_ptr<E>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const bool avx2 = avx2_on();
+  const int threads = at::get_num_threads();
+  AttnPlan plan = attention_plan(args, threads);  // the same positions in every layer
+  SpinBarrier bar;
+#pragma omp parallel num_threads(threads)
+  {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+#pragma omp single
+    bar.set_threads(nt);  // the team as formed (single's own barrier publishes it)
+    auto mine = [&](int64_t n) { return std::pair<int64_t, int64_t>{n * tid / nt, n * (tid + 1) / nt}; };
+    // elements [i0, i1) of `in` into xw, where the tiles read float32
+    auto widened = [&](const E* in, int64_t i0, int64_t i1) {
+      if (widen)
+        for (int64_t i = i0; i < i1; ++i) xw[i] = load(in[i]);
+    };
+    // linear i over the rows `in` (M, K): this thread's panels into out (M, N); its columns
+    auto linear = [&](const StackLayer& L, int i, const E* in, int64_t K, E* out) {
+      const at::Tensor& panels = L.lin[i][1];
+      const int64_t N = L.lin[i][0].size(0);
+      const auto [p0, p1] = mine(panels.size(0));
+      panel_range<E>(path, widen ? static_cast<const void*>(xw.data()) : in, K, M, panels, K, N, p0, p1, out);
+      return std::pair<int64_t, int64_t>{p0 * 16, std::min(p1 * 16, N)};
+    };
+    auto norm = [&](const at::Tensor& w, double eps) {  // h's rows into xn, by the threads that own them
+      const auto [m0, m1] = mine(M);
+      for (int64_t m = m0; m < m1; ++m) rms_on<E>(avx2, hp + m * C, w.data_ptr<E>(), C, float(eps), xn.data() + m * C);
+      widened(xn.data(), m0 * C, m1 * C);
+    };
+    auto residual = [&](std::pair<int64_t, int64_t> cols) {  // h += y over this thread's columns
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = cols.first; n < cols.second; ++n)
+          hp[m * C + n] = store<E>(load(hp[m * C + n]) + load(y[m * C + n]));
+    };
+    for (int64_t l = first; l < last; ++l) {
+      const StackLayer& L = layers_[l];
+      E *kc = kp + l * layer_elems, *vc = vp + l * layer_elems;
+      norm(L.ln1, L.eps);
+      bar.wait();
+      linear(L, 0, xn.data(), C, qkv.data());
+      bar.wait();
+      {
+#ifdef FERRUM_X86
+        {  // o's panels (this thread's share) into L2 while RoPE and the attention leave memory idle
+          const at::Tensor& panels = L.lin[1][1];
+          const int64_t bytes = panels.nbytes() / panels.size(0);
+          const auto [p0, p1] = mine(panels.size(0));
+          const char* base = static_cast<const char*>(panels.data_ptr()) + p0 * bytes;
+          const int64_t n = std::min((p1 - p0) * bytes, kPrefetchBytes);
+          for (int64_t i = 0; i < n; i += 64) _mm_prefetch(base + i, _MM_HINT_T1);
+        }
+#endif
+        const auto [m0, m1] = mine(M);
+        if (!L.qk_norm.empty())  // Qwen3: RMSNorm over each head's D before RoPE
+          for (int64_t m = m0; m < m1; ++m)
+            for (int64_t hd = 0; hd < H + Hkv; ++hd) {
+              E* head = qkv.data() + m * Wq + hd * D;
+              rms_on<E>(avx2, head, L.qk_norm[hd < H ? 0 : 1].data_ptr<E>(), D, float(L.eps), head);
+            }
+        rope_and_write<E>(args, qkv.data(), {Tn * Wq, Wq, D}, qkv.data() + H * D, {Tn * Wq, Wq, D},
+                          qkv.data() + (H + Hkv) * D, {Tn * Wq, Wq, D}, cp, sp, slots, m0, m1, qf.data(), kc, vc);
+      }
+      bar.wait();
+      {
+        const auto [t0, t1] = attention_share(plan, tid, nt);
+        attend_tasks<E>(args, plan, qf.data(), kc, vc, t0, t1, xn.data());  // xn: (M, H D) now
+      }
+      bar.wait();
+      if (widen) {
+        const auto [m0, m1] = mine(M);
+        widened(xn.data(), m0 * H * D, m1 * H * D);
+        bar.wait();
+      }
+      residual(linear(L, 1, xn.data(), H * D, y.data()));
+      bar.wait();
+      norm(L.ln2, L.eps);
+      bar.wait();
+      linear(L, 2, xn.data(), C, gu.data());
+      bar.wait();
+      {  // silu(gate) * up by blocks of 32 (a row's vector loops and tail as silu_mul_rows runs them)
+        const int64_t per_row = (I + 31) / 32;
+        const auto [b0, b1] = mine(M * per_row);
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t m = b / per_row, c = b % per_row * 32, n = std::min<int64_t>(32, I - c);
+          const E* g = gu.data() + m * 2 * I + c;
+          silu_mul_on<E>(avx2, g, g + I, n, xn.data() + m * I + c);
+          widened(xn.data(), m * I + c, m * I + c + n);
+        }
+      }
+      bar.wait();
+      residual(linear(L, 3, xn.data(), I, y.data()));
+      bar.wait();
     }
   }
   return h;
@@ -344,7 +547,9 @@ TORCH_LIBRARY(ferrum_fused, m) {
       .def("forward", &ferrum_fused::DecodeStack::forward)
       .def("forward_lora", &ferrum_fused::DecodeStack::forward_lora)
       .def("set_rows_silu", &ferrum_fused::DecodeStack::set_rows_silu)
+      .def("set_regions", &ferrum_fused::DecodeStack::set_regions)
       .def("one_region", &ferrum_fused::DecodeStack::one_region)
+      .def("panels_region", &ferrum_fused::DecodeStack::panels_region)
       .def("size", &ferrum_fused::DecodeStack::size);
   m.def("decode_layer(Tensor x, Tensor ln1, Tensor ln2, float eps, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, "
         "Tensor[] down, int[] bits, int[] digits, int[] rotated, Tensor[] qk_norm, Tensor cos, Tensor sin, "

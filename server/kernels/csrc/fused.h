@@ -62,6 +62,19 @@ at::Tensor linear_rows_with(const at::Tensor& x, const at::Tensor& weight, RowsH
 // panel_gemm.cpp: weight (N, K) packed once; x (..., K) times it -> (..., N), each output one chain over K.
 at::Tensor pack_panels(const at::Tensor& weight);
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N);
+// Which tiles panel_linear runs now: bfloat16 by the dot product (x read as
+// bfloat16 pairs, rows of even width) or by fused multiply-adds (x read as float32).
+struct PanelPath {
+  bool bf16, dot;
+  int isa;
+};
+PanelPath panel_path(bool bf16);
+// panel_linear's outputs of panels [p0, p1) (columns [16 p0, 16 p1) & N) for M rows
+// xs (row stride ldx, as `path` reads them) into y (M, N): the same bits however
+// the panels are shared out.
+template <typename T>
+void panel_range(const PanelPath& path, const void* xs, int64_t ldx, int64_t M, const at::Tensor& panels, int64_t K,
+                 int64_t N, int64_t p0, int64_t p1, T* y);
 
 // ---- attention.cpp ------------------------------------------------------------------
 struct AttnArgs {

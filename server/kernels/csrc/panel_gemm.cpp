@@ -59,6 +59,22 @@ constexpr int panels_for(int mr, int acc, int per_panel) {
 }
 
 #ifdef FERRUM_X86
+// One or two rows stream their NP panels at memory speed only with the lines asked
+// for ahead: the tile reads NP streams a cache line each per step, the hardware
+// prefetcher stops at every 4 KiB page, and a step's small linears end before it
+// has found its pace.  Each step asks for every panel's line kAhead steps on (past
+// a panel's end: the next panel's start, harmless past the weight's end too, since
+// a prefetch does not fault).  Rows past two reuse each line enough to hide the wait.
+constexpr int64_t kAhead = 24;  // steps (a panel's cache lines) ahead
+template <int MR, int NP, typename E>
+FERRUM_INLINE void ask_ahead(const E* w, int64_t ps, int64_t at) {
+  if constexpr (MR <= 2)
+    for (int j = 0; j < NP; ++j)
+      _mm_prefetch(reinterpret_cast<const char*>(w + j * ps + at + kAhead * (64 / int64_t(sizeof(E)))), _MM_HINT_T1);
+}
+#endif
+
+#ifdef FERRUM_X86
 // ---- AVX-512F: float32 weights, or bfloat16 pairs by fused multiply-adds ------------
 struct Avx512 {
   static constexpr int kRows = 8;
@@ -72,6 +88,7 @@ struct Avx512 {
     if constexpr (!BF) {
       const float* w = static_cast<const float*>(a.w);
       for (int64_t k = 0; k < a.K; ++k) {
+        ask_ahead<MR, NP>(w, a.ps, k * kCols);
         __m512 b[NP];
         for (int j = 0; j < NP; ++j) b[j] = _mm512_loadu_ps(w + j * a.ps + k * kCols);
         for (int r = 0; r < MR; ++r) {
@@ -84,6 +101,7 @@ struct Avx512 {
       const __m512i high = _mm512_set1_epi32(int32_t(0xFFFF0000u));
       int64_t k = 0;
       for (; k + 2 <= a.K; k += 2) {  // pair k / 2: k's products for every row, then k + 1's
+        ask_ahead<MR, NP>(w, a.ps, k * kCols);
         __m512 b[NP];
         for (int j = 0; j < NP; ++j)
           b[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(w + j * a.ps + k * kCols), 16));
@@ -129,6 +147,7 @@ struct Dot {
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_setzero_ps();
     for (int64_t k = 0; k < a.K; k += 2) {
+      ask_ahead<MR, NP>(w, a.ps, k * kCols);
       __m512i b[NP];
       for (int j = 0; j < NP; ++j) b[j] = _mm512_loadu_si512(w + j * a.ps + k * kCols);
       for (int r = 0; r < MR; ++r) {
@@ -171,6 +190,7 @@ struct Avx2 {
     if constexpr (!BF) {
       const float* w = static_cast<const float*>(a.w);
       for (int64_t k = 0; k < a.K; ++k) {
+        ask_ahead<MR, NP>(w, a.ps, k * kCols);
         for (int j = 0; j < V; ++j) b[j] = _mm256_loadu_ps(w + (j / 2) * a.ps + k * kCols + (j % 2) * 8);
         step<MR, V>(acc, b, x, a.ldx, k);
       }
@@ -179,6 +199,7 @@ struct Avx2 {
       const __m256i high = _mm256_set1_epi32(int32_t(0xFFFF0000u));
       int64_t k = 0;
       for (; k + 2 <= a.K; k += 2) {
+        ask_ahead<MR, NP>(w, a.ps, k * kCols);
         for (int j = 0; j < V; ++j) b[j] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs(w, a.ps, j, k), 16));
         step<MR, V>(acc, b, x, a.ldx, k);
         for (int j = 0; j < V; ++j) b[j] = _mm256_castsi256_ps(_mm256_and_si256(pairs(w, a.ps, j, k), high));
@@ -281,6 +302,28 @@ bool dot_on() {
 // Allows (or not) the dot product for bfloat16; returns whether it was allowed.
 bool set_panel_dot(bool allowed) { return g_dot_allowed.exchange(allowed); }
 
+PanelPath panel_path(bool bf16) { return {bf16, bf16 && dot_on(), ferrum_active_isa()}; }
+
+template <typename T>
+void panel_range(const PanelPath& path, const void* xs, int64_t ldx, int64_t M, const at::Tensor& panels, int64_t K,
+                 int64_t N, int64_t p0, int64_t p1, T* y) {
+  const int64_t P = panels.size(0), ps = panels.numel() / P;
+  const char* xp = static_cast<const char*>(xs);
+  const char* wp = static_cast<const char*>(panels.data_ptr());
+  const int64_t xe = path.dot ? 2 : 4, we = panels.element_size();
+  auto range = [&](auto tiles) { panels_range<decltype(tiles), T>(xp, xe, ldx, M, wp, we, ps, K, N, p0, p1, y); };
+#ifdef FERRUM_X86
+  if (path.dot) return range(Dot{});
+  if (path.isa >= 2) return path.bf16 ? range(Avx512Of<true>{}) : range(Avx512Of<false>{});
+  if (path.isa >= 1) return path.bf16 ? range(Avx2Of<true>{}) : range(Avx2Of<false>{});
+#endif
+  path.bf16 ? range(Portable<true>{}) : range(Portable<false>{});
+}
+template void panel_range<float>(const PanelPath&, const void*, int64_t, int64_t, const at::Tensor&, int64_t, int64_t,
+                                 int64_t, int64_t, float*);
+template void panel_range<c10::BFloat16>(const PanelPath&, const void*, int64_t, int64_t, const at::Tensor&, int64_t,
+                                         int64_t, int64_t, int64_t, c10::BFloat16*);
+
 // weight (N, K) float32 or bfloat16, contiguous -> panel_linear's packed panels.
 at::Tensor pack_panels(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
@@ -313,39 +356,22 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
   shape.back() = N;
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out.view(shape);
-  const bool dot = bf16 && dot_on();
+  const PanelPath path = panel_path(bf16);
   // the rows as the tiles read them: bfloat16 pairs (an odd K padded) for the dot
   // product, float32 for the fused multiply-adds
   at::Tensor xs;
-  if (dot && K % 2) {
+  if (path.dot && K % 2) {
     xs = at::zeros({M, K + 1}, x2d.options());
     xs.narrow(1, 0, K).copy_(x2d);
   } else {
-    xs = dot ? x2d : x2d.to(at::kFloat);
+    xs = path.dot ? x2d : x2d.to(at::kFloat);
   }
-  const int64_t ldx = xs.size(1), ps = panels.numel() / P;
-  const char* xp = static_cast<const char*>(xs.data_ptr());
-  const char* wp = static_cast<const char*>(panels.data_ptr());
-  const int64_t xe = xs.element_size(), we = panels.element_size();
-  const int isa = ferrum_active_isa();
-  auto run = [&](auto* y) {
-    using T = std::remove_pointer_t<decltype(y)>;
-    auto range = [&](auto path, int64_t b, int64_t e) {
-      panels_range<decltype(path), T>(xp, xe, ldx, M, wp, we, ps, K, N, b, e, y);
-    };
-    // a thread's share: whole groups of panels, at least a few per thread
-    const int64_t grain = std::max<int64_t>(4, 2 * kMaxPanels * 64 / std::max<int64_t>(M, 64));
-    at::parallel_for(0, P, grain, [&](int64_t b, int64_t e) {
-#ifdef FERRUM_X86
-      if (dot) return range(Dot{}, b, e);
-      if (isa >= 2) return bf16 ? range(Avx512Of<true>{}, b, e) : range(Avx512Of<false>{}, b, e);
-      if (isa >= 1) return bf16 ? range(Avx2Of<true>{}, b, e) : range(Avx2Of<false>{}, b, e);
-#endif
-      bf16 ? range(Portable<true>{}, b, e) : range(Portable<false>{}, b, e);
-    });
-  };
-  if (bf16) run(out.data_ptr<c10::BFloat16>());
-  else run(out.data_ptr<float>());
+  // a thread's share: whole groups of panels, at least a few per thread
+  const int64_t grain = std::max<int64_t>(4, 2 * kMaxPanels * 64 / std::max<int64_t>(M, 64));
+  at::parallel_for(0, P, grain, [&](int64_t b, int64_t e) {
+    if (bf16) panel_range(path, xs.data_ptr(), xs.size(1), M, panels, K, N, b, e, out.data_ptr<c10::BFloat16>());
+    else panel_range(path, xs.data_ptr(), xs.size(1), M, panels, K, N, b, e, out.data_ptr<float>());
+  });
   return out.view(shape);
 }
 

@@ -40,6 +40,8 @@ void rms_on(bool avx2, const T* x, const T* w, int64_t c, float eps, T* y) {
   avx2 ? rms_avx2(x, w, c, eps, y) : rms_portable(x, w, c, eps, y);
 }
 template void rms_on<float>(bool, const float*, const float*, int64_t, float, float*);
+template void rms_on<c10::BFloat16>(bool, const c10::BFloat16*, const c10::BFloat16*, int64_t, float,
+                                   c10::BFloat16*);
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: x and weight dtypes differ");

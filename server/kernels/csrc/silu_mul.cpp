@@ -82,6 +82,7 @@ void silu_mul_on(bool avx2, const T* g, const T* u, int64_t n, T* y) {
   avx2 ? silu_mul_avx2(g, u, n, y) : silu_mul_portable(g, u, n, y);
 }
 template void silu_mul_on<float>(bool, const float*, const float*, int64_t, float*);
+template void silu_mul_on<c10::BFloat16>(bool, const c10::BFloat16*, const c10::BFloat16*, int64_t, c10::BFloat16*);
 
 // gate_up (..., 2n) = [gate | up] -> silu(gate) * up (..., n)
 // silu(gate) * up on this file's loops for every row, whatever the row count: one
