@@ -13,7 +13,7 @@ import torch
 
 from ferrum_rpc.types import ChosenToken, TokenLogprob
 
-__all__ = ["ChosenTokens", "Step", "log_normaliser", "row_index", "row_max", "take_rows"]
+__all__ = ["ChosenTokens", "Step", "greedy_stats", "log_normaliser", "row_index", "row_max", "take_rows"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,26 @@ def row_index(rows: list[int], batch: int):
 def take_rows(t: torch.Tensor, index) -> torch.Tensor:
     """t's rows at ``index`` (from :func:`row_index`): t itself for a slice."""
     return t if isinstance(index, slice) else t[index]
+
+
+_GREEDY_ROWS = None
+
+
+def greedy_stats(x: torch.Tensor):
+    """x (R, V) float32 on the CPU -> (first index of each row's largest, largest,
+    smallest, log-normaliser), each (R,), from the fused op (csrc/greedy.cpp: one pass,
+    each row's sums in one fixed order); None where that op is not loaded or x is
+    another kind of tensor (the torch ops serve then)."""
+    global _GREEDY_ROWS
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] == 0
+            or x.requires_grad):
+        return None
+    if _GREEDY_ROWS is None:
+        try:
+            _GREEDY_ROWS = torch.ops.ferrum_fused.greedy_rows
+        except (AttributeError, RuntimeError):  # the kernels are not built or loaded in this process
+            return None
+    return _GREEDY_ROWS(x)
 
 
 def log_normaliser(x: torch.Tensor, top: torch.Tensor | None = None) -> torch.Tensor:

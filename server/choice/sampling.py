@@ -62,7 +62,7 @@ from ferrum_rpc.types import ChosenToken, LogprobsMode, TokenChoice
 
 from .candidates import routes, sample_candidate_rows
 from .draws import draw, uniforms
-from .rows import ChosenTokens, Step, log_normaliser, row_index, row_max, take_rows
+from .rows import ChosenTokens, Step, greedy_stats, log_normaliser, row_index, row_max, take_rows
 from .shaping import held_finite, shape_logits
 
 __all__ = ["accept_drafts", "choose_tokens"]
@@ -96,13 +96,17 @@ def choose_tokens(
     batch, vocab = logits.shape
     if len(choices) != batch or len(positions) != batch:
         raise ValueError(f"{batch} rows but {len(choices)} choices and {len(positions)} positions")
-    logits, failed = held_finite(logits)
+    stats = greedy_stats(logits) if routes(choices, vocab)[0] else None  # greedy rows: one pass over every row
+    held, failed = held_finite(logits, None if stats is None else (stats[2], stats[1]))
+    if held is not logits:
+        stats = None  # computed over the rows before they were held
+    logits = held
     shaped, touched = shape_logits(logits, choices, prompt_token_ids, output_token_ids)
     n = min(max(c.top_logprobs for c in choices), vocab)
     step = Step(batch, n, any(c.top_logprobs and c.logprobs_mode is LogprobsMode.PROCESSED for c in choices))
     greedy, narrow, wide = routes(choices, vocab)
     if greedy:
-        _choose_greedy(shaped, greedy, touched, step)
+        _choose_greedy(shaped, greedy, touched, step, stats if shaped is logits else None)
     if narrow:
         wide = sorted(wide + sample_candidate_rows(shaped, narrow, choices, positions, step))
     if wide:
@@ -144,13 +148,23 @@ def accept_drafts(
     return kept, chosen[:kept + 1]
 
 
-def _choose_greedy(shaped, rows: list[int], touched: list[bool], step: Step) -> None:
-    """Step 3: the argmax of the penalised, biased, masked logits."""
+def _choose_greedy(shaped, rows: list[int], touched: list[bool], step: Step, stats=None) -> None:
+    """Step 3: the argmax of the penalised, biased, masked logits.  ``stats``:
+    :func:`greedy_stats` of ``shaped``'s rows, where the caller has them.  Every greedy
+    row takes that op where it is loaded, so a row's logprob bits do not depend on the
+    rows beside it."""
     index = row_index(rows, shaped.shape[0])
     x = take_rows(shaped, index)
-    largest, tokens = row_max(x)
-    tokens = tokens.squeeze(-1)
-    log_norm = log_normaliser(x, largest)
+    if stats is None:
+        stats = greedy_stats(x)
+    elif not isinstance(index, slice):
+        stats = tuple(t[index] for t in stats)
+    if stats is not None:
+        tokens, log_norm = stats[0], stats[3]
+    else:
+        largest, tokens = row_max(x)
+        tokens = tokens.squeeze(-1)
+        log_norm = log_normaliser(x, largest)
     chosen = x.gather(1, tokens.unsqueeze(-1)).squeeze(-1) - log_norm
     top, top_ids = x.topk(step.n, -1) if step.n else (None, None)
     step.put(index, tokens, chosen, log_norm, None if top is None else top - log_norm.unsqueeze(-1), top_ids)

@@ -23,20 +23,21 @@ __all__ = ["LOGIT_LIMIT", "held_finite", "penalise_counts", "shape_logits", "unp
 LOGIT_LIMIT = 1e30
 
 
-def held_finite(logits: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+def held_finite(logits: torch.Tensor, low_high=None) -> tuple[torch.Tensor, tuple[int, ...]]:
     """(R, V) float32 -> the rows to choose from, and the rows that hold a NaN or an
     infinity.  Those rows are zeroed (every path stays defined on them; their results
     are discarded) and rows past +-LOGIT_LIMIT are held to it: a row's max and min, and a
     copy only when some row needs either.  amax and amin, not aminmax: ATen's aminmax
-    over the last dim is several times slower on the CPU."""
-    low, high = logits.amin(-1), logits.amax(-1)  # a NaN anywhere in a row makes both NaN
-    bad = ~(torch.isfinite(low) & torch.isfinite(high))
-    wide = (low < -LOGIT_LIMIT) | (high > LOGIT_LIMIT)
-    if not bool((bad | wide).any()):
+    over the last dim is several times slower on the CPU.  ``low_high``: each row's
+    smallest and largest, where the caller has them (both NaN for a row holding a NaN)."""
+    low, high = low_high or (logits.amin(-1), logits.amax(-1))  # a NaN anywhere in a row makes both NaN
+    low, high = low.cpu().numpy(), high.cpu().numpy()  # (R,): numpy's few calls, not ~10 torch ops
+    bad = ~(np.isfinite(low) & np.isfinite(high))
+    if not (bad.any() or (low < -LOGIT_LIMIT).any() or (high > LOGIT_LIMIT).any()):
         return logits, ()
     held = logits.clamp(-LOGIT_LIMIT, LOGIT_LIMIT)
-    held[bad] = 0.0
-    return held, tuple(bad.nonzero().squeeze(-1).tolist())
+    held[torch.from_numpy(bad).to(held.device)] = 0.0
+    return held, tuple(np.flatnonzero(bad).tolist())
 
 
 def unpack_rows(masks: list[bytes], vocab_size: int) -> torch.Tensor:

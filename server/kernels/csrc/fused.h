@@ -13,6 +13,8 @@
 //                     outer-product GEMM over packed weight panels, one chain per output
 //   decode_stack.cpp  decode_layer (a whole decoder layer) and DecodeStack (a model's
 //                     layers, a decode step one call), built from the ops above
+//   greedy.cpp        greedy_rows: a row of logits' largest value and its index, its
+//                     smallest value and its log-normaliser, one pass (token choice)
 //   lora.cpp          LoraAdapter, LoraBatch: LoRA deltas per row, each row its own
 //                     adapter, after a projection (lora.h; the decode stack calls them)
 //
