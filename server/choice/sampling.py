@@ -96,15 +96,21 @@ def choose_tokens(
     batch, vocab = logits.shape
     if len(choices) != batch or len(positions) != batch:
         raise ValueError(f"{batch} rows but {len(choices)} choices and {len(positions)} positions")
-    stats = greedy_stats(logits) if routes(choices, vocab)[0] else None  # greedy rows: one pass over every row
+    greedy, narrow, wide = routes(choices, vocab)
+    stats = greedy_stats(logits) if greedy else None  # greedy rows: one pass over every row
     held, failed = held_finite(logits, None if stats is None else (stats[2], stats[1]))
     if held is not logits:
         stats = None  # computed over the rows before they were held
+    elif stats is not None and len(greedy) == batch and all(_plain(c) for c in choices):
+        # every row greedy, unshaped, no top logprobs: the token's logprob is its logit (the
+        # row's largest) less the normaliser in either mode, as the steps below give it
+        ids, largest, _, log_norm = stats
+        none = torch.zeros(batch, 0)
+        return ChosenTokens(ids, largest - log_norm, none.long(), none, (0,) * batch)
     logits = held
     shaped, touched = shape_logits(logits, choices, prompt_token_ids, output_token_ids)
     n = min(max(c.top_logprobs for c in choices), vocab)
     step = Step(batch, n, any(c.top_logprobs and c.logprobs_mode is LogprobsMode.PROCESSED for c in choices))
-    greedy, narrow, wide = routes(choices, vocab)
     if greedy:
         _choose_greedy(shaped, greedy, touched, step, stats if shaped is logits else None)
     if narrow:
@@ -146,6 +152,12 @@ def accept_drafts(
     while kept < len(drafts) and chosen[kept].token_id == drafts[kept]:
         kept += 1
     return kept, chosen[:kept + 1]
+
+
+def _plain(c: TokenChoice) -> bool:
+    """Whether a row's choice leaves its logits as they are and lists no top logprobs."""
+    return not (c.top_logprobs or c.logit_bias or c.allowed_token_bitmask or c.repetition_penalty != 1
+                or c.presence_penalty or c.frequency_penalty)
 
 
 def _choose_greedy(shaped, rows: list[int], touched: list[bool], step: Step, stats=None) -> None:
