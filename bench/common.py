@@ -107,9 +107,10 @@ def served(model_dir: str, dtype: str, extra: tuple[str, ...] = (), kv_tokens: i
 
 
 def write_results(name: str, records: list[dict], meta: dict | None = None) -> Path:
-    """``records`` and the run's facts (torch, threads, machine, time, and ``meta``) as JSON."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    """``records`` and the run's facts (torch, threads, machine, time, and ``meta``) as JSON:
+    ``bench/results/<name>.json``, or ``name`` itself where it is a path ending in .json."""
+    path = Path(name) if name.endswith(".json") else RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
             "processor": platform.processor(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **(meta or {})}
     path.write_text(json.dumps({"meta": meta, "records": records}, indent=2))
