@@ -161,6 +161,23 @@ struct StackLayer {
   ferrum_qact::Packed packed[4];  // where bits < 0
 };
 
+// A region's rows [m0, m1) of q|k|v (M, (H + 2 Hkv) D) after the qkv linear, in
+// place: Qwen3's RMSNorm over each head (where the layer has q/k norms), then RoPE
+// (the queries into qf) and the new keys and values written into the pool layer.
+template <typename E>
+void norm_rope_rows(const AttnArgs& a, const StackLayer& L, bool avx2, E* qkv, int64_t m0, int64_t m1,
+                    const float* cp, const float* sp, const int64_t* slots, float* qf, E* kc, E* vc) {
+  const int64_t H = a.H, Hkv = a.Hkv, D = a.D, Wq = (H + 2 * Hkv) * D;
+  if (!L.qk_norm.empty())
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t hd = 0; hd < H + Hkv; ++hd) {
+        E* head = qkv + m * Wq + hd * D;
+        rms_on<E>(avx2, head, L.qk_norm[hd < H ? 0 : 1].data_ptr<E>(), D, float(L.eps), head);
+      }
+  const Heads rows{a.T * Wq, Wq, D};
+  rope_and_write<E>(a, qkv, rows, qkv + H * D, rows, qkv + (H + Hkv) * D, rows, cp, sp, slots, m0, m1, qf, kc, vc);
+}
+
 class DecodeStack : public torch::CustomClassHolder {
  public:
   DecodeStack(int64_t num_heads, int64_t num_kv_heads, double scale)
@@ -360,14 +377,7 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
         const auto [o0, o1] = mine(L.packed[1].U);
         ferrum_qact::prefetch_units(L.packed[1], int(-L.bits[1]), o0, o1, kPrefetchBytes);
         const auto [m0, m1] = mine(M);
-        if (!L.qk_norm.empty())  // Qwen3: RMSNorm over each head's D before RoPE
-          for (int64_t m = m0; m < m1; ++m)
-            for (int64_t hd = 0; hd < H + Hkv; ++hd) {
-              float* head = qkv.data() + m * Wq + hd * D;
-              rms(head, L.qk_norm[hd < H ? 0 : 1], D, L.eps, head);
-            }
-        rope_and_write<float>(args, qkv.data(), {T * Wq, Wq, D}, qkv.data() + H * D, {T * Wq, Wq, D},
-                              qkv.data() + (H + Hkv) * D, {T * Wq, Wq, D}, cp, sp, slots, m0, m1, qf.data(), kc, vc);
+        norm_rope_rows<float>(args, L, avx2, qkv.data(), m0, m1, cp, sp, slots, qf.data(), kc, vc);
       }
       bar.wait();
       {
@@ -482,14 +492,7 @@ at::Tensor DecodeStack::forward_panels(const at::Tensor& x, const at::Tensor& co
         }
 #endif
         const auto [m0, m1] = mine(M);
-        if (!L.qk_norm.empty())  // Qwen3: RMSNorm over each head's D before RoPE
-          for (int64_t m = m0; m < m1; ++m)
-            for (int64_t hd = 0; hd < H + Hkv; ++hd) {
-              E* head = qkv.data() + m * Wq + hd * D;
-              rms_on<E>(avx2, head, L.qk_norm[hd < H ? 0 : 1].data_ptr<E>(), D, float(L.eps), head);
-            }
-        rope_and_write<E>(args, qkv.data(), {Tn * Wq, Wq, D}, qkv.data() + H * D, {Tn * Wq, Wq, D},
-                          qkv.data() + (H + Hkv) * D, {Tn * Wq, Wq, D}, cp, sp, slots, m0, m1, qf.data(), kc, vc);
+        norm_rope_rows<E>(args, L, avx2, qkv.data(), m0, m1, cp, sp, slots, qf.data(), kc, vc);
       }
       bar.wait();
       {

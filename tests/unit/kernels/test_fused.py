@@ -221,7 +221,7 @@ def qact_cap(request, ops):
 @pytest.mark.parametrize("arch,quantize", [("llama", "w4a8"), ("llama-q4", "w8a8"), ("qwen3", "int4"),
                                            ("qwen3", "w8a8")])
 def test_decode_stack_in_one_region_equals_decode_layer_per_layer(tiny_llama_dir, tiny_qwen3_dir, tiny_q4_llama_dir,
-                                                                   arch, quantize, qact_cap):
+                                                                   arch, quantize, qact_cap, stack_cases):
     """DecodeStack runs a step of up to 4 rows as one parallel region (the threads
     share out each phase, meeting at barriers); each output is the same kernel's
     arithmetic as decode_layer's, so the hidden states and the pool's new K and V
@@ -235,25 +235,13 @@ def test_decode_stack_in_one_region_equals_decode_layer_per_layer(tiny_llama_dir
     model = TorchExecutor.from_path("tiny", model_dir, config).model
     stack, layers, cfg = model.layer_ops, model._whole_layer_args(), model.config
     assert stack.one_region() and stack.size() == len(layers) == 2
-    gen = torch.Generator().manual_seed(3)
-    bs, blocks = 4, 12
-    pool = [torch.randn(2, blocks, bs, cfg.num_kv_heads, cfg.head_dim, generator=gen) for _ in range(2)]
-    for B, T in [(1, 1), (2, 1), (1, 3), (2, 2), (5, 1)]:
-        x = torch.randn(B, T, cfg.hidden_size, generator=gen)
-        tables = torch.stack([torch.randperm(blocks, generator=gen)[:3] for _ in range(B)])  # (B, 3)
-        positions = torch.stack([torch.arange(T) + 2 + 3 * b % 7 for b in range(B)])  # (B, T), inside 3 blocks
-        slots = (tables.gather(1, positions // bs) * bs + positions % bs).reshape(-1)
-        step = (model.rope_cos, model.rope_sin, positions)
-        for first, last in [(0, 2), (1, 2)]:
-            want_k, want_v, want = pool[0].clone(), pool[1].clone(), x
-            for i in range(first, last):
-                want = torch.ops.ferrum_fused.decode_layer(
-                    want, *layers[i], *step, want_k[i], want_v[i], slots, tables, cfg.num_heads, cfg.num_kv_heads,
-                    1 / cfg.head_dim ** 0.5)
-            got_k, got_v = pool[0].clone(), pool[1].clone()
-            got = stack.forward(x, *step, got_k, got_v, slots, tables, first, last)
-            assert torch.equal(got, want), (B, T, first, last)
-            assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    for c in stack_cases(model, [(1, 1), (2, 1), (1, 3), (2, 2), (5, 1)], 3):
+        got_k, got_v = c.pool[0].clone(), c.pool[1].clone()
+        got = stack.forward(c.x, *c.step, got_k, got_v, c.slots, c.tables, c.first, c.last)
+        assert torch.equal(got, c.want), (c.B, c.T, c.first, c.last)
+        assert torch.equal(got_k, c.want_k) and torch.equal(got_v, c.want_v)
+    x, step, pool, slots, tables = c.x, c.step, c.pool, c.slots, c.tables  # the last case's
+    positions = step[2]
     with pytest.raises(RuntimeError, match="layers 1..3 of 2"):
         stack.forward(x, *step, got_k, got_v, slots, tables, 1, 3)
     with pytest.raises(RuntimeError, match="cos/sin must be"):  # a sin table shorter than cos

@@ -162,7 +162,7 @@ def test_an_invariant_model_runs_panel_linear_and_its_whole_layer_op_gives_the_p
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_panels_step_in_one_region_equals_decode_layer_per_layer(tiny_llama_dir, tiny_qwen3_dir, ops, isa, dot,
-                                                                     arch, dtype):
+                                                                     arch, dtype, stack_cases):
     """An invariant float model's step of up to 4 rows runs as one parallel region
     (each linear's panels shared out between the threads, meeting at barriers); each
     output is the per-op path's arithmetic, so the hidden states and the pool's new
@@ -174,31 +174,18 @@ def test_the_panels_step_in_one_region_equals_decode_layer_per_layer(tiny_llama_
     model_dir = {"llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir}[arch]
     model = TorchExecutor.from_path("tiny", model_dir, ExecutorConfig(kv_tokens=64, dtype=dtype,
                                                                       batch_invariant=True)).model
-    stack, layers, cfg = model.layer_ops, model._whole_layer_args(), model.config
-    assert stack.panels_region() and not stack.one_region() and stack.size() == len(layers) == 2
-    gen = torch.Generator().manual_seed(5)
-    bs, blocks, dt = 4, 12, getattr(torch, dtype)
-    pool = [torch.randn(2, blocks, bs, cfg.num_kv_heads, cfg.head_dim, generator=gen).to(dt) for _ in range(2)]
+    stack = model.layer_ops
+    assert stack.panels_region() and not stack.one_region() and stack.size() == 2
     threads = torch.get_num_threads()
     try:
-        for B, T in [(1, 1), (2, 1), (1, 3), (2, 2)]:
-            x = torch.randn(B, T, cfg.hidden_size, generator=gen).to(dt)
-            tables = torch.stack([torch.randperm(blocks, generator=gen)[:3] for _ in range(B)])  # (B, 3)
-            positions = torch.stack([torch.arange(T) + 2 + 3 * b % 7 for b in range(B)])  # (B, T), inside 3 blocks
-            slots = (tables.gather(1, positions // bs) * bs + positions % bs).reshape(-1)
-            step = (model.rope_cos, model.rope_sin, positions)
-            for first, last in [(0, 2), (1, 2)]:
-                want_k, want_v, want = pool[0].clone(), pool[1].clone(), x
-                for i in range(first, last):
-                    want = ops.decode_layer(want, *layers[i], *step, want_k[i], want_v[i], slots, tables,
-                                            cfg.num_heads, cfg.num_kv_heads, 1 / cfg.head_dim ** 0.5)
-                for n, regions in ((1, True), (2, True), (2, False)):  # off: a layer_step a layer
-                    torch.set_num_threads(n)
-                    stack.set_regions(regions)
-                    got_k, got_v = pool[0].clone(), pool[1].clone()
-                    got = stack.forward(x, *step, got_k, got_v, slots, tables, first, last)
-                    assert torch.equal(got, want), (B, T, first, last, n, regions)
-                    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+        for c in stack_cases(model, [(1, 1), (2, 1), (1, 3), (2, 2)], 5, getattr(torch, dtype)):
+            for n, regions in ((1, True), (2, True), (2, False)):  # off: a layer_step a layer
+                torch.set_num_threads(n)
+                stack.set_regions(regions)
+                got_k, got_v = c.pool[0].clone(), c.pool[1].clone()
+                got = stack.forward(c.x, *c.step, got_k, got_v, c.slots, c.tables, c.first, c.last)
+                assert torch.equal(got, c.want), (c.B, c.T, c.first, c.last, n, regions)
+                assert torch.equal(got_k, c.want_k) and torch.equal(got_v, c.want_v)
     finally:
         torch.set_num_threads(threads)
         stack.set_regions(True)
