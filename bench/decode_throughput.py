@@ -11,7 +11,9 @@ token), each figure the median of several runs.
 Variants: ``float32``, ``bfloat16``, ``int8`` / ``int4`` (our weight-only
 ``--quantize``, float32 activations) and ``w8a8`` / ``w4a8`` (the same weights,
 activations quantized to int8 per block and multiplied in integers); the
-quantized variants' transformers reference is float32.
+quantized variants' transformers reference is float32.  A variant may name the
+KV pool's dtype after it (``w4a8+kv=bfloat16``: ``--kv-dtype bfloat16``); such a
+variant has no transformers rows (its KV differs from the reference's).
 ``llama.cpp`` runs the same GGUF file at every batch size (its batch API, one
 ``llama_decode`` a step over all sequences) from its own cached environment (``python -m bench.llama_cpp --setup`` builds it once); while
 ``llama.cpp`` is among ``--systems`` (the default) a missing or failing anchor stops
@@ -303,18 +305,20 @@ def main(argv: list[str] | None = None) -> None:
             len(prompts), len(prompts[0]), steps + 1, 1, warmup=False)["steps_s"], gguf_bytes, 2)  # f16 KV
 
     for variant in args.dtypes:
-        dtype, quantize = ("float32", variant) if variant in QUANTIZATIONS else (variant, "none")
-        element_bytes = TORCH_DTYPES[dtype].itemsize
+        base, _, kv_dtype = variant.partition("+kv=")  # e.g. w4a8+kv=bfloat16: --kv-dtype bfloat16
+        dtype, quantize = ("float32", base) if base in QUANTIZATIONS else (base, "none")
+        kv_dtype = kv_dtype or "auto"
+        element_bytes = TORCH_DTYPES[dtype if kv_dtype == "auto" else kv_dtype].itemsize  # the KV's
         runners, calls, weight_bytes, worker = {}, {}, {}, None
         remote = {"grpc", "grpc-ahead"} & set(args.systems)
-        if "transformers" in args.systems and quantize == "none":
+        if "transformers" in args.systems and quantize == "none" and kv_dtype == "auto":
             from transformers import AutoModelForCausalLM
 
             hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=TORCH_DTYPES[dtype]).eval()
             runners["transformers"] = lambda p, m=hf: run_transformers(m, p, args.new_tokens)
             weight_bytes["transformers"] = weight_bytes_per_step(hf)
         if "executor" in args.systems or remote:  # the in-process one also counts weight bytes
-            config = ExecutorConfig(dtype=dtype, kv_tokens=kv_tokens, quantize=quantize)
+            config = ExecutorConfig(dtype=dtype, kv_dtype=kv_dtype, kv_tokens=kv_tokens, quantize=quantize)
             worker = ModelWorker(functools.partial(TorchExecutor.from_path, "bench", model_dir, config), "bench",
                                  config.batch_wait_ms)  # loads on its own thread, as the server does
             ex = worker.loaded.result()
@@ -323,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
             if "executor" in args.systems:
                 calls["executor"] = executor_calls(worker)
                 runners["executor"] = lambda p, c=calls["executor"]: run_ours(*c, p, args.new_tokens)
-        extra = ("--quantize", quantize)
+        extra = ("--quantize", quantize, "--kv-dtype", kv_dtype)
         with served(model_dir, dtype, extra, kv_tokens) if remote else _null() as target:
             if target:
                 client = ExecutorClient(target, timeout=600)

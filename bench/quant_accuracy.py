@@ -6,6 +6,7 @@ llama.cpp's own agreement with our float32 on the same positions (its logits
 for every position of the same token ids, from its cached environment).
 
     python -m bench.quant_accuracy [--modes int8 int4 w8a8 w4a8] [--positions 1000] [--llama-cpp]
+    python -m bench.quant_accuracy --modes none+kv=bfloat16 w4a8+kv=bfloat16   # a bfloat16 KV pool
     python -m bench.quant_accuracy --grids
 
 ``--grids`` asks where the 8-bit activations' loss comes from and what would
@@ -54,9 +55,12 @@ def english_ids(model_dir: Path, positions: int) -> list[int]:
     return ids[:positions + 1]
 
 
-def argmaxes(model_dir: Path, quantize: str, ids: list[int]) -> np.ndarray:
-    """Next-token argmax at each of ``ids``' positions, one chunked prefill."""
-    ex = TorchExecutor.from_path("acc", model_dir, ExecutorConfig(quantize=quantize, kv_tokens=4096))
+def argmaxes(model_dir: Path, mode: str, ids: list[int]) -> np.ndarray:
+    """Next-token argmax at each of ``ids``' positions, one chunked prefill; ``mode``: a
+    ``--quantize`` value, the KV pool's dtype after it where not float32 (``w4a8+kv=bfloat16``)."""
+    quantize, _, kv_dtype = mode.partition("+kv=")
+    ex = TorchExecutor.from_path("acc", model_dir, ExecutorConfig(quantize=quantize, kv_dtype=kv_dtype or "auto",
+                                                                 kv_tokens=4096))
     out = ex.prefill(ids, None, LogitsPolicy.argmax(all_positions=True))
     return np.asarray(out.logits.argmax())
 

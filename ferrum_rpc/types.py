@@ -324,6 +324,7 @@ class ModelInfo:
     parameter_count: int
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int = 0
+    kv_dtype: str = ""  # the KV pool's dtype ("": a server that predates it, so dtype)
 
 
 @dataclass(frozen=True)

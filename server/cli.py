@@ -50,7 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .preflight import preflight
 
     executor = ExecutorConfig(
-        dtype=args.dtype, device=args.device, kv_tokens=args.kv_tokens, block_size=args.block_size,
+        dtype=args.dtype, kv_dtype=args.kv_dtype, device=args.device, kv_tokens=args.kv_tokens, block_size=args.block_size,
         max_batch_size=args.max_batch, max_seq_len=args.max_seq_len,
         max_message_bytes=args.max_message_mb * MIB, batch_wait_ms=args.batch_wait_ms,
         kv_memory_fraction=args.kv_memory_fraction, idle_timeout_s=args.idle_timeout,

@@ -12,6 +12,7 @@ LINEAR_KERNELS = ("auto", "onednn-packed", "aten")  # see kernels.py
 QUANTIZATIONS = ("none", "int8", "int4", "w8a8", "w4a8")  # see woq.py and qact.py
 STEP_OPS = ("auto", "fused", "eager")  # see fused.py
 BATCH_INVARIANT = ("auto", "on", "off")  # see models/loader.py
+KV_DTYPES = ("auto", "float32", "bfloat16")
 
 
 def batch_invariant_mode(value: str | bool) -> str:
@@ -24,7 +25,11 @@ class ExecutorConfig:
     """Limits of one hosted model.
 
     Args:
-        dtype: "float32" or "bfloat16" (weights, activations and KV).
+        dtype: "float32" or "bfloat16" (weights, activations and, by default, KV).
+        kv_dtype: the KV pool's dtype: "auto" (``dtype``'s), or "bfloat16" under
+            float32 activations, any ``quantize`` (half the pool's bytes, and of
+            what a long context's attention reads; keys and values rounded once,
+            as written).  ``kv_dtype_name`` is the one resolved.
         device: "cpu", "cuda" or "cuda:N".
         kv_tokens: KV pool capacity in tokens (rounded up to whole blocks).
         block_size: tokens per KV block.
@@ -67,6 +72,7 @@ class ExecutorConfig:
     """
 
     dtype: str = "float32"
+    kv_dtype: str = "auto"
     device: str = "cpu"
     kv_tokens: int = 16384
     block_size: int = 16
@@ -106,9 +112,19 @@ class ExecutorConfig:
     adapter_memory_mb: int = 0
     loras: tuple[tuple[str, str], ...] = ()
 
+    @property
+    def kv_dtype_name(self) -> str:
+        """The KV pool's dtype, "auto" resolved."""
+        return self.dtype if self.kv_dtype == "auto" else self.kv_dtype
+
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
             raise StartupError(f"dtype must be float32 or bfloat16, not {self.dtype!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise StartupError(f"kv_dtype must be one of {KV_DTYPES}, not {self.kv_dtype!r}")
+        if self.kv_dtype not in ("auto", self.dtype) and self.dtype != "float32":
+            raise StartupError(f"--kv-dtype {self.kv_dtype} needs --dtype float32 (a {self.dtype} model keeps "
+                               f"its KV in {self.dtype})")
         if self.kv_tokens <= 0 or self.block_size <= 0 or self.max_batch_size <= 0:
             raise StartupError("kv_tokens, block_size and max_batch_size (--kv-tokens, --block-size, --max-batch) "
                                "must be positive")

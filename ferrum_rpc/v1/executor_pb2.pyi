@@ -224,7 +224,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "max_sequence_length", "dtype", "device", "parameter_count", "eos_token_ids", "bos_token_id")
+    __slots__ = ("name", "architecture", "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "max_sequence_length", "dtype", "device", "parameter_count", "eos_token_ids", "bos_token_id", "kv_dtype")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +239,7 @@ class ModelInfo(_message.Message):
     PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     vocab_size: int
@@ -253,7 +254,8 @@ class ModelInfo(_message.Message):
     parameter_count: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     bos_token_id: int
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., device: _Optional[str] = ..., parameter_count: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ...) -> None: ...
+    kv_dtype: DType
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., device: _Optional[str] = ..., parameter_count: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., kv_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class GetCapabilitiesRequest(_message.Message):
     __slots__ = ("model",)

@@ -44,6 +44,7 @@ class Describes:
             dtype=self.config.dtype, device=str(self.device),
             parameter_count=getattr(self.model, "parameter_count", 0),
             eos_token_ids=mc.eos_token_ids, bos_token_id=mc.bos_token_id or 0,
+            kv_dtype=self.config.kv_dtype_name,
         )
 
     def capabilities(self) -> Capabilities:

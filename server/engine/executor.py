@@ -107,6 +107,7 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsA
         self.model_config = mc
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.kv_dtype = self.dtype if config.kv_dtype == "auto" else TORCH_DTYPES[config.kv_dtype]  # the pool's
         self.max_seq_len = min(config.max_seq_len or mc.max_position_embeddings, mc.max_position_embeddings)
         # tensor parallel (parallel/): this rank's shard of the model and of the pool (its KV heads);
         # every forward and block copy goes through the runner, which sends it to the other ranks
@@ -116,7 +117,7 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsA
         self.kv = BlockManager(num_blocks, config.block_size, prefix_caching=config.prefix_caching)
         self.kv.events = KvEventHub(config.block_size)  # WatchKvEvents' subscribers
         self.pool = KvPool(mc.num_layers, num_blocks, config.block_size, self.kv_heads,
-                           mc.head_dim, self.dtype, self.device)
+                           mc.head_dim, self.kv_dtype, self.device)
         self.runner = None
         if self.shard is not None:
             self.runner = runner.Runner(self.shard, self.device, forward)
@@ -136,7 +137,7 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsA
             available = torch.cuda.mem_get_info(self.device)[0]
         else:
             available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        per_token = KvPool.bytes_per_token(mc.num_layers, self.kv_heads, mc.head_dim, self.dtype)
+        per_token = KvPool.bytes_per_token(mc.num_layers, self.kv_heads, mc.head_dim, self.kv_dtype)
         tokens = int(available * config.kv_memory_fraction) // per_token
         log.info("KV pool sized to %.0f%% of %.1f GiB available: %d tokens",
                  100 * config.kv_memory_fraction, available / 2**30, tokens)

@@ -66,7 +66,7 @@ class Stats:
         self.failed = False  # the last forward failed outside the error table
         self.parameter_bytes = resident_weight_bytes(ex.model)
         self.block_bytes = KvPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                                                  ex.dtype) * ex.kv.block_size
+                                                  ex.kv_dtype) * ex.kv.block_size
         self.memory_peak = self.parameter_bytes
         self.overhead_bytes = max(0, _process_rss_bytes() - self.parameter_bytes - ex.pool.nbytes)
 
@@ -104,7 +104,7 @@ class Stats:
         intermediate = getattr(mc, "intermediate_size", 0) or 0
         return MemoryRequirements(
             parameter_bytes=self.parameter_bytes,
-            kv_bytes_per_token_per_layer=KvPool.bytes_per_token(1, mc.num_kv_heads, mc.head_dim, ex.dtype),
+            kv_bytes_per_token_per_layer=KvPool.bytes_per_token(1, mc.num_kv_heads, mc.head_dim, ex.kv_dtype),
             activation_bytes_per_token=(4 * mc.hidden_size + q_kv + 3 * intermediate) * element + mc.vocab_size * 4,
             overhead_bytes=self.overhead_bytes, num_layers=mc.num_layers)
 

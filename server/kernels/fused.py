@@ -72,6 +72,9 @@ def probe_fused(dtype: torch.dtype) -> Verdict:
     gate, up = gu.chunk(2, dim=-1)
     check(ops.silu_mul(gu), F.silu(gate) * up, tol, "silu_mul disagrees with torch")
     within(attention_error(dtype, gen), tol, "paged_attention disagrees with torch")
+    if dtype == torch.float32:  # the pool may hold bfloat16 under float32 activations (--kv-dtype)
+        within(attention_error(dtype, gen, kv_dtype=torch.bfloat16), tol,
+               "paged_attention over a bfloat16 pool disagrees with torch")
     w = torch.randn(70, 80, generator=gen).to(dtype)
     for rows in (1, 3):
         xr = torch.randn(rows, 80, generator=gen).to(dtype)
@@ -82,15 +85,16 @@ def probe_fused(dtype: torch.dtype) -> Verdict:
 
 
 def attention_error(dtype: torch.dtype, gen: torch.Generator, heads: int = 4, kv_heads: int = 2, dim: int = 16,
-                    block: int = 4) -> float:
+                    block: int = 4, kv_dtype: torch.dtype | None = None) -> float:
     """Relative error of the fused paged attention against the eager ops, on a
     ragged batch (a 3-token continuation of 5 tokens, a 1-token decode of 9) in
-    shuffled, shared-nothing pool blocks, both pools checked after the write."""
+    shuffled, shared-nothing pool blocks (of ``kv_dtype``, else ``dtype``), both
+    pools checked after the write."""
     from ..models.llama import rope_tables
 
     cfg = SimpleNamespace(head_dim=dim, rope_theta=10000.0, max_position_embeddings=64)
     cos_table, sin_table = rope_tables(cfg, torch.device("cpu"))
-    pools = [KvPool(1, 8, block, kv_heads, dim, dtype, torch.device("cpu")) for _ in range(2)]
+    pools = [KvPool(1, 8, block, kv_heads, dim, kv_dtype or dtype, torch.device("cpu")) for _ in range(2)]
     for pool in pools[1:]:
         pool.k.copy_(pools[0].k.normal_(generator=gen))
         pool.v.copy_(pools[0].v.normal_(generator=gen))

@@ -98,13 +98,14 @@ class KvBatch:
         return self._mask
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes k, v (B, T, Hkv, D) and returns the context (B, Hkv, S, D) each."""
+        """Writes k, v (B, T, Hkv, D) and returns the context (B, Hkv, S, D) each, in k's dtype
+        (a bfloat16 pool under float32 activations: each value rounded once, as written)."""
         B, _, H, D = k.shape
         out = []
         for pool, new in ((self.pool.k[layer], k), (self.pool.v[layer], v)):
-            pool.view(-1, H, D).index_copy_(0, self.write_slots, new.reshape(-1, H, D))
+            pool.view(-1, H, D).index_copy_(0, self.write_slots, new.reshape(-1, H, D).to(pool.dtype))
             ctx = pool.index_select(0, self.flat_tables)  # (B*nb, bs, Hkv, D); 6x faster than pool[tables]
-            out.append(ctx.view(B, -1, H, D).transpose(1, 2))
+            out.append(ctx.view(B, -1, H, D).transpose(1, 2).to(k.dtype))
         return out[0], out[1]
 
 

@@ -67,7 +67,8 @@ def fingerprint(executor) -> pb.KvFingerprint:
     fp = pb.KvFingerprint(
         weights_digest=executor.weights_digest, dtype=tensor_codec.dtype_to_proto(executor.config.dtype),
         quantization=executor.config.quantize, block_size=executor.kv.block_size, tensor_parallel=1,
-        kv_layout=f"paged-kv/v1 layers={mc.num_layers} kv_heads={mc.num_kv_heads} head_dim={mc.head_dim}")
+        kv_layout=f"paged-kv/v1 layers={mc.num_layers} kv_heads={mc.num_kv_heads} head_dim={mc.head_dim}"
+                  + ("" if (kv := executor.config.kv_dtype_name) == executor.config.dtype else f" kv_dtype={kv}"))
     fp.digest = fingerprint_digest(fp)
     return fp
 

@@ -6,7 +6,8 @@ gives the same tokens alone and while other callers share its forwards.  float32
 bfloat16 on the tiny Llama and Qwen3 checkpoints, and the quantized modes (int8, int4,
 w8a8 rotated on Q4_1-grid weights, w4a8 in float32 and bfloat16) on csrc/qact.cpp's
 inner loops: AVX-512 VNNI, AVX-VNNI, AVX2 and portable, each where this CPU has it;
-and float32 split over two tensor-parallel ranks (real rank processes)."""
+float32 split over two tensor-parallel ranks (real rank processes); and float32 and
+w4a8 over a bfloat16 KV pool (--kv-dtype bfloat16)."""
 
 from __future__ import annotations
 
@@ -39,13 +40,15 @@ def _bits(out) -> np.ndarray:
     return values.view(np.uint32)
 
 
-# (model, dtype, --quantize, inner loops: the cap set on csrc's kernels, "" for the best here)
+# (model, dtype, --quantize, inner loops: the cap set on csrc's kernels, "" for the best here,
+# and optionally "tp2" (split over 2 tensor-parallel ranks) or "kv-bf16" (--kv-dtype bfloat16))
 CASES = [("llama", "float32", "none", ""), ("llama", "bfloat16", "none", ""), ("qwen3", "float32", "none", ""),
          ("llama", "float32", "int8", ""), ("q4llama", "float32", "int4", ""), ("q4llama", "float32", "w8a8", ""),
          ("qwen3", "float32", "w4a8", ""), ("llama", "bfloat16", "w4a8", ""),
          ("q4llama", "float32", "w8a8", "avx-vnni"), ("q4llama", "float32", "w8a8", "avx2"),
          ("llama", "float32", "int4", "avx2"), ("llama", "float32", "int8", "portable"),
-         ("llama", "float32", "none", "", 2)]  # last: split over 2 tensor-parallel ranks
+         ("llama", "float32", "none", "", "tp2"), ("llama", "float32", "none", "", "kv-bf16"),
+         ("qwen3", "float32", "w4a8", "", "kv-bf16")]
 
 
 @contextlib.contextmanager
@@ -68,20 +71,22 @@ def _inner_loops(name: str):
         torch.ops.ferrum_qact.set_max_isa("avx512-vnni")
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda p: "-".join(str(f) if isinstance(f, str) else f"tp{f}" for f in p if f))
+@pytest.fixture(scope="module", params=CASES, ids=lambda p: "-".join(f for f in p if f))
 def server(request, tiny_llama_dir, tiny_qwen3_dir, tiny_q4_llama_dir):
-    name, dtype, quantize, loops, *split = request.param
+    name, dtype, quantize, loops, *more = request.param
     model = {"llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir, "q4llama": tiny_q4_llama_dir}[name]
-    if split:  # ranks are processes of a `ferrum-rpc serve`
+    kv_dtype = "bfloat16" if more == ["kv-bf16"] else "auto"
+    if more == ["tp2"]:  # ranks are processes of a `ferrum-rpc serve`
         serving = all_serving(ServerProcess(f"tiny={model}", "--dtype", dtype, "--batch-invariant",
-                                            "--tensor-parallel", str(split[0]), "--prefill-chunk", "16",
+                                            "--tensor-parallel", "2", "--prefill-chunk", "16",
                                             "--step-token-budget", "24", "--kv-tokens", "2048", "--block-size",
                                             "4", "--no-warmup"), timeout=180)
     else:
         # the default configuration: batch-invariant wherever it can be
-        serving = running_server(model, dtype=dtype, quantize=quantize, prefill_chunk=16, step_token_budget=24)
+        serving = running_server(model, dtype=dtype, kv_dtype=kv_dtype, quantize=quantize, prefill_chunk=16,
+                                 step_token_budget=24)
     with _inner_loops(loops), serving as srv:
-        if split:
+        if more == ["tp2"]:
             (srv,) = srv
         srv.case = request.param
         yield srv
@@ -96,6 +101,7 @@ def client(server):
 def test_capabilities_say_so(server, client):
     caps = client.capabilities()
     assert caps.batch_invariant
+    assert client.info().kv_dtype == ("bfloat16" if server.case[4:] == ("kv-bf16",) else server.case[1])
     quantize, loops = server.case[2:4]
     if quantize != "none":  # every linear on qact.cpp's kernels, on the inner loops asked for
         assert caps.quantization == quantize and f"linear={quantize} ferrum-qact" in caps.kernel_path

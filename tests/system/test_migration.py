@@ -244,6 +244,28 @@ def test_a_fingerprint_mismatch_is_refused(servers, export):
         assert "block_size" in err.message
 
 
+def test_a_bfloat16_pool_moves_between_its_likes_and_only_there(servers, tokens_file, tiny_llama_dir):
+    """--kv-dtype bfloat16 is in the fingerprint (its layout): two such servers move a
+    sequence bit-exactly (half the bytes a token), and neither takes the other kind's."""
+    from tests.conftest import running_server
+
+    tokens = {"auth_tokens": tokens_file, "warmup": False}
+    with running_server(tiny_llama_dir, server_kwargs=tokens, kv_dtype="bfloat16") as x, \
+            running_server(tiny_llama_dir, server_kwargs=tokens, kv_dtype="bfloat16") as y, \
+            connect(x) as cx, connect(y) as cy, connect(servers["a"]) as a:
+        fx, fy, fa = (c.capabilities().kv_fingerprint for c in (cx, cy, a))
+        assert fx == fy != fa
+        handle = cx.prefill(prompt(10, seed=6), logits=LogitsPolicy.argmax()).kv_cache
+        assert len(cx.export_sequence(handle)) < 0.6 * len(a.export_sequence(
+            ours := a.prefill(prompt(10, seed=6), logits=LogitsPolicy.argmax()).kv_cache))
+        ends = assert_moves_exactly(cx, cy, handle, 7)
+        assert "kv_layout" in refused(cx, a.export_sequence(ours), FingerprintMismatch).message
+        assert "kv_layout" in refused(a, cx.export_sequence(ends[0]), FingerprintMismatch).message
+        a.release_cache(ours)
+        cx.release_cache(ends[0])
+        cy.release_cache(ends[1])
+
+
 def test_larger_than_the_pool_or_the_quota_is_refused(servers, export):
     with connect(servers["a"]) as a:
         out = a.prefill(prompt(14, seed=5), logits=LogitsPolicy.argmax())

@@ -21,18 +21,20 @@ def isa(request, ops):
 
 @pytest.fixture
 def stack_cases():
-    """The decode-stack tests' cases: ``stack_cases(model, shapes, seed, dtype)`` yields,
-    for each (B, T) of ``shapes`` and layers [first, last) of (0, 2) and (1, 2), a
-    namespace of x (B, T, C), the step's (cos, sin, positions), a random pool
-    (layers, 12 blocks of 4, kv heads, D) shared by the cases, slots and tables (each
+    """The decode-stack tests' cases: ``stack_cases(model, shapes, seed, dtype, kv_dtype)``
+    yields, for each (B, T) of ``shapes`` and layers [first, last) of (0, 2) and (1, 2),
+    a namespace of x (B, T, C) in dtype, the step's (cos, sin, positions), a random pool
+    (layers, 12 blocks of 4, kv heads, D) in kv_dtype (else dtype) shared by the cases,
+    slots and tables (each
     sequence 3 random blocks, its positions inside them), and decode_layer's result over
     those layers (``want``) with the pool it wrote (``want_k``, ``want_v``)."""
     from types import SimpleNamespace
 
-    def cases(model, shapes, seed, dtype=torch.float32):
+    def cases(model, shapes, seed, dtype=torch.float32, kv_dtype=None):
         layers, cfg, bs, blocks = model._whole_layer_args(), model.config, 4, 12
         gen = torch.Generator().manual_seed(seed)
-        pool = [torch.randn(2, blocks, bs, cfg.num_kv_heads, cfg.head_dim, generator=gen).to(dtype) for _ in range(2)]
+        pool = [torch.randn(2, blocks, bs, cfg.num_kv_heads, cfg.head_dim, generator=gen).to(kv_dtype or dtype)
+                for _ in range(2)]
         for B, T in shapes:
             x = torch.randn(B, T, cfg.hidden_size, generator=gen).to(dtype)
             tables = torch.stack([torch.randperm(blocks, generator=gen)[:3] for _ in range(B)])  # (B, 3)

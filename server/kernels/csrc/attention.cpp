@@ -50,10 +50,10 @@ PagedIndex checked_index(const at::Tensor& positions, const at::Tensor& write_sl
   return ix;
 }
 
-template <typename T>
+template <typename T, typename P>
 void rope_and_write(const AttnArgs& a, const T* qp, Heads qs, const T* kp, Heads ks, const T* vp, Heads vs,
                     const float* cp, const float* snp, const int64_t* sp, int64_t bt0, int64_t bt1, float* qfp,
-                    T* kc, T* vc) {
+                    P* kc, P* vc) {
   const int64_t H = a.H, Hkv = a.Hkv, D = a.D;
   std::vector<float> tmp(D);
   for (int64_t bt = bt0; bt < bt1; ++bt) {
@@ -62,12 +62,13 @@ void rope_and_write(const AttnArgs& a, const T* qp, Heads qs, const T* kp, Heads
     for (int64_t h = 0; h < H; ++h) rope(qp + b * qs.b + t * qs.t + h * qs.h, c, s, D, qfp + (bt * H + h) * D);
     for (int64_t h = 0; h < Hkv; ++h) {
       rope(kp + b * ks.b + t * ks.t + h * ks.h, c, s, D, tmp.data());
-      T* kd = kc + (sp[bt] * Hkv + h) * D;
-      T* vd = vc + (sp[bt] * Hkv + h) * D;
+      P* kd = kc + (sp[bt] * Hkv + h) * D;
+      P* vd = vc + (sp[bt] * Hkv + h) * D;
       const T* vsrc = vp + b * vs.b + t * vs.t + h * vs.h;
       for (int64_t i = 0; i < D; ++i) {
-        kd[i] = store<T>(tmp[i]);
-        vd[i] = vsrc[i];
+        kd[i] = store<P>(tmp[i]);
+        if constexpr (std::is_same_v<T, P>) vd[i] = vsrc[i];
+        else vd[i] = store<P>(load(vsrc[i]));
       }
     }
   }
@@ -76,6 +77,9 @@ void rope_and_write(const AttnArgs& a, const T* qp, Heads qs, const T* kp, Heads
 template void rope_and_write<float>(const AttnArgs&, const float*, Heads, const float*, Heads, const float*, Heads,
                                     const float*, const float*, const int64_t*, int64_t, int64_t, float*, float*,
                                     float*);
+template void rope_and_write<float, c10::BFloat16>(const AttnArgs&, const float*, Heads, const float*, Heads,
+                                                   const float*, Heads, const float*, const float*, const int64_t*,
+                                                   int64_t, int64_t, float*, c10::BFloat16*, c10::BFloat16*);
 template void rope_and_write<c10::BFloat16>(const AttnArgs&, const c10::BFloat16*, Heads, const c10::BFloat16*, Heads,
                                             const c10::BFloat16*, Heads, const float*, const float*, const int64_t*,
                                             int64_t, int64_t, float*, c10::BFloat16*, c10::BFloat16*);
@@ -135,7 +139,8 @@ std::pair<int64_t, int64_t> attention_share(const AttnPlan& plan, int tid, int n
 
 // q (B, T, H, D), k/v (B, T, Hkv, D): any strides but a contiguous last dim.
 // cos/sin (max_pos, D) float32; positions (B, T) int64; k_cache/v_cache
-// (blocks, block_size, Hkv, D) contiguous, one layer of the pool; write_slots
+// (blocks, block_size, Hkv, D) contiguous, one layer of the pool, in q's dtype or
+// bfloat16 under float32 q; write_slots
 // (B*T) int64 pool slots for the new keys/values; tables (B, nb) int64 block
 // ids.  Writes k (rotated) and v into the pool, then returns the attention
 // output (B, T, H*D), each query seeing keys 0..its position.
@@ -148,30 +153,41 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "paged_attention: head dim must be contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4, "paged_attention: pool layer");
   TORCH_CHECK(k_cache.size(2) == Hkv && k_cache.size(3) == D && H % Hkv == 0, "paged_attention: head shapes");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k.scalar_type() == q.scalar_type() &&
-              v.scalar_type() == q.scalar_type(), "paged_attention: dtypes differ");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+              v_cache.scalar_type() == k_cache.scalar_type() &&
+              (k_cache.scalar_type() == q.scalar_type() ||
+               (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16)),
+              "paged_attention: q, k, v share a dtype, and the pool holds it (or bfloat16 under float32)");
   const PagedIndex ix = checked_index(positions, write_slots, tables, B * T, B, cos, sin, D, k_cache.size(0), k_cache.size(1));
   at::Tensor out = at::empty({B, T, H * D}, q.options());
   at::Tensor qf = at::empty({B, T, H, D}, q.options().dtype(at::kFloat));
   const AttnArgs args{B, T, H, Hkv, D, k_cache.size(1), ix.tab.size(1), ix.pos.data_ptr<int64_t>(),
                       ix.tab.data_ptr<int64_t>(), float(scale)};
   const int threads = at::get_num_threads();
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_attention", [&] {
-    using T_ = scalar_t;
-    T_ *kc = k_cache.data_ptr<T_>(), *vc = v_cache.data_ptr<T_>();
+  auto run = [&](auto* q_type, auto* pool_type) {
+    using T_ = std::remove_pointer_t<decltype(q_type)>;
+    using P_ = std::remove_pointer_t<decltype(pool_type)>;
+    P_ *kc = k_cache.data_ptr<P_>(), *vc = v_cache.data_ptr<P_>();
     // 1. rotate q into float32, rotate k and write it and v into the pool (all writes before any read).
-    rope_and_write<T_>(args, q.data_ptr<T_>(), {q.stride(0), q.stride(1), q.stride(2)}, k.data_ptr<T_>(),
-                       {k.stride(0), k.stride(1), k.stride(2)}, v.data_ptr<T_>(),
-                       {v.stride(0), v.stride(1), v.stride(2)}, cos.data_ptr<float>(), sin.data_ptr<float>(),
-                       ix.slots.data_ptr<int64_t>(), 0, B * T, qf.data_ptr<float>(), kc, vc);
+    rope_and_write<T_, P_>(args, q.data_ptr<T_>(), {q.stride(0), q.stride(1), q.stride(2)}, k.data_ptr<T_>(),
+                           {k.stride(0), k.stride(1), k.stride(2)}, v.data_ptr<T_>(),
+                           {v.stride(0), v.stride(1), v.stride(2)}, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                           ix.slots.data_ptr<int64_t>(), 0, B * T, qf.data_ptr<float>(), kc, vc);
     // 2. the queries' heads over their sequences' blocks
     AttnPlan plan = attention_plan(args, threads);
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t tid = begin; tid < end; ++tid) {
         const auto [t0, t1] = attention_share(plan, int(tid), threads);
-        attend_tasks<T_>(args, plan, qf.data_ptr<float>(), kc, vc, t0, t1, out.data_ptr<T_>());
+        attend_tasks<T_, P_>(args, plan, qf.data_ptr<float>(), kc, vc, t0, t1, out.data_ptr<T_>());
       }
     });
+  };
+  if (k_cache.scalar_type() != q.scalar_type()) {
+    run(static_cast<float*>(nullptr), static_cast<c10::BFloat16*>(nullptr));
+    return out;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_attention", [&] {
+    run(static_cast<scalar_t*>(nullptr), static_cast<scalar_t*>(nullptr));
   });
   return out;
 }

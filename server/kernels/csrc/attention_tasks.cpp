@@ -261,9 +261,9 @@ void finish_task(const AttnArgs& a, AttnPlan& plan, const AttnTask& k, Scratch& 
 }
 
 // One task on the loops VEC picks (the vector ones: float or bfloat16, D a multiple of 8).
-template <typename T, bool VEC>
-FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& k, const float* qf, const T* kc,
-                             const T* vc, Scratch& sc, T* op) {
+template <typename T, typename P, bool VEC>
+FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& k, const float* qf, const P* kc,
+                             const P* vc, Scratch& sc, T* op) {
   const int64_t D = a.D, H = a.H, G = a.H / a.Hkv, row = a.Hkv * D, W = 2 + D;
   const int64_t Gt = k.g1 - k.g0, nq = k.t1 - k.t0, bt0 = k.b * a.T + k.t0;
   const int64_t *table = a.tables + k.b * a.nb, *pos = a.pos + bt0;
@@ -369,28 +369,28 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
 }
 
 #ifdef FERRUM_X86
-template <typename T>
+template <typename T, typename P>
 __attribute__((target("avx2,fma"))) void task_avx2(const AttnArgs& a, AttnPlan& plan, const AttnTask& k,
-                                                   const float* qf, const T* kc, const T* vc, Scratch& sc, T* op) {
-  task_body<T, true>(a, plan, k, qf, kc, vc, sc, op);
+                                                   const float* qf, const P* kc, const P* vc, Scratch& sc, T* op) {
+  task_body<T, P, true>(a, plan, k, qf, kc, vc, sc, op);
 }
 #endif
-template <typename T>
-void task_portable(const AttnArgs& a, AttnPlan& plan, const AttnTask& k, const float* qf, const T* kc, const T* vc,
+template <typename T, typename P>
+void task_portable(const AttnArgs& a, AttnPlan& plan, const AttnTask& k, const float* qf, const P* kc, const P* vc,
                    Scratch& sc, T* op) {
-  task_body<T, false>(a, plan, k, qf, kc, vc, sc, op);
+  task_body<T, P, false>(a, plan, k, qf, kc, vc, sc, op);
 }
 
 }  // namespace
 
-template <typename T>
-void attend_tasks(const AttnArgs& a, AttnPlan& plan, const float* qfp, const T* kc, const T* vc, int64_t begin,
+template <typename T, typename P>
+void attend_tasks(const AttnArgs& a, AttnPlan& plan, const float* qfp, const P* kc, const P* vc, int64_t begin,
                   int64_t end, T* op) {
   thread_local Scratch sc;
   const bool vec = avx2_on() && a.D % 8 == 0;
   for (int64_t i = begin; i < end; ++i) {
 #ifdef FERRUM_X86
-    if constexpr (!std::is_same_v<T, double>)
+    if constexpr (!std::is_same_v<P, double>)
       if (vec) {
         task_avx2(a, plan, plan.tasks[i], qfp, kc, vc, sc, op);
         continue;
@@ -400,11 +400,14 @@ void attend_tasks(const AttnArgs& a, AttnPlan& plan, const float* qfp, const T* 
   }
 }
 
-template void attend_tasks<float>(const AttnArgs&, AttnPlan&, const float*, const float*, const float*, int64_t,
-                                  int64_t, float*);
-template void attend_tasks<double>(const AttnArgs&, AttnPlan&, const float*, const double*, const double*, int64_t,
-                                   int64_t, double*);
-template void attend_tasks<c10::BFloat16>(const AttnArgs&, AttnPlan&, const float*, const c10::BFloat16*,
-                                          const c10::BFloat16*, int64_t, int64_t, c10::BFloat16*);
+template void attend_tasks<float, float>(const AttnArgs&, AttnPlan&, const float*, const float*, const float*,
+                                         int64_t, int64_t, float*);
+template void attend_tasks<double, double>(const AttnArgs&, AttnPlan&, const float*, const double*, const double*,
+                                           int64_t, int64_t, double*);
+template void attend_tasks<c10::BFloat16, c10::BFloat16>(const AttnArgs&, AttnPlan&, const float*,
+                                                         const c10::BFloat16*, const c10::BFloat16*, int64_t,
+                                                         int64_t, c10::BFloat16*);
+template void attend_tasks<float, c10::BFloat16>(const AttnArgs&, AttnPlan&, const float*, const c10::BFloat16*,
+                                                 const c10::BFloat16*, int64_t, int64_t, float*);
 
 }  // namespace ferrum_fused

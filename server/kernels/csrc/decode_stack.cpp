@@ -164,9 +164,9 @@ struct StackLayer {
 // A region's rows [m0, m1) of q|k|v (M, (H + 2 Hkv) D) after the qkv linear, in
 // place: Qwen3's RMSNorm over each head (where the layer has q/k norms), then RoPE
 // (the queries into qf) and the new keys and values written into the pool layer.
-template <typename E>
+template <typename E, typename P>
 void norm_rope_rows(const AttnArgs& a, const StackLayer& L, bool avx2, E* qkv, int64_t m0, int64_t m1,
-                    const float* cp, const float* sp, const int64_t* slots, float* qf, E* kc, E* vc) {
+                    const float* cp, const float* sp, const int64_t* slots, float* qf, P* kc, P* vc) {
   const int64_t H = a.H, Hkv = a.Hkv, D = a.D, Wq = (H + 2 * Hkv) * D;
   if (!L.qk_norm.empty())
     for (int64_t m = m0; m < m1; ++m)
@@ -175,7 +175,7 @@ void norm_rope_rows(const AttnArgs& a, const StackLayer& L, bool avx2, E* qkv, i
         rms_on<E>(avx2, head, L.qk_norm[hd < H ? 0 : 1].data_ptr<E>(), D, float(L.eps), head);
       }
   const Heads rows{a.T * Wq, Wq, D};
-  rope_and_write<E>(a, qkv, rows, qkv + H * D, rows, qkv + (H + Hkv) * D, rows, cp, sp, slots, m0, m1, qf, kc, vc);
+  rope_and_write<E, P>(a, qkv, rows, qkv + H * D, rows, qkv + (H + Hkv) * D, rows, cp, sp, slots, m0, m1, qf, kc, vc);
 }
 
 class DecodeStack : public torch::CustomClassHolder {
@@ -268,17 +268,27 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(0 <= first && first <= last && last <= size(), "DecodeStack: layers ", first, "..", last, " of ", size());
     TORCH_CHECK(k_pool.dim() == 5 && v_pool.sizes() == k_pool.sizes() && k_pool.size(0) == size(),
                 "DecodeStack: the pool must be (layers, blocks, block_size, kv_heads, head_dim)");
+    // the pool holds the activations' dtype, or bfloat16 under float32 activations
+    const bool bf16_pool = k_pool.scalar_type() == at::kBFloat16;
     if (lora == nullptr && regions_ && one_region_ && x.dim() == 3 && x.scalar_type() == at::kFloat &&
         x.size(0) * x.size(1) <= kStackRows && x.size(2) == C_ && k_pool.size(4) == D_)
-      return forward_one_region(x, cos, sin, positions, k_pool, v_pool, write_slots, tables, first, last);
+      return bf16_pool ? forward_one_region<c10::BFloat16>(x, cos, sin, positions, k_pool, v_pool, write_slots,
+                                                           tables, first, last)
+                       : forward_one_region<float>(x, cos, sin, positions, k_pool, v_pool, write_slots, tables,
+                                                   first, last);
     if (lora == nullptr && regions_ && panels_region_ && x.dim() == 3 && x.scalar_type() == panel_dtype_ &&
         x.size(0) * x.size(1) <= kStackRows && x.size(2) == C_ && k_pool.size(4) == D_) {
       const bool bf16 = panel_dtype_ == at::kBFloat16;
       // the dot product reads rows of bfloat16 pairs: every linear's input width even
-      if (!panel_path(bf16).dot || (C_ % 2 == 0 && (H_ * D_) % 2 == 0 && I_ % 2 == 0))
-        return bf16 ? forward_panels<c10::BFloat16>(x, cos, sin, positions, k_pool, v_pool, write_slots, tables,
-                                                    first, last)
-                    : forward_panels<float>(x, cos, sin, positions, k_pool, v_pool, write_slots, tables, first, last);
+      if (!panel_path(bf16).dot || (C_ % 2 == 0 && (H_ * D_) % 2 == 0 && I_ % 2 == 0)) {
+        if (bf16)
+          return forward_panels<c10::BFloat16, c10::BFloat16>(x, cos, sin, positions, k_pool, v_pool, write_slots,
+                                                              tables, first, last);
+        return bf16_pool ? forward_panels<float, c10::BFloat16>(x, cos, sin, positions, k_pool, v_pool, write_slots,
+                                                                tables, first, last)
+                         : forward_panels<float, float>(x, cos, sin, positions, k_pool, v_pool, write_slots, tables,
+                                                        first, last);
+      }
     }
     at::Tensor h = x;
     for (int64_t l = first; l < last; ++l) {
@@ -290,10 +300,11 @@ class DecodeStack : public torch::CustomClassHolder {
     return h;
   }
 
+  template <typename P>
   at::Tensor forward_one_region(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                 const at::Tensor& positions, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                 const at::Tensor& write_slots, const at::Tensor& tables, int64_t first, int64_t last);
-  template <typename E>
+  template <typename E, typename P>
   at::Tensor forward_panels(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                             const at::Tensor& positions, const at::Tensor& k_pool, const at::Tensor& v_pool,
                             const at::Tensor& write_slots, const at::Tensor& tables, int64_t first, int64_t last);
@@ -308,14 +319,16 @@ class DecodeStack : public torch::CustomClassHolder {
   bool rows_silu_ = false;
 };
 
+template <typename P>
 at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                            const at::Tensor& positions, const at::Tensor& k_pool,
                                            const at::Tensor& v_pool, const at::Tensor& write_slots,
                                            const at::Tensor& tables, int64_t first, int64_t last) {
   const int64_t B = x.size(0), T = x.size(1), M = B * T, C = C_, I = I_, H = H_, Hkv = Hkv_, D = D_;
   const int64_t Wq = (H + 2 * Hkv) * D;
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.scalar_type() == at::kFloat &&
-              v_pool.scalar_type() == at::kFloat && k_pool.size(3) == Hkv, "DecodeStack: pool layers");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() &&
+              k_pool.scalar_type() == c10::CppTypeToScalarType<P>::value &&
+              v_pool.scalar_type() == k_pool.scalar_type() && k_pool.size(3) == Hkv, "DecodeStack: pool layers");
   const PagedIndex ix = checked_index(positions, write_slots, tables, M, B, cos, sin, D, k_pool.size(1), k_pool.size(2));
   at::Tensor h = x.contiguous().clone();  // (B, T, C): the residual stream, updated in place
   if (M == 0) return h;
@@ -324,8 +337,9 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
   ferrum_qact::Q8Rows X = ferrum_qact::rows_for(M, maxK, 2);
   const AttnArgs args{B, T, H, Hkv, D, k_pool.size(2), ix.tab.size(1), ix.pos.data_ptr<int64_t>(),
                       ix.tab.data_ptr<int64_t>(), float(scale_)};
-  const int64_t layer_floats = k_pool.stride(0), *slots = ix.slots.data_ptr<int64_t>();
-  float *hp = h.data_ptr<float>(), *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>();
+  const int64_t layer_elems = k_pool.stride(0), *slots = ix.slots.data_ptr<int64_t>();
+  float* hp = h.data_ptr<float>();
+  P *kp = k_pool.data_ptr<P>(), *vp = v_pool.data_ptr<P>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const bool avx2 = avx2_on();
   const int isa = ferrum_qact::isa_level(), threads = at::get_num_threads();
@@ -363,7 +377,7 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
     };
     for (int64_t l = first; l < last; ++l) {
       const StackLayer& L = layers_[l];
-      float *kc = kp + l * layer_floats, *vc = vp + l * layer_floats;
+      P *kc = kp + l * layer_elems, *vc = vp + l * layer_elems;
       norm_and_quantize(L, L.ln1, 0);
       bar.wait();
       linear(L, 0, qkv.data());
@@ -377,12 +391,12 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
         const auto [o0, o1] = mine(L.packed[1].U);
         ferrum_qact::prefetch_units(L.packed[1], int(-L.bits[1]), o0, o1, kPrefetchBytes);
         const auto [m0, m1] = mine(M);
-        norm_rope_rows<float>(args, L, avx2, qkv.data(), m0, m1, cp, sp, slots, qf.data(), kc, vc);
+        norm_rope_rows<float, P>(args, L, avx2, qkv.data(), m0, m1, cp, sp, slots, qf.data(), kc, vc);
       }
       bar.wait();
       {
         const auto [t0, t1] = attention_share(plan, tid, nt);
-        attend_tasks<float>(args, plan, qf.data(), kc, vc, t0, t1, xn.data());  // xn: (M, H D) now
+        attend_tasks<float, P>(args, plan, qf.data(), kc, vc, t0, t1, xn.data());  // xn: (M, H D) now
       }
       bar.wait();
       quantize_rows(L, 1, xn.data(), H * D);
@@ -418,15 +432,16 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
 // blocks of 32.  Each output is the per-op path's arithmetic (rms_norm,
 // panel_linear, paged_attention, silu_mul_rows, the residual adds rounded as
 // ATen rounds a bfloat16 sum), so the bits equal layer_step's.
-template <typename E>
+template <typename E, typename P>
 at::Tensor DecodeStack::forward_panels(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                        const at::Tensor& positions, const at::Tensor& k_pool,
                                        const at::Tensor& v_pool, const at::Tensor& write_slots,
                                        const at::Tensor& tables, int64_t first, int64_t last) {
   const int64_t B = x.size(0), Tn = x.size(1), M = B * Tn, C = C_, I = I_, H = H_, Hkv = Hkv_, D = D_;
   const int64_t Wq = (H + 2 * Hkv) * D;
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.scalar_type() == x.scalar_type() &&
-              v_pool.scalar_type() == x.scalar_type() && k_pool.size(3) == Hkv, "DecodeStack: pool layers");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() &&
+              k_pool.scalar_type() == c10::CppTypeToScalarType<P>::value &&
+              v_pool.scalar_type() == k_pool.scalar_type() && k_pool.size(3) == Hkv, "DecodeStack: pool layers");
   const PagedIndex ix = checked_index(positions, write_slots, tables, M, B, cos, sin, D, k_pool.size(1), k_pool.size(2));
   at::Tensor h = x.contiguous().clone();  // (B, T, C): the residual stream, updated in place
   if (M == 0) return h;
@@ -438,7 +453,8 @@ at::Tensor DecodeStack::forward_panels(const at::Tensor& x, const at::Tensor& co
   const AttnArgs args{B, Tn, H, Hkv, D, k_pool.size(2), ix.tab.size(1), ix.pos.data_ptr<int64_t>(),
                       ix.tab.data_ptr<int64_t>(), float(scale_)};
   const int64_t layer_elems = k_pool.stride(0), *slots = ix.slots.data_ptr<int64_t>();
-  E *hp = h.data_ptr<E>(), *kp = k_pool.data_ptr<E>(), *vp = v_pool.data_ptr<E>();
+  E* hp = h.data_ptr<E>();
+  P *kp = k_pool.data_ptr<P>(), *vp = v_pool.data_ptr<P>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const bool avx2 = avx2_on();
   const int threads = at::get_num_threads();
@@ -475,7 +491,7 @@ at::Tensor DecodeStack::forward_panels(const at::Tensor& x, const at::Tensor& co
     };
     for (int64_t l = first; l < last; ++l) {
       const StackLayer& L = layers_[l];
-      E *kc = kp + l * layer_elems, *vc = vp + l * layer_elems;
+      P *kc = kp + l * layer_elems, *vc = vp + l * layer_elems;
       norm(L.ln1, L.eps);
       bar.wait();
       linear(L, 0, xn.data(), C, qkv.data());
@@ -492,12 +508,12 @@ at::Tensor DecodeStack::forward_panels(const at::Tensor& x, const at::Tensor& co
         }
 #endif
         const auto [m0, m1] = mine(M);
-        norm_rope_rows<E>(args, L, avx2, qkv.data(), m0, m1, cp, sp, slots, qf.data(), kc, vc);
+        norm_rope_rows<E, P>(args, L, avx2, qkv.data(), m0, m1, cp, sp, slots, qf.data(), kc, vc);
       }
       bar.wait();
       {
         const auto [t0, t1] = attention_share(plan, tid, nt);
-        attend_tasks<E>(args, plan, qf.data(), kc, vc, t0, t1, xn.data());  // xn: (M, H D) now
+        attend_tasks<E, P>(args, plan, qf.data(), kc, vc, t0, t1, xn.data());  // xn: (M, H D) now
       }
       bar.wait();
       if (widen) {

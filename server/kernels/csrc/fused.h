@@ -100,11 +100,13 @@ struct Heads {
 };
 
 // RoPE on each (b, t) of [bt0, bt1)'s queries (into qf (B*T, H, D) float32) and
-// keys, and those keys and values written into the pool layer (slots sp).
-template <typename T>
+// keys, and those keys and values written into the pool layer (slots sp).  The
+// pool holds P: the activations' T, or bfloat16 under float32 activations (each
+// key and value rounded once, as it is written).
+template <typename T, typename P = T>
 void rope_and_write(const AttnArgs& a, const T* qp, Heads qs, const T* kp, Heads ks, const T* vp, Heads vs,
                     const float* cp, const float* snp, const int64_t* sp, int64_t bt0, int64_t bt1, float* qfp,
-                    T* kc, T* vc);
+                    P* kc, P* vc);
 
 // The attention's arithmetic is fixed per query, whatever the batch, the other
 // queries of the forward, the thread count or the path (prompt, decode step,
@@ -139,10 +141,11 @@ AttnPlan attention_plan(const AttnArgs& a, int threads);
 // Thread `tid` of `nt`'s share of the plan's tasks, balanced by their keys.
 std::pair<int64_t, int64_t> attention_share(const AttnPlan& plan, int tid, int nt);
 
-// Tasks [begin, end) of the plan (after rope_and_write): out (B*T, H*D).  Tasks
-// may run on any threads at once; out is complete once all have run.
-template <typename T>
-void attend_tasks(const AttnArgs& a, AttnPlan& plan, const float* qfp, const T* kc, const T* vc, int64_t begin,
+// Tasks [begin, end) of the plan (after rope_and_write): out (B*T, H*D) in T from a
+// pool of P (rope_and_write's).  Tasks may run on any threads at once; out is
+// complete once all have run.
+template <typename T, typename P = T>
+void attend_tasks(const AttnArgs& a, AttnPlan& plan, const float* qfp, const P* kc, const P* vc, int64_t begin,
                   int64_t end, T* op);
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,

@@ -48,13 +48,16 @@ def test_rms_norm_and_silu_mul_match_torch(ops, isa, dtype):
     assert torch.allclose(got, want, rtol=TOL[dtype], atol=1e-30), (got, want)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                            (torch.float32, torch.bfloat16)])
 @pytest.mark.parametrize("shape", [dict(), dict(heads=9, kv_heads=3, dim=64, block=16), dict(heads=4, kv_heads=4)])
-def test_paged_attention_matches_rope_write_and_sdpa(ops, isa, dtype, shape):
-    """Ragged batch, shuffled blocks, grouped-query and plain multi-head shapes;
-    the output rows and every pool block written must agree."""
+def test_paged_attention_matches_rope_write_and_sdpa(ops, isa, dtype, kv_dtype, shape):
+    """Ragged batch, shuffled blocks, grouped-query and plain multi-head shapes, a
+    pool in the activations' dtype or bfloat16 under float32 ones; the output rows
+    and every pool block written must agree (keys and values rounded to the pool's
+    dtype once, as the eager path's write rounds them)."""
     gen = torch.Generator().manual_seed(2)
-    assert attention_error(dtype, gen, **shape) <= TOL[dtype]
+    assert attention_error(dtype, gen, kv_dtype=kv_dtype, **shape) <= TOL[dtype]
 
 
 def test_linear_rows_matches_f_linear_in_float64(ops, isa):
@@ -218,15 +221,17 @@ def qact_cap(request, ops):
         torch.ops.ferrum_qact.set_max_isa("avx512-vnni")
 
 
-@pytest.mark.parametrize("arch,quantize", [("llama", "w4a8"), ("llama-q4", "w8a8"), ("qwen3", "int4"),
-                                           ("qwen3", "w8a8")])
+@pytest.mark.parametrize("arch,quantize,kv", [("llama", "w4a8", "float32"), ("llama-q4", "w8a8", "float32"),
+                                              ("qwen3", "int4", "float32"), ("qwen3", "w8a8", "float32"),
+                                              ("llama", "w4a8", "bfloat16"), ("qwen3", "w8a8", "bfloat16")])
 def test_decode_stack_in_one_region_equals_decode_layer_per_layer(tiny_llama_dir, tiny_qwen3_dir, tiny_q4_llama_dir,
-                                                                   arch, quantize, qact_cap, stack_cases):
+                                                                   arch, quantize, kv, qact_cap, stack_cases):
     """DecodeStack runs a step of up to 4 rows as one parallel region (the threads
     share out each phase, meeting at barriers); each output is the same kernel's
     arithmetic as decode_layer's, so the hidden states and the pool's new K and V
     must be the same bits, on every inner-loop path, for layers [first, last) too,
-    and 5 rows (past the region: decode_layer per layer inside)."""
+    and 5 rows (past the region: decode_layer per layer inside); over a float32
+    pool or a bfloat16 one (--kv-dtype)."""
     from ferrum_rpc.server.config import ExecutorConfig
     from ferrum_rpc.server.engine.executor import TorchExecutor
 
@@ -235,7 +240,7 @@ def test_decode_stack_in_one_region_equals_decode_layer_per_layer(tiny_llama_dir
     model = TorchExecutor.from_path("tiny", model_dir, config).model
     stack, layers, cfg = model.layer_ops, model._whole_layer_args(), model.config
     assert stack.one_region() and stack.size() == len(layers) == 2
-    for c in stack_cases(model, [(1, 1), (2, 1), (1, 3), (2, 2), (5, 1)], 3):
+    for c in stack_cases(model, [(1, 1), (2, 1), (1, 3), (2, 2), (5, 1)], 3, kv_dtype=getattr(torch, kv)):
         got_k, got_v = c.pool[0].clone(), c.pool[1].clone()
         got = stack.forward(c.x, *c.step, got_k, got_v, c.slots, c.tables, c.first, c.last)
         assert torch.equal(got, c.want), (c.B, c.T, c.first, c.last)

@@ -160,14 +160,15 @@ def test_an_invariant_model_runs_panel_linear_and_its_whole_layer_op_gives_the_p
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype,kv", [("float32", "float32"), ("bfloat16", "bfloat16"), ("float32", "bfloat16")])
 def test_the_panels_step_in_one_region_equals_decode_layer_per_layer(tiny_llama_dir, tiny_qwen3_dir, ops, isa, dot,
-                                                                     arch, dtype, stack_cases):
+                                                                     arch, dtype, kv, stack_cases):
     """An invariant float model's step of up to 4 rows runs as one parallel region
     (each linear's panels shared out between the threads, meeting at barriers); each
     output is the per-op path's arithmetic, so the hidden states and the pool's new
     K and V are decode_layer's bits, on every inner-loop path, on 1 and 2 threads,
-    for layers [first, last) too."""
+    for layers [first, last) too, over a pool in the activations' dtype or bfloat16
+    under float32 (--kv-dtype)."""
     from ferrum_rpc.server.config import ExecutorConfig
     from ferrum_rpc.server.engine.executor import TorchExecutor
 
@@ -178,7 +179,7 @@ def test_the_panels_step_in_one_region_equals_decode_layer_per_layer(tiny_llama_
     assert stack.panels_region() and not stack.one_region() and stack.size() == 2
     threads = torch.get_num_threads()
     try:
-        for c in stack_cases(model, [(1, 1), (2, 1), (1, 3), (2, 2)], 5, getattr(torch, dtype)):
+        for c in stack_cases(model, [(1, 1), (2, 1), (1, 3), (2, 2)], 5, getattr(torch, dtype), getattr(torch, kv)):
             for n, regions in ((1, True), (2, True), (2, False)):  # off: a layer_step a layer
                 torch.set_num_threads(n)
                 stack.set_regions(regions)
