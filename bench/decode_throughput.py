@@ -12,8 +12,8 @@ Variants: ``float32``, ``bfloat16``, ``int8`` / ``int4`` (our weight-only
 ``--quantize``, float32 activations) and ``w8a8`` / ``w4a8`` (the same weights,
 activations quantized to int8 per block and multiplied in integers); the
 quantized variants' transformers reference is float32.  A variant may name the
-KV pool's dtype after it (``w4a8+kv=bfloat16``: ``--kv-dtype bfloat16``); such a
-variant has no transformers rows (its KV differs from the reference's).
+KV pool's dtype after it (``w4a8+kv=float32``: ``--kv-dtype float32``, where w8a8
+and w4a8 hold bfloat16 by default); such a variant has no transformers rows.
 ``llama.cpp`` runs the same GGUF file at every batch size (its batch API, one
 ``llama_decode`` a step over all sequences) from its own cached environment (``python -m bench.llama_cpp --setup`` builds it once); while
 ``llama.cpp`` is among ``--systems`` (the default) a missing or failing anchor stops
@@ -308,7 +308,8 @@ def main(argv: list[str] | None = None) -> None:
         base, _, kv_dtype = variant.partition("+kv=")  # e.g. w4a8+kv=bfloat16: --kv-dtype bfloat16
         dtype, quantize = ("float32", base) if base in QUANTIZATIONS else (base, "none")
         kv_dtype = kv_dtype or "auto"
-        element_bytes = TORCH_DTYPES[dtype if kv_dtype == "auto" else kv_dtype].itemsize  # the KV's
+        element_bytes = TORCH_DTYPES[ExecutorConfig(dtype=dtype, quantize=quantize, kv_dtype=kv_dtype)
+                                     .kv_dtype_name].itemsize  # the KV's
         runners, calls, weight_bytes, worker = {}, {}, {}, None
         remote = {"grpc", "grpc-ahead"} & set(args.systems)
         if "transformers" in args.systems and quantize == "none" and kv_dtype == "auto":

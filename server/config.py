@@ -26,10 +26,12 @@ class ExecutorConfig:
 
     Args:
         dtype: "float32" or "bfloat16" (weights, activations and, by default, KV).
-        kv_dtype: the KV pool's dtype: "auto" (``dtype``'s), or "bfloat16" under
-            float32 activations, any ``quantize`` (half the pool's bytes, and of
-            what a long context's attention reads; keys and values rounded once,
-            as written).  ``kv_dtype_name`` is the one resolved.
+        kv_dtype: the KV pool's dtype: "bfloat16" under float32 activations, any
+            ``quantize`` (half the pool's bytes, and of what a long context's
+            attention reads; keys and values rounded once, as written), or
+            ``dtype``'s; "auto": bfloat16 with w8a8 and w4a8 (activations already
+            rounded to 8 bits a block, as llama.cpp keeps its KV in 16 bits),
+            else ``dtype``'s.  ``kv_dtype_name`` is the one resolved.
         device: "cpu", "cuda" or "cuda:N".
         kv_tokens: KV pool capacity in tokens (rounded up to whole blocks).
         block_size: tokens per KV block.
@@ -114,8 +116,10 @@ class ExecutorConfig:
 
     @property
     def kv_dtype_name(self) -> str:
-        """The KV pool's dtype, "auto" resolved."""
-        return self.dtype if self.kv_dtype == "auto" else self.kv_dtype
+        """The KV pool's dtype, "auto" resolved (see ``kv_dtype``)."""
+        if self.kv_dtype != "auto":
+            return self.kv_dtype
+        return "bfloat16" if self.quantize in ("w8a8", "w4a8") else self.dtype
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):

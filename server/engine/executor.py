@@ -107,7 +107,7 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsA
         self.model_config = mc
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.kv_dtype = self.dtype if config.kv_dtype == "auto" else TORCH_DTYPES[config.kv_dtype]  # the pool's
+        self.kv_dtype = TORCH_DTYPES[config.kv_dtype_name]  # the pool's
         self.max_seq_len = min(config.max_seq_len or mc.max_position_embeddings, mc.max_position_embeddings)
         # tensor parallel (parallel/): this rank's shard of the model and of the pool (its KV heads);
         # every forward and block copy goes through the runner, which sends it to the other ranks

@@ -305,8 +305,12 @@ def test_a_kv_dtype_the_model_cannot_hold_is_a_startup_error():
     with pytest.raises(StartupError, match="kv_dtype must be one of"):
         ExecutorConfig(kv_dtype="float16")
     assert ExecutorConfig(dtype="bfloat16", kv_dtype="bfloat16").kv_dtype_name == "bfloat16"
-    assert ExecutorConfig(quantize="w4a8", kv_dtype="bfloat16").kv_dtype_name == "bfloat16"
+    assert ExecutorConfig(quantize="int8", kv_dtype="bfloat16").kv_dtype_name == "bfloat16"
     assert ExecutorConfig(dtype="bfloat16").kv_dtype_name == "bfloat16"
+    # auto: bfloat16 where activations are rounded to 8 bits a block anyway, else the model's dtype
+    assert [ExecutorConfig(quantize=q).kv_dtype_name for q in ("none", "int8", "int4", "w8a8", "w4a8")] == \
+        ["float32"] * 3 + ["bfloat16"] * 2
+    assert ExecutorConfig(quantize="w4a8", kv_dtype="float32").kv_dtype_name == "float32"
 
 
 @pytest.mark.cuda

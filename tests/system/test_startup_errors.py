@@ -122,6 +122,8 @@ CASES = [
     ("port-file-a-folder", lambda d: ["--port-file", str(d / "tokens-folder")], ["--port-file", "tokens-folder"]),
     ("quantize-and-packed", lambda d: ["--quantize", "int8", "--linear-kernel", "onednn-packed"],
      ["--linear-kernel"]),
+    ("kv-dtype-beside-bfloat16", lambda d: ["--dtype", "bfloat16", "--kv-dtype", "float32"],
+     ["--kv-dtype", "--dtype float32"]),
     ("bad-transfer-budget", lambda d: ["--transfer-budget-mb", "-1"], ["--transfer-budget-mb"]),
     ("bad-import-idle-timeout", lambda d: ["--import-idle-timeout", "0"], ["--import-idle-timeout"]),
     ("bad-push-timeout", lambda d: ["--push-timeout", "0"], ["--push-timeout"]),
