@@ -116,9 +116,20 @@ def hf_tiny_llama(tiny_llama_dir):
 
 
 @torch.no_grad()
-def oracle_rows(hf, ids: list[int]):
-    """transformers' logits for every position of ``ids`` (T, V), as numpy."""
-    return hf(torch.tensor([ids])).logits[0].numpy()
+def oracle_rows(hf, ids: list[int], kv_dtype: torch.dtype | None = None):
+    """transformers' logits for every position of ``ids`` (T, V), as numpy; ``kv_dtype``:
+    its cache's keys and values rounded to that dtype as they are stored (and given back
+    widened), the oracle for a pool of that dtype under float32 (--kv-dtype)."""
+    if kv_dtype is None:
+        return hf(torch.tensor([ids])).logits[0].numpy()
+    from transformers import DynamicCache
+
+    class Rounded(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            rounded = lambda t: t.to(kv_dtype).to(t.dtype)  # noqa: E731
+            return super().update(rounded(key_states), rounded(value_states), layer_idx, *args, **kwargs)
+
+    return hf(torch.tensor([ids]), past_key_values=Rounded(), use_cache=True).logits[0].numpy()
 
 
 def executor_snapshot(ex) -> dict:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ferrum_rpc.client import ExecutorClient, LogitsPolicy
-from tests.conftest import running_server
+from tests.conftest import oracle_rows, running_server
 
 ATOL = 1e-4
 
@@ -248,19 +248,6 @@ def test_bfloat16_serving_stays_close_to_float32_transformers(arch, kernel, step
         np.testing.assert_allclose(s.logits.values[0], ref[-1], atol=0.03 * scale, rtol=0)
 
 
-def _rounded_cache():
-    """A transformers cache that keeps keys and values as bfloat16 rounds them (and
-    gives them back widened): the oracle for a bfloat16 KV pool under float32."""
-    from transformers import DynamicCache
-
-    class Rounded(DynamicCache):
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            bf16 = lambda t: t.to(torch.bfloat16).to(t.dtype)  # noqa: E731
-            return super().update(bf16(key_states), bf16(value_states), layer_idx, *args, **kwargs)
-
-    return Rounded()
-
-
 @pytest.mark.parametrize("arch,step", [("llama", "fused"), ("llama", "eager"), ("qwen3", "fused")])
 def test_a_bfloat16_kv_pool_matches_transformers_with_its_cache_rounded(arch, step, tiny_llama_dir, tiny_qwen3_dir):
     """--kv-dtype bfloat16 under float32 activations: each key (after RoPE) and value
@@ -272,17 +259,13 @@ def test_a_bfloat16_kv_pool_matches_transformers_with_its_cache_rounded(arch, st
     oracle = _oracle(model_dir, arch)
     prompt = [5, 17, 101, 3, 250, 42, 7, 9, 300, 11, 64, 2, 77]
 
-    @torch.no_grad()
-    def rounded_logits(ids):
-        return oracle(torch.tensor([ids]), past_key_values=_rounded_cache(), use_cache=True).logits[0].numpy()
-
     with running_server(model_dir, kv_dtype="bfloat16", step_ops=step) as server, \
             ExecutorClient(server.target, timeout=30) as ex:
         info, caps = ex.info(), ex.capabilities()
         assert (info.dtype, info.kv_dtype) == ("float32", "bfloat16")
         assert caps.memory.kv_bytes_per_token_per_layer == 2 * info.num_kv_heads * info.head_dim * 2
         out = ex.prefill(prompt, logits=LogitsPolicy.full(all_positions=True))
-        ref = rounded_logits(prompt)
+        ref = oracle_rows(oracle, prompt, torch.bfloat16)
         np.testing.assert_allclose(out.logits.values, ref, atol=ATOL, rtol=0)
         off = lambda want: np.abs(out.logits.values - want).max()  # noqa: E731
         assert 10 * off(ref) < off(_hf_logits(oracle, prompt))  # the rounding is seen: far nearer its oracle
@@ -290,7 +273,7 @@ def test_a_bfloat16_kv_pool_matches_transformers_with_its_cache_rounded(arch, st
         for _ in range(16):
             ids.append(token)
             out = ex.decode(token, handle)
-            handle, ref_row = out.kv_cache, rounded_logits(ids)[-1]
+            handle, ref_row = out.kv_cache, oracle_rows(oracle, ids, torch.bfloat16)[-1]
             np.testing.assert_allclose(out.logits.values[0], ref_row, atol=ATOL, rtol=0)
             token = int(ref_row.argmax())
         ex.release_cache(handle)

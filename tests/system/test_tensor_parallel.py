@@ -114,6 +114,27 @@ def test_prefill_and_16_greedy_steps_equal_transformers(servers, oracles, arch):
         ex.release_cache(handle)
 
 
+@torch.no_grad()
+def test_a_bfloat16_kv_pool_on_every_rank_matches_transformers_with_its_cache_rounded(folders, oracles):
+    """--kv-dtype bfloat16 split over 2 ranks: each rank's pool holds its KV heads in
+    bfloat16, keys and values rounded once as written; prompt and greedy steps equal
+    transformers with a cache that rounds the same way."""
+    hf = oracles["llama"]
+    with all_serving(ServerProcess(f"tiny={folders['llama']}", *FLAGS, "--kv-dtype", "bfloat16"), timeout=180) \
+            as (server,), ExecutorClient(server.target, timeout=60) as ex:
+        assert ex.info().kv_dtype == "bfloat16" and ex.capabilities().tensor_parallel
+        out = ex.prefill(PROMPT, logits=ALL)
+        np.testing.assert_allclose(out.logits.values, oracle_rows(hf, PROMPT, torch.bfloat16), atol=ATOL, rtol=0)
+        ids, handle, token = list(PROMPT), out.kv_cache, int(out.logits.values[-1].argmax())
+        for _ in range(8):
+            ids.append(token)
+            step = ex.decode(token, handle, FULL)
+            ref = oracle_rows(hf, ids, torch.bfloat16)[-1]
+            np.testing.assert_allclose(step.logits.values[0], ref, atol=ATOL, rtol=0)
+            handle, token = step.kv_cache, int(ref.argmax())
+        ex.release_cache(handle)
+
+
 def test_top_k_is_reduced_across_vocabulary_shards(servers, oracles):
     """TOP_K over ranks' own top-k: the global top-k, sorted, values and ids."""
     with _client(servers, "llama") as ex:
