@@ -185,20 +185,31 @@ def float32_top1(default_server, english_ids):
 # guards against breakage (a wrong code, a lost step or scale) a point below what was measured,
 # and ``bench.quant_accuracy`` reports the figure.  int8 and int4 hold the GGUF's weights without
 # loss (the test below) and carry activations as two int8 digits (about 15 bits a block):
-# 99.9-100.0% measured for both; int4 is checked here (int8 runs the same activation path over
-# 8-bit codes).
-@pytest.mark.parametrize("quantize,target", [("w8a8", 0.985), ("w4a8", 0.965), ("int4", 0.995)])
-def test_quantized_greedy_top1_agrees_with_float32(default_model_dir, float32_top1, english_ids, quantize, target):
+# 99.9-100.0% measured for both.  w8a8 and w4a8 hold a bfloat16 KV pool (--kv-dtype auto):
+# 98.9% and 98.1% measured with it.
+AGREEMENT = {"int8": 0.995, "int4": 0.995, "w8a8": 0.985, "w4a8": 0.965}
+
+
+@pytest.fixture(scope="module", params=list(AGREEMENT))
+def quantized(request, default_model_dir):
+    """The default model served with --quantize (each mode once, for both tests below)."""
+    with running_server(default_model_dir, name="q", kv_tokens=4096, block_size=16, quantize=request.param,
+                        server_kwargs=dict(warmup=False)) as server:
+        server.quantize = request.param
+        yield server
+
+
+def test_quantized_greedy_top1_agrees_with_float32(quantized, float32_top1, english_ids):
     """Teacher-forced over 1,000 positions of a fixed English text: the next-token argmax of
     the quantized model against float32's, both served through gRPC."""
+    quantize, target = quantized.quantize, AGREEMENT[quantized.quantize]
     policy = LogitsPolicy.argmax(all_positions=True)
     reference = float32_top1
-    with running_server(default_model_dir, name="q", kv_tokens=4096, block_size=16, quantize=quantize,
-                        server_kwargs=dict(warmup=False)) as server, \
-            ExecutorClient(server.target, timeout=120) as ex:
+    with ExecutorClient(quantized.target, timeout=120) as ex:
         assert ex.capabilities().quantization == quantize
         out = ex.prefill(english_ids, logits=policy)
         got = out.logits.argmax()
+        ex.release_cache(out.kv_cache)
     agreement = sum(a == b for a, b in zip(got, reference)) / len(reference)
     print(f"{quantize}: top-1 agreement with float32 over {len(reference)} positions: {agreement:.2%}")
     assert len(reference) == 1001 and agreement >= target
@@ -213,18 +224,14 @@ def float32_aten(default_model_dir):
     return TorchExecutor.from_path("f", default_model_dir, ExecutorConfig(kv_tokens=64, linear_kernel="aten"))
 
 
-@pytest.mark.parametrize("quantize", ["int8", "int4", "w8a8", "w4a8"])
-def test_quantized_layers_hold_the_gguf_weights_without_loss(default_model_dir, float32_aten, quantize):
+def test_quantized_layers_hold_the_gguf_weights_without_loss(quantized, float32_aten):
     """The embedded GGUF's projections are Q4_1 and its tied head Q8_0: int8 and int4 must reproduce
     the float32 weights (dequantized from them) up to float32 rounding, so quantizing loses nothing;
     w8a8 holds its projections rotated (qact.rotate_codes), every one of them, and still loses nothing."""
-    from ferrum_rpc.server.kernels import qact
     from ferrum_rpc.server.kernels import woq
-    from ferrum_rpc.server.config import ExecutorConfig
-    from ferrum_rpc.server.engine.executor import TorchExecutor
 
-    dense = float32_aten
-    quant = TorchExecutor.from_path("q", default_model_dir, ExecutorConfig(kv_tokens=64, quantize=quantize))
+    quantize, dense = quantized.quantize, float32_aten
+    quant = quantized.app.registry.workers["q"].executor
     dense_modules = dict(dense.model.named_modules())
     checked = 0
     for name, module in quant.model.named_modules():
