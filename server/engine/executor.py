@@ -125,8 +125,8 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsA
         self.stats = Stats(self)
         self.optimal_batch_size = 0  # measured by measure_optimal_batch (the server's warm-up)
         self.weights_digest = ""  # of the model folder's files (transfer.weights_digest): the KV fingerprint
-        log.info("%s: KV pool of %d blocks x %d tokens (%.1f MiB on %s)", name, num_blocks,
-                 config.block_size, self.pool.nbytes / 2**20, self.device)
+        log.info("%s: KV pool of %d blocks x %d tokens (%.1f MiB of %s on %s)", name, num_blocks,
+                 config.block_size, self.pool.nbytes / 2**20, config.kv_dtype_name, self.device)
         if self.shard is None:
             self.open_adapters()
 
