@@ -80,6 +80,13 @@ def _compute_peak_here(dtype: str, repeats: int) -> float:
     return best
 
 
+def kv_variant(name: str) -> tuple[str, str]:
+    """A benchmark variant that may name the KV pool's dtype after it: ``w4a8+kv=float32``
+    -> ("w4a8", "float32") (``--kv-dtype float32``); ``w4a8`` -> ("w4a8", "auto")."""
+    base, _, kv_dtype = name.partition("+kv=")
+    return base, kv_dtype or "auto"
+
+
 def median_of(runs: int, fn) -> tuple[float, list[float]]:
     """Runs ``fn`` (returning seconds) ``runs`` times; returns the median and all values."""
     values = [fn() for _ in range(runs)]

@@ -50,7 +50,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from bench import llama_cpp
-from bench.common import RSS_MB, compute_peak_gflops, log, median_of, read_bandwidth_gbs, served, write_results
+from bench.common import (RSS_MB, compute_peak_gflops, kv_variant, log, median_of, read_bandwidth_gbs, served,
+                          write_results)
 from bench.long_rows import (distinct_prompts, hf_context_steps, hf_prompt_s, kv_bytes, model_config,
                              ours_context_steps, ours_prompt_s, prompt_flops)
 from ferrum_rpc.client import ExecutorClient
@@ -305,9 +306,8 @@ def main(argv: list[str] | None = None) -> None:
             len(prompts), len(prompts[0]), steps + 1, 1, warmup=False)["steps_s"], gguf_bytes, 2)  # f16 KV
 
     for variant in args.dtypes:
-        base, _, kv_dtype = variant.partition("+kv=")  # e.g. w4a8+kv=bfloat16: --kv-dtype bfloat16
+        base, kv_dtype = kv_variant(variant)
         dtype, quantize = ("float32", base) if base in QUANTIZATIONS else (base, "none")
-        kv_dtype = kv_dtype or "auto"
         element_bytes = TORCH_DTYPES[ExecutorConfig(dtype=dtype, quantize=quantize, kv_dtype=kv_dtype)
                                      .kv_dtype_name].itemsize  # the KV's
         runners, calls, weight_bytes, worker = {}, {}, {}, None

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import llama_cpp
-from bench.common import log
+from bench.common import kv_variant, log
 from ferrum_rpc.client.generate import load_tokenizer
 from ferrum_rpc.server.config import ExecutorConfig
 from ferrum_rpc.server.kernels import qact
@@ -57,9 +57,9 @@ def english_ids(model_dir: Path, positions: int) -> list[int]:
 
 def argmaxes(model_dir: Path, mode: str, ids: list[int]) -> np.ndarray:
     """Next-token argmax at each of ``ids``' positions, one chunked prefill; ``mode``: a
-    ``--quantize`` value, the KV pool's dtype after it where not float32 (``w4a8+kv=bfloat16``)."""
-    quantize, _, kv_dtype = mode.partition("+kv=")
-    ex = TorchExecutor.from_path("acc", model_dir, ExecutorConfig(quantize=quantize, kv_dtype=kv_dtype or "auto",
+    ``--quantize`` value, the KV pool's dtype after it where it names one (``common.kv_variant``)."""
+    quantize, kv_dtype = kv_variant(mode)
+    ex = TorchExecutor.from_path("acc", model_dir, ExecutorConfig(quantize=quantize, kv_dtype=kv_dtype,
                                                                  kv_tokens=4096))
     out = ex.prefill(ids, None, LogitsPolicy.argmax(all_positions=True))
     return np.asarray(out.logits.argmax())
