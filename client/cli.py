@@ -4,6 +4,7 @@ code (a client-only install has no torch); the tokenizer needs the ``text`` extr
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import sys
@@ -26,10 +27,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .sampling import SamplingParams
     from ferrum_rpc.paths import default_model_dir
 
-    tokenizer = load_tokenizer(args.tokenizer or default_model_dir())
+    if importlib.util.find_spec("transformers") is None:  # the tokenizer's extra, named before any call
+        raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
     params = SamplingParams(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
-    prompt_ids = encode_prompt(tokenizer, args.prompt, chat=not args.raw)
     tls = None
     if args.tls_ca or args.tls_cert or args.tls_server_name:
         from . import ClientTls
@@ -39,7 +40,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.token_file:
         token = Path(args.token_file).read_text().strip()
     with connect(targets_of(args), model=args.model, timeout=args.timeout, tls=tls, token=token) as client:
+        # the server first: a refused or unreachable one is reported before the
+        # tokenizer's seconds of loading
         info = client.info()
+        tokenizer = load_tokenizer(args.tokenizer or default_model_dir())
+        prompt_ids = encode_prompt(tokenizer, args.prompt, chat=not args.raw)
         stop = set(info.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         if args.speculative:
             return _speculative(args, client, tokenizer, prompt_ids, stop)

@@ -19,19 +19,33 @@ ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "transformers", "safetensors", "gguf", "accelerate", "grpcio-tools", "prometheus-client")
 
 
+def _pip(venv: Path, *args: str, **kwargs) -> subprocess.CompletedProcess:
+    """This environment's pip acting on ``venv`` (which has no pip of its own)."""
+    return subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), *args],
+                          capture_output=True, text=True, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def client_venv(tmp_path_factory) -> Path:
-    venv = tmp_path_factory.mktemp("client-only") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    done = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--constraint",
-                           str(ROOT / "constraints.txt"), str(ROOT)], capture_output=True, text=True, timeout=900)
+    """A fresh environment with the project's wheel installed, as a registry user gets
+    it.  The wheel is built here, with this environment's setuptools, and installed by
+    this environment's pip: the same files and dependencies as the new environment
+    building and installing it itself, without its own pip and build environment."""
+    where = tmp_path_factory.mktemp("client-only")
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                            "--wheel-dir", str(where / "dist"), str(ROOT)], capture_output=True, text=True,
+                           timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = (where / "dist").glob("ferrum_rpc-*.whl")
+    venv = where / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    done = _pip(venv, "install", "--quiet", "--constraint", str(ROOT / "constraints.txt"), str(wheel), timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return venv
 
 
 def test_the_client_install_is_light(client_venv):
-    listed = subprocess.run([str(client_venv / "bin" / "python"), "-m", "pip", "list", "--format=json"],
-                            capture_output=True, text=True, check=True)
+    listed = _pip(client_venv, "list", "--format=json", check=True)
     names = {p["name"].lower() for p in json.loads(listed.stdout)}
     assert {"ferrum-rpc", "grpcio", "grpcio-status", "protobuf", "numpy"} <= names
     assert not names & set(HEAVY), names & set(HEAVY)

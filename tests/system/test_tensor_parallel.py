@@ -530,8 +530,8 @@ def test_a_lost_rank_fails_the_server_closed(servers, arch, how):
 
 
 @pytest.mark.slow
-def test_smollm2_at_degree_3_gives_degree_1s_32_greedy_tokens():
-    """The real SmolLM2-135M (9 heads, 3 KV heads) split 3 ways; and 16 seeded draws at
+def test_smollm2_at_degree_3_gives_degree_1s_16_greedy_tokens():
+    """The real SmolLM2-135M (9 heads, 3 KV heads) split 3 ways; and 8 seeded draws at
     temperature 0.8 over its whole 49,152-token vocabulary (the per-rank-mass inverse
     CDF over three 16,384-token slices), decoded ahead, are degree 1's."""
     from ferrum_rpc.server.prepare import prepare_default_model
@@ -542,14 +542,14 @@ def test_smollm2_at_degree_3_gives_degree_1s_32_greedy_tokens():
     one = TorchExecutor.from_path("smol", folder, ExecutorConfig(kv_tokens=256, block_size=16, **kernels))
     out = one.prefill(prompt, policy=LogitsPolicy.argmax())
     expected, handle = [int(out.logits.token_ids[0, 0])], out.kv_cache
-    for _ in range(31):
+    for _ in range(15):
         step = one.decode(expected[-1], handle, LogitsPolicy.argmax())
         expected.append(int(step.logits.token_ids[0, 0]))
         handle = step.kv_cache
     choice = TokenChoice(temperature=0.8, seed=5)
     out = one.prefill(prompt, policy=None, choice=choice)
     drawn, handle = [out.chosen.token_id], out.kv_cache
-    for _ in range(16):
+    for _ in range(8):
         step = one.decode(drawn[-1], handle, policy=None, choice=choice)
         drawn.append(step.chosen.token_id)
         handle = step.kv_cache
@@ -559,11 +559,11 @@ def test_smollm2_at_degree_3_gives_degree_1s_32_greedy_tokens():
         with ExecutorClient(server.target, timeout=60) as ex:
             out = ex.prefill(prompt, logits=LogitsPolicy.argmax())
             got, handle = [int(out.logits.token_ids[0, 0])], out.kv_cache
-            for _ in range(31):
+            for _ in range(15):
                 step = ex.decode(got[-1], handle, LogitsPolicy.argmax())
                 got.append(int(step.logits.token_ids[0, 0]))
                 handle = step.kv_cache
             out = ex.prefill(prompt, token_choice=choice)
-            run = ex.decode_ahead(out.chosen.token_id, out.kv_cache, choice, 16)
+            run = ex.decode_ahead(out.chosen.token_id, out.kv_cache, choice, 8)
     assert got == expected
     assert [out.chosen.token_id] + [c.token_id for c in run.chosen] == drawn

@@ -3,7 +3,7 @@
 oracles that share no code with server/choice/sampling.py:
 
 - greedy with each penalty and with a logit bias equals transformers ``generate``
-  on the same weights, 64 tokens, token for token. transformers has a repetition
+  on the same weights, 40 tokens, token for token. transformers has a repetition
   penalty and a sequence bias processor; presence and frequency penalties (OpenAI's
   and vLLM's definition, over the output tokens only) it has not, so the oracle is
   transformers' own forward logits inside its own ``generate`` with a processor
@@ -49,7 +49,7 @@ from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 from tests.conftest import oracle_rows
 from tests.unit.choice.test_sampling import _chi_square_bound
 
-STEPS = 64
+STEPS = 40
 TINY_PROMPT = [1, 17, 42, 99, 5, 230, 17, 8]
 
 
