@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -33,10 +34,19 @@ class ChosenTokens:
     failed: tuple[int, ...] = ()
 
     def row(self, i: int) -> ChosenToken:
-        n = self.top_counts[i]
-        pairs = zip(self.top_token_ids[i, :n].tolist(), self.top_logprobs[i, :n].tolist())
-        return ChosenToken(int(self.token_ids[i]), float(self.logprobs[i]),
-                           tuple(TokenLogprob(t, lp) for t, lp in pairs if lp != -math.inf))
+        n, top = self.top_counts[i], ()
+        if n:
+            pairs = zip(self.top_token_ids[i, :n].tolist(), self.top_logprobs[i, :n].tolist())
+            top = tuple(TokenLogprob(t, lp) for t, lp in pairs if lp != -math.inf)
+        return ChosenToken(self._ids[i], self._logprobs[i], top)
+
+    @cached_property
+    def _ids(self) -> list[int]:  # one conversion for every row, not an indexing op per row
+        return self.token_ids.tolist()
+
+    @cached_property
+    def _logprobs(self) -> list[float]:
+        return self.logprobs.tolist()
 
     def rows(self) -> list[ChosenToken]:
         return [self.row(i) for i in range(len(self.top_counts))]

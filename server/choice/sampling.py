@@ -92,7 +92,8 @@ def choose_tokens(
         an infinity are listed in ``failed`` and choose nothing (the others are chosen
         exactly as if those rows were absent).
     """
-    logits = logits.float()
+    if logits.dtype != torch.float32:
+        logits = logits.float()
     batch, vocab = logits.shape
     if len(choices) != batch or len(positions) != batch:
         raise ValueError(f"{batch} rows but {len(choices)} choices and {len(positions)} positions")
@@ -105,8 +106,7 @@ def choose_tokens(
         # every row greedy, unshaped, no top logprobs: the token's logprob is its logit (the
         # row's largest) less the normaliser in either mode, as the steps below give it
         ids, largest, _, log_norm = stats
-        none = torch.zeros(batch, 0)
-        return ChosenTokens(ids, largest - log_norm, none.long(), none, (0,) * batch)
+        return ChosenTokens(ids, largest - log_norm, *_no_top(batch), (0,) * batch)
     logits = held
     shaped, touched = shape_logits(logits, choices, prompt_token_ids, output_token_ids)
     n = min(max(c.top_logprobs for c in choices), vocab)
@@ -152,6 +152,17 @@ def accept_drafts(
     while kept < len(drafts) and chosen[kept].token_id == drafts[kept]:
         kept += 1
     return kept, chosen[:kept + 1]
+
+
+_NO_TOP: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _no_top(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (batch, 0) top ids (int64) and logprobs (float32), made once per batch size
+    (nothing can write into a tensor without elements)."""
+    if (empty := _NO_TOP.get(batch)) is None:
+        empty = _NO_TOP.setdefault(batch, (torch.zeros(batch, 0, dtype=torch.int64), torch.zeros(batch, 0)))
+    return empty
 
 
 def _plain(c: TokenChoice) -> bool:

@@ -31,7 +31,11 @@ def held_finite(logits: torch.Tensor, low_high=None) -> tuple[torch.Tensor, tupl
     over the last dim is several times slower on the CPU.  ``low_high``: each row's
     smallest and largest, where the caller has them (both NaN for a row holding a NaN)."""
     low, high = low_high or (logits.amin(-1), logits.amax(-1))  # a NaN anywhere in a row makes both NaN
-    low, high = low.cpu().numpy(), high.cpu().numpy()  # (R,): numpy's few calls, not ~10 torch ops
+    # the common case in plain Python (a few calls, where numpy's checks are ~10); False
+    # for a NaN, an infinity or a value near the limit, which the checks below then sort out
+    if all(-LOGIT_LIMIT <= a and b <= LOGIT_LIMIT for a, b in zip(low.tolist(), high.tolist())):
+        return logits, ()
+    low, high = low.cpu().numpy(), high.cpu().numpy()  # (R,)
     bad = ~(np.isfinite(low) & np.isfinite(high))
     if not (bad.any() or (low < -LOGIT_LIMIT).any() or (high > LOGIT_LIMIT).any()):
         return logits, ()

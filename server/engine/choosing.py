@@ -55,7 +55,8 @@ class ChoosesTokens:
         if chosen is None:
             rows = [a[0] for a in asking]
             picked = logits[torch.tensor(rows, device=logits.device)] if len(rows) < logits.shape[0] else logits
-            picked = picked.float().cpu()
+            if picked.dtype != torch.float32 or picked.device.type != "cpu":
+                picked = picked.float().cpu()
             try:
                 chosen = choose_tokens(picked, [a[2] for a in asking], [a[3] for a in asking],
                                        [a[4] for a in asking], [a[5] for a in asking])

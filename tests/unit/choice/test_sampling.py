@@ -396,3 +396,20 @@ def test_non_finite_rows_fail_alone_and_the_others_are_chosen_as_without_them():
     assert [out.row(0), out.row(3)] == [alone[0], alone[3]]
     poisoned[0, 0] = -math.inf  # a model's -inf is as unservable as +inf or NaN
     assert choose_tokens(poisoned, choices, range(4)).failed == (0, 1, 2)
+
+
+def test_rows_past_the_logit_limit_are_held_to_it_and_only_non_finite_rows_fail():
+    """held_finite's quick check passes a row only where the full check would; a row
+    with a value at the float32 nearest the limit, past it, or not finite takes the
+    full check (held, or failed)."""
+    from ferrum_rpc.server.choice.shaping import LOGIT_LIMIT, held_finite
+
+    near = float(torch.tensor(LOGIT_LIMIT, dtype=torch.float32))  # the float32 nearest, just past 1e30
+    rows = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    same, failed = held_finite(rows)
+    assert same is rows and failed == ()
+    rows[1, 3], rows[2, 7], rows[3, 9], rows[4, 0] = near, -1e35, math.nan, -math.inf
+    held, failed = held_finite(rows)
+    assert failed == (3, 4)
+    assert held[1, 3] == near and held[2, 7] == -LOGIT_LIMIT  # held in float32, as clamp gives it
+    assert torch.equal(held[0], rows[0]) and torch.all(held[3:] == 0)
