@@ -72,12 +72,15 @@ def forward(model: torch.nn.Module, pool: KvPool, steps: list[Step]) -> torch.Te
     (rows, V) logits in step order (``Rows.count`` rows each), or None if no step asks."""
     hidden, firsts = _hidden(model, pool, steps)  # (N, C), each step's first row
     picked = []
-    for first, step in zip(firsts, steps):
-        n = len(step.tokens)
-        if step.rows is Rows.ALL:
-            picked.append(hidden[first:first + n])
-        elif step.rows is Rows.LAST:
-            picked.append(hidden[first + n - 1:first + n])
+    if hidden.shape[0] == 1:  # one step of one token: its row, if asked for, is hidden itself (no slice)
+        picked = [hidden] if steps[0].rows in (Rows.ALL, Rows.LAST) else []
+    else:
+        for first, step in zip(firsts, steps):
+            n = len(step.tokens)
+            if step.rows is Rows.ALL:
+                picked.append(hidden[first:first + n])
+            elif step.rows is Rows.LAST:
+                picked.append(hidden[first + n - 1:first + n])
     if not picked:
         return None
     with torch.inference_mode():

@@ -229,13 +229,14 @@ class BlockQ8Linear(woq.QuantizedLinear):
         return [self.packed, self.packed_scales]  # with -bits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = x if x.dtype == torch.float32 else x.float()  # no dispatch where it would change nothing
         if self.kernel == QACT:
             y = torch.ops.ferrum_qact.block_linear(xf, self.packed, self.packed_scales, self.bits, self.out_features,
                                                    self.digits, self.rotated)
         else:
             y = F.linear(fake_quantize_blocks(rotate16(xf) if self.rotated else xf, self.digits), self.held())
-        y = y.to(x.dtype)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 

@@ -449,4 +449,5 @@ class LlamaForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, C) -> float32 logits (N, V)."""
-        return self.lm_head(hidden).float()
+        out = self.lm_head(hidden)
+        return out if out.dtype == torch.float32 else out.float()
