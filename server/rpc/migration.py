@@ -248,6 +248,12 @@ class TransferRpcs:
                 incoming = receiver.done()
                 handle, _ = await worker.create(transfer.install, worker.executor, incoming, tenant,
                                                 deadline=deadline_of(context), tenant=tenant)
+            except ExecutorError as refusal:
+                if not isinstance(refusal, (TransferStalled, Draining)):  # the caller may still be sending
+                    if receiver is not None:
+                        receiver.close()  # its bytes leave the budget first
+                    await _read_out(messages)
+                raise
             finally:  # however the call ended: the buffer goes (even while a traceback keeps
                 # this frame) and its bytes leave the budget
                 incoming = None
@@ -322,6 +328,28 @@ class TransferRpcs:
 
 
 TICKET_REASONS = (Reason.TICKET_NOT_FOUND, Reason.TICKET_EXPIRED, Reason.TICKET_USED)
+READ_OUT_S = 2.0  # a refused import's remaining messages are read (and dropped) for at most this long
+READ_OUT_PAUSE_S = 0.25  # ... or until the caller pauses this long
+
+
+async def _read_out(messages) -> None:
+    """Reads and drops what a refused import's caller still sends, until it closes its
+    side, pauses or READ_OUT_S passes, before the refusal is answered.  A grpc.aio
+    caller whose write meets an ended call is told INTERNAL "Internal error from
+    Core" in place of the server's status (grpc/grpc#36066): our pushes, the async
+    client and any asyncio caller then lost the reason.  Nothing is buffered."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + READ_OUT_S
+    while (left := end - loop.time()) > 0:
+        read = asyncio.ensure_future(anext(messages))
+        try:
+            done, _ = await asyncio.wait((read,), timeout=min(left, READ_OUT_PAUSE_S))
+        finally:  # a pause, or this call cancelled: the read goes too
+            read.cancel()
+        if not done:
+            return
+        if read.cancelled() or read.exception() is not None:  # the caller's end (StopAsyncIteration), or gone
+            return
 
 
 async def _ticket_refusal(stub, timeout: float, metadata) -> ExecutorError | None:
