@@ -140,8 +140,16 @@ __attribute__((target("avx2,fma"))) inline void scores2x4_avx2(const float* q0, 
 // exps_portable and values_portable on registers: the exps 8 keys at a time (lanes
 // past len hold -inf: exp8 gives 0, which adds nothing), the values 64 dims at a time.
 __attribute__((target("avx2,fma"))) inline void exps_avx2(float* s, int64_t len, float* dst) {
+  // the max 8 lanes at a time (lanes past len hold -inf); vmaxps gives its second operand
+  // where the first is NaN, so a NaN score is passed over as std::max passes it over.
+  // Where zeros of both signs tie for the max, m's sign may differ from the scalar
+  // loop's, which changes no exp (x - 0 and x + 0 are x, exp(+-0) is 1).
+  __m256 lm = _mm256_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < len; j += 8) lm = _mm256_max_ps(_mm256_loadu_ps(s + j), lm);
+  alignas(32) float top[8];
+  _mm256_store_ps(top, lm);
   float m = -INFINITY;
-  for (int64_t j = 0; j < len; ++j) m = std::max(m, s[j]);
+  for (int l = 0; l < 8; ++l) m = std::max(m, top[l]);
   const __m256 mv = _mm256_set1_ps(m);
   __m256 lsum = _mm256_setzero_ps();
   for (int64_t j = 0; j < len; j += 8) {
@@ -216,7 +224,7 @@ __attribute__((target("avx2,fma"))) inline void values2_avx2(const float* p0, co
 
 struct Scratch {
   std::vector<float> state, s, chunk;
-  std::vector<int64_t> offs, held;
+  std::vector<int64_t> offs, held, lens;
 };
 
 // A query head's partials (its chunks in order) merged into out.
@@ -277,6 +285,7 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
   sc.s.resize(nq * Gt * kC);
   sc.chunk.resize(nq * Gt * W);
   sc.held.resize(nq * Gt);
+  sc.lens.resize(nq);
   sc.offs.resize(kC);
   int64_t* offs = sc.offs.data();
   auto query = [&](int64_t i, int64_t g) { return qf + ((bt0 + i) * H + k.kvh * G + k.g0 + g) * D; };
@@ -290,6 +299,11 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
     }
     for (int64_t j = j1 - j0; j % 8 != 0; ++j) offs[j] = offs[0];
     if (ask) prefetch_rows(kc, offs, 0, std::min(kAhead, j1 - j0), D);
+    int64_t* lens = sc.lens.data();  // each query's keys in this chunk (none where <= 0)
+    for (int64_t i = 0; i < nq; ++i) lens[i] = std::min(pos[i] + 1, j0 + kC) - j0;
+    // the query heads the keys from r on reach (the vector loops take them in pairs): the
+    // same set until r reaches held_until, the fewest keys any of them has
+    int64_t held = 0, held_until = -1;
     for (int64_t r = 0; r < j1 - j0; r += 8) {  // 8 keys' rows at a time, for every query and head
       // the next kAhead rows, asked again each pass (a line already asked for costs little;
       // a window that asked each row once waited longer)
@@ -297,9 +311,14 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
         prefetch_rows(kc, offs, std::min(r + 8, j1 - j0), std::min(r + 8 + kAhead, j1 - j0), D);
         prefetch_rows(vc, offs, r, std::min(r + 8, j1 - j0), D);
       }
-      int64_t held = 0;  // the query heads these keys reach (the vector loops take them in pairs)
-      for (int64_t i = 0; i < nq; ++i)
-        for (int64_t g = 0; g < Gt && std::min(pos[i] + 1, j0 + kC) - j0 > r; ++g) sc.held[held++] = i * Gt + g;
+      if (r >= held_until) {
+        held = 0, held_until = INT64_MAX;
+        for (int64_t i = 0; i < nq; ++i)
+          if (lens[i] > r) {
+            for (int64_t g = 0; g < Gt; ++g) sc.held[held++] = i * Gt + g;
+            held_until = std::min(held_until, lens[i]);
+          }
+      }
       int64_t u = 0;
 #ifdef FERRUM_X86
       if constexpr (VEC)
@@ -319,11 +338,12 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
 #endif
           scores8_portable(query(x / Gt, x % Gt), kc, offs + r, D, a.scale, sc.s.data() + x * kC + r);
       }
-      for (int64_t x = 0; x < held; ++x) {  // keys past a query's own: -inf (their exps are 0)
-        const int64_t len = std::min(pos[sc.held[x] / Gt] + 1, j0 + kC) - j0;
-        float* s = sc.s.data() + sc.held[x] * kC + r;
-        for (int64_t l = std::max<int64_t>(len - r, 0); l < 8; ++l) s[l] = -INFINITY;
-      }
+      if (r + 8 > held_until)  // some query ends among these keys: the keys past its own -inf (exps 0)
+        for (int64_t x = 0; x < held; ++x) {
+          const int64_t len = lens[sc.held[x] / Gt];
+          float* s = sc.s.data() + sc.held[x] * kC + r;
+          for (int64_t l = std::max<int64_t>(len - r, 0); l < 8; ++l) s[l] = -INFINITY;
+        }
     }
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t len = std::min(pos[i] + 1, j0 + kC) - j0;
