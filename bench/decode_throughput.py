@@ -237,11 +237,28 @@ def main(argv: list[str] | None = None) -> None:
         for tokens in args.prompt_lens:
             record_prompt(system, variant, tokens, runs_of(tokens))
 
-    def timed_prompts(prompt_s, tokens: int) -> list[float]:
-        """A warm-up, then ``--repeats`` prompts of ``tokens`` tokens, each unlike the
-        others (no run is served from a cached prefix): seconds each."""
-        prompt_s(distinct_prompts(1, tokens, salt=-1)[0])
-        return [prompt_s(distinct_prompts(1, tokens, salt=k)[0]) for k in range(args.repeats)]
+    def prompt_turns(variant, prompt_of: dict) -> None:
+        """Prompt rows of every system in ``prompt_of`` (system -> seconds of one prompt),
+        after a warm-up each, the systems taking turns on each of ``--repeats`` prompts
+        (each unlike the others: none is served from a cached prefix), so a drift of the
+        host's speed falls on all of them alike; each row also keeps the median of the
+        rounds' own ratios to the first system (``per_round_vs``)."""
+        probe_peak(peak_dtype(variant), f"{variant} prompts")
+        for tokens in args.prompt_lens:
+            runs = {system: [] for system in prompt_of}
+            for system, prompt_s in prompt_of.items():  # warm-ups
+                prompt_s(distinct_prompts(1, tokens, salt=-1)[0])
+            for k in range(args.repeats):
+                for system, prompt_s in prompt_of.items():
+                    runs[system].append(prompt_s(distinct_prompts(1, tokens, salt=k)[0]))
+            first = next(iter(runs))
+            for system, seconds in runs.items():
+                record_prompt(system, variant, tokens, seconds)
+                if system != first:
+                    ratios = [a / b for a, b in zip(runs[first], seconds)]
+                    records[-1]["per_round_vs"] = {first: round(statistics.median(ratios), 3)}
+                    log.info("%-12s %-8s prompt %5d: %.2fx %s, the median of %d rounds' ratios", system, variant,
+                             tokens, statistics.median(ratios), first, len(ratios))
 
     def record(system, dtype, batch, seconds, runs, prefill_s, **extra):
         tps = batch * args.new_tokens / seconds
@@ -354,8 +371,7 @@ def main(argv: list[str] | None = None) -> None:
             for system, c in calls.items():
                 prompt_of[system] = lambda p, c=c: ours_prompt_s(c, p)
                 steps_of[system] = lambda b, n, c=c: ours_context_steps(c, b, n)
-            for system, prompt_s in prompt_of.items():
-                prompt_rows(system, variant, lambda tokens, f=prompt_s: timed_prompts(f, tokens))
+            prompt_turns(variant, prompt_of)
             for system, steps in steps_of.items():
                 context_rows(system, variant, steps, weight_bytes[system], element_bytes)
         if target in RSS_MB:
