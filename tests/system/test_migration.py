@@ -346,6 +346,23 @@ def test_push_copies_or_moves_a_sequence_with_a_single_use_ticket(servers):
         b.release_cache(copy.kv_cache)
 
 
+def test_a_push_over_the_receivers_quota_answers_its_refusal(servers):
+    """S refuses a 20-token push at its header (alice's quota there is 16 tokens) while
+    the pusher still has its KV chunks to send: the push answers TENANT_QUOTA_EXCEEDED
+    as S gave it, five times in a row, not the fixed ABORTED of a receiver it could not
+    reach (S reads the rest of the stream out before it answers), and changes nothing."""
+    with connect(servers["a"]) as a, connect(servers["s"]) as s:
+        handle = a.prefill(prompt(20, seed=8)).kv_cache
+        unchanged = state(s)
+        for _ in range(5):
+            ticket = s.create_import_ticket(a.capabilities().kv_fingerprint).ticket
+            with pytest.raises(TenantQuotaExceeded):
+                a.push_sequence(handle, servers["s"].target, ticket, move=True, chunk_bytes=512)
+        assert state(s) == unchanged
+        assert a.export_sequence(handle)
+        a.release_cache(handle)
+
+
 def test_tickets_refused_expired_other_tenants_unknown_or_for_another_fingerprint(servers):
     with connect(servers["a"]) as a, connect(servers["b"]) as b, connect(servers["b"], "bob") as bob, \
             connect(servers["m"]) as m:
