@@ -359,4 +359,3 @@ def test_an_asyncio_caller_refused_mid_stream_gets_the_refusal_every_time(server
     assert [e.code for e in errors] == [grpc.StatusCode.INVALID_ARGUMENT] * 20, [repr(e) for e in errors]
     assert all("was due" in e.message for e in errors)
     assert transfers(r) == (0, 0)
-
