@@ -71,10 +71,10 @@ def forward(model: torch.nn.Module, pool: KvPool, steps: list[Step]) -> torch.Te
     """One forward over every step, then the LM head over the rows they ask for:
     (rows, V) logits in step order (``Rows.count`` rows each), or None if no step asks."""
     hidden, firsts = _hidden(model, pool, steps)  # (N, C), each step's first row
-    picked = []
     if hidden.shape[0] == 1:  # one step of one token: its row, if asked for, is hidden itself (no slice)
         picked = [hidden] if steps[0].rows in (Rows.ALL, Rows.LAST) else []
     else:
+        picked = []
         for first, step in zip(firsts, steps):
             n = len(step.tokens)
             if step.rows is Rows.ALL:

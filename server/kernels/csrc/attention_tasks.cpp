@@ -346,7 +346,7 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
         }
     }
     for (int64_t i = 0; i < nq; ++i) {
-      const int64_t len = std::min(pos[i] + 1, j0 + kC) - j0;
+      const int64_t len = lens[i];
       for (int64_t g = 0; g < Gt && len > 0; ++g) {
         float* s = sc.s.data() + (i * Gt + g) * kC;
 #ifdef FERRUM_X86
@@ -358,7 +358,7 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
     }
     for (int64_t r = 0; r < j1 - j0; r += kValueRows)  // V by sub-chunks (in L1 for every query and head)
       for (int64_t i = 0; i < nq; ++i) {
-        const int64_t len = std::min(pos[i] + 1, j0 + kC) - j0;
+        const int64_t len = lens[i];
         const int64_t end = std::min(len, r + kValueRows);
         auto p = [&](int64_t g) { return sc.s.data() + (i * Gt + g) * kC; };
         auto acc = [&](int64_t g) { return sc.chunk.data() + (i * Gt + g) * W + 2; };
@@ -377,7 +377,7 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
         }
       }
     for (int64_t i = 0; i < nq; ++i) {
-      const int64_t len = std::min(pos[i] + 1, j0 + kC) - j0;
+      const int64_t len = lens[i];
       for (int64_t g = 0; g < Gt && len > 0; ++g) {
         float *state = sc.state.data() + (i * Gt + g) * W, *chunk = sc.chunk.data() + (i * Gt + g) * W;
         if (c == k.c0) std::copy(chunk, chunk + W, state);
