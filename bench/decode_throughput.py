@@ -6,7 +6,11 @@ Prompt 32 tokens, 64 new tokens, greedy; output tokens per second end to end
 (prefill included, as a user sees it: a batch's prompts are sent together and
 share forwards) and decode-only (the prefill part
 subtracted: for transformers, the same generate call stopped after one
-token), each figure the median of several runs.
+token), each figure the median of several runs.  The systems take turns: each
+round runs every one of them once (and, with ``llama.cpp`` among the systems, one
+llama.cpp run of the same shape first), so a drift of the host's speed falls on
+all alike, and each of our decode rows also keeps the median of the rounds' own
+ratios to llama.cpp (``per_round_vs``).
 
 Variants: ``float32``, ``bfloat16``, ``int8`` / ``int4`` (our weight-only
 ``--quantize``, float32 activations) and ``w8a8`` / ``w4a8`` (the same weights,
@@ -50,7 +54,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from bench import llama_cpp
-from bench.common import (RSS_MB, compute_peak_gflops, kv_variant, log, median_of, read_bandwidth_gbs, served,
+from bench.common import (RSS_MB, compute_peak_gflops, kv_variant, log, read_bandwidth_gbs, served,
                           write_results)
 from bench.long_rows import (distinct_prompts, hf_context_steps, hf_prompt_s, kv_bytes, model_config,
                              ours_context_steps, ours_prompt_s, prompt_flops)
@@ -177,6 +181,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--probe-rounds", action="store_true",
+                        help="probe the read bandwidth at the start of every round of the decode rows, and give "
+                             "each row the median of its rounds' step / weight-read ratios (per_round_floor)")
     parser.add_argument("--prompt-lens", type=int, nargs="*", default=[128, 512, 2048],
                         help="prompt rows: one prompt of each length (none: no prompt rows)")
     parser.add_argument("--contexts", type=int, nargs="*", default=[2048, 8192],
@@ -311,7 +318,14 @@ def main(argv: list[str] | None = None) -> None:
                 record_context(system, variant, batch, context, steps_of(batch_prompts, args.context_steps),
                                weight_bytes, element_bytes)
 
-    if "llama.cpp" in args.systems:
+    anchor = "llama.cpp" in args.systems
+
+    def anchor_turn(batch: int) -> tuple[float, float]:
+        """One llama.cpp run of the decode rows' shape beside ours: (seconds, prefill seconds)."""
+        out = run_llama_cpp(batch, args.prompt_len, args.new_tokens, 1)
+        return out["seconds"], out["prefill_s"]
+
+    if anchor:
         gguf_bytes = find_gguf().stat().st_size  # every tensor is read once a step (the head is the embedding)
         for batch in args.batches:
             probe_bandwidth(f"llama.cpp batch {batch}")
@@ -358,14 +372,22 @@ def main(argv: list[str] | None = None) -> None:
             for batch in args.batches:
                 batch_prompts = prompts(batch, args.prompt_len)
                 probe_bandwidth(f"{variant} batch {batch}")
-                for system, run in runners.items():
+                for run in runners.values():
                     run(batch_prompts[:1])  # warm-up
-                    PREFILL_SECONDS.clear()
-                    seconds, runs = median_of(args.repeats, lambda: run(batch_prompts))
+                runs, prefills, beside, probes = decode_turns(
+                    runners, batch_prompts, args.repeats, lambda: anchor_turn(batch) if anchor else None,
+                    lambda: read_bandwidth_gbs() if args.probe_rounds else None)
+                for system in runners:
                     split = {"weight_bytes": weight_bytes.get(system)}
                     if system in ("grpc", "executor"):
                         split["kv_pool_mb"] = round(kv_mb, 1)
-                    record(system, variant, batch, seconds, runs, statistics.median(PREFILL_SECONDS), **split)
+                    if beside:
+                        split["per_round_vs"] = per_round_vs(runs[system], prefills[system], beside)
+                    if probes and split["weight_bytes"]:
+                        split["per_round_floor"] = per_round_floor(runs[system], prefills[system], probes,
+                                                                   split["weight_bytes"], args.new_tokens - 1)
+                    record(system, variant, batch, statistics.median(runs[system]), runs[system],
+                           statistics.median(prefills[system]), **split)
             prompt_of = {"transformers": lambda p: hf_prompt_s(hf, p)} if "transformers" in runners else {}
             steps_of = {"transformers": lambda b, n: hf_context_steps(hf, b, n)} if "transformers" in runners else {}
             for system, c in calls.items():
@@ -391,6 +413,47 @@ def main(argv: list[str] | None = None) -> None:
 
     print(step_table(decode))
     print(limits_table(records))
+
+
+def decode_turns(runners: dict, batch_prompts: list[list[int]], repeats: int, anchor, probe=lambda: None):
+    """``repeats`` rounds in which every runner (and ``anchor()``, unless it returns None)
+    generates once, one after another, so a drift of the host's speed falls on all of
+    them alike; ``probe()`` (the read bandwidth, or None) opens each round.  Returns
+    each runner's seconds and prefill seconds, a list a round, the anchor's (seconds,
+    prefill seconds) a round (empty without one) and the probes (empty without them)."""
+    runs = {system: [] for system in runners}
+    prefills = {system: [] for system in runners}
+    beside, probes = [], []
+    for _ in range(repeats):
+        if (gbs := probe()) is not None:
+            probes.append(gbs)
+        turn = anchor()
+        if turn is not None:
+            beside.append(turn)
+        for system, run in runners.items():
+            before = len(PREFILL_SECONDS)
+            runs[system].append(run(batch_prompts))
+            prefills[system].append(PREFILL_SECONDS[-1] if len(PREFILL_SECONDS) > before else 0.0)
+    return runs, prefills, beside, probes
+
+
+def per_round_floor(runs: list[float], prefills: list[float], probes: list[float], weight_bytes: int,
+                    steps: int) -> dict:
+    """A row's decode step against reading its weights at the bandwidth probed at the start
+    of the same round: the median share of the step that weight-read time is, and the
+    median of the rounds' step / weight-read ratios."""
+    ratios = [(r - p) / steps / (weight_bytes / (gbs * 1e9)) for r, p, gbs in zip(runs, prefills, probes)]
+    return {"step_vs_weight_reads": round(statistics.median(ratios), 3),
+            "bandwidth_gbs": [round(g, 1) for g in probes], "rounds": len(ratios)}
+
+
+def per_round_vs(runs: list[float], prefills: list[float], beside: list[tuple[float, float]]) -> dict:
+    """A row's speed against the anchor's run in the same round, the median over the
+    rounds: end to end (the same tokens, so its seconds over ours) and decode-only."""
+    whole = [b / r for r, (b, _) in zip(runs, beside)]
+    decode = [(b - bp) / (r - rp) for r, rp, (b, bp) in zip(runs, prefills, beside)]
+    return {"llama.cpp": round(statistics.median(whole), 3),
+            "llama.cpp_decode": round(statistics.median(decode), 3), "rounds": len(whole)}
 
 
 def peak_dtype(variant: str) -> str:

@@ -40,11 +40,14 @@ def decode_table(records: list[dict]) -> str:
 def step_table(records: list[dict]) -> str:
     """Our rows (in process, gRPC, gRPC decoding ahead) of every variant and llama.cpp:
     throughput, the ratios the targets name (end to end and decode-only against
-    llama.cpp at the same batch), and the decode step split into weight reads and the rest."""
+    llama.cpp at the same batch; "taking turns": the median of the rounds' own ratios, where
+    llama.cpp ran, or the bandwidth was probed, in each round), and the decode step split
+    into weight reads and the rest."""
     by = {(r["system"], r["dtype"], r["batch"]): r for r in records}
     lines = ["| system | variant | batch | tokens/s | decode tokens/s | / transformers float32 | / llama.cpp "
-             "| decode / llama.cpp | step ms | weight-read ms | not weight reads | RSS MiB | peak RSS MiB |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| decode / llama.cpp | taking turns: / llama.cpp, decode | taking turns: step / weight reads | step ms "
+             "| weight-read ms | not weight reads | RSS MiB | peak RSS MiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     records = decode_rows(records)
     rows = [r for r in records if r["system"] in ("executor", "grpc", "grpc-ahead", "llama.cpp")]
     for r in sorted(rows, key=lambda r: (r["batch"], r["system"], r["dtype"])):
@@ -54,10 +57,13 @@ def step_table(records: list[dict]) -> str:
         vs_llama = f"{r['tokens_per_s'] / anchor['tokens_per_s']:.2f}" if anchor else "-"
         decode_vs = f"{r['decode_tokens_per_s'] / anchor['decode_tokens_per_s']:.2f}" if anchor else "-"
         fmt = lambda key, spec="{:.1f}": spec.format(r[key]) if key in r else "-"  # noqa: E731
+        turns = r.get("per_round_vs", {})
+        turns = f"{turns['llama.cpp']:.2f}, {turns['llama.cpp_decode']:.2f}" if "llama.cpp" in turns else "-"
+        floor = f"{r['per_round_floor']['step_vs_weight_reads']:.2f}" if "per_round_floor" in r else "-"
         lines.append(f"| {r['system']} | {r['dtype']} | {r['batch']} | {r['tokens_per_s']:.1f} "
-                     f"| {r['decode_tokens_per_s']:.1f} | {vs_hf} | {vs_llama} | {decode_vs} | {fmt('step_ms')} "
-                     f"| {fmt('weight_read_ms')} | {fmt('rest_fraction', '{:.0%}')} | {fmt('rss_mb', '{:.0f}')} "
-                     f"| {fmt('peak_rss_mb', '{:.0f}')} |")
+                     f"| {r['decode_tokens_per_s']:.1f} | {vs_hf} | {vs_llama} | {decode_vs} | {turns} | {floor} "
+                     f"| {fmt('step_ms')} | {fmt('weight_read_ms')} | {fmt('rest_fraction', '{:.0%}')} "
+                     f"| {fmt('rss_mb', '{:.0f}')} | {fmt('peak_rss_mb', '{:.0f}')} |")
     return "\n".join(lines)
 
 
