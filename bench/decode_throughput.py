@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
                     runners["grpc"] = lambda p, c=calls["grpc"]: run_ours(*c, p, args.new_tokens)
                 if "grpc-ahead" in args.systems:
                     runners["grpc-ahead"] = lambda p, c=client: run_grpc_ahead(c, pool, p, args.new_tokens)
-            for batch in args.batches:
+            for batch in args.batches if runners else ():  # (only llama.cpp: its own rows above)
                 batch_prompts = prompts(batch, args.prompt_len)
                 probe_bandwidth(f"{variant} batch {batch}")
                 for run in runners.values():
