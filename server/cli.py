@@ -26,13 +26,13 @@ def _model_specs(values: list[str]):
 
 
 # libgomp's threads spin for GOMP_SPINCOUNT pauses (300,000 by default: milliseconds)
-# after each parallel region before they sleep.  Between two BatchDecode calls
-# that spinning took the cores the gRPC thread and the caller needed: one server
-# per spin count, rounds alternating, w4a8 batch 1 through gRPC, median step
-# 7.49 -> 6.50, 7.96 -> 7.71 and 9.62 -> 8.66 ms at 2,000 (batch 8: 15.37 ->
-# 15.02); in process, where no one waits for the cores, no change.  The decode
-# stack's barriers wait microseconds, well inside 2,000 pauses.
-OPENMP_SPIN_COUNT = "2000"
+# after each parallel region before they sleep.  Spinning that long between two
+# BatchDecode calls takes the cores the gRPC thread and the caller need; sleeping
+# at once makes every forward of a batch-1 run start by waking a thread on a halted
+# core, since the Python between two forwards outlasts a short spin.  50,000 pauses
+# (about a millisecond) outlast that Python and still sleep soon after the last call
+# (docs/performance.md has the measurements).
+OPENMP_SPIN_COUNT = "50000"
 
 
 def openmp_spin() -> str | None:

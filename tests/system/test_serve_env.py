@@ -17,7 +17,7 @@ SCRIPT = ("import os, sys\n"
 
 
 @pytest.mark.parametrize("env,order,want", [
-    ({}, "cli-first", "2000 2000"),
+    ({}, "cli-first", "50000 50000"),
     ({"GOMP_SPINCOUNT": "50"}, "cli-first", "None 50"),  # the user's count stands
     ({"OMP_WAIT_POLICY": "active"}, "cli-first", "None None"),  # as does a wait policy
     ({}, "torch-first", "None None"),  # OpenMP read its settings already: nothing set
