@@ -10,7 +10,9 @@ token), each figure the median of several runs.  The systems take turns: each
 round runs every one of them once (and, with ``llama.cpp`` among the systems, one
 llama.cpp run of the same shape first), so a drift of the host's speed falls on
 all alike, and each of our decode rows also keeps the median of the rounds' own
-ratios to llama.cpp (``per_round_vs``).
+ratios to llama.cpp (``per_round_vs``); with ``--probe-rounds`` the bandwidth probe
+opens each round and each row keeps the median of its rounds' step / weight-read
+ratios (``per_round_floor``).
 
 Variants: ``float32``, ``bfloat16``, ``int8`` / ``int4`` (our weight-only
 ``--quantize``, float32 activations) and ``w8a8`` / ``w4a8`` (the same weights,
@@ -440,8 +442,7 @@ def decode_turns(runners: dict, batch_prompts: list[list[int]], repeats: int, an
 def per_round_floor(runs: list[float], prefills: list[float], probes: list[float], weight_bytes: int,
                     steps: int) -> dict:
     """A row's decode step against reading its weights at the bandwidth probed at the start
-    of the same round: the median share of the step that weight-read time is, and the
-    median of the rounds' step / weight-read ratios."""
+    of the same round: the median of the rounds' step / weight-read ratios, and the probes."""
     ratios = [(r - p) / steps / (weight_bytes / (gbs * 1e9)) for r, p, gbs in zip(runs, prefills, probes)]
     return {"step_vs_weight_reads": round(statistics.median(ratios), 3),
             "bandwidth_gbs": [round(g, 1) for g in probes], "rounds": len(ratios)}
