@@ -36,9 +36,9 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import bench_server, log, write_results
+from bench.common import bench_server, dtype_and_quantize, log, write_results
 from ferrum_rpc.client import ExecutorClient
-from ferrum_rpc.server.config import QUANTIZATIONS, ExecutorConfig
+from ferrum_rpc.server.config import ExecutorConfig
 from ferrum_rpc.server.engine.executor import TorchExecutor
 from ferrum_rpc.server.engine.worker import ModelWorker
 from ferrum_rpc.server.prepare import prepare_default_model
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = str(prepare_default_model())
     records = []
     for variant in args.variants:
-        dtype, quantize = ("float32", variant) if variant in QUANTIZATIONS else (variant, "none")
+        dtype, quantize = dtype_and_quantize(variant)
         config = ExecutorConfig(dtype=dtype, kv_tokens=32768, quantize=quantize)
         extra = ("--quantize", quantize) if quantize != "none" else ()
         worker = ModelWorker(functools.partial(TorchExecutor.from_path, "bench", model_dir, config), "bench")

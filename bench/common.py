@@ -7,7 +7,6 @@ import json
 import logging
 import platform
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ferrum_rpc.harness import ServerProcess
+from ferrum_rpc.server.config import QUANTIZATIONS
 
 log = logging.getLogger("bench")
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -87,10 +87,10 @@ def kv_variant(name: str) -> tuple[str, str]:
     return base, kv_dtype or "auto"
 
 
-def median_of(runs: int, fn) -> tuple[float, list[float]]:
-    """Runs ``fn`` (returning seconds) ``runs`` times; returns the median and all values."""
-    values = [fn() for _ in range(runs)]
-    return statistics.median(values), values
+def dtype_and_quantize(variant: str) -> tuple[str, str]:
+    """A benchmark variant (a dtype or a ``--quantize`` mode) as ``serve``'s dtype and
+    quantize mode: ``w4a8`` -> ("float32", "w4a8"), ``bfloat16`` -> ("bfloat16", "none")."""
+    return ("float32", variant) if variant in QUANTIZATIONS else (variant, "none")
 
 
 def server_errors(line: str) -> bool:

@@ -56,12 +56,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from bench import llama_cpp
-from bench.common import (RSS_MB, compute_peak_gflops, kv_variant, log, read_bandwidth_gbs, served,
-                          write_results)
+from bench.common import (RSS_MB, compute_peak_gflops, dtype_and_quantize, kv_variant, log, read_bandwidth_gbs,
+                          served, write_results)
 from bench.long_rows import (distinct_prompts, hf_context_steps, hf_prompt_s, kv_bytes, model_config,
                              ours_context_steps, ours_prompt_s, prompt_flops)
 from ferrum_rpc.client import ExecutorClient
-from ferrum_rpc.server.config import QUANTIZATIONS, ExecutorConfig
+from ferrum_rpc.server.config import ExecutorConfig
 from ferrum_rpc.server.engine.executor import TorchExecutor
 from ferrum_rpc.server.models import TORCH_DTYPES
 from ferrum_rpc.server.prepare import find_gguf, prepare_default_model
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
 
     for variant in args.dtypes:
         base, kv_dtype = kv_variant(variant)
-        dtype, quantize = ("float32", base) if base in QUANTIZATIONS else (base, "none")
+        dtype, quantize = dtype_and_quantize(base)
         element_bytes = TORCH_DTYPES[ExecutorConfig(dtype=dtype, quantize=quantize, kv_dtype=kv_dtype)
                                      .kv_dtype_name].itemsize  # the KV's
         runners, calls, weight_bytes, worker = {}, {}, {}, None

@@ -21,11 +21,10 @@ import logging
 import statistics
 from concurrent.futures import ThreadPoolExecutor
 
-from bench.common import bench_server, compute_peak_gflops, log, write_results
+from bench.common import bench_server, compute_peak_gflops, dtype_and_quantize, log, write_results
 from bench.decode_throughput import grpc_calls, peak_dtype
 from bench.long_rows import distinct_prompts, model_config, ours_prompt_s, prompt_flops
 from ferrum_rpc.client import ExecutorClient
-from ferrum_rpc.server.config import QUANTIZATIONS
 from ferrum_rpc.server.prepare import prepare_default_model
 
 
@@ -37,11 +36,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out", default="prompt_variants")
     return parser.parse_args(argv)
-
-
-def serve_flags(variant: str) -> tuple[str, tuple[str, ...]]:
-    """``ferrum-rpc serve``'s dtype and extra flags for a variant."""
-    return ("float32", ("--quantize", variant)) if variant in QUANTIZATIONS else (variant, ())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,8 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     with contextlib.ExitStack() as stack:
         calls = {}
         for variant in args.variants:
-            dtype, extra = serve_flags(variant)
-            server = stack.enter_context(bench_server(model_dir, dtype, kv_tokens, *extra))
+            dtype, quantize = dtype_and_quantize(variant)
+            server = stack.enter_context(bench_server(model_dir, dtype, kv_tokens, "--quantize", quantize))
             server.wait_serving(300)
             client = stack.enter_context(ExecutorClient(server.target, timeout=600))
             calls[variant] = grpc_calls(client, pool)
