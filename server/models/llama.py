@@ -402,6 +402,12 @@ class LlamaForCausalLM(nn.Module):
         ``adapter_slots``: per token (shaped as ``input_ids``) or per sequence (B,), the
         slot in ``self.adapters`` of the LoRA adapter it runs with, -1 the base model;
         None: the base model everywhere."""
+        if capture is None and adapter_slots is None and self._whole_step(input_ids, positions, kv):
+            # the embedding, every layer and the final norm in one call to the stack
+            pool, norm = kv.pool, self.model.norm
+            return self.layer_ops.forward_ids(input_ids, self.model.embed_tokens.weight, norm.weight, norm.eps,
+                                              self.rope_cos, self.rope_sin, kv.positions, pool.k, pool.v,
+                                              kv.write_slots, kv.tables)
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
         lora = None if adapter_slots is None else self.adapters.deltas(adapter_slots, input_ids.shape)
         if getattr(kv, "ragged", False):  # input_ids (1, N): every group's tokens, see kv.pool.RaggedBatch
@@ -438,6 +444,16 @@ class LlamaForCausalLM(nn.Module):
         if keep:
             keep(len(self.model.layers), out)
         return out
+
+    def _whole_step(self, input_ids: torch.Tensor, positions: torch.Tensor | None, kv) -> bool:
+        """Whether ``forward`` would run the embedding, the stack over every layer and the
+        fused final norm, one after the other (so ``DecodeStack.forward_ids`` does it):
+        a padded batch of a few rows, fused ops on, no eager attention, no LoRA."""
+        return (self.layer_ops is not None and positions is not None and not getattr(kv, "ragged", False)
+                and getattr(kv, "attention", None) is None and self.fused_ops and self.model.norm.fused
+                and positions.shape[1] <= self.fused_max_tokens
+                and self.model.embed_tokens.weight.dtype == self.layer_ops_dtype
+                and (self.layer_ops_rows is None or input_ids.numel() <= self.layer_ops_rows))
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype, eager: bool = False) -> Rope:
         """The rotary embedding for tokens at ``positions`` (B, T): fused for up to

@@ -241,6 +241,43 @@ class DecodeStack : public torch::CustomClassHolder {
     return run(x, cos, sin, positions, k_pool, v_pool, write_slots, tables, first, last, nullptr);
   }
 
+  // The whole step from token ids: ids (B, T) int64 -> the rows of `embed` (V, C) they
+  // name, every layer, then the final RMSNorm (norm (C), eps): the hidden states the LM
+  // head takes.  One call where the embedding, the layers and the norm were three (each
+  // torch op after the layers' weights have streamed through the caches costs tens of
+  // microseconds of cold dispatch).  The norm is rms_norm's own loop, so the bits equal
+  // forward's followed by rms_norm.
+  at::Tensor forward_ids(const at::Tensor& ids, const at::Tensor& embed, const at::Tensor& norm, double eps,
+                         const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+                         const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& write_slots,
+                         const at::Tensor& tables) {
+    TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong && embed.dim() == 2 && embed.is_contiguous() &&
+                    norm.dim() == 1 && norm.numel() == embed.size(1) && norm.scalar_type() == embed.scalar_type() &&
+                    (embed.scalar_type() == at::kFloat || embed.scalar_type() == at::kBFloat16),
+                "DecodeStack: forward_ids takes (B, T) int64 ids, a (V, C) float32 or bfloat16 embedding and a (C) norm");
+    const at::Tensor idc = ids.contiguous(), wc = norm.contiguous();
+    const int64_t V = embed.size(0), C = embed.size(1), rows = idc.numel(), bytes = C * embed.element_size();
+    at::Tensor x = at::empty({ids.size(0), ids.size(1), C}, embed.options());
+    const int64_t* id = idc.data_ptr<int64_t>();
+    const char* table = static_cast<const char*>(embed.data_ptr());
+    char* xp = static_cast<char*>(x.data_ptr());
+    for (int64_t r = 0; r < rows; ++r) {
+      TORCH_CHECK(0 <= id[r] && id[r] < V, "DecodeStack: token id ", id[r], " is outside the vocabulary of ", V);
+      std::memcpy(xp + r * bytes, table + id[r] * bytes, bytes);
+    }
+    const at::Tensor h = run(x, cos, sin, positions, k_pool, v_pool, write_slots, tables, 0, size(), nullptr).contiguous();
+    at::Tensor out = at::empty_like(h);
+    const bool avx2 = avx2_on();
+    auto normed = [&](auto* hp, const auto* wp, auto* op) {
+      for (int64_t r = 0; r < rows; ++r) rms_on(avx2, hp + r * C, wp, C, float(eps), op + r * C);
+    };
+    if (h.scalar_type() == at::kFloat)
+      normed(h.data_ptr<float>(), wc.data_ptr<float>(), out.data_ptr<float>());
+    else
+      normed(h.data_ptr<c10::BFloat16>(), wc.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
+    return out;
+  }
+
   // forward, each token with the LoRA adapter `lora` names for it (the layers one
   // layer_step each: the deltas follow their base linears).
   at::Tensor forward_lora(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
@@ -564,6 +601,7 @@ TORCH_LIBRARY(ferrum_fused, m) {
       .def(torch::init<int64_t, int64_t, double>())
       .def("add_layer", &ferrum_fused::DecodeStack::add_layer)
       .def("forward", &ferrum_fused::DecodeStack::forward)
+      .def("forward_ids", &ferrum_fused::DecodeStack::forward_ids)
       .def("forward_lora", &ferrum_fused::DecodeStack::forward_lora)
       .def("set_rows_silu", &ferrum_fused::DecodeStack::set_rows_silu)
       .def("set_regions", &ferrum_fused::DecodeStack::set_regions)

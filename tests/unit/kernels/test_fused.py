@@ -294,3 +294,43 @@ def test_linear_rows_tiled_gives_a_row_the_same_bits_in_any_batch(ops, isa, dtyp
         scale = (x.double().abs() @ w.double().abs().T).max().item()
         tolerance = (4e-7 if dtype == torch.float32 else 8e-3) * scale * k ** 0.5
         assert (full.double() - want).abs().max().item() <= tolerance
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype,quantize,invariant", [("float32", "w4a8", False), ("float32", "int8", False),
+                                                      ("float32", "none", True), ("bfloat16", "none", True)])
+def test_a_step_from_token_ids_equals_the_embedding_the_stack_and_the_norm_one_by_one(
+        tiny_llama_dir, tiny_qwen3_dir, ops, isa, arch, dtype, quantize, invariant):
+    """DecodeStack.forward_ids (the model's forward where the stack takes every layer):
+    the embedding rows, the layers and the final norm in one call give the hidden
+    states and the pool's new K and V bits that the three ops give one after the
+    other; for a decode of one and of two rows, and a 3-token prompt part; a token id
+    outside the vocabulary is refused, not read."""
+    from ferrum_rpc.server.config import ExecutorConfig
+    from ferrum_rpc.server.engine.executor import TorchExecutor
+
+    model_dir = {"llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir}[arch]
+    ex = TorchExecutor.from_path("tiny", model_dir, ExecutorConfig(kv_tokens=128, block_size=4, dtype=dtype,
+                                                                   quantize=quantize, batch_invariant=invariant))
+    model = ex.model
+    assert model.layer_ops is not None
+    seqs = [ex.kv.get(ex.prefill(prompt).kv_cache.cache_id) for prompt in ([5, 17, 101, 3, 250, 42], [9, 8, 7])]
+    for batch, tokens in [(1, 1), (2, 1), (1, 3)]:
+        picked = seqs[:batch]
+        for seq in picked:  # blocks for the new tokens
+            ex.kv.prepare_write(seq, seq.length, seq.length + tokens)
+        kv = ex.pool.batch([s.block_ids for s in picked], [s.length for s in picked], [tokens] * batch)
+        ids = torch.tensor([[11 + 13 * b + t for t in range(tokens)] for b in range(batch)])
+        before = ex.pool.k.clone(), ex.pool.v.clone()
+        with torch.inference_mode():
+            assert model._whole_step(ids, kv.positions, kv)
+            want = model(ids, kv.positions, kv, {})  # a capture dict: the ops one by one
+            want_k, want_v = ex.pool.k.clone(), ex.pool.v.clone()
+            ex.pool.k.copy_(before[0]), ex.pool.v.copy_(before[1])
+            got = model(ids, kv.positions, kv)
+        assert torch.equal(got, want), (batch, tokens)
+        assert torch.equal(ex.pool.k, want_k) and torch.equal(ex.pool.v, want_v)
+        assert not torch.equal(want_k, before[0])  # the step wrote its keys
+    kv = ex.pool.batch([seqs[0].block_ids], [seqs[0].length], [1])
+    with pytest.raises(RuntimeError, match="outside the vocabulary"), torch.inference_mode():
+        model(torch.tensor([[model.config.vocab_size]]), kv.positions, kv)
