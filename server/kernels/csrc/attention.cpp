@@ -99,17 +99,20 @@ AttnPlan attention_plan(const AttnArgs& a, int threads) {
       blocks.push_back({b, t0, t1, (n + C - 1) / C});
       plan.chunks = std::max(plan.chunks, blocks.back().chunks);
     }
-  // Few blocks (short batches): a task per chunk, then per head too, so threads balance.
+  // Few blocks (short batches): a task per chunk, then per pair of query heads too, so
+  // threads balance (a pair, not a head: the vector loops take a kv head's query heads in
+  // pairs, each K and V row read once for both).
   int64_t split_tasks = 0;
   for (const Block& k : blocks) split_tasks += k.chunks * a.Hkv;
   const bool split = int64_t(blocks.size()) * a.Hkv < 4 * threads, per_head = split && split_tasks < 4 * threads;
+  const int64_t heads = per_head ? std::min<int64_t>(2, G) : G;  // query heads a task
   for (const Block& k : blocks)
     for (int64_t kvh = 0; kvh < a.Hkv; ++kvh)
-      for (int64_t g0 = 0; g0 < G; g0 += per_head ? 1 : G) {
+      for (int64_t g0 = 0; g0 < G; g0 += heads) {
         const int64_t group = split ? int64_t(plan.done.size()) : -1;
         if (split) plan.done.push_back(0);
         for (int64_t c0 = 0; c0 < k.chunks; c0 += split ? 1 : k.chunks) {
-          const int64_t g1 = per_head ? g0 + 1 : G, c1 = split ? c0 + 1 : k.chunks;
+          const int64_t g1 = std::min(g0 + heads, G), c1 = split ? c0 + 1 : k.chunks;
           int64_t cost = 1;
           for (int64_t t = k.t0; t < k.t1; ++t)
             cost += std::max<int64_t>(0, std::min(a.pos[k.b * a.T + t] + 1, c1 * C) - c0 * C) * (g1 - g0);
