@@ -17,7 +17,7 @@ median of every part over its steps, the parts' read rates (``stack_gbs``: the l
 weight bytes over the stack's time; ``lm_head_gbs`` likewise), and the median of the
 rounds' own step / weight-read ratios (``step_vs_weight_reads``: the step against the
 bytes of every linear at that round's probed bandwidth, the floor the batch-1 targets
-name).  The parts' timers cost ~1 us each.
+name).
 
     .venv/bin/python -m bench.step_parts [--variants float32 bfloat16 w4a8] [--new-tokens 128] [--rounds 5]
 """
