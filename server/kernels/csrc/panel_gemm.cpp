@@ -62,15 +62,20 @@ constexpr int panels_for(int mr, int acc, int per_panel) {
 // One or two rows stream their NP panels at memory speed only with the lines asked
 // for ahead: the tile reads NP streams a cache line each per step, the hardware
 // prefetcher stops at every 4 KiB page, and a step's small linears end before it
-// has found its pace.  Each step asks for every panel's line kAhead steps on (past
-// a panel's end: the next panel's start, harmless past the weight's end too, since
-// a prefetch does not fault).  Rows past two reuse each line enough to hide the wait.
+// has found its pace.  Each step asks for every panel's line kAhead steps on; past a
+// panel's end, for that line of the panel NP on: the same stream of the next tile,
+// which these rows take next (panels_range's tiles of one or two rows are consecutive
+// panels), so the next tile starts on lines already asked for rather than on kAhead
+// steps of misses (harmless past the weight's end too: a prefetch does not fault).
+// Rows past two reuse each line enough to hide the wait.
 constexpr int64_t kAhead = 24;  // steps (a panel's cache lines) ahead
 template <int MR, int NP, typename E>
 FERRUM_INLINE void ask_ahead(const E* w, int64_t ps, int64_t at) {
-  if constexpr (MR <= 2)
-    for (int j = 0; j < NP; ++j)
-      _mm_prefetch(reinterpret_cast<const char*>(w + j * ps + at + kAhead * (64 / int64_t(sizeof(E)))), _MM_HINT_T1);
+  if constexpr (MR <= 2) {
+    int64_t ahead = at + kAhead * (64 / int64_t(sizeof(E)));
+    if (ahead >= ps) ahead += (NP - 1) * ps;
+    for (int j = 0; j < NP; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * ps + ahead), _MM_HINT_T1);
+  }
 }
 #endif
 
