@@ -281,6 +281,8 @@ class ModelWorker(AsyncFront, DrivesRuns):
         """Moves queued decodes into ``batch`` while they fit (lock held), fairly
         across tenants (``scheduler.take_decodes``).  Returns True if the batch is
         closed (full, a job that does not fit, or the window ends before the queue does)."""
+        if not self._jobs:  # nothing queued (a run decoding ahead alone): closed only when full
+            return sum(len(j.decode.inputs) for j in batch) >= self.executor.config.max_batch_size
         queue, jobs = self._snapshot()
         taken, closed = scheduler.take_decodes(queue, [self._view(j) for j in batch], self._limits())
         batch.extend(jobs[q.key] for q in taken)
@@ -290,6 +292,8 @@ class ModelWorker(AsyncFront, DrivesRuns):
     def _take_prompts(self, decodes: list[Job]) -> list[tuple[Job, int]]:
         """Takes the prompts that get a part of this forward and how many tokens each
         may run, and parks those the pool cannot hold yet (lock held; see scheduler.py)."""
+        if not self._jobs:  # no prompt queued: none to take or park
+            return []
         limits = self._limits()
         rows = sum(len(j.decode.inputs) for j in decodes)
         active = time.monotonic() - self._decoded_at < self.DECODERS_ACTIVE_S
