@@ -419,9 +419,8 @@ class LlamaForCausalLM(nn.Module):
         if keep:
             keep(0, x)
         rope = self.rope(positions, x.dtype, eager=getattr(kv, "attention", None) is not None)
-        if (rope.fused and self.layer_ops is not None and x.dtype == self.layer_ops_dtype
-                and (lora is None or lora.batch is not None)
-                and (self.layer_ops_rows is None or x.shape[0] * x.shape[1] <= self.layer_ops_rows)):
+        if (self._stack_takes(positions, x.dtype, x.shape[0] * x.shape[1], kv)
+                and (lora is None or lora.batch is not None)):
             pool, n = kv.pool, len(self.model.layers)
             step = (self.rope_cos, self.rope_sin, kv.positions, pool.k, pool.v, kv.write_slots, kv.tables)
             if lora is None:
@@ -445,15 +444,20 @@ class LlamaForCausalLM(nn.Module):
             keep(len(self.model.layers), out)
         return out
 
+    def _stack_takes(self, positions: torch.Tensor, dtype: torch.dtype, rows: int, kv) -> bool:
+        """Whether the stack (``layer_ops``) runs every layer of a padded forward of ``rows``
+        tokens at ``positions`` (B, T), activations in ``dtype`` (LoRA aside): fused RoPE
+        and attention (fused ops on, T within ``fused_max_tokens``, no eager attention)
+        and a batch the stack takes."""
+        return (self.layer_ops is not None and dtype == self.layer_ops_dtype and self.fused_ops
+                and positions.shape[1] <= self.fused_max_tokens and getattr(kv, "attention", None) is None
+                and (self.layer_ops_rows is None or rows <= self.layer_ops_rows))
+
     def _whole_step(self, input_ids: torch.Tensor, positions: torch.Tensor | None, kv) -> bool:
         """Whether ``forward`` would run the embedding, the stack over every layer and the
-        fused final norm, one after the other (so ``DecodeStack.forward_ids`` does it):
-        a padded batch of a few rows, fused ops on, no eager attention, no LoRA."""
-        return (self.layer_ops is not None and positions is not None and not getattr(kv, "ragged", False)
-                and getattr(kv, "attention", None) is None and self.fused_ops and self.model.norm.fused
-                and positions.shape[1] <= self.fused_max_tokens
-                and self.model.embed_tokens.weight.dtype == self.layer_ops_dtype
-                and (self.layer_ops_rows is None or input_ids.numel() <= self.layer_ops_rows))
+        fused final norm, one after the other (so ``DecodeStack.forward_ids`` does it)."""
+        return (positions is not None and not getattr(kv, "ragged", False) and self.model.norm.fused
+                and self._stack_takes(positions, self.model.embed_tokens.weight.dtype, input_ids.numel(), kv))
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype, eager: bool = False) -> Rope:
         """The rotary embedding for tokens at ``positions`` (B, T): fused for up to
