@@ -159,7 +159,7 @@ def run_llama_cpp(batch: int, prompt_len: int, new_tokens: int, repeats: int, wa
 
 
 def run_transformers(model, batch_prompts: list[list[int]], new_tokens: int) -> float:
-    ids = torch.tensor(batch_prompts)
+    ids = torch.tensor(batch_prompts, device=model.device)
     if new_tokens > 1:  # the prefill part: the same call stopping after its first token
         PREFILL_SECONDS.append(run_transformers(model, batch_prompts, 1))
     start = time.perf_counter()

@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--step-ops", default="auto", choices=["auto", "fused", "eager"],
                    help="auto: fused C++ ops for RMSNorm, the MLP activation and decode attention where they "
                         "build and agree with torch here (CPU); eager: torch ops only; fused: fail if they cannot")
+    s.add_argument("--cuda-graphs", default="auto", choices=["auto", "off"],
+                   help="auto: on a CUDA device, replay each plain decode step as a captured CUDA graph (one "
+                        "launch a step); off: run every step eagerly")
     s.add_argument("--batch-invariant", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
                    help="a token's logits bit-identical whatever shares its forward, however its prompt was "
                         "chunked or cached; auto (the default): wherever the model, dtype and kernels allow it "

@@ -57,7 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk, step_token_budget=args.step_token_budget,
         prefix_caching=not args.no_prefix_cache,
         linear_kernel="aten" if args.no_packed_weights else args.linear_kernel, quantize=args.quantize,
-        step_ops=args.step_ops, batch_invariant=args.batch_invariant, max_sequences=args.max_sequences,
+        step_ops=args.step_ops, cuda_graphs=args.cuda_graphs, batch_invariant=args.batch_invariant, max_sequences=args.max_sequences,
         tenant_max_sequences=args.tenant_max_sequences, tenant_kv_tokens=args.tenant_kv_tokens,
         tenant_ahead_sequences=args.tenant_ahead_sequences,
         tensor_parallel=args.tensor_parallel, tensor_parallel_timeout_s=args.tensor_parallel_timeout,

@@ -71,6 +71,9 @@ class ExecutorConfig:
             attention as the fused C++ ops of ``kernels/csrc`` (``fused.h``) where they build
             and agree with the eager ops here (CPU); "eager" forces the torch
             ops; "fused" fails at load where the fused ops cannot run.
+        cuda_graphs: "auto" replays each plain decode step as a captured CUDA graph
+            on a CUDA device (``engine/graphs.py``); "off" runs every step eagerly.
+            No effect on the CPU.
     """
 
     dtype: str = "float32"
@@ -90,6 +93,7 @@ class ExecutorConfig:
     linear_kernel: str = "auto"
     quantize: str = "none"
     step_ops: str = "auto"
+    cuda_graphs: str = "auto"
     # every linear, attention and norm on one per-row arithmetic: a row's logits do not
     # depend on the batch, the prompt's chunking or the prefix cache (models.llama.make_batch_invariant).
     # "auto": wherever this model, dtype, device and kernel choice allow it (the loader says why
@@ -124,6 +128,8 @@ class ExecutorConfig:
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
             raise StartupError(f"dtype must be float32 or bfloat16, not {self.dtype!r}")
+        if self.cuda_graphs not in ("auto", "off"):
+            raise StartupError(f"cuda_graphs must be auto or off, not {self.cuda_graphs!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise StartupError(f"kv_dtype must be one of {KV_DTYPES}, not {self.kv_dtype!r}")
         if self.kv_dtype not in ("auto", self.dtype) and self.dtype != "float32":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 
 import pytest
 import torch
@@ -15,6 +16,10 @@ from ferrum_rpc.server.config import ExecutorConfig, ModelSpec, ServerConfig
 
 logging.getLogger("ferrum_rpc").setLevel(logging.INFO)
 
+# The device the servers these tests start run their models on: "cpu", or "cuda" on a GPU
+# machine (FERRUM_TEST_DEVICE=cuda), where the tests of the contract run against CUDA executors.
+TEST_DEVICE = os.environ.get("FERRUM_TEST_DEVICE", "cpu")
+
 TINY = dict(
     vocab_size=320,
     hidden_size=64,
@@ -24,6 +29,17 @@ TINY = dict(
     num_key_value_heads=2,
     max_position_embeddings=256,
 )
+
+
+def pytest_collection_modifyitems(config, items):
+    """With FERRUM_TEST_DEVICE set to a GPU, the tests of CPU paths skip (their servers would
+    refuse those options there, or report other kernels)."""
+    if TEST_DEVICE == "cpu":
+        return
+    skip = pytest.mark.skip(reason=f"a CPU path; this run's servers are on {TEST_DEVICE}")
+    for item in items:
+        if "cpu_only" in item.keywords:
+            item.add_marker(skip)
 
 
 def pytest_sessionstart(session):
@@ -144,6 +160,7 @@ def running_server(model_dir, name: str = "tiny", server_kwargs: dict | None = N
     """A real gRPC server on a free loopback port hosting one model
     (``server_kwargs``: ServerConfig fields such as TLS files and tokens)."""
     executor_kwargs.setdefault("kv_tokens", 2048)
+    executor_kwargs.setdefault("device", TEST_DEVICE)
     executor_kwargs.setdefault("block_size", 4)
     config = ServerConfig(models=(ModelSpec(name, str(model_dir)),), port=0,
                           executor=ExecutorConfig(**executor_kwargs), **(server_kwargs or {}))

@@ -37,6 +37,7 @@ from .choosing import ChoosesTokens
 from .describe import Describes
 from .speculating import Speculates
 from .forward import Rows, Step, forward
+from .graphs import DecodeGraphs
 from ..kv.pool import KvPool
 from ..kv.blocks import BlockManager, SequenceState, Undo
 from ..kv.events import KvEventHub
@@ -119,6 +120,11 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsA
         self.pool = KvPool(mc.num_layers, num_blocks, config.block_size, self.kv_heads,
                            mc.head_dim, self.kv_dtype, self.device)
         self.runner = None
+        # plain decode steps as replayed CUDA graphs (graphs.py); None: every step eager
+        self.graphs = None
+        if self.device.type == "cuda" and config.cuda_graphs == "auto" and self.shard is None:
+            self.graphs = DecodeGraphs(model, self.pool, config.max_batch_size,
+                                       -(-self.max_seq_len // config.block_size))
         if self.shard is not None:
             self.runner = runner.Runner(self.shard, self.device, forward)
             runner.send_pool(self.runner, num_blocks, config.block_size)
@@ -262,7 +268,9 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsA
         try:
             chosen = None
             if self.runner is None:
-                logits = forward(self.model, self.pool, steps)
+                logits = self.graphs.forward(steps) if self.graphs is not None and self.graphs.takes(steps) else None
+                if logits is None:
+                    logits = forward(self.model, self.pool, steps)
             else:  # token choice across the ranks' vocabulary slices unless whole rows are gathered anyway
                 top = self._top_only(plans)
                 requests = self._choice_requests(steps) if top is not None else None

@@ -90,6 +90,16 @@ class KvBatch:
         self.write_slots = torch.from_numpy(write_slots).to(device)
         self._mask: torch.Tensor | None = None
 
+    @classmethod
+    def static(cls, pool: KvPool, tables: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor) -> KvBatch:
+        """A one-token-a-sequence view over tensors the caller fills before each use
+        (tables (B, nb), positions (B, 1), write_slots (B,) on the pool's device): what a
+        captured CUDA graph of a decode step reads (see ``engine/graphs.py``)."""
+        kv = cls.__new__(cls)
+        kv.pool, kv.attention, kv._mask = pool, None, None
+        kv.tables, kv.positions, kv.write_slots = tables, positions, write_slots
+        return kv
+
     @property
     def flat_tables(self) -> torch.Tensor:
         """(B*nb,) block ids: padded with block 0, masked (see ``mask``)."""

@@ -95,8 +95,9 @@ class Adapter:
 
 def _sites(model, read: LoraWeights) -> list[dict[str, SiteWeights]]:
     """Per layer, the adapter's weights arranged for the model's projections as they
-    are now (fused or not)."""
+    are now (fused or not), on the model's device."""
     out, shapes = [], module_shapes(model.config)
+    device = model.model.embed_tokens.weight.device
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         names = ["qkv_proj" if attn.qkv_proj is not None else None, "o_proj",
@@ -113,9 +114,10 @@ def _sites(model, read: LoraWeights) -> list[dict[str, SiteWeights]]:
             for module, out_lo in zip(modules, itertools.accumulate([0] + widths)):
                 if module in targeted:
                     b = read.weights[i, module][1]
-                    segments.append((out_lo, b.shape[0], r_lo, _pack(b)))
+                    segments.append((out_lo, b.shape[0], r_lo, _pack(b).to(device)))
                     r_lo += b.shape[1]
-            projections[name] = SiteWeights(torch.cat([read.weights[i, m][0] for m in targeted]), segments)
+            projections[name] = SiteWeights(torch.cat([read.weights[i, m][0] for m in targeted]).to(device),
+                                            segments)
         out.append(projections)
     return out
 
@@ -295,7 +297,8 @@ class AdapterSet:
         order = None
         if any(not isinstance(rows, slice) for rows, _ in groups):
             # the groups' rows gathered once per projection, in group order: each group a slice of that
-            order = torch.cat([torch.arange(r.start, r.stop) if isinstance(r, slice) else r for r, _ in groups])
+            order = torch.cat([torch.arange(r.start, r.stop) if isinstance(r, slice) else r for r, _ in groups]
+                              ).to(self.model.model.embed_tokens.weight.device)
             sizes = [r.stop - r.start if isinstance(r, slice) else len(r) for r, _ in groups]
             starts = list(itertools.accumulate([0] + sizes))
             groups = [(slice(lo, hi), sites) for (lo, hi), (_, sites) in zip(zip(starts, starts[1:]), groups)]

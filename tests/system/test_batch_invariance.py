@@ -27,6 +27,8 @@ from ferrum_rpc.server.kernels.build import load_library
 from ferrum_rpc.harness import ServerProcess, all_serving
 from tests.conftest import running_server
 
+pytestmark = pytest.mark.cpu_only  # the CPU kernels' paths and guarantees
+
 FULL = LogitsPolicy.full()
 ALL = LogitsPolicy(all_positions=True)
 

@@ -48,6 +48,7 @@ def test_memory_requirements_agree_with_the_pool_and_the_weights(tiny_llama_dir)
         assert not caps.supports_batch_size(0)
 
 
+@pytest.mark.cpu_only
 def test_packed_weights_are_counted_once(tiny_llama_dir):
     """Where linears run on oneDNN-packed weights (batch invariance off), the packed copy
     replaces the plain one: the weights in memory are still the checkpoint's bytes, not

@@ -76,7 +76,7 @@ def _poison(server, cache_id: str) -> None:
     as a bad import or a faulty device would leave it)."""
     worker = server.app.servicer.workers["tiny"]
     ex = worker.executor
-    blocks = lambda: torch.tensor(ex.kv.get(cache_id).block_ids)  # noqa: E731
+    blocks = lambda: torch.tensor(ex.kv.get(cache_id).block_ids, device=ex.pool.k.device)  # noqa: E731
     worker.submit(lambda: ex.pool.k.index_fill_(1, blocks(), float("nan"))).result(10)
 
 

@@ -21,6 +21,8 @@ from ferrum_rpc.client import ExecutorClient
 from ferrum_rpc.server.kernels.select import ATEN, ONEDNN_PACKED, choose_linear, cpu_capability, probe_onednn_packed
 from tests.conftest import running_server
 
+pytestmark = pytest.mark.cpu_only  # the CPU kernels' paths and guarantees
+
 CPU = torch.device("cpu")
 
 

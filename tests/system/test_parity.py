@@ -34,7 +34,10 @@ def _kernels(kernel: str, step: str) -> dict:
                 batch_invariant="off" if kernel == "per-shape" else "auto")
 
 
-@pytest.mark.parametrize("step", ["fused", "eager"])  # the fused step ops (fused.py) and their fallback
+FUSED = pytest.param("fused", marks=pytest.mark.cpu_only)
+
+
+@pytest.mark.parametrize("step", [FUSED, "eager"])  # the fused step ops (fused.py) and their fallback
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_prefill_and_16_greedy_steps_match_transformers(arch, kernel, step, tiny_llama_dir, tiny_qwen3_dir):
@@ -227,7 +230,7 @@ def test_logits_policies_agree_with_full_logits(client):
         np.testing.assert_allclose(low.astype(np.float32), full, atol=tol * max(1.0, np.abs(full).max()))
 
 
-@pytest.mark.parametrize("step", ["fused", "eager"])
+@pytest.mark.parametrize("step", [FUSED, "eager"])
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_bfloat16_serving_stays_close_to_float32_transformers(arch, kernel, step, tiny_llama_dir, tiny_qwen3_dir):
@@ -248,7 +251,8 @@ def test_bfloat16_serving_stays_close_to_float32_transformers(arch, kernel, step
         np.testing.assert_allclose(s.logits.values[0], ref[-1], atol=0.03 * scale, rtol=0)
 
 
-@pytest.mark.parametrize("arch,step", [("llama", "fused"), ("llama", "eager"), ("qwen3", "fused")])
+@pytest.mark.parametrize("arch,step", [pytest.param("llama", "fused", marks=pytest.mark.cpu_only), ("llama", "eager"),
+                                       pytest.param("qwen3", "fused", marks=pytest.mark.cpu_only)])
 def test_a_bfloat16_kv_pool_matches_transformers_with_its_cache_rounded(arch, step, tiny_llama_dir, tiny_qwen3_dir):
     """--kv-dtype bfloat16 under float32 activations: each key (after RoPE) and value
     rounded to bfloat16 once, as written; every other step in float32.  transformers

@@ -44,7 +44,7 @@ def logits(client, prompt=PROMPT) -> np.ndarray:
     return np.asarray(out.logits.values, dtype=np.float32)
 
 
-@pytest.mark.parametrize("quantize", ["none", "int8"])
+@pytest.mark.parametrize("quantize", ["none", pytest.param("int8", marks=pytest.mark.cpu_only)])
 def test_after_an_update_the_logits_equal_a_fresh_server_on_the_new_weights(tiny_llama_dir, perturbed, quantize):
     tensors, folder = perturbed
     with running_server(folder, quantize=quantize) as fresh, ExecutorClient(fresh.target) as c:
@@ -61,6 +61,7 @@ def test_after_an_update_the_logits_equal_a_fresh_server_on_the_new_weights(tiny
         assert step.kv_cache.weights_version == 1
 
 
+@pytest.mark.cpu_only  # its fresh server is batch-invariant
 def test_a_load_through_the_update_sees_only_whole_versions(tiny_llama_dir, perturbed):
     tensors, folder = perturbed
     prompts = [[5 + i, 17, 42, 99, 5, 230, 17 + i, 8] for i in range(16)]
