@@ -91,6 +91,7 @@ class UpdatesWeights:
         if self.adapters is not None:  # the adapters' weights are the adapters': they stay
             model.adapters, self.adapters.model = self.adapters, model
         self.model = model
+        self.graphs = self.decode_graphs(model)  # graphs captured on the old weights read those
         self.weights_version += 1
         self.weights_digest = updated_weights_digest(self.weights_digest, checksum)
         self.kv.start_generation(self.weights_version)
