@@ -139,7 +139,8 @@ def test_decode_steps_replayed_as_cuda_graphs_equal_eager_steps(dtype, tiny_llam
                                            atol=ATOL if dtype == "float32" else 0.01 * scale)
                 ha[i], hb[i], tokens[i] = x.kv_cache, y.kv_cache, int(y.logits.values[0].argmax())
         executor = graphs.app.servicer.workers["tiny"].executor
-        assert {batch for batch, _ in executor.graphs.graphs} == {1, 2, 4}
+        # (the server's warm-up measured every batch bucket through graphs too)
+        assert {1, 2, 4} <= {batch for batch, _ in executor.graphs.graphs}
         assert len({width for _, width in executor.graphs.graphs}) >= 2
         if dtype == "float32":
             runs = [c.decode_ahead(5, h[0], TokenChoice.greedy(), 16).chosen for c, h in ((a, ha), (b, hb))]
