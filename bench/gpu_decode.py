@@ -33,7 +33,7 @@ import torch
 
 from bench.common import bench_server, log, write_results
 from bench.common import read_bandwidth_gbs as cpu_read_bandwidth_gbs
-from bench.decode_throughput import (PREFILL_SECONDS, decode_turns, executor_calls, grpc_calls, prompts,
+from bench.decode_throughput import (decode_turns, executor_calls, grpc_calls, prompts,
                                      run_grpc_ahead, run_ours, run_transformers, weight_bytes_per_step)
 from ferrum_rpc.client import ExecutorClient
 from ferrum_rpc.server.config import ExecutorConfig
