@@ -131,6 +131,15 @@ def hf_tiny_llama(tiny_llama_dir):
     return LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
 
 
+def hf_oracle(model_dir, arch: str):
+    """transformers' own model of ``arch`` ("llama" or "qwen3") on ``model_dir``'s weights,
+    in float32 on the CPU: the oracle of the parity tests."""
+    from transformers import LlamaForCausalLM, Qwen3ForCausalLM
+
+    cls = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}[arch]
+    return cls.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
 @torch.no_grad()
 def oracle_rows(hf, ids: list[int], kv_dtype: torch.dtype | None = None):
     """transformers' logits for every position of ``ids`` (T, V), as numpy; ``kv_dtype``:

@@ -13,7 +13,7 @@ import torch
 
 from ferrum_rpc.client import ExecutorClient, LogitsPolicy
 from ferrum_rpc.types import TokenChoice
-from tests.conftest import running_server
+from tests.conftest import hf_oracle, oracle_rows, running_server
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -31,42 +31,29 @@ def full_float32_matmuls():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
-def _oracle(model_dir, arch: str):
-    """transformers on the CPU in float32: the independent oracle."""
-    from transformers import LlamaForCausalLM, Qwen3ForCausalLM
-
-    cls = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}[arch]
-    return cls.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-@torch.no_grad()
-def _rows(model, ids: list[int]) -> np.ndarray:
-    return model(torch.tensor([ids])).logits[0].numpy()
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_float32_prompt_and_greedy_steps_match_transformers(arch, tiny_llama_dir, tiny_qwen3_dir):
     model_dir = tiny_llama_dir if arch == "llama" else tiny_qwen3_dir
-    oracle = _oracle(model_dir, arch)
+    oracle = hf_oracle(model_dir, arch)
     with running_server(model_dir, device="cuda") as server, ExecutorClient(server.target, timeout=60) as ex:
         assert ex.info().device.startswith("cuda")
         out = ex.prefill(PROMPT, logits=LogitsPolicy.full(all_positions=True))
         assert out.kv_cache.device.startswith("cuda")
-        np.testing.assert_allclose(out.logits.values, _rows(oracle, PROMPT), atol=ATOL, rtol=0)
+        np.testing.assert_allclose(out.logits.values, oracle_rows(oracle, PROMPT), atol=ATOL, rtol=0)
         ids, handle = list(PROMPT), out.kv_cache
         for _ in range(12):
-            ref = _rows(oracle, ids)[-1]
+            ref = oracle_rows(oracle, ids)[-1]
             ids.append(int(ref.argmax()))
             step = ex.decode(ids[-1], handle)
             handle = step.kv_cache
-            np.testing.assert_allclose(step.logits.values[0], _rows(oracle, ids)[-1], atol=ATOL, rtol=0)
+            np.testing.assert_allclose(step.logits.values[0], oracle_rows(oracle, ids)[-1], atol=ATOL, rtol=0)
         ex.release_cache(handle)
 
 
 def test_bfloat16_stays_close_to_float32_transformers(tiny_llama_dir):
     """bfloat16 weights and KV: within 3% of the float32 oracle's largest logit, as on the CPU."""
-    oracle = _oracle(tiny_llama_dir, "llama")
-    ref = _rows(oracle, PROMPT + [11])
+    oracle = hf_oracle(tiny_llama_dir, "llama")
+    ref = oracle_rows(oracle, PROMPT + [11])
     with running_server(tiny_llama_dir, device="cuda", dtype="bfloat16") as server, \
             ExecutorClient(server.target, timeout=60) as ex:
         assert (ex.info().dtype, ex.info().kv_dtype) == ("bfloat16", "bfloat16")

@@ -7,21 +7,9 @@ import pytest
 import torch
 
 from ferrum_rpc.client import ExecutorClient, LogitsPolicy
-from tests.conftest import oracle_rows, running_server
+from tests.conftest import hf_oracle, oracle_rows, running_server
 
 ATOL = 1e-4
-
-
-def _oracle(model_dir, arch: str):
-    from transformers import LlamaForCausalLM, Qwen3ForCausalLM
-
-    cls = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}[arch]
-    return cls.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-@torch.no_grad()
-def _hf_logits(model, ids: list[int]) -> np.ndarray:
-    return model(torch.tensor([ids])).logits[0].numpy()
 
 
 # auto: batch-invariant where the fused ops run (the panel GEMM), else whatever the probe
@@ -42,7 +30,7 @@ FUSED = pytest.param("fused", marks=pytest.mark.cpu_only)
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_prefill_and_16_greedy_steps_match_transformers(arch, kernel, step, tiny_llama_dir, tiny_qwen3_dir):
     model_dir = tiny_llama_dir if arch == "llama" else tiny_qwen3_dir
-    oracle = _oracle(model_dir, arch)
+    oracle = hf_oracle(model_dir, arch)
     prompt = [5, 17, 101, 3, 250, 42, 7, 9, 300, 11, 64, 2, 77]
     with running_server(model_dir, **_kernels(kernel, step)) as server, ExecutorClient(server.target, timeout=30) as ex:
         caps = ex.capabilities()
@@ -56,7 +44,7 @@ def test_prefill_and_16_greedy_steps_match_transformers(arch, kernel, step, tiny
         # without it, float32 decodes (one row) run on linear_rows.cpp's linear_rows exactly where the fused ops do
         assert ("1-4 rows: linear_rows" in kernel_path) == (kernel == "per-shape" and step == "fused")
         out = ex.prefill(prompt, logits=LogitsPolicy.full(all_positions=True))
-        ref = _hf_logits(oracle, prompt)
+        ref = oracle_rows(oracle, prompt)
         assert out.logits.values.shape == ref.shape
         np.testing.assert_allclose(out.logits.values, ref, atol=ATOL, rtol=0)
 
@@ -66,7 +54,7 @@ def test_prefill_and_16_greedy_steps_match_transformers(arch, kernel, step, tiny
             ids.append(token)
             step = ex.decode(token, handle)
             handle = step.kv_cache
-            ref_row = _hf_logits(oracle, ids)[-1]
+            ref_row = oracle_rows(oracle, ids)[-1]
             np.testing.assert_allclose(step.logits.values[0], ref_row, atol=ATOL, rtol=0)
             token = int(ref_row.argmax())
             assert step.logits.argmax()[0] == token
@@ -237,9 +225,9 @@ def test_bfloat16_serving_stays_close_to_float32_transformers(arch, kernel, step
     """bfloat16 runs through other kernels (the panel GEMM's bfloat16 chain, oneDNN packed
     weights where the CPU has them); each path must still compute the same model."""
     model_dir = tiny_llama_dir if arch == "llama" else tiny_qwen3_dir
-    oracle = _oracle(model_dir, arch)
+    oracle = hf_oracle(model_dir, arch)
     prompt = [5, 17, 101, 3, 250, 42, 7, 9]
-    ref = _hf_logits(oracle, prompt + [11])
+    ref = oracle_rows(oracle, prompt + [11])
     with running_server(model_dir, dtype="bfloat16", **_kernels(kernel, step)) as server, \
             ExecutorClient(server.target, timeout=30) as ex:
         assert ex.info().dtype == "bfloat16"
@@ -260,7 +248,7 @@ def test_a_bfloat16_kv_pool_matches_transformers_with_its_cache_rounded(arch, st
     tolerance, prompt and greedy steps, on the fused ops (the panel GEMM's one-region
     step) and the eager ones."""
     model_dir = tiny_llama_dir if arch == "llama" else tiny_qwen3_dir
-    oracle = _oracle(model_dir, arch)
+    oracle = hf_oracle(model_dir, arch)
     prompt = [5, 17, 101, 3, 250, 42, 7, 9, 300, 11, 64, 2, 77]
 
     with running_server(model_dir, kv_dtype="bfloat16", step_ops=step) as server, \
@@ -272,7 +260,7 @@ def test_a_bfloat16_kv_pool_matches_transformers_with_its_cache_rounded(arch, st
         ref = oracle_rows(oracle, prompt, torch.bfloat16)
         np.testing.assert_allclose(out.logits.values, ref, atol=ATOL, rtol=0)
         off = lambda want: np.abs(out.logits.values - want).max()  # noqa: E731
-        assert 10 * off(ref) < off(_hf_logits(oracle, prompt))  # the rounding is seen: far nearer its oracle
+        assert 10 * off(ref) < off(oracle_rows(oracle, prompt))  # the rounding is seen: far nearer its oracle
         ids, handle, token = list(prompt), out.kv_cache, int(ref[-1].argmax())
         for _ in range(16):
             ids.append(token)
@@ -304,7 +292,7 @@ def test_a_kv_dtype_the_model_cannot_hold_is_a_startup_error():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_executor_matches_transformers(tiny_llama_dir, hf_tiny_llama):
     prompt = [5, 17, 101, 3, 250, 42, 7]
-    ref = _hf_logits(hf_tiny_llama, prompt + [9])
+    ref = oracle_rows(hf_tiny_llama, prompt + [9])
     with running_server(tiny_llama_dir, device="cuda") as server, ExecutorClient(server.target, timeout=30) as ex:
         out = ex.prefill(prompt, logits=LogitsPolicy.full(all_positions=True))
         assert out.kv_cache.device.startswith("cuda")

@@ -14,7 +14,7 @@ from ferrum_rpc.server.config import ExecutorConfig
 from ferrum_rpc.server.engine.executor import TorchExecutor
 from ferrum_rpc.server.engine.graphs import DecodeGraphs
 from ferrum_rpc.types import DecodeInput, LogitsPolicy
-from tests.conftest import oracle_rows
+from tests.conftest import hf_oracle, oracle_rows
 
 FULL = LogitsPolicy.full()
 ATOL = 1e-4
@@ -30,11 +30,8 @@ def _executor(model_dir, graphs: bool) -> TorchExecutor:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_padded_decode_steps_equal_transformers_and_write_the_same_kv(arch, tiny_llama_dir, tiny_qwen3_dir):
-    from transformers import LlamaForCausalLM, Qwen3ForCausalLM
-
     model_dir = tiny_llama_dir if arch == "llama" else tiny_qwen3_dir
-    oracle = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}[arch].from_pretrained(
-        model_dir, dtype=torch.float32).eval()
+    oracle = hf_oracle(model_dir, arch)
     padded, plain = _executor(model_dir, True), _executor(model_dir, False)
     prompts = [[5, 17, 101, 3, 250, 42, 7], [9, 300, 11], [64, 2, 77, 8, 8, 13, 21, 34, 55, 1, 2, 3, 4, 5]]
     ids = [list(p) for p in prompts]
