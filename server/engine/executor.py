@@ -37,7 +37,7 @@ from .choosing import ChoosesTokens
 from .describe import Describes
 from .speculating import Speculates
 from .forward import Rows, Step, forward
-from .graphs import DecodeGraphs
+from .graphs import decode_graphs
 from ..kv.pool import KvPool
 from ..kv.blocks import BlockManager, SequenceState, Undo
 from ..kv.events import KvEventHub
@@ -120,7 +120,7 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsA
         self.pool = KvPool(mc.num_layers, num_blocks, config.block_size, self.kv_heads,
                            mc.head_dim, self.kv_dtype, self.device)
         self.runner = None
-        self.graphs = self.decode_graphs(model)
+        self.graphs = decode_graphs(self, model)  # plain decode steps as CUDA graphs, or None
         if self.shard is not None:
             self.runner = runner.Runner(self.shard, self.device, forward)
             runner.send_pool(self.runner, num_blocks, config.block_size)
@@ -131,16 +131,6 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsA
                  config.block_size, self.pool.nbytes / 2**20, config.kv_dtype_name, self.device)
         if self.shard is None:
             self.open_adapters()
-
-    def decode_graphs(self, model: torch.nn.Module) -> DecodeGraphs | None:
-        """Plain decode steps of ``model`` as replayed CUDA graphs (graphs.py), or None
-        (every step eager): on a CUDA device with --cuda-graphs auto, not split over
-        ranks and with no mixture of experts (whose routing picks rows by value)."""
-        if (self.device.type != "cuda" or self.config.cuda_graphs != "auto" or self.shard is not None
-                or self.model_config.num_experts):
-            return None
-        return DecodeGraphs(model, self.pool, self.config.max_batch_size,
-                            -(-self.max_seq_len // self.config.block_size))
 
     def _kv_tokens(self, config: ExecutorConfig, mc) -> int:
         if not config.kv_memory_fraction:

@@ -37,6 +37,17 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIN_BLOCKS = 4  # the smallest table width a graph is captured for
 
 
+def decode_graphs(executor, model: torch.nn.Module) -> DecodeGraphs | None:
+    """Plain decode steps of ``executor``'s ``model`` as replayed CUDA graphs, or None
+    (every step eager): on a CUDA device with --cuda-graphs auto, not split over ranks
+    and with no mixture of experts (whose routing picks rows by value)."""
+    config = executor.config
+    if (executor.device.type != "cuda" or config.cuda_graphs != "auto" or executor.shard is not None
+            or executor.model_config.num_experts):
+        return None
+    return DecodeGraphs(model, executor.pool, config.max_batch_size, -(-executor.max_seq_len // config.block_size))
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph | None  # None: replayed eagerly (capture=False)

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from ferrum_rpc.errors import Cancelled
 from ferrum_rpc.hashing import updated_weights_digest
 from ..models import TORCH_DTYPES, load_model
+from .graphs import decode_graphs
 from .weights_file import DTYPE_BYTES, FLOAT_DTYPES, HEADER_SLACK, WeightsUpload
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class UpdatesWeights:
         if self.adapters is not None:  # the adapters' weights are the adapters': they stay
             model.adapters, self.adapters.model = self.adapters, model
         self.model = model
-        self.graphs = self.decode_graphs(model)  # graphs captured on the old weights read those
+        self.graphs = decode_graphs(self, model)  # graphs captured on the old weights read those
         self.weights_version += 1
         self.weights_digest = updated_weights_digest(self.weights_digest, checksum)
         self.kv.start_generation(self.weights_version)
