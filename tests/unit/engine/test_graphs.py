@@ -83,3 +83,20 @@ def test_the_setting_is_auto_or_off():
     assert ExecutorConfig().cuda_graphs == "auto" and ExecutorConfig(cuda_graphs="off").cuda_graphs == "off"
     with pytest.raises(StartupError, match="cuda_graphs must be auto or off"):
         ExecutorConfig(cuda_graphs="on")
+
+
+def test_a_failed_graph_step_leaves_every_sequence_as_it_was(tiny_llama_dir, monkeypatch):
+    from tests.conftest import executor_snapshot as snapshot
+    from tests.unit.engine.test_append_path import Boom, fail_lm_head
+
+    ex = _executor(tiny_llama_dir, True)
+    ha = ex.prefill([1, 2, 3, 4, 5, 6], None, LogitsPolicy.argmax()).kv_cache
+    child, = ex.fork_cache(ha, 1)  # shares ha's blocks: the step's write copies the shared one first
+    before = snapshot(ex)
+    fail_lm_head(ex, monkeypatch)  # inside the graph's step
+    with pytest.raises(Boom):
+        ex.batch_decode([DecodeInput(17, ha), DecodeInput(18, child)], FULL)
+    assert snapshot(ex) == before
+    monkeypatch.undo()
+    out = ex.batch_decode([DecodeInput(17, ha), DecodeInput(18, child)], FULL)  # and both still serve
+    assert [o.kv_cache.sequence_length for o in out] == [7, 7] and ex.graphs.graphs
