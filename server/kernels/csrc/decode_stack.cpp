@@ -109,14 +109,21 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Te
 // activations and a step has at most kStackRows rows, the whole step is one
 // parallel region: the threads split each linear's weight units and the
 // attention's tasks as decode_layer's loops do, and meet at a barrier between
-// phases; a row's norm, RoPE and quantization go to the thread that owns the
-// row, silu*up and its quantization by blocks.  Each output is the same kernel's
+// phases; a row's RoPE goes to the thread that owns the row, its norms and
+// quantizations too (or to every thread, kWholeRows), silu*up and its
+// quantization by blocks.  Each output is the same kernel's
 // arithmetic in the same order, so the bits equal decode_layer's.  Otherwise
 // (float32 linears, batches) the layers run one decode_layer each, in C++.
 constexpr int64_t kStackRows = 4;
+// Steps of at most this many rows: each thread norms, quantizes and (silu * up)
+// computes every row itself, into buffers of its own, instead of its share into
+// shared ones and a barrier before the linear that reads them: the same code on
+// the same rows, so the same bits.  One row's norm is ~1 us, which the other
+// thread spent waiting; a layer meets 6 times, not 10.
+constexpr int64_t kWholeRows = 2;
 constexpr int64_t kPrefetchBytes = 256 << 10;  // of o's weights, behind the attention
 
-// The regions' barrier: the threads meet ~10 times a layer, a few microseconds
+// The regions' barrier: the threads meet 6-10 times a layer, a few microseconds
 // apart, and libgomp's barrier spins only GOMP_SPINCOUNT times before it sleeps on
 // a futex (the server sets 2,000 so that idle threads give the cores back between
 // calls), so a wait cost a sleep and a wake-up.  This one spins with pause, then
@@ -294,6 +301,9 @@ class DecodeStack : public torch::CustomClassHolder {
   // whether steps of a few rows may run as one region (both kinds; off: a layer_step a
   // layer, the same bits): for benchmarks and tests that compare the two
   void set_regions(bool on) { regions_ = on; }
+  // Steps of at most n rows have every thread do every row's norms (kWholeRows by
+  // default; 0: each thread its share): the same bits either way.
+  void set_whole_rows(int64_t n) { whole_rows_ = n; }
   // silu*up per row at any row count (layer_step's rows_silu): the batch-invariant model's
   void set_rows_silu(bool on) { rows_silu_ = on; }
   int64_t size() const { return int64_t(layers_.size()); }
@@ -352,6 +362,7 @@ class DecodeStack : public torch::CustomClassHolder {
   bool one_region_ = false;
   bool panels_region_ = false;
   bool regions_ = true;
+  int64_t whole_rows_ = kWholeRows;
   at::ScalarType panel_dtype_ = at::kFloat;
   bool rows_silu_ = false;
 };
@@ -370,8 +381,13 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
   at::Tensor h = x.contiguous().clone();  // (B, T, C): the residual stream, updated in place
   if (M == 0) return h;
   const int64_t maxK = std::max({C, H * D, I});
-  std::vector<float> xn(M * maxK), qkv(M * Wq), qf(M * H * D), gu(M * 2 * I), y(M * C), scratch(M * maxK);
-  ferrum_qact::Q8Rows X = ferrum_qact::rows_for(M, maxK, 2);
+  std::vector<float> att(M * H * D), qkv(M * Wq), qf(M * H * D), gu(M * 2 * I), y(M * C);
+  const int threads = at::get_num_threads();
+  const bool whole = M <= whole_rows_;  // every thread does every row's norm and quantization
+  const int copies = whole ? threads : 1;
+  // the rows a linear reads (quantized), and the norm's or silu*up's output before that: a copy a thread, or one
+  std::vector<ferrum_qact::Q8Rows> Xs(copies, ferrum_qact::rows_for(M, maxK, 2));
+  std::vector<std::vector<float>> xns(copies, std::vector<float>(M * maxK)), scratches(xns);
   const AttnArgs args{B, T, H, Hkv, D, k_pool.size(2), ix.tab.size(1), ix.pos.data_ptr<int64_t>(),
                       ix.tab.data_ptr<int64_t>(), float(scale_)};
   const int64_t layer_elems = k_pool.stride(0), *slots = ix.slots.data_ptr<int64_t>();
@@ -379,7 +395,7 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
   P *kp = k_pool.data_ptr<P>(), *vp = v_pool.data_ptr<P>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const bool avx2 = avx2_on();
-  const int isa = ferrum_qact::isa_level(), threads = at::get_num_threads();
+  const int isa = ferrum_qact::isa_level();
   AttnPlan plan = attention_plan(args, threads);  // the same positions in every layer
   SpinBarrier bar;
 #pragma omp parallel num_threads(threads)
@@ -388,14 +404,18 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
 #pragma omp single
     bar.set_threads(nt);  // the team as formed (single's own barrier publishes it)
     auto mine = [&](int64_t n) { return std::pair<int64_t, int64_t>{n * tid / nt, n * (tid + 1) / nt}; };
+    auto rows = [&](int64_t n) { return whole ? std::pair<int64_t, int64_t>{0, n} : mine(n); };  // this thread's rows
+    auto rows_ready = [&] { if (!whole) bar.wait(); };  // every thread's rows, where each did its share
+    ferrum_qact::Q8Rows& X = Xs[whole ? tid : 0];
+    float *xn = xns[whole ? tid : 0].data(), *scratch = scratches[whole ? tid : 0].data();
     auto rms = [&](const float* in, const at::Tensor& w, int64_t c, double eps, float* out) {
       rms_on(avx2, in, w.data_ptr<float>(), c, float(eps), out);
     };
-    // rows of `in` (M, K) quantized for linear i, by the threads that own them
+    // rows of `in` (M, K) quantized for linear i: this thread's rows
     auto quantize_rows = [&](const StackLayer& L, int i, const float* in, int64_t K) {
-      const auto [m0, m1] = mine(M);
+      const auto [m0, m1] = rows(M);
       ferrum_qact::quantize_blocks(in, m0 * K / 32, m1 * K / 32, K, int(L.digits[i]), L.rotated[i] != 0, isa, X,
-                                   scratch.data());
+                                   scratch);
     };
     // linear i over the quantized rows: this thread's units into out (M, N)
     auto linear = [&](const StackLayer& L, int i, float* out) {
@@ -404,9 +424,9 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
       return std::pair<int64_t, int64_t>{u0 * 16, std::min(u1 * 16, L.packed[i].N)};
     };
     auto norm_and_quantize = [&](const StackLayer& L, const at::Tensor& w, int i) {  // h's rows for linear i
-      const auto [m0, m1] = mine(M);
-      for (int64_t m = m0; m < m1; ++m) rms(hp + m * C, w, C, L.eps, xn.data() + m * C);
-      quantize_rows(L, i, xn.data(), C);
+      const auto [m0, m1] = rows(M);
+      for (int64_t m = m0; m < m1; ++m) rms(hp + m * C, w, C, L.eps, xn + m * C);
+      quantize_rows(L, i, xn, C);
     };
     auto residual = [&](std::pair<int64_t, int64_t> cols) {  // h += y over this thread's columns
       for (int64_t m = 0; m < M; ++m)
@@ -416,7 +436,7 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
       const StackLayer& L = layers_[l];
       P *kc = kp + l * layer_elems, *vc = vp + l * layer_elems;
       norm_and_quantize(L, L.ln1, 0);
-      bar.wait();
+      rows_ready();
       linear(L, 0, qkv.data());
       bar.wait();
       {
@@ -433,28 +453,27 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
       bar.wait();
       {
         const auto [t0, t1] = attention_share(plan, tid, nt);
-        attend_tasks<float, P>(args, plan, qf.data(), kc, vc, t0, t1, xn.data());  // xn: (M, H D) now
+        attend_tasks<float, P>(args, plan, qf.data(), kc, vc, t0, t1, att.data());
       }
       bar.wait();
-      quantize_rows(L, 1, xn.data(), H * D);
-      bar.wait();
+      quantize_rows(L, 1, att.data(), H * D);
+      rows_ready();
       residual(linear(L, 1, y.data()));
       bar.wait();
       norm_and_quantize(L, L.ln2, 2);
-      bar.wait();
+      rows_ready();
       linear(L, 2, gu.data());
       bar.wait();
-      {  // silu(gate) * up and its quantization, by blocks of 32
-        const auto [b0, b1] = mine(M * I / 32);
+      {  // silu(gate) * up and its quantization, by blocks of 32 (every block where `whole`)
+        const auto [b0, b1] = whole ? std::pair<int64_t, int64_t>{0, M * I / 32} : mine(M * I / 32);
         for (int64_t b = b0; b < b1; ++b) {
           const int64_t m = b / (I / 32), c = b % (I / 32) * 32;
           const float* g = gu.data() + m * 2 * I + c;
-          silu_mul_on(avx2, g, g + I, 32, xn.data() + m * I + c);
+          silu_mul_on(avx2, g, g + I, 32, xn + m * I + c);
         }
-        ferrum_qact::quantize_blocks(xn.data(), b0, b1, I, int(L.digits[3]), L.rotated[3] != 0, isa, X,
-                                     scratch.data());
+        ferrum_qact::quantize_blocks(xn, b0, b1, I, int(L.digits[3]), L.rotated[3] != 0, isa, X, scratch);
       }
-      bar.wait();
+      rows_ready();
       residual(linear(L, 3, y.data()));
       bar.wait();
     }
@@ -485,8 +504,14 @@ at::Tensor DecodeStack::forward_panels(const at::Tensor& x, const at::Tensor& co
   const PanelPath path = panel_path(std::is_same_v<E, c10::BFloat16>);
   const bool widen = !std::is_same_v<E, float> && !path.dot;  // the tiles read bfloat16 rows widened to float32
   const int64_t maxK = std::max({C, H * D, I});
-  std::vector<E> xn(M * maxK), qkv(M * Wq), gu(M * 2 * I), y(M * C);
-  std::vector<float> qf(M * H * D), xw(widen ? M * maxK : 0);
+  std::vector<E> att(M * H * D), qkv(M * Wq), gu(M * 2 * I), y(M * C);
+  std::vector<float> qf(M * H * D);
+  const int threads = at::get_num_threads();
+  const bool whole = M <= whole_rows_;  // every thread does every row's norm (and widening)
+  const int copies = whole ? threads : 1;
+  // a linear's input rows (the norm's or silu*up's output), and those widened: a copy a thread, or one
+  std::vector<std::vector<E>> xns(copies, std::vector<E>(M * maxK));
+  std::vector<std::vector<float>> xws(copies, std::vector<float>(widen ? M * maxK : 0));
   const AttnArgs args{B, Tn, H, Hkv, D, k_pool.size(2), ix.tab.size(1), ix.pos.data_ptr<int64_t>(),
                       ix.tab.data_ptr<int64_t>(), float(scale_)};
   const int64_t layer_elems = k_pool.stride(0), *slots = ix.slots.data_ptr<int64_t>();
@@ -494,7 +519,6 @@ at::Tensor DecodeStack::forward_panels(const at::Tensor& x, const at::Tensor& co
   P *kp = k_pool.data_ptr<P>(), *vp = v_pool.data_ptr<P>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const bool avx2 = avx2_on();
-  const int threads = at::get_num_threads();
   AttnPlan plan = attention_plan(args, threads);  // the same positions in every layer
   SpinBarrier bar;
 #pragma omp parallel num_threads(threads)
@@ -503,6 +527,10 @@ at::Tensor DecodeStack::forward_panels(const at::Tensor& x, const at::Tensor& co
 #pragma omp single
     bar.set_threads(nt);  // the team as formed (single's own barrier publishes it)
     auto mine = [&](int64_t n) { return std::pair<int64_t, int64_t>{n * tid / nt, n * (tid + 1) / nt}; };
+    auto rows = [&](int64_t n) { return whole ? std::pair<int64_t, int64_t>{0, n} : mine(n); };  // this thread's rows
+    auto rows_ready = [&] { if (!whole) bar.wait(); };  // every thread's rows, where each did its share
+    E* xn = xns[whole ? tid : 0].data();
+    float* xw = xws[whole ? tid : 0].data();
     // elements [i0, i1) of `in` into xw, where the tiles read float32
     auto widened = [&](const E* in, int64_t i0, int64_t i1) {
       if (widen)
@@ -513,13 +541,13 @@ at::Tensor DecodeStack::forward_panels(const at::Tensor& x, const at::Tensor& co
       const at::Tensor& panels = L.lin[i][1];
       const int64_t N = L.lin[i][0].size(0);
       const auto [p0, p1] = mine(panels.size(0));
-      panel_range<E>(path, widen ? static_cast<const void*>(xw.data()) : in, K, M, panels, K, N, p0, p1, out);
+      panel_range<E>(path, widen ? static_cast<const void*>(xw) : in, K, M, panels, K, N, p0, p1, out);
       return std::pair<int64_t, int64_t>{p0 * 16, std::min(p1 * 16, N)};
     };
-    auto norm = [&](const at::Tensor& w, double eps) {  // h's rows into xn, by the threads that own them
-      const auto [m0, m1] = mine(M);
-      for (int64_t m = m0; m < m1; ++m) rms_on<E>(avx2, hp + m * C, w.data_ptr<E>(), C, float(eps), xn.data() + m * C);
-      widened(xn.data(), m0 * C, m1 * C);
+    auto norm = [&](const at::Tensor& w, double eps) {  // h's rows into xn: this thread's rows
+      const auto [m0, m1] = rows(M);
+      for (int64_t m = m0; m < m1; ++m) rms_on<E>(avx2, hp + m * C, w.data_ptr<E>(), C, float(eps), xn + m * C);
+      widened(xn, m0 * C, m1 * C);
     };
     auto residual = [&](std::pair<int64_t, int64_t> cols) {  // h += y over this thread's columns
       for (int64_t m = 0; m < M; ++m)
@@ -530,8 +558,8 @@ at::Tensor DecodeStack::forward_panels(const at::Tensor& x, const at::Tensor& co
       const StackLayer& L = layers_[l];
       P *kc = kp + l * layer_elems, *vc = vp + l * layer_elems;
       norm(L.ln1, L.eps);
-      bar.wait();
-      linear(L, 0, xn.data(), C, qkv.data());
+      rows_ready();
+      linear(L, 0, xn, C, qkv.data());
       bar.wait();
       {
 #ifdef FERRUM_X86
@@ -550,32 +578,32 @@ at::Tensor DecodeStack::forward_panels(const at::Tensor& x, const at::Tensor& co
       bar.wait();
       {
         const auto [t0, t1] = attention_share(plan, tid, nt);
-        attend_tasks<E, P>(args, plan, qf.data(), kc, vc, t0, t1, xn.data());  // xn: (M, H D) now
+        attend_tasks<E, P>(args, plan, qf.data(), kc, vc, t0, t1, att.data());
       }
       bar.wait();
       if (widen) {
-        const auto [m0, m1] = mine(M);
-        widened(xn.data(), m0 * H * D, m1 * H * D);
-        bar.wait();
+        const auto [m0, m1] = rows(M);
+        widened(att.data(), m0 * H * D, m1 * H * D);
+        rows_ready();
       }
-      residual(linear(L, 1, xn.data(), H * D, y.data()));
+      residual(linear(L, 1, att.data(), H * D, y.data()));
       bar.wait();
       norm(L.ln2, L.eps);
-      bar.wait();
-      linear(L, 2, xn.data(), C, gu.data());
+      rows_ready();
+      linear(L, 2, xn, C, gu.data());
       bar.wait();
       {  // silu(gate) * up by blocks of 32 (a row's vector loops and tail as silu_mul_rows runs them)
         const int64_t per_row = (I + 31) / 32;
-        const auto [b0, b1] = mine(M * per_row);
+        const auto [b0, b1] = whole ? std::pair<int64_t, int64_t>{0, M * per_row} : mine(M * per_row);
         for (int64_t b = b0; b < b1; ++b) {
           const int64_t m = b / per_row, c = b % per_row * 32, n = std::min<int64_t>(32, I - c);
           const E* g = gu.data() + m * 2 * I + c;
-          silu_mul_on<E>(avx2, g, g + I, n, xn.data() + m * I + c);
-          widened(xn.data(), m * I + c, m * I + c + n);
+          silu_mul_on<E>(avx2, g, g + I, n, xn + m * I + c);
+          widened(xn, m * I + c, m * I + c + n);
         }
       }
-      bar.wait();
-      residual(linear(L, 3, xn.data(), I, y.data()));
+      rows_ready();
+      residual(linear(L, 3, xn, I, y.data()));
       bar.wait();
     }
   }
@@ -605,6 +633,7 @@ TORCH_LIBRARY(ferrum_fused, m) {
       .def("forward_lora", &ferrum_fused::DecodeStack::forward_lora)
       .def("set_rows_silu", &ferrum_fused::DecodeStack::set_rows_silu)
       .def("set_regions", &ferrum_fused::DecodeStack::set_regions)
+      .def("set_whole_rows", &ferrum_fused::DecodeStack::set_whole_rows)
       .def("one_region", &ferrum_fused::DecodeStack::one_region)
       .def("panels_region", &ferrum_fused::DecodeStack::panels_region)
       .def("size", &ferrum_fused::DecodeStack::size);

@@ -230,6 +230,7 @@ def test_decode_stack_in_one_region_equals_decode_layer_per_layer(tiny_llama_dir
     share out each phase, meeting at barriers); each output is the same kernel's
     arithmetic as decode_layer's, so the hidden states and the pool's new K and V
     must be the same bits, on every inner-loop path, for layers [first, last) too,
+    with every thread norming every row of a 1-2 row step or its share of them,
     and 5 rows (past the region: decode_layer per layer inside); over a float32
     pool or a bfloat16 one (--kv-dtype)."""
     from ferrum_rpc.server.config import ExecutorConfig
@@ -240,11 +241,16 @@ def test_decode_stack_in_one_region_equals_decode_layer_per_layer(tiny_llama_dir
     model = TorchExecutor.from_path("tiny", model_dir, config).model
     stack, layers, cfg = model.layer_ops, model._whole_layer_args(), model.config
     assert stack.one_region() and stack.size() == len(layers) == 2
-    for c in stack_cases(model, [(1, 1), (2, 1), (1, 3), (2, 2), (5, 1)], 3, kv_dtype=getattr(torch, kv)):
-        got_k, got_v = c.pool[0].clone(), c.pool[1].clone()
-        got = stack.forward(c.x, *c.step, got_k, got_v, c.slots, c.tables, c.first, c.last)
-        assert torch.equal(got, c.want), (c.B, c.T, c.first, c.last)
-        assert torch.equal(got_k, c.want_k) and torch.equal(got_v, c.want_v)
+    try:
+        for c in stack_cases(model, [(1, 1), (2, 1), (1, 3), (2, 2), (5, 1)], 3, kv_dtype=getattr(torch, kv)):
+            for whole in (2, 0):  # 1-2 rows: every thread norms every row (default), or its share
+                stack.set_whole_rows(whole)
+                got_k, got_v = c.pool[0].clone(), c.pool[1].clone()
+                got = stack.forward(c.x, *c.step, got_k, got_v, c.slots, c.tables, c.first, c.last)
+                assert torch.equal(got, c.want), (c.B, c.T, c.first, c.last, whole)
+                assert torch.equal(got_k, c.want_k) and torch.equal(got_v, c.want_v)
+    finally:
+        stack.set_whole_rows(2)
     x, step, pool, slots, tables = c.x, c.step, c.pool, c.slots, c.tables  # the last case's
     positions = step[2]
     with pytest.raises(RuntimeError, match="layers 1..3 of 2"):

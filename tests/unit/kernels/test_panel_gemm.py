@@ -166,7 +166,8 @@ def test_the_panels_step_in_one_region_equals_decode_layer_per_layer(tiny_llama_
     """An invariant float model's step of up to 4 rows runs as one parallel region
     (each linear's panels shared out between the threads, meeting at barriers); each
     output is the per-op path's arithmetic, so the hidden states and the pool's new
-    K and V are decode_layer's bits, on every inner-loop path, on 1 and 2 threads,
+    K and V are decode_layer's bits, on every inner-loop path, on 1 and 2 threads
+    (each norming every row of a 1-2 row step, or its share),
     for layers [first, last) too, over a pool in the activations' dtype or bfloat16
     under float32 (--kv-dtype)."""
     from ferrum_rpc.server.config import ExecutorConfig
@@ -180,13 +181,16 @@ def test_the_panels_step_in_one_region_equals_decode_layer_per_layer(tiny_llama_
     threads = torch.get_num_threads()
     try:
         for c in stack_cases(model, [(1, 1), (2, 1), (1, 3), (2, 2)], 5, getattr(torch, dtype), getattr(torch, kv)):
-            for n, regions in ((1, True), (2, True), (2, False)):  # off: a layer_step a layer
+            # off: a layer_step a layer; whole 0: each thread norms its share of a 1-2 row step's rows
+            for n, regions, whole in ((1, True, 2), (2, True, 2), (2, True, 0), (2, False, 2)):
                 torch.set_num_threads(n)
                 stack.set_regions(regions)
+                stack.set_whole_rows(whole)
                 got_k, got_v = c.pool[0].clone(), c.pool[1].clone()
                 got = stack.forward(c.x, *c.step, got_k, got_v, c.slots, c.tables, c.first, c.last)
-                assert torch.equal(got, c.want), (c.B, c.T, c.first, c.last, n, regions)
+                assert torch.equal(got, c.want), (c.B, c.T, c.first, c.last, n, regions, whole)
                 assert torch.equal(got_k, c.want_k) and torch.equal(got_v, c.want_v)
     finally:
         torch.set_num_threads(threads)
         stack.set_regions(True)
+        stack.set_whole_rows(2)
