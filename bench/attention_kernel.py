@@ -9,6 +9,10 @@ Prompt rows: one layer's attention over a prompt of 512, 1,024 or 2,048 tokens, 
 torch's scaled_dot_product_attention (what the default model runs for prompts).
 
     python -m bench.attention_kernel --before /path/old.so [--rounds 3] [--threads 1 --cpu-time]
+        [--dtype bfloat16] [--rows prompt]
+
+``--dtype``: the queries, keys, values and pool (float32, or bfloat16 as a bfloat16
+model's); ``--rows``: only the decode or only the prompt rows.
 
 ``--cpu-time``: the one thread's CPU time instead of wall time (on a loaded host, what
 the kernel costs rather than how long it waited for a core); with one thread only.
@@ -39,12 +43,19 @@ def _load(library: str | None) -> None:
         load_library()
 
 
+_dtype = torch.float32  # of the queries, keys, values and pool (--dtype)
+
+
+def _randn(*shape, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(_dtype)
+
+
 def _case(batch: int, ctx: int, gen: torch.Generator):
-    per_layer = batch * ctx * HKV * D * 2 * 4
+    per_layer = batch * ctx * HKV * D * 2 * _dtype.itemsize
     pools = max(1, min(LAYERS, POOL_BYTES // per_layer))
     blocks = batch * ((ctx + BS - 1) // BS)
-    k = [torch.randn(blocks, BS, HKV, D, generator=gen) for _ in range(pools)]
-    v = [torch.randn(blocks, BS, HKV, D, generator=gen) for _ in range(pools)]
+    k = [_randn(blocks, BS, HKV, D, gen=gen) for _ in range(pools)]
+    v = [_randn(blocks, BS, HKV, D, gen=gen) for _ in range(pools)]
     tables = torch.randperm(blocks, generator=gen).view(batch, -1)
     return k, v, tables
 
@@ -54,8 +65,8 @@ def _decode_ms(batch: int, ctx: int, gen: torch.Generator, steps: int = 5) -> fl
     cos, sin = torch.ones(ctx, D), torch.zeros(ctx, D)
     pos = torch.full((batch, 1), ctx - 1)
     slots = tables[:, -1] * BS + (ctx - 1) % BS
-    q = torch.randn(batch, 1, H, D, generator=gen)
-    kn, vn = torch.randn(batch, 1, HKV, D, generator=gen), torch.randn(batch, 1, HKV, D, generator=gen)
+    q = _randn(batch, 1, H, D, gen=gen)
+    kn, vn = _randn(batch, 1, HKV, D, gen=gen), _randn(batch, 1, HKV, D, gen=gen)
     times = []
     for _ in range(steps):
         start = _clock()
@@ -68,12 +79,12 @@ def _decode_ms(batch: int, ctx: int, gen: torch.Generator, steps: int = 5) -> fl
 
 def _prompt_ms(tokens: int, gen: torch.Generator, repeats: int = 3) -> tuple[float, float]:
     blocks = (tokens + BS - 1) // BS
-    k_cache, v_cache = torch.zeros(blocks, BS, HKV, D), torch.zeros(blocks, BS, HKV, D)
+    k_cache, v_cache = torch.zeros(blocks, BS, HKV, D, dtype=_dtype), torch.zeros(blocks, BS, HKV, D, dtype=_dtype)
     table = torch.randperm(blocks, generator=gen)
     pos = torch.arange(tokens)
     slots = table[pos // BS] * BS + pos % BS
-    q = torch.randn(1, tokens, H, D, generator=gen)
-    k, v = torch.randn(1, tokens, HKV, D, generator=gen), torch.randn(1, tokens, HKV, D, generator=gen)
+    q = _randn(1, tokens, H, D, gen=gen)
+    k, v = _randn(1, tokens, HKV, D, gen=gen), _randn(1, tokens, HKV, D, gen=gen)
     cos, sin = torch.ones(tokens, D), torch.zeros(tokens, D)
     fused, sdpa = [], []
     for _ in range(repeats):
@@ -88,17 +99,19 @@ def _prompt_ms(tokens: int, gen: torch.Generator, repeats: int = 3) -> tuple[flo
     return 1e3 * statistics.median(fused), 1e3 * statistics.median(sdpa)
 
 
-def measure(library: str | None, threads: int, cpu_time: bool) -> dict:
+def measure(library: str | None, threads: int, cpu_time: bool, dtype: str = "float32",
+            rows_of: tuple[str, ...] = ("decode", "prompt")) -> dict:
     _load(library)
     torch.set_num_threads(threads)
-    global _clock
+    global _clock, _dtype
     _clock = time.thread_time if cpu_time else time.perf_counter
+    _dtype = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(0)
     rows = {}
-    for batch in (1, 8):
+    for batch in (1, 8) if "decode" in rows_of else ():
         for ctx in (2048, 8192):
             rows[f"decode_b{batch}_{ctx}_ms"] = _decode_ms(batch, ctx, gen)
-    for tokens in (512, 1024, 2048):
+    for tokens in (512, 1024, 2048) if "prompt" in rows_of else ():
         rows[f"prompt_{tokens}_ms"], rows[f"prompt_{tokens}_sdpa_ms"] = _prompt_ms(tokens, gen)
     return rows
 
@@ -110,26 +123,30 @@ def main() -> None:
     parser.add_argument("--gbps", type=float, default=30.0, help="read bandwidth for the decode floor")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--cpu-time", action="store_true")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--rows", nargs="+", choices=["decode", "prompt"], default=["decode", "prompt"])
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process: measure this library ("" ours)
     args = parser.parse_args()
     if args.one is not None:
-        print(json.dumps(measure(args.one or None, args.threads, args.cpu_time)))
+        print(json.dumps(measure(args.one or None, args.threads, args.cpu_time, args.dtype, tuple(args.rows))))
         return
     runs = {"before": [], "after": []}
     for _ in range(args.rounds):
         for name, lib in (("before", args.before), ("after", "")):
-            flags = ["--threads", str(args.threads)] + (["--cpu-time"] if args.cpu_time else [])
+            flags = ["--threads", str(args.threads), "--dtype", args.dtype, "--rows", *args.rows]
+            flags += ["--cpu-time"] if args.cpu_time else []
             out = subprocess.run([sys.executable, "-m", "bench.attention_kernel", "--before", args.before, *flags,
                                   "--one", lib],
                                  capture_output=True, text=True, check=True).stdout
             runs[name].append(json.loads(out.strip().splitlines()[-1]))
     result = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
-    for batch in (1, 8):
+    for batch in (1, 8) if "decode" in args.rows else ():
         for ctx in (2048, 8192):
             key = f"decode_b{batch}_{ctx}_ms"
-            floor = batch * ctx * LAYERS * HKV * D * 2 * 4 / (args.gbps * 1e9) * 1e3
+            floor = batch * ctx * LAYERS * HKV * D * 2 * getattr(torch, args.dtype).itemsize / (args.gbps * 1e9) * 1e3
             result.setdefault("floor", {})[key] = floor
     result["threads"], result["clock"] = args.threads, "thread cpu time" if args.cpu_time else "wall"
+    result["dtype"] = args.dtype
     for key in result["after"]:
         result.setdefault("after_vs_before", {})[key] = result["after"][key] / result["before"][key]
     print(json.dumps(result, indent=1))
