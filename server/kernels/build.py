@@ -3,7 +3,7 @@ compiler into one shared library, loaded into the process once.
 
 The library holds the ``ferrum_woq`` (woq.cpp), ``ferrum_qact`` (qact.cpp) and
 ``ferrum_fused`` (rms_norm.cpp, silu_mul.cpp, attention.cpp, linear_rows.cpp,
-decode_stack.cpp, lora.cpp) ops.  It is built the first time a probe or a caller needs
+decode_stack.cpp, stack_regions.cpp, lora.cpp) ops.  It is built the first time a probe or a caller needs
 it and cached under ``$FERRUM_RPC_HOME/kernels``, keyed by every file in
 ``csrc/`` (sources and the headers they include), the flags, the torch version
 and the compiler, so any edit or upgrade builds afresh.  The sources compile

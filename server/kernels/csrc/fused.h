@@ -12,7 +12,9 @@
 //   panel_gemm.cpp    pack_panels, panel_linear: the batch-invariant float linear, an
 //                     outer-product GEMM over packed weight panels, one chain per output
 //   decode_stack.cpp  decode_layer (a whole decoder layer) and DecodeStack (a model's
-//                     layers, a decode step one call), built from the ops above
+//                     layers, a decode step one call; decode_stack.h), built from the
+//                     ops above
+//   stack_regions.cpp DecodeStack's steps of a few rows as one OpenMP region
 //   greedy.cpp        greedy_rows: a row of logits' largest value and its index, its
 //                     smallest value and its log-normaliser, one pass (token choice)
 //   lora.cpp          LoraAdapter, LoraBatch: LoRA deltas per row, each row its own

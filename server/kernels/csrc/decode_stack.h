@@ -1,0 +1,260 @@
+// DecodeStack: a model's layers held once and a decode step run by one call
+// (decode_stack.cpp; its steps of a few rows as one OpenMP region in
+// stack_regions.cpp), and layer_step, the whole decoder layer it runs a layer at a
+// time otherwise.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/TensorOperators.h>
+#include <torch/custom_class.h>
+
+#include "fused.h"
+#include "lora.h"
+#include "qact.h"
+
+#include <array>
+#include <cstring>
+#include <vector>
+
+namespace ferrum_fused {
+
+// One Llama (or Qwen3: qk_norm holds the q/k RMSNorm weights, else empty)
+// decoder layer for a decode-sized float32 forward whose projections
+// are all our int8/int4 linears: the same ops, in the same order, as
+// models/llama.py runs them one Python call at a time (RMSNorm, fused q|k|v,
+// paged attention, o, residual, RMSNorm, fused gate|up, silu*up, down,
+// residual), so a step makes 30 op calls instead of ~400.  Each weight list is
+// [qweight, scales, mins], or [codes, scales] in qact.cpp's packed layout for the
+// linears that quantize their activations too, whose widths (8 or 4) bits holds
+// negated, digits their activation digits (1: w8a8, w4a8; 2: int8, int4) and
+// rotated whether their activations are rotated first (w8a8: qact.cpp rotate16),
+// or [weight] (N, K) float32 with bits 32: linear_rows, so 1-4 rows only, or
+// [weight, panels] with bits 32: panel_linear on pack_panels' copy, any rows (the
+// batch-invariant model's); bfloat16 weights and x too where every linear is one of
+// those (the eager path's roundings).
+// `rows_silu`: silu*up on silu_mul_rows' loops at any row count (the batch-invariant
+// model's MLP), not silu_mul's (ATen's past 4 rows, as the default model's).
+// With `lora` (the forward's LoRA rows), each linear's output takes their deltas
+// for layer `layer` (lora.cpp), in float, after the base kernel ran: inside
+// linear_rows' parallel region for the float linears, by a call of their own after
+// the quantized ones.
+at::Tensor layer_step(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
+                      at::TensorList qkv, at::TensorList o, at::TensorList gate_up, at::TensorList down,
+                      at::IntArrayRef bits, at::IntArrayRef digits, at::IntArrayRef rotated, at::TensorList qk_norm,
+                      const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+                      const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& write_slots,
+                      const at::Tensor& tables, int64_t num_heads, int64_t num_kv_heads, double scale,
+                      bool rows_silu, const LoraBatch* lora, int64_t layer);
+
+// A model's layers held once, as decode_layer takes them, and run by one call a
+// step.  A Python call per layer cost ~14 us of argument conversion and
+// dispatch (30 layers: 0.4 ms of a 5 ms batch-1 step), and each of a layer's
+// five parallel loops an OpenMP fork and join.  Where every linear quantizes its
+// activations, or every linear is a float panel linear, and a step has at most
+// kStackRows rows, the whole step is one parallel region (stack_regions.cpp): the
+// threads split each linear's weights and the attention's tasks as decode_layer's
+// loops do, and meet at a barrier between phases; a row's RoPE goes to the thread
+// that owns the row, its norms and quantizations too (or to every thread,
+// kWholeRows), silu*up and its quantization by blocks.  Each output is the same
+// kernel's arithmetic in the same order, so the bits equal decode_layer's.
+// Otherwise (LoRA rows, batches) the layers run one layer_step each, in C++.
+constexpr int64_t kStackRows = 4;
+// Steps of at most this many rows: each thread norms, quantizes and (silu * up)
+// computes every row itself, into buffers of its own, instead of its share into
+// shared ones and a barrier before the linear that reads them: the same code on
+// the same rows, so the same bits.  One row's norm is ~1 us, which the other
+// thread spent waiting; a layer meets 6 times, not 10.
+constexpr int64_t kWholeRows = 2;
+
+struct StackLayer {
+  at::Tensor ln1, ln2;
+  double eps;
+  std::vector<at::Tensor> lin[4];  // qkv, o, gate_up, down: decode_layer's weight lists
+  std::array<int64_t, 4> bits, digits, rotated;
+  std::vector<at::Tensor> qk_norm;
+  ferrum_qact::Packed packed[4];  // where bits < 0
+};
+
+class DecodeStack : public torch::CustomClassHolder {
+ public:
+  DecodeStack(int64_t num_heads, int64_t num_kv_heads, double scale)
+      : H_(num_heads), Hkv_(num_kv_heads), scale_(scale) {
+    TORCH_CHECK(H_ > 0 && Hkv_ > 0 && H_ % Hkv_ == 0, "DecodeStack: heads must be a multiple of kv heads");
+  }
+
+  void add_layer(at::Tensor ln1, at::Tensor ln2, double eps, std::vector<at::Tensor> qkv, std::vector<at::Tensor> o,
+                 std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down, std::vector<int64_t> bits,
+                 std::vector<int64_t> digits, std::vector<int64_t> rotated, std::vector<at::Tensor> qk_norm) {
+    TORCH_CHECK(bits.size() == 4 && digits.size() == 4 && rotated.size() == 4,
+                "DecodeStack: bits, digits and rotated have four entries");
+    for (at::Tensor& w : qk_norm) w = w.contiguous();  // the one region reads the norms' weights by pointer
+    StackLayer L{ln1.contiguous(), ln2.contiguous(), eps, {qkv, o, gate_up, down}, {}, {}, {}, qk_norm, {}};
+    bool packed = true;
+    for (int i = 0; i < 4; ++i) {
+      L.bits[i] = bits[i], L.digits[i] = digits[i], L.rotated[i] = rotated[i];
+      TORCH_CHECK(bits[i] == 32 ? L.lin[i].size() == 1u || L.lin[i].size() == 2u
+                                : L.lin[i].size() == (bits[i] < 0 ? 2u : 3u),
+                  "DecodeStack: each linear is [qweight, scales, mins], [codes, scales] with negated bits, "
+                  "or [weight] or [weight, panels] with bits 32");
+      if (bits[i] < 0) L.packed[i] = ferrum_qact::packed(L.lin[i][0], L.lin[i][1], -bits[i]);
+      packed = packed && bits[i] < 0 && (digits[i] == 1 || digits[i] == 2) && (!rotated[i] || digits[i] == 1);
+    }
+    if (packed) {  // the widths the one-region step relies on, alike in every layer
+      const int64_t C = ln1.numel(), I = L.packed[3].G * 32, D = L.packed[0].N / (H_ + 2 * Hkv_);
+      packed = ln1.scalar_type() == at::kFloat && ln2.scalar_type() == at::kFloat && ln1.dim() == 1 &&
+               ln2.dim() == 1 && ln2.numel() == C &&
+               L.packed[0].G * 32 == C && L.packed[0].N == (H_ + 2 * Hkv_) * D && L.packed[1].G * 32 == H_ * D &&
+               L.packed[1].N == C && L.packed[2].G * 32 == C && L.packed[2].N == 2 * I && L.packed[3].N == C &&
+               (qk_norm.empty() || (qk_norm.size() == 2 && qk_norm[0].numel() == D && qk_norm[1].numel() == D &&
+                                    qk_norm[0].scalar_type() == at::kFloat && qk_norm[1].scalar_type() == at::kFloat));
+      packed = packed && (layers_.empty() || (C == C_ && I == I_ && D == D_));
+      C_ = C, I_ = I, D_ = D;
+    }
+    one_region_ = packed && (layers_.empty() || one_region_);
+    bool panels = true;
+    for (int i = 0; i < 4; ++i) panels = panels && bits[i] == 32 && L.lin[i].size() == 2u;
+    if (panels) {  // float linears on their packed panels: the widths the panels' region relies on
+      const at::ScalarType dt = L.lin[0][1].scalar_type();
+      const int64_t C = ln1.numel(), Wq = L.lin[0][0].size(0), D = Wq / (H_ + 2 * Hkv_), I = L.lin[3][0].size(1);
+      panels = (dt == at::kFloat || dt == at::kBFloat16) && ln1.scalar_type() == dt && ln2.scalar_type() == dt &&
+               ln1.dim() == 1 && ln2.dim() == 1 && ln2.numel() == C && Wq == (H_ + 2 * Hkv_) * D &&
+               L.lin[0][0].size(1) == C && L.lin[1][0].size(0) == C && L.lin[1][0].size(1) == H_ * D &&
+               L.lin[2][0].size(0) == 2 * I && L.lin[2][0].size(1) == C && L.lin[3][0].size(0) == C &&
+               (qk_norm.empty() || (qk_norm.size() == 2 && qk_norm[0].numel() == D && qk_norm[1].numel() == D &&
+                                    qk_norm[0].scalar_type() == dt && qk_norm[1].scalar_type() == dt));
+      for (int i = 0; i < 4; ++i) panels = panels && L.lin[i][1].scalar_type() == dt;
+      panels = panels && (layers_.empty() || (C == C_ && I == I_ && D == D_ && dt == panel_dtype_));
+      C_ = C, I_ = I, D_ = D, panel_dtype_ = dt;
+    }
+    panels_region_ = panels && (layers_.empty() || panels_region_);
+    layers_.push_back(std::move(L));
+  }
+
+  // x (B, T, C) -> (B, T, C) after layers [first, last); k_pool/v_pool (layers,
+  // blocks, block_size, Hkv, D), the rest as decode_layer takes them.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+                     const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& write_slots,
+                     const at::Tensor& tables, int64_t first, int64_t last) {
+    return run(x, cos, sin, positions, k_pool, v_pool, write_slots, tables, first, last, nullptr);
+  }
+
+  // The whole step from token ids: ids (B, T) int64 -> the rows of `embed` (V, C) they
+  // name, every layer, then the final RMSNorm (norm (C), eps): the hidden states the LM
+  // head takes.  One call where the embedding, the layers and the norm were three (each
+  // torch op after the layers' weights have streamed through the caches costs tens of
+  // microseconds of cold dispatch).  The norm is rms_norm's own loop, so the bits equal
+  // forward's followed by rms_norm.
+  at::Tensor forward_ids(const at::Tensor& ids, const at::Tensor& embed, const at::Tensor& norm, double eps,
+                         const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+                         const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& write_slots,
+                         const at::Tensor& tables) {
+    TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong && embed.dim() == 2 && embed.is_contiguous() &&
+                    norm.dim() == 1 && norm.numel() == embed.size(1) && norm.scalar_type() == embed.scalar_type() &&
+                    (embed.scalar_type() == at::kFloat || embed.scalar_type() == at::kBFloat16),
+                "DecodeStack: forward_ids takes (B, T) int64 ids, a (V, C) float32 or bfloat16 embedding and a (C) norm");
+    const at::Tensor idc = ids.contiguous(), wc = norm.contiguous();
+    const int64_t V = embed.size(0), C = embed.size(1), rows = idc.numel(), bytes = C * embed.element_size();
+    at::Tensor x = at::empty({ids.size(0), ids.size(1), C}, embed.options());
+    const int64_t* id = idc.data_ptr<int64_t>();
+    const char* table = static_cast<const char*>(embed.data_ptr());
+    char* xp = static_cast<char*>(x.data_ptr());
+    for (int64_t r = 0; r < rows; ++r) {
+      TORCH_CHECK(0 <= id[r] && id[r] < V, "DecodeStack: token id ", id[r], " is outside the vocabulary of ", V);
+      std::memcpy(xp + r * bytes, table + id[r] * bytes, bytes);
+    }
+    const at::Tensor h = run(x, cos, sin, positions, k_pool, v_pool, write_slots, tables, 0, size(), nullptr).contiguous();
+    at::Tensor out = at::empty_like(h);
+    const bool avx2 = avx2_on();
+    auto normed = [&](auto* hp, const auto* wp, auto* op) {
+      for (int64_t r = 0; r < rows; ++r) rms_on(avx2, hp + r * C, wp, C, float(eps), op + r * C);
+    };
+    if (h.scalar_type() == at::kFloat)
+      normed(h.data_ptr<float>(), wc.data_ptr<float>(), out.data_ptr<float>());
+    else
+      normed(h.data_ptr<c10::BFloat16>(), wc.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
+    return out;
+  }
+
+  // forward, each token with the LoRA adapter `lora` names for it (the layers one
+  // layer_step each: the deltas follow their base linears).
+  at::Tensor forward_lora(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                          const at::Tensor& positions, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                          const at::Tensor& write_slots, const at::Tensor& tables, int64_t first, int64_t last,
+                          c10::intrusive_ptr<LoraBatch> lora) {
+    TORCH_CHECK(x.dim() == 3 && lora->rows() == x.size(0) * x.size(1), "DecodeStack: one LoRA row per token");
+    return run(x, cos, sin, positions, k_pool, v_pool, write_slots, tables, first, last, lora.get());
+  }
+
+  bool one_region() const { return one_region_; }
+  // whether a step of a few rows whose linears are all float panels runs as one region
+  bool panels_region() const { return panels_region_; }
+  // whether steps of a few rows may run as one region (both kinds; off: a layer_step a
+  // layer, the same bits): for benchmarks and tests that compare the two
+  void set_regions(bool on) { regions_ = on; }
+  // Steps of at most n rows have every thread do every row's norms (kWholeRows by
+  // default; 0: each thread its share): the same bits either way.
+  void set_whole_rows(int64_t n) { whole_rows_ = n; }
+  // silu*up per row at any row count (layer_step's rows_silu): the batch-invariant model's
+  void set_rows_silu(bool on) { rows_silu_ = on; }
+  int64_t size() const { return int64_t(layers_.size()); }
+
+ private:
+  at::Tensor run(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+                 const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& write_slots,
+                 const at::Tensor& tables, int64_t first, int64_t last, const LoraBatch* lora) {
+    TORCH_CHECK(0 <= first && first <= last && last <= size(), "DecodeStack: layers ", first, "..", last, " of ", size());
+    TORCH_CHECK(k_pool.dim() == 5 && v_pool.sizes() == k_pool.sizes() && k_pool.size(0) == size(),
+                "DecodeStack: the pool must be (layers, blocks, block_size, kv_heads, head_dim)");
+    // the pool holds the activations' dtype, or bfloat16 under float32 activations
+    const bool bf16_pool = k_pool.scalar_type() == at::kBFloat16;
+    if (lora == nullptr && regions_ && one_region_ && x.dim() == 3 && x.scalar_type() == at::kFloat &&
+        x.size(0) * x.size(1) <= kStackRows && x.size(2) == C_ && k_pool.size(4) == D_)
+      return bf16_pool ? forward_one_region<c10::BFloat16>(x, cos, sin, positions, k_pool, v_pool, write_slots,
+                                                           tables, first, last)
+                       : forward_one_region<float>(x, cos, sin, positions, k_pool, v_pool, write_slots, tables,
+                                                   first, last);
+    if (lora == nullptr && regions_ && panels_region_ && x.dim() == 3 && x.scalar_type() == panel_dtype_ &&
+        x.size(0) * x.size(1) <= kStackRows && x.size(2) == C_ && k_pool.size(4) == D_) {
+      const bool bf16 = panel_dtype_ == at::kBFloat16;
+      // the dot product reads rows of bfloat16 pairs: every linear's input width even
+      if (!panel_path(bf16).dot || (C_ % 2 == 0 && (H_ * D_) % 2 == 0 && I_ % 2 == 0)) {
+        if (bf16)
+          return forward_panels<c10::BFloat16, c10::BFloat16>(x, cos, sin, positions, k_pool, v_pool, write_slots,
+                                                              tables, first, last);
+        return bf16_pool ? forward_panels<float, c10::BFloat16>(x, cos, sin, positions, k_pool, v_pool, write_slots,
+                                                                tables, first, last)
+                         : forward_panels<float, float>(x, cos, sin, positions, k_pool, v_pool, write_slots, tables,
+                                                        first, last);
+      }
+    }
+    at::Tensor h = x;
+    for (int64_t l = first; l < last; ++l) {
+      const StackLayer& L = layers_[l];
+      h = layer_step(h, L.ln1, L.ln2, L.eps, L.lin[0], L.lin[1], L.lin[2], L.lin[3], L.bits, L.digits, L.rotated,
+                     L.qk_norm, cos, sin, positions, k_pool.select(0, l), v_pool.select(0, l), write_slots, tables,
+                     H_, Hkv_, scale_, rows_silu_, lora, l);
+    }
+    return h;
+  }
+
+  template <typename P>
+  at::Tensor forward_one_region(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                const at::Tensor& positions, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                const at::Tensor& write_slots, const at::Tensor& tables, int64_t first, int64_t last);
+  template <typename E, typename P>
+  at::Tensor forward_panels(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                            const at::Tensor& positions, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                            const at::Tensor& write_slots, const at::Tensor& tables, int64_t first, int64_t last);
+
+  std::vector<StackLayer> layers_;
+  int64_t H_, Hkv_, D_ = 0, C_ = 0, I_ = 0;
+  double scale_;
+  bool one_region_ = false;
+  bool panels_region_ = false;
+  bool regions_ = true;
+  int64_t whole_rows_ = kWholeRows;
+  at::ScalarType panel_dtype_ = at::kFloat;
+  bool rows_silu_ = false;
+};
+
+}  // namespace ferrum_fused

@@ -1,0 +1,331 @@
+// DecodeStack's steps of a few rows (decode_stack.h) as one OpenMP region: the
+// threads share out each linear's weights and the attention's tasks and meet at a
+// barrier between phases.  forward_one_region where every linear quantizes its
+// activations (qact.cpp's units), forward_panels where every linear is a float
+// panel linear (panel_gemm.cpp).
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include "decode_stack.h"
+
+#include <algorithm>
+#include <atomic>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace ferrum_fused {
+namespace {
+
+constexpr int64_t kPrefetchBytes = 256 << 10;  // of o's weights, behind the attention
+
+// The regions' barrier: the threads meet 6-10 times a layer, a few microseconds
+// apart, and libgomp's barrier spins only GOMP_SPINCOUNT times before it sleeps on
+// a futex (the server lowers it so that idle threads give the cores back between
+// calls: server/cli.py), so a wait could cost a sleep and a wake-up.  This one spins with pause, then
+// yields the core (a thread whose partner was descheduled does not burn it); the
+// region's end is still libgomp's.  Sense by phase: each thread reads the phase
+// before it arrives, the last to arrive resets the count and advances the phase.
+class SpinBarrier {
+ public:
+  void set_threads(int n) { n_ = n; }
+  void wait() {
+    const int phase = phase_.load(std::memory_order_relaxed);
+    if (count_.fetch_add(1, std::memory_order_acq_rel) + 1 == n_) {
+      count_.store(0, std::memory_order_relaxed);
+      phase_.store(phase + 1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; phase_.load(std::memory_order_acquire) == phase;) {
+      if (spins < kSpins) {
+        ++spins;
+#ifdef FERRUM_X86
+        _mm_pause();
+#endif
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+
+ private:
+  static constexpr int kSpins = 1 << 12;  // ~0.1 ms of pause on the machines seen
+  alignas(64) std::atomic<int> count_{0};
+  alignas(64) std::atomic<int> phase_{0};
+  int n_ = 1;
+};
+
+// A region's rows [m0, m1) of q|k|v (M, (H + 2 Hkv) D) after the qkv linear, in
+// place: Qwen3's RMSNorm over each head (where the layer has q/k norms), then RoPE
+// (the queries into qf) and the new keys and values written into the pool layer.
+template <typename E, typename P>
+void norm_rope_rows(const AttnArgs& a, const StackLayer& L, bool avx2, E* qkv, int64_t m0, int64_t m1,
+                    const float* cp, const float* sp, const int64_t* slots, float* qf, P* kc, P* vc) {
+  const int64_t H = a.H, Hkv = a.Hkv, D = a.D, Wq = (H + 2 * Hkv) * D;
+  if (!L.qk_norm.empty())
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t hd = 0; hd < H + Hkv; ++hd) {
+        E* head = qkv + m * Wq + hd * D;
+        rms_on<E>(avx2, head, L.qk_norm[hd < H ? 0 : 1].data_ptr<E>(), D, float(L.eps), head);
+      }
+  const Heads rows{a.T * Wq, Wq, D};
+  rope_and_write<E, P>(a, qkv, rows, qkv + H * D, rows, qkv + (H + Hkv) * D, rows, cp, sp, slots, m0, m1, qf, kc, vc);
+}
+
+}  // namespace
+
+template <typename P>
+at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                           const at::Tensor& positions, const at::Tensor& k_pool,
+                                           const at::Tensor& v_pool, const at::Tensor& write_slots,
+                                           const at::Tensor& tables, int64_t first, int64_t last) {
+  const int64_t B = x.size(0), T = x.size(1), M = B * T, C = C_, I = I_, H = H_, Hkv = Hkv_, D = D_;
+  const int64_t Wq = (H + 2 * Hkv) * D;
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() &&
+              k_pool.scalar_type() == c10::CppTypeToScalarType<P>::value &&
+              v_pool.scalar_type() == k_pool.scalar_type() && k_pool.size(3) == Hkv, "DecodeStack: pool layers");
+  const PagedIndex ix = checked_index(positions, write_slots, tables, M, B, cos, sin, D, k_pool.size(1), k_pool.size(2));
+  at::Tensor h = x.contiguous().clone();  // (B, T, C): the residual stream, updated in place
+  if (M == 0) return h;
+  const int64_t maxK = std::max({C, H * D, I});
+  std::vector<float> att(M * H * D), qkv(M * Wq), qf(M * H * D), gu(M * 2 * I), y(M * C);
+  const int threads = at::get_num_threads();
+  const bool whole = M <= whole_rows_;  // every thread does every row's norm and quantization
+  const int copies = whole ? threads : 1;
+  // the rows a linear reads (quantized), and the norm's or silu*up's output before that: a copy a thread, or one
+  std::vector<ferrum_qact::Q8Rows> Xs(copies, ferrum_qact::rows_for(M, maxK, 2));
+  std::vector<std::vector<float>> xns(copies, std::vector<float>(M * maxK)), scratches(xns);
+  const AttnArgs args{B, T, H, Hkv, D, k_pool.size(2), ix.tab.size(1), ix.pos.data_ptr<int64_t>(),
+                      ix.tab.data_ptr<int64_t>(), float(scale_)};
+  const int64_t layer_elems = k_pool.stride(0), *slots = ix.slots.data_ptr<int64_t>();
+  float* hp = h.data_ptr<float>();
+  P *kp = k_pool.data_ptr<P>(), *vp = v_pool.data_ptr<P>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const bool avx2 = avx2_on();
+  const int isa = ferrum_qact::isa_level();
+  AttnPlan plan = attention_plan(args, threads);  // the same positions in every layer
+  SpinBarrier bar;
+#pragma omp parallel num_threads(threads)
+  {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+#pragma omp single
+    bar.set_threads(nt);  // the team as formed (single's own barrier publishes it)
+    auto mine = [&](int64_t n) { return std::pair<int64_t, int64_t>{n * tid / nt, n * (tid + 1) / nt}; };
+    auto rows = [&](int64_t n) { return whole ? std::pair<int64_t, int64_t>{0, n} : mine(n); };  // this thread's rows
+    auto rows_ready = [&] { if (!whole) bar.wait(); };  // every thread's rows, where each did its share
+    ferrum_qact::Q8Rows& X = Xs[whole ? tid : 0];
+    float *xn = xns[whole ? tid : 0].data(), *scratch = scratches[whole ? tid : 0].data();
+    auto rms = [&](const float* in, const at::Tensor& w, int64_t c, double eps, float* out) {
+      rms_on(avx2, in, w.data_ptr<float>(), c, float(eps), out);
+    };
+    // rows of `in` (M, K) quantized for linear i: this thread's rows
+    auto quantize_rows = [&](const StackLayer& L, int i, const float* in, int64_t K) {
+      const auto [m0, m1] = rows(M);
+      ferrum_qact::quantize_blocks(in, m0 * K / 32, m1 * K / 32, K, int(L.digits[i]), L.rotated[i] != 0, isa, X,
+                                   scratch);
+    };
+    // linear i over the quantized rows: this thread's units into out (M, N)
+    auto linear = [&](const StackLayer& L, int i, float* out) {
+      const auto [u0, u1] = mine(L.packed[i].U);
+      ferrum_qact::run_units(isa, L.packed[i], int(-L.bits[i]), u0, u1, X, M, int(L.digits[i]), out);
+      return std::pair<int64_t, int64_t>{u0 * 16, std::min(u1 * 16, L.packed[i].N)};
+    };
+    auto norm_and_quantize = [&](const StackLayer& L, const at::Tensor& w, int i) {  // h's rows for linear i
+      const auto [m0, m1] = rows(M);
+      for (int64_t m = m0; m < m1; ++m) rms(hp + m * C, w, C, L.eps, xn + m * C);
+      quantize_rows(L, i, xn, C);
+    };
+    auto residual = [&](std::pair<int64_t, int64_t> cols) {  // h += y over this thread's columns
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = cols.first; n < cols.second; ++n) hp[m * C + n] += y[m * C + n];
+    };
+    for (int64_t l = first; l < last; ++l) {
+      const StackLayer& L = layers_[l];
+      P *kc = kp + l * layer_elems, *vc = vp + l * layer_elems;
+      norm_and_quantize(L, L.ln1, 0);
+      rows_ready();
+      linear(L, 0, qkv.data());
+      bar.wait();
+      {
+        // o's weights (a thread's share: ~90 KB on SmolLM2) into L2 while RoPE and the
+        // attention run, which leave memory idle: o's phase 206 -> 121 us a step,
+        // RoPE's 35 -> 97 (issuing the hints), the step 0.03-0.06 ms shorter, w4a8
+        // batch 1 on Zen 4, alternating rounds.  The same at the start of the other
+        // linears (32 KB, behind their 1-2 us phases) measured nothing.
+        const auto [o0, o1] = mine(L.packed[1].U);
+        ferrum_qact::prefetch_units(L.packed[1], int(-L.bits[1]), o0, o1, kPrefetchBytes);
+        const auto [m0, m1] = mine(M);
+        norm_rope_rows<float, P>(args, L, avx2, qkv.data(), m0, m1, cp, sp, slots, qf.data(), kc, vc);
+      }
+      bar.wait();
+      {
+        const auto [t0, t1] = attention_share(plan, tid, nt);
+        attend_tasks<float, P>(args, plan, qf.data(), kc, vc, t0, t1, att.data());
+      }
+      bar.wait();
+      quantize_rows(L, 1, att.data(), H * D);
+      rows_ready();
+      residual(linear(L, 1, y.data()));
+      bar.wait();
+      norm_and_quantize(L, L.ln2, 2);
+      rows_ready();
+      linear(L, 2, gu.data());
+      bar.wait();
+      {  // silu(gate) * up and its quantization, by blocks of 32 (every block where `whole`)
+        const auto [b0, b1] = whole ? std::pair<int64_t, int64_t>{0, M * I / 32} : mine(M * I / 32);
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t m = b / (I / 32), c = b % (I / 32) * 32;
+          const float* g = gu.data() + m * 2 * I + c;
+          silu_mul_on(avx2, g, g + I, 32, xn + m * I + c);
+        }
+        ferrum_qact::quantize_blocks(xn, b0, b1, I, int(L.digits[3]), L.rotated[3] != 0, isa, X, scratch);
+      }
+      rows_ready();
+      residual(linear(L, 3, y.data()));
+      bar.wait();
+    }
+  }
+  return h;
+}
+
+// The step of a few rows when every linear is a float panel linear (the batch-
+// invariant float32 and bfloat16 models): one parallel region as above, each
+// linear's panels shared out (panel_range), norms, RoPE and the pool write by the
+// threads that own the rows, the attention's tasks by attention_share, silu*up by
+// blocks of 32.  Each output is the per-op path's arithmetic (rms_norm,
+// panel_linear, paged_attention, silu_mul_rows, the residual adds rounded as
+// ATen rounds a bfloat16 sum), so the bits equal layer_step's.
+template <typename E, typename P>
+at::Tensor DecodeStack::forward_panels(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                       const at::Tensor& positions, const at::Tensor& k_pool,
+                                       const at::Tensor& v_pool, const at::Tensor& write_slots,
+                                       const at::Tensor& tables, int64_t first, int64_t last) {
+  const int64_t B = x.size(0), Tn = x.size(1), M = B * Tn, C = C_, I = I_, H = H_, Hkv = Hkv_, D = D_;
+  const int64_t Wq = (H + 2 * Hkv) * D;
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() &&
+              k_pool.scalar_type() == c10::CppTypeToScalarType<P>::value &&
+              v_pool.scalar_type() == k_pool.scalar_type() && k_pool.size(3) == Hkv, "DecodeStack: pool layers");
+  const PagedIndex ix = checked_index(positions, write_slots, tables, M, B, cos, sin, D, k_pool.size(1), k_pool.size(2));
+  at::Tensor h = x.contiguous().clone();  // (B, T, C): the residual stream, updated in place
+  if (M == 0) return h;
+  const PanelPath path = panel_path(std::is_same_v<E, c10::BFloat16>);
+  const bool widen = !std::is_same_v<E, float> && !path.dot;  // the tiles read bfloat16 rows widened to float32
+  const int64_t maxK = std::max({C, H * D, I});
+  std::vector<E> att(M * H * D), qkv(M * Wq), gu(M * 2 * I), y(M * C);
+  std::vector<float> qf(M * H * D);
+  const int threads = at::get_num_threads();
+  const bool whole = M <= whole_rows_;  // every thread does every row's norm (and widening)
+  const int copies = whole ? threads : 1;
+  // a linear's input rows (the norm's or silu*up's output), and those widened: a copy a thread, or one
+  std::vector<std::vector<E>> xns(copies, std::vector<E>(M * maxK));
+  std::vector<std::vector<float>> xws(copies, std::vector<float>(widen ? M * maxK : 0));
+  const AttnArgs args{B, Tn, H, Hkv, D, k_pool.size(2), ix.tab.size(1), ix.pos.data_ptr<int64_t>(),
+                      ix.tab.data_ptr<int64_t>(), float(scale_)};
+  const int64_t layer_elems = k_pool.stride(0), *slots = ix.slots.data_ptr<int64_t>();
+  E* hp = h.data_ptr<E>();
+  P *kp = k_pool.data_ptr<P>(), *vp = v_pool.data_ptr<P>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const bool avx2 = avx2_on();
+  AttnPlan plan = attention_plan(args, threads);  // the same positions in every layer
+  SpinBarrier bar;
+#pragma omp parallel num_threads(threads)
+  {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+#pragma omp single
+    bar.set_threads(nt);  // the team as formed (single's own barrier publishes it)
+    auto mine = [&](int64_t n) { return std::pair<int64_t, int64_t>{n * tid / nt, n * (tid + 1) / nt}; };
+    auto rows = [&](int64_t n) { return whole ? std::pair<int64_t, int64_t>{0, n} : mine(n); };  // this thread's rows
+    auto rows_ready = [&] { if (!whole) bar.wait(); };  // every thread's rows, where each did its share
+    E* xn = xns[whole ? tid : 0].data();
+    float* xw = xws[whole ? tid : 0].data();
+    // elements [i0, i1) of `in` into xw, where the tiles read float32
+    auto widened = [&](const E* in, int64_t i0, int64_t i1) {
+      if (widen)
+        for (int64_t i = i0; i < i1; ++i) xw[i] = load(in[i]);
+    };
+    // linear i over the rows `in` (M, K): this thread's panels into out (M, N); its columns
+    auto linear = [&](const StackLayer& L, int i, const E* in, int64_t K, E* out) {
+      const at::Tensor& panels = L.lin[i][1];
+      const int64_t N = L.lin[i][0].size(0);
+      const auto [p0, p1] = mine(panels.size(0));
+      panel_range<E>(path, widen ? static_cast<const void*>(xw) : in, K, M, panels, K, N, p0, p1, out);
+      return std::pair<int64_t, int64_t>{p0 * 16, std::min(p1 * 16, N)};
+    };
+    auto norm = [&](const at::Tensor& w, double eps) {  // h's rows into xn: this thread's rows
+      const auto [m0, m1] = rows(M);
+      for (int64_t m = m0; m < m1; ++m) rms_on<E>(avx2, hp + m * C, w.data_ptr<E>(), C, float(eps), xn + m * C);
+      widened(xn, m0 * C, m1 * C);
+    };
+    auto residual = [&](std::pair<int64_t, int64_t> cols) {  // h += y over this thread's columns
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = cols.first; n < cols.second; ++n)
+          hp[m * C + n] = store<E>(load(hp[m * C + n]) + load(y[m * C + n]));
+    };
+    for (int64_t l = first; l < last; ++l) {
+      const StackLayer& L = layers_[l];
+      P *kc = kp + l * layer_elems, *vc = vp + l * layer_elems;
+      norm(L.ln1, L.eps);
+      rows_ready();
+      linear(L, 0, xn, C, qkv.data());
+      bar.wait();
+      {
+#ifdef FERRUM_X86
+        {  // o's panels (this thread's share) into L2 while RoPE and the attention leave memory idle
+          const at::Tensor& panels = L.lin[1][1];
+          const int64_t bytes = panels.nbytes() / panels.size(0);
+          const auto [p0, p1] = mine(panels.size(0));
+          const char* base = static_cast<const char*>(panels.data_ptr()) + p0 * bytes;
+          const int64_t n = std::min((p1 - p0) * bytes, kPrefetchBytes);
+          for (int64_t i = 0; i < n; i += 64) _mm_prefetch(base + i, _MM_HINT_T1);
+        }
+#endif
+        const auto [m0, m1] = mine(M);
+        norm_rope_rows<E, P>(args, L, avx2, qkv.data(), m0, m1, cp, sp, slots, qf.data(), kc, vc);
+      }
+      bar.wait();
+      {
+        const auto [t0, t1] = attention_share(plan, tid, nt);
+        attend_tasks<E, P>(args, plan, qf.data(), kc, vc, t0, t1, att.data());
+      }
+      bar.wait();
+      if (widen) {
+        const auto [m0, m1] = rows(M);
+        widened(att.data(), m0 * H * D, m1 * H * D);
+        rows_ready();
+      }
+      residual(linear(L, 1, att.data(), H * D, y.data()));
+      bar.wait();
+      norm(L.ln2, L.eps);
+      rows_ready();
+      linear(L, 2, xn, C, gu.data());
+      bar.wait();
+      {  // silu(gate) * up by blocks of 32 (a row's vector loops and tail as silu_mul_rows runs them)
+        const int64_t per_row = (I + 31) / 32;
+        const auto [b0, b1] = whole ? std::pair<int64_t, int64_t>{0, M * per_row} : mine(M * per_row);
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t m = b / per_row, c = b % per_row * 32, n = std::min<int64_t>(32, I - c);
+          const E* g = gu.data() + m * 2 * I + c;
+          silu_mul_on<E>(avx2, g, g + I, n, xn + m * I + c);
+          widened(xn, m * I + c, m * I + c + n);
+        }
+      }
+      rows_ready();
+      residual(linear(L, 3, xn, I, y.data()));
+      bar.wait();
+    }
+  }
+  return h;
+}
+
+// The instantiations run() takes (decode_stack.h).
+#define FERRUM_STACK_ARGS \
+  const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, \
+      const at::Tensor&, const at::Tensor&, int64_t, int64_t
+template at::Tensor DecodeStack::forward_one_region<float>(FERRUM_STACK_ARGS);
+template at::Tensor DecodeStack::forward_one_region<c10::BFloat16>(FERRUM_STACK_ARGS);
+template at::Tensor DecodeStack::forward_panels<c10::BFloat16, c10::BFloat16>(FERRUM_STACK_ARGS);
+template at::Tensor DecodeStack::forward_panels<float, c10::BFloat16>(FERRUM_STACK_ARGS);
+template at::Tensor DecodeStack::forward_panels<float, float>(FERRUM_STACK_ARGS);
+#undef FERRUM_STACK_ARGS
+
+}  // namespace ferrum_fused
