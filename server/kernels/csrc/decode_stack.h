@@ -51,14 +51,21 @@ at::Tensor layer_step(const at::Tensor& x, const at::Tensor& ln1, const at::Tens
 // dispatch (30 layers: 0.4 ms of a 5 ms batch-1 step), and each of a layer's
 // five parallel loops an OpenMP fork and join.  Where every linear quantizes its
 // activations, or every linear is a float panel linear, and a step has at most
-// kStackRows rows, the whole step is one parallel region (stack_regions.cpp): the
+// kStackRows rows (kInvariantRows for the batch-invariant model, whose silu*up runs
+// on the per-row loops at every row count: set_rows_silu), the whole step is one
+// parallel region (stack_regions.cpp): the
 // threads split each linear's weights and the attention's tasks as decode_layer's
 // loops do, and meet at a barrier between phases; a row's RoPE goes to the thread
 // that owns the row, its norms and quantizations too (or to every thread,
 // kWholeRows), silu*up and its quantization by blocks.  Each output is the same
-// kernel's arithmetic in the same order, so the bits equal decode_layer's.
-// Otherwise (LoRA rows, batches) the layers run one layer_step each, in C++.
+// kernel's arithmetic in the same order, so the bits equal layer_step's.  One fork
+// and join a step, where layer_step forks and joins ~8 times a layer.  Otherwise
+// (LoRA rows, larger batches of the per-shape model) the layers run one layer_step
+// each, in C++.
 constexpr int64_t kStackRows = 4;
+// Decode batches up to this many rows gain from the one region; longer prompt parts
+// ran no faster in it than a layer_step a layer (bench.stack_regions), so they stay there.
+constexpr int64_t kInvariantRows = 64;
 // Steps of at most this many rows: each thread norms, quantizes and (silu * up)
 // computes every row itself, into buffers of its own, instead of its share into
 // shared ones and a barrier before the linear that reads them: the same code on
@@ -208,13 +215,13 @@ class DecodeStack : public torch::CustomClassHolder {
     // the pool holds the activations' dtype, or bfloat16 under float32 activations
     const bool bf16_pool = k_pool.scalar_type() == at::kBFloat16;
     if (lora == nullptr && regions_ && one_region_ && x.dim() == 3 && x.scalar_type() == at::kFloat &&
-        x.size(0) * x.size(1) <= kStackRows && x.size(2) == C_ && k_pool.size(4) == D_)
+        x.size(0) * x.size(1) <= (rows_silu_ ? kInvariantRows : kStackRows) && x.size(2) == C_ && k_pool.size(4) == D_)
       return bf16_pool ? forward_one_region<c10::BFloat16>(x, cos, sin, positions, k_pool, v_pool, write_slots,
                                                            tables, first, last)
                        : forward_one_region<float>(x, cos, sin, positions, k_pool, v_pool, write_slots, tables,
                                                    first, last);
     if (lora == nullptr && regions_ && panels_region_ && x.dim() == 3 && x.scalar_type() == panel_dtype_ &&
-        x.size(0) * x.size(1) <= kStackRows && x.size(2) == C_ && k_pool.size(4) == D_) {
+        x.size(0) * x.size(1) <= (rows_silu_ ? kInvariantRows : kStackRows) && x.size(2) == C_ && k_pool.size(4) == D_) {
       const bool bf16 = panel_dtype_ == at::kBFloat16;
       // the dot product reads rows of bfloat16 pairs: every linear's input width even
       if (!panel_path(bf16).dot || (C_ % 2 == 0 && (H_ * D_) % 2 == 0 && I_ % 2 == 0)) {

@@ -194,3 +194,50 @@ def test_the_panels_step_in_one_region_equals_decode_layer_per_layer(tiny_llama_
         torch.set_num_threads(threads)
         stack.set_regions(True)
         stack.set_whole_rows(2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype,quantize", [("float32", "none"), ("bfloat16", "none"), ("float32", "w4a8"),
+                                            ("float32", "int8")])
+def test_a_batch_invariant_step_of_any_size_runs_as_one_region_with_the_per_layer_bits(
+        tiny_llama_dir, tiny_qwen3_dir, ops, isa, arch, dtype, quantize):
+    """The batch-invariant model (float panels, or linears that quantize their
+    activations) runs a forward of any number of rows as one parallel region, its
+    silu*up on the per-row loops as layer_step's: batches of 8 and 21 rows and a
+    40-token prompt part give layer_step's bits (set_regions(False)), hidden states
+    and the pool's new K and V, on 1 and 2 threads and on every inner-loop path."""
+    from ferrum_rpc.server.config import ExecutorConfig
+    from ferrum_rpc.server.engine.executor import TorchExecutor
+
+    model_dir = {"llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir}[arch]
+    model = TorchExecutor.from_path("tiny", model_dir, ExecutorConfig(kv_tokens=64, dtype=dtype, quantize=quantize,
+                                                                      batch_invariant=True)).model
+    stack, cfg = model.layer_ops, model.config
+    assert (stack.panels_region() if quantize == "none" else stack.one_region()) and stack.size() == 2
+    gen, bs = torch.Generator().manual_seed(11), 4
+    threads = torch.get_num_threads()
+    try:
+        for B, T in [(8, 1), (3, 7), (1, 40)]:
+            per = (T + 8 + bs - 1) // bs  # blocks a sequence holds: its own, none shared
+            tables = torch.randperm(B * per, generator=gen).view(B, per)
+            positions = torch.stack([torch.arange(T) + 2 + 3 * b % 7 for b in range(B)])
+            slots = (tables.gather(1, positions // bs) * bs + positions % bs).reshape(-1)
+            kv = torch.float32 if quantize != "none" else getattr(torch, dtype)
+            pool = [torch.randn(2, B * per, bs, cfg.num_kv_heads, cfg.head_dim, generator=gen).to(kv)
+                    for _ in range(2)]
+            x = torch.randn(B, T, cfg.hidden_size, generator=gen).to(getattr(torch, dtype if quantize == "none"
+                                                                               else "float32"))
+            runs = []
+            for n, regions in ((2, False), (1, True), (2, True)):
+                torch.set_num_threads(n)
+                stack.set_regions(regions)
+                k, v = pool[0].clone(), pool[1].clone()
+                runs.append((stack.forward(x, model.rope_cos, model.rope_sin, positions, k, v, slots, tables, 0, 2),
+                             k, v))
+            want = runs[0]
+            assert want[0].isfinite().all()
+            for got in runs[1:]:
+                assert all(torch.equal(a, b) for a, b in zip(got, want)), (B, T)
+    finally:
+        torch.set_num_threads(threads)
+        stack.set_regions(True)
