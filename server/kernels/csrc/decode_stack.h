@@ -53,18 +53,17 @@ at::Tensor layer_step(const at::Tensor& x, const at::Tensor& ln1, const at::Tens
 // activations, or every linear is a float panel linear, and a step has at most
 // kStackRows rows (kInvariantRows for the batch-invariant model, whose silu*up runs
 // on the per-row loops at every row count: set_rows_silu), the whole step is one
-// parallel region (stack_regions.cpp): the
-// threads split each linear's weights and the attention's tasks as decode_layer's
-// loops do, and meet at a barrier between phases; a row's RoPE goes to the thread
-// that owns the row, its norms and quantizations too (or to every thread,
-// kWholeRows), silu*up and its quantization by blocks.  Each output is the same
-// kernel's arithmetic in the same order, so the bits equal layer_step's.  One fork
-// and join a step, where layer_step forks and joins ~8 times a layer.  Otherwise
-// (LoRA rows, larger batches of the per-shape model) the layers run one layer_step
-// each, in C++.
+// parallel region (stack_regions.cpp): the threads split each linear's weights and
+// the attention's tasks as decode_layer's loops do, and meet at a barrier between
+// phases; a row's RoPE goes to the thread that owns the row, its norms and
+// quantizations too (or to every thread, kWholeRows), silu*up and its quantization
+// by blocks.  Each output is the same kernel's arithmetic in the same order, so the
+// bits equal layer_step's.  One fork and join a step, where layer_step forks and
+// joins ~8 times a layer.  Otherwise (LoRA rows, longer forwards) the layers run one
+// layer_step each, in C++.
 constexpr int64_t kStackRows = 4;
 // Decode batches up to this many rows gain from the one region; longer prompt parts
-// ran no faster in it than a layer_step a layer (bench.stack_regions), so they stay there.
+// ran slower in it than a layer_step a layer (bench.stack_regions), so they stay there.
 constexpr int64_t kInvariantRows = 64;
 // Steps of at most this many rows: each thread norms, quantizes and (silu * up)
 // computes every row itself, into buffers of its own, instead of its share into
