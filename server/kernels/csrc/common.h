@@ -83,6 +83,23 @@ __attribute__((target("avx2,fma"))) inline __m256 load8(const T* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
 }
+
+// float32 to bfloat16 bits in the low 16 of each lane, as c10::BFloat16 rounds (to
+// nearest even; a NaN becomes 0x7FC0).
+__attribute__((target("avx2,fma"))) inline __m256i bf16_bits(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
+                                        _mm256_set1_epi32(0x7FFF));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+
+// 8 floats stored as bfloat16, rounded as store<c10::BFloat16> rounds (bf16_bits).
+__attribute__((target("avx2,fma"))) inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i b = bf16_bits(v);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
 #endif
 
 }  // namespace ferrum_fused

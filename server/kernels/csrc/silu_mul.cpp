@@ -28,16 +28,6 @@ __attribute__((target("avx2,fma"))) void silu_mul_f32_avx2(const float* g, const
   for (; i < n; ++i) y[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
 }
 
-// float32 to bfloat16 bits in the low 16 of each lane, as c10::BFloat16 rounds (to
-// nearest even; a NaN becomes 0x7FC0).
-__attribute__((target("avx2,fma"))) inline __m256i bf16_bits(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
-                                        _mm256_set1_epi32(0x7FFF));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
-  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-}
-
 // The same over bfloat16, rounded where the eager path rounds (silu, then the product).
 __attribute__((target("avx2,fma"))) void silu_mul_bf16_avx2(const c10::BFloat16* g, const c10::BFloat16* u,
                                                             int64_t n, c10::BFloat16* y) {
@@ -46,9 +36,7 @@ __attribute__((target("avx2,fma"))) void silu_mul_bf16_avx2(const c10::BFloat16*
     const __m256 a = load8(g + i);
     const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), a));
     const __m256i s = bf16_bits(_mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
-    const __m256i p = bf16_bits(_mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(s, 16)), load8(u + i)));
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(p, p), 0x08);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i), _mm256_castsi256_si128(packed));
+    store8(y + i, _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(s, 16)), load8(u + i)));
   }
   for (; i < n; ++i) {
     const float a = load(g[i]);

@@ -57,21 +57,12 @@ class SpinBarrier {
 };
 
 // h[i] = h[i] + y[i] for i in [0, n), each sum in float32 and rounded to bfloat16 as
-// c10::BFloat16 rounds (to nearest even, a NaN as 0x7FC0): the residual add as ATen
-// makes it.  8 at a time where the AVX2 loops run (the plain loop does not vectorise).
+// c10::BFloat16 rounds: the residual add as ATen makes it.  8 at a time where the
+// AVX2 loops run (the plain loop does not vectorise).
 #ifdef FERRUM_X86
 __attribute__((target("avx2,fma"))) void add_rounded_avx2(c10::BFloat16* h, const c10::BFloat16* y, int64_t n) {
-  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF), nan = _mm256_set1_epi32(0x7FC0);
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 sum = _mm256_add_ps(load8(h + i), load8(y + i));
-    const __m256i u = _mm256_castps_si256(sum);
-    const __m256i up = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), one), bias));
-    const __m256i r = _mm256_blendv_epi8(_mm256_srli_epi32(up, 16), nan,
-                                         _mm256_castps_si256(_mm256_cmp_ps(sum, sum, _CMP_UNORD_Q)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(h + i),
-                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
-  }
+  for (; i + 8 <= n; i += 8) store8(h + i, _mm256_add_ps(load8(h + i), load8(y + i)));
   for (; i < n; ++i) h[i] = store<c10::BFloat16>(load(h[i]) + load(y[i]));
 }
 #endif
