@@ -11,7 +11,8 @@
 // A block's K and V rows are read once for all its queries and heads: K by 8 rows
 // (in L1 while every query's scores take them), V by 64 (in L1 while every query's
 // sums take them); the vector loops take query heads in pairs, so each K or V vector
-// loaded feeds two FMAs.
+// loaded feeds two FMAs, and on AVX-512 machines (32 vector registers) four heads'
+// scores and three heads' sums, feeding four and three.
 #include "fused.h"
 
 #include <algorithm>
@@ -137,6 +138,33 @@ __attribute__((target("avx2,fma"))) inline void scores2x4_avx2(const float* q0, 
   _mm_storeu_ps(s1, _mm256_extractf128_ps(sums, 1));
 }
 
+// Four query heads' scores for 4 keys at once (the AVX-512 machines' 32 vector
+// registers hold the 16 sums): each K vector loaded once for the four, 8 loads for 16
+// FMAs; each score the same chain and tree as scores8_avx2's.
+template <typename T>
+__attribute__((target("avx2,fma,avx512f,avx512vl"))) inline void scores4x4_avx512(const float* const* q,
+                                                                                 const T* kc, const int64_t* offs,
+                                                                                 int64_t D, float scale,
+                                                                                 float* const* s) {
+  __m256 acc[16];
+  for (int r = 0; r < 16; ++r) acc[r] = _mm256_setzero_ps();
+  const T* k[4] = {kc + offs[0], kc + offs[1], kc + offs[2], kc + offs[3]};
+  for (int64_t i = 0; i < D; i += 8) {
+    __m256 qv[4];
+    for (int h = 0; h < 4; ++h) qv[h] = _mm256_loadu_ps(q[h] + i);
+    for (int r = 0; r < 4; ++r) {
+      const __m256 kv = load8(k[r] + i);
+      for (int h = 0; h < 4; ++h) acc[4 * h + r] = _mm256_fmadd_ps(qv[h], kv, acc[4 * h + r]);
+    }
+  }
+  const __m256 sv = _mm256_set1_ps(scale);
+  const __m256 lo = _mm256_mul_ps(hsum8x8(acc), sv), hi = _mm256_mul_ps(hsum8x8(acc + 8), sv);
+  _mm_storeu_ps(s[0], _mm256_castps256_ps128(lo));
+  _mm_storeu_ps(s[1], _mm256_extractf128_ps(lo, 1));
+  _mm_storeu_ps(s[2], _mm256_castps256_ps128(hi));
+  _mm_storeu_ps(s[3], _mm256_extractf128_ps(hi, 1));
+}
+
 // exps_portable and values_portable on registers: the exps 8 keys at a time (lanes
 // past len hold -inf: exp8 gives 0, which adds nothing), the values 64 dims at a time.
 __attribute__((target("avx2,fma"))) inline void exps_avx2(float* s, int64_t len, float* dst) {
@@ -220,11 +248,42 @@ __attribute__((target("avx2,fma"))) inline void values2_avx2(const float* p0, co
     }
   }
 }
+
+// values_avx2 for three query heads of one query at once, 8 * W dims at a time (W
+// 8 where D is a multiple of 64, else 4: the AVX-512 machines' registers hold the
+// 3 * W sums): each V vector loaded once for the three; each sum the same chain as
+// values_avx2's.
+template <int W, typename T>
+__attribute__((target("avx2,fma,avx512f,avx512vl"))) inline void values3_avx512(
+    const float* const* p, int64_t j0, int64_t j1, const T* vc, const int64_t* offs, int64_t D, float* const* acc,
+    bool ask) {
+  if (ask) prefetch_rows(vc, offs, j0, std::min(j1, j0 + kAhead), D);
+  for (int64_t c = 0; c < D; c += 8 * W) {
+    __m256 x[3][W];
+    for (int h = 0; h < 3; ++h)
+      for (int i = 0; i < W; ++i) x[h][i] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc[h] + c + 8 * i);
+    for (int64_t j = j0; j < j1; ++j) {
+      if (ask && c == 0 && j + kAhead < j1) prefetch_rows(vc, offs, j + kAhead, j + kAhead + 1, D);
+      const __m256 a = _mm256_set1_ps(p[0][j]), b = _mm256_set1_ps(p[1][j]), e = _mm256_set1_ps(p[2][j]);
+      const T* v = vc + offs[j] + c;
+      for (int i = 0; i < W; ++i) {
+        const __m256 vv = load8(v + 8 * i);
+        x[0][i] = _mm256_fmadd_ps(a, vv, x[0][i]);
+        x[1][i] = _mm256_fmadd_ps(b, vv, x[1][i]);
+        x[2][i] = _mm256_fmadd_ps(e, vv, x[2][i]);
+      }
+    }
+    for (int h = 0; h < 3; ++h)
+      for (int i = 0; i < W; ++i) _mm256_storeu_ps(acc[h] + c + 8 * i, x[h][i]);
+  }
+}
 #endif
 
 struct Scratch {
   std::vector<float> state, s, chunk;
   std::vector<int64_t> offs, held, lens;
+  std::vector<const float*> held_q;  // the held query heads' queries
+  std::vector<float*> held_s;        // and their scores
 };
 
 // A query head's partials (its chunks in order) merged into out.
@@ -268,13 +327,15 @@ void finish_task(const AttnArgs& a, AttnPlan& plan, const AttnTask& k, Scratch& 
   done.store(0, std::memory_order_relaxed);  // the plan serves the next layer (after a barrier)
 }
 
-// One task on the loops VEC picks (the vector ones: float or bfloat16, D a multiple of 8).
-template <typename T, typename P, bool VEC>
+// One task on the loops LEVEL picks: 0 the portable ones, 1 the vector ones (float or
+// bfloat16, D a multiple of 8), 2 those and the wider ones for 32 vector registers.
+template <typename T, typename P, int LEVEL>
 FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& k, const float* qf, const P* kc,
                              const P* vc, Scratch& sc, T* op) {
   const int64_t D = a.D, H = a.H, G = a.H / a.Hkv, row = a.Hkv * D, W = 2 + D;
   const int64_t Gt = k.g1 - k.g0, nq = k.t1 - k.t0, bt0 = k.b * a.T + k.t0;
   const int64_t *table = a.tables + k.b * a.nb, *pos = a.pos + bt0;
+  constexpr bool VEC = LEVEL >= 1;
   int64_t nmax = 0;
   for (int64_t i = 0; i < nq; ++i) nmax = std::max(nmax, pos[i] + 1);
   // a decode step's task (a query or two) reads each K and V row once or twice: it asks
@@ -285,6 +346,8 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
   sc.s.resize(nq * Gt * kC);
   sc.chunk.resize(nq * Gt * W);
   sc.held.resize(nq * Gt);
+  sc.held_q.resize(nq * Gt);
+  sc.held_s.resize(nq * Gt);
   sc.lens.resize(nq);
   sc.offs.resize(kC);
   int64_t* offs = sc.offs.data();
@@ -315,28 +378,37 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
         held = 0, held_until = INT64_MAX;
         for (int64_t i = 0; i < nq; ++i)
           if (lens[i] > r) {
-            for (int64_t g = 0; g < Gt; ++g) sc.held[held++] = i * Gt + g;
+            for (int64_t g = 0; g < Gt; ++g) {
+              sc.held_q[held] = query(i, g), sc.held_s[held] = sc.s.data() + (i * Gt + g) * kC;
+              sc.held[held++] = i * Gt + g;
+            }
             held_until = std::min(held_until, lens[i]);
           }
       }
       int64_t u = 0;
 #ifdef FERRUM_X86
+      if constexpr (LEVEL >= 2)
+        for (; u + 4 <= held; u += 4) {
+          float* s[4];
+          for (int h = 0; h < 4; ++h) s[h] = sc.held_s[u + h] + r;
+          scores4x4_avx512(sc.held_q.data() + u, kc, offs + r, D, a.scale, s);
+          for (int h = 0; h < 4; ++h) s[h] += 4;
+          scores4x4_avx512(sc.held_q.data() + u, kc, offs + r + 4, D, a.scale, s);
+        }
       if constexpr (VEC)
         for (; u + 2 <= held; u += 2) {
-          const int64_t x = sc.held[u], y = sc.held[u + 1];
-          float *sx = sc.s.data() + x * kC + r, *sy = sc.s.data() + y * kC + r;
-          const float *qx = query(x / Gt, x % Gt), *qy = query(y / Gt, y % Gt);
+          float *sx = sc.held_s[u] + r, *sy = sc.held_s[u + 1] + r;
+          const float *qx = sc.held_q[u], *qy = sc.held_q[u + 1];
           scores2x4_avx2(qx, qy, kc, offs + r, D, a.scale, sx, sy);
           scores2x4_avx2(qx, qy, kc, offs + r + 4, D, a.scale, sx + 4, sy + 4);
         }
 #endif
       for (; u < held; ++u) {
-        const int64_t x = sc.held[u];
 #ifdef FERRUM_X86
-        if constexpr (VEC) scores8_avx2(query(x / Gt, x % Gt), kc, offs + r, D, a.scale, sc.s.data() + x * kC + r);
+        if constexpr (VEC) scores8_avx2(sc.held_q[u], kc, offs + r, D, a.scale, sc.held_s[u] + r);
         else
 #endif
-          scores8_portable(query(x / Gt, x % Gt), kc, offs + r, D, a.scale, sc.s.data() + x * kC + r);
+          scores8_portable(sc.held_q[u], kc, offs + r, D, a.scale, sc.held_s[u] + r);
       }
       if (r + 8 > held_until)  // some query ends among these keys: the keys past its own -inf (exps 0)
         for (int64_t x = 0; x < held; ++x) {
@@ -364,6 +436,13 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
         auto acc = [&](int64_t g) { return sc.chunk.data() + (i * Gt + g) * W + 2; };
         int64_t g = 0;
 #ifdef FERRUM_X86
+        if constexpr (LEVEL >= 2)
+          for (; g + 3 <= Gt && len > r && D % 32 == 0; g += 3) {
+            const float* ps[3] = {p(g), p(g + 1), p(g + 2)};
+            float* accs[3] = {acc(g), acc(g + 1), acc(g + 2)};
+            if (D % 64 == 0) values3_avx512<8>(ps, r, end, vc, offs, D, accs, ask);
+            else values3_avx512<4>(ps, r, end, vc, offs, D, accs, ask);
+          }
         if constexpr (VEC)
           for (; g + 2 <= Gt && len > r && D % 32 == 0; g += 2)
             values2_avx2(p(g), p(g + 1), r, end, vc, offs, D, acc(g), acc(g + 1), ask);
@@ -392,13 +471,28 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
 template <typename T, typename P>
 __attribute__((target("avx2,fma"))) void task_avx2(const AttnArgs& a, AttnPlan& plan, const AttnTask& k,
                                                    const float* qf, const P* kc, const P* vc, Scratch& sc, T* op) {
-  task_body<T, P, true>(a, plan, k, qf, kc, vc, sc, op);
+  task_body<T, P, 1>(a, plan, k, qf, kc, vc, sc, op);
+}
+
+template <typename T, typename P>
+__attribute__((target("avx2,fma,avx512f,avx512vl"))) void task_avx512(const AttnArgs& a, AttnPlan& plan,
+                                                                       const AttnTask& k, const float* qf,
+                                                                       const P* kc, const P* vc, Scratch& sc,
+                                                                       T* op) {
+  task_body<T, P, 2>(a, plan, k, qf, kc, vc, sc, op);
+}
+
+// Whether the wider loops run: the AVX-512 cap, and the 256-bit forms of its
+// instructions (AVX512VL), which reach the 32 registers.
+bool wide_on() {
+  static const bool vl = __builtin_cpu_supports("avx512vl");
+  return vl && ferrum_active_isa() >= 2;
 }
 #endif
 template <typename T, typename P>
 void task_portable(const AttnArgs& a, AttnPlan& plan, const AttnTask& k, const float* qf, const P* kc, const P* vc,
                    Scratch& sc, T* op) {
-  task_body<T, P, false>(a, plan, k, qf, kc, vc, sc, op);
+  task_body<T, P, 0>(a, plan, k, qf, kc, vc, sc, op);
 }
 
 }  // namespace
@@ -408,10 +502,16 @@ void attend_tasks(const AttnArgs& a, AttnPlan& plan, const float* qfp, const P* 
                   int64_t end, T* op) {
   thread_local Scratch sc;
   const bool vec = avx2_on() && a.D % 8 == 0;
+#ifdef FERRUM_X86
+  const bool wide = vec && wide_on();
+#endif
   for (int64_t i = begin; i < end; ++i) {
 #ifdef FERRUM_X86
     if constexpr (!std::is_same_v<P, double>)
-      if (vec) {
+      if (wide) {
+        task_avx512(a, plan, plan.tasks[i], qfp, kc, vc, sc, op);
+        continue;
+      } else if (vec) {
         task_avx2(a, plan, plan.tasks[i], qfp, kc, vc, sc, op);
         continue;
       }

@@ -72,7 +72,9 @@ def batch_run(seqs: list[Sequence], positions: list[int]) -> torch.Tensor:
         torch.cat(slots), torch.stack(tables), SCALE)[:, 0]
 
 
-@pytest.mark.parametrize("dim", [16, 12])  # 16: the vector loops where the ISA has them; 12: the portable ones
+# 16: the vector loops where the ISA has them (64 and 32: the AVX-512 loops' two value
+# widths too); 12: the portable ones
+@pytest.mark.parametrize("dim", [16, 64, 32, 12])
 def test_a_query_has_the_same_bits_in_a_prompt_alone_in_a_batch_and_on_any_threads(ops, isa, dim):
     if dim % 8 and isa != "avx2":
         pytest.skip("a head dim that is no multiple of 8 runs the portable loops on any ISA: once is enough")
@@ -114,3 +116,22 @@ def test_a_nan_key_gives_a_nan_output(ops, isa):
     seq.run(0, seq.n - 1)
     seq.k_cache[seq.table[0], 3] = float("nan")  # key 3, in the first chunk
     assert seq.run(seq.n - 1, seq.n).isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 32, 16])
+def test_the_avx512_loops_give_the_avx2_loops_bits(ops, dtype, dim):
+    """The wider loops of AVX-512 machines (four query heads' scores per K load, three
+    heads' sums per V load) keep every score's and sum's chain: a prompt and a decode
+    step give the same bits on both."""
+    if torch.ops.ferrum_woq.set_max_isa("avx512") != "avx512":
+        pytest.skip("this CPU cannot run the avx512 path")
+    out = {}
+    try:
+        for isa in ("avx512", "avx2"):
+            torch.ops.ferrum_woq.set_max_isa(isa)
+            seq = Sequence(300, dim, dtype, seed=dim)
+            out[isa] = torch.cat([seq.run(0, 290), *(seq.run(p, p + 1) for p in range(290, 300))])
+    finally:
+        torch.ops.ferrum_woq.set_max_isa("avx512")
+    assert torch.equal(out["avx512"], out["avx2"])
