@@ -138,14 +138,14 @@ __attribute__((target("avx2,fma"))) inline void scores2x4_avx2(const float* q0, 
   _mm_storeu_ps(s1, _mm256_extractf128_ps(sums, 1));
 }
 
-// Four query heads' scores for 4 keys at once (the AVX-512 machines' 32 vector
-// registers hold the 16 sums): each K vector loaded once for the four, 8 loads for 16
-// FMAs; each score the same chain and tree as scores8_avx2's.
+// Four query heads' scores for 4 keys at once: each K vector loaded once for the
+// four, 8 loads for 16 FMAs; each score the same chain and tree as scores8_avx2's.
+// Run only inlined into the AVX-512 task, whose 32 vector registers hold the 16 sums
+// (on AVX2's 16 they spill, and a prompt's attention runs slower than in pairs).
 template <typename T>
-__attribute__((target("avx2,fma,avx512f,avx512vl"))) inline void scores4x4_avx512(const float* const* q,
-                                                                                 const T* kc, const int64_t* offs,
-                                                                                 int64_t D, float scale,
-                                                                                 float* const* s) {
+__attribute__((target("avx2,fma"))) inline void scores4x4_wide(const float* const* q, const T* kc,
+                                                                const int64_t* offs, int64_t D, float scale,
+                                                                float* const* s) {
   __m256 acc[16];
   for (int r = 0; r < 16; ++r) acc[r] = _mm256_setzero_ps();
   const T* k[4] = {kc + offs[0], kc + offs[1], kc + offs[2], kc + offs[3]};
@@ -250,11 +250,11 @@ __attribute__((target("avx2,fma"))) inline void values2_avx2(const float* p0, co
 }
 
 // values_avx2 for three query heads of one query at once, 8 * W dims at a time (W
-// 8 where D is a multiple of 64, else 4: the AVX-512 machines' registers hold the
-// 3 * W sums): each V vector loaded once for the three; each sum the same chain as
-// values_avx2's.
+// 8 where D is a multiple of 64, else 4): each V vector loaded once for the three;
+// each sum the same chain as values_avx2's.  Run only inlined into the AVX-512 task,
+// whose registers hold the 3 * W sums.
 template <int W, typename T>
-__attribute__((target("avx2,fma,avx512f,avx512vl"))) inline void values3_avx512(
+__attribute__((target("avx2,fma"))) inline void values3_wide(
     const float* const* p, int64_t j0, int64_t j1, const T* vc, const int64_t* offs, int64_t D, float* const* acc,
     bool ask) {
   if (ask) prefetch_rows(vc, offs, j0, std::min(j1, j0 + kAhead), D);
@@ -391,9 +391,9 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
         for (; u + 4 <= held; u += 4) {
           float* s[4];
           for (int h = 0; h < 4; ++h) s[h] = sc.held_s[u + h] + r;
-          scores4x4_avx512(sc.held_q.data() + u, kc, offs + r, D, a.scale, s);
+          scores4x4_wide(sc.held_q.data() + u, kc, offs + r, D, a.scale, s);
           for (int h = 0; h < 4; ++h) s[h] += 4;
-          scores4x4_avx512(sc.held_q.data() + u, kc, offs + r + 4, D, a.scale, s);
+          scores4x4_wide(sc.held_q.data() + u, kc, offs + r + 4, D, a.scale, s);
         }
       if constexpr (VEC)
         for (; u + 2 <= held; u += 2) {
@@ -440,8 +440,8 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
           for (; g + 3 <= Gt && len > r && D % 32 == 0; g += 3) {
             const float* ps[3] = {p(g), p(g + 1), p(g + 2)};
             float* accs[3] = {acc(g), acc(g + 1), acc(g + 2)};
-            if (D % 64 == 0) values3_avx512<8>(ps, r, end, vc, offs, D, accs, ask);
-            else values3_avx512<4>(ps, r, end, vc, offs, D, accs, ask);
+            if (D % 64 == 0) values3_wide<8>(ps, r, end, vc, offs, D, accs, ask);
+            else values3_wide<4>(ps, r, end, vc, offs, D, accs, ask);
           }
         if constexpr (VEC)
           for (; g + 2 <= Gt && len > r && D % 32 == 0; g += 2)
