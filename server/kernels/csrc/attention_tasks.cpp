@@ -10,9 +10,9 @@
 // of its forward, the threads, or whether it is a prompt token or a decode step.
 // A block's K and V rows are read once for all its queries and heads: K by 8 rows
 // (in L1 while every query's scores take them), V by 64 (in L1 while every query's
-// sums take them); the vector loops take query heads in pairs, so each K or V vector
-// loaded feeds two FMAs, and on AVX-512 machines (32 vector registers) four heads'
-// scores and three heads' sums, feeding four and three.
+// sums take them); the vector loops take several query heads at once, so each K or V
+// vector loaded feeds an FMA for each: scores for 3 heads in AVX2's 16 registers or 4
+// in AVX-512's 32, sums for 3, the rest in pairs and alone.
 #include "fused.h"
 
 #include <algorithm>
@@ -138,6 +138,32 @@ __attribute__((target("avx2,fma"))) inline void scores2x4_avx2(const float* q0, 
   _mm_storeu_ps(s1, _mm256_extractf128_ps(sums, 1));
 }
 
+// Three query heads' scores for 4 keys at once, in AVX2's 16 registers: each K vector
+// loaded once for the three, 7 loads for 12 FMAs; each score the same chain and tree
+// as scores8_avx2's.
+template <typename T>
+__attribute__((target("avx2,fma"))) inline void scores3x4_avx2(const float* const* q, const T* kc,
+                                                               const int64_t* offs, int64_t D, float scale,
+                                                               float* const* s) {
+  __m256 acc[16];
+  for (int r = 0; r < 16; ++r) acc[r] = _mm256_setzero_ps();
+  const T* k[4] = {kc + offs[0], kc + offs[1], kc + offs[2], kc + offs[3]};
+  for (int64_t i = 0; i < D; i += 8) {
+    const __m256 q0 = _mm256_loadu_ps(q[0] + i), q1 = _mm256_loadu_ps(q[1] + i), q2 = _mm256_loadu_ps(q[2] + i);
+    for (int r = 0; r < 4; ++r) {
+      const __m256 kv = load8(k[r] + i);
+      acc[r] = _mm256_fmadd_ps(q0, kv, acc[r]);
+      acc[4 + r] = _mm256_fmadd_ps(q1, kv, acc[4 + r]);
+      acc[8 + r] = _mm256_fmadd_ps(q2, kv, acc[8 + r]);
+    }
+  }
+  const __m256 sv = _mm256_set1_ps(scale);
+  const __m256 lo = _mm256_mul_ps(hsum8x8(acc), sv), hi = _mm256_mul_ps(hsum8x8(acc + 8), sv);
+  _mm_storeu_ps(s[0], _mm256_castps256_ps128(lo));
+  _mm_storeu_ps(s[1], _mm256_extractf128_ps(lo, 1));
+  _mm_storeu_ps(s[2], _mm256_castps256_ps128(hi));
+}
+
 // Four query heads' scores for 4 keys at once: each K vector loaded once for the
 // four, 8 loads for 16 FMAs; each score the same chain and tree as scores8_avx2's.
 // Run only inlined into the AVX-512 task, whose 32 vector registers hold the 16 sums
@@ -249,12 +275,12 @@ __attribute__((target("avx2,fma"))) inline void values2_avx2(const float* p0, co
   }
 }
 
-// values_avx2 for three query heads of one query at once, 8 * W dims at a time (W
-// 8 where D is a multiple of 64, else 4): each V vector loaded once for the three;
-// each sum the same chain as values_avx2's.  Run only inlined into the AVX-512 task,
-// whose registers hold the 3 * W sums.
+// values_avx2 for three query heads of one query at once, 8 * W dims at a time: each
+// V vector loaded once for the three; each sum the same chain as values_avx2's.  W 4
+// in AVX2's 16 registers; W 8 (D a multiple of 64) only inlined into the AVX-512
+// task, whose 32 registers hold the 24 sums.
 template <int W, typename T>
-__attribute__((target("avx2,fma"))) inline void values3_wide(
+__attribute__((target("avx2,fma"))) inline void values3_avx2(
     const float* const* p, int64_t j0, int64_t j1, const T* vc, const int64_t* offs, int64_t D, float* const* acc,
     bool ask) {
   if (ask) prefetch_rows(vc, offs, j0, std::min(j1, j0 + kAhead), D);
@@ -395,6 +421,14 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
           for (int h = 0; h < 4; ++h) s[h] += 4;
           scores4x4_wide(sc.held_q.data() + u, kc, offs + r + 4, D, a.scale, s);
         }
+      if constexpr (LEVEL == 1)
+        for (; u + 3 <= held; u += 3) {
+          float* s[3];
+          for (int h = 0; h < 3; ++h) s[h] = sc.held_s[u + h] + r;
+          scores3x4_avx2(sc.held_q.data() + u, kc, offs + r, D, a.scale, s);
+          for (int h = 0; h < 3; ++h) s[h] += 4;
+          scores3x4_avx2(sc.held_q.data() + u, kc, offs + r + 4, D, a.scale, s);
+        }
       if constexpr (VEC)
         for (; u + 2 <= held; u += 2) {
           float *sx = sc.held_s[u] + r, *sy = sc.held_s[u + 1] + r;
@@ -436,12 +470,12 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
         auto acc = [&](int64_t g) { return sc.chunk.data() + (i * Gt + g) * W + 2; };
         int64_t g = 0;
 #ifdef FERRUM_X86
-        if constexpr (LEVEL >= 2)
+        if constexpr (VEC)
           for (; g + 3 <= Gt && len > r && D % 32 == 0; g += 3) {
             const float* ps[3] = {p(g), p(g + 1), p(g + 2)};
             float* accs[3] = {acc(g), acc(g + 1), acc(g + 2)};
-            if (D % 64 == 0) values3_wide<8>(ps, r, end, vc, offs, D, accs, ask);
-            else values3_wide<4>(ps, r, end, vc, offs, D, accs, ask);
+            if (LEVEL >= 2 && D % 64 == 0) values3_avx2<8>(ps, r, end, vc, offs, D, accs, ask);
+            else values3_avx2<4>(ps, r, end, vc, offs, D, accs, ask);
           }
         if constexpr (VEC)
           for (; g + 2 <= Gt && len > r && D % 32 == 0; g += 2)
