@@ -117,78 +117,36 @@ __attribute__((target("avx2,fma"))) inline void scores8_avx2(const float* q, con
   _mm256_storeu_ps(s, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));
 }
 
-// Two query heads' scores for 4 keys at once: each K vector loaded once for both
-// (6 loads for 8 FMAs, not 9); each score the same chain and tree as scores8_avx2's.
-template <typename T>
-__attribute__((target("avx2,fma"))) inline void scores2x4_avx2(const float* q0, const float* q1, const T* kc,
-                                                               const int64_t* offs, int64_t D, float scale, float* s0,
-                                                               float* s1) {
-  __m256 acc[8];
-  for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < D; i += 8) {
-    const __m256 a = _mm256_loadu_ps(q0 + i), b = _mm256_loadu_ps(q1 + i);
-    for (int r = 0; r < 4; ++r) {
-      const __m256 kv = load8(kc + offs[r] + i);
-      acc[r] = _mm256_fmadd_ps(a, kv, acc[r]);
-      acc[4 + r] = _mm256_fmadd_ps(b, kv, acc[4 + r]);
-    }
-  }
-  const __m256 sums = _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale));
-  _mm_storeu_ps(s0, _mm256_castps256_ps128(sums));
-  _mm_storeu_ps(s1, _mm256_extractf128_ps(sums, 1));
-}
-
-// Three query heads' scores for 4 keys at once, in AVX2's 16 registers: each K vector
-// loaded once for the three, 7 loads for 12 FMAs; each score the same chain and tree
-// as scores8_avx2's.
-template <typename T>
-__attribute__((target("avx2,fma"))) inline void scores3x4_avx2(const float* const* q, const T* kc,
-                                                               const int64_t* offs, int64_t D, float scale,
-                                                               float* const* s) {
-  __m256 acc[16];
+// N query heads' scores for 4 keys at once: each K vector loaded once for the N
+// (N + 4 loads for 4 N FMAs); each score the same chain and tree as scores8_avx2's.
+// N 2 or 3 fit AVX2's 16 registers; N 4 runs only inlined into the AVX-512 task,
+// whose 32 hold its 16 sums (on AVX2's 16 they spill, and a prompt's attention ran
+// slower than in pairs).
+template <int N, typename T>
+__attribute__((target("avx2,fma"))) inline void scores_x4(const float* const* q, const T* kc,
+                                                          const int64_t* offs, int64_t D, float scale,
+                                                          float* const* s) {
+  static_assert(N >= 2 && N <= 4);
+  __m256 acc[16];  // head h, key r: acc[4 h + r]; the rest zero (hsum8x8 takes 8)
   for (int r = 0; r < 16; ++r) acc[r] = _mm256_setzero_ps();
   const T* k[4] = {kc + offs[0], kc + offs[1], kc + offs[2], kc + offs[3]};
   for (int64_t i = 0; i < D; i += 8) {
-    const __m256 q0 = _mm256_loadu_ps(q[0] + i), q1 = _mm256_loadu_ps(q[1] + i), q2 = _mm256_loadu_ps(q[2] + i);
+    __m256 qv[N];
+    for (int h = 0; h < N; ++h) qv[h] = _mm256_loadu_ps(q[h] + i);
     for (int r = 0; r < 4; ++r) {
       const __m256 kv = load8(k[r] + i);
-      acc[r] = _mm256_fmadd_ps(q0, kv, acc[r]);
-      acc[4 + r] = _mm256_fmadd_ps(q1, kv, acc[4 + r]);
-      acc[8 + r] = _mm256_fmadd_ps(q2, kv, acc[8 + r]);
+      for (int h = 0; h < N; ++h) acc[4 * h + r] = _mm256_fmadd_ps(qv[h], kv, acc[4 * h + r]);
     }
   }
   const __m256 sv = _mm256_set1_ps(scale);
-  const __m256 lo = _mm256_mul_ps(hsum8x8(acc), sv), hi = _mm256_mul_ps(hsum8x8(acc + 8), sv);
+  const __m256 lo = _mm256_mul_ps(hsum8x8(acc), sv);
   _mm_storeu_ps(s[0], _mm256_castps256_ps128(lo));
   _mm_storeu_ps(s[1], _mm256_extractf128_ps(lo, 1));
-  _mm_storeu_ps(s[2], _mm256_castps256_ps128(hi));
-}
-
-// Four query heads' scores for 4 keys at once: each K vector loaded once for the
-// four, 8 loads for 16 FMAs; each score the same chain and tree as scores8_avx2's.
-// Run only inlined into the AVX-512 task, whose 32 vector registers hold the 16 sums
-// (on AVX2's 16 they spill, and a prompt's attention runs slower than in pairs).
-template <typename T>
-__attribute__((target("avx2,fma"))) inline void scores4x4_wide(const float* const* q, const T* kc,
-                                                                const int64_t* offs, int64_t D, float scale,
-                                                                float* const* s) {
-  __m256 acc[16];
-  for (int r = 0; r < 16; ++r) acc[r] = _mm256_setzero_ps();
-  const T* k[4] = {kc + offs[0], kc + offs[1], kc + offs[2], kc + offs[3]};
-  for (int64_t i = 0; i < D; i += 8) {
-    __m256 qv[4];
-    for (int h = 0; h < 4; ++h) qv[h] = _mm256_loadu_ps(q[h] + i);
-    for (int r = 0; r < 4; ++r) {
-      const __m256 kv = load8(k[r] + i);
-      for (int h = 0; h < 4; ++h) acc[4 * h + r] = _mm256_fmadd_ps(qv[h], kv, acc[4 * h + r]);
-    }
+  if constexpr (N > 2) {
+    const __m256 hi = _mm256_mul_ps(hsum8x8(acc + 8), sv);
+    _mm_storeu_ps(s[2], _mm256_castps256_ps128(hi));
+    if constexpr (N > 3) _mm_storeu_ps(s[3], _mm256_extractf128_ps(hi, 1));
   }
-  const __m256 sv = _mm256_set1_ps(scale);
-  const __m256 lo = _mm256_mul_ps(hsum8x8(acc), sv), hi = _mm256_mul_ps(hsum8x8(acc + 8), sv);
-  _mm_storeu_ps(s[0], _mm256_castps256_ps128(lo));
-  _mm_storeu_ps(s[1], _mm256_extractf128_ps(lo, 1));
-  _mm_storeu_ps(s[2], _mm256_castps256_ps128(hi));
-  _mm_storeu_ps(s[3], _mm256_extractf128_ps(hi, 1));
 }
 
 // exps_portable and values_portable on registers: the exps 8 keys at a time (lanes
@@ -245,61 +203,30 @@ __attribute__((target("avx2,fma"))) inline void values_avx2(const float* p, int6
   }
 }
 
-// values_avx2 for two query heads of one query at once, 32 dims at a time: each V
-// vector loaded once for both; each sum the same chain as values_avx2's.
-template <typename T>
-__attribute__((target("avx2,fma"))) inline void values2_avx2(const float* p0, const float* p1, int64_t j0, int64_t j1,
-                                                             const T* vc, const int64_t* offs, int64_t D, float* acc0,
-                                                             float* acc1, bool ask) {
-  if (ask) prefetch_rows(vc, offs, j0, std::min(j1, j0 + kAhead), D);
-  for (int64_t c = 0; c < D; c += 32) {
-    __m256 x[4], y[4];
-    for (int i = 0; i < 4; ++i) {
-      x[i] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc0 + c + 8 * i);
-      y[i] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc1 + c + 8 * i);
-    }
-    for (int64_t j = j0; j < j1; ++j) {
-      if (ask && c == 0 && j + kAhead < j1) prefetch_rows(vc, offs, j + kAhead, j + kAhead + 1, D);
-      const __m256 a = _mm256_set1_ps(p0[j]), b = _mm256_set1_ps(p1[j]);
-      const T* v = vc + offs[j] + c;
-      for (int i = 0; i < 4; ++i) {
-        const __m256 vv = load8(v + 8 * i);
-        x[i] = _mm256_fmadd_ps(a, vv, x[i]);
-        y[i] = _mm256_fmadd_ps(b, vv, y[i]);
-      }
-    }
-    for (int i = 0; i < 4; ++i) {
-      _mm256_storeu_ps(acc0 + c + 8 * i, x[i]);
-      _mm256_storeu_ps(acc1 + c + 8 * i, y[i]);
-    }
-  }
-}
-
-// values_avx2 for three query heads of one query at once, 8 * W dims at a time: each
-// V vector loaded once for the three; each sum the same chain as values_avx2's.  W 4
-// in AVX2's 16 registers; W 8 (D a multiple of 64) only inlined into the AVX-512
-// task, whose 32 registers hold the 24 sums.
-template <int W, typename T>
-__attribute__((target("avx2,fma"))) inline void values3_avx2(
-    const float* const* p, int64_t j0, int64_t j1, const T* vc, const int64_t* offs, int64_t D, float* const* acc,
-    bool ask) {
+// values_avx2 for N query heads of one query at once, 8 W dims at a time: each V
+// vector loaded once for the N; each sum the same chain as values_avx2's.  N W up to
+// 12 fit AVX2's 16 registers; N 3, W 8 (D a multiple of 64) runs only inlined into
+// the AVX-512 task, whose 32 hold its 24 sums.
+template <int N, int W, typename T>
+__attribute__((target("avx2,fma"))) inline void values_x(const float* const* p, int64_t j0, int64_t j1, const T* vc,
+                                                         const int64_t* offs, int64_t D, float* const* acc,
+                                                         bool ask) {
   if (ask) prefetch_rows(vc, offs, j0, std::min(j1, j0 + kAhead), D);
   for (int64_t c = 0; c < D; c += 8 * W) {
-    __m256 x[3][W];
-    for (int h = 0; h < 3; ++h)
+    __m256 x[N][W];
+    for (int h = 0; h < N; ++h)
       for (int i = 0; i < W; ++i) x[h][i] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc[h] + c + 8 * i);
     for (int64_t j = j0; j < j1; ++j) {
       if (ask && c == 0 && j + kAhead < j1) prefetch_rows(vc, offs, j + kAhead, j + kAhead + 1, D);
-      const __m256 a = _mm256_set1_ps(p[0][j]), b = _mm256_set1_ps(p[1][j]), e = _mm256_set1_ps(p[2][j]);
+      __m256 pj[N];
+      for (int h = 0; h < N; ++h) pj[h] = _mm256_set1_ps(p[h][j]);
       const T* v = vc + offs[j] + c;
       for (int i = 0; i < W; ++i) {
         const __m256 vv = load8(v + 8 * i);
-        x[0][i] = _mm256_fmadd_ps(a, vv, x[0][i]);
-        x[1][i] = _mm256_fmadd_ps(b, vv, x[1][i]);
-        x[2][i] = _mm256_fmadd_ps(e, vv, x[2][i]);
+        for (int h = 0; h < N; ++h) x[h][i] = _mm256_fmadd_ps(pj[h], vv, x[h][i]);
       }
     }
-    for (int h = 0; h < 3; ++h)
+    for (int h = 0; h < N; ++h)
       for (int i = 0; i < W; ++i) _mm256_storeu_ps(acc[h] + c + 8 * i, x[h][i]);
   }
 }
@@ -311,6 +238,22 @@ struct Scratch {
   std::vector<const float*> held_q;  // the held query heads' queries
   std::vector<float*> held_s;        // and their scores
 };
+
+#ifdef FERRUM_X86
+// Held query heads u.. of sc, N at a time while N are left: their scores for keys r..r+7
+// (two scores_x4 tiles of 4 keys); u ends past the last N taken.
+template <int N, typename T>
+FERRUM_INLINE void score_tiles(Scratch& sc, int64_t& u, int64_t held, int64_t r, const T* kc, const int64_t* offs,
+                               int64_t D, float scale) {
+  for (; u + N <= held; u += N) {
+    float* s[N];
+    for (int h = 0; h < N; ++h) s[h] = sc.held_s[u + h] + r;
+    scores_x4<N>(sc.held_q.data() + u, kc, offs + r, D, scale, s);
+    for (int h = 0; h < N; ++h) s[h] += 4;
+    scores_x4<N>(sc.held_q.data() + u, kc, offs + r + 4, D, scale, s);
+  }
+}
+#endif
 
 // A query head's partials (its chunks in order) merged into out.
 template <typename T>
@@ -413,29 +356,11 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
       }
       int64_t u = 0;
 #ifdef FERRUM_X86
-      if constexpr (LEVEL >= 2)
-        for (; u + 4 <= held; u += 4) {
-          float* s[4];
-          for (int h = 0; h < 4; ++h) s[h] = sc.held_s[u + h] + r;
-          scores4x4_wide(sc.held_q.data() + u, kc, offs + r, D, a.scale, s);
-          for (int h = 0; h < 4; ++h) s[h] += 4;
-          scores4x4_wide(sc.held_q.data() + u, kc, offs + r + 4, D, a.scale, s);
-        }
-      if constexpr (LEVEL == 1)
-        for (; u + 3 <= held; u += 3) {
-          float* s[3];
-          for (int h = 0; h < 3; ++h) s[h] = sc.held_s[u + h] + r;
-          scores3x4_avx2(sc.held_q.data() + u, kc, offs + r, D, a.scale, s);
-          for (int h = 0; h < 3; ++h) s[h] += 4;
-          scores3x4_avx2(sc.held_q.data() + u, kc, offs + r + 4, D, a.scale, s);
-        }
-      if constexpr (VEC)
-        for (; u + 2 <= held; u += 2) {
-          float *sx = sc.held_s[u] + r, *sy = sc.held_s[u + 1] + r;
-          const float *qx = sc.held_q[u], *qy = sc.held_q[u + 1];
-          scores2x4_avx2(qx, qy, kc, offs + r, D, a.scale, sx, sy);
-          scores2x4_avx2(qx, qy, kc, offs + r + 4, D, a.scale, sx + 4, sy + 4);
-        }
+      // the held query heads' scores for these 8 keys: 4 heads at a time on AVX-512, 3
+      // on AVX2, then pairs
+      if constexpr (LEVEL >= 2) score_tiles<4>(sc, u, held, r, kc, offs, D, a.scale);
+      if constexpr (LEVEL == 1) score_tiles<3>(sc, u, held, r, kc, offs, D, a.scale);
+      if constexpr (VEC) score_tiles<2>(sc, u, held, r, kc, offs, D, a.scale);
 #endif
       for (; u < held; ++u) {
 #ifdef FERRUM_X86
@@ -474,12 +399,15 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
           for (; g + 3 <= Gt && len > r && D % 32 == 0; g += 3) {
             const float* ps[3] = {p(g), p(g + 1), p(g + 2)};
             float* accs[3] = {acc(g), acc(g + 1), acc(g + 2)};
-            if (LEVEL >= 2 && D % 64 == 0) values3_avx2<8>(ps, r, end, vc, offs, D, accs, ask);
-            else values3_avx2<4>(ps, r, end, vc, offs, D, accs, ask);
+            if (LEVEL >= 2 && D % 64 == 0) values_x<3, 8>(ps, r, end, vc, offs, D, accs, ask);
+            else values_x<3, 4>(ps, r, end, vc, offs, D, accs, ask);
           }
         if constexpr (VEC)
-          for (; g + 2 <= Gt && len > r && D % 32 == 0; g += 2)
-            values2_avx2(p(g), p(g + 1), r, end, vc, offs, D, acc(g), acc(g + 1), ask);
+          for (; g + 2 <= Gt && len > r && D % 32 == 0; g += 2) {
+            const float* ps[2] = {p(g), p(g + 1)};
+            float* accs[2] = {acc(g), acc(g + 1)};
+            values_x<2, 4>(ps, r, end, vc, offs, D, accs, ask);
+          }
 #endif
         for (; g < Gt && len > r; ++g) {
 #ifdef FERRUM_X86
