@@ -263,6 +263,23 @@ void tile(int mr, int np, const TileArgs& a) {
   tile_np<Path, MR, Path::panels(MR)>(np, a);
 }
 
+// A tile row's results into y: float32 as they are, bfloat16 rounded as
+// store<c10::BFloat16> rounds (8 at a time where the AVX2 loops run).
+inline void store_row(float* out, const float* src, int64_t n) { std::copy(src, src + n, out); }
+#ifdef FERRUM_X86
+__attribute__((target("avx2,fma"))) void store_row_avx2(c10::BFloat16* out, const float* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store8(out + i, _mm256_loadu_ps(src + i));
+  for (; i < n; ++i) out[i] = store<c10::BFloat16>(src[i]);
+}
+#endif
+inline void store_row(c10::BFloat16* out, const float* src, int64_t n) {
+#ifdef FERRUM_X86
+  if (avx2_on()) return store_row_avx2(out, src, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) out[i] = store<c10::BFloat16>(src[i]);
+}
+
 // Panels [p0, p1) for all M rows of x into y (M, N): groups of as many panels as a
 // tile of the first rows takes (their weights stay in cache), every row tile of
 // the group in turn.  xe: x's element size in bytes; ps: a panel's elements.
@@ -279,11 +296,7 @@ void panels_range(const char* x, int64_t xe, int64_t ldx, int64_t M, const char*
         const int np = int(std::min<int64_t>(Path::panels(mr), g1 - p));
         tile<Path>(mr, np, TileArgs{x + m * ldx * xe, ldx, w + p * ps * we, ps, K, c});
         const int64_t n0 = p * kCols, cols = std::min<int64_t>(np * kCols, N - n0);
-        for (int r = 0; r < mr; ++r) {
-          T* out = y + (m + r) * N + n0;
-          const float* src = c + r * kTileStride;
-          for (int64_t i = 0; i < cols; ++i) out[i] = store<T>(src[i]);
-        }
+        for (int r = 0; r < mr; ++r) store_row(y + (m + r) * N + n0, c + r * kTileStride, cols);
         p += np;
       }
     }
