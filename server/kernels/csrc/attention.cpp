@@ -106,12 +106,18 @@ AttnPlan attention_plan(const AttnArgs& a, int threads) {
   for (const Block& k : blocks) split_tasks += k.chunks * a.Hkv;
   const bool split = int64_t(blocks.size()) * a.Hkv < 4 * threads, per_head = split && split_tasks < 4 * threads;
   const int64_t heads = per_head ? std::min<int64_t>(2, G) : G;  // query heads a task
-  for (const Block& k : blocks)
-    for (int64_t kvh = 0; kvh < a.Hkv; ++kvh)
-      for (int64_t g0 = 0; g0 < G; g0 += heads) {
-        const int64_t group = split ? int64_t(plan.done.size()) : -1;
-        if (split) plan.done.push_back(0);
-        for (int64_t c0 = 0; c0 < k.chunks; c0 += split ? 1 : k.chunks) {
+  const int64_t per_kvh = (G + heads - 1) / heads;                  // tasks a kv head a chunk
+  // Split chunks go chunk by chunk, every kv head's tasks of a chunk together: a
+  // thread's share is then a run of whole chunks, each pool block read for all its
+  // kv heads at once (a token's row holds them side by side), not a third of it in
+  // each of three passes over the context.
+  for (const Block& k : blocks) {
+    const int64_t first_group = int64_t(plan.done.size());
+    if (split) plan.done.resize(plan.done.size() + a.Hkv * per_kvh, 0);
+    for (int64_t c0 = 0; c0 < k.chunks; c0 += split ? 1 : k.chunks)
+      for (int64_t kvh = 0; kvh < a.Hkv; ++kvh)
+        for (int64_t g0 = 0; g0 < G; g0 += heads) {
+          const int64_t group = split ? first_group + kvh * per_kvh + g0 / heads : -1;
           const int64_t g1 = std::min(g0 + heads, G), c1 = split ? c0 + 1 : k.chunks;
           int64_t cost = 1;
           for (int64_t t = k.t0; t < k.t1; ++t)
@@ -119,7 +125,7 @@ AttnPlan attention_plan(const AttnArgs& a, int threads) {
           plan.tasks.push_back({k.b, k.t0, k.t1, kvh, g0, g1, c0, c1, cost, group});
           plan.cost_end.push_back((plan.cost_end.empty() ? 0 : plan.cost_end.back()) + cost);
         }
-      }
+  }
   if (split && plan.chunks > 1) plan.part.resize(a.B * a.T * a.H * plan.chunks * (2 + a.D));
   return plan;
 }
