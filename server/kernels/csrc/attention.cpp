@@ -109,8 +109,8 @@ AttnPlan attention_plan(const AttnArgs& a, int threads) {
   const int64_t per_kvh = (G + heads - 1) / heads;                  // tasks a kv head a chunk
   // Split chunks go chunk by chunk, every kv head's tasks of a chunk together: a
   // thread's share is then a run of whole chunks, each pool block read for all its
-  // kv heads at once (a token's row holds them side by side), not a third of it in
-  // each of three passes over the context.
+  // kv heads at once (a token's row holds them side by side), not one kv head's part of
+  // it in each of Hkv passes over the context.
   for (const Block& k : blocks) {
     const int64_t first_group = int64_t(plan.done.size());
     if (split) plan.done.resize(plan.done.size() + a.Hkv * per_kvh, 0);
