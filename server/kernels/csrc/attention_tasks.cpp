@@ -234,8 +234,9 @@ __attribute__((target("avx2,fma"))) inline void values_x(const float* const* p, 
 
 struct Scratch {
   std::vector<float> state, s, chunk;
-  std::vector<int64_t> offs, held, lens;
-  std::vector<const float*> held_q;  // the held query heads' queries
+  std::vector<int64_t> offs, lens;
+  std::vector<int64_t> held;         // the held query heads' queries (their index in the task)
+  std::vector<const float*> held_q;  // their query vectors
   std::vector<float*> held_s;        // and their scores
 };
 
@@ -349,7 +350,7 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
           if (lens[i] > r) {
             for (int64_t g = 0; g < Gt; ++g) {
               sc.held_q[held] = query(i, g), sc.held_s[held] = sc.s.data() + (i * Gt + g) * kC;
-              sc.held[held++] = i * Gt + g;
+              sc.held[held++] = i;
             }
             held_until = std::min(held_until, lens[i]);
           }
@@ -371,8 +372,8 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
       }
       if (r + 8 > held_until)  // some query ends among these keys: the keys past its own -inf (exps 0)
         for (int64_t x = 0; x < held; ++x) {
-          const int64_t len = lens[sc.held[x] / Gt];
-          float* s = sc.s.data() + sc.held[x] * kC + r;
+          const int64_t len = lens[sc.held[x]];
+          float* s = sc.held_s[x] + r;
           for (int64_t l = std::max<int64_t>(len - r, 0); l < 8; ++l) s[l] = -INFINITY;
         }
     }

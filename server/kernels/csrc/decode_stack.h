@@ -213,14 +213,16 @@ class DecodeStack : public torch::CustomClassHolder {
                 "DecodeStack: the pool must be (layers, blocks, block_size, kv_heads, head_dim)");
     // the pool holds the activations' dtype, or bfloat16 under float32 activations
     const bool bf16_pool = k_pool.scalar_type() == at::kBFloat16;
-    if (lora == nullptr && regions_ && one_region_ && x.dim() == 3 && x.scalar_type() == at::kFloat &&
-        x.size(0) * x.size(1) <= (rows_silu_ ? kInvariantRows : kStackRows) && x.size(2) == C_ && k_pool.size(4) == D_)
+    // a forward the regions take: no LoRA rows, (B, T, C) with few enough rows
+    const bool region_shape = lora == nullptr && regions_ && x.dim() == 3 &&
+                              x.size(0) * x.size(1) <= (rows_silu_ ? kInvariantRows : kStackRows) &&
+                              x.size(2) == C_ && k_pool.size(4) == D_;
+    if (region_shape && one_region_ && x.scalar_type() == at::kFloat)
       return bf16_pool ? forward_one_region<c10::BFloat16>(x, cos, sin, positions, k_pool, v_pool, write_slots,
                                                            tables, first, last)
                        : forward_one_region<float>(x, cos, sin, positions, k_pool, v_pool, write_slots, tables,
                                                    first, last);
-    if (lora == nullptr && regions_ && panels_region_ && x.dim() == 3 && x.scalar_type() == panel_dtype_ &&
-        x.size(0) * x.size(1) <= (rows_silu_ ? kInvariantRows : kStackRows) && x.size(2) == C_ && k_pool.size(4) == D_) {
+    if (region_shape && panels_region_ && x.scalar_type() == panel_dtype_) {
       const bool bf16 = panel_dtype_ == at::kBFloat16;
       // the dot product reads rows of bfloat16 pairs: every linear's input width even
       if (!panel_path(bf16).dot || (C_ % 2 == 0 && (H_ * D_) % 2 == 0 && I_ % 2 == 0)) {
