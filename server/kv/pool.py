@@ -66,11 +66,13 @@ class KvBatch:
         # The index arithmetic runs in numpy: a decode step's tensors are a few
         # elements, where each torch op costs microseconds (cold after the layers
         # stream their weights: ~0.2 ms a batch-1 step as 15 torch ops).
-        if len(block_tables) == 1 and counts[0] == 1:  # one decode step: three small tensors from lists
+        if len(block_tables) == 1 and counts[0] == 1:  # one decode step: one tensor from a list, three views
             (table,), (start,) = block_tables, starts
-            self.tables = torch.tensor([table], dtype=torch.int64, device=device)
-            self.positions = torch.tensor([[start]], dtype=torch.int64, device=device)
-            self.write_slots = torch.tensor([table[start // bs] * bs + start % bs], dtype=torch.int64, device=device)
+            n = len(table)
+            packed = torch.tensor([*table, start, table[start // bs] * bs + start % bs], dtype=torch.int64,
+                                  device=device)
+            self.tables, self.positions = packed[:n].view(1, n), packed[n:n + 1].view(1, 1)
+            self.write_slots = packed[n + 1:]
             self._mask = None
             return
         width = max(len(t) for t in block_tables)
