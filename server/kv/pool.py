@@ -64,8 +64,8 @@ class KvBatch:
         # forward for the layers asked (which then runs the eager attention path)
         self.attention: dict[int, torch.Tensor | None] | None = None
         # The index arithmetic runs in numpy: a decode step's tensors are a few
-        # elements, where each torch op costs microseconds (cold after the layers
-        # stream their weights: ~0.2 ms a batch-1 step as 15 torch ops).
+        # elements, and each torch op costs microseconds, several times more right after
+        # the layers have streamed their weights through the caches.
         if len(block_tables) == 1 and counts[0] == 1:  # one decode step: one tensor from a list, three views
             (table,), (start,) = block_tables, starts
             n = len(table)
