@@ -129,7 +129,7 @@ def set_choice(message, choice: TokenChoice | None) -> None:
 def batch_request(c, items: Iterable[DecodeItem], logits: LogitsPolicy | None,
                   token_choice: TokenChoice | None = None) -> pb.BatchDecodeRequest:
     # Small rows (top-k, argmax, rows in shared memory, a chosen token only) come back in
-    # one message (a stream message per sequence costs ~0.35 ms); full rows stay one message each.
+    # one message (each stream message costs both sides a write and a read); full rows stay one message each.
     req = pb.BatchDecodeRequest(model=c.model)
     set_logits(req, logits)
     for item in items:

@@ -123,7 +123,7 @@ class KvBatch:
         out = []
         for pool, new in ((self.pool.k[layer], k), (self.pool.v[layer], v)):
             pool.view(-1, H, D).index_copy_(0, self.write_slots, new.reshape(-1, H, D).to(pool.dtype))
-            ctx = pool.index_select(0, self.flat_tables)  # (B*nb, bs, Hkv, D); 6x faster than pool[tables]
+            ctx = pool.index_select(0, self.flat_tables)  # (B*nb, bs, Hkv, D); one gather, cheaper than pool[tables]
             out.append(ctx.view(B, -1, H, D).transpose(1, 2).to(k.dtype))
         return out[0], out[1]
 

@@ -62,7 +62,7 @@ from ferrum_rpc.types import DecodeInput
 from ferrum_rpc.v1 import executor_pb2 as pb
 
 MAX_PENDING_STEPS = 8  # steps whose replies the caller has not taken yet
-SESSION_END_GRACE_S = 0.02  # a session whose requests ended waits this long for a cancel (0.2 ms measured)
+SESSION_END_GRACE_S = 0.02  # a session whose requests ended waits this long for a cancel sent after them
 MAX_DECODE_AHEAD = 4096  # DecodeSessionRequest.max_new_tokens bound (Capabilities.max_decode_ahead)
 MAX_STOP_TOKENS = 64  # DecodeSessionRequest.stop_token_ids bound
 MAX_HELD_TOKENS = 1024  # a decode-ahead response holds no more forwards once it holds this many tokens

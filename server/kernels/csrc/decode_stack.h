@@ -47,9 +47,8 @@ at::Tensor layer_step(const at::Tensor& x, const at::Tensor& ln1, const at::Tens
                       bool rows_silu, const LoraBatch* lora, int64_t layer);
 
 // A model's layers held once, as decode_layer takes them, and run by one call a
-// step.  A Python call per layer cost ~14 us of argument conversion and
-// dispatch (30 layers: 0.4 ms of a 5 ms batch-1 step), and each of a layer's
-// five parallel loops an OpenMP fork and join.  Where every linear quantizes its
+// step.  A Python call per layer pays argument conversion and dispatch each
+// time, and each of a layer's five parallel loops an OpenMP fork and join.  Where every linear quantizes its
 // activations, or every linear is a float panel linear, and a step has at most
 // kStackRows rows (kInvariantRows for the batch-invariant model, whose silu*up runs
 // on the per-row loops at every row count: set_rows_silu), the whole step is one
@@ -63,13 +62,13 @@ at::Tensor layer_step(const at::Tensor& x, const at::Tensor& ln1, const at::Tens
 // layer_step each, in C++.
 constexpr int64_t kStackRows = 4;
 // Decode batches up to this many rows gain from the one region; longer prompt parts
-// ran slower in it than a layer_step a layer (bench.stack_regions), so they stay there.
+// run faster as a layer_step a layer (bench.stack_regions times both), so they stay there.
 constexpr int64_t kInvariantRows = 64;
 // Steps of at most this many rows: each thread norms, quantizes and (silu * up)
 // computes every row itself, into buffers of its own, instead of its share into
 // shared ones and a barrier before the linear that reads them: the same code on
-// the same rows, so the same bits.  One row's norm is ~1 us, which the other
-// thread spent waiting; a layer meets 6 times, not 10.
+// the same rows, so the same bits.  Neither thread waits out the other's short
+// per-row work, and a layer's threads meet 6 times, not 10.
 constexpr int64_t kWholeRows = 2;
 
 struct StackLayer {

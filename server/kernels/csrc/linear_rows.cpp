@@ -4,9 +4,9 @@
 // comparison).  fused.h lists the fused ops.
 //
 // The batch-1 step's linears (a decode, a verify of a few drafts): oneDNN's packed
-// GEMM read 30 layers' float32 weights at ~21 GB/s here and MKL's sgemv at ~12,
-// where a GEMV that streams each weight row once, contiguously, reads at the
-// memory's speed (30-40 GB/s on the same host, 2 threads).  Each thread takes a
+// GEMM and MKL's sgemv read the weights well below the memory's speed, where a GEMV
+// that streams each weight row once, contiguously, reads at it (bench.panel_gemm
+// compares them).  Each thread takes a
 // contiguous range of weight rows; each output is one thread's dot product in a
 // fixed order (four chains of 8 lanes over K, then summed, in float32; bfloat16
 // rounded once at the end, as the eager linear), so the bits do not depend on

@@ -72,8 +72,8 @@ constexpr int64_t kUnit = 16;  // rows stored together: two groups, one 512-bit 
 // codes stand for (M, K/32).  One digit (w8a8, w4a8): each half block on its own
 // grid, x ~ q d, q in -127..127, d = amax / 127 of its 16 elements (llama.cpp's
 // Q8_1 shares one over 32; halves cut the grid's error where one element of a
-// block dwarfs the rest: top-1 agreement with float32 97.6 -> 98.4% for w8a8 in
-// torch, `bench.quant_accuracy --grids`).  The kernels' two chains of 4 dot
+// block dwarfs the rest, which raises top-1 agreement with float32:
+// `bench.quant_accuracy --grids` compares the grids).  The kernels' two chains of 4 dot
 // instructions already split a block's 32 codes into halves, so a half costs
 // one conversion and one FMA per row and block more, no dot instruction.  Two
 // digits (the int8/int4 modes): one step per block, stored in both halves; row
@@ -276,8 +276,8 @@ void run_groups(int isa, const Packed& W, int64_t u0, int64_t u1, const Q8Rows& 
 // read as a 4x4 matrix X, become H4 X H4 / 4 with H4 = J - 2I, i.e. x times
 // (H4 (x) H4) / 4, a Hadamard matrix of order 16 whose rows all sum to 4.  It is
 // orthonormal and its own inverse, spreads an outlier over its 16 elements
-// before each half block takes one 8-bit step (mean KL divergence from float32
-// on the embedded model 1.37e-3 -> 2.5e-4, with the LM head on two digits), and,
+// before each half block takes one 8-bit step (which lowers the KL divergence
+// from float32 several times over: bench.quant_accuracy), and,
 // since its rows sum to 4 and Q4_1's 8-bit codes are 17 q, it turns a Q4_1
 // block's weights into integer codes that fit 8 bits again: the weights are
 // rotated once at load, without loss.  Adds, doublings and a quarter only, in

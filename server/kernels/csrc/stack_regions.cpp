@@ -168,11 +168,9 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
       linear(L, 0, qkv.data());
       bar.wait();
       {
-        // o's weights (a thread's share: ~90 KB on SmolLM2) into L2 while RoPE and the
-        // attention run, which leave memory idle: o's phase 206 -> 121 us a step,
-        // RoPE's 35 -> 97 (issuing the hints), the step 0.03-0.06 ms shorter, w4a8
-        // batch 1 on Zen 4, alternating rounds.  The same at the start of the other
-        // linears (32 KB, behind their 1-2 us phases) measured nothing.
+        // o's weights (a thread's share) into L2 while RoPE and the attention run,
+        // which leave memory idle, so o's phase starts on lines already asked for.
+        // The other linears follow phases too short to hide such hints behind.
         const auto [o0, o1] = mine(L.packed[1].U);
         ferrum_qact::prefetch_units(L.packed[1], int(-L.bits[1]), o0, o1, kPrefetchBytes);
         const auto [m0, m1] = mine(M);
