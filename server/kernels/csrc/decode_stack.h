@@ -47,19 +47,19 @@ at::Tensor layer_step(const at::Tensor& x, const at::Tensor& ln1, const at::Tens
                       bool rows_silu, const LoraBatch* lora, int64_t layer);
 
 // A model's layers held once, as decode_layer takes them, and run by one call a
-// step.  A Python call per layer pays argument conversion and dispatch each
-// time, and each of a layer's five parallel loops an OpenMP fork and join.  Where every linear quantizes its
-// activations, or every linear is a float panel linear, and a step has at most
-// kStackRows rows (kInvariantRows for the batch-invariant model, whose silu*up runs
-// on the per-row loops at every row count: set_rows_silu), the whole step is one
-// parallel region (stack_regions.cpp): the threads split each linear's weights and
-// the attention's tasks as decode_layer's loops do, and meet at a barrier between
-// phases; a row's RoPE goes to the thread that owns the row, its norms and
-// quantizations too (or to every thread, kWholeRows), silu*up and its quantization
-// by blocks.  Each output is the same kernel's arithmetic in the same order, so the
-// bits equal layer_step's.  One fork and join a step, where layer_step forks and
-// joins ~8 times a layer.  Otherwise (LoRA rows, longer forwards) the layers run one
-// layer_step each, in C++.
+// step.  A Python call per layer pays argument conversion and dispatch each time,
+// and each of a layer's five parallel loops an OpenMP fork and join.  Where every
+// linear quantizes its activations, or every linear is a float panel linear, and a
+// step has at most kStackRows rows (kInvariantRows for the batch-invariant model,
+// whose silu*up runs on the per-row loops at every row count: set_rows_silu), the
+// whole step is one parallel region (stack_regions.cpp): the threads split each
+// linear's weights and the attention's tasks as decode_layer's loops do, and meet
+// at a barrier between phases; a row's RoPE goes to the thread that owns the row,
+// its norms and quantizations too (or to every thread, kWholeRows), silu*up and its
+// quantization by blocks.  Each output is the same kernel's arithmetic in the same
+// order, so the bits equal layer_step's.  One fork and join a step, where layer_step
+// forks and joins ~8 times a layer.  Otherwise (LoRA rows, longer forwards) the
+// layers run one layer_step each, in C++.
 constexpr int64_t kStackRows = 4;
 // Decode batches up to this many rows gain from the one region; longer prompt parts
 // run faster as a layer_step a layer (bench.stack_regions times both), so they stay there.
