@@ -108,6 +108,11 @@ def greedy_stats(x: torch.Tensor):
     return _GREEDY_ROWS(x)
 
 
+def greedy_op_loaded() -> bool:
+    """Whether :func:`greedy_stats` has its fused op in this process."""
+    return _GREEDY_ROWS is not None or greedy_stats(torch.zeros(1, 1)) is not None
+
+
 def log_normaliser(x: torch.Tensor, top: torch.Tensor | None = None) -> torch.Tensor:
     """(R,) logsumexp of x (R, W), one buffer, cheaper than torch.logsumexp; ``top``
     (R, 1), when given, is x's row maximum."""

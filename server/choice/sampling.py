@@ -65,7 +65,7 @@ from .draws import draw, uniforms
 from .rows import ChosenTokens, Step, greedy_stats, log_normaliser, row_index, row_max, take_rows
 from .shaping import held_finite, shape_logits
 
-__all__ = ["accept_drafts", "choose_tokens"]
+__all__ = ["accept_drafts", "choose_plain_greedy", "choose_tokens", "plain_choice"]
 
 
 def choose_tokens(
@@ -102,11 +102,8 @@ def choose_tokens(
     held, failed = held_finite(logits, None if stats is None else (stats[2], stats[1]))
     if held is not logits:
         stats = None  # computed over the rows before they were held
-    elif stats is not None and len(greedy) == batch and all(_plain(c) for c in choices):
-        # every row greedy, unshaped, no top logprobs: the token's logprob is its logit (the
-        # row's largest) less the normaliser in either mode, as the steps below give it
-        ids, largest, _, log_norm = stats
-        return ChosenTokens(ids, largest - log_norm, *_no_top(batch), (0,) * batch)
+    elif stats is not None and len(greedy) == batch and all(plain_choice(c) for c in choices):
+        return _plain_greedy(stats)
     logits = held
     shaped, touched = shape_logits(logits, choices, prompt_token_ids, output_token_ids)
     n = min(max(c.top_logprobs for c in choices), vocab)
@@ -165,10 +162,28 @@ def _no_top(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     return empty
 
 
-def _plain(c: TokenChoice) -> bool:
+def plain_choice(c: TokenChoice) -> bool:
     """Whether a row's choice leaves its logits as they are and lists no top logprobs."""
     return not (c.top_logprobs or c.logit_bias or c.allowed_token_bitmask or c.repetition_penalty != 1
                 or c.presence_penalty or c.frequency_penalty)
+
+
+def choose_plain_greedy(logits: torch.Tensor) -> ChosenTokens | None:
+    """:func:`choose_tokens` of float32 CPU rows whose choices are all greedy and
+    :func:`plain_choice`, with the same bits; None where it would take another path
+    (the fused greedy op not loaded, a row not finite or past the logit limit)."""
+    stats = greedy_stats(logits)
+    if stats is None or held_finite(logits, (stats[2], stats[1]))[0] is not logits:
+        return None
+    return _plain_greedy(stats)
+
+
+def _plain_greedy(stats) -> ChosenTokens:
+    """Greedy rows, unshaped, no top logprobs: the token's logprob is its logit (the row's
+    largest) less the normaliser in either mode, as the general steps give it."""
+    ids, largest, _, log_norm = stats
+    batch = ids.shape[0]
+    return ChosenTokens(ids, largest - log_norm, *_no_top(batch), (0,) * batch)
 
 
 def _choose_greedy(shaped, rows: list[int], touched: list[bool], step: Step, stats=None) -> None:

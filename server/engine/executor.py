@@ -39,7 +39,7 @@ from .speculating import Speculates
 from .forward import Rows, Step, forward
 from .graphs import decode_graphs
 from ..kv.pool import KvPool
-from ..kv.blocks import BlockManager, SequenceState, Undo
+from ..kv.blocks import BlockManager, SequenceState, Undo, WritePlan
 from ..kv.events import KvEventHub
 from ..models import TORCH_DTYPES, load_model
 from ..parallel import runner
@@ -454,8 +454,12 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsA
 
     def _step(self, opened: Opened, tokens: list[int], rows: Rows) -> Step:
         """Reserves room (and private copies of shared blocks) for ``tokens`` after the sequence's end."""
-        seq = opened.seq
-        plan = self.kv.prepare_write(seq, seq.length, seq.length + len(tokens))
+        return Step(opened, list(tokens), opened.seq.length, self.reserve(opened.seq, len(tokens)), rows)
+
+    def reserve(self, seq: SequenceState, tokens: int) -> WritePlan:
+        """Makes room for ``tokens`` after the sequence's end (private copies of shared
+        blocks made), within its tenant's KV quota; raises with nothing reserved."""
+        plan = self.kv.prepare_write(seq, seq.length, seq.length + tokens)
         if quota := self.bounds(seq.tenant).kv_tokens:
             held = self.kv.blocks_held(seq.tenant)
             if held * self.kv.block_size > quota:
@@ -467,7 +471,7 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsA
             self.pool.copy_blocks(plan.copies)
         else:
             self.runner.copy_blocks(self.pool, plan.copies)
-        return Step(opened, list(tokens), seq.length, plan, rows)
+        return plan
 
     def apply_policy(self, rows: torch.Tensor, policy: LogitsPolicy) -> Logits:
         """rows: (P, V) float32 on the device -> what the caller asked for, on the CPU."""

@@ -1,23 +1,39 @@
 """The model worker's decode-ahead runs (``ahead.py``): starting one (its seats), adding
 the runs that are not paused to each forward, advancing them with its results, and
-ending those whose caller went away, whose deadline passed or whose worker stops."""
+ending those whose caller went away, whose deadline passed or whose worker stops.
+
+When the runs' rows are all a forward would hold (nothing queued, no other caller
+decoding) and each chooses greedily, the runs go on in bursts (``burst.py``): several
+forwards, then each forward's entries as single steps would have made them.  A burst
+ends after any forward once something waits for the worker: a queued call, a run
+that could join, a cancel, a stop, a passed deadline, or a stop token chosen."""
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future
 
-from ferrum_rpc.errors import (Cancelled, DeadlineExceeded, Draining, SequenceLimitExceeded,
+from ferrum_rpc.errors import (Cancelled, DeadlineExceeded, Draining, ExecutorError, SequenceLimitExceeded,
                                TenantQuotaExceeded)
 from ferrum_rpc.types import DecodeInput
 from .ahead import QUEUED_FORWARDS, AheadRun
+from .burst import Burst, bursts_serve
 from .jobs import DecodeWork, Job
+
+log = logging.getLogger(__name__)
+
+BURST_FORWARDS = 16  # a burst's most forwards: its entries reach the consumer when it ends
+PLAIN_AFTER_FALLBACK = 16  # forwards run as plain steps after a burst's first forward could not count
 
 
 class DrivesRuns:
     """Mixed into :class:`~.worker.ModelWorker` (its ``_cond``, ``_runs``, ``ahead``,
     ``_stopping``, ``executor`` and ``undo``); ``_runs_want_turn``, ``_settle_runs`` and
     ``_run_job`` are called by its loop."""
+
+    _plain_steps = 0  # forwards left to run as plain steps before runs may burst again
+    burst_forwards = 0  # forwards run in bursts since start
 
     def start_ahead(self, items: list[DecodeInput], limit: int, stop_ids: frozenset[int], tenant: str,
                     deadline: float | None, bound: int = QUEUED_FORWARDS) -> AheadRun:
@@ -91,6 +107,93 @@ class DrivesRuns:
                 self.ahead[run.tenant] = left
             else:
                 del self.ahead[run.tenant]
+
+    def _burst_runs(self) -> list[AheadRun] | None:
+        """The runs to go on in a burst, or None where the next forward is a plain step
+        (lock held): something is queued or waits for room, a unary decoder was active
+        within the last second (its next call joins a plain step), or a row cannot take
+        a burst (``bursts_serve``)."""
+        if self._plain_steps:
+            self._plain_steps -= 1
+            return None
+        if self._jobs or self._parked or self.batch_wait_s:
+            return None
+        now = time.monotonic()
+        if any(now - t <= self.DECODERS_ACTIVE_S for t in self._decoders.values()):
+            return None
+        runs = [run for run in self._runs if run.running and not run.paused]
+        if not runs or any(run.cancelled or run.stop_requested for run in runs):
+            return None
+        if not all(bursts_serve(self.executor, item.token_choice) for run in runs for item in run.inputs()):
+            return None
+        return runs
+
+    def _burst(self, runs: list[AheadRun]) -> None:
+        """Runs ``runs`` in a burst, then advances each with every forward's entry; a
+        burst that cannot run (``Burst.open``) or whose first forward does not count
+        is one plain step instead."""
+        ex = self.executor
+        inputs = [item for run in runs for item in run.inputs()]
+        cap = min(BURST_FORWARDS, *(run.bound - run.queued for run in runs),
+                  *(run.limit - run.emitted[index] for run in runs for index, _ in run.live))
+        burst = Burst.open(ex, inputs, [run.tenant for run in runs for _ in run.live], cap)
+        if burst is None:
+            self._run_step([self._run_job(run) for run in runs], [])
+            return
+        stops = [run.stop_ids for run in runs for _ in run.live]
+        deadlines = [run.deadline for run in runs if run.deadline is not None]
+        try:
+            while burst.done < burst.forwards:
+                tokens = burst.forward()
+                if tokens is None or any(t in s for t, s in zip(tokens, stops)) or self._burst_ends(runs, deadlines):
+                    break
+        except BaseException as exc:  # the runs end with it, and are undone, as after a plain step's failure
+            burst.release_unused()
+            ex.stats.failed = not isinstance(exc, (ExecutorError, GeneratorExit, KeyboardInterrupt))
+            if not isinstance(exc, ExecutorError):
+                log.exception("batched forward failed")
+            for run in runs:
+                run.end(exc, ex.undo)
+                self._let_go(run)
+            return
+        if not burst.done:
+            burst.release_unused()
+            log.info("a burst's first forward has rows the plain greedy pass cannot choose for; "
+                     "the next %d forwards run as plain steps", PLAIN_AFTER_FALLBACK)
+            self._plain_steps = PLAIN_AFTER_FALLBACK
+            self._run_step([self._run_job(run) for run in runs], [])
+            return
+        ex.stats.failed = False
+        self.burst_forwards += burst.done
+        spans, first = [], 0
+        for run in runs:
+            spans.append((run, range(first, first + len(run.live))))
+            first += len(run.live)
+        self._advance_by(burst, spans)
+        self._decoded_at, self._last_forward_s = time.monotonic(), burst.ns[-1] / 1e9
+
+    def _burst_ends(self, runs: list[AheadRun], deadlines: list[float]) -> bool:
+        """Something waits for the worker: a queued call, another run that could join, a
+        run cancelled or stopped, or a deadline passed."""
+        return bool(self._jobs or any(run.cancelled or run.stop_requested or not run.running for run in runs)
+                    or deadlines and time.monotonic() > min(deadlines)
+                    or any(run.running and not run.paused and run not in runs for run in self._runs))
+
+    def _advance_by(self, burst: Burst, spans: list[tuple[AheadRun, range]]) -> None:
+        """Each forward of ``burst`` in order: each run's rows (its span of the burst's)
+        committed, then its entry given to the run, while the run goes on; a run that
+        ended at an earlier entry (stopped) commits no more, and the room no commit
+        uses goes back."""
+        for f in range(burst.done):
+            for run, rows in spans:
+                if run.running and len(run.live) == len(rows):
+                    run.advance(burst.commit(f, rows))
+        burst.release_unused()
+        for run, _ in spans:
+            if run.running and run.cancelled:
+                run.end(Cancelled("the caller cancelled the call"), self.executor.undo)
+            if not run.running:
+                self._let_go(run)
 
     def _run_job(self, run: AheadRun) -> Job:
         """The run's live sequences as this forward's decode job; its result advances the run."""

@@ -222,14 +222,18 @@ class ModelWorker(AsyncFront, DrivesRuns):
                     self._jobs.append(None)  # prompts re-queued behind the stop finish first
                     continue
                 decodes: list[Job] | None = None
+                burst = None  # the runs alone (nothing queued), in a burst of forwards (runs.py)
                 if job is not None and not (job.decode or job.prefill) or job is not None and job.analysis:
                     self._jobs.popleft()  # a call, or an analysis prompt: alone
-                else:
+                elif job is not None or not (burst := self._burst_runs()):
                     decodes = [self._run_job(run) for run in self._runs if run.running and not run.paused]
                     if job is not None and job.decode:
                         decodes.append(self._jobs.popleft())
                     self._collect(decodes)
             self._reap()
+            if burst:
+                self._burst(burst)
+                continue
             if decodes is None:
                 if job.prefill:  # an analysis prompt: one part, alone
                     self._run_step([], [(job, self.executor.config.prefill_chunk)])

@@ -73,7 +73,7 @@ class KvBatch:
                                   device=device)
             self.tables, self.positions = packed[:n].view(1, n), packed[n:n + 1].view(1, 1)
             self.write_slots = packed[n + 1:]
-            self._mask = None
+            self._mask, self._moving = None, packed[n:]  # position and write slot, one in-place add
             return
         width = max(len(t) for t in block_tables)
         tables = np.zeros((len(block_tables), width), dtype=np.int64)
@@ -91,6 +91,7 @@ class KvBatch:
         self.positions = torch.from_numpy(pos).to(device)
         self.write_slots = torch.from_numpy(write_slots).to(device)
         self._mask: torch.Tensor | None = None
+        self._moving: torch.Tensor | None = None
 
     @classmethod
     def static(cls, pool: KvPool, tables: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor) -> KvBatch:
@@ -98,9 +99,20 @@ class KvBatch:
         (tables (B, nb), positions (B, 1), write_slots (B,) on the pool's device): what a
         captured CUDA graph of a decode step reads (see ``engine/graphs.py``)."""
         kv = cls.__new__(cls)
-        kv.pool, kv.attention, kv._mask = pool, None, None
+        kv.pool, kv.attention, kv._mask, kv._moving = pool, None, None, None
         kv.tables, kv.positions, kv.write_slots = tables, positions, write_slots
         return kv
+
+    def next_position(self) -> None:
+        """Moves one-token steps (T = 1) on to each sequence's next position, writing the
+        next slot of the same block: the caller keeps every step inside the block its
+        table already holds (the tables are not redone)."""
+        if self._moving is not None:
+            self._moving += 1
+        else:
+            self.positions += 1
+            self.write_slots += 1
+        self._mask = None
 
     @property
     def flat_tables(self) -> torch.Tensor:

@@ -18,7 +18,13 @@ from ferrum_rpc.server.engine.executor import TorchExecutor
 from ferrum_rpc.server.engine.worker import ModelWorker
 from ferrum_rpc.types import DecodeInput, TokenChoice
 
-CHOICE = TokenChoice(temperature=1.0, seed=7)
+CHOICES = {"sampled": TokenChoice(temperature=1.0, seed=7),  # plain steps
+           "greedy": TokenChoice.greedy()}  # in bursts where the runs are alone (burst.py)
+
+
+@pytest.fixture(params=sorted(CHOICES))
+def choice(request) -> TokenChoice:
+    return CHOICES[request.param]
 
 
 @pytest.fixture
@@ -30,9 +36,9 @@ def worker(tiny_llama_dir):
     w.stop(timeout=10)
 
 
-def prompt(worker: ModelWorker, ids: list[int], tenant: str = "") -> DecodeInput:
-    out = worker.submit_prefill(ids, None, None, tenant=tenant, choice=CHOICE).result(timeout=30)
-    return DecodeInput(out.chosen.token_id, out.kv_cache, CHOICE)
+def prompt(worker: ModelWorker, choice: TokenChoice, ids: list[int], tenant: str = "") -> DecodeInput:
+    out = worker.submit_prefill(ids, None, None, tenant=tenant, choice=choice).result(timeout=30)
+    return DecodeInput(out.chosen.token_id, out.kv_cache, choice)
 
 
 def drain(run, timeout: float = 30) -> list:
@@ -52,8 +58,8 @@ def lengths(worker: ModelWorker) -> dict[str, int]:
     return {cid: seq.length for cid, seq in worker.executor.kv.snapshot().sequences.items()}
 
 
-def test_a_run_gives_the_tokens_step_by_step_decoding_gives(worker):
-    items = [prompt(worker, [5, 6, 7]), prompt(worker, [9, 3])]
+def test_a_run_gives_the_tokens_step_by_step_decoding_gives(worker, choice):
+    items = [prompt(worker, choice, [5, 6, 7]), prompt(worker, choice, [9, 3])]
     run = worker.start_ahead(items, 6, frozenset(), "", None)
     entries = drain(run)
     assert len(entries) == 6 and [len(e) for e in entries] == [2] * 6  # one entry a forward
@@ -61,19 +67,19 @@ def test_a_run_gives_the_tokens_step_by_step_decoding_gives(worker):
     assert [e.finish for e in entries[-1]] == [Finish.LENGTH, Finish.LENGTH]
     # the same sequences again, decoded one unary step at a time
     for i, ids in enumerate(([5, 6, 7], [9, 3])):
-        item = prompt(worker, ids)
+        item = prompt(worker, choice, ids)
         tokens = []
         for _ in range(6):
             out = worker.submit_decode([item], None).result(timeout=30)[0]
             tokens.append(out.chosen.token_id)
-            item = DecodeInput(out.chosen.token_id, out.kv_cache, CHOICE)
+            item = DecodeInput(out.chosen.token_id, out.kv_cache, choice)
         assert tokens == ran[i]
         assert run.last[i].kv_cache.sequence_length == items[i].kv_cache.sequence_length + 6
     assert worker.ahead == {} and worker._runs == []  # seats given back
 
 
-def test_stop_token_stop_and_sequence_length_end_a_run(worker):
-    item = prompt(worker, [5, 6, 7])
+def test_stop_token_stop_and_sequence_length_end_a_run(worker, choice):
+    item = prompt(worker, choice, [5, 6, 7])
     first = drain(worker.start_ahead([item], 4, frozenset(), "", None))
     worker.submit(worker.executor.truncate_kv, first[-1][0].out.kv_cache, item.kv_cache.sequence_length).result()
     token = first[1][0].out.chosen.token_id  # the run's second token ends an identical run there
@@ -88,13 +94,13 @@ def test_stop_token_stop_and_sequence_length_end_a_run(worker):
     assert drain(run)[-1][0].finish is Finish.STOPPED
 
     full = worker.executor.max_seq_len
-    entries = drain(worker.start_ahead([prompt(worker, [1, 2])], 4000, frozenset(), "", None), timeout=120)
+    entries = drain(worker.start_ahead([prompt(worker, choice, [1, 2])], 4000, frozenset(), "", None), timeout=120)
     assert entries[-1][0].finish is Finish.MAX_SEQUENCE_LENGTH
     assert entries[-1][0].out.kv_cache.sequence_length == full
 
 
-def test_a_run_whose_queue_is_full_pauses_until_its_consumer_takes(worker):
-    item = prompt(worker, [5, 6, 7])
+def test_a_run_whose_queue_is_full_pauses_until_its_consumer_takes(worker, choice):
+    item = prompt(worker, choice, [5, 6, 7])
     start = item.kv_cache.sequence_length
     run = worker.start_ahead([item], 20, frozenset(), "", None, bound=2)
     end = time.monotonic() + 30
@@ -111,8 +117,8 @@ def test_a_run_whose_queue_is_full_pauses_until_its_consumer_takes(worker):
     assert run.last[0].kv_cache.sequence_length == start + 20
 
 
-def test_take_some_takes_the_oldest_forwards_in_order_and_unpauses_the_run(worker):
-    item = prompt(worker, [5, 6, 7])
+def test_take_some_takes_the_oldest_forwards_in_order_and_unpauses_the_run(worker, choice):
+    item = prompt(worker, choice, [5, 6, 7])
     start = item.kv_cache.sequence_length
     run = worker.start_ahead([item], 12, frozenset(), "", None, bound=5)
     end = time.monotonic() + 30
@@ -130,8 +136,8 @@ def test_take_some_takes_the_oldest_forwards_in_order_and_unpauses_the_run(worke
     assert rest[-1][0].finish is Finish.LENGTH and run.take_some(4) == [] and run.done
 
 
-def test_a_cancelled_run_changes_nothing(worker):
-    items = [prompt(worker, [5, 6, 7]), prompt(worker, [8])]
+def test_a_cancelled_run_changes_nothing(worker, choice):
+    items = [prompt(worker, choice, [5, 6, 7]), prompt(worker, choice, [8])]
     before = lengths(worker)
     run = worker.start_ahead(items, 200, frozenset(), "", None, bound=1000)
     while lengths(worker) == before:
@@ -143,8 +149,8 @@ def test_a_cancelled_run_changes_nothing(worker):
     assert worker.ahead == {}
 
 
-def test_a_finished_run_cancelled_before_its_last_entry_is_taken_is_undone(worker):
-    item = prompt(worker, [5, 6, 7])
+def test_a_finished_run_cancelled_before_its_last_entry_is_taken_is_undone(worker, choice):
+    item = prompt(worker, choice, [5, 6, 7])
     before = lengths(worker)
     run = worker.start_ahead([item], 3, frozenset(), "", None)
     end = time.monotonic() + 30
@@ -155,8 +161,8 @@ def test_a_finished_run_cancelled_before_its_last_entry_is_taken_is_undone(worke
     assert worker.submit(lambda: lengths(worker)).result(timeout=10) == before
 
 
-def test_a_run_taken_to_its_end_stands_after_a_cancel(worker):
-    item = prompt(worker, [5, 6, 7])
+def test_a_run_taken_to_its_end_stands_after_a_cancel(worker, choice):
+    item = prompt(worker, choice, [5, 6, 7])
     run = worker.start_ahead([item], 3, frozenset(), "", None)
     drain(run)
     run.cancel()  # the consumer owns the results now: nothing is undone
@@ -164,9 +170,9 @@ def test_a_run_taken_to_its_end_stands_after_a_cancel(worker):
         item.kv_cache.sequence_length + 3
 
 
-def test_seats_are_bounded_per_tenant_and_in_all(worker):
-    items = [prompt(worker, [i + 1, 2], tenant="a") for i in range(4)]
-    others = [prompt(worker, [i + 1, 3], tenant="b") for i in range(2)]
+def test_seats_are_bounded_per_tenant_and_in_all(worker, choice):
+    items = [prompt(worker, choice, [i + 1, 2], tenant="a") for i in range(4)]
+    others = [prompt(worker, choice, [i + 1, 3], tenant="b") for i in range(2)]
     with pytest.raises(TenantQuotaExceeded):
         worker.start_ahead(items, 5, frozenset(), "a", None)  # the tenant's cap is 3
     gate = threading.Event()
@@ -183,8 +189,8 @@ def test_seats_are_bounded_per_tenant_and_in_all(worker):
     drain(worker.start_ahead(others, 5, frozenset(), "b", None))
 
 
-def test_stopping_the_worker_ends_a_paused_run_and_undoes_it(worker):
-    item = prompt(worker, [5, 6, 7])
+def test_stopping_the_worker_ends_a_paused_run_and_undoes_it(worker, choice):
+    item = prompt(worker, choice, [5, 6, 7])
     before = lengths(worker)
     run = worker.start_ahead([item], 50, frozenset(), "", None, bound=1)
     while not run.paused:
@@ -195,20 +201,20 @@ def test_stopping_the_worker_ends_a_paused_run_and_undoes_it(worker):
     assert lengths(worker) == before
 
 
-def test_a_forward_that_fails_for_the_run_ends_it_undone(worker):
-    item = prompt(worker, [5, 6, 7])
+def test_a_forward_that_fails_for_the_run_ends_it_undone(worker, choice):
+    item = prompt(worker, choice, [5, 6, 7])
     before = lengths(worker)
     stale = dataclasses.replace(item.kv_cache, sequence_length=item.kv_cache.sequence_length + 5)
-    run = worker.start_ahead([item, DecodeInput(item.token_id, stale, CHOICE)], 5, frozenset(), "", None)
+    run = worker.start_ahead([item, DecodeInput(item.token_id, stale, choice)], 5, frozenset(), "", None)
     with pytest.raises(Exception) as failed:
         drain(run)
     assert not isinstance(failed.value, AssertionError)
     assert lengths(worker) == before and worker.ahead == {}
 
 
-def test_a_run_past_its_deadline_ends_undone(worker):
+def test_a_run_past_its_deadline_ends_undone(worker, choice):
     """The worker is held while the run's deadline passes: it is ended before its first forward."""
-    item = prompt(worker, [5, 6, 7])
+    item = prompt(worker, choice, [5, 6, 7])
     before = lengths(worker)
     gate = threading.Event()
     held = worker.submit(gate.wait, 30)

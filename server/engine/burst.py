@@ -1,0 +1,139 @@
+"""Bursts: several forwards of decode rows with none of the engine's per-forward
+bookkeeping between them.
+
+Between two forwards of a plain decode step the engine plans (resolves, reserves),
+builds the KV view and the token ids, chooses through the general token-choice step,
+commits and builds the outputs.  Each of those ops runs on caches that the forward's
+weights have just streamed through (``bench.engine_overhead`` measures what they add).
+When a forward's only rows are decode-ahead rows that choose greedily with plain
+choices, the worker (``runs.py``) runs up to ``k`` forwards as one burst:
+
+- the room for all k tokens is reserved at once, inside each sequence's current KV
+  block: the same blocks and the same copies that k single steps would reserve;
+- the KV view moves on in place (``KvBatch.next_position``) and the chosen tokens feed
+  the next forward as a tensor;
+- after the last forward the commits and the outputs follow, forward by forward, as
+  the single steps would have made them.
+
+A row's bits are those of a single step: the same model call, LM head and greedy pass
+(``choose_plain_greedy``, the path ``choose_tokens`` takes for these rows).  A forward
+whose rows cannot take that path (a row not finite, or past the logit limit) does not
+count: the burst ends before it, and the worker runs it as a plain step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ferrum_rpc.errors import ExecutorError
+from ferrum_rpc.types import ChosenToken, DecodeInput, DecodeOutput, TokenChoice, Timing
+from ..choice.rows import greedy_op_loaded
+from ..choice.sampling import choose_plain_greedy, plain_choice
+from ..kv.blocks import SequenceState, WritePlan
+
+
+def bursts_serve(executor, choice: TokenChoice | None) -> bool:
+    """Whether a burst can run rows with ``choice`` on ``executor``: greedy and plain on
+    one CPU process (no tensor-parallel ranks, no captured graphs), the fused greedy
+    op loaded."""
+    return (choice is not None and choice.is_greedy and plain_choice(choice) and executor.runner is None
+            and executor.graphs is None and executor.device.type == "cpu" and greedy_op_loaded())
+
+
+class Burst:
+    """Up to ``forwards`` forwards of one-token steps of ``inputs``' sequences.  Built by
+    :meth:`open`; :meth:`forward` runs the next forward, :meth:`commit` makes one
+    forward's outputs, :meth:`release_unused` gives back what no commit uses."""
+
+    def __init__(self, ex, inputs: list[DecodeInput], seqs: list[SequenceState], plans: list[WritePlan],
+                 forwards: int):
+        self.ex, self.inputs, self.seqs, self.plans, self.forwards = ex, inputs, seqs, plans, forwards
+        self.starts = [seq.length for seq in seqs]
+        self.kv = ex.pool.batch([seq.block_ids for seq in seqs], self.starts, [1] * len(seqs))
+        self.ids = torch.tensor([[item.token_id] for item in inputs], dtype=torch.int64, device=ex.pool.k.device)
+        self.tokens: list[list[int]] = []  # each forward's chosen token per row
+        self.chosen: list[list[ChosenToken]] = []
+        self.ns: list[int] = []
+        self.committed = [0] * len(seqs)  # forwards committed per row
+        self._chosen_ids: torch.Tensor | None = None  # the last forward's choices, (B,)
+
+    @classmethod
+    def open(cls, ex, inputs: list[DecodeInput], tenants: list[str], forwards: int) -> Burst | None:
+        """Validates the rows as a plain decode step would and reserves room for up to
+        ``forwards`` tokens each, fewer where a sequence's current block or its maximum
+        length ends first.  None, with nothing reserved, where a burst of at least two
+        forwards cannot run them: a row that fails validation or reservation (a plain
+        step gives its call that error), an adapter's sequence, or too little room."""
+        try:
+            for item in inputs:
+                ex.check_token_choice(item.token_choice)
+            ex.check_tokens([item.token_id for item in inputs])
+            seqs = [ex.resolve(item.kv_cache, tenant) for item, tenant in zip(inputs, tenants)]
+        except ExecutorError:
+            return None
+        bs = ex.kv.block_size
+        forwards = min(forwards, *(bs - seq.length % bs for seq in seqs), *(ex.max_seq_len - seq.length for seq in seqs))
+        if (forwards < 2 or any(seq.adapter for seq in seqs)
+                or len({seq.cache_id for seq in seqs}) != len(seqs)):
+            return None
+        plans: list[WritePlan] = []
+        try:
+            for seq in seqs:
+                plans.append(ex.reserve(seq, forwards))
+        except ExecutorError:
+            for seq, plan in zip(seqs, plans):
+                ex.kv.undo_write(seq, plan)
+            return None
+        return cls(ex, inputs, seqs, plans, forwards)
+
+    @property
+    def done(self) -> int:
+        """Forwards run and counted."""
+        return len(self.tokens)
+
+    def forward(self) -> list[int] | None:
+        """Runs the next forward: each row's chosen token, or None (nothing of it counts)
+        when its rows cannot take the plain greedy path."""
+        t0 = time.perf_counter_ns()
+        model = self.ex.model
+        with torch.inference_mode():
+            if self.tokens:  # the last forward's choices at the next positions
+                self.kv.next_position()
+                self.ids.view(-1).copy_(self._chosen_ids)
+            hidden = model(self.ids, self.kv.positions, self.kv)
+            logits = model.logits(hidden.reshape(-1, hidden.shape[-1]))
+        if logits.dtype != torch.float32 or logits.device.type != "cpu":
+            logits = logits.float().cpu()
+        chosen = choose_plain_greedy(logits)
+        if chosen is None:
+            return None
+        ns = time.perf_counter_ns() - t0
+        rows = len(self.seqs)
+        self.ex.stats.count_forward(True, ns, rows, rows)
+        self._chosen_ids = chosen.token_ids
+        self.tokens.append(chosen.token_ids.tolist())
+        self.chosen.append(chosen.rows())
+        self.ns.append(ns)
+        return self.tokens[-1]
+
+    def commit(self, f: int, rows: range) -> list[DecodeOutput]:
+        """Commits forward ``f``'s token of each of ``rows`` (every earlier forward of
+        theirs committed first) and returns their outputs, as a plain step's."""
+        timing = Timing(forward_ns=self.ns[f], batch_size=len(self.seqs))
+        outs = []
+        for r in rows:
+            seq = self.seqs[r]
+            self.ex.kv.commit(seq, self.starts[r] + f, [self.inputs[r].token_id if f == 0 else self.tokens[f - 1][r]])
+            self.committed[r] += 1
+            outs.append(DecodeOutput(None, self.ex.handle(seq), timing, chosen=self.chosen[f][r]))
+        return outs
+
+    def release_unused(self) -> None:
+        """Gives back the room of rows with nothing committed.  A row with a commit uses
+        its reservation: it lies in the block the first token went to."""
+        for r, (seq, plan) in enumerate(zip(self.seqs, self.plans)):
+            if not self.committed[r]:
+                self.ex.kv.undo_write(seq, plan)
+                self.committed[r] = -1  # given back once

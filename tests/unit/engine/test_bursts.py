@@ -1,0 +1,143 @@
+"""Greedy decode-ahead runs in bursts (engine/burst.py, engine/runs.py), on a real tiny
+executor: a burst's tokens, logprobs and lengths are a plain step's; a stop token
+ends it at its forward; a call queued meanwhile is served before the run ends; a row
+that is not finite, or a pool without room, fails its own run alone and leaves
+every sequence as it was; nothing holds a block once the sequences go."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import pytest
+
+from ferrum_rpc.errors import KvCapacityExhausted, NonFiniteLogits
+from ferrum_rpc.server.config import ExecutorConfig
+from ferrum_rpc.server.engine.ahead import Finish
+from ferrum_rpc.server.engine.executor import TorchExecutor
+from ferrum_rpc.server.engine.worker import ModelWorker
+from ferrum_rpc.types import DecodeInput, TokenChoice
+from tests.unit.engine.test_ahead_runs import drain
+
+GREEDY = TokenChoice.greedy()
+
+
+def start(tiny_llama_dir, **config) -> ModelWorker:
+    config = ExecutorConfig(**{"kv_tokens": 4096, "block_size": 8, "max_batch_size": 4, **config})
+    w = ModelWorker(functools.partial(TorchExecutor.from_path, "tiny", tiny_llama_dir, config))
+    w.loaded.result(timeout=60)
+    return w
+
+
+@pytest.fixture(params=[("float32", "none"), ("bfloat16", "w4a8")], ids=["float32", "w4a8"])
+def worker(request, tiny_llama_dir):
+    dtype, quantize = request.param
+    w = start(tiny_llama_dir, dtype=dtype, quantize=quantize)
+    yield w
+    w.stop(timeout=10)
+
+
+def prompt(worker: ModelWorker, ids: list[int]) -> DecodeInput:
+    out = worker.submit_prefill(ids, None, None, choice=GREEDY).result(timeout=30)
+    return DecodeInput(out.chosen.token_id, out.kv_cache, GREEDY)
+
+
+def back(worker: ModelWorker, item: DecodeInput) -> None:
+    """Truncates the item's sequence back to the item's length (a run went past it)."""
+    seq = worker.executor.kv.get(item.kv_cache.cache_id)
+    worker.submit(worker.executor.truncate_kv, worker.executor.handle(seq), item.kv_cache.sequence_length).result()
+
+
+def plain_steps(worker: ModelWorker, item: DecodeInput, n: int) -> list:
+    """``n`` unary decode steps from ``item`` (plain steps; a unary decoder holds bursts
+    off for a second), then the sequence truncated back."""
+    back(worker, item)
+    outs = []
+    for _ in range(n):
+        (out,) = worker.submit_decode([item], None).result(timeout=30)
+        outs.append(out)
+        item = DecodeInput(out.chosen.token_id, out.kv_cache, GREEDY)
+    worker.submit(worker.executor.truncate_kv, outs[-1].kv_cache, outs[0].kv_cache.sequence_length - 1).result()
+    return outs
+
+
+def lengths(worker: ModelWorker) -> dict[str, int]:
+    return worker.submit(lambda: {cid: s.length for cid, s in worker.executor.kv.snapshot().sequences.items()}).result()
+
+
+def seen(out) -> tuple:
+    return out.chosen.token_id, out.chosen.logprob, out.kv_cache.sequence_length
+
+
+def test_a_burst_gives_what_plain_steps_give(worker):
+    # lengths 3 and 10: the first bursts start inside a block, and the rows' blocks end at different forwards
+    items = [prompt(worker, [5, 6, 7]), prompt(worker, [9, 3, 4, 4, 4, 4, 4, 4, 4, 1])]
+    before = worker.burst_forwards
+    run = worker.start_ahead(items, 21, frozenset(), "", None, bound=64)
+    entries = drain(run)
+    assert worker.burst_forwards - before >= 15  # one-slot rooms (a block's last position) run plain
+    assert len(entries) == 21 and [e.finish for e in entries[-1]] == [Finish.LENGTH] * 2
+    for i, item in enumerate(items):
+        ran = [seen(e.out) for entry in entries for e in entry if e.index == i]
+        assert ran == [seen(out) for out in plain_steps(worker, item, 21)]
+
+
+def test_a_stop_token_ends_the_burst_at_its_forward_and_nothing_is_left_held(worker):
+    item = prompt(worker, [11, 12, 13])
+    tokens = [entry[0].out.chosen.token_id for entry in drain(worker.start_ahead([item], 12, frozenset(), "", None))]
+    back(worker, item)
+    stop = next((j for j in range(2, 12) if tokens[j] not in tokens[:j]), None)
+    if stop is None:
+        pytest.skip("the tiny model repeats one token here")
+    entries = drain(worker.start_ahead([item], 50, frozenset({tokens[stop]}), "", None, bound=64))
+    assert [entry[0].out.chosen.token_id for entry in entries] == tokens[:stop + 1]
+    assert entries[-1][0].finish is Finish.STOP_TOKEN
+    assert lengths(worker)[item.kv_cache.cache_id] == item.kv_cache.sequence_length + stop + 1
+    worker.submit(worker.executor.release_cache, item.kv_cache.cache_id).result()
+    kv = worker.executor.kv
+    assert worker.submit(lambda: kv.num_free + kv.num_cached_free).result() == kv.num_blocks
+
+
+def test_a_call_queued_during_a_burst_is_served_before_the_run_ends(worker):
+    item, other = prompt(worker, [5, 6, 7]), prompt(worker, [8, 9])
+    run = worker.start_ahead([item], worker.executor.max_seq_len - 4, frozenset(), "", None, bound=1000)
+    while worker.burst_forwards == 0:
+        time.sleep(0.0005)
+    (out,) = worker.submit_decode([other], None).result(timeout=30)
+    assert run.running  # the decode waited for one burst at most, not for the run
+    assert out.kv_cache.sequence_length == other.kv_cache.sequence_length + 1
+    entries = drain(run)
+    ran = [seen(entry[0].out) for entry in entries]
+    assert ran == [seen(o) for o in plain_steps(worker, item, len(ran))]
+
+
+def test_a_row_that_is_not_finite_fails_its_own_run_alone(worker, caplog):
+    bad, good = prompt(worker, [5, 17, 101, 3]), prompt(worker, [9, 30, 11])
+    ex = worker.executor
+
+    def corrupt():  # the bad sequence's keys are NaN: its rows' logits are not finite
+        ex.pool.k[:, ex.kv.get(bad.kv_cache.cache_id).block_ids] = float("nan")
+    worker.submit(corrupt).result()
+    before = lengths(worker)
+    failing = worker.start_ahead([bad], 20, frozenset(), "", None, bound=64)
+    going = worker.start_ahead([good], 20, frozenset(), "", None, bound=64)
+    with pytest.raises(NonFiniteLogits):
+        drain(failing)
+    assert "plain greedy pass cannot choose" in caplog.text  # the burst gave its forward to a plain step
+    entries = drain(going)
+    assert lengths(worker)[bad.kv_cache.cache_id] == before[bad.kv_cache.cache_id]
+    assert [seen(entry[0].out) for entry in entries] == [seen(o) for o in plain_steps(worker, good, 20)]
+
+
+def test_a_pool_without_room_for_the_next_block_fails_the_run_undone(tiny_llama_dir):
+    worker = start(tiny_llama_dir, kv_tokens=32)  # four blocks of 8
+    try:
+        item = prompt(worker, list(range(1, 11)))  # two blocks
+        prompt(worker, list(range(20, 35)))  # the other two
+        before = lengths(worker)
+        run = worker.start_ahead([item], 20, frozenset(), "", None, bound=64)
+        with pytest.raises(KvCapacityExhausted):
+            drain(run)  # bursts up to position 16, where a third block is needed
+        assert lengths(worker) == before and worker.ahead == {}
+    finally:
+        worker.stop(timeout=10)
