@@ -150,8 +150,11 @@ class AheadRun:
     def inputs(self) -> list[DecodeInput]:
         return [item for _, item in self.live]
 
-    def advance(self, outs: list[DecodeOutput]) -> None:
-        """After a forward (worker thread): applies the stop rules and queues the entry."""
+    def advance(self, outs: list[DecodeOutput], seen_stop: bool = True) -> None:
+        """After a forward (worker thread): applies the stop rules and queues the entry.
+        ``seen_stop=False``: a stop asked for does not end the run at this entry (a
+        burst's forward that ran before the worker saw the stop, see ``runs.py``)."""
+        stopping = self.stop_requested and seen_stop
         going, entry = [], []
         for (index, item), out in zip(self.live, outs):
             self.emitted[index] += 1
@@ -159,7 +162,7 @@ class AheadRun:
             token = out.chosen.token_id
             finish = (Finish.STOP_TOKEN if token in self.stop_ids
                       else Finish.LENGTH if self.emitted[index] >= self.limit
-                      else Finish.STOPPED if self.stop_requested
+                      else Finish.STOPPED if stopping
                       else Finish.MAX_SEQUENCE_LENGTH if out.kv_cache.sequence_length >= self.max_len
                       else None)
             if finish is None:

@@ -181,13 +181,13 @@ class DrivesRuns:
 
     def _advance_by(self, burst: Burst, spans: list[tuple[AheadRun, range]]) -> None:
         """Each forward of ``burst`` in order: each run's rows (its span of the burst's)
-        committed, then its entry given to the run, while the run goes on; a run that
-        ended at an earlier entry (stopped) commits no more, and the room no commit
-        uses goes back."""
+        committed, then its entry given to the run, while the run goes on.  A stop asked
+        for during the burst ends the run at the last forward (the burst ended there on
+        seeing it), as it ends a plain step's run after its current forward."""
         for f in range(burst.done):
             for run, rows in spans:
                 if run.running and len(run.live) == len(rows):
-                    run.advance(burst.commit(f, rows))
+                    run.advance(burst.commit(f, rows), seen_stop=f == burst.done - 1)
         burst.release_unused()
         for run, _ in spans:
             if run.running and run.cancelled:

@@ -1,8 +1,9 @@
 """Greedy decode-ahead runs in bursts (engine/burst.py, engine/runs.py), on a real tiny
-executor: a burst's tokens, logprobs and lengths are a plain step's; a stop token
-ends it at its forward; a call queued meanwhile is served before the run ends; a row
-that is not finite, or a pool without room, fails its own run alone and leaves
-every sequence as it was; nothing holds a block once the sequences go."""
+executor: a burst's tokens, logprobs and lengths are a plain step's; a stop token ends
+it at its forward, a stop message at the forward it was seen; a call queued meanwhile
+is served before the run ends; a row that is not finite, or a pool without room,
+fails its own run alone and leaves every sequence as it was; nothing holds a block
+once the sequences go."""
 
 from __future__ import annotations
 
@@ -96,6 +97,19 @@ def test_a_stop_token_ends_the_burst_at_its_forward_and_nothing_is_left_held(wor
     worker.submit(worker.executor.release_cache, item.kv_cache.cache_id).result()
     kv = worker.executor.kv
     assert worker.submit(lambda: kv.num_free + kv.num_cached_free).result() == kv.num_blocks
+
+
+def test_a_stop_ends_the_run_at_the_forward_it_was_seen_with_every_token_chosen_until_then(worker):
+    item = prompt(worker, [5, 6, 7])
+    run = worker.start_ahead([item], 200, frozenset(), "", None, bound=1000)
+    while not run.queued:
+        time.sleep(0.0005)
+    run.stop()
+    entries = drain(run)
+    assert entries[-1][0].finish is Finish.STOPPED and len(entries) < 200
+    assert lengths(worker)[item.kv_cache.cache_id] == item.kv_cache.sequence_length + len(entries)
+    ran = [seen(entry[0].out) for entry in entries]
+    assert ran == [seen(o) for o in plain_steps(worker, item, len(ran))]
 
 
 def test_a_call_queued_during_a_burst_is_served_before_the_run_ends(worker):
