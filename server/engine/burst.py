@@ -112,6 +112,7 @@ class Burst:
         ns = time.perf_counter_ns() - t0
         rows = len(self.seqs)
         self.ex.stats.count_forward(True, ns, rows, rows)
+        self.ex.stats.burst_forwards += 1
         self._chosen_ids = chosen.token_ids
         self.tokens.append(chosen.token_ids.tolist())
         self.chosen.append(chosen.rows())

@@ -33,7 +33,6 @@ class DrivesRuns:
     ``_run_job`` are called by its loop."""
 
     _plain_steps = 0  # forwards left to run as plain steps before runs may burst again
-    burst_forwards = 0  # forwards run in bursts since start
 
     def start_ahead(self, items: list[DecodeInput], limit: int, stop_ids: frozenset[int], tenant: str,
                     deadline: float | None, bound: int = QUEUED_FORWARDS) -> AheadRun:
@@ -164,7 +163,6 @@ class DrivesRuns:
             self._run_step([self._run_job(run) for run in runs], [])
             return
         ex.stats.failed = False
-        self.burst_forwards += burst.done
         spans, first = [], 0
         for run in runs:
             spans.append((run, range(first, first + len(run.live))))

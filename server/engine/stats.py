@@ -59,6 +59,7 @@ class Stats:
         self.forwards = 0
         self.tokens_processed = 0
         self.batch_sizes: collections.Counter[int] = collections.Counter()  # forwards by sequences in them
+        self.burst_forwards = 0  # decode-ahead forwards run in bursts (engine/burst.py)
         self.started = time.monotonic()
         # Forwards by kind (prompt tokens in them, or decodes only): count and wall time.
         self.op_counts: collections.Counter[str] = collections.Counter()

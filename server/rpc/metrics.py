@@ -73,6 +73,8 @@ class _ExecutorCollector:
         hits = CounterMetricFamily("ferrum_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
                                    labels=["model"])
         batches = HistogramMetricFamily("ferrum_forward_batch_size", "Sequences per forward", labels=["model"])
+        bursts = CounterMetricFamily("ferrum_burst_forwards", "Decode-ahead forwards run in bursts (greedy runs "
+                                     "alone on the worker)", labels=["model"])
         split = {  # tensor parallel only: what the vocabulary-parallel LM head sent to rank 0
             "forwards": CounterMetricFamily("ferrum_tensor_parallel_forwards", "Forwards run on every rank",
                                             labels=["model"]),
@@ -102,11 +104,12 @@ class _ExecutorCollector:
             buckets = [(str(bound), sum(n for size, n in sizes.items() if size <= bound)) for bound in BATCH_BUCKETS]
             buckets.append(("+Inf", sum(sizes.values())))
             batches.add_metric(model, buckets, sum(size * n for size, n in sizes.items()))
+            bursts.add_metric(model, ex.stats.burst_forwards)
             if (runner := getattr(ex, "runner", None)) is not None:
                 split["forwards"].add_metric(model, runner.forwards)
                 split["lm_head_bytes"].add_metric(model, runner.shard.lm_head_bytes)
                 split["choice_fallback_rows"].add_metric(model, runner.shard.choice_fallback_rows)
-        yield from (*gauges.values(), alive, expired, tokens, queried, hits, batches, *split.values())
+        yield from (*gauges.values(), alive, expired, tokens, queried, hits, batches, bursts, *split.values())
 
 
 class _TransferCollector:

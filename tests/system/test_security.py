@@ -327,3 +327,20 @@ def test_metrics_count_a_known_workload_exactly(tiny_llama_dir, tokens_file):
     assert forwards == 6 and m[("ferrum_forward_batch_size_bucket", (("le", "1"), ("model", "tiny")))] == \
         m[("ferrum_forward_batch_size_count", model)]
     assert outs[0].kv_cache.sequence_length == 4
+
+
+@pytest.mark.cpu_only  # bursts run on the CPU
+def test_metrics_count_the_forwards_of_a_greedy_run_in_bursts(tiny_llama_dir):
+    from ferrum_rpc.types import TokenChoice
+
+    key = ("ferrum_burst_forwards_total", (("model", "tiny"),))
+    with running_server(tiny_llama_dir, server_kwargs=dict(metrics_port=0)) as srv, \
+            ExecutorClient(srv.target, timeout=10) as client:
+        base = _scrape(srv.app.metrics_port).get(key, 0)
+        out = client.prefill([5, 6, 7], logits=ARGMAX)  # the run starts at position 3, a block's last (of 4)
+        run = client.decode_ahead(out.logits.argmax()[0], out.kv_cache, TokenChoice.greedy(), 24)
+        bursts = _scrape(srv.app.metrics_port)[key] - base
+        assert run.kv_cache.sequence_length == 3 + 24
+        # of the 24 forwards, a block's last position runs as a plain step, as does a forward
+        # with room for one more in the run's queue; most burst, 23 at most
+        assert 12 <= bursts <= 23

@@ -73,10 +73,10 @@ def seen(out) -> tuple:
 def test_a_burst_gives_what_plain_steps_give(worker):
     # lengths 3 and 10: the first bursts start inside a block, and the rows' blocks end at different forwards
     items = [prompt(worker, [5, 6, 7]), prompt(worker, [9, 3, 4, 4, 4, 4, 4, 4, 4, 1])]
-    before = worker.burst_forwards
+    before = worker.executor.stats.burst_forwards
     run = worker.start_ahead(items, 21, frozenset(), "", None, bound=64)
     entries = drain(run)
-    assert worker.burst_forwards - before >= 15  # one-slot rooms (a block's last position) run plain
+    assert worker.executor.stats.burst_forwards - before >= 15  # one-slot rooms (a block's last position) run plain
     assert len(entries) == 21 and [e.finish for e in entries[-1]] == [Finish.LENGTH] * 2
     for i, item in enumerate(items):
         ran = [seen(e.out) for entry in entries for e in entry if e.index == i]
@@ -115,7 +115,7 @@ def test_a_stop_ends_the_run_at_the_forward_it_was_seen_with_every_token_chosen_
 def test_a_call_queued_during_a_burst_is_served_before_the_run_ends(worker):
     item, other = prompt(worker, [5, 6, 7]), prompt(worker, [8, 9])
     run = worker.start_ahead([item], worker.executor.max_seq_len - 4, frozenset(), "", None, bound=1000)
-    while worker.burst_forwards == 0:
+    while worker.executor.stats.burst_forwards == 0:
         time.sleep(0.0005)
     (out,) = worker.submit_decode([other], None).result(timeout=30)
     assert run.running  # the decode waited for one burst at most, not for the run
