@@ -2,11 +2,11 @@
 bookkeeping between them.
 
 Between two forwards of a plain decode step the engine plans (resolves, reserves),
-builds the KV view and the token ids, chooses through the general token-choice step,
-commits and builds the outputs.  Each of those ops runs on caches that the forward's
-weights have just streamed through (``bench.engine_overhead`` measures what they add).
-When a forward's only rows are decode-ahead rows that choose greedily with plain
-choices, the worker (``runs.py``) runs up to ``k`` forwards as one burst:
+builds the KV view and the token ids, chooses, commits and builds the outputs.  Each
+of those ops runs on caches that the forward's weights have just streamed through
+(``bench.engine_overhead`` measures what they add).  When a forward's only rows are
+decode-ahead rows whose choices read no history (no penalties), the worker
+(``runs.py``) runs up to ``k`` forwards as one burst:
 
 - the room for all k tokens is reserved at once, inside each sequence's current KV
   block: the same blocks and the same copies that k single steps would reserve;
@@ -15,10 +15,12 @@ choices, the worker (``runs.py``) runs up to ``k`` forwards as one burst:
 - after the last forward the commits and the outputs follow, forward by forward, as
   the single steps would have made them.
 
-A row's bits are those of a single step: the same model call, LM head and greedy pass
-(``choose_plain_greedy``, the path ``choose_tokens`` takes for these rows).  A forward
-whose rows cannot take that path (a row not finite, or past the logit limit) does not
-count: the burst ends before it, and the worker runs it as a plain step.
+A row's bits are those of a single step: the same model call and LM head, and the
+same token choice: ``choose_tokens`` at the row's position (its seeded draw keyed by
+it), or for rows all greedy and plain the fused pass ``choose_tokens`` itself takes
+for them (``choose_plain_greedy``).  A forward with a row that cannot be chosen for
+(not finite) does not count: the burst ends before it, and the worker runs it as a
+plain step, which fails that row's call alone.
 """
 
 from __future__ import annotations
@@ -30,16 +32,18 @@ import torch
 from ferrum_rpc.errors import ExecutorError
 from ferrum_rpc.types import ChosenToken, DecodeInput, DecodeOutput, TokenChoice, Timing
 from ..choice.rows import greedy_op_loaded
-from ..choice.sampling import choose_plain_greedy, plain_choice
+from ..choice.sampling import choose_plain_greedy, choose_tokens, plain_choice
 from ..kv.blocks import SequenceState, WritePlan
 
 
 def bursts_serve(executor, choice: TokenChoice | None) -> bool:
-    """Whether a burst can run rows with ``choice`` on ``executor``: greedy and plain on
-    one CPU process (no tensor-parallel ranks, no captured graphs), the fused greedy
-    op loaded."""
-    return (choice is not None and choice.is_greedy and plain_choice(choice) and executor.runner is None
-            and executor.graphs is None and executor.device.type == "cpu" and greedy_op_loaded())
+    """Whether a burst can run rows with ``choice`` on ``executor``: a choice that reads no
+    history (no repetition, presence or frequency penalty: the row's logits, the choice
+    and the position decide), on one CPU process (no tensor-parallel ranks, no captured
+    graphs)."""
+    return (choice is not None and choice.repetition_penalty == 1 and not choice.presence_penalty
+            and not choice.frequency_penalty and executor.runner is None and executor.graphs is None
+            and executor.device.type == "cpu")
 
 
 class Burst:
@@ -53,6 +57,9 @@ class Burst:
         self.starts = [seq.length for seq in seqs]
         self.kv = ex.pool.batch([seq.block_ids for seq in seqs], self.starts, [1] * len(seqs))
         self.ids = torch.tensor([[item.token_id] for item in inputs], dtype=torch.int64, device=ex.pool.k.device)
+        self.choices = [item.token_choice for item in inputs]
+        # every row greedy and plain: the fused greedy pass alone, as choose_tokens takes it for such rows
+        self.greedy = all(c.is_greedy and plain_choice(c) for c in self.choices) and greedy_op_loaded()
         self.tokens: list[list[int]] = []  # each forward's chosen token per row
         self.chosen: list[list[ChosenToken]] = []
         self.ns: list[int] = []
@@ -95,7 +102,8 @@ class Burst:
 
     def forward(self) -> list[int] | None:
         """Runs the next forward: each row's chosen token, or None (nothing of it counts)
-        when its rows cannot take the plain greedy path."""
+        when a row cannot be chosen for (not finite, or the batched choice raised: a
+        plain step then fails that row's call alone)."""
         t0 = time.perf_counter_ns()
         model = self.ex.model
         with torch.inference_mode():
@@ -106,9 +114,14 @@ class Burst:
             logits = model.logits(hidden.reshape(-1, hidden.shape[-1]))
         if logits.dtype != torch.float32 or logits.device.type != "cpu":
             logits = logits.float().cpu()
-        chosen = choose_plain_greedy(logits)
-        if chosen is None:
-            return None
+        chosen = choose_plain_greedy(logits) if self.greedy else None
+        if chosen is None:  # the step a plain forward takes: the same call, at each row's position
+            try:
+                chosen = choose_tokens(logits, self.choices, [start + self.done + 1 for start in self.starts])
+            except Exception:
+                return None
+            if chosen.failed:
+                return None
         ns = time.perf_counter_ns() - t0
         rows = len(self.seqs)
         self.ex.stats.count_forward(True, ns, rows, rows)

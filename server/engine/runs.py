@@ -3,7 +3,7 @@ the runs that are not paused to each forward, advancing them with its results, a
 ending those whose caller went away, whose deadline passed or whose worker stops.
 
 When the runs' rows are all a forward would hold (nothing queued, no other caller
-decoding) and each chooses greedily, the runs go on in bursts (``burst.py``): several
+decoding) and no row's choice reads its history (penalties), the runs go on in bursts (``burst.py``): several
 forwards, then each forward's entries as single steps would have made them.  A burst
 ends after any forward once something waits for the worker: a queued call, a run
 that could join, a cancel, a stop, a passed deadline, or a stop token chosen."""
@@ -157,8 +157,8 @@ class DrivesRuns:
             return
         if not burst.done:
             burst.release_unused()
-            log.info("a burst's first forward has rows the plain greedy pass cannot choose for; "
-                     "the next %d forwards run as plain steps", PLAIN_AFTER_FALLBACK)
+            log.info("a burst's first forward has a row no token can be chosen for; the next %d forwards "
+                     "run as plain steps", PLAIN_AFTER_FALLBACK)
             self._plain_steps = PLAIN_AFTER_FALLBACK
             self._run_step([self._run_job(run) for run in runs], [])
             return

@@ -73,8 +73,8 @@ class _ExecutorCollector:
         hits = CounterMetricFamily("ferrum_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
                                    labels=["model"])
         batches = HistogramMetricFamily("ferrum_forward_batch_size", "Sequences per forward", labels=["model"])
-        bursts = CounterMetricFamily("ferrum_burst_forwards", "Decode-ahead forwards run in bursts (greedy runs "
-                                     "alone on the worker)", labels=["model"])
+        bursts = CounterMetricFamily("ferrum_burst_forwards", "Decode-ahead forwards run in bursts (runs alone "
+                                     "on the worker)", labels=["model"])
         split = {  # tensor parallel only: what the vocabulary-parallel LM head sent to rank 0
             "forwards": CounterMetricFamily("ferrum_tensor_parallel_forwards", "Forwards run on every rank",
                                             labels=["model"]),

@@ -18,8 +18,9 @@ from ferrum_rpc.server.engine.executor import TorchExecutor
 from ferrum_rpc.server.engine.worker import ModelWorker
 from ferrum_rpc.types import DecodeInput, TokenChoice
 
-CHOICES = {"sampled": TokenChoice(temperature=1.0, seed=7),  # plain steps
-           "greedy": TokenChoice.greedy()}  # in bursts where the runs are alone (burst.py)
+CHOICES = {"sampled": TokenChoice(temperature=1.0, seed=7),  # in bursts where the runs are alone (burst.py)
+           "greedy": TokenChoice.greedy(),  # in bursts, the fused greedy pass
+           "penalised": TokenChoice(temperature=1.0, seed=7, repetition_penalty=1.2)}  # plain steps only
 
 
 @pytest.fixture(params=sorted(CHOICES))

@@ -1,9 +1,9 @@
-"""Greedy decode-ahead runs in bursts (engine/burst.py, engine/runs.py), on a real tiny
-executor: a burst's tokens, logprobs and lengths are a plain step's; a stop token ends
-it at its forward, a stop message at the forward it was seen; a call queued meanwhile
-is served before the run ends; a row that is not finite, or a pool without room,
-fails its own run alone and leaves every sequence as it was; nothing holds a block
-once the sequences go."""
+"""Decode-ahead runs in bursts (engine/burst.py, engine/runs.py), on a real tiny executor:
+a burst's tokens, logprobs and lengths are a plain step's (greedy, seeded sampling,
+bias and top logprobs); a stop token ends it at its forward, a stop message at the
+forward it was seen; a call queued meanwhile is served before the run ends; a row
+that is not finite, or a pool without room, fails its own run alone and leaves every
+sequence as it was; nothing holds a block once the sequences go."""
 
 from __future__ import annotations
 
@@ -38,9 +38,9 @@ def worker(request, tiny_llama_dir):
     w.stop(timeout=10)
 
 
-def prompt(worker: ModelWorker, ids: list[int]) -> DecodeInput:
-    out = worker.submit_prefill(ids, None, None, choice=GREEDY).result(timeout=30)
-    return DecodeInput(out.chosen.token_id, out.kv_cache, GREEDY)
+def prompt(worker: ModelWorker, ids: list[int], choice: TokenChoice = GREEDY) -> DecodeInput:
+    out = worker.submit_prefill(ids, None, None, choice=choice).result(timeout=30)
+    return DecodeInput(out.chosen.token_id, out.kv_cache, choice)
 
 
 def back(worker: ModelWorker, item: DecodeInput) -> None:
@@ -57,7 +57,7 @@ def plain_steps(worker: ModelWorker, item: DecodeInput, n: int) -> list:
     for _ in range(n):
         (out,) = worker.submit_decode([item], None).result(timeout=30)
         outs.append(out)
-        item = DecodeInput(out.chosen.token_id, out.kv_cache, GREEDY)
+        item = DecodeInput(out.chosen.token_id, out.kv_cache, item.token_choice)
     worker.submit(worker.executor.truncate_kv, outs[-1].kv_cache, outs[0].kv_cache.sequence_length - 1).result()
     return outs
 
@@ -67,12 +67,20 @@ def lengths(worker: ModelWorker) -> dict[str, int]:
 
 
 def seen(out) -> tuple:
-    return out.chosen.token_id, out.chosen.logprob, out.kv_cache.sequence_length
+    return out.chosen, out.kv_cache.sequence_length
 
 
-def test_a_burst_gives_what_plain_steps_give(worker):
+CHOICES = {
+    "greedy": GREEDY,  # the fused greedy pass alone
+    "sampled": TokenChoice(temperature=0.8, top_k=50, top_p=0.9, seed=11, top_logprobs=3),  # drawn at each position
+    "shaped": TokenChoice(temperature=0.0, logit_bias={7: 2.5, 40: -1.0}, top_logprobs=2),  # greedy, biased
+}
+
+
+@pytest.mark.parametrize("choice", CHOICES.values(), ids=CHOICES.keys())
+def test_a_burst_gives_what_plain_steps_give(worker, choice):
     # lengths 3 and 10: the first bursts start inside a block, and the rows' blocks end at different forwards
-    items = [prompt(worker, [5, 6, 7]), prompt(worker, [9, 3, 4, 4, 4, 4, 4, 4, 4, 1])]
+    items = [prompt(worker, [5, 6, 7], choice), prompt(worker, [9, 3, 4, 4, 4, 4, 4, 4, 4, 1], choice)]
     before = worker.executor.stats.burst_forwards
     run = worker.start_ahead(items, 21, frozenset(), "", None, bound=64)
     entries = drain(run)
@@ -137,7 +145,7 @@ def test_a_row_that_is_not_finite_fails_its_own_run_alone(worker, caplog):
     going = worker.start_ahead([good], 20, frozenset(), "", None, bound=64)
     with pytest.raises(NonFiniteLogits):
         drain(failing)
-    assert "plain greedy pass cannot choose" in caplog.text  # the burst gave its forward to a plain step
+    assert "no token can be chosen for" in caplog.text  # the burst gave its forward to a plain step
     entries = drain(going)
     assert lengths(worker)[bad.kv_cache.cache_id] == before[bad.kv_cache.cache_id]
     assert [seen(entry[0].out) for entry in entries] == [seen(o) for o in plain_steps(worker, good, 20)]
