@@ -30,20 +30,21 @@ import time
 import torch
 
 from ferrum_rpc.errors import ExecutorError
-from ferrum_rpc.types import ChosenToken, DecodeInput, DecodeOutput, TokenChoice, Timing
+from ferrum_rpc.types import ChosenToken, DecodeInput, DecodeOutput, Timing
 from ..choice.rows import greedy_op_loaded
 from ..choice.sampling import choose_plain_greedy, choose_tokens, plain_choice
 from ..kv.blocks import SequenceState, WritePlan
 
 
-def bursts_serve(executor, choice: TokenChoice | None) -> bool:
-    """Whether a burst can run rows with ``choice`` on ``executor``: a choice that reads no
+def bursts_serve(executor, item: DecodeInput) -> bool:
+    """Whether a burst can run ``item``'s row on ``executor``: a choice that reads no
     history (no repetition, presence or frequency penalty: the row's logits, the choice
-    and the position decide), on one CPU process (no tensor-parallel ranks, no captured
-    graphs)."""
+    and the position decide), no adapter (as its handle says; ``Burst.open`` checks the
+    sequence), on one CPU process (no tensor-parallel ranks, no captured graphs)."""
+    choice = item.token_choice
     return (choice is not None and choice.repetition_penalty == 1 and not choice.presence_penalty
-            and not choice.frequency_penalty and executor.runner is None and executor.graphs is None
-            and executor.device.type == "cpu")
+            and not choice.frequency_penalty and not item.kv_cache.adapter and executor.runner is None
+            and executor.graphs is None and executor.device.type == "cpu")
 
 
 class Burst:

@@ -123,7 +123,7 @@ class DrivesRuns:
         runs = [run for run in self._runs if run.running and not run.paused]
         if not runs or any(run.cancelled or run.stop_requested for run in runs):
             return None
-        if not all(bursts_serve(self.executor, item.token_choice) for run in runs for item in run.inputs()):
+        if not all(bursts_serve(self.executor, item) for run in runs for item in run.inputs()):
             return None
         return runs
 
@@ -185,7 +185,11 @@ class DrivesRuns:
         for f in range(burst.done):
             for run, rows in spans:
                 if run.running and len(run.live) == len(rows):
-                    run.advance(burst.commit(f, rows), seen_stop=f == burst.done - 1)
+                    outs = burst.commit(f, rows)
+                    try:
+                        run.advance(outs, seen_stop=f == burst.done - 1)
+                    except Exception:  # its consumer's wake-up failed: logged, as a plain step's callback's is
+                        log.exception("advancing a decode-ahead run failed")
         burst.release_unused()
         for run, _ in spans:
             if run.running and run.cancelled:
