@@ -24,7 +24,8 @@ GREEDY = TokenChoice.greedy()
 
 
 def start(tiny_llama_dir, **config) -> ModelWorker:
-    config = ExecutorConfig(**{"kv_tokens": 4096, "block_size": 8, "max_batch_size": 4, **config})
+    config = ExecutorConfig(**{"kv_tokens": 4096, "block_size": 8, "max_batch_size": 4, "tenant_ahead_sequences": 4,
+                               **config})
     w = ModelWorker(functools.partial(TorchExecutor.from_path, "tiny", tiny_llama_dir, config))
     w.loaded.result(timeout=60)
     return w
@@ -38,27 +39,27 @@ def worker(request, tiny_llama_dir):
     w.stop(timeout=10)
 
 
-def prompt(worker: ModelWorker, ids: list[int], choice: TokenChoice = GREEDY) -> DecodeInput:
-    out = worker.submit_prefill(ids, None, None, choice=choice).result(timeout=30)
+def prompt(worker: ModelWorker, ids: list[int], choice: TokenChoice = GREEDY, tenant: str = "") -> DecodeInput:
+    out = worker.submit_prefill(ids, None, None, tenant=tenant, choice=choice).result(timeout=30)
     return DecodeInput(out.chosen.token_id, out.kv_cache, choice)
 
 
-def back(worker: ModelWorker, item: DecodeInput) -> None:
+def back(worker: ModelWorker, item: DecodeInput, tenant: str = "") -> None:
     """Truncates the item's sequence back to the item's length (a run went past it)."""
-    seq = worker.executor.kv.get(item.kv_cache.cache_id)
-    worker.submit(worker.executor.truncate_kv, worker.executor.handle(seq), item.kv_cache.sequence_length).result()
+    handle = worker.executor.handle(worker.executor.kv.get(item.kv_cache.cache_id))
+    worker.submit(worker.executor.truncate_kv, handle, item.kv_cache.sequence_length, tenant).result()
 
 
-def plain_steps(worker: ModelWorker, item: DecodeInput, n: int) -> list:
+def plain_steps(worker: ModelWorker, item: DecodeInput, n: int, tenant: str = "") -> list:
     """``n`` unary decode steps from ``item`` (plain steps; a unary decoder holds bursts
     off for a second), then the sequence truncated back."""
-    back(worker, item)
+    back(worker, item, tenant)
     outs = []
     for _ in range(n):
-        (out,) = worker.submit_decode([item], None).result(timeout=30)
+        (out,) = worker.submit_decode([item], None, tenant=tenant).result(timeout=30)
         outs.append(out)
         item = DecodeInput(out.chosen.token_id, out.kv_cache, item.token_choice)
-    worker.submit(worker.executor.truncate_kv, outs[-1].kv_cache, outs[0].kv_cache.sequence_length - 1).result()
+    worker.submit(worker.executor.truncate_kv, outs[-1].kv_cache, item.kv_cache.sequence_length - n, tenant).result()
     return outs
 
 
@@ -89,6 +90,24 @@ def test_a_burst_gives_what_plain_steps_give(worker, choice):
     for i, item in enumerate(items):
         ran = [seen(e.out) for entry in entries for e in entry if e.index == i]
         assert ran == [seen(out) for out in plain_steps(worker, item, 21)]
+
+
+def test_runs_of_two_tenants_burst_together_and_each_gets_its_plain_tokens(worker):
+    """Two runs share each burst (the burst's rows are both runs'), the first ending at its
+    limit mid-way; the second, paused by a small queue bound, rejoins when its consumer
+    takes. Each run's entries are its own sequences', as plain steps give them."""
+    choice = CHOICES["sampled"]
+    short = prompt(worker, [5, 6, 7], choice, tenant="a")
+    pair = [prompt(worker, [9, 3, 4, 4, 4], choice, tenant="b"), prompt(worker, [2, 2], choice, tenant="b")]
+    first = worker.start_ahead([short], 6, frozenset(), "a", None, bound=64)
+    second = worker.start_ahead(pair, 19, frozenset(), "b", None, bound=3)
+    got_first, got_second = drain(first), drain(second)
+    assert [len(e) for e in got_first] == [1] * 6 and [len(e) for e in got_second] == [2] * 19
+    assert worker.executor.stats.burst_forwards > 0
+    assert [seen(e[0].out) for e in got_first] == [seen(o) for o in plain_steps(worker, short, 6, "a")]
+    for i, item in enumerate(pair):
+        ran = [seen(e.out) for entry in got_second for e in entry if e.index == i]
+        assert ran == [seen(o) for o in plain_steps(worker, item, 19, "b")]
 
 
 def test_a_stop_token_ends_the_burst_at_its_forward_and_nothing_is_left_held(worker):
