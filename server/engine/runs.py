@@ -32,6 +32,7 @@ class DrivesRuns:
     ``_stopping``, ``executor`` and ``undo``); ``_runs_want_turn``, ``_settle_runs`` and
     ``_run_job`` are called by its loop."""
 
+    bursts = True  # runs may go on in bursts (False: every forward a plain step, as benchmarks compare)
     _plain_steps = 0  # forwards left to run as plain steps before runs may burst again
 
     def start_ahead(self, items: list[DecodeInput], limit: int, stop_ids: frozenset[int], tenant: str,
@@ -115,7 +116,7 @@ class DrivesRuns:
         if self._plain_steps:
             self._plain_steps -= 1
             return None
-        if self._jobs or self._parked or self.batch_wait_s:
+        if not self.bursts or self._jobs or self._parked or self.batch_wait_s:
             return None
         now = time.monotonic()
         if any(now - t <= self.DECODERS_ACTIVE_S for t in self._decoders.values()):
