@@ -19,8 +19,8 @@ and in each round, taking turns:
 All three choose the same tokens (the bare loop's first step recomputes the prompt's
 last position as a decode step, which the batch-invariant kernels give the prompt's
 bits), and the benchmark checks that they do.  Each row keeps the medians of the
-rounds' own ratios to the bare loop: what the engine's Python between forwards costs,
-in bursts and in plain steps.
+rounds' own ratios to the bare loop (what the engine's Python between forwards costs,
+in bursts and in plain steps) and of bursts to plain steps.
 
     .venv/bin/python -m bench.engine_overhead [--variants w4a8 bfloat16 float32] [--new-tokens 256] [--rounds 8]
         [--choice greedy|sampled]
@@ -155,11 +155,14 @@ def main() -> None:
                         "engine_ms": [round(x, 3) for x in engine], "plain_ms": [round(x, 3) for x in plain],
                         "bare_ms": [round(x, 3) for x in bare],
                         "engine_vs_bare": round(statistics.median(e / b for e, b in zip(engine, bare)), 3),
-                        "plain_vs_bare": round(statistics.median(p / b for p, b in zip(plain, bare)), 3)})
-    print(f"{'variant':10} {'engine ms':>10} {'plain ms':>9} {'bare ms':>8} {'engine/bare':>12} {'plain/bare':>11}")
+                        "plain_vs_bare": round(statistics.median(p / b for p, b in zip(plain, bare)), 3),
+                        "engine_vs_plain": round(statistics.median(e / p for e, p in zip(engine, plain)), 3)})
+    print(f"{'variant':10} {'engine ms':>10} {'plain ms':>9} {'bare ms':>8} {'engine/bare':>12} {'plain/bare':>11} "
+          f"{'engine/plain':>13}")
     for rec in records:
         print(f"{rec['variant']:10} {statistics.median(rec['engine_ms']):10.3f} {statistics.median(rec['plain_ms']):9.3f} "
-              f"{statistics.median(rec['bare_ms']):8.3f} {rec['engine_vs_bare']:12.3f} {rec['plain_vs_bare']:11.3f}")
+              f"{statistics.median(rec['bare_ms']):8.3f} {rec['engine_vs_bare']:12.3f} {rec['plain_vs_bare']:11.3f} "
+              f"{rec['engine_vs_plain']:13.3f}")
     write_results(args.out, records)
 
 
