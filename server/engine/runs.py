@@ -173,10 +173,12 @@ class DrivesRuns:
 
     def _burst_ends(self, runs: list[AheadRun], deadlines: list[float]) -> bool:
         """Something waits for the worker: a queued call, another run that could join, a
-        run cancelled or stopped, or a deadline passed."""
+        run cancelled or stopped, or a deadline passed.  Other runs exist only where the
+        worker holds more runs than the burst (one starts on another thread)."""
         return bool(self._jobs or any(run.cancelled or run.stop_requested or not run.running for run in runs)
                     or deadlines and time.monotonic() > min(deadlines)
-                    or any(run.running and not run.paused and run not in runs for run in self._runs))
+                    or len(self._runs) != len(runs)
+                    and any(run.running and not run.paused and run not in runs for run in self._runs))
 
     def _advance_by(self, burst: Burst, spans: list[tuple[AheadRun, range]]) -> None:
         """Each forward of ``burst`` in order: each run's rows (its span of the burst's)
