@@ -92,6 +92,17 @@ def test_a_burst_gives_what_plain_steps_give(worker, choice):
         assert ran == [seen(out) for out in plain_steps(worker, item, 21)]
 
 
+def test_without_the_fused_greedy_op_a_greedy_burst_chooses_through_choose_tokens(worker, monkeypatch):
+    import ferrum_rpc.server.engine.burst as burst
+
+    monkeypatch.setattr(burst, "greedy_op_loaded", lambda: False)  # as where the kernels did not build
+    item = prompt(worker, [5, 6, 7])
+    before = worker.executor.stats.burst_forwards
+    entries = drain(worker.start_ahead([item], 12, frozenset(), "", None, bound=64))
+    assert worker.executor.stats.burst_forwards > before
+    assert [seen(e[0].out) for e in entries] == [seen(o) for o in plain_steps(worker, item, 12)]
+
+
 def test_runs_of_two_tenants_burst_together_and_each_gets_its_plain_tokens(worker):
     """Two runs share each burst (the burst's rows are both runs'), the first ending at its
     limit mid-way; the second, paused by a small queue bound, rejoins when its consumer
