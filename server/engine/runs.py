@@ -3,10 +3,11 @@ the runs that are not paused to each forward, advancing them with its results, a
 ending those whose caller went away, whose deadline passed or whose worker stops.
 
 When the runs' rows are all a forward would hold (nothing queued, no other caller
-decoding) and no row's choice reads its history (penalties), the runs go on in bursts (``burst.py``): several
-forwards, then each forward's entries as single steps would have made them.  A burst
-ends after any forward once something waits for the worker: a queued call, a run
-that could join, a cancel, a stop, a passed deadline, or a stop token chosen."""
+decoding) and no row's choice reads its history (penalties), the runs go on in bursts
+(``burst.py``): several forwards, then each forward's entries as single steps would
+have made them.  A burst ends after any forward once something waits for the worker:
+a queued call, a run that could join, a cancel, a stop, a passed deadline, or a stop
+token chosen."""
 
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ PLAIN_AFTER_FALLBACK = 16  # forwards run as plain steps after a burst's first f
 
 class DrivesRuns:
     """Mixed into :class:`~.worker.ModelWorker` (its ``_cond``, ``_runs``, ``ahead``,
-    ``_stopping``, ``executor`` and ``undo``); ``_runs_want_turn``, ``_settle_runs`` and
-    ``_run_job`` are called by its loop."""
+    ``_stopping``, ``executor`` and ``undo``; bursts also its ``_jobs``, ``_parked``,
+    ``_decoders``, ``batch_wait_s`` and ``_run_step``); ``_runs_want_turn``,
+    ``_settle_runs``, ``_run_job``, ``_burst_runs`` and ``_burst`` are called by its loop."""
 
     bursts = True  # runs may go on in bursts (False: every forward a plain step, as benchmarks compare)
     _plain_steps = 0  # forwards left to run as plain steps before runs may burst again
