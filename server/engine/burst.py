@@ -113,8 +113,8 @@ class Burst:
                 self.ids.view(-1).copy_(self._chosen_ids)
             hidden = model(self.ids, self.kv.positions, self.kv)
             logits = model.logits(hidden.reshape(-1, hidden.shape[-1]))
-        if logits.dtype != torch.float32 or logits.device.type != "cpu":
-            logits = logits.float().cpu()
+        if logits.dtype != torch.float32:  # bursts run on the CPU only (bursts_serve)
+            logits = logits.float()
         chosen = choose_plain_greedy(logits) if self.greedy else None
         if chosen is None:  # the step a plain forward takes: the same call, at each row's position
             try:

@@ -197,10 +197,7 @@ class DrivesRuns:
                         log.exception("advancing a decode-ahead run failed")
         burst.release_unused()
         for run, _ in spans:
-            if run.running and run.cancelled:
-                run.end(Cancelled("the caller cancelled the call"), self.executor.undo)
-            if not run.running:
-                self._let_go(run)
+            self._after_entries(run)
 
     def _run_job(self, run: AheadRun) -> Job:
         """The run's live sequences as this forward's decode job; its result advances the run."""
@@ -213,7 +210,12 @@ class DrivesRuns:
             run.end(error, self.executor.undo)  # run() put this forward's sequences back
         else:
             run.advance(future.result())
-            if run.cancelled:
-                run.end(Cancelled("the caller cancelled the call"), self.executor.undo)
+        self._after_entries(run)
+
+    def _after_entries(self, run: AheadRun) -> None:
+        """After a forward's (or a burst's) entries: ends the run undone if its caller went
+        away meanwhile, and lets go of it once it no longer runs (finished or ended)."""
+        if run.cancelled:
+            run.end(Cancelled("the caller cancelled the call"), self.executor.undo)
         if not run.running:
             self._let_go(run)
