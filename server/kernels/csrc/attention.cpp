@@ -16,6 +16,8 @@
 namespace ferrum_fused {
 namespace {
 
+constexpr int64_t kRopeGrain = 32;  // tokens a thread's share of RoPE and the pool write at least
+
 // x (D) rotated by RoPE at one position into y: y = x * cos + rotate_half(x) * sin.
 template <typename T>
 FERRUM_INLINE void rope(const T* x, const float* cos, const float* sin, int64_t d, float* y) {
@@ -127,6 +129,17 @@ AttnPlan attention_plan(const AttnArgs& a, int threads) {
         }
   }
   if (split && plan.chunks > 1) plan.part.resize(a.B * a.T * a.H * plan.chunks * (2 + a.D));
+  // Unsplit tasks (a prompt's blocks of queries) differ in cost by their keys, and a
+  // static share by cost still leaves threads waiting on each other: they are taken
+  // as each thread comes free, the costliest first.  Split tasks keep their shares
+  // (runs of whole chunks, read once for all kv heads).
+  plan.claimed = !split && threads > 1;
+  if (plan.claimed) {
+    plan.order.resize(plan.tasks.size());
+    for (size_t i = 0; i < plan.order.size(); ++i) plan.order[i] = int64_t(i);
+    std::stable_sort(plan.order.begin(), plan.order.end(),
+                     [&](int64_t x, int64_t y) { return plan.tasks[x].cost > plan.tasks[y].cost; });
+  }
   return plan;
 }
 
@@ -178,14 +191,21 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     using P_ = std::remove_pointer_t<decltype(pool_type)>;
     P_ *kc = k_cache.data_ptr<P_>(), *vc = v_cache.data_ptr<P_>();
     // 1. rotate q into float32, rotate k and write it and v into the pool (all writes before any read).
-    rope_and_write<T_, P_>(args, q.data_ptr<T_>(), {q.stride(0), q.stride(1), q.stride(2)}, k.data_ptr<T_>(),
-                           {k.stride(0), k.stride(1), k.stride(2)}, v.data_ptr<T_>(),
-                           {v.stride(0), v.stride(1), v.stride(2)}, cos.data_ptr<float>(), sin.data_ptr<float>(),
-                           ix.slots.data_ptr<int64_t>(), 0, B * T, qf.data_ptr<float>(), kc, vc);
+    // (each token's rows on their own: a prompt's spread over the threads)
+    at::parallel_for(0, B * T, kRopeGrain, [&](int64_t bt0, int64_t bt1) {
+      rope_and_write<T_, P_>(args, q.data_ptr<T_>(), {q.stride(0), q.stride(1), q.stride(2)}, k.data_ptr<T_>(),
+                             {k.stride(0), k.stride(1), k.stride(2)}, v.data_ptr<T_>(),
+                             {v.stride(0), v.stride(1), v.stride(2)}, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                             ix.slots.data_ptr<int64_t>(), bt0, bt1, qf.data_ptr<float>(), kc, vc);
+    });
     // 2. the queries' heads over their sequences' blocks
     AttnPlan plan = attention_plan(args, threads);
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t tid = begin; tid < end; ++tid) {
+        if (plan.claimed) {
+          attend_claimed<T_, P_>(args, plan, qf.data_ptr<float>(), kc, vc, out.data_ptr<T_>());
+          continue;
+        }
         const auto [t0, t1] = attention_share(plan, int(tid), threads);
         attend_tasks<T_, P_>(args, plan, qf.data_ptr<float>(), kc, vc, t0, t1, out.data_ptr<T_>());
       }

@@ -151,6 +151,16 @@ __attribute__((target("avx2,fma"))) inline void scores_x4(const float* const* q,
 
 // exps_portable and values_portable on registers: the exps 8 keys at a time (lanes
 // past len hold -inf: exp8 gives 0, which adds nothing), the values 64 dims at a time.
+// s[0..8) = exp(s - m), returned too.  A NaN score stays NaN (as std::exp's), where
+// exp8's clamp would make it finite: a query over corrupt keys must give non-finite
+// logits, not plausible ones.
+__attribute__((target("avx2,fma"))) inline __m256 exp_shifted(float* s, __m256 mv) {
+  const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(s), mv);
+  const __m256 e = _mm256_blendv_ps(exp8(x), x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  _mm256_storeu_ps(s, e);
+  return e;
+}
+
 __attribute__((target("avx2,fma"))) inline void exps_avx2(float* s, int64_t len, float* dst) {
   // the max 8 lanes at a time (lanes past len hold -inf); vmaxps gives its second operand
   // where the first is NaN, so a NaN score is passed over as std::max passes it over.
@@ -164,14 +174,7 @@ __attribute__((target("avx2,fma"))) inline void exps_avx2(float* s, int64_t len,
   for (int l = 0; l < 8; ++l) m = std::max(m, top[l]);
   const __m256 mv = _mm256_set1_ps(m);
   __m256 lsum = _mm256_setzero_ps();
-  for (int64_t j = 0; j < len; j += 8) {
-    // a NaN score stays NaN (as std::exp's), where exp8's clamp would make it finite: a
-    // query over corrupt keys must give non-finite logits, not plausible ones
-    const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(s + j), mv);
-    const __m256 e = _mm256_blendv_ps(exp8(x), x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    _mm256_storeu_ps(s + j, e);
-    lsum = _mm256_add_ps(lsum, e);
-  }
+  for (int64_t j = 0; j < len; j += 8) lsum = _mm256_add_ps(lsum, exp_shifted(s + j, mv));
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, lsum);
   dst[0] = m, dst[1] = sum8(lanes);
@@ -483,6 +486,14 @@ void attend_tasks(const AttnArgs& a, AttnPlan& plan, const float* qfp, const P* 
   }
 }
 
+template <typename T, typename P>
+void attend_claimed(const AttnArgs& a, AttnPlan& plan, const float* qfp, const P* kc, const P* vc, T* op) {
+  std::atomic_ref<int64_t> next(plan.next);
+  const int64_t n = int64_t(plan.order.size());
+  for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n; i = next.fetch_add(1, std::memory_order_relaxed))
+    attend_tasks<T, P>(a, plan, qfp, kc, vc, plan.order[i], plan.order[i] + 1, op);
+}
+
 template void attend_tasks<float, float>(const AttnArgs&, AttnPlan&, const float*, const float*, const float*,
                                          int64_t, int64_t, float*);
 template void attend_tasks<double, double>(const AttnArgs&, AttnPlan&, const float*, const double*, const double*,
@@ -492,5 +503,15 @@ template void attend_tasks<c10::BFloat16, c10::BFloat16>(const AttnArgs&, AttnPl
                                                          int64_t, c10::BFloat16*);
 template void attend_tasks<float, c10::BFloat16>(const AttnArgs&, AttnPlan&, const float*, const c10::BFloat16*,
                                                  const c10::BFloat16*, int64_t, int64_t, float*);
+
+template void attend_claimed<float, float>(const AttnArgs&, AttnPlan&, const float*, const float*, const float*,
+                                           float*);
+template void attend_claimed<double, double>(const AttnArgs&, AttnPlan&, const float*, const double*, const double*,
+                                             double*);
+template void attend_claimed<c10::BFloat16, c10::BFloat16>(const AttnArgs&, AttnPlan&, const float*,
+                                                           const c10::BFloat16*, const c10::BFloat16*,
+                                                           c10::BFloat16*);
+template void attend_claimed<float, c10::BFloat16>(const AttnArgs&, AttnPlan&, const float*, const c10::BFloat16*,
+                                                   const c10::BFloat16*, float*);
 
 }  // namespace ferrum_fused

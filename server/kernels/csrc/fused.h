@@ -135,6 +135,11 @@ struct AttnPlan {
   std::vector<int> done;          // split chunks: each group's tasks finished (back to 0 once merged)
   int64_t chunks = 0;             // the most chunks of any query: the partials' stride
   std::vector<float> part;        // split chunks' partials: (B*T, H, chunks, 2 + D), m, l, then the sums
+  // claimed (attend_claimed): the tasks as the threads take them, the costliest first, and
+  // the next one's index in that order
+  bool claimed = false;
+  std::vector<int64_t> order;
+  int64_t next = 0;
 };
 
 // The tasks for the queries of `a` on `threads` threads.
@@ -149,6 +154,12 @@ std::pair<int64_t, int64_t> attention_share(const AttnPlan& plan, int tid, int n
 template <typename T, typename P = T>
 void attend_tasks(const AttnArgs& a, AttnPlan& plan, const float* qfp, const P* kc, const P* vc, int64_t begin,
                   int64_t end, T* op);
+
+// The plan's tasks taken one at a time by whichever thread is free, the costliest
+// first, until none is left (plan.claimed; each thread of the region calls it once).
+// Which thread runs a task changes no bit.
+template <typename T, typename P = T>
+void attend_claimed(const AttnArgs& a, AttnPlan& plan, const float* qfp, const P* kc, const P* vc, T* op);
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                            const at::Tensor& sin, const at::Tensor& positions, const at::Tensor& k_cache,
