@@ -12,11 +12,15 @@
 // (in L1 while every query's scores take them), V by 64 (in L1 while every query's
 // sums take them); the vector loops take several query heads at once, so each K or V
 // vector loaded feeds an FMA for each: scores for 3 heads in AVX2's 16 registers or 4
-// in AVX-512's 32, sums for 3, the rest in pairs and alone.
+// in AVX-512's 32, sums for 3, the rest in pairs and alone (attention_loops.inc).  A
+// bfloat16 model whose linears take the AVX-512 BF16 dot product takes it here too:
+// its query and p rounded to bfloat16, summed in pairs, in an order as fixed
+// (attention_dot.inc).
 #include "fused.h"
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -63,180 +67,13 @@ __attribute__((noinline)) void finish(const float* state, int64_t D, T* out) {
   for (int64_t i = 0; i < D; ++i) out[i] = store<T>(state[2 + i] * inv);
 }
 
-// ---- portable loops -------------------------------------------------------------------
-// s[r] = q . k_r * scale for the 8 rows at offs: each dot in 8 lanes (i mod 8), then sum8.
-template <typename T>
-void scores8_portable(const float* q, const T* kc, const int64_t* offs, int64_t D, float scale, float* s) {
-  for (int r = 0; r < 8; ++r) {
-    float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    const T* k = kc + offs[r];
-    for (int64_t i = 0; i < D; ++i) lanes[i % 8] += q[i] * load(k[i]);
-    s[r] = sum8(lanes) * scale;
-  }
-}
-
-// The chunk's `len` scores s (padded to a multiple of 8) -> their max and sum of
-// exps into dst[0], dst[1], the exps into s.
-void exps_portable(float* s, int64_t len, float* dst) {
-  float m = -INFINITY;
-  for (int64_t j = 0; j < len; ++j) m = std::max(m, s[j]);
-  float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int64_t j = 0; j < len; ++j) lanes[j % 8] += (s[j] = std::exp(s[j] - m));
-  dst[0] = m, dst[1] = sum8(lanes);
-}
-
-// acc (D) += p[j] v_j for keys j in [j0, j1), in order (acc zeroed first where j0 is 0).
-template <typename T>
-void values_portable(const float* p, int64_t j0, int64_t j1, const T* vc, const int64_t* offs, int64_t D,
-                     float* acc) {
-  if (j0 == 0) std::fill(acc, acc + D, 0.0f);
-  for (int64_t j = j0; j < j1; ++j) {
-    const T* v = vc + offs[j];
-    for (int64_t i = 0; i < D; ++i) acc[i] += p[j] * load(v[i]);
-  }
-}
-
-#ifdef FERRUM_X86
-// ---- the same on 256-bit registers (head dims a multiple of 8) ------------------------
-// 8 vectors -> their 8 horizontal sums, in order (each ((a0+a1)+(a2+a3))+((a4+a5)+(a6+a7))).
-__attribute__((target("avx2,fma"))) inline __m256 hsum8x8(const __m256* s) {
-  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
-  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(s[4], s[5]), _mm256_hadd_ps(s[6], s[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-template <typename T>
-__attribute__((target("avx2,fma"))) inline void scores8_avx2(const float* q, const T* kc, const int64_t* offs,
-                                                             int64_t D, float scale, float* s) {
-  __m256 acc[8];
-  for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < D; i += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + i);
-    for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(qv, load8(kc + offs[r] + i), acc[r]);
-  }
-  _mm256_storeu_ps(s, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));
-}
-
-// N query heads' scores for 4 keys at once: each K vector loaded once for the N
-// (N + 4 loads for 4 N FMAs); each score the same chain and tree as scores8_avx2's.
-// N 2 or 3 fit AVX2's 16 registers; N 4 runs only inlined into the AVX-512 task,
-// whose 32 hold its 16 sums (on AVX2's 16 they spill, and a prompt's attention ran
-// slower than in pairs).
-template <int N, typename T>
-__attribute__((target("avx2,fma"))) inline void scores_x4(const float* const* q, const T* kc,
-                                                          const int64_t* offs, int64_t D, float scale,
-                                                          float* const* s) {
-  static_assert(N >= 2 && N <= 4);
-  __m256 acc[16];  // head h, key r: acc[4 h + r]; the rest zero (hsum8x8 takes 8)
-  for (int r = 0; r < 16; ++r) acc[r] = _mm256_setzero_ps();
-  const T* k[4] = {kc + offs[0], kc + offs[1], kc + offs[2], kc + offs[3]};
-  for (int64_t i = 0; i < D; i += 8) {
-    __m256 qv[N];
-    for (int h = 0; h < N; ++h) qv[h] = _mm256_loadu_ps(q[h] + i);
-    for (int r = 0; r < 4; ++r) {
-      const __m256 kv = load8(k[r] + i);
-      for (int h = 0; h < N; ++h) acc[4 * h + r] = _mm256_fmadd_ps(qv[h], kv, acc[4 * h + r]);
-    }
-  }
-  const __m256 sv = _mm256_set1_ps(scale);
-  const __m256 lo = _mm256_mul_ps(hsum8x8(acc), sv);
-  _mm_storeu_ps(s[0], _mm256_castps256_ps128(lo));
-  _mm_storeu_ps(s[1], _mm256_extractf128_ps(lo, 1));
-  if constexpr (N > 2) {
-    const __m256 hi = _mm256_mul_ps(hsum8x8(acc + 8), sv);
-    _mm_storeu_ps(s[2], _mm256_castps256_ps128(hi));
-    if constexpr (N > 3) _mm_storeu_ps(s[3], _mm256_extractf128_ps(hi, 1));
-  }
-}
-
-// exps_portable and values_portable on registers: the exps 8 keys at a time (lanes
-// past len hold -inf: exp8 gives 0, which adds nothing), the values 64 dims at a time.
-// s[0..8) = exp(s - m), returned too.  A NaN score stays NaN (as std::exp's), where
-// exp8's clamp would make it finite: a query over corrupt keys must give non-finite
-// logits, not plausible ones.
-__attribute__((target("avx2,fma"))) inline __m256 exp_shifted(float* s, __m256 mv) {
-  const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(s), mv);
-  const __m256 e = _mm256_blendv_ps(exp8(x), x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  _mm256_storeu_ps(s, e);
-  return e;
-}
-
-__attribute__((target("avx2,fma"))) inline void exps_avx2(float* s, int64_t len, float* dst) {
-  // the max 8 lanes at a time (lanes past len hold -inf); vmaxps gives its second operand
-  // where the first is NaN, so a NaN score is passed over as std::max passes it over.
-  // Where zeros of both signs tie for the max, m's sign may differ from the scalar
-  // loop's, which changes no exp (x - 0 and x + 0 are x, exp(+-0) is 1).
-  __m256 lm = _mm256_set1_ps(-INFINITY);
-  for (int64_t j = 0; j < len; j += 8) lm = _mm256_max_ps(_mm256_loadu_ps(s + j), lm);
-  alignas(32) float top[8];
-  _mm256_store_ps(top, lm);
-  float m = -INFINITY;
-  for (int l = 0; l < 8; ++l) m = std::max(m, top[l]);
-  const __m256 mv = _mm256_set1_ps(m);
-  __m256 lsum = _mm256_setzero_ps();
-  for (int64_t j = 0; j < len; j += 8) lsum = _mm256_add_ps(lsum, exp_shifted(s + j, mv));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, lsum);
-  dst[0] = m, dst[1] = sum8(lanes);
-}
-
-template <typename T>
-__attribute__((target("avx2,fma"))) inline void values_avx2(const float* p, int64_t j0, int64_t j1, const T* vc,
-                                                            const int64_t* offs, int64_t D, float* acc, bool ask) {
-  if (ask) prefetch_rows(vc, offs, j0, std::min(j1, j0 + kAhead), D);
-  for (int64_t c = 0; c < D; c += 64) {
-    const int64_t w = std::min<int64_t>(64, D - c) / 8;
-    __m256 r[8];
-    for (int64_t i = 0; i < w; ++i) r[i] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + c + 8 * i);
-    if (w == 8) {
-      for (int64_t j = j0; j < j1; ++j) {
-        if (ask && c == 0 && j + kAhead < j1) prefetch_rows(vc, offs, j + kAhead, j + kAhead + 1, D);
-        const __m256 pj = _mm256_set1_ps(p[j]);
-        const T* v = vc + offs[j] + c;
-        for (int i = 0; i < 8; ++i) r[i] = _mm256_fmadd_ps(pj, load8(v + 8 * i), r[i]);
-      }
-    } else {
-      for (int64_t j = j0; j < j1; ++j) {
-        const __m256 pj = _mm256_set1_ps(p[j]);
-        const T* v = vc + offs[j] + c;
-        for (int64_t i = 0; i < w; ++i) r[i] = _mm256_fmadd_ps(pj, load8(v + 8 * i), r[i]);
-      }
-    }
-    for (int64_t i = 0; i < w; ++i) _mm256_storeu_ps(acc + c + 8 * i, r[i]);
-  }
-}
-
-// values_avx2 for N query heads of one query at once, 8 W dims at a time: each V
-// vector loaded once for the N; each sum the same chain as values_avx2's.  N W up to
-// 12 fit AVX2's 16 registers; N 3, W 8 (D a multiple of 64) runs only inlined into
-// the AVX-512 task, whose 32 hold its 24 sums.
-template <int N, int W, typename T>
-__attribute__((target("avx2,fma"))) inline void values_x(const float* const* p, int64_t j0, int64_t j1, const T* vc,
-                                                         const int64_t* offs, int64_t D, float* const* acc,
-                                                         bool ask) {
-  if (ask) prefetch_rows(vc, offs, j0, std::min(j1, j0 + kAhead), D);
-  for (int64_t c = 0; c < D; c += 8 * W) {
-    __m256 x[N][W];
-    for (int h = 0; h < N; ++h)
-      for (int i = 0; i < W; ++i) x[h][i] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc[h] + c + 8 * i);
-    for (int64_t j = j0; j < j1; ++j) {
-      if (ask && c == 0 && j + kAhead < j1) prefetch_rows(vc, offs, j + kAhead, j + kAhead + 1, D);
-      __m256 pj[N];
-      for (int h = 0; h < N; ++h) pj[h] = _mm256_set1_ps(p[h][j]);
-      const T* v = vc + offs[j] + c;
-      for (int i = 0; i < W; ++i) {
-        const __m256 vv = load8(v + 8 * i);
-        for (int h = 0; h < N; ++h) x[h][i] = _mm256_fmadd_ps(pj[h], vv, x[h][i]);
-      }
-    }
-    for (int h = 0; h < N; ++h)
-      for (int i = 0; i < W; ++i) _mm256_storeu_ps(acc[h] + c + 8 * i, x[h][i]);
-  }
-}
-#endif
+#include "attention_loops.inc"
+#include "attention_dot.inc"
 
 struct Scratch {
   std::vector<float> state, s, chunk;
+  std::vector<uint16_t> qb, pb;      // the dot product's path: queries and p rounded to bfloat16
+  std::vector<const uint16_t*> held_qb;
   std::vector<int64_t> offs, lens;
   std::vector<int64_t> held;         // the held query heads' queries (their index in the task)
   std::vector<const float*> held_q;  // their query vectors
@@ -245,16 +82,21 @@ struct Scratch {
 
 #ifdef FERRUM_X86
 // Held query heads u.. of sc, N at a time while N are left: their scores for keys r..r+7
-// (two scores_x4 tiles of 4 keys); u ends past the last N taken.
-template <int N, typename T>
+// (two tiles of 4 keys: scores_x4, or dot_scores_x4 over their bfloat16 vectors); u
+// ends past the last N taken.
+template <int N, bool DOT, typename T>
 FERRUM_INLINE void score_tiles(Scratch& sc, int64_t& u, int64_t held, int64_t r, const T* kc, const int64_t* offs,
                                int64_t D, float scale) {
   for (; u + N <= held; u += N) {
     float* s[N];
     for (int h = 0; h < N; ++h) s[h] = sc.held_s[u + h] + r;
-    scores_x4<N>(sc.held_q.data() + u, kc, offs + r, D, scale, s);
-    for (int h = 0; h < N; ++h) s[h] += 4;
-    scores_x4<N>(sc.held_q.data() + u, kc, offs + r + 4, D, scale, s);
+    for (int64_t at = r; at < r + 8; at += 4) {
+      if constexpr (DOT)
+        dot_scores_x4<N>(sc.held_qb.data() + u, reinterpret_cast<const uint16_t*>(kc), offs + at, D, scale, s);
+      else
+        scores_x4<N>(sc.held_q.data() + u, kc, offs + at, D, scale, s);
+      for (int h = 0; h < N; ++h) s[h] += 4;
+    }
   }
 }
 #endif
@@ -301,14 +143,15 @@ void finish_task(const AttnArgs& a, AttnPlan& plan, const AttnTask& k, Scratch& 
 }
 
 // One task on the loops LEVEL picks: 0 the portable ones, 1 the vector ones (float or
-// bfloat16, D a multiple of 8), 2 those and the wider ones for 32 vector registers.
+// bfloat16, D a multiple of 8), 2 those and the wider ones for 32 vector registers, 3
+// the dot product's (attention_dot.inc: T and P bfloat16, D a multiple of 16).
 template <typename T, typename P, int LEVEL>
 FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& k, const float* qf, const P* kc,
                              const P* vc, Scratch& sc, T* op) {
   const int64_t D = a.D, H = a.H, G = a.H / a.Hkv, row = a.Hkv * D, W = 2 + D;
   const int64_t Gt = k.g1 - k.g0, nq = k.t1 - k.t0, bt0 = k.b * a.T + k.t0;
   const int64_t *table = a.tables + k.b * a.nb, *pos = a.pos + bt0;
-  constexpr bool VEC = LEVEL >= 1;
+  constexpr bool VEC = LEVEL >= 1, DOT = LEVEL >= 3;
   int64_t nmax = 0;
   for (int64_t i = 0; i < nq; ++i) nmax = std::max(nmax, pos[i] + 1);
   // a decode step's task (a query or two) reads each K and V row once or twice: it asks
@@ -325,6 +168,15 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
   sc.offs.resize(kC);
   int64_t* offs = sc.offs.data();
   auto query = [&](int64_t i, int64_t g) { return qf + ((bt0 + i) * H + k.kvh * G + k.g0 + g) * D; };
+#ifdef FERRUM_X86
+  if constexpr (DOT) {  // the queries rounded once, their p per chunk
+    sc.qb.resize(nq * Gt * D);
+    sc.pb.resize(nq * Gt * kC);
+    sc.held_qb.resize(nq * Gt);
+    for (int64_t i = 0; i < nq; ++i)
+      for (int64_t g = 0; g < Gt; ++g) dot_round(query(i, g), D, sc.qb.data() + (i * Gt + g) * D);
+  }
+#endif
   for (int64_t c = k.c0; c < k.c1; ++c) {
     const int64_t j0 = c * kC, j1 = std::min(j0 + kC, nmax);
     if (j1 <= j0) break;
@@ -353,6 +205,7 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
           if (lens[i] > r) {
             for (int64_t g = 0; g < Gt; ++g) {
               sc.held_q[held] = query(i, g), sc.held_s[held] = sc.s.data() + (i * Gt + g) * kC;
+              if constexpr (DOT) sc.held_qb[held] = sc.qb.data() + (i * Gt + g) * D;
               sc.held[held++] = i;
             }
             held_until = std::min(held_until, lens[i]);
@@ -362,9 +215,14 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
 #ifdef FERRUM_X86
       // the held query heads' scores for these 8 keys: 4 heads at a time on AVX-512, 3
       // on AVX2, then pairs
-      if constexpr (LEVEL >= 2) score_tiles<4>(sc, u, held, r, kc, offs, D, a.scale);
-      if constexpr (LEVEL == 1) score_tiles<3>(sc, u, held, r, kc, offs, D, a.scale);
-      if constexpr (VEC) score_tiles<2>(sc, u, held, r, kc, offs, D, a.scale);
+      if constexpr (DOT) {
+        score_tiles<4, true>(sc, u, held, r, kc, offs, D, a.scale);
+        score_tiles<2, true>(sc, u, held, r, kc, offs, D, a.scale);
+        score_tiles<1, true>(sc, u, held, r, kc, offs, D, a.scale);
+      }
+      if constexpr (LEVEL == 2) score_tiles<4, false>(sc, u, held, r, kc, offs, D, a.scale);
+      if constexpr (LEVEL == 1) score_tiles<3, false>(sc, u, held, r, kc, offs, D, a.scale);
+      if constexpr (VEC && !DOT) score_tiles<2, false>(sc, u, held, r, kc, offs, D, a.scale);
 #endif
       for (; u < held; ++u) {
 #ifdef FERRUM_X86
@@ -389,6 +247,10 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
         else
 #endif
           exps_portable(s, len, sc.chunk.data() + (i * Gt + g) * W);
+#ifdef FERRUM_X86
+        // p rounded, an odd len's next one too (exps_avx2 wrote it: 0) for its pair
+        if constexpr (DOT) dot_round(s, len + len % 2, sc.pb.data() + (i * Gt + g) * kC);
+#endif
       }
     }
     for (int64_t r = 0; r < j1 - j0; r += kValueRows)  // V by sub-chunks (in L1 for every query and head)
@@ -399,14 +261,33 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
         auto acc = [&](int64_t g) { return sc.chunk.data() + (i * Gt + g) * W + 2; };
         int64_t g = 0;
 #ifdef FERRUM_X86
-        if constexpr (VEC)
+        if constexpr (DOT) {
+          const uint16_t* vb = reinterpret_cast<const uint16_t*>(vc);
+          auto pb = [&](int64_t g) { return sc.pb.data() + (i * Gt + g) * kC; };
+          for (; g + 3 <= Gt && len > r; g += 3) {
+            const uint16_t* ps[3] = {pb(g), pb(g + 1), pb(g + 2)};
+            float* accs[3] = {acc(g), acc(g + 1), acc(g + 2)};
+            dot_values_n<3>(ps, r, end, vb, offs, D, accs, ask);
+          }
+          for (; g + 2 <= Gt && len > r; g += 2) {
+            const uint16_t* ps[2] = {pb(g), pb(g + 1)};
+            float* accs[2] = {acc(g), acc(g + 1)};
+            dot_values_n<2>(ps, r, end, vb, offs, D, accs, ask);
+          }
+          for (; g < Gt && len > r; ++g) {
+            const uint16_t* ps[1] = {pb(g)};
+            float* accs[1] = {acc(g)};
+            dot_values_n<1>(ps, r, end, vb, offs, D, accs, ask);
+          }
+        }
+        if constexpr (VEC && !DOT)
           for (; g + 3 <= Gt && len > r && D % 32 == 0; g += 3) {
             const float* ps[3] = {p(g), p(g + 1), p(g + 2)};
             float* accs[3] = {acc(g), acc(g + 1), acc(g + 2)};
             if (LEVEL >= 2 && D % 64 == 0) values_x<3, 8>(ps, r, end, vc, offs, D, accs, ask);
             else values_x<3, 4>(ps, r, end, vc, offs, D, accs, ask);
           }
-        if constexpr (VEC)
+        if constexpr (VEC && !DOT)
           for (; g + 2 <= Gt && len > r && D % 32 == 0; g += 2) {
             const float* ps[2] = {p(g), p(g + 1)};
             float* accs[2] = {acc(g), acc(g + 1)};
@@ -441,6 +322,14 @@ __attribute__((target("avx2,fma"))) void task_avx2(const AttnArgs& a, AttnPlan& 
 }
 
 template <typename T, typename P>
+__attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512bf16"))) void task_dot(const AttnArgs& a, AttnPlan& plan,
+                                                                              const AttnTask& k, const float* qf,
+                                                                              const P* kc, const P* vc, Scratch& sc,
+                                                                              T* op) {
+  task_body<T, P, 3>(a, plan, k, qf, kc, vc, sc, op);
+}
+
+template <typename T, typename P>
 __attribute__((target("avx2,fma,avx512f,avx512vl"))) void task_avx512(const AttnArgs& a, AttnPlan& plan,
                                                                        const AttnTask& k, const float* qf,
                                                                        const P* kc, const P* vc, Scratch& sc,
@@ -470,9 +359,18 @@ void attend_tasks(const AttnArgs& a, AttnPlan& plan, const float* qfp, const P* 
   const bool vec = avx2_on() && a.D % 8 == 0;
 #ifdef FERRUM_X86
   const bool wide = vec && wide_on();
+  // a bfloat16 model's attention on the dot product where its linears take it too
+  constexpr bool bf16 = std::is_same_v<T, c10::BFloat16> && std::is_same_v<P, c10::BFloat16>;
+  static const bool bw = __builtin_cpu_supports("avx512bw");  // the loops' 16-bit masks and shuffles
+  const bool dot = bf16 && wide && bw && a.D % 16 == 0 && panel_path(true).dot;
 #endif
   for (int64_t i = begin; i < end; ++i) {
 #ifdef FERRUM_X86
+    if constexpr (bf16)
+      if (dot) {
+        task_dot(a, plan, plan.tasks[i], qfp, kc, vc, sc, op);
+        continue;
+      }
     if constexpr (!std::is_same_v<P, double>)
       if (wide) {
         task_avx512(a, plan, plan.tasks[i], qfp, kc, vc, sc, op);

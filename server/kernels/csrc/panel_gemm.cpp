@@ -322,6 +322,9 @@ bool set_panel_dot(bool allowed) { return g_dot_allowed.exchange(allowed); }
 
 PanelPath panel_path(bool bf16) { return {bf16, bf16 && dot_on(), ferrum_active_isa()}; }
 
+// Whether bfloat16 takes the dot product now (the CPU has it, the cap and set_panel_dot allow it).
+bool panel_dot_runs() { return dot_on(); }
+
 template <typename T>
 void panel_range(const PanelPath& path, const void* xs, int64_t ldx, int64_t M, const at::Tensor& panels, int64_t K,
                  int64_t N, int64_t p0, int64_t p1, T* y) {
@@ -399,6 +402,7 @@ TORCH_LIBRARY_FRAGMENT(ferrum_fused, m) {
   m.def("pack_panels(Tensor weight) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor panels, int n) -> Tensor");
   m.def("set_panel_dot(bool allowed) -> bool", &ferrum_fused::set_panel_dot);
+  m.def("panel_dot_runs() -> bool", &ferrum_fused::panel_dot_runs);
 }
 
 TORCH_LIBRARY_IMPL(ferrum_fused, CPU, m) {

@@ -127,6 +127,7 @@ def test_the_avx512_loops_give_the_avx2_loops_bits(ops, dtype, dim):
     if torch.ops.ferrum_woq.set_max_isa("avx512") != "avx512":
         pytest.skip("this CPU cannot run the avx512 path")
     out = {}
+    dot = ops.set_panel_dot(False)  # bfloat16's dot product path is its own (the tests below)
     try:
         for isa in ("avx512", "avx2"):
             torch.ops.ferrum_woq.set_max_isa(isa)
@@ -134,4 +135,58 @@ def test_the_avx512_loops_give_the_avx2_loops_bits(ops, dtype, dim):
             out[isa] = torch.cat([seq.run(0, 290), *(seq.run(p, p + 1) for p in range(290, 300))])
     finally:
         torch.ops.ferrum_woq.set_max_isa("avx512")
+        ops.set_panel_dot(dot)
     assert torch.equal(out["avx512"], out["avx2"])
+
+
+@pytest.fixture
+def dot_path(ops):
+    if torch.ops.ferrum_woq.set_max_isa("avx512") != "avx512" or not ops.panel_dot_runs():
+        pytest.skip("this CPU has no AVX-512 BF16 dot product")
+    return ops
+
+
+# 64, 32, 16: the dot product's loops at each width of their value sums; 24: no multiple
+# of 16, so the multiply-add loops
+@pytest.mark.parametrize("dim", [64, 32, 16, 24])
+def test_a_bfloat16_query_on_the_dot_product_keeps_its_bits_and_stays_close(dot_path, dim):
+    """A bfloat16 model's attention on the dot product (queries and p rounded to bfloat16,
+    dims and keys summed in pairs): a query's bits are the same in a prompt, a prompt cut
+    in two, a decode step alone on 1 or 2 threads and a batch, at odd and even lengths around
+    the chunk boundaries, and close to float64 attention over the same bfloat16 inputs."""
+    seq = Sequence(max(LENGTHS), dim, torch.bfloat16, seed=dim + 1)
+    prompt = seq.run(0, seq.n)
+    for p in (*LENGTHS, 3, 77, 301):
+        want = seq.reference(p - 1)
+        assert (prompt[p - 1].double() - want).abs().max() <= 1e-2 * want.abs().max() + 1e-3, p
+    assert torch.equal(torch.cat([seq.run(0, 257), seq.run(257, seq.n)]), prompt)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for p in (*LENGTHS, 3, 77, 301):
+                assert torch.equal(seq.run(p - 1, p)[0], prompt[p - 1]), (n, p)
+    finally:
+        torch.set_num_threads(threads)
+    other = Sequence(41, dim, torch.bfloat16, seed=7)
+    other.run(0, other.n)
+    step = batch_run([other, seq], [40, 300])
+    assert torch.equal(step[1], prompt[300])
+    dot = dot_path.set_panel_dot(False)
+    try:
+        plain = Sequence(max(LENGTHS), dim, torch.bfloat16, seed=dim + 1).run(0, seq.n)
+    finally:
+        dot_path.set_panel_dot(dot)
+    # the path ran (its roundings show) where the dims allow it, and not where they do not
+    assert torch.equal(plain, prompt) == (dim % 16 != 0)
+
+
+def test_a_nan_key_gives_a_nan_output_on_the_dot_product(dot_path):
+    seq = Sequence(301, 64, torch.bfloat16, seed=5)
+    seq.run(0, seq.n - 1)
+    seq.k_cache[seq.table[0], 3] = float("nan")
+    assert seq.run(seq.n - 1, seq.n).isnan().all()
+    seq = Sequence(301, 64, torch.bfloat16, seed=5)
+    seq.run(0, seq.n - 1)
+    seq.v_cache[seq.table[0], 3] = float("nan")  # a value: every output reads it
+    assert seq.run(seq.n - 1, seq.n).isnan().all()
