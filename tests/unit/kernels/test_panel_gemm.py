@@ -26,6 +26,33 @@ def run(ops, x, w):
     return ops.panel_linear(x, ops.pack_panels(w), w.shape[0])
 
 
+def test_bfloat16_outputs_are_rounded_as_torch_rounds(ops, isa, dot):
+    """Each bfloat16 output is its float32 sum rounded once as torch rounds it (to nearest,
+    ties to even, subnormals kept, overflow to infinity), on every path, at every column of
+    a row (the vector stores and their tails); a row with a NaN gives NaN."""
+    gen = torch.Generator().manual_seed(9)
+    a = torch.randn(40, generator=gen) * torch.logspace(-30, 30, 40)
+    a = torch.cat([a, torch.tensor([1.0, 1.0, 3.0, 3e38, -3e38, 1.5])]).bfloat16()
+    b = torch.cat([torch.randn(40, generator=gen) * 2.0 ** -9 * a[:40].float().abs(),
+                   torch.tensor([2.0 ** -8, 3 * 2.0 ** -8, 2.0 ** -7, 3e38, -3e38, -1.5 + 2.0 ** -20])]).bfloat16()
+    if not ops.panel_dot_runs():  # subnormal sums (the dot product flushes them to zero)
+        a = torch.cat([a, torch.tensor([2.0 ** -130, 2.0 ** -130, -(2.0 ** -128)]).bfloat16()])
+        b = torch.cat([b, torch.tensor([2.0 ** -134, 3 * 2.0 ** -134, 2.0 ** -137]).bfloat16()])
+    # output j = a[j] * 1 + b[j] * 1: the two products exact, their sum one float32 rounding
+    n = len(a)
+    w = torch.zeros(n, 2 * n, dtype=torch.bfloat16)
+    w[torch.arange(n), 2 * torch.arange(n)] = 1.0
+    w[torch.arange(n), 2 * torch.arange(n) + 1] = 1.0
+    x = torch.stack([a, b], dim=1).reshape(1, 2 * n).repeat(3, 1)
+    x[2, 5] = float("nan")
+    got = ops.panel_linear(x, ops.pack_panels(w), n)
+    want = (a.float() + b.float()).bfloat16()
+    assert want[-4 if ops.panel_dot_runs() else -7:].isinf().sum() == 2
+    for row in got[:2]:
+        assert torch.equal(row.view(torch.int16), want.view(torch.int16))
+    assert got[2].isnan().all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_panel_linear_is_close_to_float64_and_a_row_has_the_same_bits_in_any_block(ops, isa, dtype):
     gen = torch.Generator().manual_seed(3)
