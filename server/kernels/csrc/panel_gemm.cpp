@@ -41,6 +41,9 @@ constexpr int64_t kCols = 16;   // output columns a panel
 constexpr int kMaxPanels = 8;   // panels a tile at most
 constexpr int kMaxRows = 8;     // rows a tile at most
 constexpr int64_t kTileStride = kMaxPanels * kCols;  // a tile's float32 results, row stride
+// A prompt's GEMM (2 kClaimRows rows or more) runs as units of kClaimPanels panels (two
+// 8x3 tiles wide) by kClaimRows rows, taken by whichever thread is free.
+constexpr int64_t kClaimPanels = 6, kClaimRows = 64;
 
 // What a tile reads: MR rows of x (row stride ldx), NP panels of w (panel stride
 // ps elements) over K (bfloat16 panels: ceil(K / 2) pairs), results into c.
@@ -264,7 +267,8 @@ void tile(int mr, int np, const TileArgs& a) {
 }
 
 // A tile row's results into y: float32 as they are, bfloat16 rounded as
-// store<c10::BFloat16> rounds (8 at a time where the AVX2 loops run).
+// store<c10::BFloat16> rounds (8 at a time where the AVX2 loops run, 16 on AVX-512:
+// the same rounding, NaN and subnormals included).
 inline void store_row(float* out, const float* src, int64_t n) { std::copy(src, src + n, out); }
 #ifdef FERRUM_X86
 __attribute__((target("avx2,fma"))) void store_row_avx2(c10::BFloat16* out, const float* src, int64_t n) {
@@ -272,10 +276,25 @@ __attribute__((target("avx2,fma"))) void store_row_avx2(c10::BFloat16* out, cons
   for (; i + 8 <= n; i += 8) store8(out + i, _mm256_loadu_ps(src + i));
   for (; i < n; ++i) out[i] = store<c10::BFloat16>(src[i]);
 }
+__attribute__((target("avx2,fma,avx512f"))) void store_row_avx512(c10::BFloat16* out, const float* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {  // bf16_bits on 16 lanes
+    const __m512 v = _mm512_loadu_ps(src + i);
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                          _mm512_set1_epi32(0x7FFF));
+    const __m512i r = _mm512_mask_mov_epi32(_mm512_srli_epi32(_mm512_add_epi32(u, bias), 16),
+                                            _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(r));
+  }
+  store_row_avx2(out + i, src + i, n - i);
+}
 #endif
 inline void store_row(c10::BFloat16* out, const float* src, int64_t n) {
 #ifdef FERRUM_X86
-  if (avx2_on()) return store_row_avx2(out, src, n);
+  const int isa = ferrum_active_isa();
+  if (isa >= 2) return store_row_avx512(out, src, n);
+  if (isa >= 1) return store_row_avx2(out, src, n);
 #endif
   for (int64_t i = 0; i < n; ++i) out[i] = store<c10::BFloat16>(src[i]);
 }
@@ -387,12 +406,31 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
   } else {
     xs = path.dot ? x2d : x2d.to(at::kFloat);
   }
+  const int64_t ldx = xs.size(1), xe = xs.element_size();
+  auto range = [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
+    const char* x = static_cast<const char*>(xs.data_ptr()) + m0 * ldx * xe;
+    if (bf16) panel_range(path, x, ldx, m1 - m0, panels, K, N, p0, p1, out.data_ptr<c10::BFloat16>() + m0 * N);
+    else panel_range(path, x, ldx, m1 - m0, panels, K, N, p0, p1, out.data_ptr<float>() + m0 * N);
+  };
+  const int threads = at::get_num_threads();
+  if (M >= 2 * kClaimRows && threads > 1) {
+    // a static split by panels left one thread waiting for the other at the end of most
+    // GEMMs (a host's cores do not run at one speed); which thread computes an output,
+    // and beside which rows, changes no bit
+    const int64_t row_units = (M + kClaimRows - 1) / kClaimRows, units = row_units * ((P + kClaimPanels - 1) / kClaimPanels);
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      for (int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < units;
+           u = next.fetch_add(1, std::memory_order_relaxed)) {
+        const int64_t m0 = (u % row_units) * kClaimRows, p0 = (u / row_units) * kClaimPanels;
+        range(m0, std::min(M, m0 + kClaimRows), p0, std::min(P, p0 + kClaimPanels));
+      }
+    });
+    return out.view(shape);
+  }
   // a thread's share: whole groups of panels, at least a few per thread
   const int64_t grain = std::max<int64_t>(4, 2 * kMaxPanels * 64 / std::max<int64_t>(M, 64));
-  at::parallel_for(0, P, grain, [&](int64_t b, int64_t e) {
-    if (bf16) panel_range(path, xs.data_ptr(), xs.size(1), M, panels, K, N, b, e, out.data_ptr<c10::BFloat16>());
-    else panel_range(path, xs.data_ptr(), xs.size(1), M, panels, K, N, b, e, out.data_ptr<float>());
-  });
+  at::parallel_for(0, P, grain, [&](int64_t b, int64_t e) { range(0, M, b, e); });
   return out.view(shape);
 }
 

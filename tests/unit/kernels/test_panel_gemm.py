@@ -54,6 +54,30 @@ def test_bfloat16_outputs_are_rounded_as_torch_rounds(ops, isa, dot):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_sized_block_keeps_each_rows_bits(ops, isa, dtype):
+    """Blocks of 128 rows or more (a prompt's) run as units of rows and panels taken by
+    whichever thread is free: each row's bits are still its bits alone, on 1 or 2 threads,
+    with a partial last unit of rows and of panels."""
+    gen = torch.Generator().manual_seed(8)
+    w = torch.randn(16 * 13 + 5, 96, generator=gen).to(dtype)
+    x = torch.randn(301, 96, generator=gen).to(dtype)
+    panels = ops.pack_panels(w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        full = ops.panel_linear(x, panels, w.shape[0])
+        rows = [ops.panel_linear(x[i:i + 1], panels, w.shape[0]) for i in range(0, 301, 7)]
+        assert torch.equal(torch.cat(rows), full[::7])
+        assert torch.equal(ops.panel_linear(x[3:131], panels, w.shape[0]), full[3:131])
+        torch.set_num_threads(1)
+        assert torch.equal(ops.panel_linear(x, panels, w.shape[0]), full)
+    finally:
+        torch.set_num_threads(threads)
+    want = F.linear(x.double(), w.double())
+    assert (full.double() - want).abs().max() / want.abs().max() < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_panel_linear_is_close_to_float64_and_a_row_has_the_same_bits_in_any_block(ops, isa, dtype):
     gen = torch.Generator().manual_seed(3)
     for n, k in SHAPES:
