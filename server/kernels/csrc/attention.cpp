@@ -86,7 +86,7 @@ template void rope_and_write<c10::BFloat16>(const AttnArgs&, const c10::BFloat16
                                             const c10::BFloat16*, Heads, const float*, const float*, const int64_t*,
                                             int64_t, int64_t, float*, c10::BFloat16*, c10::BFloat16*);
 
-AttnPlan attention_plan(const AttnArgs& a, int threads) {
+AttnPlan attention_plan(const AttnArgs& a, int threads, bool claim) {
   AttnPlan plan;
   const int64_t G = a.H / a.Hkv, C = kAttnChunk;
   struct Block {
@@ -130,10 +130,11 @@ AttnPlan attention_plan(const AttnArgs& a, int threads) {
   }
   if (split && plan.chunks > 1) plan.part.resize(a.B * a.T * a.H * plan.chunks * (2 + a.D));
   // Unsplit tasks (a prompt's blocks of queries) differ in cost by their keys, and a
-  // static share by cost still leaves threads waiting on each other: they are taken
-  // as each thread comes free, the costliest first.  Split tasks keep their shares
-  // (runs of whole chunks, read once for all kv heads).
-  plan.claimed = !split && threads > 1;
+  // static share by cost still leaves threads waiting on each other: where the caller
+  // can, they are taken as each thread comes free, the costliest first.  Split tasks
+  // keep their shares (runs of whole chunks, read once for all kv heads), as do the
+  // decode stack's regions (one plan for every layer, shared out by attention_share).
+  plan.claimed = claim && !split && threads > 1;
   if (plan.claimed) {
     plan.order.resize(plan.tasks.size());
     for (size_t i = 0; i < plan.order.size(); ++i) plan.order[i] = int64_t(i);
@@ -199,7 +200,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                              ix.slots.data_ptr<int64_t>(), bt0, bt1, qf.data_ptr<float>(), kc, vc);
     });
     // 2. the queries' heads over their sequences' blocks
-    AttnPlan plan = attention_plan(args, threads);
+    AttnPlan plan = attention_plan(args, threads, true);
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t tid = begin; tid < end; ++tid) {
         if (plan.claimed) {

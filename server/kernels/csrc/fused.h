@@ -142,8 +142,9 @@ struct AttnPlan {
   int64_t next = 0;
 };
 
-// The tasks for the queries of `a` on `threads` threads.
-AttnPlan attention_plan(const AttnArgs& a, int threads);
+// The tasks for the queries of `a` on `threads` threads; `claim`: a caller that runs
+// one region for this one forward may have its unsplit tasks claimed (attend_claimed).
+AttnPlan attention_plan(const AttnArgs& a, int threads, bool claim = false);
 
 // Thread `tid` of `nt`'s share of the plan's tasks, balanced by their keys.
 std::pair<int64_t, int64_t> attention_share(const AttnPlan& plan, int tid, int nt);
