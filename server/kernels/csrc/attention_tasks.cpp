@@ -322,10 +322,9 @@ __attribute__((target("avx2,fma"))) void task_avx2(const AttnArgs& a, AttnPlan& 
 }
 
 template <typename T, typename P>
-__attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512bf16"))) void task_dot(const AttnArgs& a, AttnPlan& plan,
-                                                                              const AttnTask& k, const float* qf,
-                                                                              const P* kc, const P* vc, Scratch& sc,
-                                                                              T* op) {
+__attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512bf16"))) void task_dot(
+    const AttnArgs& a, AttnPlan& plan, const AttnTask& k, const float* qf, const P* kc, const P* vc, Scratch& sc,
+    T* op) {
   task_body<T, P, 3>(a, plan, k, qf, kc, vc, sc, op);
 }
 
@@ -388,7 +387,8 @@ template <typename T, typename P>
 void attend_claimed(const AttnArgs& a, AttnPlan& plan, const float* qfp, const P* kc, const P* vc, T* op) {
   std::atomic_ref<int64_t> next(plan.next);
   const int64_t n = int64_t(plan.order.size());
-  for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n; i = next.fetch_add(1, std::memory_order_relaxed))
+  for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
+       i = next.fetch_add(1, std::memory_order_relaxed))
     attend_tasks<T, P>(a, plan, qfp, kc, vc, plan.order[i], plan.order[i] + 1, op);
 }
 

@@ -417,7 +417,8 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
     // a static split by panels left one thread waiting for the other at the end of most
     // GEMMs (a host's cores do not run at one speed); which thread computes an output,
     // and beside which rows, changes no bit
-    const int64_t row_units = (M + kClaimRows - 1) / kClaimRows, units = row_units * ((P + kClaimPanels - 1) / kClaimPanels);
+    const int64_t row_units = (M + kClaimRows - 1) / kClaimRows;
+    const int64_t units = row_units * ((P + kClaimPanels - 1) / kClaimPanels);
     std::atomic<int64_t> next{0};
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       for (int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < units;
