@@ -63,7 +63,7 @@ from ferrum_rpc.types import ChosenToken, LogprobsMode, TokenChoice
 from .candidates import routes, sample_candidate_rows
 from .draws import draw, uniforms
 from .rows import ChosenTokens, Step, greedy_stats, log_normaliser, row_index, row_max, take_rows
-from .shaping import held_finite, shape_logits
+from .shaping import held_finite, reads_history, shape_logits
 
 __all__ = ["accept_drafts", "choose_plain_greedy", "choose_tokens", "plain_choice"]
 
@@ -164,8 +164,7 @@ def _no_top(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def plain_choice(c: TokenChoice) -> bool:
     """Whether a row's choice leaves its logits as they are and lists no top logprobs."""
-    return not (c.top_logprobs or c.logit_bias or c.allowed_token_bitmask or c.repetition_penalty != 1
-                or c.presence_penalty or c.frequency_penalty)
+    return not (c.top_logprobs or c.logit_bias or c.allowed_token_bitmask or reads_history(c))
 
 
 def choose_plain_greedy(logits: torch.Tensor) -> ChosenTokens | None:

@@ -52,15 +52,19 @@ def unpack_rows(masks: list[bytes], vocab_size: int) -> torch.Tensor:
     return bits.reshape(len(masks), -1)[:, :vocab_size].bool()
 
 
+def reads_history(c) -> bool:
+    """Whether a row's choice reads the tokens before it (a repetition, presence or
+    frequency penalty): its logits, its choice and its position alone do not decide it."""
+    return c.repetition_penalty != 1 or bool(c.presence_penalty) or bool(c.frequency_penalty)
+
+
 def shape_logits(logits, choices, prompt_ids, output_ids) -> tuple[torch.Tensor, list[bool]]:
     """Steps 1-2: bias, penalties, mask. Returns the logits (``logits`` itself when no
     row uses them) and which rows they changed."""
     biased = [i for i, c in enumerate(choices) if c.logit_bias]
-    penalised = [i for i, c in enumerate(choices)
-                 if c.repetition_penalty != 1 or c.presence_penalty or c.frequency_penalty]
+    penalised = [i for i, c in enumerate(choices) if reads_history(c)]
     masked = [i for i, c in enumerate(choices) if c.allowed_token_bitmask]
-    touched = [bool(c.logit_bias or c.allowed_token_bitmask or c.repetition_penalty != 1
-                    or c.presence_penalty or c.frequency_penalty) for c in choices]
+    touched = [bool(c.logit_bias or c.allowed_token_bitmask) or reads_history(c) for c in choices]
     if not any(touched):
         return logits, touched
     out = logits.clone()

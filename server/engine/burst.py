@@ -33,6 +33,7 @@ from ferrum_rpc.errors import ExecutorError
 from ferrum_rpc.types import ChosenToken, DecodeInput, DecodeOutput, Timing
 from ..choice.rows import greedy_op_loaded
 from ..choice.sampling import choose_plain_greedy, choose_tokens, plain_choice
+from ..choice.shaping import reads_history
 from ..kv.blocks import SequenceState, WritePlan
 
 
@@ -42,9 +43,8 @@ def bursts_serve(executor, item: DecodeInput) -> bool:
     and the position decide), no adapter (as its handle says; ``Burst.open`` checks the
     sequence), on one CPU process (no tensor-parallel ranks, no captured graphs)."""
     choice = item.token_choice
-    return (choice is not None and choice.repetition_penalty == 1 and not choice.presence_penalty
-            and not choice.frequency_penalty and not item.kv_cache.adapter and executor.runner is None
-            and executor.graphs is None and executor.device.type == "cpu")
+    return (choice is not None and not reads_history(choice) and not item.kv_cache.adapter
+            and executor.runner is None and executor.graphs is None and executor.device.type == "cpu")
 
 
 class Burst:

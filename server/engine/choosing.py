@@ -11,6 +11,7 @@ import torch
 
 from ferrum_rpc.errors import ExecutorError, NonFiniteLogits
 from ..choice.sampling import choose_tokens
+from ..choice.shaping import reads_history
 from ..parallel.choice import RowRequest
 from .forward import Step
 
@@ -34,7 +35,7 @@ class ChoosesTokens:
                 seq, c = step.seq, step.choice
                 length = step.start + len(step.tokens)
                 prompt, output = (), ()
-                if c.repetition_penalty != 1 or c.presence_penalty or c.frequency_penalty:
+                if reads_history(c):
                     tokens = seq.tokens[:step.start] + list(step.tokens)
                     split = length if step.prompt else min(seq.prompt_spans[-1][1], length) if seq.prompt_spans else 0
                     prompt, output = tokens[:split], tokens[split:length]

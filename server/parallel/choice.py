@@ -56,7 +56,7 @@ from ..choice.candidates import candidate_width, routes, sample_candidates
 from ..choice.draws import BLOCK, draw, uniforms
 from ..choice.rows import ChosenTokens, Step
 from ..choice.sampling import choose_tokens
-from ..choice.shaping import penalise_counts, unpack_rows
+from ..choice.shaping import penalise_counts, reads_history, unpack_rows
 
 Gather = Callable[[torch.Tensor], list[torch.Tensor]]  # all_gather: this rank's (R, C) -> every rank's
 _STATS = 6  # raw max, raw sum, shaped max, its argmax, tempered max, tempered sum
@@ -98,8 +98,7 @@ def shape_slice(raw: torch.Tensor, requests: Sequence[RowRequest], lo: int, voca
     """Steps 1-2 of ``choose_tokens`` (bias, penalties, mask) on the slice [lo, lo + W)
     of each row; ``raw`` itself when no row uses them."""
     choices = [r.choice for r in requests]
-    if not any(c.logit_bias or c.allowed_token_bitmask or c.repetition_penalty != 1 or c.presence_penalty
-               or c.frequency_penalty for c in choices):
+    if not any(c.logit_bias or c.allowed_token_bitmask or reads_history(c) for c in choices):
         return raw
     out, width = raw.clone(), raw.shape[1]
     flat, values = [], []
@@ -110,8 +109,7 @@ def shape_slice(raw: torch.Tensor, requests: Sequence[RowRequest], lo: int, voca
                 values.append(bias)
     if flat:
         out.view(-1).index_add_(0, torch.tensor(flat, dtype=torch.int64), torch.tensor(values, dtype=out.dtype))
-    penalised = [i for i, c in enumerate(choices)
-                 if c.repetition_penalty != 1 or c.presence_penalty or c.frequency_penalty]
+    penalised = [i for i, c in enumerate(choices) if reads_history(c)]
     if penalised:
         counts, seen = torch.zeros(len(penalised), width), torch.zeros(len(penalised), width, dtype=torch.bool)
         for j, i in enumerate(penalised):
