@@ -48,6 +48,9 @@ class SequenceState:
     name: str = ""  # the caller's request_id for it, unique among its tenant's live sequences ("" = none)
     adapter: str = ""  # the LoRA adapter it runs with ("" = the base model), and that adapter's content digest
     adapter_digest: str = ""
+    # the weights version its oldest KV was computed under: a sequence older than the
+    # serving weights holds KV they did not compute, so it publishes no prefix-cache block
+    generation: int = 0
     # (start, end) of each Prefill that ran on it, in order: the penalties' prompt/output
     # split. Everything up to the last Prefill's end is prompt, what came after
     # (decode steps, verified drafts) is output; shrink keeps it consistent.
@@ -259,7 +262,7 @@ class BlockManager:
             self._named[(tenant, name)] = cache_id
         self._expired.pop(cache_id, None)
         seq = self._seqs[cache_id] = SequenceState(cache_id, tenant=tenant, name=name, adapter=adapter,
-                                                   adapter_digest=adapter_digest)
+                                                   adapter_digest=adapter_digest, generation=self.generation)
         return seq
 
     def release(self, cache_id: str) -> int:
@@ -323,8 +326,12 @@ class BlockManager:
 
     # -- prefix cache -------------------------------------------------------------
     _block_hash = staticmethod(block_hash)  # the chain routers compute too (ferrum_rpc.hashing)
-    def _root(self, tenant: str, adapter_digest: str = "") -> bytes:
-        return chain_root(tenant, adapter_digest, self.generation)
+    def _root(self, tenant: str, adapter_digest: str = "", generation: int | None = None) -> bytes:
+        return chain_root(tenant, adapter_digest, self.generation if generation is None else generation)
+
+    def is_current(self, seq: SequenceState) -> bool:
+        """Whether every token of ``seq`` was computed with the weights serving now."""
+        return seq.generation == self.generation
 
     def start_generation(self, generation: int) -> None:
         """The weights changed: every cached block is forgotten, and chains start from
@@ -388,16 +395,22 @@ class BlockManager:
         return n
 
     def _register(self, seq: SequenceState) -> None:
-        """Hashes seq's newly completed full blocks and publishes them for reuse."""
+        """Hashes seq's newly completed full blocks and publishes them for reuse.
+
+        The chain starts from the root of the weights version the sequence began under.
+        A sequence from older weights keeps its hashes but publishes nothing: each of its
+        blocks was computed, at least in part, from KV the serving weights did not make
+        (attention reads every earlier token), so it must never be hit under them."""
         if not self.prefix_caching:
             return
         bs = self.block_size
+        publish = self.is_current(seq)
         for i in range(len(seq.hashes), seq.length // bs):
-            parent = seq.hashes[-1] if seq.hashes else self._root(seq.tenant, seq.adapter_digest)
+            parent = seq.hashes[-1] if seq.hashes else self._root(seq.tenant, seq.adapter_digest, seq.generation)
             digest = self._block_hash(parent, seq.tokens[i * bs:(i + 1) * bs])
             seq.hashes.append(digest)
             block = seq.block_ids[i]
-            if block not in self._hash_of and digest not in self._block_of:
+            if publish and block not in self._hash_of and digest not in self._block_of:
                 self._hash_of[block] = digest
                 self._block_of[digest] = block
                 tokens = tuple(seq.tokens[i * bs:(i + 1) * bs])
@@ -473,6 +486,8 @@ class BlockManager:
         del seq.tokens[new_length:]
         del seq.hashes[new_length // self.block_size:]
         seq.length = new_length
+        if new_length == 0:  # no KV of older weights is left in it
+            seq.generation = self.generation
         if touch:
             seq.last_used = time.monotonic()
         return self._drop(dropped)
@@ -488,6 +503,7 @@ class BlockManager:
             child = self._seqs[cid] = SequenceState(
                 cid, seq.length, list(seq.block_ids), list(seq.tokens), list(seq.hashes), tenant=seq.tenant,
                 adapter=seq.adapter, adapter_digest=seq.adapter_digest, prompt_spans=list(seq.prompt_spans),
+                generation=seq.generation,
             )
             children.append(child)
         seq.last_used = time.monotonic()

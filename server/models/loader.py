@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}
 
 
-def _return_freed_memory() -> None:
+def return_freed_memory() -> None:
     """Hands the heap memory freed while loading (the checkpoint's float32 tensors,
     the unfused and unpacked originals) back to the OS: glibc keeps freed chunks
     in its arenas otherwise, and they would count as resident for the server's
@@ -103,7 +103,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
                   if (isinstance(m, woq.QuantizedLinear) or getattr(m, "packed", None) is not None
                       and m.weight is None) and not (name == "lm_head" and tied))
     model.parameter_count = params
-    _return_freed_memory()
+    return_freed_memory()
     log.info(
         "loaded %s (%s, %.1fM params%s, %s on %s) in %.1fs", path.name, cfg.architecture, params / 1e6,
         f" in rank {shard.rank}'s shard of {shard.degree}" if shard else "", dtype, device,
