@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any, Generator, Iterable, Mapping, Sequence
 
 if TYPE_CHECKING:
     from .fleet import _Replica, _Sequence
-    from .replicas.routing import _Routing
     from ferrum_rpc.types import KvCacheHandle
 
 log = logging.getLogger(__name__)
@@ -66,16 +65,17 @@ class Roles:
                 log.warning("no %s replica usable: %d tokens placed on %s", role, len(tokens), replica.target)
         return replica
 
-    def handoff_flow(self, routing: _Routing, seq: _Sequence, send: KvCacheHandle) -> Flow:
+    def handoff_flow(self, place, migrate, seq: _Sequence, send: KvCacheHandle) -> Flow:
         """Moves ``seq`` off its prefill replica to a decode replica, once, before it decodes;
-        returns the handle to send (``send`` itself when it stays)."""
+        returns the handle to send (``send`` itself when it stays).  ``place(tokens,
+        exclude)`` and ``migrate(seq, send, why, target)`` are the replica set's flows."""
         old = seq.replica
         if not self.enabled or seq.stays or old not in self._only[PREFILL]:
             return send
         seq.stays = True  # one try: a failed move is not retried on every step
         tokens = seq.tokens.tolist() if seq.tokens is not None else []
-        target = yield from routing._place_flow(tokens, {old} | self.outside(DECODE))
-        moved = None if target is None else (yield from routing._migrate_flow(seq, send, "prefill done", target))
+        target = yield from place(tokens, {old} | self.outside(DECODE))
+        moved = None if target is None else (yield from migrate(seq, send, "prefill done", target))
         if moved is None:
             log.warning("sequence %s stays on prefill replica %s and decodes there (%s)", send.cache_id, old.target,
                         "no decode replica usable" if target is None else "the push failed")

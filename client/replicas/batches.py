@@ -61,7 +61,7 @@ class _Batches:
                 continue
             seq, send = self._fleet.resolve(handle)
             if seq is not None and not prompt:
-                send = yield from self._roles.handoff_flow(self, seq, send)
+                send = yield from self._roles.handoff_flow(self._place_flow, self._migrate_flow, seq, send)
             replica = seq.replica if seq is not None else (yield from self._owner_flow(handle))
             items.append(_Item(index, tokens, seq, send, replica, before=send.sequence_length, prompt=prompt))
         return items

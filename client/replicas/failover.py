@@ -43,7 +43,7 @@ class _Failover:
         replayed elsewhere and the call runs there."""
         seq, send = self._fleet.resolve(handle)
         if seq is not None and not prompt:
-            send = yield from self._roles.handoff_flow(self, seq, send)
+            send = yield from self._roles.handoff_flow(self._place_flow, self._migrate_flow, seq, send)
         replica = seq.replica if seq is not None else (yield from self._owner_flow(handle))
         for round_ in range(self.policy.max_attempts + 1):
             try:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from .build import load_library
 from .probe import TOLERANCE, Verdict, as_probe, built, check, relative_error, within
+from .rope import apply_rope, rope_tables
 from ..config import STEP_OPS
 from ..kv.pool import KvPool
 
@@ -47,8 +48,6 @@ def choose_step_ops(requested: str, dtype: torch.dtype, device: torch.device) ->
 
 def eager_attention(q, k, v, cos_table, sin_table, positions, pool: KvPool, layer: int, kv) -> torch.Tensor:
     """The eager ops the fused attention replaces (models/llama.py): the reference."""
-    from ..models.llama import apply_rope
-
     B, T, H, D = q.shape
     cos = cos_table[positions].unsqueeze(2).to(q.dtype)
     sin = sin_table[positions].unsqueeze(2).to(q.dtype)
@@ -90,8 +89,6 @@ def attention_error(dtype: torch.dtype, gen: torch.Generator, heads: int = 4, kv
     ragged batch (a 3-token continuation of 5 tokens, a 1-token decode of 9) in
     shuffled, shared-nothing pool blocks (of ``kv_dtype``, else ``dtype``), both
     pools checked after the write."""
-    from ..models.llama import rope_tables
-
     cfg = SimpleNamespace(head_dim=dim, rope_theta=10000.0, max_position_embeddings=64)
     cos_table, sin_table = rope_tables(cfg, torch.device("cpu"))
     pools = [KvPool(1, 8, block, kv_heads, dim, kv_dtype or dtype, torch.device("cpu")) for _ in range(2)]

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.qact import QACT, UNIT
+from ..kernels.rope import apply_rope, rope_tables
 from ..kernels.select import packed_float32_wins_at_one_row
 from ..kernels.woq import WOQ, QuantizedLinear
 from .config import ModelConfig
@@ -55,23 +56,6 @@ class RMSNorm(nn.Module):
         # Normalise in float32 as the reference does, then cast back.
         h = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return self.weight * h.to(x.dtype)
-
-
-def rope_tables(cfg: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin for every position, computed once per model: (max_pos, head_dim) float32."""
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
-    freqs = torch.outer(pos, inv_freq)  # (P, D/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)
-    return emb.cos().to(device), emb.sin().to(device)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, T, H, D); cos/sin: (B, T, 1, D) already in x's dtype."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class Attention(nn.Module):

@@ -16,7 +16,6 @@ import dataclasses
 import itertools
 import logging
 import time
-from typing import TYPE_CHECKING
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -40,6 +39,7 @@ from .watch import KvEventRpcs
 from .weights import WeightsRpcs
 from .edge import deadline_of, required_handle
 from .handler import call, handler, query
+from .hosting import HostedModels
 from .shm import SharedMemoryRegistry
 from ..engine.worker import ModelWorker
 from ferrum_rpc.types import (
@@ -52,9 +52,6 @@ from ferrum_rpc.types import (
 )
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
-
-if TYPE_CHECKING:  # the app hands the servicer its registry (the process layer above)
-    from ..registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +89,7 @@ class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, WeightsRpcs, pb_grp
     """Routes each request to the worker of the model it names (empty = the default)."""
 
     def __init__(self, instance_id: str, tokens: TokenTable | None = None, metrics=None,
-                 shared_memory: bool = False, admin_tenants: tuple[str, ...] = (), *, registry: Registry,
+                 shared_memory: bool = False, admin_tenants: tuple[str, ...] = (), *, registry: HostedModels,
                  push: PushConfig = PushConfig(), transfer_budget_bytes: int = 0, import_idle_s: float = 30.0):
         self.tickets = transfer.TicketBook()  # import tickets issued here
         self.push = push  # where PushSequence may connect, and how

@@ -125,7 +125,7 @@ def test_linear_rows_refuses_what_it_does_not_run(ops):
 
 def test_paged_attention_refuses_out_of_range_slots_and_blocks(ops):
     from ferrum_rpc.server.kv.pool import KvPool
-    from ferrum_rpc.server.models.llama import rope_tables
+    from ferrum_rpc.server.kernels.rope import rope_tables
     from types import SimpleNamespace
 
     cos, sin = rope_tables(SimpleNamespace(head_dim=16, rope_theta=1e4, max_position_embeddings=64),
