@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ferrum_rpc.types import DecodeInput, DecodeOutput
-from ..kv.blocks import Undo
+from .undo import Undo
 
 QUEUED_FORWARDS = 2  # a run's queue bound by default: one forward being sent while the next runs, and one more
 

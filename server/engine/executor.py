@@ -39,7 +39,8 @@ from .speculating import Speculates
 from .forward import Rows, Step, forward
 from .graphs import decode_graphs
 from ..kv.pool import KvPool
-from ..kv.blocks import BlockManager, SequenceState, Undo, WritePlan
+from ..kv.blocks import BlockManager, SequenceState, WritePlan
+from .undo import Undo
 from ..kv.events import KvEventHub
 from ..models import TORCH_DTYPES, load_model
 from ..parallel import runner

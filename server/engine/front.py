@@ -11,7 +11,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from ferrum_rpc.types import DecodeInput, KvCacheHandle, LogitsPolicy, VerifyOutput
-from ..kv.blocks import Undo
+from .undo import Undo
 from .executor import verify_policy
 from .jobs import DecodeWork, Done, Job
 

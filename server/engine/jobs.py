@@ -10,7 +10,7 @@ from typing import Any, Callable, NamedTuple
 
 from ferrum_rpc.errors import Cancelled, DeadlineExceeded, ExecutorError
 from ferrum_rpc.types import DecodeInput, HiddenStatesRequest, KvCacheHandle, LogitsPolicy
-from ..kv.blocks import Undo
+from .undo import Undo
 from .prompt import PromptInParts
 
 

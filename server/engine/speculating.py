@@ -15,7 +15,7 @@ from ferrum_rpc.types import (
 )
 from ..choice import speculative
 from ..choice.sampling import accept_drafts as choose_drafts
-from ..kv.blocks import Undo
+from .undo import Undo
 
 
 class Speculates:

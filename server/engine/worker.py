@@ -46,7 +46,7 @@ from typing import Any, Callable
 from ferrum_rpc.errors import Draining, ExecutorError
 from ferrum_rpc.types import DecodeInput, KvCacheHandle, LogitsPolicy
 from . import scheduler
-from ..kv.blocks import Undo
+from .undo import Undo
 from .executor import TorchExecutor
 from .front import AsyncFront
 from .runs import DrivesRuns

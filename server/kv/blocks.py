@@ -27,7 +27,6 @@ from types import MappingProxyType
 from ferrum_rpc.errors import (Cancelled, CacheExpired, CacheNotFound, InvalidInput, KvCapacityExhausted,
                                WeightsChanged, shown)
 from ferrum_rpc.hashing import block_hash, chain_root
-from ferrum_rpc.types import KvCacheHandle
 from .events import KvEventHub, Removed, Stored
 
 _EXPIRED_MEMORY = 100_000  # expired ids remembered, to answer CACHE_EXPIRED instead of NOT_FOUND
@@ -60,28 +59,6 @@ class SequenceState:
     def output_start(self) -> int:
         """Where the output starts: tokens[:output_start] are prompt, the rest output."""
         return min(self.prompt_spans[-1][1], self.length) if self.prompt_spans else 0
-
-
-@dataclass(frozen=True)
-class Undo:
-    """What puts one sequence back as it was before one call: the one undo record.
-
-    The executor makes it where a call changes a sequence (:meth:`of` for a
-    finished call, from the handle the call was given and the one it returned;
-    ``Opened.undo`` for a call in progress); whoever abandons the call (a
-    failure, a caller that went away, a reply never sent) applies it with
-    :meth:`TorchExecutor.undo`.  A sequence already gone is skipped."""
-
-    cache_id: str
-    back_to: int | None  # the length to go back to; None: the call created the sequence, which is released
-    left_at: int | None = None  # the length the call left it at: skipped if something moved it since (None: no check)
-    clock: float | None = None  # its idle clock before the call, put back too (None: left as it is)
-
-    @classmethod
-    def of(cls, before: KvCacheHandle | None, after: KvCacheHandle) -> Undo:
-        """Undoes a finished call given ``before`` (None: the call created the sequence)
-        that returned ``after``."""
-        return cls(after.cache_id, None if before is None else before.sequence_length, after.sequence_length)
 
 
 @dataclass

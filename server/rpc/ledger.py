@@ -13,7 +13,7 @@ import itertools
 from typing import TYPE_CHECKING
 
 from ferrum_rpc.types import KvCacheHandle
-from ..kv.blocks import Undo
+from ..engine.undo import Undo
 
 if TYPE_CHECKING:  # handed in by the servicer
     from ..engine.worker import ModelWorker

@@ -32,7 +32,7 @@ from ..kv import events as kv_events
 from . import session
 from ..kv import transfer
 from .ledger import Undelivered
-from ..kv.blocks import Undo
+from ..engine.undo import Undo
 from .migration import PushConfig, TransferRpcs
 from .admin import AdminRpcs
 from .watch import KvEventRpcs

@@ -8,7 +8,7 @@ import pytest
 
 from ferrum_rpc.server.config import ExecutorConfig
 from ferrum_rpc.server.engine.executor import TorchExecutor
-from ferrum_rpc.server.kv.blocks import Undo
+from ferrum_rpc.server.engine.undo import Undo
 from ferrum_rpc.types import LogitsPolicy
 from tests.conftest import executor_snapshot as snapshot
 
