@@ -14,7 +14,7 @@ from ferrum_rpc.types import (
     ModelInfo,
     ServerState,
 )
-from ..kv.transfer import fingerprint
+from .transfer import fingerprint
 from ..models import TORCH_DTYPES
 from .stats import measure_optimal_batch
 

@@ -16,7 +16,7 @@ import grpc
 
 from ferrum_rpc.errors import ExecutorError, InvalidInput, to_rpc_status
 from ferrum_rpc.v1 import executor_pb2 as pb
-from ..kv import transfer
+from . import tickets
 from .auth import HANDLER_FACTORIES
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ def handler(*, admit: bool = True, admin: bool = False, observe: bool = True, ti
             check_parsed(request)  # a client stream's messages are checked one by one
             if self.lost is not None:  # a tensor-parallel rank is gone: nothing is answered again
                 raise self.lost
-            presented = transfer.ticket_of(context.invocation_metadata()) if ticketed else None
+            presented = tickets.ticket_of(context.invocation_metadata()) if ticketed else None
             if presented is not None:
                 if admit:
                     stack.enter_context(self.admit())

@@ -2,7 +2,7 @@
 CreateImportTicket and PushSequence, mixed into the servicer.
 
 They translate, as every handler does; what a stream holds and how it is checked
-is ``transfer.py``.  A push makes this server the client of the receiver's
+is ``engine/transfer.py``.  A push makes this server the client of the receiver's
 ImportSequence: it presents only the ticket the receiver issued to the caller's
 tenant (and says which tenant that is, so a ticket of another tenant is refused),
 never the caller's credentials, over TLS when this server serves TLS.
@@ -26,13 +26,16 @@ from ferrum_rpc.errors import (
     FingerprintMismatch,
     InvalidInput,
     Reason,
+    TransferCorrupted,
     TransferStalled,
     from_rpc_error,
     shown,
 )
-from ..kv import transfer
+from ..engine import transfer
+from . import tickets
 from ..config import parse_allow
 from .edge import deadline_of, required_handle
+from ferrum_rpc.metadata import TENANT_HEADER, TICKET_HEADER
 from ferrum_rpc.types import ServerState
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
@@ -130,7 +133,7 @@ class ImportReads:
 class TransferRpcs:
     """The handlers' bodies; ``servicer.py`` wraps each with its ``_handler``."""
 
-    tickets: transfer.TicketBook
+    tickets: tickets.TicketBook
     push: PushConfig
     budget: transfer.TransferBudget  # what imports in flight buffer
     import_idle_s: float
@@ -210,7 +213,7 @@ class TransferRpcs:
             raise
         self.tickets.finish(ticket, ok=True)
 
-    def _import_target(self, header: pb.SequenceHeader, ticket: transfer.Ticket | None):
+    def _import_target(self, header: pb.SequenceHeader, ticket: tickets.Ticket | None):
         """The worker an import goes to: the ticket's model, else the hosted model with
         the stream's fingerprint (its own name first), else the default one (which
         then refuses it with the precise difference)."""
@@ -227,7 +230,7 @@ class TransferRpcs:
     async def ImportSequence(self, request_iterator, context, tenant: str):
         """Every message is checked as it arrives; the sequence is made in one worker job
         after the trailer (nothing is taken before); a cancelled import is undone."""
-        presented = transfer.ticket_of(context.invocation_metadata())
+        presented = tickets.ticket_of(context.invocation_metadata())
         ticket = self.tickets.claimed(presented[0]) if presented else None
         receiver, worker, incoming = None, None, None
         messages = aiter(request_iterator)
@@ -244,7 +247,7 @@ class TransferRpcs:
                         receiver = transfer.Receiver(worker.executor, expected, self.budget, tenant)
                     receiver.take(message)
                 if receiver is None:
-                    raise transfer.TransferCorrupted("the import stream was empty: truncated")
+                    raise TransferCorrupted("the import stream was empty: truncated")
                 incoming = receiver.done()
                 handle, _ = await worker.create(transfer.install, worker.executor, incoming, tenant,
                                                 deadline=deadline_of(context), tenant=tenant)
@@ -285,7 +288,7 @@ class TransferRpcs:
         if not request.ticket:
             raise InvalidInput("ticket is required: ask the receiver for one (CreateImportTicket)")
         loop = asyncio.get_running_loop()
-        address, host = await loop.run_in_executor(None, transfer.check_target, request.target, self.push.allowed)
+        address, host = await loop.run_in_executor(None, tickets.check_target, request.target, self.push.allowed)
         worker, snap = await self._snapshot(request, context, tenant)
         sent = 0
 
@@ -299,7 +302,7 @@ class TransferRpcs:
         remaining = context.time_remaining()
         timeout = self.push.timeout_s if remaining is None else remaining
         failed = None
-        metadata = ((transfer.TICKET_HEADER, request.ticket), (transfer.TENANT_HEADER, tenant))
+        metadata = ((TICKET_HEADER, request.ticket), (TENANT_HEADER, tenant))
         async with self.push.channel(address, host) as channel:  # closed when the push ends
             stub = pb_grpc.ModelExecutorStub(channel)
             try:

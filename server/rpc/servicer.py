@@ -30,7 +30,8 @@ from ferrum_rpc.errors import (
 from .auth import TokenTable
 from ..kv import events as kv_events
 from . import session
-from ..kv import transfer
+from ..engine import transfer
+from . import tickets
 from .ledger import Undelivered
 from ..engine.undo import Undo
 from .migration import PushConfig, TransferRpcs
@@ -91,7 +92,7 @@ class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, WeightsRpcs, pb_grp
     def __init__(self, instance_id: str, tokens: TokenTable | None = None, metrics=None,
                  shared_memory: bool = False, admin_tenants: tuple[str, ...] = (), *, registry: HostedModels,
                  push: PushConfig = PushConfig(), transfer_budget_bytes: int = 0, import_idle_s: float = 30.0):
-        self.tickets = transfer.TicketBook()  # import tickets issued here
+        self.tickets = tickets.TicketBook()  # import tickets issued here
         self.push = push  # where PushSequence may connect, and how
         self.budget = transfer.TransferBudget(transfer_budget_bytes, self._largest_pool_bytes)
         self.import_idle_s = import_idle_s

@@ -487,7 +487,7 @@ def test_the_export_framing_round_trips_and_refuses_a_cut_file():
 
 
 def test_tickets_are_single_use_bound_to_their_tenant_and_given_back_on_failure():
-    from ferrum_rpc.server.kv.transfer import TicketBook
+    from ferrum_rpc.server.rpc.tickets import TicketBook
 
     book = TicketBook()
     ticket = book.issue("alice", "tiny", "f" * 32, 0)
