@@ -15,12 +15,11 @@ load-time benchmark).
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterable
 
@@ -36,7 +35,8 @@ from .checks import ExecutorChecks
 from .choosing import ChoosesTokens
 from .describe import Describes
 from .speculating import Speculates
-from .forward import Rows, Step, forward
+from .forward import AppendPlan, PlanKind, Rows, Step, forward
+from .opened import Opened
 from .graphs import decode_graphs
 from ..kv.pool import KvPool
 from ..kv.blocks import BlockManager, SequenceState, WritePlan
@@ -53,39 +53,6 @@ from ferrum_rpc.types import (BlockTable, DecodeInput, DecodeOutput, HiddenState
                               LogitsKind, LogitsPolicy, PrefillOutput, Timing, TokenChoice, VerifyOutput)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Opened:
-    """A validated call's sequence and what is needed to put it back as it was."""
-
-    seq: SequenceState
-    created: bool  # the call made the sequence: a failure forgets it
-    cached: int  # prompt tokens served from the prefix cache
-    origin: int  # the sequence's length before the call
-    clock: float  # its idle clock before the call (a failure leaves it untouched)
-
-    @property
-    def undo(self) -> Undo:
-        """Puts the sequence back as it was before the call, idle clock included."""
-        return Undo(self.seq.cache_id, None if self.created else self.origin, clock=self.clock)
-
-
-class PlanKind(enum.Enum):
-    """What a plan's result is (see :meth:`TorchExecutor.run`)."""
-
-    DECODE = "decode"  # a DecodeOutput per step
-    PART = "part"  # a prompt's part (one step): its float32 logits rows, or None when it asked for none
-
-
-@dataclass
-class AppendPlan:
-    """Validated appends whose KV room is reserved: ``TorchExecutor.run`` runs any
-    number of plans (decodes, prompts' parts) as one forward."""
-
-    steps: list[Step]
-    policy: LogitsPolicy
-    kind: PlanKind
 
 
 def verify_policy(policy: LogitsPolicy) -> LogitsPolicy:

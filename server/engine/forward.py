@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..kv.pool import KvPool, RaggedBatch
 from ..kv.blocks import SequenceState, WritePlan
 from ..models.lora import BASE
-from ferrum_rpc.types import ChosenToken, TokenChoice
-
-if TYPE_CHECKING:
-    from .executor import Opened
+from ferrum_rpc.types import ChosenToken, LogitsPolicy, TokenChoice
+from .opened import Opened
 
 
 class Rows(enum.Enum):
@@ -160,3 +157,20 @@ def _adapter_slots(model: torch.nn.Module, steps: list[Step], repeats: list[int]
 def _slot(model: torch.nn.Module, step: Step) -> int:
     """The adapter slot a step runs with (BASE: the base model)."""
     return model.adapters.slot(step.adapter) if step.adapter else BASE
+
+
+class PlanKind(enum.Enum):
+    """What a plan's result is (see :meth:`TorchExecutor.run`)."""
+
+    DECODE = "decode"  # a DecodeOutput per step
+    PART = "part"  # a prompt's part (one step): its float32 logits rows, or None when it asked for none
+
+
+@dataclass
+class AppendPlan:
+    """Validated appends whose KV room is reserved: ``TorchExecutor.run`` runs any
+    number of plans (decodes, prompts' parts) as one forward."""
+
+    steps: list[Step]
+    policy: LogitsPolicy
+    kind: PlanKind

@@ -1,19 +1,31 @@
 """A prompt run in parts, each part one step of a forward that may carry other
 work (decodes, other prompts' parts): the unified forward.  Uses the
-executor's public planning interface (``plan_part``, ``run``, ``undo``)."""
+executor's planning interface (``PartPlanner``: ``plan_part``, ``undo``; the worker runs the plans)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Iterable, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from .forward import Rows
 from ferrum_rpc.types import HiddenStatesRequest, LogitsPolicy, PrefillOutput, Timing, TokenChoice
+from .forward import AppendPlan, Rows
+from .opened import Opened
+from .undo import Undo
+from ..kv.blocks import BlockManager
 
-if TYPE_CHECKING:
-    from .executor import AppendPlan, Opened, TorchExecutor
+
+class PartPlanner(Protocol):
+    """The executor's planning interface a prompt in parts uses."""
+
+    kv: BlockManager
+
+    def plan_part(self, opened: Opened, tokens: list[int], rows: Rows, policy: LogitsPolicy) -> AppendPlan:
+        """Plans an opened prompt's next ``tokens``, reserving their KV room."""
+
+    def undo(self, undos: Iterable[Undo]) -> None:
+        """Puts each record's sequence back as it was before its call."""
 
 
 class PromptInParts:
@@ -27,7 +39,7 @@ class PromptInParts:
     included.
     """
 
-    def __init__(self, executor: TorchExecutor, opened: Opened, tokens: list[int], policy: LogitsPolicy,
+    def __init__(self, executor: PartPlanner, opened: Opened, tokens: list[int], policy: LogitsPolicy,
                  hidden: HiddenStatesRequest | None, choice: TokenChoice | None = None, want_logits: bool = True,
                  as_output: bool = False):
         self.executor, self.opened, self.tokens, self.policy, self.hidden = executor, opened, tokens, policy, hidden

@@ -83,6 +83,11 @@ def _check_fingerprint(theirs: pb.KvFingerprint, ours: pb.KvFingerprint) -> None
                               f"{', '.join(differ)}; export {theirs.digest}, here {ours.digest})")
 
 
+def pool_bytes(executor) -> int:
+    """The bytes of the executor's KV pool (what an import may at most fill)."""
+    return executor.pool.nbytes
+
+
 def _bytes_per_token(executor) -> int:
     mc = executor.model_config
     return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * executor.pool.k.element_size()

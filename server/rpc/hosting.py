@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Protocol, Sequence
 
-from ..engine.worker import ModelWorker
+from ..engine.facade import ModelWorker
 
 
 class HostedModel(Protocol):

@@ -13,10 +13,10 @@ import itertools
 from typing import TYPE_CHECKING
 
 from ferrum_rpc.types import KvCacheHandle
-from ..engine.undo import Undo
+from ..engine.facade import Undo
 
 if TYPE_CHECKING:  # handed in by the servicer
-    from ..engine.worker import ModelWorker
+    from ..engine.facade import ModelWorker
 
 
 class Undelivered:

@@ -31,7 +31,7 @@ from ferrum_rpc.errors import (
     from_rpc_error,
     shown,
 )
-from ..engine import transfer
+from ..engine.facade import transfer
 from . import tickets
 from ..config import parse_allow
 from .edge import deadline_of, required_handle

@@ -28,12 +28,9 @@ from ferrum_rpc.errors import (
     ModelLoading,
 )
 from .auth import TokenTable
-from ..kv import events as kv_events
 from . import session
-from ..engine import transfer
 from . import tickets
 from .ledger import Undelivered
-from ..engine.undo import Undo
 from .migration import PushConfig, TransferRpcs
 from .admin import AdminRpcs
 from .watch import KvEventRpcs
@@ -42,7 +39,7 @@ from .edge import deadline_of, required_handle
 from .handler import call, handler, query
 from .hosting import HostedModels
 from .shm import SharedMemoryRegistry
-from ..engine.worker import ModelWorker
+from ..engine.facade import ModelWorker, Subscriber, Undo, transfer
 from ferrum_rpc.types import (
     ChosenToken,
     DecodeInput,
@@ -103,7 +100,7 @@ class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, WeightsRpcs, pb_grp
         self.registry = registry  # the models hosted, and how they are loaded and unloaded
         self.shared_memory = shared_memory  # RegisterSharedMemory served
         self.shm = SharedMemoryRegistry()
-        self.watches: set[kv_events.Subscriber] = set()  # open WatchKvEvents streams
+        self.watches: set[Subscriber] = set()  # open WatchKvEvents streams
         self.tokens = tokens  # None: auth off, every caller is tenant ""
         self.metrics = metrics  # server.metrics.Metrics, or None
         self.state = ServerState.LOADING
@@ -117,7 +114,7 @@ class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, WeightsRpcs, pb_grp
 
     def _largest_pool_bytes(self) -> int:
         """The default in-flight transfer budget: the largest hosted KV pool's bytes."""
-        return max((w.executor.pool.nbytes for w in list(self.workers.values())), default=0)
+        return max((transfer.pool_bytes(w.executor) for w in list(self.workers.values())), default=0)
 
     @property
     def workers(self) -> dict[str, ModelWorker]:

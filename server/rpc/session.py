@@ -54,8 +54,7 @@ import time
 
 from ferrum_rpc import convert
 from ferrum_rpc.errors import InvalidInput, to_status_proto
-from ..engine.ahead import QUEUED_FORWARDS, AheadRun, Emitted, Finish
-from ..engine.worker import ModelWorker
+from ..engine.facade import QUEUED_FORWARDS, AheadRun, Emitted, Finish, ModelWorker
 from .ledger import Undelivered
 from .handler import as_executor_error, check_parsed
 from ferrum_rpc.types import DecodeInput

@@ -8,22 +8,21 @@ import asyncio
 
 import grpc
 
-from ferrum_rpc import hashing
 from ferrum_rpc.errors import Draining, ExecutorError
 from ferrum_rpc.types import ServerState
 from ferrum_rpc.v1 import executor_pb2 as pb
-from ..kv import events as kv_events
+from ..engine.facade import KvWatch, Removed, Stored, Subscriber
 from .handler import query
 
 
-def _kv_block(block: kv_events.Stored) -> pb.KvBlock:
+def _kv_block(block: Stored) -> pb.KvBlock:
     return pb.KvBlock(block_hash=block.digest, parent_hash=block.parent, token_ids=block.tokens)
 
 
 def _kv_event(number: int, event) -> pb.KvEvent:
-    if isinstance(event, kv_events.Stored):
+    if isinstance(event, Stored):
         return pb.KvEvent(sequence=number, stored=_kv_block(event))
-    if isinstance(event, kv_events.Removed):
+    if isinstance(event, Removed):
         return pb.KvEvent(sequence=number, removed=event.digest)
     return pb.KvEvent(sequence=number, all_cleared=True)
 
@@ -32,26 +31,23 @@ class KvEventRpcs:
     @query  # not admitted: a watch lasts as long as its caller, and draining must not wait for it
     async def WatchKvEvents(self, request, context, tenant: str):
         """The caller's tenant's prefix-cache blocks as they are stored and removed
-        (``kv_events.py``), until the caller goes or the model unloads."""
+        (``kv/events.py``), until the caller goes or the model unloads."""
         worker = self._worker(request.model)
-        kv = worker.executor.kv
-        if not kv.prefix_caching:
+        watch = KvWatch(worker.executor)
+        if not watch.prefix_caching:
             raise ExecutorError(f"model {worker.executor.name!r} serves with prefix caching off: it caches no blocks "
                                 f"to tell of", code=grpc.StatusCode.UNIMPLEMENTED)
         if self.state is ServerState.DRAINING:
             raise Draining("the server is draining: watch another replica")
-        hub = kv.events
-        sub = kv_events.Subscriber(tenant, asyncio.get_running_loop())
+        hub = watch.hub
+        sub = Subscriber(tenant, asyncio.get_running_loop())
         self.watches.add(sub)
 
         def hello(snapshot: bool) -> pb.KvEventsHello:  # on the worker thread, between forwards
-            first, blocks = hub.subscribe(sub, lambda: kv.cached_blocks(tenant) if snapshot else [])
-            return pb.KvEventsHello(chain_root=hashing.chain_root(tenant, "", kv.generation),
-                                    adapter_roots={name: hashing.chain_root(tenant, digest, kv.generation)
-                                                   for name, digest in worker.executor.adapter_digests().items()},
-                                    block_size=kv.block_size,
-                                    model=worker.executor.name, queue_limit=hub.queue_limit, next_sequence=first,
-                                    cached=[_kv_block(b) for b in blocks])
+            h = watch.hello(sub, tenant, snapshot)
+            return pb.KvEventsHello(chain_root=h.chain_root, adapter_roots=h.adapter_roots, block_size=h.block_size,
+                                    model=h.model, queue_limit=h.queue_limit, next_sequence=h.next_sequence,
+                                    cached=[_kv_block(b) for b in h.cached])
         try:
             yield pb.KvEventBatch(hello=await worker.call(hello, request.snapshot))
             while True:
