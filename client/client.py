@@ -33,7 +33,7 @@ from .ready import Readiness
 from .rpc import INVOKED, STATUS, DecodeItem, Rpc, with_methods
 from .session import AsyncDecodeSession, DecodeSession
 from .shm import AsyncSharedMemoryRegion, SharedMemoryRegion
-from ferrum_rpc.errors import ExecutorError, from_rpc_error
+from ferrum_rpc.errors import ExecutorError, RequestIdExists, from_rpc_error
 from ferrum_rpc.metadata import deadline_metadata
 from ferrum_rpc.types import KvCacheHandle, TokenChoice
 from ferrum_rpc.v1 import executor_pb2 as pb
@@ -55,18 +55,19 @@ _UNKNOWN_OUTCOME = frozenset({grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLIN
 
 
 @contextlib.contextmanager
-def _errors_mapped(client, rpc: Rpc, request):
+def _errors_mapped(client, rpc: Rpc, request, args: tuple, kwargs: dict):
     """Both invokers' errors: ``grpc.RpcError`` becomes the error table's exception, and a
     call that ended with its outcome unknown (cancelled, timed out, interrupted, the
-    connection lost) has what it may have created released by request_id."""
+    connection lost) has what it may have created under names the client generated
+    released by request_id."""
     try:
         yield
     except grpc.RpcError as exc:
         if exc.code() in _UNKNOWN_OUTCOME:
-            client._release_created(rpc, request)
+            client._release_created(rpc, request, args, kwargs)
         raise from_rpc_error(exc) from None
     except BaseException:  # interrupted or cancelled while waiting: the call may have run
-        client._release_created(rpc, request)
+        client._release_created(rpc, request, args, kwargs)
         raise
 
 
@@ -278,15 +279,19 @@ class ExecutorClient(_Client):
     def _invoke(self, rpc: Rpc, args: tuple, kwargs: dict, timeout=_CLIENT_TIMEOUT):
         """The sync invoker: one call of ``rpc``, its reply (or replies) parsed."""
         method, request, options = self._call_args(rpc, args, kwargs, timeout)
-        with _errors_mapped(self, rpc, request):
-            call = method(request, **options)
-            if rpc.stream:
-                call = [rpc.seen(self, message, args, kwargs) for message in call]
+        try:
+            with _errors_mapped(self, rpc, request, args, kwargs):
+                call = method(request, **options)
+                if rpc.stream:
+                    call = [rpc.seen(self, message, args, kwargs) for message in call]
+        except RequestIdExists as exc:  # a retry whose first attempt made the sequence
+            return rpc.answered(self, exc)
         return rpc.result(self, call, args, kwargs)
 
-    def _release_created(self, rpc: Rpc, request) -> None:
-        """Releases, by request_id, what a call whose outcome is unknown may have created."""
-        for name in rpc.names(request) if rpc.names is not None else ():
+    def _release_created(self, rpc: Rpc, request, args: tuple, kwargs: dict) -> None:
+        """Releases, by request_id, what a call whose outcome is unknown may have created
+        under names the client generated."""
+        for name in rpc.names(request, args, kwargs) if rpc.names is not None else ():
             try:
                 self._stub.ReleaseCache(_release_request(request, name), timeout=RELEASE_TIMEOUT_S)
             except grpc.RpcError as exc:
@@ -361,18 +366,21 @@ class AsyncExecutorClient(_Client):
     async def _invoke(self, rpc: Rpc, args: tuple, kwargs: dict, timeout=_CLIENT_TIMEOUT):
         """The asyncio invoker: :meth:`ExecutorClient._invoke`, awaited."""
         method, request, options = self._call_args(rpc, args, kwargs, timeout)
-        with _errors_mapped(self, rpc, request):
-            call = method(request, **options)
-            if rpc.stream:
-                call = [rpc.seen(self, message, args, kwargs) async for message in call]
-            else:
-                call = await call
+        try:
+            with _errors_mapped(self, rpc, request, args, kwargs):
+                call = method(request, **options)
+                if rpc.stream:
+                    call = [rpc.seen(self, message, args, kwargs) async for message in call]
+                else:
+                    call = await call
+        except RequestIdExists as exc:  # a retry whose first attempt made the sequence
+            return rpc.answered(self, exc)
         return rpc.result(self, call, args, kwargs)
 
-    def _release_created(self, rpc: Rpc, request) -> None:
+    def _release_created(self, rpc: Rpc, request, args: tuple, kwargs: dict) -> None:
         """:meth:`ExecutorClient._release_created`, as a task of its own (this one may be
         being cancelled); the client keeps it until it ends."""
-        names = rpc.names(request) if rpc.names is not None else []
+        names = rpc.names(request, args, kwargs) if rpc.names is not None else []
         if not names:
             return
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any, BinaryIO, Callable, Iterable, Sequence, Union
 
 from ferrum_rpc import convert, sequence_file, tensor_codec
-from ferrum_rpc.errors import ExecutorError
+from ferrum_rpc.errors import ExecutorError, RequestIdExists
 from ferrum_rpc.types import (  # the table's `returns` name some of these
     Capabilities,
     DecodeInput,
@@ -62,9 +62,13 @@ class Rpc:
             message arrives (progress callbacks).
         with_args: ``reply`` also gets the call's arguments: ``(client, reply, *args, **kwargs)``.
         keep: stream only: keep each message for ``reply`` (False: ``each`` took it already).
-        names: the request_ids of the sequences a request would create; when such a call
-            ends with its outcome unknown (cancelled, timed out, connection lost), the
-            invoker releases them by name, so a lost reply leaves no orphan.
+        names: ``(request, args, kwargs)``: the request_ids the client generated for the
+            sequences a request would create; when such a call ends with its outcome
+            unknown (cancelled, timed out, connection lost), the invoker releases them by
+            name, so a lost reply leaves no orphan.  A caller's own request_id is never
+            released by the client: the caller retries with it (or releases it).
+        existing: ``(client, error) -> result``: the result of a call the server answered
+            with REQUEST_ID_EXISTS (a retry whose sequence is live), or None to raise it.
         replicas: how a replica set runs the call when it writes no flow of its own
             (``replicas/contract.py``): ``"any"``, one usable replica answers (queries);
             ``"every"``, each replica in turn, returning the last one's result.
@@ -78,7 +82,8 @@ class Rpc:
     stream: bool = False
     each: Callable[..., None] | None = None
     with_args: bool = False
-    names: Callable[[Any], list[str]] | None = None
+    names: Callable[[Any, tuple, dict], list[str]] | None = None
+    existing: Callable[[Any, RequestIdExists], Any] | None = None
     replicas: str = ""
 
     def seen(self, client, message, args: tuple, kwargs: dict):
@@ -86,6 +91,12 @@ class Rpc:
         if self.each is not None:
             self.each(client, message, *args, **kwargs)
         return message
+
+    def answered(self, client, error: RequestIdExists):
+        """The result REQUEST_ID_EXISTS stands for, or the error raised again."""
+        if self.existing is None or error.handle is None:
+            raise error
+        return self.existing(client, error)
 
     def result(self, client, reply, args: tuple, kwargs: dict):
         """The call's result from its reply (or replies)."""
@@ -197,7 +208,9 @@ def _prefill(c, token_ids: Sequence[int], kv_cache: KvCacheHandle | None = None,
     With ``token_choice``, the server also chooses the token after it (``out.chosen``);
     ``logits`` None: full float32 logits, none with a token_choice.  ``request_id``:
     the caller's name for the new sequence, unique among its tenant's live ones
-    (``release_cache(request_id=...)``); None: the client names it, and releases it
+    (``release_cache(request_id=...)``), which the client never releases itself: a
+    retry with it whose first attempt made the sequence (its reply lost) returns that
+    sequence (``out.existing``, no logits); None: the client names it, and releases it
     by that name if the call is cancelled or times out.  ``adapter``: the LoRA adapter a
     new sequence runs with (``list_adapters``), kept for its life."""
     req = pb.PrefillRequest(model=c.model, token_ids=token_ids, adapter=adapter)
@@ -307,10 +320,19 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
-def created_names(request) -> list[str]:
-    """The request_ids of the sequences a Prefill or BatchPrefill request would create."""
-    items = request.items if hasattr(request, "items") else [request]
-    return [item.request_id for item in items if item.request_id]
+def generated_names(request, args: tuple, kwargs: dict) -> list[str]:
+    """The request_ids the client generated for the sequences a Prefill or BatchPrefill
+    request would create (batch_prefill names every new sequence itself; prefill names
+    one unless its caller gave a ``request_id``)."""
+    if hasattr(request, "items"):
+        return [item.request_id for item in request.items if item.request_id]
+    given = inspect.signature(_prefill).bind(None, *args, **kwargs).arguments.get("request_id")
+    return [request.request_id] if request.request_id and given is None else []
+
+
+def existing_output(c, error: RequestIdExists) -> PrefillOutput:
+    """A retried prefill's result when its first attempt made the sequence: its handle."""
+    return PrefillOutput(None, error.handle, existing=True)
 
 
 def _fork_cache(c, kv_cache: KvCacheHandle, num_children: int) -> pb.ForkCacheRequest:
@@ -387,14 +409,15 @@ RPCS: tuple[Rpc, ...] = (
     Rpc("capabilities", "GetCapabilities", _capabilities, lambda c, r: convert.capabilities_from_proto(r),
         "Capabilities", replicas="any"),
     STATUS,
-    Rpc("prefill", "Prefill", _prefill, prefill_output, "PrefillOutput", names=created_names),
+    Rpc("prefill", "Prefill", _prefill, prefill_output, "PrefillOutput", names=generated_names,
+        existing=existing_output),
     Rpc("decode", "Decode", _decode, lambda c, r: chosen_output(c, DecodeOutput, r), "DecodeOutput"),
     Rpc("batch_decode", "BatchDecode", _batch_decode, batch_outputs, "list[DecodeOutput]", stream=True),
     Rpc("forward_verify", "ForwardVerify", _forward_verify, lambda c, r: output(c, VerifyOutput, r), "VerifyOutput"),
     Rpc("speculative_decode", "SpeculativeDecode", _speculative_decode, _speculative_output, "SpeculativeOutput"),
     Rpc("batch_prefill", "BatchPrefill", _batch_prefill,
         lambda c, rs: [prefill_output(c, r) for r in sorted(rs, key=lambda r: r.index)], "list[PrefillOutput]",
-        stream=True, names=created_names),
+        stream=True, names=generated_names),
     Rpc("truncate_kv", "TruncateKv", _truncate_kv, lambda c, r: convert.handle_from_proto(r.kv_cache),
         "KvCacheHandle"),
     Rpc("release_cache", "ReleaseCache", _release_cache, lambda c, r: r.blocks_freed, "int"),

@@ -48,6 +48,8 @@ class Reason(str, enum.Enum):
     ADAPTER_IN_USE = "ADAPTER_IN_USE"
     ADAPTER_LIMIT_EXCEEDED = "ADAPTER_LIMIT_EXCEEDED"
     WEIGHTS_CHANGED = "WEIGHTS_CHANGED"
+    REQUEST_ID_EXISTS = "REQUEST_ID_EXISTS"
+    REQUEST_ID_TAKEN = "REQUEST_ID_TAKEN"
 
 
 STATUS_FOR_REASON: dict[Reason, grpc.StatusCode] = {
@@ -81,6 +83,8 @@ STATUS_FOR_REASON: dict[Reason, grpc.StatusCode] = {
     Reason.ADAPTER_IN_USE: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.ADAPTER_LIMIT_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Reason.WEIGHTS_CHANGED: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.REQUEST_ID_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    Reason.REQUEST_ID_TAKEN: grpc.StatusCode.ALREADY_EXISTS,
 }
 
 
@@ -334,6 +338,34 @@ class WeightsChanged(ExecutorError):
     reason = Reason.WEIGHTS_CHANGED
 
 
+class RequestIdExists(ExecutorError):
+    """A Prefill named its new sequence with a request_id that already names a live
+    sequence of the caller's tenant, made by the same prompt (the same tokens and
+    adapter): a retry of a call whose reply was lost.  Nothing was done; ``handle`` is
+    that sequence's handle as it is now (the status carries it as a KvCacheHandle
+    detail).  The typed clients answer such a retry with it (``PrefillOutput.existing``)."""
+
+    reason = Reason.REQUEST_ID_EXISTS
+
+    def __init__(self, message: str, *, code: grpc.StatusCode | None = None, handle=None):
+        super().__init__(message, code=code)
+        self.handle = handle
+
+
+class RequestIdTaken(ExecutorError):
+    """A Prefill's request_id names a live sequence of the caller's tenant that another
+    prompt (other tokens or another adapter) made: names are unique among a tenant's
+    live sequences.  Nothing was done."""
+
+    reason = Reason.REQUEST_ID_TAKEN
+
+
+class RequestIdBusy(RequestIdTaken):
+    """Server side: the request_id's sequence is still being made by an earlier call
+    (its outcome unknown yet); the model worker holds the new call until that one ends.
+    On the wire it is REQUEST_ID_TAKEN."""
+
+
 ERROR_CLASSES: dict[Reason, type[ExecutorError]] = {
     cls.reason: cls
     for cls in (
@@ -367,13 +399,16 @@ ERROR_CLASSES: dict[Reason, type[ExecutorError]] = {
         AdapterInUse,
         AdapterLimitExceeded,
         WeightsChanged,
+        RequestIdExists,
+        RequestIdTaken,
     )
 }
 
 
 def to_status_proto(err: ExecutorError):
     """The ``google.rpc.Status`` message for an error: code, message and an ErrorInfo
-    detail with the reason.  Unary calls carry it in their trailers; DecodeSession
+    detail with the reason (and, for REQUEST_ID_EXISTS, a KvCacheHandle detail: the
+    live sequence's handle).  Unary calls carry it in their trailers; DecodeSession
     replies carry the same message in their ``error`` field."""
     from google.protobuf import any_pb2
     from google.rpc import error_details_pb2, status_pb2
@@ -385,7 +420,12 @@ def to_status_proto(err: ExecutorError):
             domain=ERROR_DOMAIN,
         )
     )
-    return status_pb2.Status(code=err.code.value[0], message=str(err), details=[detail])
+    details = [detail]
+    if getattr(err, "handle", None) is not None:
+        from ferrum_rpc import convert
+        details.append(any_pb2.Any())
+        details[-1].Pack(convert.handle_to_proto(err.handle))
+    return status_pb2.Status(code=err.code.value[0], message=str(err), details=details)
 
 
 def to_rpc_status(err: ExecutorError):
@@ -405,19 +445,30 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 def from_status_proto(status, code: grpc.StatusCode | None = None) -> ExecutorError:
     """Rebuilds the typed error from a ``google.rpc.Status`` (a stream's in-band error,
-    or a unary call's trailers).  Unknown codes and reasons give a plain ExecutorError."""
+    or a unary call's trailers).  Unknown codes and reasons give a plain ExecutorError;
+    a KvCacheHandle detail becomes REQUEST_ID_EXISTS's ``handle``."""
     from google.rpc import error_details_pb2
 
-    reason = None
+    from ferrum_rpc import convert
+    from ferrum_rpc.v1 import executor_pb2 as pb
+
+    reason, handle = None, None
     for detail in status.details:
-        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+        if detail.Is(pb.KvCacheHandle.DESCRIPTOR):
+            proto = pb.KvCacheHandle()
+            detail.Unpack(proto)
+            handle = convert.handle_from_proto(proto)
+        elif detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
             info = error_details_pb2.ErrorInfo()
             detail.Unpack(info)
             if info.domain == ERROR_DOMAIN and info.reason in Reason.__members__:
                 reason = Reason(info.reason)
     cls = ERROR_CLASSES.get(reason, ExecutorError)
     prefix = f"{reason.value}: " if reason else ""
-    return cls(status.message.removeprefix(prefix), code=code or _status_code(status.code))
+    err = cls(status.message.removeprefix(prefix), code=code or _status_code(status.code))
+    if isinstance(err, RequestIdExists):
+        err.handle = handle
+    return err
 
 
 def from_rpc_error(exc: grpc.RpcError) -> ExecutorError:

@@ -230,6 +230,10 @@ class PrefillOutput:
     hidden_states: tuple = ()  # with a HiddenStatesRequest: (positions, hidden) arrays, one per layer
     attention_weights: tuple = ()  # with attention_layers: (heads, positions, sequence_length) arrays, one per layer
     chosen: ChosenToken | None = None  # with a TokenChoice: the next token the executor chose
+    # A retry answered with the live sequence its request_id names, which this same prompt
+    # made (REQUEST_ID_EXISTS): kv_cache is that sequence's handle as it is now; no logits,
+    # hidden states or chosen token came back (the lost reply's are not recomputed).
+    existing: bool = False
 
 
 @dataclass(frozen=True)

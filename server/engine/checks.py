@@ -19,7 +19,7 @@ from ..kv.blocks import SequenceState
 
 _WIRE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _SCORED_ENTRY_BYTES = 4 + 5  # TOP_K/ARGMAX: a float32 score and a varint token id (<= 5 bytes)
-MAX_ID_BYTES = 128  # longest cache id accepted (ours are 32 hex digits)
+MAX_ID_BYTES = 128  # longest id accepted, in UTF-8 bytes (cache ids, request ids; ours are 32 hex digits)
 
 
 class ExecutorChecks:
@@ -87,8 +87,8 @@ class ExecutorChecks:
     def check_id(self, value: str, field: str) -> None:
         if not value:
             raise InvalidInput(f"{field} is required")
-        if len(value) > MAX_ID_BYTES:
-            raise InvalidInput(f"{field} is {len(value)} characters long; at most {MAX_ID_BYTES}")
+        if (size := len(value.encode("utf-8", "surrogatepass"))) > MAX_ID_BYTES:  # the contract's unit: UTF-8 bytes
+            raise InvalidInput(f"{field} is {size} bytes long (UTF-8); at most {MAX_ID_BYTES}")
 
     def resolve(self, handle: KvCacheHandle, tenant: str) -> SequenceState:
         """The sequence a handle names; validates without touching any state

@@ -25,7 +25,7 @@ from typing import Iterable
 
 import torch
 
-from ferrum_rpc.errors import AdapterInvalid, ExecutorError, InvalidInput, TenantQuotaExceeded
+from ferrum_rpc.errors import AdapterInvalid, ExecutorError, InvalidInput, RequestIdExists, TenantQuotaExceeded, shown
 from ..choice.rows import row_max
 from ..choice.policy import validate_token_choice
 from ..config import ExecutorConfig, TenantBounds, tenant_bounds
@@ -42,6 +42,7 @@ from ..kv.pool import KvPool
 from ..kv.blocks import BlockManager, SequenceState, WritePlan
 from .undo import Undo
 from ..kv.events import KvEventHub
+from ..kv.names import prompt_key
 from ..models import TORCH_DTYPES, load_model
 from ..parallel import runner
 from ..parallel.group import CURRENT
@@ -400,8 +401,11 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsA
                 raise InvalidInput("request_id names the sequence a Prefill creates; leave it empty when "
                                    "continuing a sequence")
             self.check_id(name, "request_id")
-            self.kv.check_name(tenant, name)
         self.check_tokens(token_ids)
+        key = prompt_key(token_ids, adapter) if name else b""
+        if name and (live := self.kv.check_name(tenant, name, key)) is not None:  # a retry: its sequence
+            raise RequestIdExists(f"request_id {shown(name)} names the live sequence this same prompt made; "
+                                  "nothing was done (its handle is in the error)", handle=self.handle(live))
         self.check_policy(policy, len(token_ids) if policy.all_positions else 1)
         seq = self.resolve(kv_cache, tenant) if kv_cache is not None else None
         start = seq.length if seq else 0
@@ -414,7 +418,7 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsA
             return Opened(seq, False, 0, seq.length, seq.last_used)
         self.check_sequence_room(tenant, 1)
         adapter, adapter_digest = self.adapter_for_new_sequence(adapter)
-        seq = self.kv.create(uuid.uuid4().hex, tenant, name, adapter, adapter_digest)
+        seq = self.kv.create(uuid.uuid4().hex, tenant, name, adapter, adapter_digest, key)
         cached = 0
         if reuse_prefix and not policy.all_positions:  # a hit must leave the last token to compute
             cached = self.kv.adopt_prefix(seq, token_ids, len(token_ids) - 1)

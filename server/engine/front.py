@@ -18,7 +18,7 @@ from .jobs import DecodeWork, Done, Job
 
 class AsyncFront:
     """Mixed into :class:`~.worker.ModelWorker` (its ``_put``, ``submit``, ``undo``,
-    ``executor`` and ``_prefill_job``)."""
+    ``executor``, ``_prefill_job`` and, on its thread, ``_cond``, ``_jobs`` and ``_parked``)."""
 
     async def prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None, policy: LogitsPolicy | None,
                       deadline: float | None = None, hidden=None, tenant: str = "", choice=None,
@@ -64,6 +64,14 @@ class AsyncFront:
         """ReleaseCache by request_id: aborts a prompt still creating that sequence, then
         releases it (see :meth:`TorchExecutor.release_named`)."""
         return await self.call(self._release_named, name, tenant)
+
+    def _release_named(self, name: str, tenant: str) -> int:  # on the worker thread, between forwards
+        with self._cond:
+            creating = [j for j in (*self._jobs, *self._parked) if j is not None and j.prefill is not None
+                        and j.prefill.name == name and j.tenant == tenant]
+        for job in creating:
+            job.abandoned = True  # stopped before its next part and undone (_plan_part)
+        return self.executor.release_named(name, tenant, aborted=bool(creating))
 
     async def create(self, fn: Callable[..., KvCacheHandle], *args: Any, deadline: float | None = None,
                      tenant: str = "") -> Done:

@@ -43,7 +43,7 @@ from collections import deque
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, Callable
 
-from ferrum_rpc.errors import Draining, ExecutorError
+from ferrum_rpc.errors import Draining, ExecutorError, RequestIdBusy
 from ferrum_rpc.types import DecodeInput, KvCacheHandle, LogitsPolicy
 from . import scheduler
 from .undo import Undo
@@ -147,14 +147,6 @@ class ModelWorker(AsyncFront, DrivesRuns):
                      as_output=False, name="", adapter="") -> Job:
         return Job(None, (), prefill=PromptWork(token_ids, kv_cache, policy, hidden, choice, as_output, name, adapter),
                     deadline=deadline, tenant=tenant)
-
-    def _release_named(self, name: str, tenant: str) -> int:  # on this thread, between forwards
-        with self._cond:
-            creating = [j for j in (*self._jobs, *self._parked) if j is not None and j.prefill is not None
-                        and j.prefill.name == name and j.tenant == tenant]
-        for job in creating:
-            job.abandoned = True  # stopped before its next part and undone (_plan_part)
-        return self.executor.release_named(name, tenant, aborted=bool(creating))
 
     def undo(self, undos: list[Undo], why: str) -> Future:
         """Applies undo records on the worker thread (``TorchExecutor.undo``); refused
@@ -409,10 +401,11 @@ class ModelWorker(AsyncFront, DrivesRuns):
         job.future.set_result(with_queue_time(result, queue_ns))
 
     def _plan_part(self, job: Job, tokens: int) -> Any:
-        """Opens a prompt on its first part, then plans its next part of up to
-        ``tokens``; None (with the job answered) if it failed or its caller went away."""
+        """Opens a prompt on its first part, then plans its next part of up to ``tokens``;
+        None (with the job answered) if it failed or its caller went away, or (parked) if
+        its request_id's sequence is still being made by an earlier call."""
         ex = self.executor
-        if job.prompt is None:
+        if job.prompt is None and not job.future.running():  # running already: it waited on a name
             if not job.future.set_running_or_notify_cancel():
                 return None
             job.queue_ns = time.perf_counter_ns() - job.enqueued_ns
@@ -428,6 +421,11 @@ class ModelWorker(AsyncFront, DrivesRuns):
                                              choice=p.choice, as_output=p.as_output, name=p.name,
                                              adapter=p.adapter)
             return job.prompt.next_part(tokens)
+        except RequestIdBusy:  # an earlier call still makes its name's sequence: waits for that call's outcome
+            with self._cond:
+                self._jobs.append(job)
+                self._park(job)
+            return None
         except BaseException as exc:
             if job.prompt is not None:
                 job.prompt.undo()

@@ -24,14 +24,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from ferrum_rpc.errors import (Cancelled, CacheExpired, CacheNotFound, InvalidInput, KvCapacityExhausted,
-                               WeightsChanged, shown)
+from ferrum_rpc.errors import CacheExpired, CacheNotFound, KvCapacityExhausted, WeightsChanged, shown
 from ferrum_rpc.hashing import block_hash, chain_root
 from .events import KvEventHub, Removed, Stored
+from .names import NamedSequences
 
 _EXPIRED_MEMORY = 100_000  # expired ids remembered, to answer CACHE_EXPIRED instead of NOT_FOUND
-RELEASED_NAME_S = 600.0  # how long a request_id released before its sequence existed stays refused
-_RELEASED_NAMES = 100_000  # at most this many such names remembered (the oldest forgotten first)
 
 
 @dataclass
@@ -45,6 +43,7 @@ class SequenceState:
     pins: int = 0  # jobs using it right now (a chunked prefill, a long verify): never reaped
     tenant: str = ""  # who made it: nobody else can see it (auth off: everyone is tenant "")
     name: str = ""  # the caller's request_id for it, unique among its tenant's live sequences ("" = none)
+    prompt_key: bytes = b""  # named ones: a digest of the tokens and adapter of the Prefill that made it
     adapter: str = ""  # the LoRA adapter it runs with ("" = the base model), and that adapter's content digest
     adapter_digest: str = ""
     # the weights version its oldest KV was computed under: a sequence older than the
@@ -96,7 +95,7 @@ class BlockSnapshot:
     block_of: Mapping[bytes, int]  # and back: hash -> block
 
 
-class BlockManager:
+class BlockManager(NamedSequences):
     """Hands out fixed-size KV blocks from a pool that never grows.
 
     Args:
@@ -229,9 +228,10 @@ class BlockManager:
         return len({b for s in self._seqs.values() if s.tenant == tenant for b in s.block_ids})
 
     def create(self, cache_id: str, tenant: str = "", name: str = "", adapter: str = "",
-               adapter_digest: str = "") -> SequenceState:
-        """A new empty sequence of ``tenant``, named ``name`` by its caller (see :meth:`check_name`),
-        running ``adapter`` (its prefix cache is that adapter's, see ``chain_root``)."""
+               adapter_digest: str = "", prompt_key: bytes = b"") -> SequenceState:
+        """A new empty sequence of ``tenant``, named ``name`` by its caller (see :meth:`check_name`)
+        for the prompt ``prompt_key``, running ``adapter`` (its prefix cache is that adapter's,
+        see ``chain_root``)."""
         if cache_id in self._seqs:
             raise ValueError(f"duplicate cache id {cache_id!r}")
         if name:
@@ -239,7 +239,8 @@ class BlockManager:
             self._named[(tenant, name)] = cache_id
         self._expired.pop(cache_id, None)
         seq = self._seqs[cache_id] = SequenceState(cache_id, tenant=tenant, name=name, adapter=adapter,
-                                                   adapter_digest=adapter_digest, generation=self.generation)
+                                                   adapter_digest=adapter_digest, prompt_key=prompt_key,
+                                                   generation=self.generation)
         return seq
 
     def release(self, cache_id: str) -> int:
@@ -250,32 +251,6 @@ class BlockManager:
         if seq.name:
             del self._named[(seq.tenant, seq.name)]
         return self._drop(seq.block_ids)
-
-    # -- caller-chosen names (request_id) ------------------------------------------
-    def named(self, tenant: str, name: str) -> SequenceState | None:
-        """The live sequence ``tenant`` named ``name``, if any."""
-        cache_id = self._named.get((tenant, name))
-        return None if cache_id is None else self._seqs[cache_id]
-
-    def check_name(self, tenant: str, name: str, now: float | None = None) -> None:
-        """Refuses a name another live sequence of the tenant has (INVALID_INPUT), or one
-        its caller released before any sequence had it (CANCELLED: the call was aborted)."""
-        if (tenant, name) in self._named:
-            raise InvalidInput(f"request_id {shown(name)} already names a live sequence of yours; "
-                               "request ids are unique among a tenant's live sequences")
-        released = self._released_names.get((tenant, name))
-        if released is not None and (time.monotonic() if now is None else now) - released < RELEASED_NAME_S:
-            raise Cancelled(f"request_id {shown(name)} was released by its caller before this call ran; "
-                            "nothing was done")
-
-    def release_name(self, tenant: str, name: str, now: float | None = None) -> None:
-        """Remembers that ``tenant`` released ``name`` while no live sequence had it."""
-        now = time.monotonic() if now is None else now
-        self._released_names[(tenant, name)] = now
-        self._released_names.move_to_end((tenant, name))
-        while self._released_names and (len(self._released_names) > _RELEASED_NAMES
-                                        or now - next(iter(self._released_names.values())) >= RELEASED_NAME_S):
-            self._released_names.popitem(last=False)
 
     def pin(self, seq: SequenceState) -> None:
         """Marks ``seq`` as in use by a job that spans several worker slices."""

@@ -331,6 +331,24 @@ def test_stopped_decode_ahead_ends_where_its_handle_says(cpp_bin, server, py):
     assert int(got["after"][0]) == len(PROMPT) + emitted + 1
 
 
+# -- a caller-named prefill: retried, never released by the client ---------------------
+def test_a_caller_named_prefill_is_retried_not_released(cpp_bin, server, py):
+    """The first call times out before it is sent; the client leaves the caller's name
+    alone, so the retry makes the sequence, and a second retry gets it back (its reply
+    as if lost) as an existing sequence without logits; another prompt under the name is
+    REQUEST_ID_TAKEN, and nothing is left once the caller releases the name."""
+    kv = server.app.servicer.workers["tiny"].executor.kv
+    before = kv.count("")
+    got = lines(run(cpp_bin, "ferrum-cpp-check", "names", "--target", server.target, "--tokens", ids(PROMPT),
+                    "--name", "cpp-retry-1").stdout)
+    assert got["timed_out"][:2] == ["DEADLINE_EXCEEDED", "-"]
+    assert got["retry"] == ["OK", f"0:{len(PROMPT)}"]
+    assert got["again"] == ["OK", f"1:1:{len(PROMPT)}:0"]
+    assert got["other_prompt"][:2] == ["ALREADY_EXISTS", "REQUEST_ID_TAKEN"]
+    assert got["release"][0] == "OK"
+    assert kv.count("") == before and kv.named("", "cpp-retry-1") is None
+
+
 # -- TLS with a bearer token -------------------------------------------------------------
 def test_tls_with_a_token(cpp_bin, tiny_llama_dir, pki, tokens_file):  # noqa: F811
     kwargs = dict(tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"), auth_tokens=tokens_file)

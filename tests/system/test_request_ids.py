@@ -1,8 +1,10 @@
 """Caller-chosen sequence names (``request_id``), through real gRPC: a caller whose
-reply was lost releases what it started by the name it chose, a release by name aborts
-a Prefill still running, a name released before its call ran makes that call fail
-CANCELLED, names are unique per tenant and private to it, and the Python clients
-release by name when a call ends with its outcome unknown."""
+reply was lost retries with the name it chose and gets the sequence its first attempt
+made, or releases it by that name; a release by name aborts a Prefill still running, a
+name released before its call ran makes that call fail CANCELLED, names are unique per
+tenant and private to it (another prompt under a live name is REQUEST_ID_TAKEN), their
+limit is 128 UTF-8 bytes, and the Python clients release by name, when a call ends with
+its outcome unknown, only the names they generated."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import grpc
 import pytest
 
 from ferrum_rpc.client import AsyncExecutorClient, ExecutorClient, InvalidInput, LogitsPolicy
-from ferrum_rpc.errors import ExecutorError, from_rpc_error
+from ferrum_rpc.errors import ExecutorError, Reason, RequestIdTaken, from_rpc_error
 from ferrum_rpc.v1 import executor_pb2 as pb
 from tests.conftest import TENANT_TOKENS, tenants_server
 
@@ -39,8 +41,8 @@ def _live(server, tenant: str) -> int:
 
 def test_a_named_sequence_is_released_by_its_name_and_names_are_per_tenant(server, alice, bob):
     out = alice.prefill(PROMPT, logits=ARGMAX, request_id="job-1")
-    with pytest.raises(InvalidInput, match="request_id 'job-1' already names a live sequence"):
-        alice.prefill(PROMPT, logits=ARGMAX, request_id="job-1")
+    with pytest.raises(RequestIdTaken, match="request_id 'job-1' already names a live sequence"):
+        alice.prefill(PROMPT[:5], logits=ARGMAX, request_id="job-1")
     mine = bob.prefill(PROMPT, logits=ARGMAX, request_id="job-1")  # bob's names are his own
     assert bob.release_cache(request_id="job-2") == 0  # nothing of bob's has that name
     assert alice.release_cache(request_id="job-1") > 0
@@ -159,4 +161,95 @@ def test_the_sync_client_releases_what_a_timed_out_prefill_created(server, alice
             hasty.prefill(PROMPT, logits=ARGMAX)
     assert caught.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
     time.sleep(0.5)
+    assert _live(server, "alice") == before
+
+
+# -- retries of a call whose reply was lost ---------------------------------------------------
+def test_a_retry_after_a_timeout_makes_the_sequence_instead_of_being_refused(server, alice):
+    """The caller's own name is never released by the client: a prefill that timed out
+    before the server ran it leaves the name free, and the retry with it runs."""
+    before = _live(server, "alice")
+    with ExecutorClient(server.target, timeout=1e-9, token=ALICE) as hasty:
+        with pytest.raises(ExecutorError) as caught:
+            hasty.prefill(PROMPT, logits=ARGMAX, request_id="retry-1")
+    assert caught.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+    out = alice.prefill(PROMPT, logits=ARGMAX, request_id="retry-1")
+    assert not out.existing and out.logits is not None and out.kv_cache.sequence_length == len(PROMPT)
+    assert _live(server, "alice") == before + 1
+    assert alice.release_cache(request_id="retry-1") > 0
+    assert _live(server, "alice") == before
+
+
+def test_a_retry_whose_first_attempt_made_the_sequence_gets_its_handle(server, alice):
+    """The first attempt's reply is lost (made through the raw stub, its reply dropped):
+    the retry with the same name and prompt is answered with that sequence; the raw
+    status is ALREADY_EXISTS / REQUEST_ID_EXISTS carrying the handle, nothing changed."""
+    before = _live(server, "alice")
+    alice._stub.Prefill(pb.PrefillRequest(token_ids=PROMPT, request_id="lost-1"), timeout=30)
+    again = alice.prefill(PROMPT, logits=ARGMAX, request_id="lost-1")
+    assert again.existing and again.logits is None and again.kv_cache.sequence_length == len(PROMPT)
+    assert _worker(server).executor.kv.named("alice", "lost-1").cache_id == again.kv_cache.cache_id
+    with pytest.raises(grpc.RpcError) as raw:
+        alice._stub.Prefill(pb.PrefillRequest(token_ids=PROMPT, request_id="lost-1"), timeout=30)
+    err = from_rpc_error(raw.value)
+    assert raw.value.code() is grpc.StatusCode.ALREADY_EXISTS and err.reason is Reason.REQUEST_ID_EXISTS
+    assert err.handle == again.kv_cache
+    assert _live(server, "alice") == before + 1
+    step = alice.decode(int(PROMPT[-1]), again.kv_cache, logits=ARGMAX)  # the handle is current
+    assert step.kv_cache.sequence_length == len(PROMPT) + 1
+    with pytest.raises(RequestIdTaken, match="another prompt"):  # another adapter is another prompt too
+        alice.prefill(PROMPT, logits=ARGMAX, request_id="lost-1", adapter="no-such-adapter")
+    alice.release_cache(step.kv_cache)
+    assert _live(server, "alice") == before
+
+
+def test_a_retry_while_the_first_attempt_still_runs_waits_for_its_outcome(server, alice):
+    """The first attempt's first part is held in the forward until the retry is queued
+    behind it; the retry waits while the sequence is being made and then gets it."""
+    worker = _worker(server)
+    ex = worker.executor
+    real, entered, go = ex.run, threading.Event(), threading.Event()
+
+    def run(plans):
+        ex.run = real
+        entered.set()
+        go.wait(10)
+        return real(plans)
+
+    ex.run = run
+    before = _live(server, "alice")
+    first: list = []
+    prompt = PROMPT * 3  # three parts of 8 tokens (prefill_chunk=8)
+    caller = threading.Thread(target=lambda: first.append(
+        alice._stub.Prefill(pb.PrefillRequest(token_ids=prompt, request_id="slow-1"), timeout=30)))
+    caller.start()
+    assert entered.wait(10)
+    retried: list = []
+    retry = threading.Thread(target=lambda: retried.append(_call(alice, prompt, "slow-1")))
+    retry.start()
+    deadline = time.monotonic() + 10
+    while not any(j is not None and j.prefill is not None and j.prefill.name == "slow-1" for j in list(worker._jobs)):
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    go.set()
+    caller.join(10)
+    retry.join(10)
+    assert not caller.is_alive() and not retry.is_alive()
+    assert retried[0].existing and retried[0].kv_cache.cache_id == first[0].kv_cache.cache_id
+    assert retried[0].kv_cache.sequence_length == len(prompt)
+    assert _live(server, "alice") == before + 1
+    alice.release_cache(request_id="slow-1")
+    assert _live(server, "alice") == before
+
+
+def test_request_ids_are_limited_to_128_utf8_bytes(server, alice):
+    before = _live(server, "alice")
+    fits = "é" * 64  # 64 characters, 128 bytes
+    out = alice.prefill(PROMPT, logits=ARGMAX, request_id=fits)
+    assert alice.release_cache(request_id=fits) > 0 and out.kv_cache.sequence_length == len(PROMPT)
+    too_long = "é" * 65  # 65 characters, 130 bytes
+    with pytest.raises(InvalidInput, match="request_id is 130 bytes long"):
+        alice.prefill(PROMPT, logits=ARGMAX, request_id=too_long)
+    with pytest.raises(InvalidInput, match="request_id is 130 bytes long"):
+        alice.release_cache(request_id=too_long)
     assert _live(server, "alice") == before

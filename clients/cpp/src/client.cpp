@@ -1,7 +1,8 @@
 // The Client's unary and server-streaming calls: each builds its request, runs it with
 // the client's deadline (and its ferrum-deadline-unix-ns header), and turns a failed
 // status into ferrum::Error. Calls that create sequences name them (request_id) and
-// release them by name when the outcome is unknown, so a lost reply leaves no orphan.
+// release the names they generated when the outcome is unknown, so a lost reply leaves
+// no orphan; a caller's own request_id is the caller's to retry with or release.
 #include <random>
 
 #include "channel.hpp"
@@ -135,12 +136,15 @@ void Client::release_names(const std::vector<std::string>& names) const {
 }
 
 Output Client::prefill(const std::vector<uint32_t>& tokens, std::optional<LogitsPolicy> logits,
-                       std::optional<TokenChoice> choice, const Handle* continue_from) const {
+                       std::optional<TokenChoice> choice, const Handle* continue_from,
+                       const std::string& request_id) const {
   pb::PrefillRequest req;
   req.set_model(model());
   req.mutable_token_ids()->Add(tokens.begin(), tokens.end());
   if (continue_from) *req.mutable_kv_cache() = continue_from->proto();
-  else req.set_request_id(new_request_id());
+  bool generated = !continue_from && request_id.empty();
+  if (!request_id.empty()) req.set_request_id(request_id);
+  else if (generated) req.set_request_id(new_request_id());
   if (logits) *req.mutable_logits() = logits->proto;
   if (choice) *req.mutable_token_choice() = choice->to_proto();
   try {
@@ -149,7 +153,13 @@ Output Client::prefill(const std::vector<uint32_t>& tokens, std::optional<Logits
     o.cached_tokens = r->cached_tokens();
     return o;
   } catch (const Error& e) {
-    if (e.outcome_unknown() && !req.request_id().empty()) release_names({req.request_id()});
+    if (e.reason() == "REQUEST_ID_EXISTS" && e.existing()) {  // a retry whose first attempt made the sequence
+      Output o;
+      o.kv_cache = *e.existing();
+      o.existing = true;
+      return o;
+    }
+    if (e.outcome_unknown() && generated) release_names({req.request_id()});
     throw;
   }
 }

@@ -1,6 +1,7 @@
 // The error table on the client side: a failed status becomes ferrum::Error with the
 // reason of its google.rpc.ErrorInfo (domain ferrum.executor.v1) and, where the server
-// sent one, the delay of its google.rpc.RetryInfo.
+// sent one, the delay of its google.rpc.RetryInfo and (REQUEST_ID_EXISTS) the live
+// sequence's KvCacheHandle.
 #include <set>
 
 #include "ferrum/types.hpp"
@@ -13,6 +14,7 @@ namespace {
 const char kDomain[] = "ferrum.executor.v1";
 const char kErrorInfo[] = "type.googleapis.com/google.rpc.ErrorInfo";
 const char kRetryInfo[] = "type.googleapis.com/google.rpc.RetryInfo";
+const char kHandle[] = "type.googleapis.com/ferrum.executor.v1.KvCacheHandle";
 
 // The error table's reasons; an ErrorInfo naming anything else (the server names the
 // code for statuses outside the table) gives an Error without a reason, as in Python.
@@ -23,7 +25,7 @@ const std::set<std::string> kReasons = {
     "TENSOR_PARALLEL_RANK_LOST", "FINGERPRINT_MISMATCH", "TRANSFER_CORRUPTED", "TICKET_NOT_FOUND", "TICKET_EXPIRED",
     "TICKET_USED", "PUSH_TARGET_REFUSED", "NON_FINITE_LOGITS", "TRANSFER_BUDGET_EXHAUSTED", "TRANSFER_STALLED",
     "ADAPTER_NOT_FOUND", "ADAPTER_INVALID", "ADAPTER_IN_USE", "ADAPTER_LIMIT_EXCEEDED",
-    "WEIGHTS_CHANGED"};
+    "WEIGHTS_CHANGED", "REQUEST_ID_EXISTS", "REQUEST_ID_TAKEN"};
 
 // Reasons whose call changed nothing and may succeed later or elsewhere.
 const std::set<std::string> kRetryableReasons = {
@@ -32,9 +34,10 @@ const std::set<std::string> kRetryableReasons = {
 }  // namespace
 
 Error::Error(grpc::StatusCode code, std::string reason, std::string message,
-             std::optional<std::chrono::milliseconds> retry_delay)
+             std::optional<std::chrono::milliseconds> retry_delay, std::optional<Handle> existing)
     : std::runtime_error((reason.empty() ? std::string(code_name(code)) : reason) + ": " + message),
-      code_(code), reason_(std::move(reason)), message_(std::move(message)), retry_delay_(retry_delay) {}
+      code_(code), reason_(std::move(reason)), message_(std::move(message)), retry_delay_(retry_delay),
+      existing_(std::move(existing)) {}
 
 bool Error::retryable() const {
   if (!reason_.empty()) return kRetryableReasons.count(reason_) > 0;
@@ -67,6 +70,7 @@ const char* Error::code_name(grpc::StatusCode code) {
 Error error_from_rpc_status(const google::rpc::Status& status) {
   std::string reason;
   std::optional<std::chrono::milliseconds> delay;
+  std::optional<Handle> existing;
   for (const auto& detail : status.details()) {
     if (detail.type_url() == kErrorInfo) {
       google::rpc::ErrorInfo info;
@@ -78,12 +82,16 @@ Error error_from_rpc_status(const google::rpc::Status& status) {
         const auto& d = retry.retry_delay();
         delay = std::chrono::milliseconds(d.seconds() * 1000 + d.nanos() / 1000000);
       }
+    } else if (detail.type_url() == kHandle) {
+      pb::KvCacheHandle handle;
+      if (handle.ParseFromString(detail.value())) existing = Handle(std::move(handle));
     }
   }
   // The server's message starts with "REASON: "; the reason is kept apart.
   std::string message = status.message();
   if (!reason.empty() && message.rfind(reason + ": ", 0) == 0) message = message.substr(reason.size() + 2);
-  return Error(static_cast<grpc::StatusCode>(status.code()), reason, message, delay);
+  return Error(static_cast<grpc::StatusCode>(status.code()), reason, message, delay,
+               reason == "REQUEST_ID_EXISTS" ? existing : std::nullopt);
 }
 
 Error error_from_status(const grpc::Status& status) {

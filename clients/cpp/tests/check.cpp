@@ -6,6 +6,7 @@
 //   cancel  --tokens ... --after 3        a decode-ahead run cancelled mid-way, then the sequence
 //   stop    --tokens ... --after 3        a decode-ahead run stopped mid-way
 //   rpcs                                   "<RPC> OK <summary>" for every RPC of the contract
+//   names   --tokens ... --name R         a prefill named R that timed out, retried, retried again
 // Common: --target HOST:PORT [--model M] [--token T] [--ca PEM --server-name N] [--timeout-ms MS]
 #include <cmath>
 #include <fstream>
@@ -198,6 +199,44 @@ int ahead_interrupted(const ferrum_args::Args& args, bool cancel) {
   return 0;
 }
 
+// A prefill the caller named, whose call timed out before it was sent: the client leaves
+// the caller's name alone, so the retry makes the sequence; a second retry gets that
+// sequence back (existing, no logits); another prompt under the name is refused.
+int names(const ferrum_args::Args& args) {
+  auto ex = check::client_from(args);
+  std::string name = args.str("name");
+  auto tokens = args.ids("tokens");
+  auto named = [&](const ferrum::Client& c, const std::vector<uint32_t>& t) {
+    return c.prefill(t, LogitsPolicy::argmax(), std::nullopt, nullptr, name);
+  };
+  check::outcome("timed_out", [&] {
+    named(ex.with_timeout(std::chrono::milliseconds(0)), tokens);
+    return "";
+  });
+  std::string first;
+  check::outcome("retry", [&] {
+    auto out = named(ex, tokens);
+    first = out.kv_cache.cache_id();
+    return std::to_string(out.existing) + ":" + std::to_string(out.kv_cache.length());
+  });
+  check::outcome("again", [&] {
+    auto out = named(ex, tokens);
+    return std::to_string(out.existing) + ":" + std::to_string(out.kv_cache.cache_id() == first) + ":" +
+           std::to_string(out.kv_cache.length()) + ":" + std::to_string(out.logits.present());
+  });
+  auto other = tokens;
+  other.push_back(5);
+  check::outcome("other_prompt", [&] {
+    named(ex, other);
+    return "";
+  });
+  check::outcome("release", [&] {
+    ex.release_request(name);
+    return "";
+  });
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
@@ -210,6 +249,7 @@ int main(int argc, char** argv) try {
   if (cmd == "cancel") return ahead_interrupted(args, true);
   if (cmd == "stop") return ahead_interrupted(args, false);
   if (cmd == "rpcs") return check::run_rpcs(args);
+  if (cmd == "names") return names(args);
   throw std::invalid_argument("unknown command " + cmd);
 } catch (const ferrum::Error& e) {
   std::cerr << "ferrum-cpp-check: " << e.what() << "\n";

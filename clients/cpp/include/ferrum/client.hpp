@@ -70,10 +70,14 @@ class Client {
   pb::Capabilities capabilities() const;
   pb::Status status() const;
 
-  // A new sequence from tokens (named by a fresh request_id, released by it when the
-  // call's outcome is unknown), or a continued one (chunked prefill) with continue_from.
+  // A new sequence from tokens, or a continued one (chunked prefill) with continue_from.
+  // A new one is named by request_id (at most 128 UTF-8 bytes) when given: the client
+  // never releases that name, and a retry with it whose first attempt made the sequence
+  // (its reply lost) returns that sequence (Output::existing, no logits). Without one,
+  // the client names it and releases that name when the call's outcome is unknown.
   Output prefill(const std::vector<uint32_t>& tokens, std::optional<LogitsPolicy> logits = std::nullopt,
-                 std::optional<TokenChoice> choice = std::nullopt, const Handle* continue_from = nullptr) const;
+                 std::optional<TokenChoice> choice = std::nullopt, const Handle* continue_from = nullptr,
+                 const std::string& request_id = "") const;
   Output decode(uint32_t token, const Handle& h, std::optional<LogitsPolicy> logits = std::nullopt,
                 std::optional<TokenChoice> choice = std::nullopt) const;
   // One batched forward; results in input order (read to the end: all or nothing).

@@ -125,6 +125,10 @@ struct Output {
   Timing timing;
   std::optional<Chosen> chosen;  // set when the call carried a token choice
   uint32_t cached_tokens = 0;    // prefill: prompt tokens served from the prefix cache
+  // prefill with the caller's request_id: a retry answered with the live sequence that
+  // name's first attempt made from this same prompt (REQUEST_ID_EXISTS): kv_cache is
+  // its handle as it is now; no logits and no chosen token came back.
+  bool existing = false;
 };
 
 // One sequence of a batch step: the token to append, the handle, and optionally the
@@ -142,19 +146,23 @@ struct DecodeInput {
 class Error : public std::runtime_error {
  public:
   Error(grpc::StatusCode code, std::string reason, std::string message,
-        std::optional<std::chrono::milliseconds> retry_delay = std::nullopt);
+        std::optional<std::chrono::milliseconds> retry_delay = std::nullopt,
+        std::optional<Handle> existing = std::nullopt);
   grpc::StatusCode code() const { return code_; }
   const std::string& reason() const { return reason_; }
   const std::string& message() const { return message_; }
   // The server's google.rpc.RetryInfo, when it sent one.
   std::optional<std::chrono::milliseconds> retry_delay() const { return retry_delay_; }
+  // REQUEST_ID_EXISTS: the live sequence the request_id names (the status's KvCacheHandle detail).
+  const std::optional<Handle>& existing() const { return existing_; }
   // The retry hint: the call changed nothing and the same call may succeed later or on
   // another server (a draining or loading server, a full pool, a cap or quota, a lost
   // connection). False for errors in the request itself (bad input, unknown or stale
   // handle), which fail the same way again.
   bool retryable() const;
   // The call may have run on the server (cancelled, timed out, connection lost): the
-  // client released by request_id what it may have created.
+  // client released by request_id what it may have created under a name it generated
+  // (a caller's own request_id it leaves to the caller: retry with it, or release it).
   bool outcome_unknown() const;
   static const char* code_name(grpc::StatusCode code);
 
@@ -162,6 +170,7 @@ class Error : public std::runtime_error {
   grpc::StatusCode code_;
   std::string reason_, message_;
   std::optional<std::chrono::milliseconds> retry_delay_;
+  std::optional<Handle> existing_;
 };
 
 // The typed error of a failed status: the reason from the ErrorInfo of its details
