@@ -1,18 +1,36 @@
 """What the rpc layer may use of the engine, and through it of the layers below: the
 one door rpc imports (the layer test holds it to this module).  Names are re-exported
-from where they live; ``KvWatch`` is the engine's side of WatchKvEvents, so rpc reads
-no block manager."""
+from where they live, each imported when first asked for (PEP 562), so an rpc module
+that needs only torch-free names (the undo record, KV events) imports no torch;
+``KvWatch`` is the engine's side of WatchKvEvents, so rpc reads no block manager."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import importlib
+from typing import TYPE_CHECKING
+
 from ferrum_rpc import hashing
-from . import transfer
-from .ahead import QUEUED_FORWARDS, AheadRun, Emitted, Finish
-from .undo import Undo
-from .worker import ModelWorker
 from ..kv.events import KvEventHub, Removed, Stored, Subscriber
+
+if TYPE_CHECKING:
+    from . import transfer
+    from .ahead import QUEUED_FORWARDS, AheadRun, Emitted, Finish
+    from .undo import Undo
+    from .worker import ModelWorker
+
+_LAZY = {"transfer": (".transfer", None), "QUEUED_FORWARDS": (".ahead", "QUEUED_FORWARDS"),
+         "AheadRun": (".ahead", "AheadRun"), "Emitted": (".ahead", "Emitted"), "Finish": (".ahead", "Finish"),
+         "Undo": (".undo", "Undo"), "ModelWorker": (".worker", "ModelWorker")}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    loaded = importlib.import_module(module, __package__)
+    return loaded if attr is None else getattr(loaded, attr)
 
 __all__ = ["QUEUED_FORWARDS", "AheadRun", "Emitted", "Finish", "KvHello", "KvWatch", "ModelWorker", "Removed",
            "Stored", "Subscriber", "Undo", "transfer"]

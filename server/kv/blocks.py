@@ -28,36 +28,9 @@ from ferrum_rpc.errors import CacheExpired, CacheNotFound, KvCapacityExhausted, 
 from ferrum_rpc.hashing import block_hash, chain_root
 from .events import KvEventHub, Removed, Stored
 from .names import NamedSequences
+from .sequence import SequenceState
 
 _EXPIRED_MEMORY = 100_000  # expired ids remembered, to answer CACHE_EXPIRED instead of NOT_FOUND
-
-
-@dataclass
-class SequenceState:
-    cache_id: str
-    length: int = 0
-    block_ids: list[int] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)  # the first `length` are committed
-    hashes: list[bytes] = field(default_factory=list)  # chained hashes of leading full blocks
-    last_used: float = field(default_factory=time.monotonic)  # end of its last successful call
-    pins: int = 0  # jobs using it right now (a chunked prefill, a long verify): never reaped
-    tenant: str = ""  # who made it: nobody else can see it (auth off: everyone is tenant "")
-    name: str = ""  # the caller's request_id for it, unique among its tenant's live sequences ("" = none)
-    prompt_key: bytes = b""  # named ones: a digest of the tokens and adapter of the Prefill that made it
-    adapter: str = ""  # the LoRA adapter it runs with ("" = the base model), and that adapter's content digest
-    adapter_digest: str = ""
-    # the weights version its oldest KV was computed under: a sequence older than the
-    # serving weights holds KV they did not compute, so it publishes no prefix-cache block
-    generation: int = 0
-    # (start, end) of each Prefill that ran on it, in order: the penalties' prompt/output
-    # split. Everything up to the last Prefill's end is prompt, what came after
-    # (decode steps, verified drafts) is output; shrink keeps it consistent.
-    prompt_spans: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def output_start(self) -> int:
-        """Where the output starts: tokens[:output_start] are prompt, the rest output."""
-        return min(self.prompt_spans[-1][1], self.length) if self.prompt_spans else 0
 
 
 @dataclass

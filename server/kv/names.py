@@ -14,12 +14,11 @@ import hashlib
 import time
 from array import array
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from ferrum_rpc.errors import Cancelled, RequestIdBusy, RequestIdTaken, shown
 
-if TYPE_CHECKING:
-    from .blocks import SequenceState
+from .sequence import SequenceState
 
 RELEASED_NAME_S = 600.0  # how long a request_id released before its sequence existed stays refused
 _RELEASED_NAMES = 100_000  # at most this many such names remembered (the oldest forgotten first)
