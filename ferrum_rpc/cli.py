@@ -162,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lora", action="append", default=[], metavar="NAME=PATH", type=_lora,
                    help="load the PEFT LoRA adapter folder PATH as NAME at start-up (repeatable); new sequences "
                         "name it (Prefill's adapter); LoadAdapter adds more at run time")
+    s.add_argument("--adapter-root", default="", metavar="DIR",
+                   help="LoadAdapter (and --lora) read adapters only from folders inside DIR, checked after "
+                        "following symbolic links; without it an admin may load from any folder the server "
+                        "can read")
     s.add_argument("--max-adapters", type=_non_negative_int, default=8,
                    help="LoRA adapters loaded at once; past it the least recently used idle one is evicted "
                         "(0: none served)")

@@ -63,7 +63,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tenant_ahead_sequences=args.tenant_ahead_sequences,
         tensor_parallel=args.tensor_parallel, tensor_parallel_timeout_s=args.tensor_parallel_timeout,
         max_adapters=args.max_adapters, max_lora_rank=args.max_lora_rank,
-        adapter_memory_mb=args.adapter_memory_mb, loras=tuple(args.lora),
+        adapter_memory_mb=args.adapter_memory_mb, loras=tuple(args.lora), adapter_root=args.adapter_root,
     )
     try:
         config = _server_config(args, executor)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ferrum_rpc.errors import StartupError
 
@@ -117,6 +118,10 @@ class ExecutorConfig:
     max_lora_rank: int = 64
     adapter_memory_mb: int = 0
     loras: tuple[tuple[str, str], ...] = ()
+    # the folder every adapter is read from (--lora and LoadAdapter), its folder and files
+    # checked inside it after following symbolic links; stored resolved.  "": any folder
+    # the server can read (LoadAdapter is for admin tenants either way)
+    adapter_root: str = ""
 
     @property
     def kv_dtype_name(self) -> str:
@@ -165,12 +170,25 @@ class ExecutorConfig:
                                "a GPU")
         if self.max_adapters < 0 or self.max_lora_rank < 1 or self.adapter_memory_mb < 0:
             raise StartupError("--max-adapters and --adapter-memory-mb must be 0 or more, --max-lora-rank positive")
+        if self.adapter_root:
+            object.__setattr__(self, "adapter_root", resolved_folder(self.adapter_root, "--adapter-root"))
         if self.loras and (self.tensor_parallel > 1 or not self.max_adapters):
             raise StartupError("--lora needs --max-adapters above 0 and no --tensor-parallel (adapters are not "
                                "sharded)")
         if self.quantize != "none" and self.linear_kernel == "onednn-packed":
             raise StartupError("quantized weights do not use the oneDNN packed linear; "
                                "use --linear-kernel auto or aten")
+
+
+def resolved_folder(path: str, option: str) -> str:
+    """``path`` resolved (symbolic links followed), refused unless it is a folder."""
+    try:
+        real = Path(path).resolve(strict=True)
+    except (OSError, RuntimeError) as exc:
+        raise StartupError(f"{option} {path}: {getattr(exc, 'strerror', None) or 'cannot be resolved'}") from None
+    if not real.is_dir():
+        raise StartupError(f"{option} {path}: not a folder")
+    return str(real)
 
 
 @dataclass(frozen=True)

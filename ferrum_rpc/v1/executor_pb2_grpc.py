@@ -332,7 +332,9 @@ class ModelExecutorServicer:
         adapter_model.safetensors). A new sequence names its adapter
         (PrefillRequest.adapter, PrefillItem.adapter) and keeps it for its life; one
         forward mixes sequences of several adapters and the base. Load and unload are
-        admin-only when tokens are on; the list is for everyone.
+        admin-only when tokens are on; the list is for everyone (see
+        ListAdaptersResponse for what a tenant who is no admin sees). Without
+        --adapter-root an admin loads from any folder the server can read.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,6 +1,12 @@
 """LoRA adapters on a hosted model, the executor's side: loading and unloading them
-by name (on the worker thread, between forwards), giving a new sequence its adapter,
-and each forward's adapter slot per sequence (``models/lora.py`` does the arithmetic).
+by name, giving a new sequence its adapter, and each forward's adapter slot per
+sequence (``models/lora.py`` does the arithmetic).
+
+A load reads, checks and arranges the adapter's tensors off the worker
+(``build_adapter``, on a thread of its own that yields to the forwards:
+``build_thread_init``); only putting it in a slot runs on the worker, between
+forwards (``load_adapter``): a dict insert.  A build that fails or whose caller went
+away changes nothing.
 
 An adapter's users are its live sequences, counted when it matters (a load that may
 evict, an unload): an adapter with live sequences is never evicted, unloaded or
@@ -9,18 +15,21 @@ replaced, so the slot a sequence's forward names does not change under it."""
 from __future__ import annotations
 
 import collections
-import json
+import contextlib
+import ctypes
 import logging
-import math
+import os
 import re
+import threading
 import time
-from pathlib import Path
 from typing import Callable
+
+import torch
 
 from ferrum_rpc.errors import (AdapterInUse, AdapterInvalid, AdapterLimitExceeded, AdapterNotFound, Cancelled,
                                ExecutorError, StartupError)
 from ..kv.blocks import SequenceState
-from ..models.lora import BASE, AdapterSet
+from ..models.lora import BASE, AdapterSet, BuiltAdapter
 from ..models.lora_read import AdapterError
 
 log = logging.getLogger(__name__)
@@ -61,14 +70,26 @@ class HostsAdapters:
         for adapter in self.adapters.by_name.values():
             adapter.refs = users.get(adapter.name, 0)
 
-    def load_adapter(self, name: str, path: str, replace: bool = False,
-                     gone: Callable[[], bool] = lambda: False) -> dict:
-        """Loads (or, with ``replace``, reloads) adapter ``name`` from ``path``; returns its entry.
-        ``gone()``: the caller went away; a new adapter read meanwhile is dropped again (a
-        replaced one's new weights stand: the old ones are gone)."""
+    def build_adapter(self, name: str, path: str, replace: bool = False) -> tuple[BuiltAdapter, float]:
+        """Adapter ``name`` read from ``path`` (inside --adapter-root when set), checked and
+        arranged for the forward, on the calling thread (any but the worker: nothing the
+        forwards read changes), with the seconds that took; ``load_adapter`` installs it."""
         adapters = self._adapter_set()
-        if not ADAPTER_NAME.fullmatch(name or ""):
-            raise AdapterInvalid(f"name: an adapter name is 1 to 128 bytes of [A-Za-z0-9._-], got {name[:40]!r}")
+        _check_name(name)
+        start = time.perf_counter()
+        with _refusals():
+            built = adapters.build(name, path, replace, self.config.adapter_root or None)
+        return built, time.perf_counter() - start
+
+    def load_adapter(self, name: str, path: str, replace: bool = False,
+                     gone: Callable[[], bool] = lambda: False,
+                     built: tuple[BuiltAdapter, float] | None = None) -> dict:
+        """Loads (or, with ``replace``, reloads) adapter ``name``; returns its entry.  Installs
+        what ``build_adapter`` made (``built``) or, without it, builds it here first
+        (start-up).  Worker thread, between forwards.  ``gone()``: the caller went away;
+        then nothing changes."""
+        adapters = self._adapter_set()
+        _check_name(name)
         self._count_users()
         held = adapters.by_name.get(name)
         if held is not None and not replace:
@@ -77,21 +98,15 @@ class HostsAdapters:
             raise AdapterInUse(f"adapter {name!r} has {held.refs} live sequences: it cannot be replaced under them")
         if gone():
             raise Cancelled("the caller cancelled the load")
+        adapter, build_s = built if built is not None else self.build_adapter(name, path, replace)
+        if gone():
+            raise Cancelled("the caller cancelled the load; nothing was loaded")
         start = time.perf_counter()
-        try:
-            adapters.add(name, path, replace=replace)
-        except AdapterError as exc:
-            if exc.field in ("max_adapters", "max_bytes"):
-                raise AdapterLimitExceeded(str(exc)) from None
-            raise AdapterInvalid(str(exc)) from None
-        except OSError as exc:
-            raise AdapterInvalid(f"path: cannot read the adapter folder: {exc.strerror or exc}") from None
-        if gone() and held is None:
-            adapters.remove(name)
-            raise Cancelled("the caller cancelled the load; the adapter was dropped again")
+        with _refusals():
+            adapters.install(name, adapter, replace=replace)
         self.kv.events.resync_all()  # the watchers' hellos name the adapters' roots (and one may be evicted)
-        self.adapter_scaling[name] = _scaling(path)
-        return self.adapter_entry(name, load_s=time.perf_counter() - start)
+        self.adapter_scaling[name] = adapter.read.scaling
+        return self.adapter_entry(name, load_s=build_s + time.perf_counter() - start)
 
     def unload_adapter(self, name: str) -> None:
         adapters = self._adapter_set()
@@ -113,13 +128,20 @@ class HostsAdapters:
                 "target_modules": list(a.modules), "bytes": a.nbytes, "sequences": a.refs, "load_s": load_s,
                 "digest": a.digest}
 
-    def adapter_entries(self) -> tuple[list[dict], list[str]]:
-        """Every loaded adapter's entry (slot order) and the names evicted lately."""
+    def adapter_entries(self, tenant: str | None = None) -> tuple[list[dict], list[str]]:
+        """Every loaded adapter's entry (slot order) and the names evicted lately.  With
+        ``tenant`` (a caller who is no admin): each adapter's name, rank and modules only,
+        and the live sequences of that tenant alone."""
         if self.adapters is None:
             return [], []
         self._count_users()
-        return ([self.adapter_entry(a.name) for a in sorted(self.adapters.by_name.values(), key=lambda a: a.slot)],
-                self.adapters.evicted[-EVICTED_SHOWN:])
+        held = sorted(self.adapters.by_name.values(), key=lambda a: a.slot)
+        evicted = self.adapters.evicted[-EVICTED_SHOWN:]
+        if tenant is None:
+            return [self.adapter_entry(a.name) for a in held], evicted
+        own = collections.Counter(seq.adapter for seq in self.kv.sequences() if seq.adapter and seq.tenant == tenant)
+        return [{"name": a.name, "rank": a.rank, "target_modules": list(a.modules), "sequences": own[a.name]}
+                for a in held], evicted
 
     def adapter_for_new_sequence(self, adapter: str) -> tuple[str, str]:
         """The (name, content digest) a new sequence running ``adapter`` records; ("", "") for the base."""
@@ -137,9 +159,53 @@ class HostsAdapters:
         return self.adapters.slot(seq.adapter) if seq.adapter else BASE
 
 
-def _scaling(path: str) -> float:
-    """The adapter's scaling as its config states it (lora_alpha / r, or / sqrt(r) with
-    use_rslora; a module of rank_pattern or alpha_pattern may differ)."""
-    config = json.loads((Path(path) / "adapter_config.json").read_text())
-    rank = config["r"]
-    return config["lora_alpha"] / (math.sqrt(rank) if config.get("use_rslora") else rank)
+def _check_name(name: str) -> None:
+    if not ADAPTER_NAME.fullmatch(name or ""):
+        raise AdapterInvalid(f"name: an adapter name is 1 to 128 bytes of [A-Za-z0-9._-], got {name[:40]!r}")
+
+
+@contextlib.contextmanager
+def _refusals():
+    """The reader's and the set's refusals as the contract's errors."""
+    try:
+        yield
+    except AdapterError as exc:
+        if exc.field in ("max_adapters", "max_bytes"):
+            raise AdapterLimitExceeded(str(exc)) from None
+        raise AdapterInvalid(str(exc)) from None
+    except OSError as exc:
+        raise AdapterInvalid(f"path: cannot read the adapter folder: {exc.strerror or type(exc).__name__}") from None
+
+
+def build_thread_init() -> None:
+    """Runs first on the thread that builds adapters beside the forwards.  It takes the
+    lowest CPU priority, for this thread alone (Linux's nice value is per thread), so
+    the worker's forwards keep the cores; and its torch ops run on one OpenMP thread:
+    a second OpenMP team beside the worker's would make libgomp, once it manages more
+    threads than there are CPUs, stop spinning between parallel regions in every team,
+    the worker's included."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    torch.get_num_threads()  # ATen's per-thread OpenMP setup runs now, not after the change below
+    library = _openmp_library()
+    if library is not None:
+        library.omp_set_num_threads(1)  # the calling thread's own setting (an OpenMP ICV per thread)
+    if torch.get_num_threads() != 1:
+        log.info("the adapter builder's torch ops run on %d threads (no OpenMP library found to set)",
+                 torch.get_num_threads())
+
+
+def _openmp_library() -> ctypes.CDLL | None:
+    """The OpenMP runtime this process has loaded (torch's), or None."""
+    try:
+        maps = open("/proc/self/maps").read()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        path = line.split(maxsplit=5)[-1] if len(line.split(maxsplit=5)) == 6 else ""
+        if re.search(r"/lib(gomp|iomp5|omp)[^/]*\.so", path):
+            try:
+                return ctypes.CDLL(path)
+            except OSError:
+                return None
+    return None

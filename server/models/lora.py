@@ -93,6 +93,17 @@ class Adapter:
                 "modules": list(self.modules), "digest": self.digest, "bytes": self.nbytes, "refs": self.refs}
 
 
+@dataclass
+class BuiltAdapter:
+    """An adapter read and arranged for the forward, not yet in a slot (``AdapterSet.build``)."""
+
+    path: str
+    read: LoraWeights
+    sites: list[dict[str, SiteWeights]]
+    kernel: object | None
+    nbytes: int
+
+
 def _sites(model, read: LoraWeights) -> list[dict[str, SiteWeights]]:
     """Per layer, the adapter's weights arranged for the model's projections as they
     are now (fused or not), on the model's device."""
@@ -165,26 +176,42 @@ class AdapterSet:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.by_name.values())
 
-    def add(self, name: str, folder: str | Path, replace: bool = False) -> int:
+    def add(self, name: str, folder: str | Path, replace: bool = False, root: str | Path | None = None) -> int:
         """Loads the adapter in ``folder`` as ``name``; returns its slot.  With
         ``replace``, a loaded ``name`` takes the new weights in its slot (its users
-        see them from their next forward)."""
+        see them from their next forward).  ``build`` then ``install``."""
+        return self.install(name, self.build(name, folder, replace, root), replace)
+
+    def build(self, name: str, folder: str | Path, replace: bool = False,
+              root: str | Path | None = None) -> BuiltAdapter:
+        """The adapter in ``folder`` read, checked and arranged for the forward, on the
+        calling thread; the set does not change (``install`` puts it in a slot).
+        ``root``: a resolved folder the adapter's files must lie inside."""
         if not name or not isinstance(name, str):
             raise AdapterError("name", "must be a non-empty string")
         if name in self.by_name and not replace:
             raise AdapterError("name", f"adapter {name!r} is already loaded")
-        read = read_adapter(folder, self.model.config, self.max_rank, self.dtype)
+        read = read_adapter(folder, self.model.config, self.max_rank, self.dtype, root)
         sites = _sites(self.model, read)
         kernel = _kernel(self.model, sites)
         nbytes = sum(s.nbytes for layer in sites for s in layer.values())
+        if self.max_bytes is not None and nbytes > self.max_bytes:
+            raise AdapterError("max_bytes", f"the adapter needs {nbytes} bytes, over the limit of {self.max_bytes}")
+        return BuiltAdapter(str(folder), read, sites, kernel, nbytes)
+
+    def install(self, name: str, built: BuiltAdapter, replace: bool = False) -> int:
+        """Puts an adapter ``build`` made in a slot as ``name`` (evicting idle ones to make
+        room); returns its slot.  Refused, changing nothing, if ``name`` is loaded and not
+        ``replace``, or if the adapters in use leave no room."""
+        read, nbytes = built.read, built.nbytes
         with self._lock:
             old = self.by_name.get(name)
             if old is not None and not replace:
                 raise AdapterError("name", f"adapter {name!r} is already loaded")
             self._make_room(nbytes - (old.nbytes if old else 0), keep=name)
             slot = old.slot if old else self.slots.index(None)
-            adapter = Adapter(name, slot, str(folder), read.rank, read.modules, read.digest, sites, nbytes,
-                              kernel, refs=old.refs if old else 0, last_used=next(self._clock))
+            adapter = Adapter(name, slot, built.path, read.rank, read.modules, read.digest, built.sites, nbytes,
+                              built.kernel, refs=old.refs if old else 0, last_used=next(self._clock))
             self.slots[slot] = adapter
             self.by_name[name] = adapter
         log.info("adapter %s in slot %d: rank %d on %s, %.1f MiB", name, slot, read.rank, ",".join(read.modules),

@@ -1,5 +1,6 @@
 """The administrative RPCs: the model registry (ListModels, LoadModel, UnloadModel,
-admin tenants only for changes) and shared-memory regions (RegisterSharedMemory,
+admin tenants only for changes), LoRA adapters (LoadAdapter, UnloadAdapter,
+ListAdapters) and shared-memory regions (RegisterSharedMemory,
 UnregisterSharedMemory).  A mixin of the servicer: reads its registry, state, shm and
 transfer figures."""
 
@@ -8,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -18,14 +21,19 @@ from ferrum_rpc import convert
 from ferrum_rpc.errors import AdapterInvalid, AdminOnly, Draining, ExecutorError, shown
 from ferrum_rpc.types import ServerState
 from ferrum_rpc.v1 import executor_pb2 as pb
+from ..engine.adapters import build_thread_init
 from .edge import MAX_PATH_BYTES
 from .handler import handler, query
 
 
 class AdminRpcs:
     # -- the model registry ----------------------------------------------------------------
+    def _is_admin(self, tenant: str) -> bool:
+        """Whether ``tenant`` is an admin: one of --admin-tenants, or anyone with tokens off."""
+        return self.tokens is None or tenant in self.admin_tenants
+
     def _check_admin(self, tenant: str) -> None:
-        if self.tokens is not None and tenant not in self.admin_tenants:
+        if not self._is_admin(tenant):
             raise AdminOnly(f"loading and unloading models is for admin tenants (--admin-tenants); "
                             f"{shown(tenant)} is not one")
 
@@ -57,17 +65,30 @@ class AdminRpcs:
             self._worker(request.name)  # the precise refusal: loading, unloaded, unknown
         return pb.UnloadModelResponse(sequences_dropped=await self.registry.unload(request.name))
 
-    # -- LoRA adapters (engine/adapters.py), on the model's worker thread between forwards -------
+    # -- LoRA adapters (engine/adapters.py): built off the worker, installed on it between forwards --
+    def _adapter_builder(self) -> ThreadPoolExecutor:
+        """The one thread adapters are read and built on, yielding the cores to the forwards
+        (``build_thread_init``); loads queue for it one at a time."""
+        if getattr(self, "_adapter_builds", None) is None:
+            self._adapter_builds = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-build",
+                                                      initializer=build_thread_init)
+        return self._adapter_builds
+
     @handler(admin=True)
     async def LoadAdapter(self, request, context, tenant: str):
         worker = self._worker(request.model)
-        check_adapter_folder(request.path)
+        executor = worker.executor
+        check_adapter_folder(request.path, executor.config.adapter_root)
         gone = threading.Event()
         try:
-            entry = await worker.call(worker.executor.load_adapter, request.name, request.path, request.replace,
-                                      gone.is_set)
+            # read, checked and arranged beside the serving model: forwards go on meanwhile;
+            # a caller who leaves during the build gets nothing installed
+            built = await asyncio.get_running_loop().run_in_executor(
+                self._adapter_builder(), executor.build_adapter, request.name, request.path, request.replace)
+            entry = await worker.call(executor.load_adapter, request.name, request.path, request.replace,
+                                      gone.is_set, built)
         except asyncio.CancelledError:
-            gone.set()  # a load under way drops what it read (a queued one never runs)
+            gone.set()  # a load queued on the worker never runs, one under way installs nothing
             raise
         return _adapter_entry(entry)
 
@@ -79,8 +100,11 @@ class AdminRpcs:
 
     @query
     async def ListAdapters(self, request, context, tenant: str):
+        """Admins see every field; another tenant sees names, ranks and modules, and the
+        live sequences it runs itself (not where adapters lie or what others run)."""
         worker = self._worker(request.model)
-        entries, evicted = await worker.call(worker.executor.adapter_entries)
+        entries, evicted = await worker.call(worker.executor.adapter_entries,
+                                             None if self._is_admin(tenant) else tenant)
         return pb.ListAdaptersResponse(adapters=[_adapter_entry(e) for e in entries], evicted=evicted)
 
     # -- shared memory -------------------------------------------------------------
@@ -122,13 +146,18 @@ class AdminRpcs:
         return pb.UnregisterSharedMemoryResponse(unregistered=len(gone))
 
 
-def check_adapter_folder(path: str) -> None:
-    """Refuses (ADAPTER_INVALID) a LoadAdapter path over 4,096 bytes, one the OS refuses,
+def check_adapter_folder(path: str, root: str = "") -> None:
+    """Refuses (ADAPTER_INVALID) a LoadAdapter path over 4,096 bytes, one outside ``root``
+    (--adapter-root, resolved) once its symbolic links are followed, one the OS refuses,
     or one that is no PEFT adapter folder; errors show a bounded prefix of the path,
-    never the OS's own message with all of it."""
+    never the OS's own message with all of it.  The reader checks each file it opens
+    against ``root`` again."""
     if len(path.encode()) > MAX_PATH_BYTES:
         raise AdapterInvalid(f"path: {shown(path)} is over {MAX_PATH_BYTES} bytes")
     try:
+        if root and path and not Path(os.path.realpath(path)).is_relative_to(root):
+            raise AdapterInvalid(f"path: {shown(path)} is not inside --adapter-root (after following symbolic "
+                                 f"links)")
         found = bool(path) and (Path(path) / "adapter_config.json").is_file()
     except (OSError, ValueError) as exc:
         why = getattr(exc, "strerror", None) or type(exc).__name__

@@ -124,7 +124,7 @@ def test_forward_refuses_slots_it_cannot_run(model, small):
 
 CONFIG_REFUSALS = [
     ({"peft_type": "IA3"}, "peft_type", "only LORA"),
-    ({"target_modules": ["q_proj", "lm_head"]}, "target_modules", "lm_head"),
+    ({"target_modules": ["q_proj", "lm_head"]}, "target_modules", "names a module that is not supported"),
     ({"use_dora": True}, "use_dora", "not supported"),
     ({"bias": "all"}, "bias", "only 'none'"),
     ({"modules_to_save": ["lm_head"]}, "modules_to_save", "not supported"),
@@ -132,7 +132,7 @@ CONFIG_REFUSALS = [
     ({"lora_bias": True}, "lora_bias", "not supported"),
     ({"r": 32}, "r", "over the limit of 16"),
     ({"r": 0}, "r", "positive integer"),
-    ({"rank_pattern": {"q_proj": 64}}, "rank_pattern", "out of 1..16"),
+    ({"rank_pattern": {"q_proj": 64}}, "rank_pattern", "in 1..16"),
     ({"lora_alpha": "big"}, "lora_alpha", "must be a number"),
     ({"layers_to_transform": [2]}, "layers_to_transform", "0..1"),
     ({"r": 4}, "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight",
