@@ -21,7 +21,7 @@ from ferrum_rpc import convert
 from ferrum_rpc.errors import AdapterInvalid, AdminOnly, Draining, ExecutorError, shown
 from ferrum_rpc.types import ServerState
 from ferrum_rpc.v1 import executor_pb2 as pb
-from ..engine.adapters import build_thread_init
+from ..engine.facade import build_thread_init
 from .edge import MAX_PATH_BYTES
 from .handler import handler, query
 
