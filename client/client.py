@@ -49,9 +49,6 @@ DEFAULT_MAX_MESSAGE_BYTES = 512 << 20  # above the server's default 256 MiB repl
 GRPC_DEFAULT_PORT = 443  # what gRPC's dns resolver assumes when a target names no port
 _CLIENT_TIMEOUT = object()  # _invoke: the client's own timeout
 RELEASE_TIMEOUT_S = 5.0  # the release by request_id after a call whose outcome is unknown
-# A call that ended so may have run on the server: whatever it created is released by name.
-_UNKNOWN_OUTCOME = frozenset({grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
-                              grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
 
 
 @contextlib.contextmanager
@@ -63,9 +60,10 @@ def _errors_mapped(client, rpc: Rpc, request, args: tuple, kwargs: dict):
     try:
         yield
     except grpc.RpcError as exc:
-        if exc.code() in _UNKNOWN_OUTCOME:
+        err = from_rpc_error(exc)
+        if err.outcome_unknown:  # the call may have run: what it may have created goes
             client._release_created(rpc, request, args, kwargs)
-        raise from_rpc_error(exc) from None
+        raise err from None
     except BaseException:  # interrupted or cancelled while waiting: the call may have run
         client._release_created(rpc, request, args, kwargs)
         raise

@@ -1,9 +1,12 @@
 """The error table: every failure the executor reports, mapped in one place.
 
-Server and client share it.  The server turns an :class:`ExecutorError` into a
-gRPC status whose details carry a ``google.rpc.ErrorInfo`` with the reason;
-the client turns that status back into the same exception class, so caller
-code can ``except CacheNotFound`` whether it runs in-process or remote.
+The reasons, their status codes and whether each is retryable or leaves the outcome
+unknown are read from the proto's ``ErrorReason`` (its value options), the one
+definition every language's table comes from.  Server and client share this module:
+the server turns an :class:`ExecutorError` into a gRPC status whose details carry a
+``google.rpc.ErrorInfo`` with the reason; the client turns that status back into the
+same exception class, so caller code can ``except CacheNotFound`` whether it runs
+in-process or remote.
 """
 
 from __future__ import annotations
@@ -12,80 +15,35 @@ import enum
 
 import grpc
 
+from ferrum_rpc.v1 import executor_pb2 as _pb
+
 ERROR_DOMAIN = "ferrum.executor.v1"
 
 
-class Reason(str, enum.Enum):
-    """Machine-readable reasons (``ErrorInfo.reason``)."""
-
-    CACHE_NOT_FOUND = "CACHE_NOT_FOUND"
-    CACHE_EXPIRED = "CACHE_EXPIRED"
-    STALE_HANDLE = "STALE_HANDLE"
-    LENGTH_MISMATCH = "LENGTH_MISMATCH"
-    INVALID_INPUT = "INVALID_INPUT"
-    SEQUENCE_TOO_LONG = "SEQUENCE_TOO_LONG"
-    KV_CAPACITY_EXHAUSTED = "KV_CAPACITY_EXHAUSTED"
-    MODEL_NOT_FOUND = "MODEL_NOT_FOUND"
-    MODEL_LOADING = "MODEL_LOADING"
-    DRAINING = "DRAINING"
-    UNAUTHENTICATED = "UNAUTHENTICATED"
-    SEQUENCE_LIMIT_EXCEEDED = "SEQUENCE_LIMIT_EXCEEDED"
-    TENANT_QUOTA_EXCEEDED = "TENANT_QUOTA_EXCEEDED"
-    SHARED_MEMORY_NOT_FOUND = "SHARED_MEMORY_NOT_FOUND"
-    ADMIN_ONLY = "ADMIN_ONLY"
-    TENSOR_PARALLEL_RANK_LOST = "TENSOR_PARALLEL_RANK_LOST"
-    FINGERPRINT_MISMATCH = "FINGERPRINT_MISMATCH"
-    TRANSFER_CORRUPTED = "TRANSFER_CORRUPTED"
-    TICKET_NOT_FOUND = "TICKET_NOT_FOUND"
-    TICKET_EXPIRED = "TICKET_EXPIRED"
-    TICKET_USED = "TICKET_USED"
-    PUSH_TARGET_REFUSED = "PUSH_TARGET_REFUSED"
-    NON_FINITE_LOGITS = "NON_FINITE_LOGITS"
-    TRANSFER_BUDGET_EXHAUSTED = "TRANSFER_BUDGET_EXHAUSTED"
-    TRANSFER_STALLED = "TRANSFER_STALLED"
-    ADAPTER_NOT_FOUND = "ADAPTER_NOT_FOUND"
-    ADAPTER_INVALID = "ADAPTER_INVALID"
-    ADAPTER_IN_USE = "ADAPTER_IN_USE"
-    ADAPTER_LIMIT_EXCEEDED = "ADAPTER_LIMIT_EXCEEDED"
-    WEIGHTS_CHANGED = "WEIGHTS_CHANGED"
-    REQUEST_ID_EXISTS = "REQUEST_ID_EXISTS"
-    REQUEST_ID_TAKEN = "REQUEST_ID_TAKEN"
+def _table() -> dict[str, tuple[grpc.StatusCode, bool, bool]]:
+    """The proto's error table (``ErrorReason`` and its value options): reason name ->
+    (status code, retryable, outcome unknown)."""
+    codes = {c.value[0]: c for c in grpc.StatusCode}
+    rows = {}
+    for value in _pb.ErrorReason.DESCRIPTOR.values:
+        if value.number:
+            options = value.GetOptions().Extensions
+            rows[value.name] = (codes[options[_pb.status_code]], options[_pb.retryable], options[_pb.outcome_unknown])
+    return rows
 
 
-STATUS_FOR_REASON: dict[Reason, grpc.StatusCode] = {
-    Reason.CACHE_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    Reason.CACHE_EXPIRED: grpc.StatusCode.NOT_FOUND,
-    Reason.STALE_HANDLE: grpc.StatusCode.FAILED_PRECONDITION,
-    Reason.LENGTH_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
-    Reason.INVALID_INPUT: grpc.StatusCode.INVALID_ARGUMENT,
-    Reason.SEQUENCE_TOO_LONG: grpc.StatusCode.OUT_OF_RANGE,
-    Reason.KV_CAPACITY_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Reason.MODEL_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    Reason.MODEL_LOADING: grpc.StatusCode.UNAVAILABLE,
-    Reason.DRAINING: grpc.StatusCode.UNAVAILABLE,
-    Reason.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
-    Reason.SEQUENCE_LIMIT_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Reason.TENANT_QUOTA_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Reason.SHARED_MEMORY_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    Reason.ADMIN_ONLY: grpc.StatusCode.PERMISSION_DENIED,
-    Reason.TENSOR_PARALLEL_RANK_LOST: grpc.StatusCode.UNAVAILABLE,
-    Reason.FINGERPRINT_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
-    Reason.TRANSFER_CORRUPTED: grpc.StatusCode.DATA_LOSS,
-    Reason.TICKET_NOT_FOUND: grpc.StatusCode.PERMISSION_DENIED,
-    Reason.TICKET_EXPIRED: grpc.StatusCode.PERMISSION_DENIED,
-    Reason.TICKET_USED: grpc.StatusCode.PERMISSION_DENIED,
-    Reason.PUSH_TARGET_REFUSED: grpc.StatusCode.PERMISSION_DENIED,
-    Reason.NON_FINITE_LOGITS: grpc.StatusCode.FAILED_PRECONDITION,
-    Reason.TRANSFER_BUDGET_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Reason.TRANSFER_STALLED: grpc.StatusCode.DEADLINE_EXCEEDED,
-    Reason.ADAPTER_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    Reason.ADAPTER_INVALID: grpc.StatusCode.INVALID_ARGUMENT,
-    Reason.ADAPTER_IN_USE: grpc.StatusCode.FAILED_PRECONDITION,
-    Reason.ADAPTER_LIMIT_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Reason.WEIGHTS_CHANGED: grpc.StatusCode.FAILED_PRECONDITION,
-    Reason.REQUEST_ID_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
-    Reason.REQUEST_ID_TAKEN: grpc.StatusCode.ALREADY_EXISTS,
-}
+_TABLE = _table()
+
+# Machine-readable reasons (``ErrorInfo.reason``): the proto's ErrorReason values, by name.
+Reason = enum.Enum("Reason", {name: name for name in _TABLE}, type=str, module=__name__, qualname="Reason")
+
+STATUS_FOR_REASON: dict[Reason, grpc.StatusCode] = {Reason(name): row[0] for name, row in _TABLE.items()}
+RETRYABLE: frozenset[Reason] = frozenset(Reason(name) for name, row in _TABLE.items() if row[1])
+OUTCOME_UNKNOWN: frozenset[Reason] = frozenset(Reason(name) for name, row in _TABLE.items() if row[2])
+# A status without a reason of the table (the connection, a deadline, a cancel): whether
+# the call may have run (see the proto's ``outcome_unknown`` option).
+UNKNOWN_OUTCOME_CODES = frozenset({grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
 
 
 class ExecutorError(Exception):
@@ -109,6 +67,16 @@ class ExecutorError(Exception):
     def __str__(self) -> str:
         tag = self.reason.value if self.reason else self.code.name
         return f"{tag}: {self.message}"
+
+    @property
+    def retryable(self) -> bool:
+        """The call changed nothing and may succeed if made again (later, or elsewhere)."""
+        return self.reason in RETRYABLE if self.reason else self.code is grpc.StatusCode.UNAVAILABLE
+
+    @property
+    def outcome_unknown(self) -> bool:
+        """The caller cannot tell whether the call took effect."""
+        return self.reason in OUTCOME_UNKNOWN if self.reason else self.code in UNKNOWN_OUTCOME_CODES
 
 
 class DeadlineExceeded(ExecutorError):

@@ -1,3 +1,4 @@
+from google.protobuf import descriptor_pb2 as _descriptor_pb2
 from google.rpc import status_pb2 as _status_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -7,6 +8,42 @@ from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_REASON_UNSPECIFIED: _ClassVar[ErrorReason]
+    CACHE_NOT_FOUND: _ClassVar[ErrorReason]
+    CACHE_EXPIRED: _ClassVar[ErrorReason]
+    STALE_HANDLE: _ClassVar[ErrorReason]
+    LENGTH_MISMATCH: _ClassVar[ErrorReason]
+    INVALID_INPUT: _ClassVar[ErrorReason]
+    SEQUENCE_TOO_LONG: _ClassVar[ErrorReason]
+    KV_CAPACITY_EXHAUSTED: _ClassVar[ErrorReason]
+    MODEL_NOT_FOUND: _ClassVar[ErrorReason]
+    MODEL_LOADING: _ClassVar[ErrorReason]
+    DRAINING: _ClassVar[ErrorReason]
+    UNAUTHENTICATED: _ClassVar[ErrorReason]
+    SEQUENCE_LIMIT_EXCEEDED: _ClassVar[ErrorReason]
+    TENANT_QUOTA_EXCEEDED: _ClassVar[ErrorReason]
+    SHARED_MEMORY_NOT_FOUND: _ClassVar[ErrorReason]
+    ADMIN_ONLY: _ClassVar[ErrorReason]
+    TENSOR_PARALLEL_RANK_LOST: _ClassVar[ErrorReason]
+    FINGERPRINT_MISMATCH: _ClassVar[ErrorReason]
+    TRANSFER_CORRUPTED: _ClassVar[ErrorReason]
+    TICKET_NOT_FOUND: _ClassVar[ErrorReason]
+    TICKET_EXPIRED: _ClassVar[ErrorReason]
+    TICKET_USED: _ClassVar[ErrorReason]
+    PUSH_TARGET_REFUSED: _ClassVar[ErrorReason]
+    NON_FINITE_LOGITS: _ClassVar[ErrorReason]
+    TRANSFER_BUDGET_EXHAUSTED: _ClassVar[ErrorReason]
+    TRANSFER_STALLED: _ClassVar[ErrorReason]
+    ADAPTER_NOT_FOUND: _ClassVar[ErrorReason]
+    ADAPTER_INVALID: _ClassVar[ErrorReason]
+    ADAPTER_IN_USE: _ClassVar[ErrorReason]
+    ADAPTER_LIMIT_EXCEEDED: _ClassVar[ErrorReason]
+    WEIGHTS_CHANGED: _ClassVar[ErrorReason]
+    REQUEST_ID_EXISTS: _ClassVar[ErrorReason]
+    REQUEST_ID_TAKEN: _ClassVar[ErrorReason]
 
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -38,6 +75,39 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP_TOKEN: _ClassVar[FinishReason]
     FINISH_REASON_STOPPED: _ClassVar[FinishReason]
     FINISH_REASON_MAX_SEQUENCE_LENGTH: _ClassVar[FinishReason]
+ERROR_REASON_UNSPECIFIED: ErrorReason
+CACHE_NOT_FOUND: ErrorReason
+CACHE_EXPIRED: ErrorReason
+STALE_HANDLE: ErrorReason
+LENGTH_MISMATCH: ErrorReason
+INVALID_INPUT: ErrorReason
+SEQUENCE_TOO_LONG: ErrorReason
+KV_CAPACITY_EXHAUSTED: ErrorReason
+MODEL_NOT_FOUND: ErrorReason
+MODEL_LOADING: ErrorReason
+DRAINING: ErrorReason
+UNAUTHENTICATED: ErrorReason
+SEQUENCE_LIMIT_EXCEEDED: ErrorReason
+TENANT_QUOTA_EXCEEDED: ErrorReason
+SHARED_MEMORY_NOT_FOUND: ErrorReason
+ADMIN_ONLY: ErrorReason
+TENSOR_PARALLEL_RANK_LOST: ErrorReason
+FINGERPRINT_MISMATCH: ErrorReason
+TRANSFER_CORRUPTED: ErrorReason
+TICKET_NOT_FOUND: ErrorReason
+TICKET_EXPIRED: ErrorReason
+TICKET_USED: ErrorReason
+PUSH_TARGET_REFUSED: ErrorReason
+NON_FINITE_LOGITS: ErrorReason
+TRANSFER_BUDGET_EXHAUSTED: ErrorReason
+TRANSFER_STALLED: ErrorReason
+ADAPTER_NOT_FOUND: ErrorReason
+ADAPTER_INVALID: ErrorReason
+ADAPTER_IN_USE: ErrorReason
+ADAPTER_LIMIT_EXCEEDED: ErrorReason
+WEIGHTS_CHANGED: ErrorReason
+REQUEST_ID_EXISTS: ErrorReason
+REQUEST_ID_TAKEN: ErrorReason
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
@@ -57,6 +127,12 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP_TOKEN: FinishReason
 FINISH_REASON_STOPPED: FinishReason
 FINISH_REASON_MAX_SEQUENCE_LENGTH: FinishReason
+STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+status_code: _descriptor.FieldDescriptor
+RETRYABLE_FIELD_NUMBER: _ClassVar[int]
+retryable: _descriptor.FieldDescriptor
+OUTCOME_UNKNOWN_FIELD_NUMBER: _ClassVar[int]
+outcome_unknown: _descriptor.FieldDescriptor
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")

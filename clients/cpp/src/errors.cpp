@@ -2,9 +2,10 @@
 // reason of its google.rpc.ErrorInfo (domain ferrum.executor.v1) and, where the server
 // sent one, the delay of its google.rpc.RetryInfo and (REQUEST_ID_EXISTS) the live
 // sequence's KvCacheHandle.
-#include <set>
+#include <map>
 
 #include "ferrum/types.hpp"
+#include "ferrum_rpc/v1/executor.pb.h"
 #include "google/rpc/error_details.pb.h"
 #include "google/rpc/status.pb.h"
 
@@ -16,21 +17,31 @@ const char kErrorInfo[] = "type.googleapis.com/google.rpc.ErrorInfo";
 const char kRetryInfo[] = "type.googleapis.com/google.rpc.RetryInfo";
 const char kHandle[] = "type.googleapis.com/ferrum.executor.v1.KvCacheHandle";
 
-// The error table's reasons; an ErrorInfo naming anything else (the server names the
-// code for statuses outside the table) gives an Error without a reason, as in Python.
-const std::set<std::string> kReasons = {
-    "CACHE_NOT_FOUND", "CACHE_EXPIRED", "STALE_HANDLE", "LENGTH_MISMATCH", "INVALID_INPUT", "SEQUENCE_TOO_LONG",
-    "KV_CAPACITY_EXHAUSTED", "MODEL_NOT_FOUND", "MODEL_LOADING", "DRAINING", "UNAUTHENTICATED",
-    "SEQUENCE_LIMIT_EXCEEDED", "TENANT_QUOTA_EXCEEDED", "SHARED_MEMORY_NOT_FOUND", "ADMIN_ONLY",
-    "TENSOR_PARALLEL_RANK_LOST", "FINGERPRINT_MISMATCH", "TRANSFER_CORRUPTED", "TICKET_NOT_FOUND", "TICKET_EXPIRED",
-    "TICKET_USED", "PUSH_TARGET_REFUSED", "NON_FINITE_LOGITS", "TRANSFER_BUDGET_EXHAUSTED", "TRANSFER_STALLED",
-    "ADAPTER_NOT_FOUND", "ADAPTER_INVALID", "ADAPTER_IN_USE", "ADAPTER_LIMIT_EXCEEDED",
-    "WEIGHTS_CHANGED", "REQUEST_ID_EXISTS", "REQUEST_ID_TAKEN"};
+// One row of the error table: the proto's ErrorReason value options.
+struct Row {
+  bool retryable;
+  bool outcome_unknown;
+};
 
-// Reasons whose call changed nothing and may succeed later or elsewhere.
-const std::set<std::string> kRetryableReasons = {
-    "DRAINING", "MODEL_LOADING", "KV_CAPACITY_EXHAUSTED", "SEQUENCE_LIMIT_EXCEEDED",
-    "TENANT_QUOTA_EXCEEDED", "TRANSFER_BUDGET_EXHAUSTED", "TENSOR_PARALLEL_RANK_LOST"};
+// The error table, read once from the generated descriptor of ErrorReason (the
+// proto is its one definition); an ErrorInfo naming anything else (the server names
+// the code for statuses outside the table) gives an Error without a reason, as in Python.
+const std::map<std::string, Row>& table() {
+  static const std::map<std::string, Row> rows = [] {
+    namespace v1 = ferrum::executor::v1;
+    std::map<std::string, Row> out;
+    const auto* reasons = v1::ErrorReason_descriptor();
+    for (int i = 0; i < reasons->value_count(); ++i) {
+      const auto* value = reasons->value(i);
+      if (value->number() == 0) continue;
+      const auto& options = value->options();
+      out.emplace(std::string(value->name()),
+                  Row{options.GetExtension(v1::retryable), options.GetExtension(v1::outcome_unknown)});
+    }
+    return out;
+  }();
+  return rows;
+}
 }  // namespace
 
 Error::Error(grpc::StatusCode code, std::string reason, std::string message,
@@ -40,19 +51,20 @@ Error::Error(grpc::StatusCode code, std::string reason, std::string message,
       existing_(std::move(existing)) {}
 
 bool Error::retryable() const {
-  if (!reason_.empty()) return kRetryableReasons.count(reason_) > 0;
+  if (!reason_.empty()) return table().at(reason_).retryable;
   return code_ == grpc::StatusCode::UNAVAILABLE;  // no reason: the connection, not the server's table
 }
 
+// A status with no reason: the rule the proto states beside the outcome_unknown option.
 bool Error::outcome_unknown() const {
+  if (!reason_.empty()) return table().at(reason_).outcome_unknown;
   switch (code_) {
     case grpc::StatusCode::CANCELLED:
     case grpc::StatusCode::DEADLINE_EXCEEDED:
+    case grpc::StatusCode::UNAVAILABLE:
     case grpc::StatusCode::UNKNOWN:
     case grpc::StatusCode::INTERNAL:
       return true;
-    case grpc::StatusCode::UNAVAILABLE:
-      return reason_.empty();  // DRAINING and MODEL_LOADING refuse before any work
     default:
       return false;
   }
@@ -74,7 +86,7 @@ Error error_from_rpc_status(const google::rpc::Status& status) {
   for (const auto& detail : status.details()) {
     if (detail.type_url() == kErrorInfo) {
       google::rpc::ErrorInfo info;
-      if (info.ParseFromString(detail.value()) && info.domain() == kDomain && kReasons.count(info.reason()))
+      if (info.ParseFromString(detail.value()) && info.domain() == kDomain && table().count(info.reason()))
         reason = info.reason();
     } else if (detail.type_url() == kRetryInfo) {
       google::rpc::RetryInfo retry;
