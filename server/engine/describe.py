@@ -74,7 +74,7 @@ class Describes:
             tensor_parallel_fallbacks=self._fallbacks(),
             max_adapters=self.adapters.max_adapters if self.adapters else 0,
             max_lora_rank=self.adapters.max_rank if self.adapters else 0,
-            weights_version=self.weights_version,
+            weights_version=self.weights.version,
         )
 
     def _fallbacks(self) -> tuple[str, ...]:

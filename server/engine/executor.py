@@ -30,7 +30,7 @@ from ..choice.rows import row_max
 from ..choice.policy import validate_token_choice
 from ..config import ExecutorConfig, TenantBounds, tenant_bounds
 from .adapters import HostsAdapters
-from .weights import UpdatesWeights, checkpoint_index
+from .weights import Weights
 from .checks import ExecutorChecks
 from .choosing import ChoosesTokens
 from .describe import Describes
@@ -49,7 +49,6 @@ from ..parallel.group import CURRENT
 from ..parallel.shard import Shard
 from .prompt import PromptInParts
 from .stats import Stats
-from ferrum_rpc.hashing import weights_digest
 from ferrum_rpc.types import (BlockTable, DecodeInput, DecodeOutput, HiddenStatesRequest, KvCacheHandle, Logits,
                               LogitsKind, LogitsPolicy, PrefillOutput, Timing, TokenChoice, VerifyOutput)
 
@@ -61,7 +60,7 @@ def verify_policy(policy: LogitsPolicy) -> LogitsPolicy:
     return replace(policy, all_positions=True)
 
 
-class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsAdapters, UpdatesWeights):
+class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsAdapters):
     """Hosts one model and its KV pool.
 
     Args:
@@ -95,7 +94,7 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsA
             runner.send_pool(self.runner, num_blocks, config.block_size)
         self.stats = Stats(self)
         self.optimal_batch_size = 0  # measured by measure_optimal_batch (the server's warm-up)
-        self.weights_digest = ""  # of the model folder's files (transfer.weights_digest): the KV fingerprint
+        self.weights = Weights()  # what it serves: checkpoint, updates on top, version and digest
         log.info("%s: KV pool of %d blocks x %d tokens (%.1f MiB of %s on %s)", name, num_blocks,
                  config.block_size, self.pool.nbytes / 2**20, config.kv_dtype_name, self.device)
         if self.shard is None:
@@ -125,8 +124,7 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsA
         model = load_model(path, TORCH_DTYPES[config.dtype], device, config.linear_kernel, config.quantize,
                            config.step_ops, shard=shard, batch_invariant=config.batch_invariant)
         executor = cls(name, model, config, instance_id or uuid.uuid4().hex)
-        executor.weights_digest = weights_digest(path)
-        executor.path, executor.checkpoint = Path(path), checkpoint_index(path)
+        executor.weights = Weights.of_folder(path)
         return executor
 
     # -- the contract: validate, plan, run ------------------------------------------
@@ -463,5 +461,5 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsA
             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, device=str(self.device),
             block_table=BlockTable(self.kv.block_size, tuple(seq.block_ids)),
             model=self.name, server_instance_id=self.instance_id, adapter=seq.adapter,
-            weights_version=self.weights_version,
+            weights_version=self.weights.version,
         )

@@ -15,13 +15,13 @@ from ferrum_rpc import hashing
 from ..kv.events import KvEventHub, Removed, Stored, Subscriber
 
 if TYPE_CHECKING:
-    from . import transfer
+    from . import transfer, weights
     from .adapters import build_thread_init
     from .ahead import QUEUED_FORWARDS, AheadRun, Emitted, Finish
     from .undo import Undo
     from .worker import ModelWorker
 
-_LAZY = {"transfer": (".transfer", None), "QUEUED_FORWARDS": (".ahead", "QUEUED_FORWARDS"),
+_LAZY = {"transfer": (".transfer", None), "weights": (".weights", None), "QUEUED_FORWARDS": (".ahead", "QUEUED_FORWARDS"),
          "AheadRun": (".ahead", "AheadRun"), "Emitted": (".ahead", "Emitted"), "Finish": (".ahead", "Finish"),
          "Undo": (".undo", "Undo"), "ModelWorker": (".worker", "ModelWorker"),
          "build_thread_init": (".adapters", "build_thread_init")}
@@ -35,7 +35,7 @@ def __getattr__(name: str):
     return loaded if attr is None else getattr(loaded, attr)
 
 __all__ = ["QUEUED_FORWARDS", "AheadRun", "Emitted", "Finish", "KvHello", "KvWatch", "ModelWorker", "Removed",
-           "Stored", "Subscriber", "Undo", "build_thread_init", "transfer"]
+           "Stored", "Subscriber", "Undo", "build_thread_init", "transfer", "weights"]
 
 
 @dataclass(frozen=True)

@@ -116,7 +116,7 @@ class Stats:
         return ExecutorStatus(
             state=state, server_instance_id=ex.instance_id, model=ex.name,
             adapters_loaded=len(ex.adapters.by_name) if ex.adapters else 0,
-            adapter_bytes=ex.adapters.nbytes if ex.adapters else 0, weights_version=ex.weights_version,
+            adapter_bytes=ex.adapters.nbytes if ex.adapters else 0, weights_version=ex.weights.version,
             kv_blocks_total=kv.num_blocks, kv_blocks_used=kv.num_used,
             kv_blocks_free=kv.num_free, active_sequences=len(kv), queue_depth=queue_depth,
             forwards=self.forwards, tokens_processed=self.tokens_processed,

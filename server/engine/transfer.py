@@ -57,7 +57,7 @@ def fingerprint(executor, weights_digest: str | None = None) -> pb.KvFingerprint
     are not the ones serving now (a sequence kept across an UpdateWeights)."""
     mc = executor.model_config
     fp = pb.KvFingerprint(
-        weights_digest=executor.weights_digest if weights_digest is None else weights_digest, dtype=tensor_codec.dtype_to_proto(executor.config.dtype),
+        weights_digest=executor.weights.digest if weights_digest is None else weights_digest, dtype=tensor_codec.dtype_to_proto(executor.config.dtype),
         quantization=executor.config.quantize, block_size=executor.kv.block_size, tensor_parallel=1,
         kv_layout=f"paged-kv/v1 layers={mc.num_layers} kv_heads={mc.num_kv_heads} head_dim={mc.head_dim}"
                   + ("" if (kv := executor.config.kv_dtype_name) == executor.config.dtype else f" kv_dtype={kv}"))
@@ -125,7 +125,7 @@ def snapshot(executor, handle: KvCacheHandle, tenant: str) -> Snapshot:
     k, v = _pool_rows(executor)
     kv = torch.stack((k.index_select(1, slots), v.index_select(1, slots))).cpu()  # (2, L, T, H, D)
     return Snapshot(executor.handle(seq), tuple(seq.tokens[:seq.length]), tuple(seq.prompt_spans), kv,
-                    fingerprint(executor, executor.digest_of(seq.generation)), executor.name, seq.adapter,
+                    fingerprint(executor, executor.weights.digest_of(seq.generation)), executor.name, seq.adapter,
                     seq.adapter_digest)
 
 

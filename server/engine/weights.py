@@ -2,9 +2,11 @@
 file, some or all of the checkpoint's) are read and checked as they arrive
 (``weights_file.py``: names, shapes, dtypes, finite values, the checksum); then the
 model is rebuilt with them the way it was loaded (converted, fused, quantized, packed:
-``models.loader.load_model``) beside the serving one, off the worker (``build_weights``:
+``models.loader.load_model``) beside the serving one, off the worker (:func:`build`:
 forwards go on meanwhile, on the old weights), and swapped in on the worker between two
 forwards, so every forward runs on one version and decoding pauses only for the swap.
+:class:`Weights` is the executor's record of what it serves; :func:`build` and
+:func:`update` are the two steps, run on the executor.
 With tensor parallelism the ranks rebuild on the worker (they agree to switch together).
 Nothing changes until the swap: a bad file, or a caller that went away during the
 rebuild, leaves the old weights serving."""
@@ -20,7 +22,7 @@ import torch
 from safetensors import safe_open
 
 from ferrum_rpc.errors import Cancelled
-from ferrum_rpc.hashing import updated_weights_digest
+from ferrum_rpc.hashing import updated_weights_digest, weights_digest
 from ..models import TORCH_DTYPES, load_model, return_freed_memory
 from .graphs import decode_graphs
 from .weights_file import DTYPE_BYTES, FLOAT_DTYPES, HEADER_SLACK, WeightsUpload
@@ -39,88 +41,109 @@ def checkpoint_index(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]
     return index
 
 
-class UpdatesWeights:
-    """Mixed into :class:`~.executor.TorchExecutor` (its ``model``, ``config``, ``device``,
-    ``kv``, ``shard``, ``runner``, ``adapters``, ``name``, ``path``)."""
+class Weights:
+    """What an executor's weights are, as plain state: the checkpoint folder and its
+    index, the tensors updates replaced on top of it, and the version and digest that
+    name the result (``version`` 0 as loaded, one more per update)."""
 
-    weights_version = 0
-    checkpoint: dict[str, tuple[tuple[int, ...], str]] = {}
-    # every tensor an update has replaced (the latest of each name): the serving weights
-    # are the checkpoint files with these on top, so each build starts from them
-    applied: dict[str, torch.Tensor] = {}
-    # the weights digest of each version some live sequence still began under (an
-    # export's fingerprint names the weights its KV was computed with)
-    version_digests: dict[int, str] = {}
+    def __init__(self, path: str | Path | None = None, checkpoint: dict | None = None, digest: str = ""):
+        self.path = Path(path) if path is not None else None
+        self.checkpoint: dict[str, tuple[tuple[int, ...], str]] = checkpoint or {}
+        self.digest = digest  # the KV fingerprint's: the files' (hashing.weights_digest), then each update's
+        self.version = 0
+        # every tensor an update has replaced (the latest of each name): the serving
+        # weights are the checkpoint files with these on top, so each build starts from them
+        self.applied: dict[str, torch.Tensor] = {}
+        # the digest of each earlier version some live sequence still began under (an
+        # export's fingerprint names the weights its KV was computed with)
+        self.earlier: dict[int, str] = {}
+
+    @classmethod
+    def of_folder(cls, path: str | Path) -> Weights:
+        return cls(path, checkpoint_index(path), weights_digest(path))
 
     @property
-    def update_limit_bytes(self) -> int:
+    def limit_bytes(self) -> int:
         """The largest UpdateWeights file: every checkpoint tensor plus a header."""
         return sum((DTYPE_BYTES[dtype] if dtype in FLOAT_DTYPES else 8) * torch.Size(shape).numel()
                    for shape, dtype in self.checkpoint.values()) + HEADER_SLACK
 
-    def weights_upload(self, total_bytes: int) -> WeightsUpload:
+    def upload(self, total_bytes: int) -> WeightsUpload:
         """Where an update's ``total_bytes`` go as they arrive (read and checked off the worker)."""
         return WeightsUpload(total_bytes, self.checkpoint)
 
-    def digest_of(self, generation: int) -> str:
-        """The weights digest of weights version ``generation``."""
-        return self.weights_digest if generation == self.weights_version else self.version_digests[generation]
+    def digest_of(self, version: int) -> str:
+        """The weights digest of weights version ``version``."""
+        return self.digest if version == self.version else self.earlier[version]
 
     def on_top(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The tensors the weights after an update of ``tensors`` differ from the
         checkpoint files in: every earlier update's, then this one's over them."""
         return {**self.applied, **tensors}
 
-    def _build(self, tensors: dict[str, torch.Tensor]):
-        cfg = self.config
-        return load_model(self.path, TORCH_DTYPES[cfg.dtype], self.device, cfg.linear_kernel, cfg.quantize,
-                          cfg.step_ops, shard=self.shard, batch_invariant=cfg.batch_invariant, overrides=tensors)
+    def advance(self, serving: dict[str, torch.Tensor], checksum: bytes) -> int:
+        """Records an update swapped in (``serving``: its :meth:`on_top`); returns the new version."""
+        self.earlier[self.version] = self.digest
+        self.applied, self.version = serving, self.version + 1
+        self.digest = updated_weights_digest(self.digest, checksum)
+        return self.version
 
-    def build_weights(self, tensors: dict[str, torch.Tensor]) -> tuple[object, float] | None:
-        """The model rebuilt with ``tensors`` and the seconds that took, built on the
-        calling thread (any but the worker: nothing the forwards read changes), for
-        ``update_weights`` to swap in; None with tensor parallelism (the ranks build on
-        the worker, together)."""
-        if self.runner is not None:
-            return None
-        start = time.perf_counter()
-        model = self._build(self.on_top(tensors))
-        return model, time.perf_counter() - start
+    def forget_except(self, versions: set[int]) -> None:
+        """Forgets the digests of earlier versions no live sequence began under."""
+        self.earlier = {v: d for v, d in self.earlier.items() if v in versions}
 
-    def update_weights(self, tensors: dict[str, torch.Tensor], checksum: bytes, invalidate: bool,
-                       gone: Callable[[], bool] = lambda: False, built: tuple[object, float] | None = None) -> dict:
-        """Swaps in the model ``build_weights`` made of ``tensors`` (an upload's, checked),
-        or rebuilds it here first where ``built`` is None (worker thread, between
-        forwards); returns what the reply says.  ``gone()``: the caller went away
-        (checked before the swap: then nothing changes)."""
-        start = time.perf_counter()
-        serving = self.on_top(tensors)
-        if built is not None:
-            model, rebuild_s = built
-        elif self.runner is None:
-            model = self._build(serving)
-            rebuild_s = time.perf_counter() - start
-        else:  # every rank builds its shard from its slices, and all switch to it or none does
-            model = self.runner.update(serving, self._build, gone)
-            rebuild_s = time.perf_counter() - start
-        if self.runner is None and gone():
-            raise Cancelled("the caller cancelled the update; the old weights still serve")
-        if self.adapters is not None:  # the adapters' weights are the adapters': they stay
-            model.adapters, self.adapters.model = self.adapters, model
-        self.model, self.applied = model, serving
-        del model, built
-        self.graphs = decode_graphs(self, self.model)  # graphs captured on the old weights read those
-        before = {**self.version_digests, self.weights_version: self.weights_digest}
-        self.weights_version += 1
-        self.weights_digest = updated_weights_digest(self.weights_digest, checksum)
-        self.kv.start_generation(self.weights_version)
-        dropped = self.kv.invalidate() if invalidate else 0
-        live = {seq.generation for seq in self.kv.sequences()}
-        self.version_digests = {v: d for v, d in before.items() if v in live}
-        return_freed_memory()  # the old model's tensors, back to the OS
-        paused_s = time.perf_counter() - start
-        log.info("%s: weights version %d (%d tensors): rebuilt in %.2fs, forwards paused %.2fs%s", self.name,
-                 self.weights_version, len(tensors), rebuild_s, paused_s,
-                 f", {dropped} sequences dropped" if invalidate else "")
-        return {"weights_version": self.weights_version, "tensors": len(tensors), "rebuild_s": rebuild_s,
-                "paused_s": paused_s, "sequences_invalidated": dropped}
+
+def _load(executor, tensors: dict[str, torch.Tensor]):
+    """The executor's model built as it was loaded, from its checkpoint with ``tensors`` on top."""
+    cfg = executor.config
+    return load_model(executor.weights.path, TORCH_DTYPES[cfg.dtype], executor.device, cfg.linear_kernel,
+                      cfg.quantize, cfg.step_ops, shard=executor.shard, batch_invariant=cfg.batch_invariant,
+                      overrides=tensors)
+
+
+def build(executor, tensors: dict[str, torch.Tensor]) -> tuple[object, float] | None:
+    """The model rebuilt with ``tensors`` on top of what serves, and the seconds that took,
+    built on the calling thread (any but the worker: nothing the forwards read changes),
+    for :func:`update` to swap in; None with tensor parallelism (the ranks build on the
+    worker, together)."""
+    if executor.runner is not None:
+        return None
+    start = time.perf_counter()
+    model = _load(executor, executor.weights.on_top(tensors))
+    return model, time.perf_counter() - start
+
+
+def update(executor, tensors: dict[str, torch.Tensor], checksum: bytes, invalidate: bool,
+           gone: Callable[[], bool] = lambda: False, built: tuple[object, float] | None = None) -> dict:
+    """Swaps in the model :func:`build` made of ``tensors`` (an upload's, checked), or
+    rebuilds it here first where ``built`` is None (worker thread, between forwards);
+    returns what the reply says.  ``gone()``: the caller went away (checked before the
+    swap: then nothing changes)."""
+    ex, weights = executor, executor.weights
+    start = time.perf_counter()
+    serving = weights.on_top(tensors)
+    if built is not None:
+        model, rebuild_s = built
+    elif ex.runner is None:
+        model = _load(ex, serving)
+        rebuild_s = time.perf_counter() - start
+    else:  # every rank builds its shard from its slices, and all switch to it or none does
+        model = ex.runner.update(serving, lambda t: _load(ex, t), gone)
+        rebuild_s = time.perf_counter() - start
+    if ex.runner is None and gone():
+        raise Cancelled("the caller cancelled the update; the old weights still serve")
+    if ex.adapters is not None:  # the adapters' weights are the adapters': they stay
+        model.adapters, ex.adapters.model = ex.adapters, model
+    ex.model = model
+    del model, built
+    ex.graphs = decode_graphs(ex, ex.model)  # graphs captured on the old weights read those
+    version = weights.advance(serving, checksum)
+    ex.kv.start_generation(version)
+    dropped = ex.kv.invalidate() if invalidate else 0
+    weights.forget_except({seq.generation for seq in ex.kv.sequences()})
+    return_freed_memory()  # the old model's tensors, back to the OS
+    paused_s = time.perf_counter() - start
+    log.info("%s: weights version %d (%d tensors): rebuilt in %.2fs, forwards paused %.2fs%s", ex.name, version,
+             len(tensors), rebuild_s, paused_s, f", {dropped} sequences dropped" if invalidate else "")
+    return {"weights_version": version, "tensors": len(tensors), "rebuild_s": rebuild_s, "paused_s": paused_s,
+            "sequences_invalidated": dropped}

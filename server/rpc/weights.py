@@ -12,6 +12,7 @@ import threading
 
 from ferrum_rpc.errors import InvalidInput, TransferCorrupted
 from ferrum_rpc.v1 import executor_pb2 as pb
+from ..engine.facade import weights
 from .handler import Malformed
 from .migration import ImportReads
 
@@ -28,13 +29,13 @@ class WeightsRpcs:
         header = first.header
         worker = self._worker(header.model)
         executor = worker.executor
-        if not 0 < header.total_bytes <= executor.update_limit_bytes:
+        if not 0 < header.total_bytes <= executor.weights.limit_bytes:
             raise InvalidInput(f"total_bytes {header.total_bytes}: an update of this model is 1 to "
-                               f"{executor.update_limit_bytes} bytes (its checkpoint and a header)")
+                               f"{executor.weights.limit_bytes} bytes (its checkpoint and a header)")
         lock = self._updating.setdefault(header.model or "", asyncio.Lock())
         loop = asyncio.get_running_loop()
         async with lock:  # the upload's arrays are held by one update at a time
-            upload = executor.weights_upload(header.total_bytes)
+            upload = executor.weights.upload(header.total_bytes)
             adding = None  # the last message's bytes being added (hashlib and numpy let go of the GIL)
             try:
                 while True:
@@ -59,10 +60,10 @@ class WeightsRpcs:
             del upload
             gone = threading.Event()
             # the new model built beside the serving one, off the worker (forwards go on)
-            build = loop.run_in_executor(None, executor.build_weights, tensors)
+            build = loop.run_in_executor(None, weights.build, executor, tensors)
             try:
                 built = await asyncio.shield(build)
-                done = await worker.call(executor.update_weights, tensors, message.trailer.checksum,
+                done = await worker.call(weights.update, executor, tensors, message.trailer.checksum,
                                          header.invalidate_sequences, gone.is_set, built)
             except asyncio.CancelledError:
                 gone.set()  # a rebuild under way is not swapped in
