@@ -12,7 +12,7 @@ instruction set it faults on (a VM that shows AMX but traps its tile instruction
 the native build dies in ``ldtilecfg``), so if that child crashes, llama.cpp is built
 again with GGML_NATIVE=OFF and each instruction-set option set explicitly: ON for the
 sets whose test program (compiled with that set's flags, one of its instructions
-executed) runs here, OFF for the rest and for AMX; ``--portable`` builds so at once.
+executed on a full vector) runs here, OFF for the rest and for AMX; ``--portable`` builds so at once.
 Once a build's first forward runs, ``anchor.json`` in the environment records it;
 :func:`require` (the benchmarks that compare against llama.cpp) exits non-zero with
 one line when there is none.
@@ -53,44 +53,77 @@ def python() -> Path | None:
 MARKER = "anchor.json"  # in the environment: which build passed its first-forward probe
 PROBE_TIMEOUT_S = 600
 # llama.cpp's x86 instruction-set options (ggml/CMakeLists.txt): the compiler flags that
-# enable the set, and a C body executing one of its instructions on a value the
-# compiler cannot know (``sink`` is volatile).
+# enable the set, and a C body executing one of the set's instructions on a full vector
+# (the dot product where the set is about one).  The body reads its vectors from ``in``
+# and writes every lane to ``out`` (128 bytes each, see ``PROBE_PROGRAM``): the inputs are
+# unknown until the program runs and every output lane is used, so the compiler can
+# neither fold the instruction away nor narrow it to one lane of an older set.
 ISA_OPTIONS: dict[str, tuple[tuple[str, ...], str]] = {
-    "GGML_SSE42": (("-msse4.2",), "sink = (int)_mm_crc32_u32((unsigned)sink, 7u);"),
-    "GGML_AVX": (("-mavx",), "__m256 a = _mm256_set1_ps((float)sink + 1); "
-                 "sink = (int)_mm256_cvtss_f32(_mm256_add_ps(a, a));"),
-    "GGML_AVX2": (("-mavx2",), "__m256i a = _mm256_set1_epi32(sink + 1); "
-                  "sink = _mm256_cvtsi256_si32(_mm256_add_epi32(a, a));"),
-    "GGML_FMA": (("-mavx", "-mfma"), "__m256 a = _mm256_set1_ps((float)sink + 1); "
-                 "sink = (int)_mm256_cvtss_f32(_mm256_fmadd_ps(a, a, a));"),
-    "GGML_F16C": (("-mf16c",), "sink = (int)_mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16((short)(0x3c00 + sink))));"),
-    "GGML_BMI2": (("-mbmi2",), "sink = (int)_pdep_u32((unsigned)sink + 5u, 0xf0f0u);"),
-    "GGML_AVX512": (("-mavx512f",), "__m512 a = _mm512_set1_ps((float)sink + 1); "
-                    "sink = (int)_mm512_cvtss_f32(_mm512_add_ps(a, a));"),
-    "GGML_AVX512_VBMI": (("-mavx512f", "-mavx512vbmi"), "__m512i a = _mm512_set1_epi8((char)(sink + 1)); "
-                         "sink = _mm_cvtsi128_si32(_mm512_castsi512_si128(_mm512_permutexvar_epi8(a, a)));"),
-    "GGML_AVX512_VNNI": (("-mavx512f", "-mavx512vnni"), "__m512i a = _mm512_set1_epi32(sink + 1); "
-                         "sink = _mm_cvtsi128_si32(_mm512_castsi512_si128(_mm512_dpbusd_epi32(a, a, a)));"),
-    "GGML_AVX512_BF16": (("-mavx512f", "-mavx512bf16"), "__m512 a = _mm512_set1_ps((float)sink + 1); "
-                         "__m512bh b = _mm512_cvtne2ps_pbh(a, a); "
-                         "sink = (int)_mm512_cvtss_f32(_mm512_dpbf16_ps(a, b, b));"),
-    "GGML_AVX_VNNI": (("-mavx2", "-mavxvnni"), "__m256i a = _mm256_set1_epi32(sink + 1); "
-                      "sink = _mm256_cvtsi256_si32(_mm256_dpbusd_avx_epi32(a, a, a));"),
+    "GGML_SSE42": (("-msse4.2",), "_mm_storeu_si128((__m128i *)out, _mm_cmpgt_epi64("
+                   "_mm_loadu_si128((const __m128i *)in), _mm_loadu_si128((const __m128i *)(in + 16))));"),
+    "GGML_AVX": (("-mavx",), "__m256 a = _mm256_loadu_ps((const float *)in); "
+                 "_mm256_storeu_ps((float *)out, _mm256_add_ps(a, _mm256_loadu_ps((const float *)(in + 32))));"),
+    "GGML_AVX2": (("-mavx2",), "__m256i a = _mm256_loadu_si256((const __m256i *)in); "
+                  "_mm256_storeu_si256((__m256i *)out, "
+                  "_mm256_add_epi32(a, _mm256_loadu_si256((const __m256i *)(in + 32))));"),
+    "GGML_FMA": (("-mavx", "-mfma"), "__m256 a = _mm256_loadu_ps((const float *)in); "
+                 "_mm256_storeu_ps((float *)out, _mm256_fmadd_ps(a, _mm256_loadu_ps((const float *)(in + 32)), a));"),
+    "GGML_F16C": (("-mf16c",), "_mm256_storeu_ps((float *)out, "
+                  "_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)in)));"),
+    "GGML_BMI2": (("-mbmi2",), "unsigned x, mask; memcpy(&x, in, 4); memcpy(&mask, in + 4, 4); "
+                  "x = _pdep_u32(x, mask); memcpy(out, &x, 4);"),
+    "GGML_AVX512": (("-mavx512f",), "__m512 a = _mm512_loadu_ps(in); "
+                    "_mm512_storeu_ps(out, _mm512_add_ps(a, _mm512_loadu_ps(in + 64)));"),
+    "GGML_AVX512_VBMI": (("-mavx512f", "-mavx512vbmi"), "__m512i a = _mm512_loadu_si512(in); "
+                         "_mm512_storeu_si512(out, _mm512_permutexvar_epi8(a, a));"),
+    "GGML_AVX512_VNNI": (("-mavx512f", "-mavx512vnni"), "__m512i a = _mm512_loadu_si512(in); "
+                         "_mm512_storeu_si512(out, _mm512_dpbusd_epi32(a, a, a));"),
+    "GGML_AVX512_BF16": (("-mavx512f", "-mavx512bf16"), "__m512 a = _mm512_loadu_ps(in); "
+                         "__m512bh b = _mm512_cvtne2ps_pbh(a, a); _mm512_storeu_ps(out, _mm512_dpbf16_ps(a, b, b));"),
+    "GGML_AVX_VNNI": (("-mavx2", "-mavxvnni"), "__m256i a = _mm256_loadu_si256((const __m256i *)in); "
+                      "_mm256_storeu_si256((__m256i *)out, _mm256_dpbusd_avx_epi32(a, a, a));"),
 }
 # Never on in the portable build: the tile instructions are what a VM may list and fault on.
 ALWAYS_OFF = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
 
 
+# The program around a body: ``in`` holds bytes read through a volatile pointer (and
+# offset by argc), ``out`` is folded into the printed checksum byte by byte.
+PROBE_PROGRAM = """#include <immintrin.h>
+#include <stdio.h>
+#include <string.h>
+static volatile unsigned char seed[128];
+int main(int argc, char **argv) {
+    unsigned char in[128] __attribute__((aligned(64))), out[128] __attribute__((aligned(64)));
+    unsigned checksum = 0;
+    (void)argv;
+    memset(out, 0, sizeof out);
+    for (int i = 0; i < 128; i++) in[i] = (unsigned char)(seed[i] + argc + i);
+    BODY
+    for (int i = 0; i < 128; i++) checksum = checksum * 31u + out[i];
+    printf("ran %u\\n", checksum);
+    return 0;
+}
+"""
+
+
+def build_probe(flags: Sequence[str], body: str, exe: Path, compiler: str = "cc") -> bool:
+    """Compiles the test program executing ``body`` with ``flags`` into ``exe``; False when
+    the compiler refuses the flags or the body."""
+    try:
+        built = subprocess.run([compiler, "-O1", *flags, "-x", "c", "-", "-o", str(exe)],
+                               input=PROBE_PROGRAM.replace("BODY", body), capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return False
+    return built.returncode == 0
+
+
 def runs_here(flags: Sequence[str], body: str, compiler: str = "cc") -> bool:
     """Whether a C program compiled with ``flags`` and executing ``body`` runs to its end
     on this CPU (False when the compiler refuses the flags or the program faults)."""
-    source = "#include <immintrin.h>\n#include <stdio.h>\n" \
-             f"int main(void) {{ volatile int sink = 1; {body} printf(\"ran %d\\n\", sink); return 0; }}\n"
     with tempfile.TemporaryDirectory(prefix="ferrum-isa-") as folder:
         exe = Path(folder) / "probe"
-        built = subprocess.run([compiler, "-O1", *flags, "-x", "c", "-", "-o", str(exe)], input=source,
-                               capture_output=True, text=True)
-        if built.returncode:
+        if not build_probe(flags, body, exe, compiler):
             return False
         try:
             ran = subprocess.run([str(exe)], capture_output=True, text=True, timeout=30)

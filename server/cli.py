@@ -5,9 +5,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import logging
 import os
 import sys
+
+
+# The modules each command imports whatever its options (serve's metrics add
+# prometheus_client).  They are looked up, not imported, before the command reads a
+# file or resolves the default model, so that an install without the command's extra
+# gets ferrum_rpc.cli's one-line hint naming it, and not an error about a step after.
+SERVE_NEEDS = ("torch", "safetensors", "grpc_health", "grpc_reflection")
+PREPARE_NEEDS = ("torch", "safetensors", "transformers", "gguf")
+
+
+def require(modules) -> None:
+    """Raises ``ModuleNotFoundError`` (its ``name`` set) for the first of ``modules`` not installed."""
+    for name in modules:
+        if importlib.util.find_spec(name) is None:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 
 
 def _model_specs(values: list[str]):
@@ -45,6 +61,7 @@ def openmp_spin() -> str | None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    require(SERVE_NEEDS + (("prometheus_client",) if args.metrics_port is not None else ()))
     spin = openmp_spin()
     from .config import MIB, ExecutorConfig
     from .preflight import preflight
@@ -153,6 +170,7 @@ def _server_config(args: argparse.Namespace, executor):
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
+    require(PREPARE_NEEDS)
     from .prepare import prepare_default_model
 
     sys.stdout.write(f"{prepare_default_model(force=args.force)}\n")

@@ -5,6 +5,7 @@ gets the tokens the full install gets; server commands say which extra they need
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -86,11 +87,16 @@ def test_a_client_only_install_generates_against_a_live_server(client_venv, tiny
     assert got["server_modules"] == []
 
 
-def test_server_commands_name_the_extra_they_need(client_venv):
+def test_server_commands_name_the_extra_they_need(client_venv, tmp_path):
+    """Named before anything else runs: with an empty FERRUM_RPC_HOME (a fresh machine, the
+    embedded model never prepared) ``serve`` names its extra, not the model it cannot prepare."""
     cli = str(client_venv / "bin" / "ferrum-rpc")
-    assert subprocess.run([cli, "--help"], capture_output=True, text=True).returncode == 0
-    done = subprocess.run([cli, "serve", "--port", "0"], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2
-    assert "pip install 'ferrum-rpc[server]'" in done.stderr
-    done = subprocess.run([cli, "generate", "hello"], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "pip install 'ferrum-rpc[text]'" in done.stderr
+    env = {**os.environ, "FERRUM_RPC_HOME": str(tmp_path / "home")}
+    assert subprocess.run([cli, "--help"], capture_output=True, text=True, env=env, timeout=60).returncode == 0
+    for command, extra in ((["serve", "--port", "0"], "server"), (["prepare"], "server,text"),
+                           (["generate", "hello"], "text")):
+        done = subprocess.run([cli, *command], capture_output=True, text=True, env=env, timeout=60)
+        assert done.returncode == 2, (command, done.stderr[-3000:])
+        assert f"is not installed; pip install 'ferrum-rpc[{extra}]'" in done.stderr, done.stderr[-3000:]
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr[-3000:]
+    assert not (tmp_path / "home").exists()  # nothing prepared, nothing written
