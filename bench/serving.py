@@ -1,0 +1,286 @@
+"""Serving under load: many users at once against our server and against llama.cpp's own
+``llama-server`` on the same Q4_1 GGUF, same threads, in one run.
+
+The workload is fixed by a seed: N requests, each a prompt of 100-1,500 token ids (drawn
+from the vocabulary, so no prefix is shared) and 128 output tokens (greedy, no stop),
+arriving as a Poisson process at each rate given.  Each request runs in its own thread
+as a separate user would: on our side the Python client's ``generate_ids`` (the decode-
+ahead path it picks by itself), on llama.cpp's a streamed ``/completion``.  Times are
+taken as each token reaches the caller, from the request's scheduled arrival.
+
+Reported per server and rate: output tokens/s (all requests' tokens over the time from
+the first arrival to the last token), time to first token p50/p99, inter-token latency
+p50/p99, and the highest rate each server holds with p99 inter-token latency under
+200 ms and p99 time to first token under 2 s.  Writes bench/results/serving.json and,
+with matplotlib, bench/results/serving.png (latency against load).
+
+llama-server is built once, outside CI, from the llama.cpp source inside the
+llama-cpp-python sdist (``--build-llama-server``, about ten minutes on 2 cores), with
+continuous batching and one ``--parallel`` slot per request a rate can have in flight.
+
+    python -m bench.serving --build-llama-server     # once
+    python -m bench.serving [--requests 12] [--rates 0.2 0.4 0.8 1.6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from bench.common import RESULTS, log, served, write_results
+from bench.llama_cpp import VERSION as LLAMA_CPP_PYTHON
+from ferrum_rpc.client import ExecutorClient
+from ferrum_rpc.client.generate import generate_ids
+from ferrum_rpc.client.sampling import SamplingParams
+from ferrum_rpc.paths import cache_root
+from ferrum_rpc.server.prepare import find_gguf, prepare_default_model
+
+OUTPUT_TOKENS = 128
+PROMPT_TOKENS = (100, 1500)
+ITL_P99_S, TTFT_P99_S = 0.200, 2.0  # the latency a user accepts: what "holds a rate" means
+
+
+def llama_server_dir() -> Path:
+    return cache_root() / "llama-server"
+
+
+def llama_server_binary() -> Path:
+    return llama_server_dir() / "build" / "bin" / "llama-server"
+
+
+def build_llama_server() -> Path:
+    """Builds llama-server from the sdist's llama.cpp (native CPU flags) into the cache folder."""
+    folder = llama_server_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    source = folder / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+    if not source.exists():
+        subprocess.run(["pip", "download", "--no-deps", "--no-binary", ":all:", f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
+                        "-d", str(folder)], check=True)
+        subprocess.run(["tar", "xzf", f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"], cwd=folder, check=True)
+    subprocess.run(["cmake", "-S", str(source), "-B", str(folder / "build"), "-DCMAKE_BUILD_TYPE=Release",
+                    "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                    "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_OPENSSL=OFF"], check=True)
+    subprocess.run(["cmake", "--build", str(folder / "build"), "--target", "llama-server", f"-j{os.cpu_count()}"],
+                   check=True)
+    return llama_server_binary()
+
+
+# -- the workload -----------------------------------------------------------------------------
+
+
+def prompts(n: int, seed: int, vocab: int) -> list[list[int]]:
+    """``n`` prompts of token ids drawn from ``vocab`` (above the special tokens)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(PROMPT_TOKENS[0], PROMPT_TOKENS[1] + 1, n)
+    return [rng.integers(100, vocab - 100, int(length)).tolist() for length in lengths]
+
+
+def arrivals(n: int, rate: float, seed: int) -> list[float]:
+    """Seconds after the start at which each of ``n`` requests arrives: a Poisson process."""
+    rng = np.random.default_rng([seed, int(rate * 1000)])
+    return np.cumsum(rng.exponential(1.0 / rate, n)).tolist()
+
+
+@dataclass
+class Request:
+    arrival: float  # perf_counter time it was due
+    times: list[float] = field(default_factory=list)  # each output token's arrival at the caller
+    error: str = ""
+
+
+def run_rate(send, prompts_: list[list[int]], rate: float, seed: int) -> dict:
+    """Sends every prompt at its Poisson arrival time (a thread each) and summarises."""
+    start = time.perf_counter() + 0.2
+    requests = [Request(start + t) for t in arrivals(len(prompts_), rate, seed)]
+
+    def user(request: Request, prompt: list[int]) -> None:
+        delay = request.arrival - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)  # the arrival process itself, not a wait for a condition
+        try:
+            send(prompt, request.times)
+        except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+            request.error = f"{type(exc).__name__}: {exc}"
+
+    threads = [threading.Thread(target=user, args=(r, p), daemon=True) for r, p in zip(requests, prompts_)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=1800)
+    return summarise(requests, rate)
+
+
+def summarise(requests: list[Request], rate: float) -> dict:
+    done = [r for r in requests if r.times and not r.error]
+    ttft = [r.times[0] - r.arrival for r in done]
+    itl = [b - a for r in done for a, b in zip(r.times, r.times[1:])]
+    tokens = sum(len(r.times) for r in done)
+    span = max(r.times[-1] for r in done) - min(r.arrival for r in requests) if done else float("nan")
+
+    def pct(values, q):
+        return float(np.percentile(values, q)) if values else float("nan")
+
+    out = {"rate": rate, "requests": len(requests), "completed": len(done),
+           "errors": sorted({r.error for r in requests if r.error}),
+           "output_tokens_per_s": tokens / span if done else 0.0,
+           "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "itl_p50_s": pct(itl, 50),
+           "itl_p99_s": pct(itl, 99), "output_tokens": tokens}
+    out["holds"] = bool(len(done) == len(requests) and out["itl_p99_s"] < ITL_P99_S
+                        and out["ttft_p99_s"] < TTFT_P99_S)
+    return out
+
+
+# -- the two servers ------------------------------------------------------------------------
+
+
+def ours(target: str):
+    """One user's request through the Python client's generate path."""
+    greedy = SamplingParams(greedy=True)
+
+    def send(prompt: list[int], times: list[float]) -> None:
+        with ExecutorClient(target, timeout=600) as client:
+            for _ in generate_ids(client, prompt, OUTPUT_TOKENS, greedy):
+                times.append(time.perf_counter())
+    return send
+
+
+def llama(port: int):
+    """One user's request to llama-server's streamed /completion (greedy, no stop)."""
+    def send(prompt: list[int], times: list[float]) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        body = json.dumps({"prompt": prompt, "n_predict": OUTPUT_TOKENS, "stream": True, "ignore_eos": True,
+                           "temperature": 0.0, "top_k": 1, "cache_prompt": False})
+        conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        if reply.status != 200:
+            raise RuntimeError(f"llama-server answered {reply.status}: {reply.read()[:200]!r}")
+        for line in reply:
+            if line.startswith(b"data: "):
+                event = json.loads(line[6:])
+                if event.get("stop"):
+                    break
+                times.append(time.perf_counter())
+        conn.close()
+    return send
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def llama_server(gguf: Path, threads: int, slots: int):
+    binary = llama_server_binary()
+    if not binary.exists():
+        raise SystemExit(f"no llama-server at {binary}: run python -m bench.serving --build-llama-server first")
+    port = free_port()
+    ctx = slots * (PROMPT_TOKENS[1] + OUTPUT_TOKENS + 16)
+    proc = subprocess.Popen([str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-c", str(ctx),
+                             "-np", str(slots), "-cb", "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            with contextlib.suppress(OSError):
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("llama-server did not start")
+            time.sleep(0.2)  # polling its health endpoint, with the deadline above
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def highest_held(rows: list[dict]) -> float:
+    return max((r["rate"] for r in rows if r["holds"]), default=0.0)
+
+
+def plot(results: dict[str, list[dict]], path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.info("matplotlib not installed: no plot")
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for name, rows in results.items():
+        rates = [r["rate"] for r in rows]
+        axes[0].plot(rates, [r["ttft_p99_s"] for r in rows], "o-", label=name)
+        axes[1].plot(rates, [1000 * r["itl_p99_s"] for r in rows], "o-", label=name)
+        axes[2].plot(rates, [r["output_tokens_per_s"] for r in rows], "o-", label=name)
+    axes[0].axhline(TTFT_P99_S, color="grey", ls=":")
+    axes[1].axhline(1000 * ITL_P99_S, color="grey", ls=":")
+    for ax, title in zip(axes, ("time to first token p99 (s)", "inter-token latency p99 (ms)", "output tokens/s")):
+        ax.set_xlabel("arrival rate (requests/s)")
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    log.info("wrote %s", path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--build-llama-server", action="store_true")
+    parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument("--rates", type=float, nargs="+", default=[0.2, 0.4, 0.8, 1.6])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--quantize", default="w4a8", help="our server's --quantize (llama.cpp runs the Q4_1 GGUF)")
+    parser.add_argument("--name", default="serving")
+    parser.add_argument("--servers", nargs="+", choices=("ours", "llama"), default=["ours", "llama"])
+    args = parser.parse_args()
+    if args.build_llama_server:
+        print(build_llama_server())
+        return
+    model = prepare_default_model()
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    work = prompts(args.requests, args.seed, vocab)
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown")
+    results: dict[str, list[dict]] = {}
+    if "ours" in args.servers:
+        flags = ("--quantize", args.quantize, "--max-batch", str(args.requests), "--threads", str(args.threads))
+        with served(str(model), "float32", flags,
+                    kv_tokens=args.requests * (PROMPT_TOKENS[1] + OUTPUT_TOKENS + 16)) as target:
+            results[f"ferrum-rpc {args.quantize}"] = [run_rate(ours(target), work, r, args.seed) for r in args.rates]
+    if "llama" in args.servers:
+        with llama_server(find_gguf(), args.threads, args.requests) as port:
+            results["llama-server Q4_1"] = [run_rate(llama(port), work, r, args.seed) for r in args.rates]
+    print(f"\n{cpu}, {args.threads} threads, {args.requests} requests a rate, prompts {PROMPT_TOKENS[0]}-"
+          f"{PROMPT_TOKENS[1]} tokens, {OUTPUT_TOKENS} out")
+    print(f"{'server':24} {'rate':>5} {'tok/s':>7} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7}  holds")
+    for name, rows in results.items():
+        for r in rows:
+            print(f"{name:24} {r['rate']:5.2f} {r['output_tokens_per_s']:7.1f} {r['ttft_p50_s']:8.2f}s "
+                  f"{r['ttft_p99_s']:6.2f}s {1000 * r['itl_p50_s']:6.0f}ms {1000 * r['itl_p99_s']:5.0f}ms  "
+                  f"{'yes' if r['holds'] else 'no'}{'  ' + '; '.join(r['errors']) if r['errors'] else ''}")
+        print(f"{name:24} highest rate held: {highest_held(rows):.2f} requests/s")
+    records = [{"server": name, **row} for name, rows in results.items() for row in rows]
+    write_results(args.name, records, {"cpu": cpu, "requests": args.requests, "seed": args.seed,
+                                       "output_tokens": OUTPUT_TOKENS, "prompt_tokens": PROMPT_TOKENS,
+                                       "highest_held": {name: highest_held(rows) for name, rows in results.items()},
+                                       "criterion": {"itl_p99_s": ITL_P99_S, "ttft_p99_s": TTFT_P99_S}})
+    plot(results, RESULTS / f"{args.name}.png")
+
+
+if __name__ == "__main__":
+    main()
