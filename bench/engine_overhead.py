@@ -83,7 +83,7 @@ def bare_run(ex: TorchExecutor, prompt: list[int], new_tokens: int,
     token, with room reserved (private blocks, as a decode step's plan reserves them)
     for the positions the loop writes; nothing is committed, and the release drops it all."""
     out = ex.prefill(prompt[:-1], policy=None, choice=choice)
-    seq, at = ex.resolve(out.kv_cache, ""), len(prompt) - 1
+    seq, at = ex.checks.resolve(out.kv_cache, ""), len(prompt) - 1
     ex.pool.copy_blocks(ex.kv.prepare_write(seq, at, at + new_tokens).copies)
     table, bs = list(seq.block_ids), ex.kv.block_size
     tables = torch.tensor([table], dtype=torch.int64, device=ex.pool.k.device)

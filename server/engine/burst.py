@@ -77,8 +77,8 @@ class Burst:
         try:
             for item in inputs:
                 ex.check_token_choice(item.token_choice)
-            ex.check_tokens([item.token_id for item in inputs])
-            seqs = [ex.resolve(item.kv_cache, tenant) for item, tenant in zip(inputs, tenants)]
+            ex.checks.tokens([item.token_id for item in inputs])
+            seqs = [ex.checks.resolve(item.kv_cache, tenant) for item, tenant in zip(inputs, tenants)]
         except ExecutorError:
             return None
         bs = ex.kv.block_size

@@ -5,6 +5,8 @@ Each reads the executor's fixed facts and its block manager, and changes nothing
 
 from __future__ import annotations
 
+from typing import Callable
+
 from ferrum_rpc.errors import (
     InvalidInput,
     KvCapacityExhausted,
@@ -15,18 +17,24 @@ from ferrum_rpc.errors import (
     shown,
 )
 from ferrum_rpc.types import LOGITS_DTYPES, HiddenStatesRequest, KvCacheHandle, LogitsKind, LogitsPolicy
-from ..kv.blocks import SequenceState
+from ..config import TenantBounds
+from ..kv.blocks import BlockManager, SequenceState
 
 _WIRE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _SCORED_ENTRY_BYTES = 4 + 5  # TOP_K/ARGMAX: a float32 score and a varint token id (<= 5 bytes)
 MAX_ID_BYTES = 128  # longest id accepted, in UTF-8 bytes (cache ids, request ids; ours are 32 hex digits)
 
 
-class ExecutorChecks:
-    """Mixed into :class:`~.executor.TorchExecutor`: reads ``model_config``, ``config``,
-    ``kv``, ``max_seq_len``, ``instance_id`` and ``bounds(tenant)``."""
+class Checks:
+    """One executor's rules, from its fixed facts (model shape, config, maximum length,
+    instance id), its block manager and its tenants' bounds (``bounds(tenant)``)."""
 
-    def check_hidden(self, hidden: HiddenStatesRequest, tokens: int, start: int) -> None:
+    def __init__(self, model_config, config, kv: BlockManager, max_seq_len: int, instance_id: str,
+                 bounds: Callable[[str], TenantBounds]):
+        self.model_config, self.config, self.kv = model_config, config, kv
+        self.max_seq_len, self.instance_id, self.bounds = max_seq_len, instance_id, bounds
+
+    def hidden(self, hidden: HiddenStatesRequest, tokens: int, start: int) -> None:
         """Validates an analysis request for ``tokens`` tokens after ``start`` and that
         its tensors fit the message limit (no state read)."""
         mc = self.model_config
@@ -52,7 +60,7 @@ class ExecutorChecks:
                                f"the {self.config.max_message_bytes}-byte message limit; ask for fewer layers, "
                                "heads or positions")
 
-    def check_tokens(self, token_ids: list[int]) -> None:
+    def tokens(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise InvalidInput("no tokens given")
         vocab = self.model_config.vocab_size
@@ -60,11 +68,11 @@ class ExecutorChecks:
         if bad:
             raise InvalidInput(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
 
-    def check_reply_fits(self, policy: LogitsPolicy, positions: int) -> None:
+    def reply_fits(self, policy: LogitsPolicy, positions: int) -> None:
         """Raises INVALID_INPUT unless ``positions`` rows of ``policy`` fit one reply (reads no state)."""
-        self.check_policy(policy, positions)
+        self.policy(policy, positions)
 
-    def check_policy(self, policy: LogitsPolicy, positions: int) -> None:
+    def policy(self, policy: LogitsPolicy, positions: int) -> None:
         """Checks the policy, and that its reply will fit the message limit (every kind,
         before any work: a reply that fails at send time would strand the sequence)."""
         vocab = self.model_config.vocab_size
@@ -84,7 +92,7 @@ class ExecutorChecks:
                 f"top-k or the last position only"
             )
 
-    def check_id(self, value: str, field: str) -> None:
+    def id(self, value: str, field: str) -> None:
         if not value:
             raise InvalidInput(f"{field} is required")
         if (size := len(value.encode("utf-8", "surrogatepass"))) > MAX_ID_BYTES:  # the contract's unit: UTF-8 bytes
@@ -93,15 +101,15 @@ class ExecutorChecks:
     def resolve(self, handle: KvCacheHandle, tenant: str) -> SequenceState:
         """The sequence a handle names; validates without touching any state
         (the idle clock included: only a call that succeeds restarts it)."""
-        self.check_id(handle.cache_id, "kv_cache.cache_id")
-        self.check_id(handle.server_instance_id, "kv_cache.server_instance_id")
+        self.id(handle.cache_id, "kv_cache.cache_id")
+        self.id(handle.server_instance_id, "kv_cache.server_instance_id")
         if handle.server_instance_id != self.instance_id:
             raise StaleHandle(
                 f"handle {shown(handle.cache_id)} was issued by server instance "
                 f"{shown(handle.server_instance_id)}, this is {self.instance_id!r}"
             )
         seq = self.kv.get(handle.cache_id, tenant)  # another tenant's: "not found"
-        self.check_not_busy(seq)
+        self.not_busy(seq)
         if handle.sequence_length != seq.length:
             raise LengthMismatch(
                 f"handle says {handle.sequence_length} tokens, the server holds {seq.length} "
@@ -109,13 +117,13 @@ class ExecutorChecks:
             )
         return seq
 
-    def check_length(self, start: int, num_new: int) -> None:
+    def length(self, start: int, num_new: int) -> None:
         if start + num_new > self.max_seq_len:
             raise SequenceTooLong(
                 f"{start} + {num_new} tokens exceed the maximum sequence length {self.max_seq_len}"
             )
 
-    def check_fits_pool(self, length: int) -> None:
+    def fits_pool(self, length: int) -> None:
         """Refuses up front a sequence that could never fit, even in an empty pool."""
         if self.kv.blocks_for(length) > self.kv.num_blocks:
             raise KvCapacityExhausted(
@@ -123,7 +131,7 @@ class ExecutorChecks:
                 f"{self.kv.num_blocks}"
             )
 
-    def check_sequence_room(self, tenant: str, new: int) -> None:
+    def sequence_room(self, tenant: str, new: int) -> None:
         """Refuses ``new`` more sequences past the server's or the tenant's cap."""
         cap, tenant_cap = self.config.max_sequences, self.bounds(tenant).max_sequences
         if cap and len(self.kv) + new > cap:
@@ -134,6 +142,6 @@ class ExecutorChecks:
                 f"your tenant holds {self.kv.count(tenant)} live sequences, its cap is {tenant_cap} "
                 f"(--tenant-max-sequences); release some")
 
-    def check_not_busy(self, seq: SequenceState) -> None:
+    def not_busy(self, seq: SequenceState) -> None:
         if seq.pins:
             raise InvalidInput(f"sequence {shown(seq.cache_id)} is in the middle of a chunked prefill")

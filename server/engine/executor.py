@@ -31,7 +31,7 @@ from ..choice.policy import validate_token_choice
 from ..config import ExecutorConfig, TenantBounds, tenant_bounds
 from .adapters import HostsAdapters
 from .weights import Weights
-from .checks import ExecutorChecks
+from .checks import Checks
 from .choosing import ChoosesTokens
 from .describe import Describes
 from .speculating import Speculates
@@ -60,7 +60,7 @@ def verify_policy(policy: LogitsPolicy) -> LogitsPolicy:
     return replace(policy, all_positions=True)
 
 
-class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsAdapters):
+class TorchExecutor(Describes, ChoosesTokens, Speculates, HostsAdapters):
     """Hosts one model and its KV pool.
 
     Args:
@@ -93,6 +93,7 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsA
             self.runner = runner.Runner(self.shard, self.device, forward)
             runner.send_pool(self.runner, num_blocks, config.block_size)
         self.stats = Stats(self)
+        self.checks = Checks(mc, config, self.kv, self.max_seq_len, instance_id, self.bounds)
         self.optimal_batch_size = 0  # measured by measure_optimal_batch (the server's warm-up)
         self.weights = Weights()  # what it serves: checkpoint, updates on top, version and digest
         log.info("%s: KV pool of %d blocks x %d tokens (%.1f MiB of %s on %s)", name, num_blocks,
@@ -167,8 +168,8 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsA
         want_logits = policy is not None or choice is None
         policy = LogitsPolicy() if policy is None else policy
         if hidden is not None:  # the handle is resolved first: its claimed length is not to be trusted
-            start = self.resolve(kv_cache, tenant).length if kv_cache is not None else 0
-            self.check_hidden(hidden, len(token_ids), start)
+            start = self.checks.resolve(kv_cache, tenant).length if kv_cache is not None else 0
+            self.checks.hidden(hidden, len(token_ids), start)
         opened = self._open_prefill(token_ids, kv_cache, policy, tenant, reuse_prefix=hidden is None, name=name,
                                     adapter=adapter)
         self.kv.pin(opened.seq)
@@ -198,14 +199,14 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsA
                                         else f"items[{n}].token_choice")
         wants = [policy is not None or item.token_choice is None for item in inputs]
         policy = LogitsPolicy() if policy is None else policy
-        self.check_policy(policy, 1)
+        self.checks.policy(policy, 1)
         ids = [i.kv_cache.cache_id for i in inputs]
         if len(set(ids)) != len(ids):
             raise InvalidInput("a sequence appears more than once in one batch")
-        self.check_tokens([i.token_id for i in inputs])
-        seqs = [self.resolve(i.kv_cache, tenant) for i in inputs]
+        self.checks.tokens([i.token_id for i in inputs])
+        seqs = [self.checks.resolve(i.kv_cache, tenant) for i in inputs]
         for seq in seqs:
-            self.check_length(seq.length, 1)
+            self.checks.length(seq.length, 1)
         steps: list[Step] = []
         try:
             for seq, item, want in zip(seqs, inputs, wants):
@@ -339,7 +340,7 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsA
         return VerifyOutput(out.logits, out.kv_cache, out.timing)
 
     def truncate_kv(self, kv_cache: KvCacheHandle, new_length: int, tenant: str = "") -> KvCacheHandle:
-        seq = self.resolve(kv_cache, tenant)
+        seq = self.checks.resolve(kv_cache, tenant)
         if not 0 <= new_length <= seq.length:
             raise InvalidInput(f"new_length {new_length} is outside 0..={seq.length}")
         self.kv.shrink(seq, new_length)
@@ -347,8 +348,8 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsA
 
     def release_cache(self, cache_id: str, tenant: str = "") -> int:
         """Forgets a sequence; returns how many blocks went back to the pool."""
-        self.check_id(cache_id, "cache_id")
-        self.check_not_busy(self.kv.get(cache_id, tenant))
+        self.checks.id(cache_id, "cache_id")
+        self.checks.not_busy(self.kv.get(cache_id, tenant))
         return self.kv.release(cache_id)
 
     def release_named(self, name: str, tenant: str = "", aborted: bool = False) -> int:
@@ -357,22 +358,22 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsA
         CANCELLED (:meth:`BlockManager.check_name`).  ``aborted``: the worker has just
         aborted the call creating it, which undoes it at its next step.  Returns the
         blocks freed."""
-        self.check_id(name, "request_id")
+        self.checks.id(name, "request_id")
         seq = self.kv.named(tenant, name)
         if seq is None:
             self.kv.release_name(tenant, name)
             return 0
         if aborted and seq.pins:
             return 0
-        self.check_not_busy(seq)
+        self.checks.not_busy(seq)
         return self.kv.release(seq.cache_id)
 
     def fork_cache(self, kv_cache: KvCacheHandle, num_children: int, tenant: str = "") -> list[KvCacheHandle]:
         """N new sequences sharing the parent's blocks; the first write to a shared block copies it."""
         if not 1 <= num_children <= self.config.max_batch_size:
             raise InvalidInput(f"num_children must be in 1..={self.config.max_batch_size}, got {num_children}")
-        seq = self.resolve(kv_cache, tenant)
-        self.check_sequence_room(seq.tenant, num_children)
+        seq = self.checks.resolve(kv_cache, tenant)
+        self.checks.sequence_room(seq.tenant, num_children)
         children = self.kv.fork(seq, [uuid.uuid4().hex for _ in range(num_children)])
         return [self.handle(c) for c in children]
 
@@ -398,23 +399,23 @@ class TorchExecutor(ExecutorChecks, Describes, ChoosesTokens, Speculates, HostsA
             if kv_cache is not None:
                 raise InvalidInput("request_id names the sequence a Prefill creates; leave it empty when "
                                    "continuing a sequence")
-            self.check_id(name, "request_id")
-        self.check_tokens(token_ids)
+            self.checks.id(name, "request_id")
+        self.checks.tokens(token_ids)
         key = prompt_key(token_ids, adapter) if name else b""
         if name and (live := self.kv.check_name(tenant, name, key)) is not None:  # a retry: its sequence
             raise RequestIdExists(f"request_id {shown(name)} names the live sequence this same prompt made; "
                                   "nothing was done (its handle is in the error)", handle=self.handle(live))
-        self.check_policy(policy, len(token_ids) if policy.all_positions else 1)
-        seq = self.resolve(kv_cache, tenant) if kv_cache is not None else None
+        self.checks.policy(policy, len(token_ids) if policy.all_positions else 1)
+        seq = self.checks.resolve(kv_cache, tenant) if kv_cache is not None else None
         start = seq.length if seq else 0
-        self.check_length(start, len(token_ids))
-        self.check_fits_pool(start + len(token_ids))
+        self.checks.length(start, len(token_ids))
+        self.checks.fits_pool(start + len(token_ids))
         if seq is not None:
             if adapter and adapter != seq.adapter:
                 raise AdapterInvalid("adapter: a sequence keeps the adapter it was created with; leave it empty "
                                      "when continuing a sequence")
             return Opened(seq, False, 0, seq.length, seq.last_used)
-        self.check_sequence_room(tenant, 1)
+        self.checks.sequence_room(tenant, 1)
         adapter, adapter_digest = self.adapter_for_new_sequence(adapter)
         seq = self.kv.create(uuid.uuid4().hex, tenant, name, adapter, adapter_digest, key)
         cached = 0

@@ -42,7 +42,7 @@ class Speculates:
             self.check_token_choice(choice)
         want_logits = policy is not None or choice is None
         policy = LogitsPolicy() if policy is None else policy
-        self.check_policy(policy, 1)
+        self.checks.policy(policy, 1)
         sampling = speculative.checked_sampling(sampling)
         out = self.prefill([token_id] + list(draft), kv_cache, LogitsPolicy(LogitsKind.FULL, all_positions=True),
                            tenant=tenant, as_output=True)

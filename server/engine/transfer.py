@@ -120,7 +120,7 @@ class Snapshot:
 def snapshot(executor, handle: KvCacheHandle, tenant: str) -> Snapshot:
     """Reads a sequence out (runs on the worker thread; changes nothing, not even its
     idle clock).  Another tenant's sequence is CACHE_NOT_FOUND, as everywhere."""
-    seq = executor.resolve(handle, tenant)
+    seq = executor.checks.resolve(handle, tenant)
     slots = torch.tensor(executor.kv.slots(seq, 0, seq.length), dtype=torch.long, device=executor.pool.k.device)
     k, v = _pool_rows(executor)
     kv = torch.stack((k.index_select(1, slots), v.index_select(1, slots))).cpu()  # (2, L, T, H, D)
@@ -279,9 +279,9 @@ class Receiver:
         if header.kv_bytes_per_token != per_token or header.kv_bytes != per_token * length:
             raise InvalidInput(f"kv_bytes {header.kv_bytes} ({header.kv_bytes_per_token} a token) for {length} "
                                f"tokens; this model's KV is {per_token} bytes a token")
-        ex.check_tokens(list(header.token_ids))
-        ex.check_length(0, length)
-        ex.check_fits_pool(length)  # before any KV is buffered: a stream larger than the pool stops here
+        ex.checks.tokens(list(header.token_ids))
+        ex.checks.length(0, length)
+        ex.checks.fits_pool(length)  # before any KV is buffered: a stream larger than the pool stops here
         quota = ex.bounds(self.tenant).kv_tokens
         if quota and ex.kv.blocks_for(length) * ex.kv.block_size > quota:
             raise TenantQuotaExceeded(f"the sequence needs {ex.kv.blocks_for(length) * ex.kv.block_size} KV "
@@ -351,7 +351,7 @@ def install(executor, incoming: Incoming, tenant: str) -> KvCacheHandle:
     if incoming.fingerprint != fingerprint(ex).digest:  # the model may have been reloaded meanwhile
         raise FingerprintMismatch("this server's fingerprint changed during the import")
     check_adapter(ex, incoming.adapter, incoming.adapter_digest)  # it may have been unloaded meanwhile
-    ex.check_sequence_room(tenant, 1)
+    ex.checks.sequence_room(tenant, 1)
     need = kv.blocks_for(length)
     if need > kv.num_free:
         raise KvCapacityExhausted(f"need {need} free KV blocks, {kv.num_free} of {kv.num_blocks} free")

@@ -324,8 +324,8 @@ class ModelWorker(AsyncFront, DrivesRuns):
         handle, tokens = job.prefill.kv_cache, len(job.prefill.token_ids)
         start = handle.sequence_length if handle is not None else 0
         try:
-            self.executor.check_length(start, tokens)
-            self.executor.check_fits_pool(start + tokens)
+            self.executor.checks.length(start, tokens)
+            self.executor.checks.fits_pool(start + tokens)
         except ExecutorError:
             return True
         return False

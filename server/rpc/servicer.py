@@ -180,7 +180,7 @@ class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, WeightsRpcs, pb_grp
                  for n, i in enumerate(request.items)]
         rows = sum(1 for i in items if policy is not None or i.token_choice is None)  # chosen only: no row
         if request.single_reply and rows:  # every row in one message: it must fit the limit as a whole
-            worker.executor.check_reply_fits(policy or LogitsPolicy(), rows)
+            worker.executor.checks.reply_fits(policy or LogitsPolicy(), rows)
         return worker, items, policy
 
     @contextlib.contextmanager
