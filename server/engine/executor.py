@@ -33,7 +33,7 @@ from .adapters import HostsAdapters
 from .weights import Weights
 from .checks import Checks
 from .choosing import ChoosesTokens
-from .describe import Describes
+from . import describe
 from .speculating import Speculates
 from .forward import AppendPlan, PlanKind, Rows, Step, forward
 from .opened import Opened
@@ -48,9 +48,10 @@ from ..parallel import runner
 from ..parallel.group import CURRENT
 from ..parallel.shard import Shard
 from .prompt import PromptInParts
-from .stats import Stats
-from ferrum_rpc.types import (BlockTable, DecodeInput, DecodeOutput, HiddenStatesRequest, KvCacheHandle, Logits,
-                              LogitsKind, LogitsPolicy, PrefillOutput, Timing, TokenChoice, VerifyOutput)
+from .stats import Stats, measure_optimal_batch
+from ferrum_rpc.types import (BlockTable, Capabilities, DecodeInput, DecodeOutput, ExecutorStatus, HiddenStatesRequest,
+                              KvCacheHandle, Logits, LogitsKind, LogitsPolicy, MemoryRequirements, ModelInfo,
+                              PrefillOutput, ServerState, Timing, TokenChoice, VerifyOutput)
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def verify_policy(policy: LogitsPolicy) -> LogitsPolicy:
     return replace(policy, all_positions=True)
 
 
-class TorchExecutor(Describes, ChoosesTokens, Speculates, HostsAdapters):
+class TorchExecutor(ChoosesTokens, Speculates, HostsAdapters):
     """Hosts one model and its KV pool.
 
     Args:
@@ -127,6 +128,24 @@ class TorchExecutor(Describes, ChoosesTokens, Speculates, HostsAdapters):
         executor = cls(name, model, config, instance_id or uuid.uuid4().hex)
         executor.weights = Weights.of_folder(path)
         return executor
+
+    # -- the contract's queries ----------------------------------------------------
+    def info(self) -> ModelInfo:
+        return describe.info(self)
+
+    def capabilities(self) -> Capabilities:
+        return describe.capabilities(self)
+
+    def status(self, state: ServerState = ServerState.SERVING, queue_depth: int = 0,
+               tenant: str = "") -> ExecutorStatus:
+        return self.stats.status(state, queue_depth, self.bounds(tenant))
+
+    def memory_requirements(self) -> MemoryRequirements:
+        return self.stats.memory_requirements()
+
+    def measure_optimal_batch(self, repeats: int = 3) -> int:
+        """The decode crossover (see ``stats.measure_optimal_batch``)."""
+        return measure_optimal_batch(self, repeats)
 
     # -- the contract: validate, plan, run ------------------------------------------
     def prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None = None,
