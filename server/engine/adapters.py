@@ -3,9 +3,9 @@ by name, giving a new sequence its adapter, and each forward's adapter slot per
 sequence (``models/lora.py`` does the arithmetic).
 
 A load reads, checks and arranges the adapter's tensors off the worker
-(``build_adapter``, on a thread of its own that yields to the forwards:
+(``Lora.build``, on a thread of its own that yields to the forwards:
 ``build_thread_init``); only putting it in a slot runs on the worker, between
-forwards (``load_adapter``): a dict insert.  A build that fails or whose caller went
+forwards (``Lora.load``): a dict insert.  A build that fails or whose caller went
 away changes nothing.
 
 An adapter's users are its live sequences, counted when it matters (a load that may
@@ -28,8 +28,8 @@ import torch
 
 from ferrum_rpc.errors import (AdapterInUse, AdapterInvalid, AdapterLimitExceeded, AdapterNotFound, Cancelled,
                                ExecutorError, StartupError)
-from ..kv.blocks import SequenceState
-from ..models.lora import BASE, AdapterSet, BuiltAdapter
+from ..kv.blocks import BlockManager
+from ..models.lora import AdapterSet, BuiltAdapter
 from ..models.lora_read import AdapterError
 
 log = logging.getLogger(__name__)
@@ -38,57 +38,60 @@ ADAPTER_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 EVICTED_SHOWN = 64  # ListAdapters' evicted names, newest last
 
 
-class HostsAdapters:
-    """Mixed into :class:`~.executor.TorchExecutor` (its ``model``, ``config``, ``kv``, ``name``)."""
+class Lora:
+    """The LoRA adapters one executor hosts: the model's adapter set (``set``; None
+    without --max-adapters or with tensor parallelism), each one's scaling, and the
+    block manager whose live sequences are their users."""
 
-    adapters: AdapterSet | None = None
+    def __init__(self, model, config, kv: BlockManager, name: str, enabled: bool = True):
+        self.config, self.kv, self.name = config, kv, name
+        self.scaling: dict[str, float] = {}
+        self.set: AdapterSet | None = None
+        if enabled and config.max_adapters:
+            self.set = AdapterSet(model, config.max_adapters, config.max_lora_rank,
+                                  config.adapter_memory_mb * 2**20 if config.adapter_memory_mb else None)
 
-    def open_adapters(self) -> None:
-        """Makes the model's adapter set (--max-adapters; none with tensor parallelism)
-        and loads the start-up ones (--lora)."""
-        cfg = self.config
-        if not cfg.max_adapters:
+    def load_startup(self) -> None:
+        """Loads the start-up adapters (--lora)."""
+        if self.set is None:
             return
-        self.adapter_scaling: dict[str, float] = {}
-        self.adapters = AdapterSet(self.model, cfg.max_adapters, cfg.max_lora_rank,
-                                   cfg.adapter_memory_mb * 2**20 if cfg.adapter_memory_mb else None)
-        for name, path in cfg.loras:
+        for name, path in self.config.loras:
             try:
-                self.load_adapter(name, path)
+                self.load(name, path)
             except ExecutorError as exc:  # start-up: one line, exit 2
                 raise StartupError(f"--lora {name}={path}: {exc}") from None
 
-    def _adapter_set(self) -> AdapterSet:
-        if self.adapters is None:
+    def _held_set(self) -> AdapterSet:
+        if self.set is None:
             raise AdapterNotFound(f"model {self.name!r} serves no LoRA adapters (--max-adapters 0"
                                   f"{' or tensor parallelism' if self.config.tensor_parallel > 1 else ''})")
-        return self.adapters
+        return self.set
 
     def _count_users(self) -> None:
         """Each adapter's users: its live sequences (worker thread)."""
         users = collections.Counter(seq.adapter for seq in self.kv.sequences() if seq.adapter)
-        for adapter in self.adapters.by_name.values():
+        for adapter in self.set.by_name.values():
             adapter.refs = users.get(adapter.name, 0)
 
-    def build_adapter(self, name: str, path: str, replace: bool = False) -> tuple[BuiltAdapter, float]:
+    def build(self, name: str, path: str, replace: bool = False) -> tuple[BuiltAdapter, float]:
         """Adapter ``name`` read from ``path`` (inside --adapter-root when set), checked and
         arranged for the forward, on the calling thread (any but the worker: nothing the
-        forwards read changes), with the seconds that took; ``load_adapter`` installs it."""
-        adapters = self._adapter_set()
+        forwards read changes), with the seconds that took; ``load`` installs it."""
+        adapters = self._held_set()
         _check_name(name)
         start = time.perf_counter()
         with _refusals():
             built = adapters.build(name, path, replace, self.config.adapter_root or None)
         return built, time.perf_counter() - start
 
-    def load_adapter(self, name: str, path: str, replace: bool = False,
+    def load(self, name: str, path: str, replace: bool = False,
                      gone: Callable[[], bool] = lambda: False,
                      built: tuple[BuiltAdapter, float] | None = None) -> dict:
         """Loads (or, with ``replace``, reloads) adapter ``name``; returns its entry.  Installs
-        what ``build_adapter`` made (``built``) or, without it, builds it here first
+        what ``build`` made (``built``) or, without it, builds it here first
         (start-up).  Worker thread, between forwards.  ``gone()``: the caller went away;
         then nothing changes."""
-        adapters = self._adapter_set()
+        adapters = self._held_set()
         _check_name(name)
         self._count_users()
         held = adapters.by_name.get(name)
@@ -98,18 +101,18 @@ class HostsAdapters:
             raise AdapterInUse(f"adapter {name!r} has {held.refs} live sequences: it cannot be replaced under them")
         if gone():
             raise Cancelled("the caller cancelled the load")
-        adapter, build_s = built if built is not None else self.build_adapter(name, path, replace)
+        adapter, build_s = built if built is not None else self.build(name, path, replace)
         if gone():
             raise Cancelled("the caller cancelled the load; nothing was loaded")
         start = time.perf_counter()
         with _refusals():
             adapters.install(name, adapter, replace=replace)
         self.kv.events.resync_all()  # the watchers' hellos name the adapters' roots (and one may be evicted)
-        self.adapter_scaling[name] = adapter.read.scaling
-        return self.adapter_entry(name, load_s=build_s + time.perf_counter() - start)
+        self.scaling[name] = adapter.read.scaling
+        return self.entry(name, load_s=build_s + time.perf_counter() - start)
 
-    def unload_adapter(self, name: str) -> None:
-        adapters = self._adapter_set()
+    def unload(self, name: str) -> None:
+        adapters = self._held_set()
         if name not in adapters.by_name:
             raise AdapterNotFound(f"model {self.name!r} holds no adapter {name[:128]!r}")
         self._count_users()
@@ -118,45 +121,41 @@ class HostsAdapters:
         adapters.remove(name)
         self.kv.events.resync_all()
 
-    def adapter_digests(self) -> dict[str, str]:
+    def digests(self) -> dict[str, str]:
         """Each loaded adapter's content digest, by name (the roots of its KV chains)."""
-        return {} if self.adapters is None else {a.name: a.digest for a in self.adapters.by_name.values()}
+        return {} if self.set is None else {a.name: a.digest for a in self.set.by_name.values()}
 
-    def adapter_entry(self, name: str, load_s: float = 0.0) -> dict:
-        a = self.adapters.by_name[name]
-        return {"name": a.name, "path": a.path, "rank": a.rank, "scaling": self.adapter_scaling.get(name, 0.0),
+    def entry(self, name: str, load_s: float = 0.0) -> dict:
+        a = self.set.by_name[name]
+        return {"name": a.name, "path": a.path, "rank": a.rank, "scaling": self.scaling.get(name, 0.0),
                 "target_modules": list(a.modules), "bytes": a.nbytes, "sequences": a.refs, "load_s": load_s,
                 "digest": a.digest}
 
-    def adapter_entries(self, tenant: str | None = None) -> tuple[list[dict], list[str]]:
+    def entries(self, tenant: str | None = None) -> tuple[list[dict], list[str]]:
         """Every loaded adapter's entry (slot order) and the names evicted lately.  With
         ``tenant`` (a caller who is no admin): each adapter's name, rank and modules only,
         and the live sequences of that tenant alone."""
-        if self.adapters is None:
+        if self.set is None:
             return [], []
         self._count_users()
-        held = sorted(self.adapters.by_name.values(), key=lambda a: a.slot)
-        evicted = self.adapters.evicted[-EVICTED_SHOWN:]
+        held = sorted(self.set.by_name.values(), key=lambda a: a.slot)
+        evicted = self.set.evicted[-EVICTED_SHOWN:]
         if tenant is None:
-            return [self.adapter_entry(a.name) for a in held], evicted
+            return [self.entry(a.name) for a in held], evicted
         own = collections.Counter(seq.adapter for seq in self.kv.sequences() if seq.adapter and seq.tenant == tenant)
         return [{"name": a.name, "rank": a.rank, "target_modules": list(a.modules), "sequences": own[a.name]}
                 for a in held], evicted
 
-    def adapter_for_new_sequence(self, adapter: str) -> tuple[str, str]:
+    def for_new_sequence(self, adapter: str) -> tuple[str, str]:
         """The (name, content digest) a new sequence running ``adapter`` records; ("", "") for the base."""
         if not adapter:
             return "", ""
-        adapters = self._adapter_set()
+        adapters = self._held_set()
         held = adapters.by_name.get(adapter)
         if held is None:
             raise AdapterNotFound(f"model {self.name!r} holds no adapter {adapter[:128]!r} (ListAdapters)")
         adapters.touch(adapter)
         return held.name, held.digest
-
-    def adapter_slot(self, seq: SequenceState) -> int:
-        """The slot a forward runs ``seq`` with (BASE: no adapter)."""
-        return self.adapters.slot(seq.adapter) if seq.adapter else BASE
 
 
 def _check_name(name: str) -> None:

@@ -29,12 +29,12 @@ from ferrum_rpc.errors import AdapterInvalid, ExecutorError, InvalidInput, Reque
 from ..choice.rows import row_max
 from ..choice.policy import validate_token_choice
 from ..config import ExecutorConfig, TenantBounds, tenant_bounds
-from .adapters import HostsAdapters
+from .adapters import Lora
 from .weights import Weights
 from .checks import Checks
-from .choosing import ChoosesTokens
+from . import choosing
 from . import describe
-from .speculating import Speculates
+from . import speculating
 from .forward import AppendPlan, PlanKind, Rows, Step, forward
 from .opened import Opened
 from .graphs import decode_graphs
@@ -51,7 +51,8 @@ from .prompt import PromptInParts
 from .stats import Stats, measure_optimal_batch
 from ferrum_rpc.types import (BlockTable, Capabilities, DecodeInput, DecodeOutput, ExecutorStatus, HiddenStatesRequest,
                               KvCacheHandle, Logits, LogitsKind, LogitsPolicy, MemoryRequirements, ModelInfo,
-                              PrefillOutput, ServerState, Timing, TokenChoice, VerifyOutput)
+                              PrefillOutput, ServerState, SpeculativeOutput, SpeculativeSampling, Timing,
+                              TokenChoice, VerifyOutput)
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def verify_policy(policy: LogitsPolicy) -> LogitsPolicy:
     return replace(policy, all_positions=True)
 
 
-class TorchExecutor(ChoosesTokens, Speculates, HostsAdapters):
+class TorchExecutor:
     """Hosts one model and its KV pool.
 
     Args:
@@ -99,8 +100,10 @@ class TorchExecutor(ChoosesTokens, Speculates, HostsAdapters):
         self.weights = Weights()  # what it serves: checkpoint, updates on top, version and digest
         log.info("%s: KV pool of %d blocks x %d tokens (%.1f MiB of %s on %s)", name, num_blocks,
                  config.block_size, self.pool.nbytes / 2**20, config.kv_dtype_name, self.device)
-        if self.shard is None:
-            self.open_adapters()
+        # LoRA adapters (none with tensor parallelism); self.adapters is their set, or None
+        self.lora = Lora(model, config, self.kv, name, enabled=self.shard is None)
+        self.adapters = self.lora.set
+        self.lora.load_startup()
 
     def _kv_tokens(self, config: ExecutorConfig, mc) -> int:
         if not config.kv_memory_fraction:
@@ -142,6 +145,11 @@ class TorchExecutor(ChoosesTokens, Speculates, HostsAdapters):
 
     def memory_requirements(self) -> MemoryRequirements:
         return self.stats.memory_requirements()
+
+    def speculative_decode(self, token_id: int, draft: list[int], kv_cache: KvCacheHandle,
+                           policy: LogitsPolicy | None = LogitsPolicy(), sampling: SpeculativeSampling | None = None,
+                           tenant: str = "", choice: TokenChoice | None = None) -> SpeculativeOutput:
+        return speculating.speculative_decode(self, token_id, draft, kv_cache, policy, sampling, tenant, choice)
 
     def measure_optimal_batch(self, repeats: int = 3) -> int:
         """The decode crossover (see ``stats.measure_optimal_batch``)."""
@@ -256,7 +264,7 @@ class TorchExecutor(ChoosesTokens, Speculates, HostsAdapters):
                     logits = forward(self.model, self.pool, steps)
             else:  # token choice across the ranks' vocabulary slices unless whole rows are gathered anyway
                 top = self._top_only(plans)
-                requests = self._choice_requests(steps) if top is not None else None
+                requests = choosing.choice_requests(steps) if top is not None else None
                 logits, chosen = self.runner.forward(self.model, self.pool, steps, top, requests)
         except BaseException as exc:
             self._unplan(steps)
@@ -267,7 +275,7 @@ class TorchExecutor(ChoosesTokens, Speculates, HostsAdapters):
         self.stats.failed = False
         self.stats.count_forward(all(p.kind is PlanKind.DECODE for p in plans), time.perf_counter_ns() - t0,
                                  len(steps), sum(len(s.tokens) for s in steps))
-        self._choose(steps, logits, chosen)
+        choosing.choose(steps, logits, chosen)
         timing = Timing(forward_ns=time.perf_counter_ns() - t0, batch_size=len(steps))
         results, at = [], 0  # each plan's rows in ``logits`` are adjacent
         for plan in plans:
@@ -435,7 +443,7 @@ class TorchExecutor(ChoosesTokens, Speculates, HostsAdapters):
                                      "when continuing a sequence")
             return Opened(seq, False, 0, seq.length, seq.last_used)
         self.checks.sequence_room(tenant, 1)
-        adapter, adapter_digest = self.adapter_for_new_sequence(adapter)
+        adapter, adapter_digest = self.lora.for_new_sequence(adapter)
         seq = self.kv.create(uuid.uuid4().hex, tenant, name, adapter, adapter_digest, key)
         cached = 0
         if reuse_prefix and not policy.all_positions:  # a hit must leave the last token to compute

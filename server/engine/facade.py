@@ -71,6 +71,6 @@ class KvWatch:
         kv = self.kv
         first, blocks = self.hub.subscribe(sub, lambda: kv.cached_blocks(tenant) if snapshot else [])
         roots = {name: hashing.chain_root(tenant, digest, kv.generation)
-                 for name, digest in self.executor.adapter_digests().items()}
+                 for name, digest in self.executor.lora.digests().items()}
         return KvHello(hashing.chain_root(tenant, "", kv.generation), roots, kv.block_size, self.executor.name,
                        self.hub.queue_limit, first, blocks)

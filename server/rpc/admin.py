@@ -84,8 +84,8 @@ class AdminRpcs:
             # read, checked and arranged beside the serving model: forwards go on meanwhile;
             # a caller who leaves during the build gets nothing installed
             built = await asyncio.get_running_loop().run_in_executor(
-                self._adapter_builder(), executor.build_adapter, request.name, request.path, request.replace)
-            entry = await worker.call(executor.load_adapter, request.name, request.path, request.replace,
+                self._adapter_builder(), executor.lora.build, request.name, request.path, request.replace)
+            entry = await worker.call(executor.lora.load, request.name, request.path, request.replace,
                                       gone.is_set, built)
         except asyncio.CancelledError:
             gone.set()  # a load queued on the worker never runs, one under way installs nothing
@@ -95,7 +95,7 @@ class AdminRpcs:
     @handler(admin=True)
     async def UnloadAdapter(self, request, context, tenant: str):
         worker = self._worker(request.model)
-        await worker.call(worker.executor.unload_adapter, request.name)
+        await worker.call(worker.executor.lora.unload, request.name)
         return pb.UnloadAdapterResponse()
 
     @query
@@ -103,7 +103,7 @@ class AdminRpcs:
         """Admins see every field; another tenant sees names, ranks and modules, and the
         live sequences it runs itself (not where adapters lie or what others run)."""
         worker = self._worker(request.model)
-        entries, evicted = await worker.call(worker.executor.adapter_entries,
+        entries, evicted = await worker.call(worker.executor.lora.entries,
                                              None if self._is_admin(tenant) else tenant)
         return pb.ListAdaptersResponse(adapters=[_adapter_entry(e) for e in entries], evicted=evicted)
 
