@@ -1,8 +1,8 @@
 """The administrative RPCs: the model registry (ListModels, LoadModel, UnloadModel,
 admin tenants only for changes), LoRA adapters (LoadAdapter, UnloadAdapter,
 ListAdapters) and shared-memory regions (RegisterSharedMemory,
-UnregisterSharedMemory).  A mixin of the servicer: reads its registry, state, shm and
-transfer figures."""
+UnregisterSharedMemory).  A part of the servicer: the gate's registry and state, the
+shared-memory regions it shares with the servicer, and the transfers' figures."""
 
 from __future__ import annotations
 
@@ -14,37 +14,37 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import grpc
 
 from ferrum_rpc import convert
-from ferrum_rpc.errors import AdapterInvalid, AdminOnly, Draining, ExecutorError, shown
+from ferrum_rpc.errors import AdapterInvalid, Draining, ExecutorError, shown
 from ferrum_rpc.types import ServerState
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ..engine.facade import build_thread_init
 from .edge import MAX_PATH_BYTES
+from .gate import Gate
 from .handler import handler, query
+from .shm import SharedMemoryRegistry
 
 
 class AdminRpcs:
+    def __init__(self, gate: Gate, shm: SharedMemoryRegistry, shared_memory: bool,
+                 transfer_figures: Callable[[], dict[str, int]]):
+        self.gate, self.shm, self.shared_memory = gate, shm, shared_memory
+        self.transfer_figures = transfer_figures  # GetStatus' view of the transfers running
+        self._adapter_builds: ThreadPoolExecutor | None = None
+
     # -- the model registry ----------------------------------------------------------------
-    def _is_admin(self, tenant: str) -> bool:
-        """Whether ``tenant`` is an admin: one of --admin-tenants, or anyone with tokens off."""
-        return self.tokens is None or tenant in self.admin_tenants
-
-    def _check_admin(self, tenant: str) -> None:
-        if not self._is_admin(tenant):
-            raise AdminOnly(f"loading and unloading models is for admin tenants (--admin-tenants); "
-                            f"{shown(tenant)} is not one")
-
     @query
     async def ListModels(self, request, context, tenant: str):
         reply = pb.ListModelsResponse()
-        for model in self.registry.hosted():
+        for model in self.gate.registry.hosted():
             if model.worker is None:
                 reply.models.add(name=model.name, state="loading", path=model.path)
                 continue
-            status = await model.worker.call(model.worker.executor.status, self.state, model.worker.work_queued)
+            status = await model.worker.call(model.worker.executor.status, self.gate.state, model.worker.work_queued)
             status = dataclasses.replace(status, **self.transfer_figures())
             reply.models.add(name=model.name, state="serving", path=model.path, is_default=model.is_default,
                              status=convert.status_to_proto(status))
@@ -54,29 +54,29 @@ class AdminRpcs:
     async def LoadModel(self, request, context, tenant: str):
         """One progress message per stage (see ``Registry.load_stages``)."""
         start = time.perf_counter()
-        draining = self.state is ServerState.DRAINING
-        async with contextlib.aclosing(self.registry.load_stages(request.name, request.path, draining)) as stages:
+        draining = self.gate.state is ServerState.DRAINING
+        async with contextlib.aclosing(self.gate.registry.load_stages(request.name, request.path, draining)) as stages:
             async for stage in stages:  # closed with this call: an abandoned load is undone at once
                 yield pb.LoadModelResponse(stage=stage, elapsed_s=time.perf_counter() - start)
 
     @handler(admit=False, admin=True)
     async def UnloadModel(self, request, context, tenant: str):
         if request.name:
-            self._worker(request.name)  # the precise refusal: loading, unloaded, unknown
-        return pb.UnloadModelResponse(sequences_dropped=await self.registry.unload(request.name))
+            self.gate.worker(request.name)  # the precise refusal: loading, unloaded, unknown
+        return pb.UnloadModelResponse(sequences_dropped=await self.gate.registry.unload(request.name))
 
     # -- LoRA adapters (engine/adapters.py): built off the worker, installed on it between forwards --
     def _adapter_builder(self) -> ThreadPoolExecutor:
         """The one thread adapters are read and built on, yielding the cores to the forwards
         (``build_thread_init``); loads queue for it one at a time."""
-        if getattr(self, "_adapter_builds", None) is None:
+        if self._adapter_builds is None:
             self._adapter_builds = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-build",
                                                       initializer=build_thread_init)
         return self._adapter_builds
 
     @handler(admin=True)
     async def LoadAdapter(self, request, context, tenant: str):
-        worker = self._worker(request.model)
+        worker = self.gate.worker(request.model)
         executor = worker.executor
         check_adapter_folder(request.path, executor.config.adapter_root)
         gone = threading.Event()
@@ -94,7 +94,7 @@ class AdminRpcs:
 
     @handler(admin=True)
     async def UnloadAdapter(self, request, context, tenant: str):
-        worker = self._worker(request.model)
+        worker = self.gate.worker(request.model)
         await worker.call(worker.executor.lora.unload, request.name)
         return pb.UnloadAdapterResponse()
 
@@ -102,9 +102,9 @@ class AdminRpcs:
     async def ListAdapters(self, request, context, tenant: str):
         """Admins see every field; another tenant sees names, ranks and modules, and the
         live sequences it runs itself (not where adapters lie or what others run)."""
-        worker = self._worker(request.model)
+        worker = self.gate.worker(request.model)
         entries, evicted = await worker.call(worker.executor.lora.entries,
-                                             None if self._is_admin(tenant) else tenant)
+                                             None if self.gate.is_admin(tenant) else tenant)
         return pb.ListAdaptersResponse(adapters=[_adapter_entry(e) for e in entries], evicted=evicted)
 
     # -- shared memory -------------------------------------------------------------
@@ -118,7 +118,7 @@ class AdminRpcs:
             if not self.shared_memory:
                 raise ExecutorError("shared memory is off on this server (it serves it on loopback addresses, "
                                     "or with --shared-memory on)", code=grpc.StatusCode.UNIMPLEMENTED)
-            if self.state is ServerState.DRAINING:
+            if self.gate.state is ServerState.DRAINING:
                 raise Draining("the server is shutting down")
             creating = asyncio.get_running_loop().run_in_executor(  # reserving the pages may take a while
                 None, self.shm.register, tenant, request.name, request.key, request.offset, request.byte_size)
@@ -128,9 +128,9 @@ class AdminRpcs:
                 creating.add_done_callback(lambda f: f.exception() or self.shm.unregister(tenant, region=f.result()))
                 raise
         except Exception as exc:
-            self.observe("RegisterSharedMemory", tenant, exc, start)
+            self.gate.observe("RegisterSharedMemory", tenant, exc, start)
             raise
-        self.observe("RegisterSharedMemory", tenant, None, start)
+        self.gate.observe("RegisterSharedMemory", tenant, None, start)
         try:
             yield pb.RegisterSharedMemoryResponse(name=region.name, byte_size=region.byte_size, key=region.key)
             await region.ended.wait()

@@ -98,7 +98,7 @@ def add_executor_service(servicer, server: grpc.aio.Server) -> None:
     for method in service.methods:
         parse = _deserializer(getattr(pb, method.input_type.name))
         handlers[method.name] = HANDLER_FACTORIES[method.client_streaming, method.server_streaming](
-            getattr(servicer, method.name),
+            servicer.rpc(method.name),
             request_deserializer=weights_chunk(parse) if method.name == "UpdateWeights" else parse,
             response_serializer=_serialize,
         )
@@ -117,7 +117,8 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
 
 
 def handler(*, admit: bool = True, admin: bool = False, observe: bool = True, ticketed: bool = False):
-    """The one wrapper around every RPC: a request that did not parse is refused,
+    """The one wrapper around every RPC (a method of the servicer or of one of its parts,
+    each holding the server's ``gate``): a request that did not parse is refused,
     the caller's tenant is found (and passed to the method as its last
     argument: every call below takes it explicitly), admin-only calls are checked, ``admit`` calls
     pass admission (draining, loading) and count as in flight, the call is
@@ -140,18 +141,19 @@ def handler(*, admit: bool = True, admin: bool = False, observe: bool = True, ti
         def enter(self, request, context, stack: contextlib.ExitStack) -> str:
             """The caller's tenant, once the call may run."""
             check_parsed(request)  # a client stream's messages are checked one by one
-            if self.lost is not None:  # a tensor-parallel rank is gone: nothing is answered again
-                raise self.lost
+            gate = self.gate
+            if gate.lost is not None:  # a tensor-parallel rank is gone: nothing is answered again
+                raise gate.lost
             presented = tickets.ticket_of(context.invocation_metadata()) if ticketed else None
             if presented is not None:
                 if admit:
-                    stack.enter_context(self.admit())
+                    stack.enter_context(gate.admit())
                 return stack.enter_context(self.redeemed(*presented)).tenant
-            tenant = self._tenant_of(context)
+            tenant = gate.tenant_of(context)
             if admin:
-                self._check_admin(tenant)
+                gate.check_admin(tenant)
             if admit:
-                stack.enter_context(self.admit())
+                stack.enter_context(gate.admit())
             return tenant
 
         async def served(self, request, context, body):
@@ -163,11 +165,11 @@ def handler(*, admit: bool = True, admin: bool = False, observe: bool = True, ti
                     reply = await body(tenant)
             except Exception as exc:
                 if observe:
-                    self.observe(method.__name__, tenant, exc, start)
+                    self.gate.observe(method.__name__, tenant, exc, start)
                 await _abort(context, exc)
             else:
                 if observe:
-                    self.observe(method.__name__, tenant, None, start, getattr(reply, "timing", None))
+                    self.gate.observe(method.__name__, tenant, None, start, getattr(reply, "timing", None))
                 return reply
 
         if inspect.isasyncgenfunction(method):

@@ -35,6 +35,8 @@ from ..engine.facade import transfer
 from . import tickets
 from ..config import parse_allow
 from .edge import deadline_of, required_handle
+from .gate import Gate
+from .handler import call, handler
 from ferrum_rpc.metadata import TENANT_HEADER, TICKET_HEADER
 from ferrum_rpc.types import ServerState
 from ferrum_rpc.v1 import executor_pb2 as pb
@@ -131,14 +133,23 @@ class ImportReads:
 
 
 class TransferRpcs:
-    """The handlers' bodies; ``servicer.py`` wraps each with its ``_handler``."""
+    """The transfer RPCs (ExportSequence, ImportSequence, CreateImportTicket,
+    PushSequence), a part of the servicer: the tickets this server issued, where a push
+    may go, and the bytes and calls transfers hold."""
 
-    tickets: tickets.TicketBook
-    push: PushConfig
-    budget: transfer.TransferBudget  # what imports in flight buffer
-    import_idle_s: float
-    transfers = 0  # exports, pushes and imports running now (a draining server waits for them: App.drain)
-    pushes = 0  # pushes running now (each with a channel of its own)
+    def __init__(self, gate: Gate, push: PushConfig, budget_bytes: int, import_idle_s: float):
+        self.gate = gate
+        self.tickets = tickets.TicketBook()  # import tickets issued here
+        self.push = push  # where PushSequence may connect, and how
+        self.budget = transfer.TransferBudget(budget_bytes, self._largest_pool_bytes)  # what imports buffer
+        self.import_idle_s = import_idle_s
+        self._imports: set[ImportReads] = set()  # the imports running (a drain ends them)
+        self.transfers = 0  # exports, pushes and imports running now (a draining server waits for them)
+        self.pushes = 0  # pushes running now (each with a channel of its own)
+
+    def _largest_pool_bytes(self) -> int:
+        """The default in-flight transfer budget: the largest hosted KV pool's bytes."""
+        return max((transfer.pool_bytes(w.executor) for w in list(self.gate.workers.values())), default=0)
 
     @contextlib.contextmanager
     def _transfer(self):
@@ -158,7 +169,7 @@ class TransferRpcs:
         """An import call: refused while draining, counted, and ended by :meth:`end_imports`.
         It is not an in-flight call (its caller sets its pace): a drain does not wait
         for it past the export grace."""
-        if self.state is ServerState.DRAINING:
+        if self.gate.state is ServerState.DRAINING:
             raise Draining("the server is shutting down")
         reads = ImportReads(self.import_idle_s)
         self._imports.add(reads)
@@ -188,12 +199,13 @@ class TransferRpcs:
                                 f"heads", code=grpc.StatusCode.UNIMPLEMENTED)
 
     async def _snapshot(self, request, context, tenant: str):
-        worker = self._worker(request.model or request.kv_cache.model)
+        worker = self.gate.worker(request.model or request.kv_cache.model)
         self._check_unsplit(worker, "exporting a sequence")
         snap = await worker.call(transfer.snapshot, worker.executor, required_handle(request), tenant,
                                  deadline=deadline_of(context))
         return worker, snap
 
+    @handler(admit=False)
     async def ExportSequence(self, request, context, tenant: str):
         """Header, KV chunks, trailer (see ``transfer.export_messages``); the sequence is unchanged."""
         with self._transfer():
@@ -218,15 +230,18 @@ class TransferRpcs:
         the stream's fingerprint (its own name first), else the default one (which
         then refuses it with the precise difference)."""
         if ticket is not None:
-            return self._worker(ticket.model), ticket.fingerprint
-        workers = self.workers
+            return self.gate.worker(ticket.model), ticket.fingerprint
+        workers = self.gate.workers
         named = workers.get(header.model)
         ordered = ([named] if named is not None else []) + list(workers.values())
         for worker in ordered:
             if transfer.fingerprint(worker.executor).digest == header.fingerprint.digest:
                 return worker, None
-        return self._worker(""), None
+        return self.gate.worker(""), None
 
+    # An import admits itself (_importing): it is refused while draining, but a drain
+    # does not wait for it past the export grace.
+    @handler(admit=False, ticketed=True)
     async def ImportSequence(self, request_iterator, context, tenant: str):
         """Every message is checked as it arrives; the sequence is made in one worker job
         after the trailer (nothing is taken before); a cancelled import is undone."""
@@ -264,8 +279,9 @@ class TransferRpcs:
                     receiver.close()
         return pb.ImportSequenceResponse(kv_cache=convert.handle_to_proto(handle))
 
+    @call
     async def CreateImportTicket(self, request, context, tenant: str):
-        worker = self._worker(request.model)
+        worker = self.gate.worker(request.model)
         self._check_unsplit(worker, "CreateImportTicket")
         ours = transfer.fingerprint(worker.executor).digest
         if request.fingerprint and request.fingerprint != ours:
@@ -273,6 +289,7 @@ class TransferRpcs:
         ticket = self.tickets.issue(tenant, worker.executor.name, ours, request.ttl_s)
         return pb.ImportTicket(ticket=ticket.secret, ttl_s=ticket.expires - time.monotonic(), model=ticket.model)
 
+    @handler(admit=False)
     async def PushSequence(self, request, context, tenant: str):
         """Streams a snapshot of the sequence to the receiver's ImportSequence; with
         ``move`` releases it here once the receiver confirmed (unless a call changed it

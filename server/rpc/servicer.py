@@ -2,8 +2,9 @@
 
 No torch here.  Every handler is wrapped by ``handler.py`` (tenant, admission,
 metrics, and every exception to a status in one place, from the shared error
-table); the transfer RPCs are ``migration.TransferRpcs``, the registry and
-shared-memory RPCs ``admin.AdminRpcs``, WatchKvEvents ``watch.KvEventRpcs``.  Large replies are built and
+table); its parts serve the transfer RPCs (``migration.TransferRpcs``), the registry,
+adapter and shared-memory RPCs (``admin.AdminRpcs``), WatchKvEvents
+(``watch.KvEventRpcs``) and UpdateWeights (``weights.WeightsRpcs``).  Large replies are built and
 serialized on a reply-builder thread, a bounded slice at a time, so the event
 loop keeps answering everyone else meanwhile.
 """
@@ -21,25 +22,20 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from ferrum_rpc import convert, tensor_codec
-from ferrum_rpc.errors import (
-    Draining,
-    ExecutorError,
-    InvalidInput,
-    ModelLoading,
-)
+from ferrum_rpc.errors import ExecutorError, InvalidInput
 from .auth import TokenTable
 from . import session
-from . import tickets
 from .ledger import Undelivered
 from .migration import PushConfig, TransferRpcs
 from .admin import AdminRpcs
 from .watch import KvEventRpcs
 from .weights import WeightsRpcs
 from .edge import deadline_of, required_handle
+from .gate import Gate
 from .handler import call, handler, query
 from .hosting import HostedModels
 from .shm import SharedMemoryRegistry
-from ..engine.facade import ModelWorker, Subscriber, Undo, transfer
+from ..engine.facade import ModelWorker, Undo
 from ferrum_rpc.types import (
     ChosenToken,
     DecodeInput,
@@ -83,99 +79,92 @@ def _payload_bytes(logits) -> int:
 
 
 
-class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, WeightsRpcs, pb_grpc.ModelExecutorServicer):
-    """Routes each request to the worker of the model it names (empty = the default)."""
+class ExecutorServicer(pb_grpc.ModelExecutorServicer):
+    """Routes each request to the worker of the model it names (empty = the default).
+    The contract's calls are its own methods; the transfer, admin, KV-event and weights
+    RPCs are those of its parts, which share its :class:`~.gate.Gate`."""
 
     def __init__(self, instance_id: str, tokens: TokenTable | None = None, metrics=None,
                  shared_memory: bool = False, admin_tenants: tuple[str, ...] = (), *, registry: HostedModels,
                  push: PushConfig = PushConfig(), transfer_budget_bytes: int = 0, import_idle_s: float = 30.0):
-        self.tickets = tickets.TicketBook()  # import tickets issued here
-        self.push = push  # where PushSequence may connect, and how
-        self.budget = transfer.TransferBudget(transfer_budget_bytes, self._largest_pool_bytes)
-        self.import_idle_s = import_idle_s
-        self._imports: set = set()  # the ImportReads of imports running (a drain ends them)
-        self._updating: dict = {}  # model name -> the lock one UpdateWeights holds at a time
-        self.instance_id = instance_id
-        self.admin_tenants = frozenset(admin_tenants)
-        self.registry = registry  # the models hosted, and how they are loaded and unloaded
-        self.shared_memory = shared_memory  # RegisterSharedMemory served
-        self.shm = SharedMemoryRegistry()
-        self.watches: set[Subscriber] = set()  # open WatchKvEvents streams
-        self.tokens = tokens  # None: auth off, every caller is tenant ""
-        self.metrics = metrics  # server.metrics.Metrics, or None
-        self.state = ServerState.LOADING
-        self.lost: ExecutorError | None = None  # set once a tensor-parallel rank is lost (App.fail_closed)
-        self.inflight = 0
+        self.gate = Gate(instance_id, registry, tokens, admin_tenants, metrics)
+        self.shm = SharedMemoryRegistry()  # the callers' regions: RegisterSharedMemory's, read by FULL logits
+        self.transfer_rpcs = TransferRpcs(self.gate, push, transfer_budget_bytes, import_idle_s)
+        self.admin_rpcs = AdminRpcs(self.gate, self.shm, shared_memory, self.transfer_rpcs.transfer_figures)
+        self.kv_event_rpcs = KvEventRpcs(self.gate)
+        self.weights_rpcs = WeightsRpcs(self.gate, import_idle_s)
         self.sessions: set[session.DecodeSession] = set()  # running DecodeSession calls
-        self._idle = asyncio.Event()
-        self._idle.set()
         # One thread: big replies are built one at a time, never on the event loop.
         self._reply_builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reply-builder")
 
-    def _largest_pool_bytes(self) -> int:
-        """The default in-flight transfer budget: the largest hosted KV pool's bytes."""
-        return max((transfer.pool_bytes(w.executor) for w in list(self.workers.values())), default=0)
+    def rpc(self, name: str):
+        """The handler of RPC ``name``: this servicer's, or the part's that serves it."""
+        for owner in (self, self.transfer_rpcs, self.admin_rpcs, self.kv_event_rpcs, self.weights_rpcs):
+            if name in type(owner).__dict__:
+                return getattr(owner, name)
+        return getattr(self, name)  # the generated base's UNIMPLEMENTED
+
+    # -- the process's view (app.py) --------------------------------------------------------
+    @property
+    def state(self) -> ServerState:
+        return self.gate.state
+
+    @state.setter
+    def state(self, value: ServerState) -> None:
+        self.gate.state = value
+
+    @property
+    def lost(self) -> ExecutorError | None:
+        return self.gate.lost
+
+    @lost.setter
+    def lost(self, error: ExecutorError | None) -> None:
+        self.gate.lost = error
+
+    @property
+    def inflight(self) -> int:
+        return self.gate.inflight
+
+    @property
+    def instance_id(self) -> str:
+        return self.gate.instance_id
+
+    @property
+    def registry(self) -> HostedModels:
+        return self.gate.registry
 
     @property
     def workers(self) -> dict[str, ModelWorker]:
         """The serving models' workers by name (the registry's routing table)."""
-        return self.registry.workers
+        return self.gate.workers
 
-    # -- plumbing --------------------------------------------------------------
-    def observe(self, method: str, tenant: str, error: Exception | None, start: float, timing=None) -> None:
-        if self.metrics is not None:
-            if error is None:
-                code = "OK"
-            else:
-                code = error.code.name if isinstance(error, ExecutorError) else grpc.StatusCode.INTERNAL.name
-            self.metrics.observe(method, code, tenant, time.perf_counter() - start, timing)
+    @property
+    def transfers(self) -> int:
+        """Exports, pushes and imports running now (a draining server waits for them)."""
+        return self.transfer_rpcs.transfers
 
-    def _tenant_of(self, context) -> str:
-        """The tenant the caller's bearer token names ("" with auth off).  The
-        AuthInterceptor has refused calls without a known token already (it guards
-        health and reflection too); this is the one place a handler reads it."""
-        if self.tokens is None:
-            return ""
-        tenant = self.tokens.tenant_for(context.invocation_metadata())
-        if tenant is None:  # unreachable behind the interceptor; never serve as tenant ""
-            from ferrum_rpc.errors import Unauthenticated
+    def transfer_figures(self) -> dict[str, int]:
+        return self.transfer_rpcs.transfer_figures()
 
-            raise Unauthenticated("no known bearer token")
-        return tenant
+    def end_watches(self) -> None:
+        self.kv_event_rpcs.end_watches()
 
-    class _Admission:
-        def __init__(self, servicer: ExecutorServicer):
-            self.servicer = servicer
+    def end_imports(self) -> None:
+        self.transfer_rpcs.end_imports()
 
-        def __enter__(self):
-            s = self.servicer
-            if s.state is ServerState.DRAINING:
-                raise Draining("the server is shutting down")
-            s.inflight += 1
-            s._idle.clear()
-
-        def __exit__(self, *exc):
-            s = self.servicer
-            s.inflight -= 1
-            if s.inflight == 0:
-                s._idle.set()
-
-    def admit(self) -> ExecutorServicer._Admission:
-        return self._Admission(self)
+    def admit(self):
+        return self.gate.admit()
 
     async def wait_idle(self) -> None:
-        """Returns once no RPC is in flight."""
-        await self._idle.wait()
+        await self.gate.wait_idle()
 
-    def _worker(self, model: str) -> ModelWorker:
-        if self.state is ServerState.LOADING and not self.workers:
-            raise ModelLoading("the model is still loading")
-        return self.registry.worker(model)
+    def observe(self, method: str, tenant: str, error: Exception | None, start: float, timing=None) -> None:
+        self.gate.observe(method, tenant, error, start, timing)
 
     def decode_batch(self, request) -> tuple[ModelWorker, list[DecodeInput], LogitsPolicy]:
         """BatchDecode / DecodeSession request -> its model's worker, the items and the policy."""
         first = request.items[0].kv_cache.model if request.items else ""
-        worker, policy = self._worker(request.model or first), _policy_or_unset(request)
+        worker, policy = self.gate.worker(request.model or first), _policy_or_unset(request)
         items = [DecodeInput(i.token_id, required_handle(i), _choice(worker, i, f"items[{n}].token_choice"))
                  for n, i in enumerate(request.items)]
         rows = sum(1 for i in items if policy is not None or i.token_choice is None)  # chosen only: no row
@@ -268,13 +257,13 @@ class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, WeightsRpcs, pb_grp
     # -- queries -----------------------------------------------------------------
     @query
     async def GetModelInfo(self, request, context, tenant: str):
-        return convert.model_info_to_proto(self._worker(request.model).executor.info())
+        return convert.model_info_to_proto(self.gate.worker(request.model).executor.info())
 
     @query
     async def GetCapabilities(self, request, context, tenant: str):
-        caps = convert.capabilities_to_proto(self._worker(request.model).executor.capabilities())
+        caps = convert.capabilities_to_proto(self.gate.worker(request.model).executor.capabilities())
         caps.models.extend(sorted(self.workers))
-        caps.shared_memory = self.shared_memory
+        caps.shared_memory = self.admin_rpcs.shared_memory
         caps.max_decode_ahead = session.MAX_DECODE_AHEAD
         return caps
 
@@ -282,7 +271,7 @@ class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, WeightsRpcs, pb_grp
     async def GetStatus(self, request, context, tenant: str):
         if self.state is ServerState.LOADING and not self.workers:
             return pb.Status(state=pb.Status.STATE_LOADING, server_instance_id=self.instance_id)
-        worker = self._worker(request.model)
+        worker = self.gate.worker(request.model)
         status = await worker.call(worker.executor.status, self.state, worker.work_queued, tenant)
         status = dataclasses.replace(status, ahead_sequences=sum(worker.ahead.values()),
                                      ahead_runs_paused=worker.ahead_paused,
@@ -294,7 +283,7 @@ class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, WeightsRpcs, pb_grp
     @call
     async def Prefill(self, request, context, tenant: str):
         received = time.perf_counter_ns()
-        worker = self._worker(request.model or request.kv_cache.model)
+        worker = self.gate.worker(request.model or request.kv_cache.model)
         handle = convert.handle_from_proto(request.kv_cache) if request.HasField("kv_cache") else None
         policy = _policy_or_unset(request)
         choice = _choice(worker, request)
@@ -314,7 +303,7 @@ class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, WeightsRpcs, pb_grp
     @call
     async def Decode(self, request, context, tenant: str):
         received = time.perf_counter_ns()
-        worker = self._worker(request.model or request.kv_cache.model)
+        worker = self.gate.worker(request.model or request.kv_cache.model)
         item = DecodeInput(request.token_id, required_handle(request), _choice(worker, request))
         policy = _policy_or_unset(request)
         with self.logits_targets(policy, [1], worker, tenant) as targets:
@@ -341,7 +330,7 @@ class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, WeightsRpcs, pb_grp
     @call
     async def ForwardVerify(self, request, context, tenant: str):
         received = time.perf_counter_ns()
-        worker = self._worker(request.model or request.kv_cache.model)
+        worker = self.gate.worker(request.model or request.kv_cache.model)
         handle = required_handle(request)
         policy = convert.policy_from_proto(request.logits)
         with self.logits_targets(policy, [len(request.token_ids)], worker, tenant) as targets:
@@ -351,14 +340,14 @@ class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, WeightsRpcs, pb_grp
 
     @call
     async def TruncateKv(self, request, context, tenant: str):
-        worker = self._worker(request.kv_cache.model)
+        worker = self.gate.worker(request.kv_cache.model)
         handle = await worker.call(worker.executor.truncate_kv, required_handle(request),
                                    request.new_length, tenant, deadline=deadline_of(context))
         return pb.TruncateKvResponse(kv_cache=convert.handle_to_proto(handle))
 
     @call
     async def ReleaseCache(self, request, context, tenant: str):
-        worker = self._worker(request.model)
+        worker = self.gate.worker(request.model)
         if request.request_id:
             if request.cache_id:
                 raise InvalidInput("ReleaseCache takes a cache_id or a request_id, not both")
@@ -368,14 +357,14 @@ class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, WeightsRpcs, pb_grp
 
     @call
     async def ForkCache(self, request, context, tenant: str):
-        worker = self._worker(request.kv_cache.model)
+        worker = self.gate.worker(request.kv_cache.model)
         children, _ = await worker.fork(required_handle(request), request.num_children, deadline_of(context), tenant)
         return pb.ForkCacheResponse(children=[convert.handle_to_proto(c) for c in children])
 
     @call
     async def SpeculativeDecode(self, request, context, tenant: str):
         received = time.perf_counter_ns()
-        worker = self._worker(request.model or request.kv_cache.model)
+        worker = self.gate.worker(request.model or request.kv_cache.model)
         handle = required_handle(request)
         policy = _policy_or_unset(request)
         choice = _choice(worker, request)
@@ -399,7 +388,7 @@ class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, WeightsRpcs, pb_grp
         if not request.items:
             raise InvalidInput("items is empty: BatchPrefill needs at least one prompt")
         first = next((i.kv_cache.model for i in request.items if i.HasField("kv_cache")), "")
-        worker = self._worker(request.model or first)
+        worker = self.gate.worker(request.model or first)
         if len(request.items) > worker.executor.config.max_batch_size:
             raise InvalidInput(f"{len(request.items)} prompts exceed max batch size "
                                f"{worker.executor.config.max_batch_size}")
@@ -448,13 +437,6 @@ class ExecutorServicer(TransferRpcs, AdminRpcs, KvEventRpcs, WeightsRpcs, pb_grp
     # -- sequences that move(the bodies are migration.TransferRpcs') ---------
     # Exports and pushes are answered while draining too: a drained replica's sequences
     # leave by them (see App.drain's export grace).
-    ExportSequence = handler(admit=False)(TransferRpcs.ExportSequence)
-    # An import admits itself (TransferRpcs._importing): it is refused while draining, but a
-    # drain does not wait for it as for an in-flight call.
-    ImportSequence = handler(admit=False, ticketed=True)(TransferRpcs.ImportSequence)
-    UpdateWeights = handler(admin=True)(WeightsRpcs.UpdateWeights)
-    CreateImportTicket = call(TransferRpcs.CreateImportTicket)
-    PushSequence = handler(admit=False)(TransferRpcs.PushSequence)
 
     async def Forward(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED,

@@ -1,6 +1,5 @@
 """WatchKvEvents: a tenant's prefix-cache blocks as they are stored and removed, streamed
-to KV-aware routers (``kv/events.py`` holds the hub).  A mixin of the servicer: reads
-its ``_worker``, ``state`` and ``watches``."""
+to KV-aware routers (``kv/events.py`` holds the hub)."""
 
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ from ferrum_rpc.errors import Draining, ExecutorError
 from ferrum_rpc.types import ServerState
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ..engine.facade import KvWatch, Removed, Stored, Subscriber
+from .gate import Gate
 from .handler import query
 
 
@@ -28,16 +28,22 @@ def _kv_event(number: int, event) -> pb.KvEvent:
 
 
 class KvEventRpcs:
+    """WatchKvEvents, a part of the servicer, and the streams it has open."""
+
+    def __init__(self, gate: Gate):
+        self.gate = gate
+        self.watches: set[Subscriber] = set()  # open WatchKvEvents streams
+
     @query  # not admitted: a watch lasts as long as its caller, and draining must not wait for it
     async def WatchKvEvents(self, request, context, tenant: str):
         """The caller's tenant's prefix-cache blocks as they are stored and removed
         (``kv/events.py``), until the caller goes or the model unloads."""
-        worker = self._worker(request.model)
+        worker = self.gate.worker(request.model)
         watch = KvWatch(worker.executor)
         if not watch.prefix_caching:
             raise ExecutorError(f"model {worker.executor.name!r} serves with prefix caching off: it caches no blocks "
                                 f"to tell of", code=grpc.StatusCode.UNIMPLEMENTED)
-        if self.state is ServerState.DRAINING:
+        if self.gate.state is ServerState.DRAINING:
             raise Draining("the server is draining: watch another replica")
         hub = watch.hub
         sub = Subscriber(tenant, asyncio.get_running_loop())

@@ -13,12 +13,18 @@ import threading
 from ferrum_rpc.errors import InvalidInput, TransferCorrupted
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ..engine.facade import weights
-from .handler import Malformed
+from .gate import Gate
+from .handler import Malformed, handler
 from .migration import ImportReads
 
 class WeightsRpcs:
-    """A mixin of the servicer: reads its ``_worker``, ``import_idle_s`` and ``_updating``."""
+    """UpdateWeights, a part of the servicer: one update at a time per model."""
 
+    def __init__(self, gate: Gate, import_idle_s: float):
+        self.gate, self.import_idle_s = gate, import_idle_s
+        self._updating: dict[str, asyncio.Lock] = {}  # model name -> the lock its update holds
+
+    @handler(admin=True)
     async def UpdateWeights(self, request_iterator, context, tenant: str):
         messages, reads = aiter(request_iterator), ImportReads(self.import_idle_s)
         first = await reads.next(messages)
@@ -27,7 +33,7 @@ class WeightsRpcs:
         if first is None or isinstance(first, memoryview) or first.WhichOneof("part") != "header":
             raise InvalidInput("an UpdateWeights stream starts with its header")
         header = first.header
-        worker = self._worker(header.model)
+        worker = self.gate.worker(header.model)
         executor = worker.executor
         if not 0 < header.total_bytes <= executor.weights.limit_bytes:
             raise InvalidInput(f"total_bytes {header.total_bytes}: an update of this model is 1 to "
