@@ -31,8 +31,9 @@ def _command(module: str, name: str):
             print(f"ferrum-rpc {args.command}: {message}", file=sys.stderr)
             return 2
         except ModuleNotFoundError as exc:
-            if exc.name and exc.name.split(".")[0] in ("torch", "safetensors", "transformers", "gguf",
-                                                       "prometheus_client", "grpc_health", "grpc_reflection"):
+            if exc.name and exc.name.split(".")[0] in ("torch", "safetensors", "transformers", "gguf", "tokenizers",
+                                                       "jinja2", "prometheus_client", "grpc_health",
+                                                       "grpc_reflection"):
                 print(f"ferrum-rpc {args.command}: {exc.name} is not installed; "
                       f"pip install 'ferrum-rpc[{EXTRA_FOR[args.command]}]'", file=sys.stderr)
                 return 2
