@@ -195,7 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="deadline of a push to its receiver when the PushSequence caller set none")
     s.add_argument("--threads", type=_non_negative_int, default=0,
                    help="torch intra-op threads (0: torch's default)")
-    s.add_argument("--no-warmup", action="store_true")
+    s.add_argument("--no-warmup", action="store_true",
+                   help="serve without the warm-up (one prefill and decode per model, and the decode "
+                        "crossover behind Capabilities.optimal_batch_size, which stays 0)")
+    s.add_argument("--remeasure", action="store_true",
+                   help="time the decode crossover again at start, instead of reading the result stored "
+                        "under the cache folder for this model, dtype, kernels, CPU, torch and thread count")
     s.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the model over N ranks (torch.distributed: gloo on CPU, NCCL on CUDA); "
                         "without --tp-master, N local rank processes on this machine")
