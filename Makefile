@@ -24,12 +24,14 @@ prepare: setup
 serve: prepare
 	$(BIN)/ferrum-rpc serve $(ARGS)
 
-# The C++ client's packages (tests/contract/test_cpp_client.py builds clients/cpp):
+# The C++ client's packages, what configure needs among them (tests/contract/test_cpp_client.py builds clients/cpp):
 # installed quietly where missing when run as root with apt-get; elsewhere the C++
 # tests skip, saying so (CI sets FERRUM_REQUIRE_CPP=1, so they fail there instead).
-CPP_PACKAGES := libgrpc++-dev protobuf-compiler-grpc cmake
+CPP_PACKAGES := libgrpc++-dev protobuf-compiler-grpc cmake golang-github-gogo-googleapis-dev
+GOOGLEAPIS_PROTOS := /usr/share/gocode/src/github.com/gogo/googleapis/google/rpc/error_details.proto
 cpp-deps:
-	@if command -v cmake >/dev/null && command -v grpc_cpp_plugin >/dev/null && [ -e /usr/include/grpcpp/grpcpp.h ]; then :; \
+	@if command -v cmake >/dev/null && command -v grpc_cpp_plugin >/dev/null && [ -e /usr/include/grpcpp/grpcpp.h ] \
+		&& [ -e $(GOOGLEAPIS_PROTOS) ]; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		echo "installing $(CPP_PACKAGES) for the C++ client"; \
 		export DEBIAN_FRONTEND=noninteractive; \

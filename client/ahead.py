@@ -19,6 +19,7 @@ import grpc
 
 from ferrum_rpc import convert
 from . import rpc as rpcs
+from .token_ids import checked_ids
 from ferrum_rpc.errors import ExecutorError, from_rpc_error, from_status_proto
 from ferrum_rpc.types import ChosenToken, DecodeInput, KvCacheHandle, LogitsPolicy, TokenChoice
 from ferrum_rpc.v1 import executor_pb2 as pb
@@ -55,7 +56,7 @@ def ahead_request(session, items: Iterable[rpcs.DecodeItem], max_new_tokens: int
     request = session._request(items, None, token_choice)
     request.single_reply = False
     request.max_new_tokens = max_new_tokens
-    request.stop_token_ids.extend(stop_token_ids)
+    request.stop_token_ids.extend(checked_ids("stop_token_ids", stop_token_ids))
     request.forwards_per_response = forwards_per_response
     return request
 

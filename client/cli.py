@@ -27,8 +27,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .sampling import SamplingParams
     from ferrum_rpc.paths import default_model_dir
 
-    if importlib.util.find_spec("transformers") is None:  # the tokenizer's extra, named before any call
-        raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
+    for module in ("tokenizers", "jinja2"):  # the text extra's, named before any call
+        if importlib.util.find_spec(module) is None:
+            raise ModuleNotFoundError(f"No module named '{module}'", name=module)
     params = SamplingParams(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
     tls = None

@@ -18,21 +18,15 @@ from .client import ExecutorClient
 from ferrum_rpc.errors import ExecutorError
 from .sampling import Sampler, SamplingParams
 from ferrum_rpc.types import DecodeInput, TokenChoice
-
-
-def load_tokenizer(path: str | Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
+from .text import load_tokenizer  # noqa: F401  (the tokenizer callers of this module load)
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
-    """Token ids of ``prompt``, wrapped in the model's chat template unless ``chat`` is False."""
+    """Token ids of ``prompt``, wrapped in the model's chat template unless ``chat`` is False
+    (``tokenizer``: :func:`~ferrum_rpc.client.text.load_tokenizer`'s)."""
     if chat and tokenizer.chat_template:
-        return list(tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
-            return_dict=False,
-        ))
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                  add_generation_prompt=True))
     return tokenizer.encode(prompt, add_special_tokens=False)
 
 

@@ -41,9 +41,11 @@ from ferrum_rpc.types import (  # the table's `returns` name some of these
 )
 from ferrum_rpc.v1 import executor_pb2 as pb
 from . import admin
+from .token_ids import checked_id, checked_ids
 
 DecodeItem = Union[DecodeInput, tuple[int, KvCacheHandle]]
 Prompt = Union[Sequence[int], tuple[Sequence[int], KvCacheHandle]]
+
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,8 @@ def batch_request(c, items: Iterable[DecodeItem], logits: LogitsPolicy | None,
     for item in items:
         token_id, handle, choice = (item.token_id, item.kv_cache, item.token_choice) \
             if isinstance(item, DecodeInput) else (*item, None)
-        message = req.items.add(token_id=token_id, kv_cache=convert.handle_to_proto(handle))
+        message = req.items.add(token_id=checked_id("items.token_id", token_id),
+                                kv_cache=convert.handle_to_proto(handle))
         set_choice(message, choice if choice is not None else token_choice)
     if logits is None:
         req.single_reply = bool(req.items) and all(i.HasField("token_choice") for i in req.items)
@@ -213,7 +216,7 @@ def _prefill(c, token_ids: Sequence[int], kv_cache: KvCacheHandle | None = None,
     sequence (``out.existing``, no logits); None: the client names it, and releases it
     by that name if the call is cancelled or times out.  ``adapter``: the LoRA adapter a
     new sequence runs with (``list_adapters``), kept for its life."""
-    req = pb.PrefillRequest(model=c.model, token_ids=token_ids, adapter=adapter)
+    req = pb.PrefillRequest(model=c.model, token_ids=checked_ids("token_ids", token_ids), adapter=adapter)
     set_logits(req, logits)
     set_choice(req, token_choice)
     if kv_cache is not None:
@@ -229,7 +232,8 @@ def _decode(c, token_id: int, kv_cache: KvCacheHandle, logits: LogitsPolicy | No
             token_choice: TokenChoice | None = None) -> pb.DecodeRequest:
     """Appends ``token_id``; with ``token_choice`` the server also chooses the next
     token (``out.chosen``); ``logits`` None: full float32 logits, none with a token_choice."""
-    req = pb.DecodeRequest(model=c.model, token_id=token_id, kv_cache=convert.handle_to_proto(kv_cache))
+    req = pb.DecodeRequest(model=c.model, token_id=checked_id("token_id", token_id),
+                           kv_cache=convert.handle_to_proto(kv_cache))
     set_logits(req, logits)
     set_choice(req, token_choice)
     return req
@@ -245,7 +249,8 @@ def _batch_decode(c, items: Iterable[DecodeItem], logits: LogitsPolicy | None = 
 
 def _forward_verify(c, token_ids: Sequence[int], kv_cache: KvCacheHandle,
                     logits: LogitsPolicy = LogitsPolicy()) -> pb.ForwardVerifyRequest:
-    return pb.ForwardVerifyRequest(model=c.model, token_ids=token_ids, kv_cache=convert.handle_to_proto(kv_cache),
+    return pb.ForwardVerifyRequest(model=c.model, token_ids=checked_ids("token_ids", token_ids),
+                                   kv_cache=convert.handle_to_proto(kv_cache),
                                    logits=convert.policy_to_proto(logits))
 
 
@@ -259,7 +264,8 @@ def _speculative_decode(c, token_id: int, draft: Sequence[int], kv_cache: KvCach
     ``token_choice`` the drafts equal to the server's own choices (``out.chosen``:
     each kept draft's, then the next token's; the tokens Decode steps with that
     choice would give). ``logits`` None: full float32, none with a token_choice."""
-    req = pb.SpeculativeDecodeRequest(model=c.model, token_id=token_id, draft_token_ids=list(draft),
+    req = pb.SpeculativeDecodeRequest(model=c.model, token_id=checked_id("token_id", token_id),
+                                      draft_token_ids=checked_ids("draft", draft),
                                       kv_cache=convert.handle_to_proto(kv_cache))
     set_logits(req, logits)
     set_choice(req, token_choice)
@@ -289,7 +295,7 @@ def _batch_prefill(c, prompts: Iterable[Prompt], logits: LogitsPolicy | None = N
         raise ValueError(f"{len(adapters)} adapters for {len(prompts)} prompts")
     for prompt, choice, adapter in zip(prompts, choices, adapters):
         token_ids, handle = split_prompt(prompt)
-        item = req.items.add(token_ids=token_ids)
+        item = req.items.add(token_ids=checked_ids("prompts.token_ids", token_ids))
         if handle is not None:
             item.kv_cache.CopyFrom(convert.handle_to_proto(handle))
         else:

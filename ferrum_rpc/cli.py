@@ -31,8 +31,9 @@ def _command(module: str, name: str):
             print(f"ferrum-rpc {args.command}: {message}", file=sys.stderr)
             return 2
         except ModuleNotFoundError as exc:
-            if exc.name and exc.name.split(".")[0] in ("torch", "safetensors", "transformers", "gguf",
-                                                       "prometheus_client", "grpc_health", "grpc_reflection"):
+            if exc.name and exc.name.split(".")[0] in ("torch", "safetensors", "transformers", "gguf", "tokenizers",
+                                                       "jinja2", "prometheus_client", "grpc_health",
+                                                       "grpc_reflection"):
                 print(f"ferrum-rpc {args.command}: {exc.name} is not installed; "
                       f"pip install 'ferrum-rpc[{EXTRA_FOR[args.command]}]'", file=sys.stderr)
                 return 2
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     _one_line_errors(parser)
     sub = parser.add_subparsers(dest="command", required=True)
+    parser.commands = sub.choices  # each command's parser, by name
 
     s = _one_line_errors(sub.add_parser("serve", help="serve models over gRPC"))
     s.add_argument("--model", action="append", default=[], metavar="[NAME=]PATH",
@@ -194,7 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="deadline of a push to its receiver when the PushSequence caller set none")
     s.add_argument("--threads", type=_non_negative_int, default=0,
                    help="torch intra-op threads (0: torch's default)")
-    s.add_argument("--no-warmup", action="store_true")
+    s.add_argument("--no-warmup", action="store_true",
+                   help="serve without the warm-up (one prefill and decode per model, and the decode "
+                        "crossover behind Capabilities.optimal_batch_size, which stays 0)")
+    s.add_argument("--remeasure", action="store_true",
+                   help="time the decode crossover again at start, instead of reading the result stored "
+                        "under the cache folder for this model, dtype, kernels, CPU, torch and thread count")
     s.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the model over N ranks (torch.distributed: gloo on CPU, NCCL on CUDA); "
                         "without --tp-master, N local rank processes on this machine")
@@ -207,11 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="this process's rank with --tp-master (default: $RANK; rank 0 serves gRPC)")
     s.set_defaults(func=_command("ferrum_rpc.server.cli", "cmd_serve"))
 
-    p = sub.add_parser("prepare", help="convert the embedded default model once; prints its folder")
+    p = _one_line_errors(sub.add_parser("prepare",
+                                        help="convert the embedded default model once; prints its folder"))
     p.add_argument("--force", action="store_true", help="convert again even if cached")
     p.set_defaults(func=_command("ferrum_rpc.server.cli", "cmd_prepare"))
 
-    g = sub.add_parser("generate", help="generate text through a running server")
+    g = _one_line_errors(sub.add_parser("generate", help="generate text through a running server"))
     g.add_argument("prompt")
     g.add_argument("--target", action="append", default=None, metavar="HOST:PORT",
                    help="server address (default 127.0.0.1:50051); repeat it, or give gRPC's "
@@ -246,7 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # told by the command's own parser, which names its own --help
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:

@@ -191,6 +191,21 @@ class Logits:
     token_ids: Any = None
     vocab_size: int = 0
 
+    def __array__(self, dtype=None, copy=None):
+        """The logits as one dense (positions, vocab) numpy array, so numpy functions
+        (``np.argmax``, ``np.asarray``) read token ids as indices: FULL's values as
+        they are; for TOP_K and ARGMAX, the returned scores at their token ids and
+        -inf at every token the reply left out (``vocab_size`` wide)."""
+        import numpy as np
+
+        values = np.asarray(self.values)
+        if self.kind is not LogitsKind.FULL:
+            ids = np.asarray(self.token_ids, dtype=np.int64)
+            dense = np.full((ids.shape[0], self.vocab_size), -np.inf, dtype=np.float32)
+            np.put_along_axis(dense, ids, values.astype(np.float32), axis=-1)
+            values = dense
+        return values if dtype is None else values.astype(dtype, copy=False)
+
     def argmax(self) -> list[int]:
         """The highest-scoring token id of each position."""
         if self.kind is LogitsKind.FULL:

@@ -164,7 +164,8 @@ async def build_server(config: ServerConfig) -> App:
         metrics = Metrics(lambda: [w.executor for w in list(servicer.workers.values())],
                           transfers=lambda: servicer.transfer_figures())
     health = HealthServicer()
-    registry = Registry(config.executor, instance_id, health, warmup=config.warmup)
+    registry = Registry(config.executor, instance_id, health, warmup=config.warmup,
+                        remeasure=config.remeasure)
     push = PushConfig(parse_allow(config.push_allow), tls=bool(config.tls_cert), ca=config.push_ca,
                       cert=config.tls_cert, key=config.tls_key, max_message_bytes=config.executor.max_message_bytes,
                       timeout_s=config.push_timeout_s)

@@ -159,6 +159,7 @@ def _server_config(args: argparse.Namespace, executor):
 
     return ServerConfig(models=_model_specs(args.model), executor=executor, host=args.host,
                           port=args.port, grace_s=args.grace, warmup=not args.no_warmup,
+                          remeasure=args.remeasure,
                           tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                           auth_tokens=args.auth_tokens, insecure=args.insecure,
                           metrics_port=args.metrics_port, metrics_host=args.metrics_host,

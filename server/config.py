@@ -227,6 +227,7 @@ class ServerConfig:
     port: int = 50051
     grace_s: float = 30.0
     warmup: bool = True
+    remeasure: bool = False  # time the decode crossover again instead of reading the stored one
     tls_cert: str = ""  # PEM chain; with tls_key: serve TLS only
     tls_key: str = ""
     tls_client_ca: str = ""  # PEM CA bundle: require and verify client certificates (mTLS)

@@ -23,6 +23,7 @@ from grpc_health.v1._async import HealthServicer
 from ferrum_rpc.errors import Draining, ExecutorError, InvalidInput, ModelLoading, ModelNotFound, shown
 from .rpc.edge import MAX_PATH_BYTES
 from .config import ExecutorConfig
+from .engine import crossover
 from .engine.executor import TorchExecutor
 from .engine.worker import ModelWorker
 
@@ -44,8 +45,9 @@ class Registry:
     """Name -> worker, plus the names being loaded and the names unloaded."""
 
     def __init__(self, config: ExecutorConfig, instance_id: str, health: HealthServicer | None = None,
-                 warmup: bool = True):
+                 warmup: bool = True, remeasure: bool = False):
         self.config, self.instance_id, self.health, self.warmup = config, instance_id, health, warmup
+        self.remeasure = remeasure
         self.workers: dict[str, ModelWorker] = {}
         self.paths: dict[str, str] = {}  # model -> the folder it came from
         self.loading: dict[str, str] = {}  # models being loaded by LoadModel -> folder
@@ -170,7 +172,7 @@ class Registry:
 
     async def _warm(self, worker: ModelWorker) -> None:
         if self.warmup:
-            await worker.call(_warm_up, worker.executor)
+            await worker.call(_warm_up, worker.executor, self.remeasure)
 
     async def _add(self, worker: ModelWorker, path: str) -> None:
         name = worker.executor.name
@@ -185,8 +187,8 @@ class Registry:
             await self.health.set(name, status)
 
 
-def _warm_up(executor: TorchExecutor) -> None:
+def _warm_up(executor: TorchExecutor, remeasure: bool = False) -> None:
     out = executor.prefill([0] * 8)
     executor.decode(0, out.kv_cache)
     executor.release_cache(out.kv_cache.cache_id)
-    executor.measure_optimal_batch()
+    crossover.optimal_batch(executor, remeasure)  # the stored result where nothing it depends on changed

@@ -3,7 +3,9 @@
 // status into ferrum::Error. Calls that create sequences name them (request_id) and
 // release the names they generated when the outcome is unknown, so a lost reply leaves
 // no orphan; a caller's own request_id is the caller's to retry with or release.
+#include <algorithm>
 #include <random>
+#include <thread>
 
 #include "channel.hpp"
 #include "internal.hpp"
@@ -95,8 +97,36 @@ Client Client::with_timeout(std::optional<std::chrono::milliseconds> timeout) co
   return Client(channel_, stub_, std::move(o));
 }
 
+// As the Python client's wait_ready (client/ready.py): GetStatus until the model serves;
+// MODEL_LOADING, an unreachable server and a probe that ran out of time are asked again
+// after a pause growing from 20 ms to 500 ms; any other error, and a draining server,
+// are thrown at once (waiting cannot change them).
 bool Client::wait_ready(std::chrono::milliseconds timeout) {
-  return channel_->WaitForConnected(std::chrono::system_clock::now() + timeout);
+  using namespace std::chrono;
+  const auto deadline = steady_clock::now() + timeout;
+  milliseconds pause(20);
+  for (;;) {
+    const auto left = duration_cast<milliseconds>(deadline - steady_clock::now());
+    if (left <= milliseconds(0)) return false;
+    if (channel_->WaitForConnected(system_clock::now() + left)) {
+      try {
+        pb::Status status = with_timeout(std::max(left, milliseconds(1))).status();
+        if (status.state() == pb::Status::STATE_SERVING) return true;
+        if (status.state() == pb::Status::STATE_DRAINING)
+          throw Error(grpc::StatusCode::UNAVAILABLE, "DRAINING", "the server is shutting down: it will not serve " +
+                                                                     (model().empty() ? std::string("its models") : model()));
+      } catch (const Error& e) {
+        const bool again = e.reason() == "MODEL_LOADING" ||
+                           (e.reason().empty() && (e.code() == grpc::StatusCode::UNAVAILABLE ||
+                                                   e.code() == grpc::StatusCode::DEADLINE_EXCEEDED));
+        if (!again) throw;
+      }
+    }
+    const auto rest = duration_cast<milliseconds>(deadline - steady_clock::now());
+    if (rest <= milliseconds(0)) return false;
+    std::this_thread::sleep_for(std::min(pause, rest));
+    pause = std::min(pause * 2, milliseconds(500));
+  }
 }
 
 std::unique_ptr<grpc::ClientContext> Client::context() const {

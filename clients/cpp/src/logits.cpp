@@ -1,4 +1,5 @@
 // Logits policies, logits views over reply bytes, token choice and chosen tokens.
+#include <cstdint>
 #include <cstring>
 
 #include "ferrum/types.hpp"
@@ -33,6 +34,17 @@ LogitsPolicy LogitsPolicy::argmax(bool all_positions) {
   return p;
 }
 
+Logits::Logits(std::shared_ptr<const void> owner, const pb::Logits* proto) : owner_(std::move(owner)), p_(proto) {
+  if (!p_ || p_->kind() != pb::LOGITS_KIND_FULL || p_->values().dtype() != pb::DTYPE_FLOAT32) return;
+  const std::string& data = p_->values().data();
+  // protobuf promises nothing about a bytes field's alignment: floats are read in place
+  // only where the buffer is aligned for them, and copied once otherwise.
+  if (reinterpret_cast<std::uintptr_t>(data.data()) % alignof(float) == 0) return;
+  auto copy = std::make_shared<std::vector<float>>(data.size() / sizeof(float));
+  std::memcpy(copy->data(), data.data(), copy->size() * sizeof(float));
+  aligned_ = std::move(copy);
+}
+
 pb::LogitsKind Logits::kind() const { return p_ ? p_->kind() : pb::LOGITS_KIND_UNSPECIFIED; }
 
 uint32_t Logits::rows() const {
@@ -60,9 +72,10 @@ View<float> Logits::row(uint32_t r) const {
   const uint32_t v = vocab_size();
   if (p_->values().data().size() < size_t(rows()) * v * 4)
     throw std::logic_error("Logits::row: the reply's bytes are fewer than its shape (shared memory?)");
-  // The bytes are little-endian IEEE floats laid out row-major; protobuf's string
-  // buffer is heap memory aligned for float, so they are read in place.
-  return {reinterpret_cast<const float*>(p_->values().data().data()) + size_t(r) * v, v};
+  // The bytes are little-endian IEEE floats laid out row-major: read in place where
+  // aligned for float, else from the aligned copy the constructor made.
+  const float* base = aligned_ ? aligned_->data() : reinterpret_cast<const float*>(p_->values().data().data());
+  return {base + size_t(r) * v, v};
 }
 
 static float half_to_float(uint16_t h) {

@@ -18,7 +18,7 @@ FinishReason finish_from(pb::FinishReason r) {
 }
 }  // namespace
 
-std::unique_ptr<DecodeSession> Client::decode_session() const { return std::make_unique<DecodeSession>(*this); }
+std::shared_ptr<DecodeSession> Client::decode_session() const { return std::make_shared<DecodeSession>(*this); }
 
 DecodeSession::DecodeSession(const Client& client) : model_(client.model()), ctx_(client.context()) {
   stream_ = client.stub().DecodeSession(ctx_.get());
@@ -83,7 +83,7 @@ AheadRun DecodeSession::decode_ahead(const std::vector<DecodeInput>& items, uint
   req.set_max_new_tokens(max_new_tokens);
   req.mutable_stop_token_ids()->Add(stop_token_ids.begin(), stop_token_ids.end());
   write(req);
-  return AheadRun(this, req.step_id(), items.size());
+  return AheadRun(shared_from_this(), req.step_id(), items.size());
 }
 
 void DecodeSession::close() {
@@ -104,8 +104,8 @@ void DecodeSession::cancel() {
   stream_->Finish();
 }
 
-AheadRun::AheadRun(DecodeSession* session, uint64_t step_id, size_t items)
-    : session_(session), step_id_(step_id), results_(items), left_(items) {}
+AheadRun::AheadRun(std::shared_ptr<DecodeSession> session, uint64_t step_id, size_t items)
+    : session_(std::move(session)), step_id_(step_id), results_(items), left_(items) {}
 
 bool AheadRun::next(uint32_t* index, Chosen* chosen) {
   while (pending_.empty()) {

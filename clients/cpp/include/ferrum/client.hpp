@@ -9,9 +9,13 @@
 // registry, transfer and shared-memory calls take and return the contract's messages.
 #pragma once
 
+#include <chrono>
+#include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
@@ -64,6 +68,10 @@ class Client {
   explicit Client(const std::string& target, ClientOptions options = {});
   // A client on the same channel with another per-call deadline (cheap: shares the channel).
   Client with_timeout(std::optional<std::chrono::milliseconds> timeout) const;
+  // true once the server serves this client's model (GetStatus answers STATE_SERVING),
+  // waiting out a server that is starting or loading it and a lost connection; false
+  // when `timeout` passes first. Throws what waiting cannot change (MODEL_NOT_FOUND,
+  // UNAUTHENTICATED, a draining server).
   bool wait_ready(std::chrono::milliseconds timeout);
 
   pb::ModelInfo info() const;
@@ -98,7 +106,7 @@ class Client {
   void forward() const;  // UNIMPLEMENTED, as the engine trait's default
 
   // Decode sessions: one bidirectional stream, step by step, or decoding ahead.
-  std::unique_ptr<DecodeSession> decode_session() const;
+  std::shared_ptr<DecodeSession> decode_session() const;  // a run it starts holds it too
   // Appends token and lets the server choose up to max_new_tokens tokens (one session
   // step streaming each). on_token sees each token; returning true stops the run after
   // the server's current forward. If on_token throws, the session is cancelled (the
@@ -170,14 +178,14 @@ class Client::Registration {
 // has ended, results() holds each item's end. Read it to its end before the next step.
 class AheadRun {
  public:
-  AheadRun(DecodeSession* session, uint64_t step_id, size_t items);
+  AheadRun(std::shared_ptr<DecodeSession> session, uint64_t step_id, size_t items);
   bool next(uint32_t* index, Chosen* chosen);  // false once every item has ended
   void stop();
   bool finished() const { return left_ == 0; }
   const std::vector<AheadResult>& results() const { return results_; }
 
  private:
-  DecodeSession* session_;
+  std::shared_ptr<DecodeSession> session_;  // the run's stream stays open while the run is held
   uint64_t step_id_;
   std::vector<AheadResult> results_;
   size_t left_;
@@ -188,7 +196,7 @@ class AheadRun {
 // A DecodeSession stream used from one thread. A failed step throws its Error and the
 // session stays usable. close() ends it cleanly (confirming the last steps); cancel()
 // ends it at once (the server undoes each sequence's unconfirmed step).
-class DecodeSession {
+class DecodeSession : public std::enable_shared_from_this<DecodeSession> {
  public:
   DecodeSession(const Client& client);
   ~DecodeSession();

@@ -63,7 +63,7 @@ struct View {
 class Logits {
  public:
   Logits() = default;
-  Logits(std::shared_ptr<const void> owner, const pb::Logits* proto) : owner_(std::move(owner)), p_(proto) {}
+  Logits(std::shared_ptr<const void> owner, const pb::Logits* proto);
   bool present() const { return p_ != nullptr; }  // false: the call chose a token and asked for no logits
   pb::LogitsKind kind() const;
   uint32_t rows() const;        // positions
@@ -83,6 +83,9 @@ class Logits {
   uint32_t per_row() const;
   std::shared_ptr<const void> owner_;
   const pb::Logits* p_ = nullptr;
+  // FULL float32 rows copied to float-aligned memory, where the reply's bytes are not
+  // aligned for float (null where they are, and are read in place).
+  std::shared_ptr<const std::vector<float>> aligned_;
 };
 
 // The server choosing the next token (seeded sampling, penalties, bias, masks,

@@ -1,0 +1,94 @@
+"""The decode crossover (``stats.measure_optimal_batch``) kept across restarts.
+
+Timing a decode step at batch 1, 2, 4, ... 64 takes most of a start on a small CPU
+(seconds to tens of seconds), and gives the same answer while nothing it depends on
+changes.  Its result is stored under ``cache_root()/crossover/``, one small JSON file
+per key: the model's weights digest, the serving dtype, KV dtype, quantization and
+the kernels chosen (linear path, step ops, batch invariance), the device, the CPU
+(model name, flags, the ISA torch dispatches to), torch's version and thread count,
+and the limits that decide which batch sizes are timed.  Any change gives a new key,
+so the pass runs again; ``remeasure`` runs it regardless and stores the new result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from ferrum_rpc.paths import cache_root
+from ..kernels.select import cpu_capability
+from .stats import measure_optimal_batch
+
+log = logging.getLogger(__name__)
+
+VERSION = 1  # of the measurement: a change to how it measures gives new keys
+
+
+def _cpu_identity() -> str:
+    """The CPU's model name and flags (Linux's /proc/cpuinfo), else what platform says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+    wanted = ("model name", "flags", "Features", "CPU part")
+    seen = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in wanted and key not in seen:
+            seen[key] = " ".join(sorted(value.split())) if key in ("flags", "Features") else value.strip()
+    return json.dumps(seen, sort_keys=True)
+
+
+def crossover_key(executor) -> dict:
+    """Everything the measured crossover depends on."""
+    config, kv = executor.config, executor.kv
+    return {
+        "version": VERSION,
+        "weights": executor.weights_digest,
+        "dtype": str(executor.dtype), "kv_dtype": config.kv_dtype_name, "quantize": config.quantize,
+        "kernels": executor.model.kernels.describe(), "batch_invariant": config.batch_invariant,
+        "device": str(executor.device), "cpu": _cpu_identity(), "cpu_capability": cpu_capability(),
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "block_size": kv.block_size, "kv_blocks": kv.num_blocks, "max_batch_size": config.max_batch_size,
+        "max_sequences": config.max_sequences, "tenant_max_sequences": executor.bounds("").max_sequences,
+    }
+
+
+def cache_file(key: dict) -> Path:
+    digest = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=16).hexdigest()
+    return cache_root() / "crossover" / f"{digest}.json"
+
+
+def optimal_batch(executor, remeasure: bool = False) -> int:
+    """The executor's decode crossover: the stored one for its key, else (or with
+    ``remeasure``) measured now and stored.  Sets ``executor.optimal_batch_size``."""
+    key = crossover_key(executor)
+    path = cache_file(key)
+    if not remeasure:
+        try:
+            stored = json.loads(path.read_text())
+            if stored.get("key") == key and isinstance(stored.get("optimal_batch_size"), int):
+                executor.optimal_batch_size = stored["optimal_batch_size"]
+                log.info("%s: decode crossover at batch %d (stored in %s; --remeasure to time it again)",
+                         executor.name, executor.optimal_batch_size, path)
+                return executor.optimal_batch_size
+        except (OSError, ValueError):
+            pass  # none stored, or unreadable: measure
+    best = measure_optimal_batch(executor)
+    if best:  # 0: not measured (a pool too small): nothing worth keeping
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"key": key, "optimal_batch_size": best}, indent=1))
+            os.replace(tmp, path)  # whole or absent, for a concurrent start reading it
+        except OSError as exc:
+            log.warning("%s: decode crossover not stored: %s", executor.name, exc)
+    return best
