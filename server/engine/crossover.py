@@ -52,7 +52,7 @@ def crossover_key(executor) -> dict:
     config, kv = executor.config, executor.kv
     return {
         "version": VERSION,
-        "weights": executor.weights_digest,
+        "weights": executor.weights.digest,
         "dtype": str(executor.dtype), "kv_dtype": config.kv_dtype_name, "quantize": config.quantize,
         "kernels": executor.model.kernels.describe(), "batch_invariant": config.batch_invariant,
         "device": str(executor.device), "cpu": _cpu_identity(), "cpu_capability": cpu_capability(),
