@@ -7,7 +7,7 @@ this process decodes ``--new-tokens`` greedy tokens after a 32-token prompt, a
 
 - ``stack``: ``model.forward`` (the embedding, every layer, the final norm);
 - ``lm_head``: ``model.logits`` (the LM head, float32 logits);
-- ``choice``: the token choice over the logits (``TorchExecutor._choose``);
+- ``choice``: the token choice over the logits (``engine.choosing.choose``);
 - ``rest``: the step less those three (planning, the KV view, commits, the handle:
   Python between two forwards).
 
@@ -33,6 +33,7 @@ from collections import defaultdict
 from bench.common import dtype_and_quantize, log, read_bandwidth_gbs, write_results
 from bench.decode_throughput import weight_bytes_per_step
 from ferrum_rpc.server.config import ExecutorConfig
+from ferrum_rpc.server.engine import choosing
 from ferrum_rpc.server.engine.executor import TorchExecutor
 from ferrum_rpc.server.prepare import prepare_default_model
 from ferrum_rpc.types import DecodeInput, TokenChoice
@@ -42,15 +43,19 @@ PARTS = ("stack", "lm_head", "choice")
 
 
 class TimedParts:
-    """An executor whose stack, LM head and token choice add their time (ns) to ``spent``."""
+    """An executor whose stack, LM head and token choice add their time (ns) to ``spent``.
+    The token choice is a module function every executor shares: its timer counts only
+    while this one's :meth:`decode` runs, and comes off when the context exits."""
 
     def __init__(self, executor: TorchExecutor):
         self.executor = executor
         self.spent: dict[str, int] = dict.fromkeys(PARTS, 0)
+        self.active = False  # this one's decode is running (the shared choice timer counts)
         model = executor.model
         self._timed(model, "forward", "stack")
         self._timed(model, "logits", "lm_head")
-        self._timed(executor, "_choose", "choice")
+        self._untimed_choose = choosing.choose
+        self._timed(choosing, "choose", "choice")
         self.weight_bytes = weight_bytes_per_step(model)
         self.head_bytes = weight_bytes_per_step(model.lm_head)
 
@@ -62,13 +67,27 @@ class TimedParts:
             try:
                 return inner(*args, **kwargs)
             finally:
-                self.spent[part] += time.perf_counter_ns() - start
+                if self.active or owner is not choosing:
+                    self.spent[part] += time.perf_counter_ns() - start
 
         setattr(owner, name, timed)
+
+    def __enter__(self) -> TimedParts:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        choosing.choose = self._untimed_choose
 
     def decode(self, prompt: list[int], new_tokens: int) -> list[dict[str, float]]:
         """One greedy run: each step's parts and its whole, ms."""
         ex = self.executor
+        self.active = True
+        try:
+            return self._decode(ex, prompt, new_tokens)
+        finally:
+            self.active = False
+
+    def _decode(self, ex: TorchExecutor, prompt: list[int], new_tokens: int) -> list[dict[str, float]]:
         first = ex.prefill(prompt, choice=GREEDY)
         token, handle = first.chosen.token_id, first.kv_cache
         steps = []

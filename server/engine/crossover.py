@@ -1,4 +1,4 @@
-"""The decode crossover (``stats.measure_optimal_batch``) kept across restarts.
+"""The decode crossover (:func:`measure_optimal_batch`), kept across restarts.
 
 Timing a decode step at batch 1, 2, 4, ... 64 takes most of a start on a small CPU
 (seconds to tens of seconds), and gives the same answer while nothing it depends on
@@ -17,13 +17,19 @@ import json
 import logging
 import os
 import platform
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from ferrum_rpc.errors import ExecutorError
 from ferrum_rpc.paths import cache_root
+from ferrum_rpc.types import DecodeInput, LogitsPolicy
 from ..kernels.select import cpu_capability
-from .stats import measure_optimal_batch
+
+if TYPE_CHECKING:
+    from .executor import TorchExecutor
 
 log = logging.getLogger(__name__)
 
@@ -91,4 +97,43 @@ def optimal_batch(executor, remeasure: bool = False) -> int:
             os.replace(tmp, path)  # whole or absent, for a concurrent start reading it
         except OSError as exc:
             log.warning("%s: decode crossover not stored: %s", executor.name, exc)
+    return best
+
+
+def measure_optimal_batch(ex: TorchExecutor, repeats: int = 3) -> int:
+    """The decode crossover: times one decode step at batch 1, 2, 4, ... (as far as
+    the batch limit and the pool allow) and returns the batch past which doubling
+    raises throughput by less than 10%.  Uses (and releases) sequences of its own;
+    the statistics do not count its forwards."""
+    sizes, block = [1], ex.kv.block_size
+    room = ex.kv.num_free // -(-(block + repeats * 7) // block)  # blocks one sequence may reach
+    limit = min(ex.config.max_batch_size, room, 64, ex.config.max_sequences or 64,
+                ex.bounds("").max_sequences or 64)
+    while sizes[-1] * 2 <= limit:
+        sizes.append(sizes[-1] * 2)
+    handles, best, step_s = [], sizes[0], {}
+    with ex.stats.not_counted():
+        try:
+            for _ in range(sizes[-1]):
+                handles.append(ex.prefill([0] * block, None, LogitsPolicy.argmax()).kv_cache)
+            for size in sizes:
+                times = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    outs = ex.batch_decode([DecodeInput(0, h) for h in handles[:size]], LogitsPolicy.argmax())
+                    times.append(time.perf_counter() - t0)
+                    handles[:size] = [o.kv_cache for o in outs]
+                step_s[size] = sorted(times)[len(times) // 2]
+                if size > 1 and (size / step_s[size]) < 1.1 * (size // 2 / step_s[size // 2]):
+                    break
+                best = size
+        except ExecutorError as exc:  # a pool or caps too small to measure: say so, serve anyway
+            log.warning("%s: decode crossover not measured: %s", ex.name, exc)
+            return 0
+        finally:
+            for h in handles:
+                ex.release_cache(h.cache_id)
+    ex.optimal_batch_size = best
+    log.info("%s: decode crossover at batch %d (step ms by batch: %s)", ex.name, best,
+             ", ".join(f"{b}: {1e3 * t:.1f}" for b, t in step_s.items()))
     return best

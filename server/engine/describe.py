@@ -1,11 +1,16 @@
-"""What an executor tells about itself: its model (GetModelInfo) and what it serves
-(GetCapabilities), read from the executor (its live state, GetStatus, is ``stats.py``'s)."""
+"""What an executor tells about itself: its model (GetModelInfo), what it serves
+(GetCapabilities) and its live state (GetStatus, with the counters of ``stats.py``),
+read from the executor."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
 from ferrum_rpc.types import (
+    ExecutorStatus,
+    ServerState,
     LOGITS_DTYPES,
     Capabilities,
     LogitsKind,
@@ -75,3 +80,29 @@ def _fallbacks(ex) -> tuple[str, ...]:
         f"({ex.shard.choice_fallback_rows} rows so far)",
         "whole-layer fused decode op: per-op path (each layer ends in all-reduces)",
     )
+
+
+def status(ex, state: ServerState, queue_depth: int, bounds) -> ExecutorStatus:
+    """GetStatus: the executor's live state, for a tenant of ``bounds`` (config.TenantBounds)."""
+    stats, kv = ex.stats, ex.kv
+    used, allocated = stats.memory_used(), stats.parameter_bytes + ex.pool.nbytes
+    return ExecutorStatus(
+        state=state, server_instance_id=ex.instance_id, model=ex.name,
+        adapters_loaded=len(ex.adapters.by_name) if ex.adapters else 0,
+        adapter_bytes=ex.adapters.nbytes if ex.adapters else 0, weights_version=ex.weights.version,
+        kv_blocks_total=kv.num_blocks, kv_blocks_used=kv.num_used,
+        kv_blocks_free=kv.num_free, active_sequences=len(kv), queue_depth=queue_depth,
+        forwards=stats.forwards, tokens_processed=stats.tokens_processed,
+        uptime_s=time.monotonic() - stats.started, kv_blocks_shared=kv.num_shared,
+        prefix_cache_queried_tokens=kv.queried_tokens, prefix_cache_hit_tokens=kv.hit_tokens,
+        prefix_cache_hit_rate=kv.hit_tokens / kv.queried_tokens if kv.queried_tokens else 0.0,
+        sequences_expired=kv.expired_count, kv_blocks_cached=kv.num_cached_free,
+        executor_state=stats.executor_state(state, queue_depth),
+        prefill_operations=stats.op_counts["prefill"], decode_operations=stats.op_counts["decode"],
+        avg_prefill_ms=stats.avg_ms("prefill"), avg_decode_ms=stats.avg_ms("decode"),
+        memory_allocated_bytes=allocated, memory_used_bytes=used, memory_peak_bytes=stats.memory_peak,
+        memory_utilization=used / allocated,
+        tenant_max_sequences=bounds.max_sequences, tenant_kv_tokens=bounds.kv_tokens,
+        tenant_ahead_sequences=bounds.ahead_sequences,
+    )
+

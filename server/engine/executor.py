@@ -48,7 +48,7 @@ from ..parallel import runner
 from ..parallel.group import CURRENT
 from ..parallel.shard import Shard
 from .prompt import PromptInParts
-from .stats import Stats, measure_optimal_batch
+from .stats import Stats
 from ferrum_rpc.types import (BlockTable, Capabilities, DecodeInput, DecodeOutput, ExecutorStatus, HiddenStatesRequest,
                               KvCacheHandle, Logits, LogitsKind, LogitsPolicy, MemoryRequirements, ModelInfo,
                               PrefillOutput, ServerState, SpeculativeOutput, SpeculativeSampling, Timing,
@@ -94,9 +94,9 @@ class TorchExecutor:
         if self.shard is not None:
             self.runner = runner.Runner(self.shard, self.device, forward)
             runner.send_pool(self.runner, num_blocks, config.block_size)
-        self.stats = Stats(self)
+        self.stats = Stats(model, mc, self.kv, self.pool, self.dtype, self.kv_dtype)
         self.checks = Checks(mc, config, self.kv, self.max_seq_len, instance_id, self.bounds)
-        self.optimal_batch_size = 0  # measured by measure_optimal_batch (the server's warm-up)
+        self.optimal_batch_size = 0  # measured by crossover.measure_optimal_batch (the server's warm-up)
         self.weights = Weights()  # what it serves: checkpoint, updates on top, version and digest
         log.info("%s: KV pool of %d blocks x %d tokens (%.1f MiB of %s on %s)", name, num_blocks,
                  config.block_size, self.pool.nbytes / 2**20, config.kv_dtype_name, self.device)
@@ -141,7 +141,7 @@ class TorchExecutor:
 
     def status(self, state: ServerState = ServerState.SERVING, queue_depth: int = 0,
                tenant: str = "") -> ExecutorStatus:
-        return self.stats.status(state, queue_depth, self.bounds(tenant))
+        return describe.status(self, state, queue_depth, self.bounds(tenant))
 
     def memory_requirements(self) -> MemoryRequirements:
         return self.stats.memory_requirements()
@@ -150,10 +150,6 @@ class TorchExecutor:
                            policy: LogitsPolicy | None = LogitsPolicy(), sampling: SpeculativeSampling | None = None,
                            tenant: str = "", choice: TokenChoice | None = None) -> SpeculativeOutput:
         return speculating.speculative_decode(self, token_id, draft, kv_cache, policy, sampling, tenant, choice)
-
-    def measure_optimal_batch(self, repeats: int = 3) -> int:
-        """The decode crossover (see ``stats.measure_optimal_batch``)."""
-        return measure_optimal_batch(self, repeats)
 
     # -- the contract: validate, plan, run ------------------------------------------
     def prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None = None,

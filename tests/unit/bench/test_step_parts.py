@@ -31,7 +31,8 @@ def test_the_parts_of_each_step_add_up_and_the_timers_change_no_choice(tiny_llam
         return outs
 
     timed.executor.batch_decode = recorded
-    steps = timed.decode(prompt, 8)
+    with timed:
+        steps = timed.decode(prompt, 8)
     assert chosen == want  # the same greedy tokens as the untimed executor's
     assert len(steps) == 7 and len(timed.executor.kv) == 0  # the run's sequence released
     for step in steps:
