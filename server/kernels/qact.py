@@ -1,57 +1,30 @@
 """Quantized weights *and* activations, multiplied in integers: ``--quantize w8a8|w4a8``,
-and ``int8|int4`` with two activation digits.
+and ``int8|int4`` with two activation digits.  Each activation row is quantized on
+every call and multiplied bytes by bytes, as llama.cpp does (``woq.py``'s float
+kernels expand every weight code to float32 instead).
 
-``woq.py``'s float kernels expand every weight code to float32 and multiply
-with float FMAs: compute-bound at ~20 G weights/s on two cores, and slower than
-float32 at 32 rows.  These layers quantize each activation row on every call
-and multiply bytes by bytes, as llama.cpp does:
-
-* **w8a8**: the int8 mode's weights (groups of 32 with scale and minimum,
-  GGUF's Q4_1 and Q8_0 blocks held without loss), activations as w4a8's.
-  Measured first: int8 weights per output channel with activations per
-  token row through torch's own fbgemm dynamic linear (``torch.ops.quantized``,
-  the fastest option on the 2-core AVX2 EPYC: 1.3-2x faster than float32
-  packed at 1-32 rows on SmolLM2's shapes, busy host, ``bench.quant_linears``)
-  agreed with float32 on only 82.4% of greedy top-1 tokens
-  (``bench.quant_accuracy``, 1,000 positions): one range per row is set by
-  SmolLM2's outlier channels and flattens the rest (7 bits on AVX2, where
-  fbgemm keeps ``vpmaddubsw`` from saturating).  Per block of 32 it is 97.2%,
-  so both integer modes run ``csrc/qact.cpp``.
-* **w4a8**: the 4-bit codes, scales and minimums of the int4 mode (GGUF's
-  Q4_1 blocks of 32, held without loss; the LM head stays 8-bit, GGUF's
-  Q8_0), activations to int8 with a step per half block of 16 (llama.cpp's
-  Q8_1 has one per 32; halves took top-1 agreement with float32 from
-  96.8% to 97.6% for w4a8 and 96.7% to 98.5% for w8a8, at one conversion and
-  one multiply-add per row and block more and no dot instruction).  Neither
-  torch nor torchao has a CPU kernel for this (torchao's int4 CPU layout
-  calls ``_weight_int4pack_mm_for_cpu``, which expands to float), so
-  ``csrc/qact.cpp`` is ours, over weight rows packed 8 to a group and
-  interleaved per block (``pack_rows``, llama.cpp's repacked Q4_0x8 idea):
-  AVX-512 VNNI or AVX-VNNI ``vpdpbusd``, AVX2 ``vpmaddubsw``/``vpmaddwd``, or
-  portable C++, whichever the CPU has, probed at load.  Fallback
-  (``torch-q8``): activations fake-quantized per block in torch, then
+* **w8a8**: the int8 mode's weights (groups of 32 with scale and minimum, GGUF's
+  Q4_1 and Q8_0 blocks held without loss), activations as w4a8's.
+* **w4a8**: the 4-bit codes, scales and minimums of the int4 mode (Q4_1 blocks of 32;
+  the LM head stays 8-bit, Q8_0), activations to int8 with a step per half block of
+  16.  ``csrc/qact.cpp`` runs both over weight rows packed 8 to a group and
+  interleaved per block (``pack_rows``): AVX-512 VNNI or AVX-VNNI ``vpdpbusd``, AVX2
+  ``vpmaddubsw``/``vpmaddwd``, or portable C++, whichever the CPU has, probed at load.
+  Fallback (``torch-q8``): activations fake-quantized per block in torch, then
   ``F.linear`` over the dequantized weights.
-* **w8a8's rotation** (``RotatedQ8Linear``): before its one 8-bit step per
-  half block, each 16 activation elements are rotated by ``rotate16`` (a
-  Hadamard matrix of order 16 whose rows all sum to 4, over 4), which spreads
-  an outlier over its half block instead of letting it set the step for the
-  other 15; the weights are rotated once at load by the same matrix, so the
-  product is unchanged.  Because the matrix's rows sum to 4 and the 8-bit codes
-  of a Q4_1 block are 17 q, the rotated weights are again integer codes of one
-  8-bit grid per block (``rotate_codes``): no weight moves.  A linear whose
-  blocks do not rotate into 8 bits (weights quantized from float) stays
-  unrotated.  With the LM head on two digits (``TwoDigitLinear``; the embedded
-  GGUF's Q8_0 head does not rotate into 8 bits), the mean KL divergence from
-  float32 on the embedded model fell 5.5x (1.37e-3 -> 2.5e-4; each alone:
-  6.6e-4, 9.7e-4) and top-1 agreement rose from 98.5% to 98.9-99.5% (it jumps
-  with near ties; README); QuaRot-style rotations that requantize the rotated
-  weights lost it again on the weights (``bench.quant_accuracy --grids``).
-* **int8, int4** (``TwoDigitLinear``): the same weights, each activation
-  element as two int8 digits per block (x ~ (128 q + q') d / 128, error at most
-  amax / 32512, about 15 bits), summed in integers as 128 dot(w, q) + dot(w, q'):
-  twice the dot instructions for float-like accuracy (99.9-100% top-1 agreement with
-  float32 on the embedded model, where one digit gives 97.6-98.5%), and still
-  1.4-1.6x faster than float activations through ``woq.py`` at 1-32 rows.
+* **w8a8's rotation** (``RotatedQ8Linear``): each 16 activation elements are rotated
+  by ``rotate16`` (a Hadamard matrix of order 16 whose rows all sum to 4, over 4)
+  before their 8-bit step, spreading an outlier over its half block; the weights are
+  rotated once at load by the same matrix, so the product is unchanged, and stay
+  integer codes of one 8-bit grid per block (``rotate_codes``).  A linear whose
+  blocks do not rotate into 8 bits stays unrotated.
+* **int8, int4** (``TwoDigitLinear``): the same weights, each activation element as
+  two int8 digits per block (x ~ (128 q + q') d / 128, error at most amax / 32512),
+  summed in integers as 128 dot(w, q) + dot(w, q'): float-like accuracy at twice the
+  dot instructions.
+
+Why these choices (the accuracy and speed measured for each alternative) is in
+docs/performance.md, "Quantized activations".
 """
 
 from __future__ import annotations
