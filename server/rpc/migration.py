@@ -1,5 +1,5 @@
 """The RPCs of sequences that move: ExportSequence, ImportSequence,
-CreateImportTicket and PushSequence, mixed into the servicer.
+CreateImportTicket and PushSequence, a part of the servicer.
 
 They translate, as every handler does; what a stream holds and how it is checked
 is ``engine/transfer.py``.  A push makes this server the client of the receiver's
