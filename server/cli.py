@@ -31,7 +31,12 @@ def _model_specs(values: list[str]):
     from .prepare import DEFAULT_MODEL_NAME, prepare_default_model
 
     if not values:
-        return (ModelSpec(DEFAULT_MODEL_NAME, str(prepare_default_model())),)
+        try:
+            return (ModelSpec(DEFAULT_MODEL_NAME, str(prepare_default_model())),)
+        except FileNotFoundError as exc:  # the embedded model's package is not installed
+            from ferrum_rpc.errors import StartupError
+
+            raise StartupError(f"no --model given and the default model cannot be prepared: {exc}") from None
     specs = []
     for value in values:
         name, sep, path = value.partition("=")

