@@ -217,3 +217,10 @@ def test_no_model_and_no_embedded_gguf_is_one_line_and_exit_2(tmp_path):
     lines = [line for line in done.stderr.splitlines() if line.strip() and not LOG_LINE.match(line)]
     assert done.returncode == 2, done.stderr
     assert len(lines) == 1 and lines[0].startswith("ferrum-rpc serve: no --model given") and ".gguf" in lines[0]
+
+
+def test_bad_quantize_value_is_one_line_and_exit_2():
+    proc = subprocess.run([sys.executable, "-m", "ferrum_rpc.cli", "serve", "--quantize", "w2a8"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "invalid choice: 'w2a8'" in proc.stderr

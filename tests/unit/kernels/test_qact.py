@@ -311,16 +311,6 @@ def test_batch_invariant_quantized_models_run_every_linear_on_block_linear(quant
         load_model(tiny_llama_dir, torch.float32, torch.device("cpu"), quantize=quantize, batch_invariant=True)
 
 
-def test_bad_quantize_value_is_one_line_and_exit_2():
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-m", "ferrum_rpc.cli", "serve", "--quantize", "w2a8"],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2
-    assert "invalid choice: 'w2a8'" in proc.stderr
-
-
 # Logits of a tiny random model through gRPC against transformers on our (dequantized)
 # weights, whose activations stay float: the activation grid is the difference.
 MODEL_TOL = 0.03
