@@ -253,6 +253,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def flags_markdown(command: str) -> str:
+    """A command's flags as a markdown table (flag, default, what it does), built from its
+    parser: the docs' flag reference (docs/server.md), which a test keeps equal to it."""
+    parser = build_parser().commands[command]
+    rows = ["| flag | default | what it does |", "| --- | --- | --- |"]
+    for action in parser._actions:
+        if not action.option_strings or action.help == argparse.SUPPRESS or "--help" in action.option_strings:
+            continue
+        flag = ", ".join(f"`{o}{' ' + action.metavar if action.metavar else ''}`" for o in action.option_strings)
+        default = "" if action.default in (None, False, [], "", argparse.SUPPRESS) else f"`{action.default}`"
+        rows.append(f"| {flag} | {default} | {' '.join((action.help or '').split()).replace('|', '/')} |")
+    return "\n".join(rows) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -267,4 +281,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--flags-markdown"]:  # regenerates docs/server.md's flag table
+        sys.stdout.write(flags_markdown(sys.argv[2]))
+        sys.exit(0)
     sys.exit(main())

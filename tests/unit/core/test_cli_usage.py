@@ -18,3 +18,15 @@ def test_a_usage_error_names_the_commands_help(argv, command, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert err.startswith(f"ferrum-rpc {command}: ") and err.rstrip().endswith(f"(see ferrum-rpc {command} --help)")
+
+
+def test_the_docs_list_every_serve_flag_as_the_parser_has_it():
+    """docs/server.md's flag table is the parser's own (regenerate it with
+    ``python -m ferrum_rpc.cli --flags-markdown serve``)."""
+    from pathlib import Path
+
+    from ferrum_rpc.cli import flags_markdown
+
+    text = (Path(__file__).resolve().parents[3] / "docs" / "server.md").read_text()
+    table = text.split("<!-- flags:serve:begin -->\n", 1)[1].split("<!-- flags:serve:end -->", 1)[0]
+    assert table == flags_markdown("serve")
