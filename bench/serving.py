@@ -19,7 +19,7 @@ llama-cpp-python sdist (``--build-llama-server``, about ten minutes on 2 cores),
 continuous batching and one ``--parallel`` slot per request a rate can have in flight.
 
     python -m bench.serving --build-llama-server     # once
-    python -m bench.serving [--requests 12] [--rates 0.2 0.4 0.8 1.6]
+    python -m bench.serving [--requests 16] [--rates 0.25 0.5 1 2 0]   # 0: all 16 at once
 """
 
 from __future__ import annotations
@@ -87,7 +87,10 @@ def prompts(n: int, seed: int, vocab: int) -> list[list[int]]:
 
 
 def arrivals(n: int, rate: float, seed: int) -> list[float]:
-    """Seconds after the start at which each of ``n`` requests arrives: a Poisson process."""
+    """Seconds after the start at which each of ``n`` requests arrives: a Poisson process,
+    or (``rate`` 0) all at once, ``n`` concurrent requests."""
+    if rate == 0:
+        return [0.0] * n
     rng = np.random.default_rng([seed, int(rate * 1000)])
     return np.cumsum(rng.exponential(1.0 / rate, n)).tolist()
 
@@ -209,7 +212,7 @@ def llama_server(gguf: Path, threads: int, slots: int):
 
 
 def highest_held(rows: list[dict]) -> float:
-    return max((r["rate"] for r in rows if r["holds"]), default=0.0)
+    return max((r["rate"] for r in rows if r["holds"] and r["rate"]), default=0.0)
 
 
 def plot(results: dict[str, list[dict]], path: Path) -> None:
@@ -222,6 +225,7 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
         return
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for name, rows in results.items():
+        rows = [r for r in rows if r["rate"]]  # the Poisson runs (rate 0 is the burst)
         rates = [r["rate"] for r in rows]
         axes[0].plot(rates, [r["ttft_p99_s"] for r in rows], "o-", label=name)
         axes[1].plot(rates, [1000 * r["itl_p99_s"] for r in rows], "o-", label=name)
@@ -240,8 +244,9 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--build-llama-server", action="store_true")
-    parser.add_argument("--requests", type=int, default=12)
-    parser.add_argument("--rates", type=float, nargs="+", default=[0.2, 0.4, 0.8, 1.6])
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0, 0.0],
+                        help="requests/s of each Poisson run; 0: every request at once")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--quantize", default="w4a8", help="our server's --quantize (llama.cpp runs the Q4_1 GGUF)")
@@ -270,7 +275,8 @@ def main() -> None:
     print(f"{'server':24} {'rate':>5} {'tok/s':>7} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7}  holds")
     for name, rows in results.items():
         for r in rows:
-            print(f"{name:24} {r['rate']:5.2f} {r['output_tokens_per_s']:7.1f} {r['ttft_p50_s']:8.2f}s "
+            rate = f"{r['rate']:5.2f}" if r["rate"] else "burst"
+            print(f"{name:24} {rate:>5} {r['output_tokens_per_s']:7.1f} {r['ttft_p50_s']:8.2f}s "
                   f"{r['ttft_p99_s']:6.2f}s {1000 * r['itl_p50_s']:6.0f}ms {1000 * r['itl_p99_s']:5.0f}ms  "
                   f"{'yes' if r['holds'] else 'no'}{'  ' + '; '.join(r['errors']) if r['errors'] else ''}")
         print(f"{name:24} highest rate held: {highest_held(rows):.2f} requests/s")
