@@ -378,13 +378,13 @@ class TorchExecutor:
     def release_named(self, name: str, tenant: str = "", aborted: bool = False) -> int:
         """Releases the tenant's sequence its caller named ``name`` (request_id); with none
         live, the name is remembered as released so a call bringing it later fails
-        CANCELLED (:meth:`BlockManager.check_name`).  ``aborted``: the worker has just
+        CANCELLED (:meth:`~..kv.names.Names.check_name`).  ``aborted``: the worker has just
         aborted the call creating it, which undoes it at its next step.  Returns the
         blocks freed."""
         self.checks.id(name, "request_id")
-        seq = self.kv.named(tenant, name)
+        seq = self.kv.names.named(tenant, name)
         if seq is None:
-            self.kv.release_name(tenant, name)
+            self.kv.names.release_name(tenant, name)
             return 0
         if aborted and seq.pins:
             return 0
@@ -425,7 +425,7 @@ class TorchExecutor:
             self.checks.id(name, "request_id")
         self.checks.tokens(token_ids)
         key = prompt_key(token_ids, adapter) if name else b""
-        if name and (live := self.kv.check_name(tenant, name, key)) is not None:  # a retry: its sequence
+        if name and (live := self.kv.names.check_name(tenant, name, key)) is not None:  # a retry: its sequence
             raise RequestIdExists(f"request_id {shown(name)} names the live sequence this same prompt made; "
                                   "nothing was done (its handle is in the error)", handle=self.handle(live))
         self.checks.policy(policy, len(token_ids) if policy.all_positions else 1)

@@ -27,7 +27,7 @@ from types import MappingProxyType
 from ferrum_rpc.errors import CacheExpired, CacheNotFound, KvCapacityExhausted, WeightsChanged, shown
 from ferrum_rpc.hashing import block_hash, chain_root
 from .events import KvEventHub, Removed, Stored
-from .names import NamedSequences
+from .names import Names
 from .sequence import SequenceState
 
 _EXPIRED_MEMORY = 100_000  # expired ids remembered, to answer CACHE_EXPIRED instead of NOT_FOUND
@@ -68,7 +68,7 @@ class BlockSnapshot:
     block_of: Mapping[bytes, int]  # and back: hash -> block
 
 
-class BlockManager(NamedSequences):
+class BlockManager:
     """Hands out fixed-size KV blocks from a pool that never grows.
 
     Args:
@@ -94,9 +94,7 @@ class BlockManager(NamedSequences):
         self._expired: OrderedDict[str, str] = OrderedDict()  # cache id -> its tenant
         self._invalidated: OrderedDict[str, str] = OrderedDict()  # dropped by a weights update: id -> tenant
         self.generation = 0  # the model's weights version: prefix-cache chains start from a root of it
-        self._named: dict[tuple[str, str], str] = {}  # (tenant, request_id) -> cache id of a live sequence
-        # (tenant, request_id) released while no sequence had it -> when: a call bringing it later is refused
-        self._released_names: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self.names = Names(self._seqs)  # the callers' request_ids of the live sequences
         self.queried_tokens = 0
         self.hit_tokens = 0
         self.expired_count = 0
@@ -202,14 +200,13 @@ class BlockManager(NamedSequences):
 
     def create(self, cache_id: str, tenant: str = "", name: str = "", adapter: str = "",
                adapter_digest: str = "", prompt_key: bytes = b"") -> SequenceState:
-        """A new empty sequence of ``tenant``, named ``name`` by its caller (see :meth:`check_name`)
+        """A new empty sequence of ``tenant``, named ``name`` by its caller (see :meth:`Names.check_name`)
         for the prompt ``prompt_key``, running ``adapter`` (its prefix cache is that adapter's,
         see ``chain_root``)."""
         if cache_id in self._seqs:
             raise ValueError(f"duplicate cache id {cache_id!r}")
         if name:
-            self.check_name(tenant, name)
-            self._named[(tenant, name)] = cache_id
+            self.names.add(tenant, name, cache_id)
         self._expired.pop(cache_id, None)
         seq = self._seqs[cache_id] = SequenceState(cache_id, tenant=tenant, name=name, adapter=adapter,
                                                    adapter_digest=adapter_digest, prompt_key=prompt_key,
@@ -222,7 +219,7 @@ class BlockManager(NamedSequences):
         seq = self.get(cache_id)
         del self._seqs[cache_id]
         if seq.name:
-            del self._named[(seq.tenant, seq.name)]
+            self.names.drop(seq.tenant, seq.name)
         return self._drop(seq.block_ids)
 
     def pin(self, seq: SequenceState) -> None:

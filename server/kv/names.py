@@ -1,4 +1,4 @@
-"""Caller-chosen sequence names (``request_id``), as part of :class:`~.blocks.BlockManager`.
+"""Caller-chosen sequence names (``request_id``), kept by :class:`~.blocks.BlockManager`.
 
 A name is unique among its tenant's live sequences.  A Prefill bringing a name that
 a live sequence has is a retry when the same prompt (the same tokens and adapter:
@@ -24,12 +24,24 @@ RELEASED_NAME_S = 600.0  # how long a request_id released before its sequence ex
 _RELEASED_NAMES = 100_000  # at most this many such names remembered (the oldest forgotten first)
 
 
-class NamedSequences:
-    """The name methods of BlockManager (its ``_seqs``, ``_named`` and ``_released_names``)."""
+class Names:
+    """The names of one block manager's live sequences (``seqs``, its own table, read
+    only) and the names released before any sequence had them."""
 
-    _seqs: dict[str, SequenceState]
-    _named: dict[tuple[str, str], str]  # (tenant, request_id) -> cache id of a live sequence
-    _released_names: OrderedDict[tuple[str, str], float]  # (tenant, request_id) -> when released
+    def __init__(self, seqs: dict[str, SequenceState]):
+        self._seqs = seqs
+        self._named: dict[tuple[str, str], str] = {}  # (tenant, request_id) -> cache id of a live sequence
+        # (tenant, request_id) released while no sequence had it -> when: a call bringing it later is refused
+        self._released_names: OrderedDict[tuple[str, str], float] = OrderedDict()
+
+    def add(self, tenant: str, name: str, cache_id: str) -> None:
+        """``cache_id`` is now the tenant's live sequence named ``name`` (checked first)."""
+        self.check_name(tenant, name)
+        self._named[(tenant, name)] = cache_id
+
+    def drop(self, tenant: str, name: str) -> None:
+        """The sequence named ``name`` is gone."""
+        del self._named[(tenant, name)]
 
     def named(self, tenant: str, name: str) -> SequenceState | None:
         """The live sequence ``tenant`` named ``name``, if any."""

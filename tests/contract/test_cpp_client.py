@@ -346,7 +346,7 @@ def test_a_caller_named_prefill_is_retried_not_released(cpp_bin, server, py):
     assert got["again"] == ["OK", f"1:1:{len(PROMPT)}:0"]
     assert got["other_prompt"][:2] == ["ALREADY_EXISTS", "REQUEST_ID_TAKEN"]
     assert got["release"][0] == "OK"
-    assert kv.count("") == before and kv.named("", "cpp-retry-1") is None
+    assert kv.count("") == before and kv.names.named("", "cpp-retry-1") is None
 
 
 # -- TLS with a bearer token -------------------------------------------------------------

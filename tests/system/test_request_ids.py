@@ -188,7 +188,7 @@ def test_a_retry_whose_first_attempt_made_the_sequence_gets_its_handle(server, a
     alice._stub.Prefill(pb.PrefillRequest(token_ids=PROMPT, request_id="lost-1"), timeout=30)
     again = alice.prefill(PROMPT, logits=ARGMAX, request_id="lost-1")
     assert again.existing and again.logits is None and again.kv_cache.sequence_length == len(PROMPT)
-    assert _worker(server).executor.kv.named("alice", "lost-1").cache_id == again.kv_cache.cache_id
+    assert _worker(server).executor.kv.names.named("alice", "lost-1").cache_id == again.kv_cache.cache_id
     with pytest.raises(grpc.RpcError) as raw:
         alice._stub.Prefill(pb.PrefillRequest(token_ids=PROMPT, request_id="lost-1"), timeout=30)
     err = from_rpc_error(raw.value)
