@@ -172,7 +172,7 @@ class Registry:
 
     async def _warm(self, worker: ModelWorker) -> None:
         if self.warmup:
-            await worker.call(_warm_up, worker.executor, self.remeasure)
+            await worker.front.call(_warm_up, worker.executor, self.remeasure)
 
     async def _add(self, worker: ModelWorker, path: str) -> None:
         name = worker.executor.name

@@ -3,7 +3,7 @@ the worker thread until each stops, and what each forward chose goes out through
 bounded queue.
 
 The worker owns a running :class:`AheadRun`: before each forward it adds the run's
-live sequences to the batch (a run holds seats, see ``AsyncFront.start_ahead``, so
+live sequences to the batch (a run holds seats, see ``ModelWorker.start_ahead``, so
 they always fit), and after it the run applies its stop rules and queues one entry
 for the forward.  No forward waits for the event loop: the caller's side only takes
 entries off the queue and sends them.
@@ -61,7 +61,7 @@ class _State(enum.Enum):
 
 
 class AheadRun:
-    """One decode-ahead run.  Built by ``AsyncFront.start_ahead``; advanced on the worker
+    """One decode-ahead run.  Built by ``ModelWorker.start_ahead``; advanced on the worker
     thread; consumed by one reader (``take``), on any thread."""
 
     def __init__(self, items: list[DecodeInput], limit: int, stop_ids: frozenset[int], max_len: int,

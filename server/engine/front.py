@@ -17,8 +17,11 @@ from .jobs import DecodeWork, Done, Job
 
 
 class AsyncFront:
-    """Mixed into :class:`~.worker.ModelWorker` (its ``_put``, ``submit``, ``undo``,
-    ``executor``, ``_prefill_job`` and, on its thread, ``_cond``, ``_jobs`` and ``_parked``)."""
+    """The awaitable calls of one :class:`~.worker.ModelWorker` (``worker.front``): each
+    puts a job on the worker's queue and awaits it; the worker's thread runs it."""
+
+    def __init__(self, worker):
+        self.worker = worker
 
     async def prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None, policy: LogitsPolicy | None,
                       deadline: float | None = None, hidden=None, tenant: str = "", choice=None,
@@ -26,7 +29,7 @@ class AsyncFront:
         """A prompt; ``choice`` (a TokenChoice): also the token after it, chosen on this
         thread right after the forward; ``policy=None``: the logits field was unset;
         ``name``: the caller's request_id for the new sequence; ``adapter``: its LoRA adapter."""
-        job = self._put(self._prefill_job(token_ids, kv_cache, policy, deadline, tenant, hidden, choice, as_output,
+        job = self.worker.put(self.worker.prefill_job(token_ids, kv_cache, policy, deadline, tenant, hidden, choice, as_output,
                                           name, adapter))
         return await self._await(job, lambda out: [Undo.of(kv_cache, out.kv_cache)])
 
@@ -42,46 +45,38 @@ class AsyncFront:
                      tenant: str = "") -> Done:
         """A decode step; the undo records are one per input, in order."""
         work = DecodeWork(inputs, policy)
-        return await self._await(self._put(Job(None, (), decode=work, deadline=deadline, tenant=tenant)), work.undo)
+        return await self._await(self.worker.put(Job(None, (), decode=work, deadline=deadline, tenant=tenant)), work.undo)
 
     async def speculative(self, token_id: int, draft: list[int], kv_cache: KvCacheHandle,
                           policy: LogitsPolicy | None, deadline: float | None = None, sampling=None,
                           tenant: str = "", choice=None) -> Done:
         """SpeculativeDecode: verify, accept (by ``choice``, a TokenChoice, when given) and
         truncate as one job."""
-        job = self._put(Job(self.executor.speculative_decode,
+        job = self.worker.put(Job(self.worker.executor.speculative_decode,
                              (token_id, draft, kv_cache, policy, sampling, tenant, choice),
                              deadline=deadline, tenant=tenant))
         return await self._await(job, lambda out: [Undo.of(kv_cache, out.kv_cache)])
 
     async def fork(self, kv_cache: KvCacheHandle, num_children: int, deadline: float | None = None,
                    tenant: str = "") -> Done:
-        job = self._put(Job(self.executor.fork_cache, (kv_cache, num_children, tenant), deadline=deadline,
+        job = self.worker.put(Job(self.worker.executor.fork_cache, (kv_cache, num_children, tenant), deadline=deadline,
                              tenant=tenant))
         return await self._await(job, lambda children: [Undo.of(None, c) for c in children])
 
     async def release_named(self, name: str, tenant: str = "") -> int:
         """ReleaseCache by request_id: aborts a prompt still creating that sequence, then
         releases it (see :meth:`TorchExecutor.release_named`)."""
-        return await self.call(self._release_named, name, tenant)
-
-    def _release_named(self, name: str, tenant: str) -> int:  # on the worker thread, between forwards
-        with self._cond:
-            creating = [j for j in (*self._jobs, *self._parked) if j is not None and j.prefill is not None
-                        and j.prefill.name == name and j.tenant == tenant]
-        for job in creating:
-            job.abandoned = True  # stopped before its next part and undone (_plan_part)
-        return self.executor.release_named(name, tenant, aborted=bool(creating))
+        return await self.call(self.worker.release_named, name, tenant)
 
     async def create(self, fn: Callable[..., KvCacheHandle], *args: Any, deadline: float | None = None,
                      tenant: str = "") -> Done:
         """A call that makes one new sequence and returns its handle (ImportSequence):
         released again if its caller went away."""
-        job = self._put(Job(fn, args, deadline=deadline, tenant=tenant))
+        job = self.worker.put(Job(fn, args, deadline=deadline, tenant=tenant))
         return await self._await(job, lambda handle: [Undo.of(None, handle)])
 
     async def call(self, fn: Callable[..., Any], *args: Any, deadline: float | None = None) -> Any:
-        return await self._await(self._put(Job(fn, args, deadline=deadline)))
+        return await self._await(self.worker.put(Job(fn, args, deadline=deadline)))
 
     async def _await(self, job: Job, undo: Callable[[Any], list[Undo]] | None = None) -> Any:
         """Waits for a job; given ``undo`` (what builds its result's records), returns
@@ -102,11 +97,11 @@ class AsyncFront:
             # Finished, but its caller's deadline passed before the reply could go back (a
             # stalled process resumed, say): the caller was told DEADLINE_EXCEEDED, so the
             # call must change nothing.  The undo is queued ahead of the caller's retry.
-            self.undo(undo(result), "a call answered after its deadline")
+            self.worker.undo(undo(result), "a call answered after its deadline")
             raise gone
         return result if undo is None else Done(result, undo(result))
 
     def _undo_if_done(self, future: Future, undo: Callable[[Any], list[Undo]]) -> None:
         if future.cancelled() or future.exception() is not None:
             return  # nothing was done, or it was undone already
-        self.undo(undo(future.result()), "a finished call whose caller went away")
+        self.worker.undo(undo(future.result()), "a finished call whose caller went away")

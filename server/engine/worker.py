@@ -1,31 +1,20 @@
 """One model worker thread per executor: every forward and every KV change runs here.
 
-The thread also loads the model: all of an executor's torch work happens on
-this one thread.  That is a correctness-of-speed matter, not style: libgomp
-throttles its spin-waiting once more OpenMP threads exist than cores, and a
-second thread that ever ran a parallel op (the loader, say) keeps its team
-alive, making every small decode op pay a futex wake-up (2x slower steps on
-a 2-core machine).
+The thread also loads the model: all of an executor's torch work happens on this one
+thread (libgomp throttles its spin-waiting once more OpenMP threads exist than cores,
+and a second thread that ever ran a parallel op keeps its team alive: 2x slower
+decode steps on a 2-core machine).
 
-Callers (the gRPC event loop, or plain threads) submit jobs and get futures, so
-the event loop never blocks on torch.  Decode jobs waiting in the queue are
-coalesced into one batched forward (dynamic batching): while a forward runs,
-new decodes pile up and the next forward takes them all, up to the max batch.
-
-Prompts share those forwards (the unified forward, Ferrum's
-``unified_forward``; vLLM and Sarathi-Serve schedule the same way): each
-forward takes every waiting decode first, then fills the rest of a token
-budget (``step_token_budget``) with the next parts of waiting prompts, each
-part one step of the same forward.  While callers are decoding, a forward
-without decodes is held to the budget too: their next calls are usually
-on their way back, and join the next forward instead of waiting out a
-whole prompt chunk.  Decodes come first because they are the
-latency callers feel on every token, while a prompt's latency is paid once;
-the budget bounds how much prompt work rides on a decode step, so a decode
-step under load costs about one budget-sized forward instead of waiting
-behind whole prompt chunks, and prompts still progress every step (at least
-a quarter of the budget is theirs).  A forward of decodes only stays a
-plain (B, 1) batch: the fastest decode path, fused whole-layer ops included.
+Callers submit jobs and get futures (``front.py`` awaits them for the event loop).
+Decode jobs waiting in the queue are coalesced into one batched forward, up to the
+max batch.  Prompts share those forwards (the unified forward, Ferrum's
+``unified_forward``; vLLM and Sarathi-Serve schedule the same way): each forward
+takes every waiting decode first, then fills the rest of a token budget
+(``step_token_budget``) with the next parts of waiting prompts.  While callers are
+decoding, a forward without decodes is held to the budget too, so their next calls
+join the next forward instead of waiting out a whole prompt chunk; prompts still
+progress every step (at least a quarter of the budget is theirs).  A forward of
+decodes only stays a plain (B, 1) batch, the fastest decode path.
 
 What shares a forward is decided by ``scheduler.py`` (pure functions over a
 snapshot of the queue, unit-tested without a model); this module holds the
@@ -55,7 +44,7 @@ from .jobs import DecodeWork, Job, PromptWork, with_queue_time
 log = logging.getLogger(__name__)
 
 
-class ModelWorker(AsyncFront, DrivesRuns):
+class ModelWorker(DrivesRuns):
     """Serialises access to one executor on a dedicated thread.
 
     Args:
@@ -88,6 +77,7 @@ class ModelWorker(AsyncFront, DrivesRuns):
         self._runs: list = []
         self.ahead: dict[str, int] = {}
         self.loaded: Future = Future()  # resolves to the executor once the thread has built it
+        self.front = AsyncFront(self)  # its calls as coroutines (the rpc layer's)
         self._thread = threading.Thread(target=self._main, args=(load,), name=f"model-worker[{name}]",
                                         daemon=True)
         self._thread.start()
@@ -127,7 +117,7 @@ class ModelWorker(AsyncFront, DrivesRuns):
     # auth off), from the servicer's edge to the executor: nothing ambient.
     def submit(self, fn: Callable[..., Any], *args: Any, deadline: float | None = None) -> Future:
         """Runs ``fn(*args)`` on the worker thread."""
-        return self._put(Job(fn, args, deadline=deadline)).future
+        return self.put(Job(fn, args, deadline=deadline)).future
 
     def submit_prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None,
                        policy: LogitsPolicy | None, deadline: float | None = None, tenant: str = "",
@@ -136,17 +126,27 @@ class ModelWorker(AsyncFront, DrivesRuns):
         the module docstring).  A caller that went away, or whose deadline
         passed, has the prompt stopped before its next part, which undoes it.
         ``choice``: a TokenChoice, the next token chosen on the worker."""
-        return self._put(self._prefill_job(token_ids, kv_cache, policy, deadline, tenant, choice=choice)).future
+        return self.put(self.prefill_job(token_ids, kv_cache, policy, deadline, tenant, choice=choice)).future
 
     def submit_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy,
                       deadline: float | None = None, tenant: str = "") -> Future:
         """Runs a decode step, batched with the other decodes (and prompt parts) queued with it."""
-        return self._put(Job(None, (), decode=DecodeWork(inputs, policy), deadline=deadline, tenant=tenant)).future
+        return self.put(Job(None, (), decode=DecodeWork(inputs, policy), deadline=deadline, tenant=tenant)).future
 
-    def _prefill_job(self, token_ids, kv_cache, policy, deadline, tenant, hidden=None, choice=None,
+    def prefill_job(self, token_ids, kv_cache, policy, deadline, tenant, hidden=None, choice=None,
                      as_output=False, name="", adapter="") -> Job:
         return Job(None, (), prefill=PromptWork(token_ids, kv_cache, policy, hidden, choice, as_output, name, adapter),
                     deadline=deadline, tenant=tenant)
+
+    def release_named(self, name: str, tenant: str) -> int:
+        """ReleaseCache by request_id, on this thread between forwards: a prompt still making
+        that sequence is stopped before its next part and undone, then it is released."""
+        with self._cond:
+            creating = [j for j in (*self._jobs, *self._parked) if j is not None and j.prefill is not None
+                        and j.prefill.name == name and j.tenant == tenant]
+        for job in creating:
+            job.abandoned = True  # stopped before its next part and undone (_plan_part)
+        return self.executor.release_named(name, tenant, aborted=bool(creating))
 
     def undo(self, undos: list[Undo], why: str) -> Future:
         """Applies undo records on the worker thread (``TorchExecutor.undo``); refused
@@ -175,7 +175,8 @@ class ModelWorker(AsyncFront, DrivesRuns):
         for run in list(self._runs):
             run.end(error, None)
 
-    def _put(self, job: Job) -> Job:
+    def put(self, job: Job) -> Job:
+        """Queues ``job`` (refused while stopping)."""
         self._unanswered.add(job.future)
         job.future.add_done_callback(self._unanswered.discard)
         with self._cond:

@@ -44,7 +44,7 @@ class AdminRpcs:
             if model.worker is None:
                 reply.models.add(name=model.name, state="loading", path=model.path)
                 continue
-            status = await model.worker.call(model.worker.executor.status, self.gate.state, model.worker.work_queued)
+            status = await model.worker.front.call(model.worker.executor.status, self.gate.state, model.worker.work_queued)
             status = dataclasses.replace(status, **self.transfer_figures())
             reply.models.add(name=model.name, state="serving", path=model.path, is_default=model.is_default,
                              status=convert.status_to_proto(status))
@@ -85,7 +85,7 @@ class AdminRpcs:
             # a caller who leaves during the build gets nothing installed
             built = await asyncio.get_running_loop().run_in_executor(
                 self._adapter_builder(), executor.lora.build, request.name, request.path, request.replace)
-            entry = await worker.call(executor.lora.load, request.name, request.path, request.replace,
+            entry = await worker.front.call(executor.lora.load, request.name, request.path, request.replace,
                                       gone.is_set, built)
         except asyncio.CancelledError:
             gone.set()  # a load queued on the worker never runs, one under way installs nothing
@@ -95,7 +95,7 @@ class AdminRpcs:
     @handler(admin=True)
     async def UnloadAdapter(self, request, context, tenant: str):
         worker = self.gate.worker(request.model)
-        await worker.call(worker.executor.lora.unload, request.name)
+        await worker.front.call(worker.executor.lora.unload, request.name)
         return pb.UnloadAdapterResponse()
 
     @query
@@ -103,7 +103,7 @@ class AdminRpcs:
         """Admins see every field; another tenant sees names, ranks and modules, and the
         live sequences it runs itself (not where adapters lie or what others run)."""
         worker = self.gate.worker(request.model)
-        entries, evicted = await worker.call(worker.executor.lora.entries,
+        entries, evicted = await worker.front.call(worker.executor.lora.entries,
                                              None if self.gate.is_admin(tenant) else tenant)
         return pb.ListAdaptersResponse(adapters=[_adapter_entry(e) for e in entries], evicted=evicted)
 

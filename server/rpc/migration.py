@@ -201,7 +201,7 @@ class TransferRpcs:
     async def _snapshot(self, request, context, tenant: str):
         worker = self.gate.worker(request.model or request.kv_cache.model)
         self._check_unsplit(worker, "exporting a sequence")
-        snap = await worker.call(transfer.snapshot, worker.executor, required_handle(request), tenant,
+        snap = await worker.front.call(transfer.snapshot, worker.executor, required_handle(request), tenant,
                                  deadline=deadline_of(context))
         return worker, snap
 
@@ -264,7 +264,7 @@ class TransferRpcs:
                 if receiver is None:
                     raise TransferCorrupted("the import stream was empty: truncated")
                 incoming = receiver.done()
-                handle, _ = await worker.create(transfer.install, worker.executor, incoming, tenant,
+                handle, _ = await worker.front.create(transfer.install, worker.executor, incoming, tenant,
                                                 deadline=deadline_of(context), tenant=tenant)
             except ExecutorError as refusal:
                 if not isinstance(refusal, (TransferStalled, Draining)):  # the caller may still be sending
@@ -340,7 +340,7 @@ class TransferRpcs:
             raise failed
         released = False
         if request.move:
-            released = await worker.call(transfer.release_if_unchanged, worker.executor, snap, tenant)
+            released = await worker.front.call(transfer.release_if_unchanged, worker.executor, snap, tenant)
         log.info("pushed %s (%d tokens, %d bytes) to %s in %.1f ms%s", snap.handle.cache_id, len(snap.tokens),
                  sent, request.target, 1e3 * (time.perf_counter() - start),
                  " and released it" if released else " (kept here)")

@@ -272,7 +272,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         if self.state is ServerState.LOADING and not self.workers:
             return pb.Status(state=pb.Status.STATE_LOADING, server_instance_id=self.instance_id)
         worker = self.gate.worker(request.model)
-        status = await worker.call(worker.executor.status, self.state, worker.work_queued, tenant)
+        status = await worker.front.call(worker.executor.status, self.state, worker.work_queued, tenant)
         status = dataclasses.replace(status, ahead_sequences=sum(worker.ahead.values()),
                                      ahead_runs_paused=worker.ahead_paused,
                                      session_bytes_unsent=sum(s.unsent for s in self.sessions),
@@ -291,7 +291,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         hidden = convert.hidden_request_from_proto(request.hidden_states) if request.HasField("hidden_states") \
             else None
         with self.logits_targets(policy, [rows], worker, tenant) as targets:
-            out, undo = await worker.prefill(list(request.token_ids), handle, policy, deadline_of(context), hidden,
+            out, undo = await worker.front.prefill(list(request.token_ids), handle, policy, deadline_of(context), hidden,
                                              tenant, choice, name=request.request_id, adapter=request.adapter)
             reply = pb.PrefillResponse(cached_tokens=out.cached_tokens)
             for array in out.hidden_states:
@@ -307,7 +307,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         item = DecodeInput(request.token_id, required_handle(request), _choice(worker, request))
         policy = _policy_or_unset(request)
         with self.logits_targets(policy, [1], worker, tenant) as targets:
-            (out,), undo = await worker.decode([item], policy, deadline_of(context), tenant)
+            (out,), undo = await worker.front.decode([item], policy, deadline_of(context), tenant)
             return await self._reply(pb.DecodeResponse(), out, received, worker, undo, targets[0])
 
     @call
@@ -316,7 +316,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         worker, items, policy = self.decode_batch(request)
         ledger = Undelivered()
         with self.logits_targets(policy, [1] * len(items), worker, tenant) as targets:
-            outs, undo = await worker.decode(items, policy, deadline_of(context), tenant)
+            outs, undo = await worker.front.decode(items, policy, deadline_of(context), tenant)
             keys = self.register_decodes(ledger, worker, undo)
             try:
                 async for _, reply in self.step_replies(pb.BatchDecodeResponse, {}, outs, received,
@@ -334,14 +334,14 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         handle = required_handle(request)
         policy = convert.policy_from_proto(request.logits)
         with self.logits_targets(policy, [len(request.token_ids)], worker, tenant) as targets:
-            out, undo = await worker.verify(list(request.token_ids), handle, policy, deadline_of(context), tenant)
+            out, undo = await worker.front.verify(list(request.token_ids), handle, policy, deadline_of(context), tenant)
             return await self._reply(pb.ForwardVerifyResponse(), out, received, worker, undo,
                                      targets[0])
 
     @call
     async def TruncateKv(self, request, context, tenant: str):
         worker = self.gate.worker(request.kv_cache.model)
-        handle = await worker.call(worker.executor.truncate_kv, required_handle(request),
+        handle = await worker.front.call(worker.executor.truncate_kv, required_handle(request),
                                    request.new_length, tenant, deadline=deadline_of(context))
         return pb.TruncateKvResponse(kv_cache=convert.handle_to_proto(handle))
 
@@ -351,14 +351,14 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         if request.request_id:
             if request.cache_id:
                 raise InvalidInput("ReleaseCache takes a cache_id or a request_id, not both")
-            return pb.ReleaseCacheResponse(blocks_freed=await worker.release_named(request.request_id, tenant))
-        freed = await worker.call(worker.executor.release_cache, request.cache_id, tenant)
+            return pb.ReleaseCacheResponse(blocks_freed=await worker.front.release_named(request.request_id, tenant))
+        freed = await worker.front.call(worker.executor.release_cache, request.cache_id, tenant)
         return pb.ReleaseCacheResponse(blocks_freed=freed)
 
     @call
     async def ForkCache(self, request, context, tenant: str):
         worker = self.gate.worker(request.kv_cache.model)
-        children, _ = await worker.fork(required_handle(request), request.num_children, deadline_of(context), tenant)
+        children, _ = await worker.front.fork(required_handle(request), request.num_children, deadline_of(context), tenant)
         return pb.ForkCacheResponse(children=[convert.handle_to_proto(c) for c in children])
 
     @call
@@ -373,7 +373,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             if request.HasField("sampling"):
                 m = request.sampling
                 sampling = SpeculativeSampling(m.temperature, m.top_k, m.top_p, m.seed)
-            out, undo = await worker.speculative(request.token_id, list(request.draft_token_ids), handle, policy,
+            out, undo = await worker.front.speculative(request.token_id, list(request.draft_token_ids), handle, policy,
                                            deadline_of(context), sampling, tenant, choice)
             reply = pb.SpeculativeDecodeResponse(accepted_token_ids=out.accepted_token_ids,
                                                  next_token_id=out.next_token_id,
@@ -405,7 +405,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         rows = [len(i.token_ids) if policy is not None and policy.all_positions else 1 for i in request.items]
         deadline = deadline_of(context)
         with self.logits_targets(policy, rows, worker, tenant) as targets:
-            outs = await asyncio.gather(*(worker.prefill(list(item.token_ids), handle, policy, deadline, tenant=tenant,
+            outs = await asyncio.gather(*(worker.front.prefill(list(item.token_ids), handle, policy, deadline, tenant=tenant,
                                                          choice=choice, name=item.request_id,
                                                          adapter=item.adapter)
                                           for item, handle, choice in zip(request.items, handles, choices)),
@@ -414,7 +414,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             if failed is not None:  # all or nothing: the prompts that ran are undone
                 done = [record for o in outs if not isinstance(o, BaseException) for record in o.undo]
                 if done:
-                    await worker.call(worker.executor.undo, done)
+                    await worker.front.call(worker.executor.undo, done)
                 raise failed
             ledger = Undelivered()
             for done in outs:

@@ -42,7 +42,7 @@ more with ``forwards_per_response``).  The window is the caller's to choose:
 about 4 MiB once gRPC's BDP probing has grown it on a fast link (measured on
 loopback), and up to the socket buffers (~3 MB measured) for a peer that announces
 2^31-1.  What one tenant can make the server hold meanwhile is bounded apart from
-the window: its sequences decoding ahead (``AsyncFront.start_ahead``'s seats) and
+the window: its sequences decoding ahead (``ModelWorker.start_ahead``'s seats) and
 its KV (``ExecutorConfig.tenant_kv_tokens``).
 """
 
@@ -184,7 +184,7 @@ class DecodeSession:
                     else:
                         targets = pinned.enter_context(
                             servicer.logits_targets(policy, [1] * len(items), worker, tenant))
-                        outs, undo = await worker.decode(items, policy, self.deadline, tenant)
+                        outs, undo = await worker.front.decode(items, policy, self.deadline, tenant)
                         keys = servicer.register_decodes(ledger, worker, undo)  # no await since the decode
                 if not request.max_new_tokens:
                     async for _, reply in servicer.step_replies(pb.DecodeSessionResponse, {"step_id": step_id},

@@ -55,12 +55,12 @@ class KvEventRpcs:
                                     model=h.model, queue_limit=h.queue_limit, next_sequence=h.next_sequence,
                                     cached=[_kv_block(b) for b in h.cached])
         try:
-            yield pb.KvEventBatch(hello=await worker.call(hello, request.snapshot))
+            yield pb.KvEventBatch(hello=await worker.front.call(hello, request.snapshot))
             while True:
                 await sub.wake.wait()
                 events, behind, closed = hub.take(sub)
                 if behind:
-                    yield pb.KvEventBatch(resync=True, hello=await worker.call(hello, True))
+                    yield pb.KvEventBatch(resync=True, hello=await worker.front.call(hello, True))
                     continue
                 if events:
                     yield pb.KvEventBatch(events=[_kv_event(n, e) for n, e in events])

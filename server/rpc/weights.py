@@ -69,7 +69,7 @@ class WeightsRpcs:
             build = loop.run_in_executor(None, weights.build, executor, tensors)
             try:
                 built = await asyncio.shield(build)
-                done = await worker.call(weights.update, executor, tensors, message.trailer.checksum,
+                done = await worker.front.call(weights.update, executor, tensors, message.trailer.checksum,
                                          header.invalidate_sequences, gone.is_set, built)
             except asyncio.CancelledError:
                 gone.set()  # a rebuild under way is not swapped in

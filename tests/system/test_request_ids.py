@@ -100,7 +100,7 @@ def test_release_by_name_aborts_a_prefill_still_running(server, alice):
     releaser = threading.Thread(target=lambda: alice.release_cache(request_id="long-1"))
     releaser.start()
     deadline = time.monotonic() + 10
-    while not any(j is not None and j.fn == worker._release_named for j in list(worker._jobs)):
+    while not any(j is not None and j.fn == worker.release_named for j in list(worker._jobs)):
         assert time.monotonic() < deadline
         time.sleep(0.005)
     go.set()

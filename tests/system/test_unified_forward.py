@@ -144,9 +144,9 @@ def test_worker_puts_decodes_first_then_prompt_parts_up_to_the_budget(model, bud
         async def scenario():
             worker.submit(gate.wait, 30)  # holds the worker while the queue fills
             before = (ex.stats.forwards, ex.stats.tokens_processed)
-            prefill = asyncio.ensure_future(worker.prefill(prompt, None, FULL))
+            prefill = asyncio.ensure_future(worker.front.prefill(prompt, None, FULL))
             await asyncio.sleep(0.05)
-            decodes = [asyncio.ensure_future(worker.decode([DecodeInput(100 + i, h)], FULL))
+            decodes = [asyncio.ensure_future(worker.front.decode([DecodeInput(100 + i, h)], FULL))
                        for i, h in enumerate(handles)]
             await asyncio.sleep(0.05)
             gate.set()
@@ -172,23 +172,23 @@ def test_a_prompt_abandoned_between_parts_is_undone_while_decodes_go_on(tiny_lla
         h = worker.submit(ex.prefill, [5, 6, 7], None, LogitsPolicy.argmax()).result(30).kv_cache
 
         async def scenario():
-            snap = await worker.call(snapshot, ex)
+            snap = await worker.front.call(snapshot, ex)
             gate = threading.Event()
             worker.submit(gate.wait, 30)
-            prefill = asyncio.ensure_future(worker.prefill(list(range(1, 200)), None, FULL))
+            prefill = asyncio.ensure_future(worker.front.prefill(list(range(1, 200)), None, FULL))
             await asyncio.sleep(0.05)
             gate.set()
             handle, steps = h, 0
             while steps < 3 or ex.kv.count("") < 2:  # the prompt is open and has parts in
-                (out,), _ = await worker.decode([DecodeInput(9, handle)], LogitsPolicy.argmax())
+                (out,), _ = await worker.front.decode([DecodeInput(9, handle)], LogitsPolicy.argmax())
                 handle, steps = out.kv_cache, steps + 1
             prefill.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await prefill
-            while (await worker.call(lambda: ex.kv.count(""))) != 1:  # the worker undoes it at its next turn
+            while (await worker.front.call(lambda: ex.kv.count(""))) != 1:  # the worker undoes it at its next turn
                 await asyncio.sleep(0.01)
-            await worker.call(ex.truncate_kv, handle, 3)
-            return snap, await worker.call(snapshot, ex)
+            await worker.front.call(ex.truncate_kv, handle, 3)
+            return snap, await worker.front.call(snapshot, ex)
 
         before, after = asyncio.run(scenario())
         assert before["used"] == after["used"] and before["free"] == after["free"]
