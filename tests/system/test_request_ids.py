@@ -78,11 +78,9 @@ def _batch_named(client, name: str):
         raise from_rpc_error(exc) from None
 
 
-def test_release_by_name_aborts_a_prefill_still_running(server, alice):
-    """The prompt's first part is held in the forward until the release is queued behind
-    it: the release aborts the prompt, which is undone and answers CANCELLED."""
-    worker = _worker(server)
-    ex = worker.executor
+def _hold_next_forward(ex) -> tuple[threading.Event, threading.Event]:
+    """Makes the executor's next forward wait: ``entered`` is set once it started, and it
+    goes on when ``go`` is set (or after 10 s); later forwards run as usual."""
     real, entered, go = ex.run, threading.Event(), threading.Event()
 
     def run(plans):
@@ -92,6 +90,14 @@ def test_release_by_name_aborts_a_prefill_still_running(server, alice):
         return real(plans)
 
     ex.run = run
+    return entered, go
+
+
+def test_release_by_name_aborts_a_prefill_still_running(server, alice):
+    """The prompt's first part is held in the forward until the release is queued behind
+    it: the release aborts the prompt, which is undone and answers CANCELLED."""
+    worker = _worker(server)
+    entered, go = _hold_next_forward(worker.executor)
     before = _live(server, "alice")
     result: list = []
     caller = threading.Thread(target=lambda: result.append(_call(alice, PROMPT * 8, "long-1")))
@@ -207,16 +213,7 @@ def test_a_retry_while_the_first_attempt_still_runs_waits_for_its_outcome(server
     """The first attempt's first part is held in the forward until the retry is queued
     behind it; the retry waits while the sequence is being made and then gets it."""
     worker = _worker(server)
-    ex = worker.executor
-    real, entered, go = ex.run, threading.Event(), threading.Event()
-
-    def run(plans):
-        ex.run = real
-        entered.set()
-        go.wait(10)
-        return real(plans)
-
-    ex.run = run
+    entered, go = _hold_next_forward(worker.executor)
     before = _live(server, "alice")
     first: list = []
     prompt = PROMPT * 3  # three parts of 8 tokens (prefill_chunk=8)
