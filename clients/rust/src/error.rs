@@ -34,9 +34,11 @@ pub fn reason_row(name: &str) -> Option<&'static ReasonRow> {
 pub struct ExecutorError {
     /// The gRPC status code.
     pub code: Code,
-    /// The `ErrorInfo` reason when the details carry one of this domain (a name of the
-    /// table, or a reason newer than this build's table).
+    /// The `ErrorInfo` reason when the details carry one of this domain that names a
+    /// row of the table (as the Python client, a status without one has None).
     pub reason: Option<String>,
+    /// The `ErrorInfo` reason as sent, a name of the table or not.
+    pub raw_reason: Option<String>,
     /// The status message.
     pub message: String,
     /// `ErrorInfo.metadata`, when there is one.
@@ -50,9 +52,18 @@ impl ExecutorError {
         let info = status
             .get_details_error_info()
             .filter(|info| info.domain == ERROR_DOMAIN);
+        // tonic ends a call whose own timer fired as CANCELLED "Timeout expired"; that is
+        // the caller's deadline passing, DEADLINE_EXCEEDED as every other gRPC library
+        // reports it.
+        let code = match status.code() {
+            Code::Cancelled if status.message() == "Timeout expired" => Code::DeadlineExceeded,
+            c => c,
+        };
+        let raw_reason = info.as_ref().map(|i| i.reason.clone());
         ExecutorError {
-            code: status.code(),
-            reason: info.as_ref().map(|i| i.reason.clone()),
+            code,
+            reason: raw_reason.clone().filter(|r| reason_row(r).is_some()),
+            raw_reason,
             message: status.message().to_string(),
             metadata: info.map(|i| i.metadata.into_iter().collect()).unwrap_or_default(),
         }
@@ -73,12 +84,18 @@ impl ExecutorError {
                 }
             }
         }
-        ExecutorError { code: Code::from_i32(status.code), reason, message: status.message.clone(), metadata }
+        ExecutorError {
+            code: Code::from_i32(status.code),
+            raw_reason: reason.clone(),
+            reason: reason.filter(|r| reason_row(r).is_some()),
+            message: status.message.clone(),
+            metadata,
+        }
     }
 
     /// A local failure (the client's own checks), outside the table.
     pub fn local(code: Code, message: impl Into<String>) -> Self {
-        ExecutorError { code, reason: None, message: message.into(), metadata: Default::default() }
+        ExecutorError { code, reason: None, raw_reason: None, message: message.into(), metadata: Default::default() }
     }
 
     /// The table's row for this error's reason, when it has one this build knows.

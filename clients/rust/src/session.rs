@@ -17,7 +17,7 @@ use tonic::Streaming;
 /// An open DecodeSession stream.
 pub struct DecodeSession {
     tx: mpsc::Sender<pb::DecodeSessionRequest>,
-    rx: Streaming<pb::DecodeSessionResponse>,
+    rx: Replies,
     next_step: u64,
     model: String,
 }
@@ -38,12 +38,29 @@ fn lost(what: &str) -> ExecutorError {
     ExecutorError::local(tonic::Code::Unavailable, format!("DecodeSession ended {what}"))
 }
 
+/// The reply stream: the call is started at once, but a server may send its response
+/// headers only with its first reply, so the call is awaited on the first read, after
+/// the first step went out.
+enum Replies {
+    Opening(tokio::task::JoinHandle<std::result::Result<tonic::Response<Streaming<pb::DecodeSessionResponse>>, tonic::Status>>),
+    Open(Streaming<pb::DecodeSessionResponse>),
+}
+
+impl Drop for DecodeSession {
+    fn drop(&mut self) {
+        if let Replies::Opening(task) = &self.rx {
+            task.abort();
+        }
+    }
+}
+
 impl DecodeSession {
     pub(crate) async fn open(client: &ExecutorClient) -> Result<Self> {
         let (tx, rx) = mpsc::channel(16);
         let req = client.request(ReceiverStream::new(rx));
-        let stream = client.raw().decode_session(req).await?.into_inner();
-        Ok(DecodeSession { tx, rx: stream, next_step: 1, model: client.model().to_string() })
+        let mut stub = client.raw();
+        let call = tokio::spawn(async move { stub.decode_session(req).await });
+        Ok(DecodeSession { tx, rx: Replies::Opening(call), next_step: 1, model: client.model().to_string() })
     }
 
     async fn send(&mut self, message: pb::DecodeSessionRequest) -> Result<()> {
@@ -51,7 +68,12 @@ impl DecodeSession {
     }
 
     async fn next(&mut self) -> Result<pb::DecodeSessionResponse> {
-        match self.rx.message().await? {
+        if let Replies::Opening(task) = &mut self.rx {
+            let opened = task.await.map_err(|_| lost("before it opened"))??;
+            self.rx = Replies::Open(opened.into_inner());
+        }
+        let Replies::Open(stream) = &mut self.rx else { unreachable!() };
+        match stream.message().await? {
             Some(m) => Ok(m),
             None => Err(lost("with replies outstanding")),
         }

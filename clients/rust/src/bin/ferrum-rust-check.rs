@@ -85,13 +85,16 @@ async fn logits(c: &ExecutorClient, prompt: &[u32], dir: &str) -> R<()> {
 fn show<T>(name: &str, r: R<T>) {
     match r {
         Ok(_) => println!("{name} OK"),
-        Err(e) => println!(
+        Err(e) => {
+            eprintln!("{name}: {e}");
+            println!(
             "{name} {} {} {} {}",
             code_name(e.code),
             e.reason.clone().unwrap_or_else(|| "-".into()),
             e.retryable(),
             e.outcome_unknown()
-        ),
+        )
+        }
     }
 }
 
@@ -202,6 +205,8 @@ async fn rpcs(c: &ExecutorClient) -> R<()> {
             ..Default::default()
         })
         .await;
+    // SpeculativeDecode appended to the sequence: its reply's handle goes on.
+    let fh = spec.as_ref().ok().and_then(|r| r.kv_cache.clone()).unwrap_or(fh);
     show("SpeculativeDecode", spec);
     let bp = c.batch_prefill(vec![pb::PrefillItem { token_ids: vec![1, 2], ..Default::default() }], Some(policy::argmax())).await;
     if let Ok(v) = &bp {
