@@ -378,6 +378,9 @@ pub struct RemoteExecutor {
     /// Every live sequence under its server cache_id (weak: handles own them).
     by_id: Mutex<HashMap<String, Weak<Lease>>>,
     counters: Counters,
+    /// The last failed call's error ("REASON: message"), for callers that see only the
+    /// engine's outcome.
+    last_error: Mutex<Option<String>>,
     pending: Arc<AtomicUsize>,
     refresher: tokio::task::JoinHandle<()>,
 }
@@ -456,9 +459,21 @@ impl RemoteExecutor {
             by_key: Mutex::new(HashMap::new()),
             by_id: Mutex::new(HashMap::new()),
             counters: Counters::default(),
+            last_error: Mutex::new(None),
             pending: Arc::new(AtomicUsize::new(0)),
             refresher,
         })
+    }
+
+    /// The last failed call's error, as "REASON: message" (the code's name without a
+    /// reason).
+    pub fn last_error(&self) -> Option<String> {
+        self.last_error.lock().unwrap().clone()
+    }
+
+    fn failed(&self, err: ExecutorError) -> FerrumError {
+        *self.last_error.lock().unwrap() = Some(err.to_string());
+        to_ferrum(err)
     }
 
     /// The client this executor calls through.
@@ -548,7 +563,7 @@ impl RemoteExecutor {
             .iter()
             .map(|(t, l)| pb::DecodeItem { token_id: *t, kv_cache: Some(l.handle()), token_choice: None })
             .collect();
-        let replies = self.client.batch_decode(items, Some(policy::full()), true).await.map_err(to_ferrum)?;
+        let replies = self.client.batch_decode(items, Some(policy::full()), true).await.map_err(|e| self.failed(e))?;
         if replies.len() != inputs.len() {
             return Err(FerrumError::backend(format!("BatchDecode answered {} of {} items", replies.len(), inputs.len())));
         }
@@ -610,7 +625,7 @@ impl ModelExecutor for RemoteExecutor {
             .client
             .prefill(&ids, lease.as_ref().map(|l| l.handle()).as_ref(), Some(policy::full()), None)
             .await
-            .map_err(to_ferrum)?;
+            .map_err(|e| self.failed(e))?;
         let handle = reply.kv_cache.clone().ok_or_else(|| FerrumError::backend("Prefill reply without a handle"))?;
         let lease = match lease {
             Some(l) => {
@@ -648,7 +663,7 @@ impl ModelExecutor for RemoteExecutor {
             });
             known.push((lease, key));
         }
-        let replies = self.client.batch_prefill(items, Some(policy::full())).await.map_err(to_ferrum)?;
+        let replies = self.client.batch_prefill(items, Some(policy::full())).await.map_err(|e| self.failed(e))?;
         let mut out = Vec::with_capacity(inputs.len());
         for (r, (lease, key)) in replies.into_iter().zip(known) {
             let handle = r.kv_cache.clone().ok_or_else(|| FerrumError::backend("BatchPrefill reply without a handle"))?;
@@ -746,7 +761,7 @@ impl ModelExecutor for RemoteExecutor {
         if !prefill_items.is_empty() {
             let t0 = std::time::Instant::now();
             let n = prefill_items.len();
-            let replies = self.client.batch_prefill(prefill_items, Some(policy::full())).await.map_err(to_ferrum)?;
+            let replies = self.client.batch_prefill(prefill_items, Some(policy::full())).await.map_err(|e| self.failed(e))?;
             for ((r, i), lease) in replies.into_iter().zip(&prefill_idx).zip(prefill_leases) {
                 let item = &batch.items[*i];
                 let handle = r.kv_cache.clone().ok_or_else(|| FerrumError::backend("BatchPrefill reply without a handle"))?;
@@ -787,7 +802,7 @@ impl ModelExecutor for RemoteExecutor {
         let lease = self
             .lease_of(kv_cache)
             .ok_or_else(|| FerrumError::not_found(format!("no remote sequence for {}", kv_cache.cache_id())))?;
-        let h = self.client.truncate_kv(&lease.handle(), new_len as u32).await.map_err(to_ferrum)?;
+        let h = self.client.truncate_kv(&lease.handle(), new_len as u32).await.map_err(|e| self.failed(e))?;
         lease.set(h);
         Ok(())
     }
@@ -803,7 +818,7 @@ impl ModelExecutor for RemoteExecutor {
         for input in inputs {
             tokens.push(*input_ids(&input.input_ids)?.last().ok_or_else(|| FerrumError::invalid_request("empty input"))?);
         }
-        let reply = self.client.forward_verify(&tokens, &lease.handle(), Some(policy::full())).await.map_err(to_ferrum)?;
+        let reply = self.client.forward_verify(&tokens, &lease.handle(), Some(policy::full())).await.map_err(|e| self.failed(e))?;
         if let Some(h) = reply.kv_cache.clone() {
             lease.set(h);
         }

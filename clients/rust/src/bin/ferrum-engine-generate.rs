@@ -130,17 +130,19 @@ async fn main() {
     params.max_tokens = args.max_tokens;
 
     // Each request streams, so the time to its first token is measured where it arrives.
-    let (engine0, model0, params0) = (engine.clone(), model_id.clone(), params.clone());
+    let (engine0, model0, params0, exec0) = (engine.clone(), model_id.clone(), params.clone(), executor.clone());
     let jobs = args.prompts.clone().into_iter().enumerate().map(move |(i, prompt)| {
         let engine = engine0.clone();
         let model_id = model0.clone();
         let params = params0.clone();
+        let executor0 = exec0.clone();
         async move {
             let request = InferenceRequest::new(prompt, model_id).with_sampling_params(params);
             let t0 = Instant::now();
             let mut first: Option<f64> = None;
             let mut ids: Vec<u32> = Vec::new();
             let mut text = String::new();
+            let mut finish = None;
             let result: ferrum_types::Result<()> = async {
                 let mut stream = engine.infer_stream(request).await?;
                 while let Some(chunk) = stream.next().await {
@@ -151,10 +153,20 @@ async fn main() {
                     }
                     text.push_str(&chunk.text);
                     if chunk.finish_reason.is_some() {
+                        finish = chunk.finish_reason;
                         break;
                     }
                 }
-                Ok(())
+                // A request the engine ended on an error, or whose stream closed without
+                // a finish, failed: the executor's last error says why.
+                match finish {
+                    Some(ferrum_types::FinishReason::Error) | None => Err(ferrum_types::FerrumError::backend(format!(
+                        "the engine ended the request ({}): {}",
+                        finish.map(|f| format!("{f:?}")).unwrap_or_else(|| "stream closed".into()),
+                        executor0.last_error().unwrap_or_else(|| "no executor error".into())
+                    ))),
+                    _ => Ok(()),
+                }
             }
             .await;
             (i, result, ids, text, first, t0.elapsed().as_secs_f64())
