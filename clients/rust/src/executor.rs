@@ -361,6 +361,9 @@ fn last_row(logits: Option<&pb::Logits>, shape_prefix: &[usize]) -> Result<Logit
 
 #[derive(Default)]
 struct Counters {
+    /// Trait calls by method: prefill, batch_prefill, decode/batch_decode, unified_decode,
+    /// forward_verify, truncate_kv.
+    calls: [AtomicU64; 6],
     prefills: AtomicU64,
     decodes: AtomicU64,
     prefill_ns: AtomicU64,
@@ -474,6 +477,21 @@ impl RemoteExecutor {
     fn failed(&self, err: ExecutorError) -> FerrumError {
         *self.last_error.lock().unwrap() = Some(err.to_string());
         to_ferrum(err)
+    }
+
+    /// How often the engine called each trait method, as "name=count" pairs.
+    pub fn call_counts(&self) -> String {
+        let names = ["prefill", "batch_prefill", "batch_decode", "unified_decode", "forward_verify", "truncate_kv"];
+        names
+            .iter()
+            .zip(&self.counters.calls)
+            .map(|(n, c)| format!("{n}={}", c.load(Ordering::Relaxed)))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    fn count(&self, method: usize) {
+        self.counters.calls[method].fetch_add(1, Ordering::Relaxed);
     }
 
     /// The client this executor calls through.
@@ -615,6 +633,7 @@ impl ModelExecutor for RemoteExecutor {
     /// input's handle names one. The output's logits are the LAST position only, shaped
     /// [1, 1, vocab]: that is what the engine samples from.
     async fn prefill(&self, input: &PrefillInput) -> Result<PrefillOutput> {
+        self.count(0);
         let t0 = std::time::Instant::now();
         let ids = input_ids(&input.input_ids)?;
         let (lease, key) = match &input.kv_cache {
@@ -648,6 +667,7 @@ impl ModelExecutor for RemoteExecutor {
 
     /// Several prompts in ONE BatchPrefill (all or nothing).
     async fn batch_prefill(&self, inputs: &[PrefillInput]) -> Result<Vec<PrefillOutput>> {
+        self.count(1);
         let t0 = std::time::Instant::now();
         let mut items = Vec::with_capacity(inputs.len());
         let mut known = Vec::with_capacity(inputs.len());
@@ -696,6 +716,7 @@ impl ModelExecutor for RemoteExecutor {
 
     /// One BatchDecode for every input (all or nothing, in order).
     async fn batch_decode(&self, inputs: &[DecodeInput]) -> Result<Vec<DecodeOutput>> {
+        self.count(2);
         let mut work = Vec::with_capacity(inputs.len());
         for input in inputs {
             let ids = input_ids(&input.input_ids)?;
@@ -720,6 +741,7 @@ impl ModelExecutor for RemoteExecutor {
     /// the sequences this call created are released, so a failed call leaves the
     /// server as it was (the engine falls back to its split path and prefills again).
     async fn unified_decode(&self, batch: &UnifiedBatch) -> Result<Vec<Option<Vec<f32>>>> {
+        self.count(3);
         let mut results: Vec<Option<Vec<f32>>> = vec![None; batch.items.len()];
         let mut prefill_idx = Vec::new();
         let mut prefill_items = Vec::new();
@@ -799,6 +821,7 @@ impl ModelExecutor for RemoteExecutor {
 
     /// Roll the sequence back to `new_len` tokens (TruncateKv).
     async fn truncate_kv(&self, kv_cache: &Arc<dyn KvCacheHandle>, new_len: usize) -> Result<()> {
+        self.count(5);
         let lease = self
             .lease_of(kv_cache)
             .ok_or_else(|| FerrumError::not_found(format!("no remote sequence for {}", kv_cache.cache_id())))?;
@@ -810,6 +833,7 @@ impl ModelExecutor for RemoteExecutor {
     /// The inputs' tokens (one sequence, in order) in ONE ForwardVerify; one output per
     /// input with its position's logits [1, vocab], each carrying the final handle.
     async fn forward_verify(&self, inputs: &[DecodeInput]) -> Result<Vec<DecodeOutput>> {
+        self.count(4);
         let first = inputs.first().ok_or_else(|| FerrumError::invalid_request("forward_verify without inputs"))?;
         let lease = self
             .lease_of(&first.kv_cache)

@@ -214,6 +214,7 @@ async fn main() {
     }
     if args.timing {
         println!("timing [{}]", timings.join(", "));
+        eprintln!("executor calls: {}", executor.call_counts());
     }
     let _ = engine.shutdown().await;
     drop(engine);
