@@ -27,8 +27,9 @@ import numpy as np
 import pytest
 from tests.conftest import running_server
 from tests.contract.test_cpp_client import ARGMAX, COMMON_ROWS, PROMPT, SEEDED, lines, outcome, python_rows
+from tests.system.test_security import ALICE, pki, tokens_file  # noqa: F401 (fixtures)
 
-from ferrum_rpc.client import ExecutorClient, LogitsPolicy
+from ferrum_rpc.client import ClientTls, ExecutorClient, LogitsPolicy
 from ferrum_rpc.client.generate import generate_ids
 from ferrum_rpc.client.sampling import SamplingParams
 from ferrum_rpc.harness import ServerProcess, all_serving
@@ -57,14 +58,16 @@ def rust_bin() -> Path:
             pytest.fail(message)
         pytest.skip(message)
     env = dict(os.environ, CARGO_TARGET_DIR=str(target_dir()), FERRUM_PYTHON=sys.executable)
-    done = subprocess.run(["nice", "-n", "10", cargo, "build", "--release", "--locked", "--bins"], cwd=CRATE,
+    done = subprocess.run(["nice", "-n", "10", cargo, "build", "--release", "--locked", "--bins", "--examples"], cwd=CRATE,
                           env=env, capture_output=True, text=True, timeout=2300)
     assert done.returncode == 0, done.stderr[-6000:]
     return target_dir() / "release"
 
 
-def run(rust_bin: Path, program: str, *args, check: bool = True, timeout: float = 180) -> subprocess.CompletedProcess:
-    done = subprocess.run([str(rust_bin / program), *map(str, args)], capture_output=True, text=True, timeout=timeout)
+def run(rust_bin: Path, program: str, *args, check: bool = True, timeout: float = 180,
+        env: dict | None = None) -> subprocess.CompletedProcess:
+    done = subprocess.run([str(rust_bin / program), *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, **(env or {})))
     if check:
         assert done.returncode == 0, f"{program} {args}: {done.stderr[-4000:]}"
     return done
@@ -159,6 +162,28 @@ def test_every_rpc_is_callable_through_the_rust_client(rust_bin, server):
         assert got[name][0] != "OK" and got[name][0] != "UNKNOWN", f"{name}: {got[name]}"
 
 
+def test_tls_with_a_token(rust_bin, tiny_llama_dir, pki, tokens_file):  # noqa: F811
+    kwargs = dict(tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"), auth_tokens=tokens_file)
+    with running_server(tiny_llama_dir, server_kwargs=kwargs) as srv, \
+            ExecutorClient(srv.target, timeout=30, tls=ClientTls(ca=str(pki / "ca.pem"), server_name="localhost"),
+                           token=ALICE) as py:
+        out = py.prefill(PROMPT, token_choice=SEEDED)
+        want = [out.chosen.token_id]
+        result = py.decode_ahead(want[0], out.kv_cache, SEEDED, 11)
+        want += [c.token_id for c in result.chosen]
+        py.release_cache(result.kv_cache)
+        tls = {"FERRUM_RPC_CA": str(pki / "ca.pem"), "FERRUM_RPC_SERVER_NAME": "localhost"}
+        got = lines(run(rust_bin, "ferrum-rust-check", "seeded", srv.target, 12, ids(PROMPT),
+                        env={**tls, "FERRUM_RPC_TOKEN": ALICE}).stdout)
+        assert [int(t) for t in got["seeded"]] == want
+        refused = run(rust_bin, "ferrum-rust-check", "greedy", srv.target, 2, ids(PROMPT), check=False,
+                      env={**tls, "FERRUM_RPC_TOKEN": ""})
+        assert refused.returncode == 1 and "UNAUTHENTICATED: " in refused.stderr
+        plain = run(rust_bin, "ferrum-rust-check", "greedy", srv.target, 2, ids(PROMPT), check=False,
+                    env={"FERRUM_RPC_TOKEN": ALICE})
+        assert plain.returncode == 1 and "UNAVAILABLE" in plain.stderr  # no TLS: the handshake fails
+
+
 def test_remote_executor_releases_its_sequence_on_drop(rust_bin, server, py):
     got = lines(run(rust_bin, "ferrum-rust-check", "engine-release", server.target, ids(PROMPT)).stdout)
     out = py.prefill(PROMPT, logits=ARGMAX)
@@ -171,6 +196,15 @@ def test_remote_executor_releases_its_sequence_on_drop(rust_bin, server, py):
     assert [int(t) for t in got["executor_ids"]] == want
     assert int(got["during"][0]) == int(got["before"][0]) + 1
     assert got["after"] == got["before"]
+
+
+def test_the_readmes_example_is_the_built_one(rust_bin):
+    import re
+
+    snippet = re.search(r"```rust\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    example = (CRATE / "examples" / "greedy.rs").read_text()
+    assert example.split("\n", 1)[1] == snippet
+    assert (rust_bin / "examples" / "greedy").exists()
 
 
 # -- Ferrum's engine on SmolLM2 -------------------------------------------------------------

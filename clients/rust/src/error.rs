@@ -55,12 +55,14 @@ impl ExecutorError {
         // tonic ends a call whose own timer fired as CANCELLED "Timeout expired"; that is
         // the caller's deadline passing, DEADLINE_EXCEEDED as every other gRPC library
         // reports it.
-        // A connection lost under a call surfaces from hyper as CANCELLED with the
-        // transport error as its source; gRPC's rule (and the Python and C++ clients)
-        // call that UNAVAILABLE. A CANCELLED the server sent has no source.
+        // A connection that fails or is lost under a call surfaces from tonic/hyper as
+        // CANCELLED or UNKNOWN ("transport error") with the transport error as its
+        // source; gRPC's rule (and the Python and C++ clients) call that UNAVAILABLE.
+        // A status the server sent has no source.
+        let from_transport = std::error::Error::source(status).is_some();
         let code = match status.code() {
             Code::Cancelled if status.message() == "Timeout expired" => Code::DeadlineExceeded,
-            Code::Cancelled if std::error::Error::source(status).is_some() => Code::Unavailable,
+            Code::Cancelled | Code::Unknown if from_transport => Code::Unavailable,
             c => c,
         };
         let raw_reason = info.as_ref().map(|i| i.reason.clone());

@@ -297,8 +297,15 @@ async fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let cmd = args.first().map(String::as_str).unwrap_or("");
     let addr = args.get(1).cloned().unwrap_or_default();
-    let token = std::env::var("FERRUM_RPC_TOKEN").ok();
-    let opts = ClientOptions { token, timeout: Some(Duration::from_secs(60)), ..Default::default() };
+    // TLS and a bearer token from the environment: FERRUM_RPC_CA (the CA's PEM file),
+    // FERRUM_RPC_SERVER_NAME (the name on the server's certificate), FERRUM_RPC_TOKEN.
+    let token = std::env::var("FERRUM_RPC_TOKEN").ok().filter(|t| !t.is_empty());
+    let tls = std::env::var("FERRUM_RPC_CA").ok().map(|ca| ferrum_rpc_client::ClientTls {
+        ca_pem: std::fs::read(ca).expect("FERRUM_RPC_CA"),
+        domain: std::env::var("FERRUM_RPC_SERVER_NAME").ok(),
+        identity: None,
+    });
+    let opts = ClientOptions { token, tls, timeout: Some(Duration::from_secs(60)), ..Default::default() };
     let c = match ExecutorClient::connect(&addr, opts).await {
         Ok(c) => c,
         Err(e) => {
