@@ -34,6 +34,7 @@ from ferrum_rpc.client.generate import generate_ids
 from ferrum_rpc.client.sampling import SamplingParams
 from ferrum_rpc.harness import ServerProcess, all_serving
 from ferrum_rpc.paths import cache_root
+from ferrum_rpc.types import ServerState
 
 pytestmark = pytest.mark.timeout(2400)
 
@@ -52,8 +53,13 @@ def target_dir() -> Path:
 @pytest.fixture(scope="session")
 def rust_bin() -> Path:
     cargo = shutil.which("cargo") or str(Path.home() / ".cargo" / "bin" / "cargo")
+    missing = None
     if not Path(cargo).exists():
-        message = "Rust client not built: cargo is missing (install a Rust toolchain with rustup)"
+        missing = "cargo is missing (install a Rust toolchain with rustup)"
+    elif not (os.environ.get("PROTOC") or shutil.which("protoc")):
+        missing = "protoc is missing (apt-get install protobuf-compiler)"
+    if missing:
+        message = f"Rust client not built: {missing}"
         if os.environ.get("FERRUM_REQUIRE_RUST") == "1":
             pytest.fail(message)
         pytest.skip(message)
@@ -134,6 +140,26 @@ def test_error_rows_have_the_python_clients_reasons(rust_bin, server, py):
     # The flags come from the proto's table: a deadline is an unknown outcome, not retryable.
     assert got["deadline"][2:] == ["false", "true"]
     assert got["cache_not_found"][2:] == ["false", "false"]
+
+
+def test_limit_rows_have_the_python_clients_reasons(rust_bin, tiny_llama_dir):
+    with running_server(tiny_llama_dir, max_seq_len=32, kv_tokens=64, block_size=4) as srv, \
+            ExecutorClient(srv.target, timeout=30) as py:
+        rows, subject = python_rows(py, srv.target)
+        want = {name: outcome(rows[name]) for name in ("too_long", "kv_exhausted")}
+        py.release_cache(subject)
+        got = lines(run(rust_bin, "ferrum-rust-check", "errors", srv.target, "too_long,kv_exhausted").stdout)
+        assert got["too_long"][:2] == want["too_long"] == ["OUT_OF_RANGE", "SEQUENCE_TOO_LONG"]
+        assert got["kv_exhausted"] == ["RESOURCE_EXHAUSTED", "KV_CAPACITY_EXHAUSTED", "true", "false"]
+        assert want["kv_exhausted"] == ["RESOURCE_EXHAUSTED", "KV_CAPACITY_EXHAUSTED"]
+        srv.app.servicer.state = ServerState.DRAINING  # the flag SIGTERM's drain sets
+        try:
+            want = outcome(lambda: py.prefill([1, 2, 3]))
+            got = lines(run(rust_bin, "ferrum-rust-check", "errors", srv.target, "prefill").stdout)
+        finally:
+            srv.app.servicer.state = ServerState.SERVING
+        assert want == ["UNAVAILABLE", "DRAINING"]
+        assert got["prefill"] == ["UNAVAILABLE", "DRAINING", "true", "false"]
 
 
 RPCS = ["GetModelInfo", "GetCapabilities", "GetStatus", "Prefill", "Decode", "BatchDecode", "ForwardVerify",

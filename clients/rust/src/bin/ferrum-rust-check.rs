@@ -101,7 +101,12 @@ fn show<T>(name: &str, r: R<T>) {
 async fn errors(addr: &str, c: &ExecutorClient, rows: &[&str]) -> R<()> {
     let info = c.info().await?;
     let vocab = info.vocab_size;
-    let subject = c.prefill(&[1, 17, 42, 99, 7, 256], None, Some(policy::argmax()), None).await?.kv_cache.unwrap();
+    // The sequence the rows aim at; a server that refuses new sequences (draining)
+    // leaves an empty one, for rows that need none.
+    let subject = match c.prefill(&[1, 17, 42, 99, 7, 256], None, Some(policy::argmax()), None).await {
+        Ok(p) => p.kv_cache.unwrap(),
+        Err(_) => pb::KvCacheHandle::default(),
+    };
     let changed = |f: &dyn Fn(&mut pb::KvCacheHandle)| {
         let mut h = subject.clone();
         f(&mut h);
@@ -150,11 +155,39 @@ async fn errors(addr: &str, c: &ExecutorClient, rows: &[&str]) -> R<()> {
                 let d = ExecutorClient::connect(addr, ClientOptions { timeout: Some(Duration::from_nanos(1)), ..Default::default() }).await?;
                 show(name, d.prefill(&[1, 2, 3], None, None, None).await)
             }
+            "too_long" => {
+                let n = info.max_sequence_length as usize + 1;
+                let prompt: Vec<u32> = (0..n).map(|i| ((37 * i + 11) % vocab as usize) as u32).collect();
+                show(name, c.prefill(&prompt, None, None, None).await)
+            }
+            "kv_exhausted" => {
+                let prompt = |n: usize, seed: usize| -> Vec<u32> {
+                    (0..n).map(|i| ((37 * i + 11 + 101 * seed) % vocab as usize) as u32).collect()
+                };
+                let mut fillers = Vec::new();
+                for seed in [1, 2] {
+                    fillers.push(c.prefill(&prompt(28, seed), None, Some(policy::argmax()), None).await?.kv_cache.unwrap());
+                }
+                show(name, c.prefill(&prompt(12, 0), None, None, None).await);
+                for f in fillers {
+                    c.release_cache(&f.cache_id).await?;
+                }
+            }
+            "prefill" => {
+                let r = c.prefill(&[1, 2, 3], None, None, None).await;
+                if let Ok(p) = &r {
+                    c.release_cache(&p.kv_cache.as_ref().unwrap().cache_id).await?;
+                }
+                show(name, r)
+            }
             _ => println!("{name} UNKNOWN_ROW"),
         }
     }
     // The subject is unchanged by every failure above: a decode at its length works.
-    show("subject_after", c.decode(5, &subject, Some(policy::argmax()), None).await);
+    if !subject.cache_id.is_empty() {
+        show("subject_after", c.decode(5, &subject, Some(policy::argmax()), None).await);
+        let _ = c.release_cache(&subject.cache_id).await;
+    }
     Ok(())
 }
 
