@@ -220,6 +220,7 @@ def test_remote_executor_releases_its_sequence_on_drop(rust_bin, server, py):
         handle = step.kv_cache
     py.release_cache(handle)
     assert [int(t) for t in got["executor_ids"]] == want
+    assert got["verify_rows"] == ["2"] and got["verify_then_truncate_same"] == ["1"]
     assert int(got["during"][0]) == int(got["before"][0]) + 1
     assert got["after"] == got["before"]
 

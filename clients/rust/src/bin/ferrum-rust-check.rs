@@ -311,6 +311,21 @@ async fn engine_release(c: &ExecutorClient, prompt: &[u32]) -> R<()> {
             h = d.kv_cache;
         }
         println!("executor_ids {}", join(&toks));
+        // forward_verify of two tokens, then truncate_kv back: the next decode gives the
+        // same logits as a decode straight after the loop would.
+        let err = |e: ferrum_types::FerrumError| ExecutorError::local(tonic::Code::Internal, e.to_string());
+        let verify = ex
+            .forward_verify(&[DecodeInput::new(token_tensor(&[tok]), h.clone()), DecodeInput::new(token_tensor(&[7]), h.clone())])
+            .await
+            .map_err(err)?;
+        let first_row = verify[0].logits.to_vec_f32().unwrap();
+        println!("verify_rows {}", verify.len());
+        let len = h.num_tokens();
+        ex.truncate_kv(&h, len).await.map_err(err)?;
+        let again = ex.decode(&DecodeInput::new(token_tensor(&[tok]), h.clone())).await.map_err(err)?;
+        let same = again.logits.to_vec_f32().unwrap() == first_row;
+        println!("verify_then_truncate_same {}", u8::from(same));
+        drop(again);
         println!("during {}", c.status().await?.active_sequences);
     }
     // The release runs in the background once the last handle went: wait for it.
