@@ -85,9 +85,6 @@ impl Default for ClientOptions {
     }
 }
 
-/// A reply with the handle it returned (decode, prefill, verify).
-pub type Reply<T> = T;
-
 /// The async client of one server. Cloning shares the connection.
 #[derive(Clone)]
 pub struct ExecutorClient {

@@ -16,7 +16,7 @@ pub mod executor;
 pub mod logits;
 pub mod session;
 
-pub use client::{ClientOptions, ClientTls, ExecutorClient, Keepalive, Reply};
+pub use client::{ClientOptions, ClientTls, ExecutorClient, Keepalive};
 pub use error::{ExecutorError, ReasonRow, REASONS};
 pub use executor::{RemoteExecutor, RemoteKvCacheHandle};
 pub use logits::LogitsView;
