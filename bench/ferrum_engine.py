@@ -97,7 +97,7 @@ def main() -> None:
 
     from ferrum_rpc.server.prepare import prepare_default_model
     from tests.contract.test_rust_client import CRATE, target_dir
-    subprocess.run(["cargo", "build", "--release", "--locked", "--bins", "--examples"], cwd=CRATE, check=True,
+    subprocess.run(["cargo", "build", "--release", "--bins", "--examples"], cwd=CRATE, check=True,
                    env={**__import__("os").environ, "CARGO_TARGET_DIR": str(target_dir()),
                         "FERRUM_PYTHON": sys.executable})
     binary = target_dir() / "release" / "ferrum-engine-generate"

@@ -64,7 +64,7 @@ def rust_bin() -> Path:
             pytest.fail(message)
         pytest.skip(message)
     env = dict(os.environ, CARGO_TARGET_DIR=str(target_dir()), FERRUM_PYTHON=sys.executable)
-    done = subprocess.run(["nice", "-n", "10", cargo, "build", "--release", "--locked", "--bins", "--examples"], cwd=CRATE,
+    done = subprocess.run(["nice", "-n", "10", cargo, "build", "--release", "--bins", "--examples"], cwd=CRATE,
                           env=env, capture_output=True, text=True, timeout=2300)
     assert done.returncode == 0, done.stderr[-6000:]
     return target_dir() / "release"
