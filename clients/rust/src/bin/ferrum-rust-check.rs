@@ -1,0 +1,380 @@
+//! ferrum-rust-check: the Rust client's side of tests/contract/test_rust_client.py. Each
+//! subcommand runs against a live server and prints `name value...` lines the test
+//! compares with the Python client's results on the same server.
+//!
+//!   greedy  ADDR N IDS          greedy ids (ARGMAX logits, prefill then decode)
+//!   seeded  ADDR N IDS          server-chosen ids (temperature 0.8, top_k 40, top_p 0.9,
+//!                               seed 7): prefill with the choice, then decode ahead
+//!   logits  ADDR IDS OUTDIR     prefill.f32 (every position) and decode.f32 (the argmax
+//!                               token's step), float32 bytes as received
+//!   errors  ADDR ROWS           each row: `row CODE REASON retryable outcome_unknown`
+//!   rpcs    ADDR                every RPC of the contract: `rpc NAME OK|REASON`
+//!   engine-release ADDR IDS     RemoteExecutor: prefill, decode, drop; then active sequences
+
+use ferrum_interfaces::model_executor::{DecodeInput, PrefillInput};
+use ferrum_interfaces::ModelExecutor;
+use ferrum_rpc_client::client::policy;
+use ferrum_rpc_client::error::code_name;
+use ferrum_rpc_client::executor::token_tensor;
+use ferrum_rpc_client::{pb, ClientOptions, ExecutorClient, ExecutorError, LogitsView, RemoteExecutor};
+use std::time::Duration;
+
+type R<T> = Result<T, ExecutorError>;
+
+fn ids(s: &str) -> Vec<u32> {
+    s.split(',').filter(|x| !x.is_empty()).map(|x| x.parse().unwrap()).collect()
+}
+
+fn join(v: &[u32]) -> String {
+    v.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(" ")
+}
+
+fn seeded() -> pb::TokenChoice {
+    pb::TokenChoice { temperature: Some(0.8), top_k: 40, top_p: Some(0.9), seed: Some(7), ..Default::default() }
+}
+
+async fn greedy(c: &ExecutorClient, n: usize, prompt: &[u32]) -> R<Vec<u32>> {
+    let out = c.prefill(prompt, None, Some(policy::argmax()), None).await?;
+    let mut got = vec![out.logits.as_ref().unwrap().token_ids[0]];
+    let mut h = out.kv_cache.unwrap();
+    while got.len() < n {
+        let step = c.decode(*got.last().unwrap(), &h, Some(policy::argmax()), None).await?;
+        got.push(step.logits.as_ref().unwrap().token_ids[0]);
+        h = step.kv_cache.unwrap();
+    }
+    c.release_cache(&h.cache_id).await?;
+    Ok(got)
+}
+
+async fn seeded_ids(c: &ExecutorClient, n: usize, prompt: &[u32]) -> R<Vec<u32>> {
+    let out = c.prefill(prompt, None, None, Some(seeded())).await?;
+    let mut got = vec![out.chosen.as_ref().unwrap().token_id];
+    let h = out.kv_cache.unwrap();
+    let mut session = c.decode_session().await?;
+    let item = pb::DecodeItem { token_id: got[0], kv_cache: Some(h), token_choice: Some(seeded()) };
+    let mut run = session.decode_ahead(vec![item], (n - 1) as u32, vec![]).await?;
+    let mut last = None;
+    while let Some(t) = run.next().await? {
+        got.push(t.chosen.token_id);
+        if let Some((h, _)) = t.end {
+            last = Some(h);
+        }
+    }
+    if let Some(h) = last {
+        c.release_cache(&h.cache_id).await?;
+    }
+    Ok(got)
+}
+
+async fn logits(c: &ExecutorClient, prompt: &[u32], dir: &str) -> R<()> {
+    let mut all = policy::full();
+    all.all_positions = true;
+    let pre = c.prefill(prompt, None, Some(all), None).await?;
+    let view = LogitsView::of(pre.logits.as_ref().unwrap()).unwrap();
+    println!("prefill_shape {} {}", view.rows(), view.vocab());
+    println!("view_in_place {}", u8::from(view.row_f32_slice(0).is_some()));
+    std::fs::write(format!("{dir}/prefill.f32"), view.bytes()).unwrap();
+    let next = view.argmax(view.rows() - 1);
+    let dec = c.decode(next, pre.kv_cache.as_ref().unwrap(), Some(policy::full()), None).await?;
+    let dv = LogitsView::of(dec.logits.as_ref().unwrap()).unwrap();
+    std::fs::write(format!("{dir}/decode.f32"), dv.bytes()).unwrap();
+    c.release_cache(&dec.kv_cache.unwrap().cache_id).await?;
+    Ok(())
+}
+
+fn show<T>(name: &str, r: R<T>) {
+    match r {
+        Ok(_) => println!("{name} OK"),
+        Err(e) => {
+            eprintln!("{name}: {e}");
+            println!(
+            "{name} {} {} {} {}",
+            code_name(e.code),
+            e.reason.clone().unwrap_or_else(|| "-".into()),
+            e.retryable(),
+            e.outcome_unknown()
+        )
+        }
+    }
+}
+
+async fn errors(addr: &str, c: &ExecutorClient, rows: &[&str]) -> R<()> {
+    let info = c.info().await?;
+    let vocab = info.vocab_size;
+    // The sequence the rows aim at; a server that refuses new sequences (draining)
+    // leaves an empty one, for rows that need none.
+    let subject = match c.prefill(&[1, 17, 42, 99, 7, 256], None, Some(policy::argmax()), None).await {
+        Ok(p) => p.kv_cache.unwrap(),
+        Err(_) => pb::KvCacheHandle::default(),
+    };
+    let changed = |f: &dyn Fn(&mut pb::KvCacheHandle)| {
+        let mut h = subject.clone();
+        f(&mut h);
+        h
+    };
+    let greedy_choice = pb::TokenChoice { temperature: Some(0.0), ..Default::default() };
+    for row in rows {
+        let name = *row;
+        match name {
+            "cache_not_found" => {
+                show(name, c.decode(5, &changed(&|h| h.cache_id = "no-such-sequence".into()), None, None).await)
+            }
+            "stale_handle" => show(
+                name,
+                c.decode(5, &changed(&|h| h.server_instance_id = "another-server".into()), None, None).await,
+            ),
+            "length_mismatch" => {
+                show(name, c.decode(5, &changed(&|h| h.sequence_length += 1), None, None).await)
+            }
+            "empty_prefill" => show(name, c.prefill(&[], None, None, None).await),
+            "empty_verify" => show(name, c.forward_verify(&[], &subject, None).await),
+            "token_outside_vocab" => show(name, c.decode(vocab, &subject, None, None).await),
+            "bad_top_k" => show(name, c.decode(5, &subject, Some(policy::top_k(0)), None).await),
+            "bad_temperature" => {
+                let choice = pb::TokenChoice { temperature: Some(f32::NAN), ..Default::default() };
+                show(name, c.decode(5, &subject, None, Some(choice)).await)
+            }
+            "truncate_past_end" => show(name, c.truncate_kv(&subject, subject.sequence_length + 1).await),
+            "release_unknown" => show(name, c.release_cache("no-such-sequence").await),
+            "fork_unknown" => show(name, c.fork_cache(&changed(&|h| h.cache_id = "no-such-sequence".into()), 2).await),
+            "unknown_model" => show(name, c.with_model("no-such-model").info().await),
+            "forward_unimplemented" => show(name, c.forward(pb::ForwardRequest::default()).await),
+            "ahead_too_many" | "ahead_bad_stop" => {
+                let (n, stops) = if name == "ahead_too_many" { (5000, vec![]) } else { (4, vec![vocab]) };
+                let r: R<()> = async {
+                    let mut s = c.decode_session().await?;
+                    let item = pb::DecodeItem { token_id: 5, kv_cache: Some(subject.clone()), token_choice: Some(greedy_choice.clone()) };
+                    let mut run = s.decode_ahead(vec![item], n, stops).await?;
+                    while run.next().await?.is_some() {}
+                    Ok(())
+                }
+                .await;
+                show(name, r)
+            }
+            "deadline" => {
+                let d = ExecutorClient::connect(addr, ClientOptions { timeout: Some(Duration::from_nanos(1)), ..Default::default() }).await?;
+                show(name, d.prefill(&[1, 2, 3], None, None, None).await)
+            }
+            "too_long" => {
+                let n = info.max_sequence_length as usize + 1;
+                let prompt: Vec<u32> = (0..n).map(|i| ((37 * i + 11) % vocab as usize) as u32).collect();
+                show(name, c.prefill(&prompt, None, None, None).await)
+            }
+            "kv_exhausted" => {
+                let prompt = |n: usize, seed: usize| -> Vec<u32> {
+                    (0..n).map(|i| ((37 * i + 11 + 101 * seed) % vocab as usize) as u32).collect()
+                };
+                let mut fillers = Vec::new();
+                for seed in [1, 2] {
+                    fillers.push(c.prefill(&prompt(28, seed), None, Some(policy::argmax()), None).await?.kv_cache.unwrap());
+                }
+                show(name, c.prefill(&prompt(12, 0), None, None, None).await);
+                for f in fillers {
+                    c.release_cache(&f.cache_id).await?;
+                }
+            }
+            "prefill" => {
+                let r = c.prefill(&[1, 2, 3], None, None, None).await;
+                if let Ok(p) = &r {
+                    c.release_cache(&p.kv_cache.as_ref().unwrap().cache_id).await?;
+                }
+                show(name, r)
+            }
+            _ => println!("{name} UNKNOWN_ROW"),
+        }
+    }
+    // The subject is unchanged by every failure above: a decode at its length works.
+    if !subject.cache_id.is_empty() {
+        show("subject_after", c.decode(5, &subject, Some(policy::argmax()), None).await);
+        let _ = c.release_cache(&subject.cache_id).await;
+    }
+    Ok(())
+}
+
+async fn rpcs(c: &ExecutorClient) -> R<()> {
+    let p = c.prefill(&[1, 2, 3, 4], None, Some(policy::argmax()), None).await?;
+    let h = p.kv_cache.clone().unwrap();
+    show("GetModelInfo", c.info().await);
+    show("GetCapabilities", c.capabilities().await);
+    show("GetStatus", c.status().await);
+    show("Prefill", Ok::<_, ExecutorError>(()));
+    let d = c.decode(5, &h, Some(policy::argmax()), None).await;
+    let h = d.as_ref().map(|d| d.kv_cache.clone().unwrap()).unwrap_or(h);
+    show("Decode", d);
+    let item = pb::DecodeItem { token_id: 6, kv_cache: Some(h.clone()), token_choice: None };
+    let b = c.batch_decode(vec![item], Some(policy::argmax()), false).await;
+    let h = b.as_ref().map(|v| v[0].kv_cache.clone().unwrap()).unwrap_or(h);
+    show("BatchDecode", b);
+    let v = c.forward_verify(&[7, 8], &h, Some(policy::argmax())).await;
+    let h = v.as_ref().map(|v| v.kv_cache.clone().unwrap()).unwrap_or(h);
+    show("ForwardVerify", v);
+    let t = c.truncate_kv(&h, h.sequence_length - 1).await;
+    let h = t.clone().unwrap_or(h);
+    show("TruncateKv", t);
+    let s: R<()> = async {
+        let mut s = c.decode_session().await?;
+        let r = s.step(vec![pb::DecodeItem { token_id: 9, kv_cache: Some(h.clone()), token_choice: None }], Some(policy::argmax())).await?;
+        Ok::<_, ExecutorError>(r)
+    }
+    .await
+    .map(|_| ());
+    show("DecodeSession", s);
+    // The session step made `h` one longer; the calls below use a fresh sequence.
+    let f = c.prefill(&[1, 2, 3], None, Some(policy::argmax()), None).await?;
+    let fh = f.kv_cache.unwrap();
+    let kids = c.fork_cache(&fh, 2).await;
+    if let Ok(k) = &kids {
+        for child in k {
+            let _ = c.release_cache(&child.cache_id).await;
+        }
+    }
+    show("ForkCache", kids);
+    show("Forward", c.forward(pb::ForwardRequest::default()).await);
+    let spec = c
+        .speculative_decode(pb::SpeculativeDecodeRequest {
+            token_id: 5,
+            draft_token_ids: vec![6, 7],
+            kv_cache: Some(fh.clone()),
+            ..Default::default()
+        })
+        .await;
+    // SpeculativeDecode appended to the sequence: its reply's handle goes on.
+    let fh = spec.as_ref().ok().and_then(|r| r.kv_cache.clone()).unwrap_or(fh);
+    show("SpeculativeDecode", spec);
+    let bp = c.batch_prefill(vec![pb::PrefillItem { token_ids: vec![1, 2], ..Default::default() }], Some(policy::argmax())).await;
+    if let Ok(v) = &bp {
+        for r in v {
+            let _ = c.release_cache(&r.kv_cache.as_ref().unwrap().cache_id).await;
+        }
+    }
+    show("BatchPrefill", bp);
+    show("ListModels", c.list_models().await);
+    show("LoadModel", c.load_model(pb::LoadModelRequest::default()).await);
+    show("UnloadModel", c.unload_model(pb::UnloadModelRequest { name: "no-such-model".into(), ..Default::default() }).await);
+    show("LoadAdapter", c.load_adapter(pb::LoadAdapterRequest::default()).await);
+    show("UnloadAdapter", c.unload_adapter(pb::UnloadAdapterRequest { name: "no-such-adapter".into(), ..Default::default() }).await);
+    show("ListAdapters", c.list_adapters(pb::ListAdaptersRequest::default()).await);
+    show("UpdateWeights", c.update_weights(vec![]).await);
+    show(
+        "RegisterSharedMemory",
+        c.register_shared_memory(pb::RegisterSharedMemoryRequest { name: "no-such-region".into(), ..Default::default() })
+            .await
+            .map(|_| ()),
+    );
+    show("UnregisterSharedMemory", c.unregister_shared_memory(pb::UnregisterSharedMemoryRequest::default()).await);
+    let exported = c.export_sequence(pb::ExportSequenceRequest { kv_cache: Some(fh.clone()), ..Default::default() }).await;
+    let chunks = exported.clone().unwrap_or_default();
+    show("ExportSequence", exported);
+    let imported = c.import_sequence(chunks).await;
+    if let Ok(r) = &imported {
+        if let Some(k) = &r.kv_cache {
+            let _ = c.release_cache(&k.cache_id).await;
+        }
+    }
+    show("ImportSequence", imported);
+    show("CreateImportTicket", c.create_import_ticket(pb::CreateImportTicketRequest::default()).await);
+    show(
+        "PushSequence",
+        c.push_sequence(pb::PushSequenceRequest { kv_cache: Some(fh.clone()), target: "127.0.0.1:1".into(), ..Default::default() })
+            .await,
+    );
+    let w: R<()> = async {
+        use futures::StreamExt;
+        let mut s = c.with_timeout(Some(Duration::from_secs(5))).watch_kv_events(pb::WatchKvEventsRequest::default()).await?;
+        match s.next().await {
+            Some(Ok(_)) => Ok(()),
+            Some(Err(e)) => Err(e.into()),
+            None => Err(ExecutorError::local(tonic::Code::Internal, "no hello")),
+        }
+    }
+    .await;
+    show("WatchKvEvents", w);
+    show("ReleaseCache", c.release_cache(&fh.cache_id).await);
+    let _ = c.release_cache(&h.cache_id).await;
+    Ok(())
+}
+
+/// RemoteExecutor alone: a prefill and decodes on a remote sequence, then the handles
+/// dropped; prints the server's active sequences before and after.
+async fn engine_release(c: &ExecutorClient, prompt: &[u32]) -> R<()> {
+    let ex = RemoteExecutor::new(c.clone()).await?;
+    let before = c.status().await?.active_sequences;
+    {
+        let out = ex.prefill(&PrefillInput::new(token_tensor(prompt))).await.map_err(|e| ExecutorError::local(tonic::Code::Internal, e.to_string()))?;
+        let mut h = out.kv_cache.clone();
+        let mut tok = out.logits.argmax_last_dim_u32().unwrap();
+        let mut toks = vec![tok];
+        for _ in 0..3 {
+            let d = ex.decode(&DecodeInput::new(token_tensor(&[tok]), h.clone())).await.map_err(|e| ExecutorError::local(tonic::Code::Internal, e.to_string()))?;
+            tok = d.logits.argmax_last_dim_u32().unwrap();
+            toks.push(tok);
+            h = d.kv_cache;
+        }
+        println!("executor_ids {}", join(&toks));
+        // forward_verify of two tokens, then truncate_kv back: the next decode gives the
+        // same logits as a decode straight after the loop would.
+        let err = |e: ferrum_types::FerrumError| ExecutorError::local(tonic::Code::Internal, e.to_string());
+        let verify = ex
+            .forward_verify(&[DecodeInput::new(token_tensor(&[tok]), h.clone()), DecodeInput::new(token_tensor(&[7]), h.clone())])
+            .await
+            .map_err(err)?;
+        let first_row = verify[0].logits.to_vec_f32().unwrap();
+        println!("verify_rows {}", verify.len());
+        let len = h.num_tokens();
+        ex.truncate_kv(&h, len).await.map_err(err)?;
+        let again = ex.decode(&DecodeInput::new(token_tensor(&[tok]), h.clone())).await.map_err(err)?;
+        let same = again.logits.to_vec_f32().unwrap() == first_row;
+        println!("verify_then_truncate_same {}", u8::from(same));
+        drop(again);
+        println!("during {}", c.status().await?.active_sequences);
+    }
+    // The release runs in the background once the last handle went: wait for it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut after = c.status().await?.active_sequences;
+    while after != before && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        after = c.status().await?.active_sequences;
+    }
+    println!("before {before}");
+    println!("after {after}");
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let cmd = args.first().map(String::as_str).unwrap_or("");
+    let addr = args.get(1).cloned().unwrap_or_default();
+    // TLS and a bearer token from the environment: FERRUM_RPC_CA (the CA's PEM file),
+    // FERRUM_RPC_SERVER_NAME (the name on the server's certificate), FERRUM_RPC_TOKEN.
+    let token = std::env::var("FERRUM_RPC_TOKEN").ok().filter(|t| !t.is_empty());
+    let tls = std::env::var("FERRUM_RPC_CA").ok().map(|ca| ferrum_rpc_client::ClientTls {
+        ca_pem: std::fs::read(ca).expect("FERRUM_RPC_CA"),
+        domain: std::env::var("FERRUM_RPC_SERVER_NAME").ok(),
+        identity: None,
+    });
+    let opts = ClientOptions { token, tls, timeout: Some(Duration::from_secs(60)), ..Default::default() };
+    let c = match ExecutorClient::connect(&addr, opts).await {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(1)
+        }
+    };
+    let r: R<()> = match cmd {
+        "greedy" => greedy(&c, args[2].parse().unwrap(), &ids(&args[3])).await.map(|v| println!("greedy {}", join(&v))),
+        "seeded" => seeded_ids(&c, args[2].parse().unwrap(), &ids(&args[3])).await.map(|v| println!("seeded {}", join(&v))),
+        "logits" => logits(&c, &ids(&args[2]), &args[3]).await,
+        "errors" => errors(&addr, &c, &args[2].split(',').collect::<Vec<_>>()).await,
+        "rpcs" => rpcs(&c).await,
+        "engine-release" => engine_release(&c, &ids(&args[2])).await,
+        _ => {
+            eprintln!("unknown command {cmd:?}");
+            std::process::exit(2)
+        }
+    };
+    if let Err(e) = r {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,949 @@
+//! [`RemoteExecutor`]: `ferrum_interfaces::ModelExecutor` over [`ExecutorClient`], so
+//! Ferrum's own engine (`EngineBuilder::with_custom_executor`) runs its model on a
+//! ferrum-rpc server.
+//!
+//! Sequences. Each remote sequence is a [`Lease`]: its latest server handle, released
+//! (ReleaseCache) when the last reference to it goes, or at once by `release_cache`.
+//! The engine names a sequence in two ways: by the handle a call returned (a
+//! [`RemoteKvCacheHandle`], downcast through `as_any`), and by the `cache_id` of a
+//! handle its own KV manager minted (its unified batches carry only that id as
+//! `seq_id`). Sequences made for an engine-minted id are kept in a table under that id
+//! until `release_cache(id)`; a sequence made without one lives as long as its handles.
+//!
+//! Logits come back as FULL float32 rows ([`LogitsTensor`], a `TensorLike` over the
+//! reply's bytes); token ids are read from the engine's input tensors with
+//! `to_vec_u32`.
+//!
+//! The trait's synchronous methods (capabilities, status, kv_capacity,
+//! kv_slot_capacity_snapshot) answer from a snapshot of GetCapabilities and GetStatus
+//! refreshed in the background; see docs/contract.md for each mismatch between the
+//! trait and the contract.
+
+use crate::client::{policy, ExecutorClient};
+use crate::error::ExecutorError;
+use crate::logits::LogitsView;
+use crate::pb;
+use async_trait::async_trait;
+use ferrum_interfaces::kv_cache::{BlockTable, CacheHandleStats};
+use ferrum_interfaces::model_executor::{
+    AttentionType, DecodeInput, DecodeOutput, ExecutorCapabilities, ExecutorMemoryUsage, ExecutorState,
+    ExecutorStatus, KvSlotCapacitySnapshot, KvSlotRequest, KvSlotReservation, MemoryRequirements, PrefillInput,
+    PrefillOutput, UnifiedBatch,
+};
+use ferrum_interfaces::{KvCacheHandle, ModelExecutor, TensorLike, TensorRef};
+use ferrum_types::{DataType, Device, FerrumError, ModelId, ModelInfo, ModelType, Result};
+use std::any::Any;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+/// How often the background task refreshes the GetStatus snapshot.
+const STATUS_REFRESH: Duration = Duration::from_millis(500);
+
+/// An executor error as Ferrum's error: the reason leads the message ("REASON:
+/// message"), and the kind follows the table: capacity reasons are resource_exhausted
+/// (Ferrum's engine defers the work), deadlines timeout, cancels cancelled, a lost
+/// server network, malformed input invalid_request, the rest backend.
+pub fn to_ferrum(err: ExecutorError) -> FerrumError {
+    let text = err.to_string();
+    match err.reason.as_deref() {
+        Some("KV_CAPACITY_EXHAUSTED" | "SEQUENCE_LIMIT_EXCEEDED" | "TENANT_QUOTA_EXCEEDED") => {
+            FerrumError::resource_exhausted(text)
+        }
+        Some("INVALID_INPUT" | "SEQUENCE_TOO_LONG") => FerrumError::invalid_request(text),
+        Some(_) => FerrumError::backend(text),
+        None => match err.code {
+            tonic::Code::DeadlineExceeded => FerrumError::timeout(text),
+            tonic::Code::Cancelled => FerrumError::cancelled(text),
+            tonic::Code::Unavailable => FerrumError::network(text),
+            _ => FerrumError::backend(text),
+        },
+    }
+}
+
+/// One remote sequence: its latest handle, released on the server when dropped.
+pub struct Lease {
+    client: ExecutorClient,
+    runtime: tokio::runtime::Handle,
+    handle: Mutex<pb::KvCacheHandle>,
+    released: AtomicBool,
+    /// Releases sent and not yet answered (shared by an executor's leases).
+    pending: Arc<AtomicUsize>,
+}
+
+impl Lease {
+    fn new(client: &ExecutorClient, handle: pb::KvCacheHandle, pending: Arc<AtomicUsize>) -> Arc<Self> {
+        Arc::new(Lease {
+            client: client.clone(),
+            runtime: tokio::runtime::Handle::current(),
+            handle: Mutex::new(handle),
+            released: AtomicBool::new(false),
+            pending,
+        })
+    }
+
+    /// The server handle the next call sends.
+    pub fn handle(&self) -> pb::KvCacheHandle {
+        self.handle.lock().unwrap().clone()
+    }
+
+    fn set(&self, handle: pb::KvCacheHandle) {
+        *self.handle.lock().unwrap() = handle;
+    }
+
+    /// Tokens in the sequence.
+    pub fn len(&self) -> usize {
+        self.handle.lock().unwrap().sequence_length as usize
+    }
+
+    /// The server's id of the sequence.
+    pub fn cache_id(&self) -> String {
+        self.handle.lock().unwrap().cache_id.clone()
+    }
+
+    /// Releases the sequence now (once; in the background, its failure ignored: a
+    /// sequence the server lost is gone anyway, and one it kept idles out).
+    pub fn release(&self) {
+        if self.released.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let client = self.client.with_timeout(Some(Duration::from_secs(5)));
+        let id = self.cache_id();
+        let pending = self.pending.clone();
+        pending.fetch_add(1, Ordering::SeqCst);
+        self.runtime.spawn(async move {
+            let _ = client.release_cache(&id).await;
+            pending.fetch_sub(1, Ordering::SeqCst);
+        });
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// A remote sequence as Ferrum's `KvCacheHandle`. Clones share the sequence (one
+/// lease); its KV lives on the server, so `key_cache`/`value_cache` are None.
+#[derive(Clone)]
+pub struct RemoteKvCacheHandle {
+    lease: Arc<Lease>,
+    key: String,
+    length: usize,
+    block_table: BlockTable,
+    layers: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl std::fmt::Debug for RemoteKvCacheHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteKvCacheHandle").field("key", &self.key).field("length", &self.length).finish()
+    }
+}
+
+impl RemoteKvCacheHandle {
+    fn new(lease: Arc<Lease>, key: String) -> Self {
+        let h = lease.handle();
+        let block_size = h.block_table.as_ref().map(|b| b.block_size as usize).unwrap_or(16).max(1);
+        let mut block_table = BlockTable::new(block_size);
+        block_table.sequence_length = h.sequence_length as usize;
+        RemoteKvCacheHandle {
+            key,
+            length: h.sequence_length as usize,
+            block_table,
+            layers: h.num_layers as usize,
+            kv_heads: h.num_kv_heads as usize,
+            head_dim: h.head_dim as usize,
+            lease,
+        }
+    }
+
+    /// The server handle of this sequence now.
+    pub fn server_handle(&self) -> pb::KvCacheHandle {
+        self.lease.handle()
+    }
+
+    /// The lease shared by every handle of this sequence.
+    pub fn lease(&self) -> &Arc<Lease> {
+        &self.lease
+    }
+}
+
+impl KvCacheHandle for RemoteKvCacheHandle {
+    fn block_table(&self) -> &BlockTable {
+        &self.block_table
+    }
+    fn block_table_mut(&mut self) -> &mut BlockTable {
+        &mut self.block_table
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+    fn device(&self) -> Device {
+        Device::CPU
+    }
+    fn num_tokens(&self) -> usize {
+        self.length
+    }
+    fn num_layers(&self) -> usize {
+        self.layers
+    }
+    fn num_heads(&self) -> usize {
+        self.kv_heads
+    }
+    fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+    fn key_cache(&self, _layer: usize) -> Result<Option<TensorRef>> {
+        Ok(None)
+    }
+    fn value_cache(&self, _layer: usize) -> Result<Option<TensorRef>> {
+        Ok(None)
+    }
+    fn clone_handle(&self) -> Result<Arc<dyn KvCacheHandle>> {
+        Ok(Arc::new(self.clone()))
+    }
+    fn stats(&self) -> CacheHandleStats {
+        CacheHandleStats {
+            memory_bytes: 0,
+            blocks_allocated: self.length.div_ceil(self.block_table.block_size.max(1)),
+            tokens_stored: self.length,
+            utilization: 0.0,
+            last_access: std::time::Instant::now(),
+        }
+    }
+    fn is_valid(&self) -> bool {
+        !self.lease.released.load(Ordering::SeqCst)
+    }
+    fn cache_id(&self) -> String {
+        self.key.clone()
+    }
+}
+
+/// Float32 rows as Ferrum's `TensorLike`: logits read from a reply, or token ids.
+#[derive(Clone)]
+pub struct LogitsTensor {
+    data: Arc<Vec<f32>>,
+    offset: usize,
+    shape: Vec<usize>,
+}
+
+impl std::fmt::Debug for LogitsTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "LogitsTensor{:?}", self.shape)
+    }
+}
+
+impl LogitsTensor {
+    /// `rows` x `vocab` values shaped as `shape`.
+    pub fn new(data: Vec<f32>, shape: Vec<usize>) -> Self {
+        LogitsTensor { data: Arc::new(data), offset: 0, shape }
+    }
+
+    fn numel_of(shape: &[usize]) -> usize {
+        shape.iter().product()
+    }
+
+    /// The values (row-major).
+    pub fn values(&self) -> &[f32] {
+        &self.data[self.offset..self.offset + Self::numel_of(&self.shape)]
+    }
+}
+
+impl TensorLike for LogitsTensor {
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn dtype(&self) -> DataType {
+        DataType::FP32
+    }
+    fn device(&self) -> Device {
+        Device::CPU
+    }
+    fn is_contiguous(&self) -> bool {
+        true
+    }
+    /// A view along the leading dimensions that keeps whole last-dimension rows (what
+    /// Ferrum takes: the last position of [batch, seq, vocab]).
+    fn view(&self, start: &[usize], end: &[usize]) -> Result<TensorRef> {
+        let n = self.shape.len();
+        if start.len() != n || end.len() != n || start[n - 1] != 0 || end[n - 1] != self.shape[n - 1] {
+            return Err(FerrumError::unsupported("LogitsTensor views keep whole rows"));
+        }
+        // Row-major: only a contiguous block of rows is a view; that holds when every
+        // dimension but one leading range is taken whole or has size 1.
+        let mut strides = vec![1usize; n];
+        for d in (0..n - 1).rev() {
+            strides[d] = strides[d + 1] * self.shape[d + 1];
+        }
+        let offset = self.offset + (0..n).map(|d| start[d] * strides[d]).sum::<usize>();
+        let shape: Vec<usize> = (0..n).map(|d| end[d] - start[d]).collect();
+        let contiguous = (1..n).all(|d| shape[d] == self.shape[d] || (0..d).all(|e| shape[e] == 1));
+        if !contiguous {
+            return Err(FerrumError::unsupported("LogitsTensor view is not contiguous"));
+        }
+        Ok(Arc::new(LogitsTensor { data: self.data.clone(), offset, shape }))
+    }
+    fn reshape(&self, shape: &[usize]) -> Result<TensorRef> {
+        if Self::numel_of(shape) != Self::numel_of(&self.shape) {
+            return Err(FerrumError::invalid_parameter("reshape changes the element count"));
+        }
+        Ok(Arc::new(LogitsTensor { data: self.data.clone(), offset: self.offset, shape: shape.to_vec() }))
+    }
+    fn to_cpu(&self) -> Result<TensorRef> {
+        Ok(Arc::new(self.clone()))
+    }
+    fn to_device(&self, device: &Device) -> Result<TensorRef> {
+        match device {
+            Device::CPU => Ok(Arc::new(self.clone())),
+            _ => Err(FerrumError::unsupported("remote logits live on the host")),
+        }
+    }
+    fn to_dtype(&self, dtype: DataType) -> Result<TensorRef> {
+        match dtype {
+            DataType::FP32 => Ok(Arc::new(self.clone())),
+            _ => Err(FerrumError::unsupported("remote logits are float32")),
+        }
+    }
+    fn to_vec_f32(&self) -> Result<Vec<f32>> {
+        Ok(self.values().to_vec())
+    }
+    fn to_vec_u32(&self) -> Result<Vec<u32>> {
+        Ok(self.values().iter().map(|v| *v as u32).collect())
+    }
+    fn argmax_last_dim_u32(&self) -> Result<u32> {
+        let v = self.values();
+        let vocab = *self.shape.last().unwrap_or(&v.len());
+        let row = &v[v.len() - vocab..];
+        let mut best = (0usize, f32::NEG_INFINITY);
+        for (i, x) in row.iter().enumerate() {
+            if *x > best.1 {
+                best = (i, *x);
+            }
+        }
+        Ok(best.0 as u32)
+    }
+}
+
+/// Token ids as a `[1, n]` tensor (for callers of the executor outside the engine).
+pub fn token_tensor(ids: &[u32]) -> TensorRef {
+    Arc::new(LogitsTensor::new(ids.iter().map(|&t| t as f32).collect(), vec![1, ids.len()]))
+}
+
+fn logits_rows(logits: Option<&pb::Logits>) -> Result<(Vec<f32>, usize, usize)> {
+    let view = logits
+        .and_then(LogitsView::of)
+        .ok_or_else(|| FerrumError::backend("reply without full logits"))?;
+    let mut out = Vec::with_capacity(view.rows() * view.vocab());
+    for r in 0..view.rows() {
+        match view.row_f32_slice(r) {
+            Some(s) => out.extend_from_slice(s),
+            None => out.extend(view.row_to_vec(r)),
+        }
+    }
+    Ok((out, view.rows(), view.vocab()))
+}
+
+/// The last row of a reply's logits, shaped `shape_prefix + [vocab]`.
+fn last_row(logits: Option<&pb::Logits>, shape_prefix: &[usize]) -> Result<LogitsTensor> {
+    let (all, rows, vocab) = logits_rows(logits)?;
+    let row = all[(rows - 1) * vocab..].to_vec();
+    let mut shape = shape_prefix.to_vec();
+    shape.push(vocab);
+    Ok(LogitsTensor::new(row, shape))
+}
+
+#[derive(Default)]
+struct Counters {
+    /// Trait calls by method: prefill, batch_prefill, decode/batch_decode, unified_decode,
+    /// forward_verify, truncate_kv.
+    calls: [AtomicU64; 6],
+    prefills: AtomicU64,
+    decodes: AtomicU64,
+    prefill_ns: AtomicU64,
+    decode_ns: AtomicU64,
+}
+
+/// Ferrum's `ModelExecutor` on a ferrum-rpc server.
+pub struct RemoteExecutor {
+    client: ExecutorClient,
+    info: ModelInfo,
+    caps: pb::Capabilities,
+    status: Arc<Mutex<Option<pb::Status>>>,
+    /// Sequences made for an engine-minted cache id, under that id.
+    by_key: Mutex<HashMap<String, Arc<Lease>>>,
+    /// Every live sequence under its server cache_id (weak: handles own them).
+    by_id: Mutex<HashMap<String, Weak<Lease>>>,
+    counters: Counters,
+    /// The last failed call's error ("REASON: message"), for callers that see only the
+    /// engine's outcome.
+    last_error: Mutex<Option<String>>,
+    pending: Arc<AtomicUsize>,
+    refresher: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for RemoteExecutor {
+    fn drop(&mut self) {
+        self.refresher.abort();
+    }
+}
+
+fn model_type(arch: &str) -> ModelType {
+    let a = arch.to_ascii_lowercase();
+    if a.contains("qwen") {
+        ModelType::Qwen
+    } else if a.contains("mistral") {
+        ModelType::Mistral
+    } else {
+        ModelType::Llama
+    }
+}
+
+fn data_type(d: i32) -> DataType {
+    match pb::DType::try_from(d).unwrap_or(pb::DType::DtypeFloat32) {
+        pb::DType::DtypeFloat16 => DataType::FP16,
+        pb::DType::DtypeBfloat16 => DataType::BF16,
+        _ => DataType::FP32,
+    }
+}
+
+impl RemoteExecutor {
+    /// Reads the model's facts and capabilities from the server and starts the status
+    /// snapshot. Must run inside a tokio runtime (releases are spawned on it).
+    pub async fn new(client: ExecutorClient) -> std::result::Result<Self, ExecutorError> {
+        let mi = client.info().await?;
+        let caps = client.capabilities().await?;
+        let first = client.status().await.ok();
+        let status = Arc::new(Mutex::new(first));
+        let weak: Weak<Mutex<Option<pb::Status>>> = Arc::downgrade(&status);
+        let c = client.with_timeout(Some(Duration::from_secs(2)));
+        let refresher = tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(STATUS_REFRESH).await;
+                let Some(slot) = weak.upgrade() else { return };
+                if let Ok(s) = c.status().await {
+                    *slot.lock().unwrap() = Some(s);
+                }
+            }
+        });
+        let mut metadata = HashMap::new();
+        metadata.insert("ferrum_arch".into(), serde_json::Value::String(mi.architecture.to_ascii_lowercase()));
+        metadata.insert(
+            "eos_token_ids".into(),
+            serde_json::Value::Array(mi.eos_token_ids.iter().map(|&t| t.into()).collect()),
+        );
+        let info = ModelInfo {
+            model_id: ModelId::new(mi.name.clone()),
+            model_type: model_type(&mi.architecture),
+            num_parameters: mi.parameter_count,
+            hidden_size: mi.hidden_size as usize,
+            num_layers: mi.num_layers as usize,
+            num_heads: mi.num_attention_heads as usize,
+            num_kv_heads: mi.num_kv_heads as usize,
+            vocab_size: mi.vocab_size as usize,
+            max_sequence_length: caps.max_sequence_length.min(mi.max_sequence_length).max(1) as usize,
+            dtype: data_type(mi.dtype),
+            device: Device::CPU,
+            version: None,
+            license: None,
+            metadata,
+        };
+        Ok(RemoteExecutor {
+            client,
+            info,
+            caps,
+            status,
+            by_key: Mutex::new(HashMap::new()),
+            by_id: Mutex::new(HashMap::new()),
+            counters: Counters::default(),
+            last_error: Mutex::new(None),
+            pending: Arc::new(AtomicUsize::new(0)),
+            refresher,
+        })
+    }
+
+    /// The last failed call's error, as "REASON: message" (the code's name without a
+    /// reason).
+    pub fn last_error(&self) -> Option<String> {
+        self.last_error.lock().unwrap().clone()
+    }
+
+    fn failed(&self, err: ExecutorError) -> FerrumError {
+        *self.last_error.lock().unwrap() = Some(err.to_string());
+        to_ferrum(err)
+    }
+
+    /// How often the engine called each trait method, as "name=count" pairs.
+    pub fn call_counts(&self) -> String {
+        let names = ["prefill", "batch_prefill", "batch_decode", "unified_decode", "forward_verify", "truncate_kv"];
+        names
+            .iter()
+            .zip(&self.counters.calls)
+            .map(|(n, c)| format!("{n}={}", c.load(Ordering::Relaxed)))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    fn count(&self, method: usize) {
+        self.counters.calls[method].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The client this executor calls through.
+    pub fn client(&self) -> &ExecutorClient {
+        &self.client
+    }
+
+    /// Remote sequences this executor made that are not yet released.
+    pub fn live_sequences(&self) -> usize {
+        let ids = self.by_id.lock().unwrap();
+        ids.values()
+            .filter_map(|w| w.upgrade())
+            .filter(|l| !l.released.load(Ordering::SeqCst))
+            .count()
+            + self.by_key.lock().unwrap().values().filter(|l| !l.released.load(Ordering::SeqCst)).count()
+    }
+
+    /// Releases every remote sequence this executor made, and waits (up to `within`)
+    /// until the server answered each release.
+    pub async fn release_all(&self, within: Duration) {
+        let held: Vec<Arc<Lease>> = self.by_key.lock().unwrap().drain().map(|(_, l)| l).collect();
+        let live: Vec<Arc<Lease>> = self.by_id.lock().unwrap().values().filter_map(|w| w.upgrade()).collect();
+        for lease in held.iter().chain(&live) {
+            lease.release();
+        }
+        let deadline = tokio::time::Instant::now() + within;
+        while self.pending.load(Ordering::SeqCst) > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Waits (up to `within`) until the engine released every sequence it had and the
+    /// server answered the releases. True when nothing is left.
+    pub async fn wait_released(&self, within: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let quiet = self.live_sequences() == 0 && self.pending.load(Ordering::SeqCst) == 0;
+            if quiet || tokio::time::Instant::now() >= deadline {
+                return quiet;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// The lease a handle names: one of ours (downcast), else one held under its id.
+    fn lease_of(&self, handle: &Arc<dyn KvCacheHandle>) -> Option<Arc<Lease>> {
+        if let Some(h) = handle.as_any().downcast_ref::<RemoteKvCacheHandle>() {
+            return Some(h.lease.clone());
+        }
+        self.by_key.lock().unwrap().get(&handle.cache_id()).cloned()
+    }
+
+    fn lease_for_key(&self, key: &str) -> Option<Arc<Lease>> {
+        self.by_key.lock().unwrap().get(key).cloned()
+    }
+
+    fn out_handle(&self, lease: &Arc<Lease>, key: Option<String>) -> Arc<dyn KvCacheHandle> {
+        let key = key.unwrap_or_else(|| lease.cache_id());
+        Arc::new(RemoteKvCacheHandle::new(lease.clone(), key))
+    }
+
+    fn key_of(handle: &Arc<dyn KvCacheHandle>) -> String {
+        match handle.as_any().downcast_ref::<RemoteKvCacheHandle>() {
+            Some(h) => h.key.clone(),
+            None => handle.cache_id(),
+        }
+    }
+
+    fn lease(&self, handle: pb::KvCacheHandle) -> Arc<Lease> {
+        let lease = Lease::new(&self.client, handle, self.pending.clone());
+        let mut ids = self.by_id.lock().unwrap();
+        ids.retain(|_, w| w.strong_count() > 0);
+        ids.insert(lease.cache_id(), Arc::downgrade(&lease));
+        lease
+    }
+
+    fn held(&self, key: &str, lease: Arc<Lease>) {
+        if let Some(old) = self.by_key.lock().unwrap().insert(key.to_string(), lease) {
+            old.release();
+        }
+    }
+
+    /// One decode step per input in ONE BatchDecode (all or nothing).
+    async fn decode_many(&self, inputs: &[(u32, Arc<Lease>)]) -> Result<Vec<LogitsTensor>> {
+        let t0 = std::time::Instant::now();
+        let items = inputs
+            .iter()
+            .map(|(t, l)| pb::DecodeItem { token_id: *t, kv_cache: Some(l.handle()), token_choice: None })
+            .collect();
+        let replies = self.client.batch_decode(items, Some(policy::full()), true).await.map_err(|e| self.failed(e))?;
+        if replies.len() != inputs.len() {
+            return Err(FerrumError::backend(format!("BatchDecode answered {} of {} items", replies.len(), inputs.len())));
+        }
+        let mut out = Vec::with_capacity(inputs.len());
+        for (r, (_, lease)) in replies.into_iter().zip(inputs) {
+            if let Some(h) = r.kv_cache.clone() {
+                lease.set(h);
+            }
+            out.push(last_row(r.logits.as_ref(), &[1])?);
+        }
+        self.counters.decodes.fetch_add(inputs.len() as u64, Ordering::Relaxed);
+        self.counters.decode_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        Ok(out)
+    }
+}
+
+fn input_ids(t: &TensorRef) -> Result<Vec<u32>> {
+    t.to_vec_u32()
+}
+
+#[async_trait]
+impl ModelExecutor for RemoteExecutor {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn kv_capacity(&self) -> Option<usize> {
+        Some(self.caps.max_sequence_length as usize)
+    }
+
+    /// The contract has no reservation call: the server takes blocks as a call needs
+    /// them and refuses with KV_CAPACITY_EXHAUSTED (resource_exhausted here) when it
+    /// cannot, before anything runs. So nothing is reserved ahead (None: "no
+    /// model-owned paged KV"), and the engine meets capacity at the call.
+    fn reserve_kv_slots(&self, _requests: &[KvSlotRequest]) -> Result<Option<KvSlotReservation>> {
+        Ok(None)
+    }
+
+    fn kv_slot_capacity_snapshot(&self) -> Option<KvSlotCapacitySnapshot> {
+        let s = self.status.lock().unwrap().clone()?;
+        Some(KvSlotCapacitySnapshot {
+            block_size: self.caps.kv_block_size as usize,
+            total_blocks: s.kv_blocks_total as usize,
+            free_blocks: s.kv_blocks_free as usize,
+        })
+    }
+
+    /// A prompt (or a chunk of one): a new remote sequence, or a continuation when the
+    /// input's handle names one. The output's logits are the LAST position only, shaped
+    /// [1, 1, vocab]: that is what the engine samples from.
+    async fn prefill(&self, input: &PrefillInput) -> Result<PrefillOutput> {
+        self.count(0);
+        let t0 = std::time::Instant::now();
+        let ids = input_ids(&input.input_ids)?;
+        let (lease, key) = match &input.kv_cache {
+            Some(h) => (self.lease_of(h), Some(Self::key_of(h))),
+            None => (None, None),
+        };
+        let reply = self
+            .client
+            .prefill(&ids, lease.as_ref().map(|l| l.handle()).as_ref(), Some(policy::full()), None)
+            .await
+            .map_err(|e| self.failed(e))?;
+        let handle = reply.kv_cache.clone().ok_or_else(|| FerrumError::backend("Prefill reply without a handle"))?;
+        let lease = match lease {
+            Some(l) => {
+                l.set(handle);
+                l
+            }
+            None => {
+                let l = self.lease(handle);
+                if let Some(k) = &key {
+                    self.held(k, l.clone());
+                }
+                l
+            }
+        };
+        let logits = last_row(reply.logits.as_ref(), &[1, 1])?;
+        self.counters.prefills.fetch_add(1, Ordering::Relaxed);
+        self.counters.prefill_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        Ok(PrefillOutput::new(Arc::new(logits), self.out_handle(&lease, key)))
+    }
+
+    /// Several prompts in ONE BatchPrefill (all or nothing).
+    async fn batch_prefill(&self, inputs: &[PrefillInput]) -> Result<Vec<PrefillOutput>> {
+        self.count(1);
+        let t0 = std::time::Instant::now();
+        let mut items = Vec::with_capacity(inputs.len());
+        let mut known = Vec::with_capacity(inputs.len());
+        for input in inputs {
+            let (lease, key) = match &input.kv_cache {
+                Some(h) => (self.lease_of(h), Some(Self::key_of(h))),
+                None => (None, None),
+            };
+            items.push(pb::PrefillItem {
+                token_ids: input_ids(&input.input_ids)?,
+                kv_cache: lease.as_ref().map(|l| l.handle()),
+                ..Default::default()
+            });
+            known.push((lease, key));
+        }
+        let replies = self.client.batch_prefill(items, Some(policy::full())).await.map_err(|e| self.failed(e))?;
+        let mut out = Vec::with_capacity(inputs.len());
+        for (r, (lease, key)) in replies.into_iter().zip(known) {
+            let handle = r.kv_cache.clone().ok_or_else(|| FerrumError::backend("BatchPrefill reply without a handle"))?;
+            let lease = match lease {
+                Some(l) => {
+                    l.set(handle);
+                    l
+                }
+                None => {
+                    let l = self.lease(handle);
+                    if let Some(k) = &key {
+                        self.held(k, l.clone());
+                    }
+                    l
+                }
+            };
+            let logits = last_row(r.logits.as_ref(), &[1, 1])?;
+            out.push(PrefillOutput::new(Arc::new(logits), self.out_handle(&lease, key)));
+        }
+        self.counters.prefills.fetch_add(inputs.len() as u64, Ordering::Relaxed);
+        self.counters.prefill_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        Ok(out)
+    }
+
+    /// One token appended; logits [1, vocab].
+    async fn decode(&self, input: &DecodeInput) -> Result<DecodeOutput> {
+        let mut out = self.batch_decode(std::slice::from_ref(input)).await?;
+        Ok(out.remove(0))
+    }
+
+    /// One BatchDecode for every input (all or nothing, in order).
+    async fn batch_decode(&self, inputs: &[DecodeInput]) -> Result<Vec<DecodeOutput>> {
+        self.count(2);
+        let mut work = Vec::with_capacity(inputs.len());
+        for input in inputs {
+            let ids = input_ids(&input.input_ids)?;
+            let token = *ids.last().ok_or_else(|| FerrumError::invalid_request("decode without a token"))?;
+            let lease = self
+                .lease_of(&input.kv_cache)
+                .ok_or_else(|| FerrumError::not_found(format!("no remote sequence for {}", input.kv_cache.cache_id())))?;
+            work.push((token, lease));
+        }
+        let logits = self.decode_many(&work).await?;
+        Ok(logits
+            .into_iter()
+            .zip(inputs.iter().zip(&work))
+            .map(|(l, (input, (_, lease)))| {
+                DecodeOutput::new(Arc::new(l), self.out_handle(lease, Some(Self::key_of(&input.kv_cache))))
+            })
+            .collect())
+    }
+
+    /// The engine's mixed batch: prompt chunks in ONE BatchPrefill, then the decode
+    /// steps in ONE BatchDecode. The prefills run first; when the decodes then fail,
+    /// the sequences this call created are released, so a failed call leaves the
+    /// server as it was (the engine falls back to its split path and prefills again).
+    async fn unified_decode(&self, batch: &UnifiedBatch) -> Result<Vec<Option<Vec<f32>>>> {
+        self.count(3);
+        let mut results: Vec<Option<Vec<f32>>> = vec![None; batch.items.len()];
+        let mut prefill_idx = Vec::new();
+        let mut prefill_items = Vec::new();
+        let mut prefill_leases = Vec::new();
+        let mut decode_idx = Vec::new();
+        let mut decode_work = Vec::new();
+        for (i, item) in batch.items.iter().enumerate() {
+            let lease = self.lease_of(&item.kv_cache).or_else(|| self.lease_for_key(&item.seq_id));
+            let lease = match lease {
+                Some(l) if item.pos_offset > 0 => {
+                    if l.len() != item.pos_offset {
+                        return Err(FerrumError::backend(format!(
+                            "sequence {} holds {} tokens on the server, the engine continues at {}",
+                            item.seq_id,
+                            l.len(),
+                            item.pos_offset
+                        )));
+                    }
+                    Some(l)
+                }
+                Some(_) | None if item.pos_offset == 0 => None,
+                _ => return Err(FerrumError::not_found(format!("no remote sequence for {}", item.seq_id))),
+            };
+            let is_decode = item.q_tokens.len() == 1 && item.is_final_chunk && lease.is_some();
+            if is_decode {
+                decode_idx.push(i);
+                decode_work.push((item.q_tokens[0], lease.unwrap()));
+            } else {
+                prefill_idx.push(i);
+                prefill_items.push(pb::PrefillItem {
+                    token_ids: item.q_tokens.clone(),
+                    kv_cache: lease.as_ref().map(|l| l.handle()),
+                    ..Default::default()
+                });
+                prefill_leases.push(lease);
+            }
+        }
+        let mut created: Vec<String> = Vec::new();
+        if !prefill_items.is_empty() {
+            let t0 = std::time::Instant::now();
+            let n = prefill_items.len();
+            let replies = self.client.batch_prefill(prefill_items, Some(policy::full())).await.map_err(|e| self.failed(e))?;
+            for ((r, i), lease) in replies.into_iter().zip(&prefill_idx).zip(prefill_leases) {
+                let item = &batch.items[*i];
+                let handle = r.kv_cache.clone().ok_or_else(|| FerrumError::backend("BatchPrefill reply without a handle"))?;
+                match lease {
+                    Some(l) => l.set(handle),
+                    None => {
+                        self.held(&item.seq_id, self.lease(handle));
+                        created.push(item.seq_id.clone());
+                    }
+                }
+                if item.is_final_chunk {
+                    results[*i] = Some(last_row(r.logits.as_ref(), &[1])?.values().to_vec());
+                }
+            }
+            self.counters.prefills.fetch_add(n as u64, Ordering::Relaxed);
+            self.counters.prefill_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        }
+        if !decode_work.is_empty() {
+            match self.decode_many(&decode_work).await {
+                Ok(rows) => {
+                    for (row, i) in rows.into_iter().zip(&decode_idx) {
+                        results[*i] = Some(row.values().to_vec());
+                    }
+                }
+                Err(e) => {
+                    for key in created {
+                        self.release_cache(&key);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(results)
+    }
+
+    /// Roll the sequence back to `new_len` tokens (TruncateKv).
+    async fn truncate_kv(&self, kv_cache: &Arc<dyn KvCacheHandle>, new_len: usize) -> Result<()> {
+        self.count(5);
+        let lease = self
+            .lease_of(kv_cache)
+            .ok_or_else(|| FerrumError::not_found(format!("no remote sequence for {}", kv_cache.cache_id())))?;
+        let h = self.client.truncate_kv(&lease.handle(), new_len as u32).await.map_err(|e| self.failed(e))?;
+        lease.set(h);
+        Ok(())
+    }
+
+    /// The inputs' tokens (one sequence, in order) in ONE ForwardVerify; one output per
+    /// input with its position's logits [1, vocab], each carrying the final handle.
+    async fn forward_verify(&self, inputs: &[DecodeInput]) -> Result<Vec<DecodeOutput>> {
+        self.count(4);
+        let first = inputs.first().ok_or_else(|| FerrumError::invalid_request("forward_verify without inputs"))?;
+        let lease = self
+            .lease_of(&first.kv_cache)
+            .ok_or_else(|| FerrumError::not_found(format!("no remote sequence for {}", first.kv_cache.cache_id())))?;
+        let mut tokens = Vec::with_capacity(inputs.len());
+        for input in inputs {
+            tokens.push(*input_ids(&input.input_ids)?.last().ok_or_else(|| FerrumError::invalid_request("empty input"))?);
+        }
+        let reply = self.client.forward_verify(&tokens, &lease.handle(), Some(policy::full())).await.map_err(|e| self.failed(e))?;
+        if let Some(h) = reply.kv_cache.clone() {
+            lease.set(h);
+        }
+        let (all, rows, vocab) = logits_rows(reply.logits.as_ref())?;
+        if rows != inputs.len() {
+            return Err(FerrumError::backend(format!("ForwardVerify answered {rows} rows for {} tokens", inputs.len())));
+        }
+        let key = Self::key_of(&first.kv_cache);
+        Ok((0..rows)
+            .map(|r| {
+                let row = LogitsTensor::new(all[r * vocab..(r + 1) * vocab].to_vec(), vec![1, vocab]);
+                DecodeOutput::new(Arc::new(row), self.out_handle(&lease, Some(key.clone())))
+            })
+            .collect())
+    }
+
+    fn capabilities(&self) -> ExecutorCapabilities {
+        let c = &self.caps;
+        let attention = c
+            .attention_mechanisms
+            .iter()
+            .filter_map(|m| match m.to_ascii_lowercase().as_str() {
+                "multi_head" | "multihead" => Some(AttentionType::MultiHead),
+                "multi_query" | "multiquery" => Some(AttentionType::MultiQuery),
+                "grouped_query" | "groupedquery" => Some(AttentionType::GroupedQuery),
+                "flash" => Some(AttentionType::Flash),
+                "paged" => Some(AttentionType::Paged),
+                "sliding_window" | "slidingwindow" => Some(AttentionType::SlidingWindow),
+                _ => None,
+            })
+            .collect();
+        let m = c.memory.clone().unwrap_or_default();
+        ExecutorCapabilities {
+            max_batch_size: c.max_batch_size as usize,
+            max_sequence_length: c.max_sequence_length as usize,
+            attention_mechanisms: attention,
+            supports_dynamic_batching: c.dynamic_batching,
+            supports_continuous_batching: c.continuous_batching,
+            supports_speculative_decoding: c.forward_verify && c.truncate_kv,
+            supports_tensor_parallelism: c.tensor_parallel,
+            supports_pipeline_parallelism: c.pipeline_parallel,
+            supported_dtypes: c.supported_dtypes.iter().map(|d| data_type(*d)).collect(),
+            supported_devices: vec![Device::CPU],
+            memory_requirements: MemoryRequirements {
+                parameter_memory: m.parameter_bytes,
+                activation_memory_per_token: m.activation_bytes_per_token as usize,
+                kv_cache_memory_per_token: m.kv_bytes_per_token_per_layer as usize,
+                overhead_memory: m.overhead_bytes,
+            },
+        }
+    }
+
+    /// The server's state and memory from the latest GetStatus snapshot; operation
+    /// counts and times are this executor's own calls.
+    fn status(&self) -> ExecutorStatus {
+        let s = self.status.lock().unwrap().clone().unwrap_or_default();
+        let state = match pb::status::ExecutorState::try_from(s.executor_state).unwrap_or_default() {
+            pb::status::ExecutorState::Initializing => ExecutorState::Initializing,
+            pb::status::ExecutorState::Busy => ExecutorState::Busy,
+            pb::status::ExecutorState::Error => ExecutorState::Error,
+            pb::status::ExecutorState::Shutdown => ExecutorState::Shutdown,
+            _ => match pb::status::State::try_from(s.state).unwrap_or_default() {
+                pb::status::State::Loading => ExecutorState::Initializing,
+                pb::status::State::Draining => ExecutorState::Shutdown,
+                _ => ExecutorState::Ready,
+            },
+        };
+        let ms = |ns: &AtomicU64, n: &AtomicU64| {
+            let n = n.load(Ordering::Relaxed);
+            if n == 0 {
+                0.0
+            } else {
+                ns.load(Ordering::Relaxed) as f64 / n as f64 / 1e6
+            }
+        };
+        ExecutorStatus {
+            state,
+            is_ready: matches!(state, ExecutorState::Ready | ExecutorState::Busy),
+            current_batch_size: s.active_sequences as usize,
+            prefill_operations: self.counters.prefills.load(Ordering::Relaxed),
+            decode_operations: self.counters.decodes.load(Ordering::Relaxed),
+            avg_prefill_time_ms: ms(&self.counters.prefill_ns, &self.counters.prefills),
+            avg_decode_time_ms: ms(&self.counters.decode_ns, &self.counters.decodes),
+            memory_usage: ExecutorMemoryUsage {
+                allocated_bytes: s.memory_allocated_bytes as usize,
+                used_bytes: s.memory_used_bytes as usize,
+                peak_bytes: s.memory_peak_bytes as usize,
+                utilization_percent: (s.memory_utilization * 100.0) as f32,
+            },
+            last_operation: None,
+        }
+    }
+
+    /// Releases the sequence held under `cache_id` (an engine-minted id) now.
+    fn release_cache(&self, cache_id: &str) {
+        if let Some(lease) = self.by_key.lock().unwrap().remove(cache_id) {
+            lease.release();
+        }
+        let weak = self.by_id.lock().unwrap().remove(cache_id);
+        if let Some(lease) = weak.and_then(|w| w.upgrade()) {
+            lease.release();
+        }
+    }
+}

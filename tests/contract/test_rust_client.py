@@ -1,0 +1,339 @@
+"""The Rust crate (clients/rust) against real servers, compared with the Python client on
+the same server: greedy and seeded token ids and float32 logits bytes, every error row's
+code and reason, every RPC through the typed Rust API; and Ferrum's own engine
+(ContinuousEngine with RemoteExecutor, the ferrum-engine-generate program) on
+SmolLM2: its greedy ids equal generate_ids', alone and 8 at once, a cancelled request
+leaves no sequence, and a server killed mid-generation ends the engine's requests with
+an error naming the reason.
+
+The crate is built once per session with `cargo build --release` into
+cache_root()/"cargo-target" (outside the clone, so CI and later runs reuse it; a warm
+build only checks freshness). Without cargo the tests are skipped, saying so; with
+FERRUM_REQUIRE_RUST=1 (CI sets it) they fail instead. The first test waits for the
+build: its timeout covers a cold build of Ferrum's crates on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tests.conftest import running_server
+from tests.contract.test_cpp_client import ARGMAX, COMMON_ROWS, PROMPT, SEEDED, lines, outcome, python_rows
+from tests.system.test_security import ALICE, pki, tokens_file  # noqa: F401 (fixtures)
+
+from ferrum_rpc.client import ClientTls, ExecutorClient, LogitsPolicy
+from ferrum_rpc.client.generate import generate_ids
+from ferrum_rpc.client.sampling import SamplingParams
+from ferrum_rpc.harness import ServerProcess, all_serving
+from ferrum_rpc.paths import cache_root
+from ferrum_rpc.types import ServerState
+
+pytestmark = pytest.mark.timeout(2400)
+
+ROOT = Path(__file__).resolve().parents[2]
+CRATE = ROOT / "clients" / "rust"
+SMOL = "SmolLM2-135M-Instruct"
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "Water boils at",
+           "The three primary colors are", "In 1969, humans", "A haiku about rain:", "Rust is a language that"]
+MAX_TOKENS = 16
+
+
+def target_dir() -> Path:
+    return cache_root() / "cargo-target"
+
+
+@pytest.fixture(scope="session")
+def rust_bin() -> Path:
+    cargo = shutil.which("cargo") or str(Path.home() / ".cargo" / "bin" / "cargo")
+    missing = None
+    if not Path(cargo).exists():
+        missing = "cargo is missing (install a Rust toolchain with rustup)"
+    elif not (os.environ.get("PROTOC") or shutil.which("protoc")):
+        missing = "protoc is missing (apt-get install protobuf-compiler)"
+    if missing:
+        message = f"Rust client not built: {missing}"
+        if os.environ.get("FERRUM_REQUIRE_RUST") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    env = dict(os.environ, CARGO_TARGET_DIR=str(target_dir()), FERRUM_PYTHON=sys.executable)
+    done = subprocess.run(["nice", "-n", "10", cargo, "build", "--release", "--bins", "--examples"], cwd=CRATE,
+                          env=env, capture_output=True, text=True, timeout=2300)
+    assert done.returncode == 0, done.stderr[-6000:]
+    return target_dir() / "release"
+
+
+def run(rust_bin: Path, program: str, *args, check: bool = True, timeout: float = 180,
+        env: dict | None = None) -> subprocess.CompletedProcess:
+    done = subprocess.run([str(rust_bin / program), *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, **(env or {})))
+    if check:
+        assert done.returncode == 0, f"{program} {args}: {done.stderr[-4000:]}"
+    return done
+
+
+def ids(values) -> str:
+    return ",".join(map(str, values))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    with running_server(tiny_llama_dir) as srv:
+        yield srv
+
+
+@pytest.fixture
+def py(server):
+    with ExecutorClient(server.target, timeout=30) as c:
+        yield c
+
+
+# -- the typed client: tokens and logits bit for bit, errors, every RPC -------------------
+def test_greedy_ids_equal_the_python_clients(rust_bin, server, py):
+    out = py.prefill(PROMPT, logits=ARGMAX)
+    want, handle = [int(out.logits.token_ids[0][0])], out.kv_cache
+    for _ in range(11):
+        step = py.decode(want[-1], handle, logits=ARGMAX)
+        want.append(int(step.logits.token_ids[0][0]))
+        handle = step.kv_cache
+    py.release_cache(handle)
+    got = lines(run(rust_bin, "ferrum-rust-check", "greedy", server.target, 12, ids(PROMPT)).stdout)
+    assert [int(t) for t in got["greedy"]] == want
+
+
+def test_seeded_decode_ahead_ids_equal_the_python_clients(rust_bin, server, py):
+    out = py.prefill(PROMPT, token_choice=SEEDED)
+    want = [out.chosen.token_id]
+    result = py.decode_ahead(want[0], out.kv_cache, SEEDED, 23)
+    want += [c.token_id for c in result.chosen]
+    py.release_cache(result.kv_cache)
+    got = lines(run(rust_bin, "ferrum-rust-check", "seeded", server.target, 24, ids(PROMPT)).stdout)
+    assert [int(t) for t in got["seeded"]] == want
+
+
+def test_float32_logits_bytes_equal_the_python_clients(rust_bin, server, py, tmp_path):
+    got = lines(run(rust_bin, "ferrum-rust-check", "logits", server.target, ids(PROMPT), tmp_path).stdout)
+    pre = py.prefill(PROMPT, logits=LogitsPolicy.full(all_positions=True))
+    rows = np.ascontiguousarray(pre.logits.values, dtype=np.float32)
+    assert got["prefill_shape"] == [str(len(PROMPT)), str(rows.shape[1])]
+    assert (tmp_path / "prefill.f32").read_bytes() == rows.tobytes()
+    dec = py.decode(int(np.argmax(rows[-1])), pre.kv_cache, logits=LogitsPolicy.full())
+    assert (tmp_path / "decode.f32").read_bytes() == np.ascontiguousarray(dec.logits.values, dtype=np.float32).tobytes()
+    py.release_cache(dec.kv_cache)
+
+
+def test_error_rows_have_the_python_clients_reasons(rust_bin, server, py):
+    rows, subject = python_rows(py, server.target)
+    want = {name: outcome(rows[name]) for name in COMMON_ROWS}
+    py.release_cache(subject)
+    got = lines(run(rust_bin, "ferrum-rust-check", "errors", server.target, ",".join(COMMON_ROWS)).stdout)
+    for name in COMMON_ROWS:
+        assert got[name][:2] == want[name][:2], f"{name}: Rust {got[name]}, Python {want[name]}"
+    assert got["subject_after"] == ["OK"], "a failed Rust call changed the sequence"
+    # The flags come from the proto's table: a deadline is an unknown outcome, not retryable.
+    assert got["deadline"][2:] == ["false", "true"]
+    assert got["cache_not_found"][2:] == ["false", "false"]
+
+
+def test_limit_rows_have_the_python_clients_reasons(rust_bin, tiny_llama_dir):
+    with running_server(tiny_llama_dir, max_seq_len=32, kv_tokens=64, block_size=4) as srv, \
+            ExecutorClient(srv.target, timeout=30) as py:
+        rows, subject = python_rows(py, srv.target)
+        want = {name: outcome(rows[name]) for name in ("too_long", "kv_exhausted")}
+        py.release_cache(subject)
+        got = lines(run(rust_bin, "ferrum-rust-check", "errors", srv.target, "too_long,kv_exhausted").stdout)
+        assert got["too_long"][:2] == want["too_long"] == ["OUT_OF_RANGE", "SEQUENCE_TOO_LONG"]
+        assert got["kv_exhausted"] == ["RESOURCE_EXHAUSTED", "KV_CAPACITY_EXHAUSTED", "true", "false"]
+        assert want["kv_exhausted"] == ["RESOURCE_EXHAUSTED", "KV_CAPACITY_EXHAUSTED"]
+        srv.app.servicer.state = ServerState.DRAINING  # the flag SIGTERM's drain sets
+        try:
+            want = outcome(lambda: py.prefill([1, 2, 3]))
+            got = lines(run(rust_bin, "ferrum-rust-check", "errors", srv.target, "prefill").stdout)
+        finally:
+            srv.app.servicer.state = ServerState.SERVING
+        assert want == ["UNAVAILABLE", "DRAINING"]
+        assert got["prefill"] == ["UNAVAILABLE", "DRAINING", "true", "false"]
+
+
+RPCS = ["GetModelInfo", "GetCapabilities", "GetStatus", "Prefill", "Decode", "BatchDecode", "ForwardVerify",
+        "TruncateKv", "ReleaseCache", "DecodeSession", "ForkCache", "Forward", "SpeculativeDecode", "BatchPrefill",
+        "ListModels", "LoadModel", "UnloadModel", "LoadAdapter", "UnloadAdapter", "ListAdapters", "UpdateWeights",
+        "RegisterSharedMemory", "UnregisterSharedMemory", "ExportSequence", "ImportSequence", "CreateImportTicket",
+        "PushSequence", "WatchKvEvents"]
+
+
+def test_every_rpc_is_callable_through_the_rust_client(rust_bin, server):
+    from ferrum_rpc.v1 import executor_pb2 as pb
+
+    assert sorted(RPCS) == sorted(m.name for m in pb.DESCRIPTOR.services_by_name["ModelExecutor"].methods)
+    got = lines(run(rust_bin, "ferrum-rust-check", "rpcs", server.target).stdout)
+    assert sorted(got) == sorted(RPCS)
+    # Each call reached the server and came back typed: OK, or a status of the contract
+    # (the requests for admin and transfer calls are deliberately empty or refused).
+    answered_ok = {"GetModelInfo", "GetCapabilities", "GetStatus", "Prefill", "Decode", "BatchDecode",
+                   "ForwardVerify", "TruncateKv", "ReleaseCache", "DecodeSession", "ForkCache",
+                   "SpeculativeDecode", "BatchPrefill", "ListModels", "ListAdapters", "ExportSequence",
+                   "ImportSequence", "CreateImportTicket", "WatchKvEvents", "UnregisterSharedMemory"}
+    for name in answered_ok:
+        assert got[name] == ["OK"], f"{name}: {got[name]}"
+    assert got["Forward"][0] == "UNIMPLEMENTED"
+    for name in set(RPCS) - answered_ok - {"Forward"}:
+        assert got[name][0] != "OK" and got[name][0] != "UNKNOWN", f"{name}: {got[name]}"
+
+
+def test_tls_with_a_token(rust_bin, tiny_llama_dir, pki, tokens_file):  # noqa: F811
+    kwargs = dict(tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"), auth_tokens=tokens_file)
+    with running_server(tiny_llama_dir, server_kwargs=kwargs) as srv, \
+            ExecutorClient(srv.target, timeout=30, tls=ClientTls(ca=str(pki / "ca.pem"), server_name="localhost"),
+                           token=ALICE) as py:
+        out = py.prefill(PROMPT, token_choice=SEEDED)
+        want = [out.chosen.token_id]
+        result = py.decode_ahead(want[0], out.kv_cache, SEEDED, 11)
+        want += [c.token_id for c in result.chosen]
+        py.release_cache(result.kv_cache)
+        tls = {"FERRUM_RPC_CA": str(pki / "ca.pem"), "FERRUM_RPC_SERVER_NAME": "localhost"}
+        got = lines(run(rust_bin, "ferrum-rust-check", "seeded", srv.target, 12, ids(PROMPT),
+                        env={**tls, "FERRUM_RPC_TOKEN": ALICE}).stdout)
+        assert [int(t) for t in got["seeded"]] == want
+        refused = run(rust_bin, "ferrum-rust-check", "greedy", srv.target, 2, ids(PROMPT), check=False,
+                      env={**tls, "FERRUM_RPC_TOKEN": ""})
+        assert refused.returncode == 1 and "UNAUTHENTICATED: " in refused.stderr
+        plain = run(rust_bin, "ferrum-rust-check", "greedy", srv.target, 2, ids(PROMPT), check=False,
+                    env={"FERRUM_RPC_TOKEN": ALICE})
+        assert plain.returncode == 1 and "UNAVAILABLE" in plain.stderr  # no TLS: the handshake fails
+
+
+def test_remote_executor_releases_its_sequence_on_drop(rust_bin, server, py):
+    got = lines(run(rust_bin, "ferrum-rust-check", "engine-release", server.target, ids(PROMPT)).stdout)
+    out = py.prefill(PROMPT, logits=ARGMAX)
+    want, handle = [int(out.logits.token_ids[0][0])], out.kv_cache
+    for _ in range(3):
+        step = py.decode(want[-1], handle, logits=ARGMAX)
+        want.append(int(step.logits.token_ids[0][0]))
+        handle = step.kv_cache
+    py.release_cache(handle)
+    assert [int(t) for t in got["executor_ids"]] == want
+    assert got["verify_rows"] == ["2"] and got["verify_then_truncate_same"] == ["1"]
+    assert int(got["during"][0]) == int(got["before"][0]) + 1
+    assert got["after"] == got["before"]
+
+
+def test_the_readmes_example_is_the_built_one(rust_bin):
+    import re
+
+    snippet = re.search(r"```rust\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    example = (CRATE / "examples" / "greedy.rs").read_text()
+    assert example.split("\n", 1)[1] == snippet
+    assert (rust_bin / "examples" / "greedy").exists()
+
+
+# -- Ferrum's engine on SmolLM2 -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smol_dir():
+    from ferrum_rpc.server.prepare import prepare_default_model
+
+    return prepare_default_model()
+
+
+@pytest.fixture(scope="module")
+def smol(smol_dir):
+    with running_server(smol_dir, name=SMOL, kv_tokens=8192, block_size=16, server_kwargs=dict(warmup=False)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def python_greedy(smol, smol_dir):
+    """generate_ids' greedy ids for each prompt, tokenized as tokenizers' encode(text)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(smol_dir) / "tokenizer.json"))
+    with ExecutorClient(smol.target, timeout=60) as c:
+        eos = set(c.info().eos_token_ids)
+        return [list(generate_ids(c, tok.encode(p).ids, MAX_TOKENS, SamplingParams(greedy=True), stop_ids=eos))
+                for p in PROMPTS]
+
+
+def engine_ids(rust_bin, target: str, prompts: list[str], concurrency: int, smol_dir) -> list[list[int]]:
+    done = run(rust_bin, "ferrum-engine-generate", "--addr", target, "--max-tokens", MAX_TOKENS, "--concurrency",
+               concurrency, "--tokenizer", Path(smol_dir) / "tokenizer.json", "--ids", *prompts, timeout=300)
+    out = done.stdout.splitlines()
+    assert len(out) == len(prompts), done.stdout
+    return [[int(t) for t in line.split()] for line in out]
+
+
+def test_ferrum_engine_greedy_equals_generate_ids_alone(rust_bin, smol, smol_dir, python_greedy):
+    got = [engine_ids(rust_bin, smol.target, [p], 1, smol_dir)[0] for p in PROMPTS]
+    assert got == python_greedy
+
+
+def test_ferrum_engine_eight_at_once_equal_each_alone(rust_bin, smol, smol_dir, python_greedy):
+    got = engine_ids(rust_bin, smol.target, PROMPTS, 8, smol_dir)
+    assert got == python_greedy
+    with ExecutorClient(smol.target, timeout=30) as c:
+        deadline = time.monotonic() + 10
+        while c.status().active_sequences and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.status().active_sequences == 0
+
+
+def test_ferrum_engine_text_is_generated(rust_bin, smol, smol_dir):
+    done = run(rust_bin, "ferrum-engine-generate", "--addr", smol.target, "--max-tokens", 8,
+               "--tokenizer", Path(smol_dir) / "tokenizer.json", PROMPTS[0], timeout=300)
+    assert done.stdout.strip(), "no text"
+
+
+def test_a_request_cancelled_mid_generation_leaves_no_sequence(rust_bin, smol, smol_dir):
+    """The engine program interrupted (SIGINT after its first decode steps reached the
+    server): its requests go with it, and the server holds no sequence of theirs."""
+    with ExecutorClient(smol.target, timeout=30) as c:
+        before = c.status()
+        proc = subprocess.Popen([str(rust_bin / "ferrum-engine-generate"), "--addr", smol.target, "--max-tokens",
+                                 "400", "--concurrency", "2", "--tokenizer", str(Path(smol_dir) / "tokenizer.json"),
+                                 "--ids", PROMPTS[0], PROMPTS[1]], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + 120
+            while c.status().active_sequences < 2 or c.status().forwards < before.forwards + 8:
+                assert proc.poll() is None and time.monotonic() < deadline, "generation never got going"
+                time.sleep(0.02)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 130, err
+        # Ferrum's engine cancelled the requests and released their sequences itself
+        # (the program's own release of leftovers had nothing to do).
+        assert b"the engine released its sequences" in err and b"released here" not in err, err
+        deadline = time.monotonic() + 30
+        while c.status().active_sequences and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.status().active_sequences == 0
+
+
+def test_server_killed_mid_generation_ends_with_the_reason(rust_bin, smol_dir):
+    with all_serving(ServerProcess(f"{SMOL}={smol_dir}", "--kv-tokens", "4096", "--block-size", "16",
+                                   "--no-warmup", "--threads", "1")) as (srv,):
+        with ExecutorClient(srv.target, timeout=30) as c:
+            start = c.status().forwards
+            proc = subprocess.Popen([str(rust_bin / "ferrum-engine-generate"), "--addr", srv.target, "--max-tokens",
+                                     "400", "--tokenizer", str(Path(smol_dir) / "tokenizer.json"), "--ids",
+                                     PROMPTS[0]], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                deadline = time.monotonic() + 120
+                while c.status().forwards < start + 4:
+                    assert proc.poll() is None and time.monotonic() < deadline, "generation never got going"
+                    time.sleep(0.02)
+                srv.kill()
+                out, err = proc.communicate(timeout=60)  # an error, not a hang
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+    assert proc.returncode == 1, (out, err)
+    assert "UNAVAILABLE" in err, err
