@@ -1,8 +1,9 @@
 """Serving under load: many users at once against our server and against llama.cpp's own
 ``llama-server`` on the same Q4_1 GGUF, same threads, in one run.
 
-The workload is fixed by a seed: N requests, each a prompt of 100-1,500 token ids (drawn
-from the vocabulary, so no prefix is shared) and 128 output tokens (greedy, no stop),
+The workload is fixed by a seed: N requests a run, each a prompt of 100-1,500 token ids
+(drawn from the vocabulary, new in every run, so no prefix is shared or cached) and 128
+output tokens (greedy, no stop),
 arriving as a Poisson process at each rate given.  Each request runs in its own thread
 as a separate user would: on our side the Python client's ``generate_ids`` (the decode-
 ahead path it picks by itself), on llama.cpp's a streamed ``/completion``.  Times are
@@ -103,7 +104,9 @@ class Request:
 
 
 def run_rate(send, prompts_: list[list[int]], rate: float, seed: int) -> dict:
-    """Sends every prompt at its Poisson arrival time (a thread each) and summarises."""
+    """Sends every prompt at its Poisson arrival time (a thread each) and summarises.
+    ``prompts_`` must be new to the server: a prefix-cache hit on an earlier run's
+    prompt would time a prompt that was not computed."""
     start = time.perf_counter() + 0.2
     requests = [Request(start + t) for t in arrivals(len(prompts_), rate, seed)]
 
@@ -212,7 +215,14 @@ def llama_server(gguf: Path, threads: int, slots: int):
 
 
 def highest_held(rows: list[dict]) -> float:
-    return max((r["rate"] for r in rows if r["holds"] and r["rate"]), default=0.0)
+    """The highest Poisson rate below which every rate measured held the latency bound
+    (0: not even the lowest)."""
+    held = 0.0
+    for row in sorted((r for r in rows if r["rate"]), key=lambda r: r["rate"]):
+        if not row["holds"]:
+            break
+        held = row["rate"]
+    return held
 
 
 def plot(results: dict[str, list[dict]], path: Path) -> None:
@@ -258,7 +268,8 @@ def main() -> None:
         return
     model = prepare_default_model()
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-    work = prompts(args.requests, args.seed, vocab)
+    # each run its own prompts (the same ones for both servers): none is cached from an earlier run
+    work = {rate: prompts(args.requests, args.seed * 1000 + i, vocab) for i, rate in enumerate(args.rates)}
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown")
     results: dict[str, list[dict]] = {}
@@ -266,10 +277,10 @@ def main() -> None:
         flags = ("--quantize", args.quantize, "--max-batch", str(args.requests), "--threads", str(args.threads))
         with served(str(model), "float32", flags,
                     kv_tokens=args.requests * (PROMPT_TOKENS[1] + OUTPUT_TOKENS + 16)) as target:
-            results[f"ferrum-rpc {args.quantize}"] = [run_rate(ours(target), work, r, args.seed) for r in args.rates]
+            results[f"ferrum-rpc {args.quantize}"] = [run_rate(ours(target), work[r], r, args.seed) for r in args.rates]
     if "llama" in args.servers:
         with llama_server(find_gguf(), args.threads, args.requests) as port:
-            results["llama-server Q4_1"] = [run_rate(llama(port), work, r, args.seed) for r in args.rates]
+            results["llama-server Q4_1"] = [run_rate(llama(port), work[r], r, args.seed) for r in args.rates]
     print(f"\n{cpu}, {args.threads} threads, {args.requests} requests a rate, prompts {PROMPT_TOKENS[0]}-"
           f"{PROMPT_TOKENS[1]} tokens, {OUTPUT_TOKENS} out")
     print(f"{'server':24} {'rate':>5} {'tok/s':>7} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7}  holds")
