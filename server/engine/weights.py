@@ -13,7 +13,11 @@ rebuild, leaves the old weights serving."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -23,6 +27,7 @@ from safetensors import safe_open
 
 from ferrum_rpc.errors import Cancelled
 from ferrum_rpc.hashing import updated_weights_digest, weights_digest
+from ferrum_rpc.paths import cache_root
 from ..models import TORCH_DTYPES, load_model, return_freed_memory
 from .graphs import decode_graphs
 from .weights_file import DTYPE_BYTES, FLOAT_DTYPES, HEADER_SLACK, WeightsUpload
@@ -39,6 +44,30 @@ def checkpoint_index(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]
                 part = f.get_slice(name)
                 index[name.removeprefix("_orig_mod.")] = (tuple(part.get_shape()), part.get_dtype())
     return index
+
+
+def stored_weights_digest(path: str | Path) -> str:
+    """``hashing.weights_digest`` of a model folder, read back from the cache folder while
+    none of its files changed (the same size, modification and change times, and inode);
+    computed and stored otherwise.  Hashing the files is half a second of every start
+    for SmolLM2 in float32, and they seldom change between starts."""
+    folder = Path(path).resolve()
+    files = [folder / "config.json", *sorted(folder.glob("*.safetensors"))]
+    stamp = [[f.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino] for f in files for st in [f.stat()]]
+    store = cache_root() / "digests" / f"{hashlib.blake2b(str(folder).encode(), digest_size=16).hexdigest()}.json"
+    try:
+        saved = json.loads(store.read_text())
+        if saved["files"] == stamp:
+            return saved["digest"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    digest = weights_digest(folder)
+    with contextlib.suppress(OSError):  # a read-only cache folder: computed again next time
+        store.parent.mkdir(parents=True, exist_ok=True)
+        staged = store.with_suffix(f".{os.getpid()}.tmp")
+        staged.write_text(json.dumps({"files": stamp, "digest": digest}))
+        os.replace(staged, store)
+    return digest
 
 
 class Weights:
@@ -60,7 +89,7 @@ class Weights:
 
     @classmethod
     def of_folder(cls, path: str | Path) -> Weights:
-        return cls(path, checkpoint_index(path), weights_digest(path))
+        return cls(path, checkpoint_index(path), stored_weights_digest(path))
 
     @property
     def limit_bytes(self) -> int:
