@@ -27,7 +27,7 @@ DOC_ADDRESS = "127.0.0.1:50051"
 BLOCK = re.compile(r"^```python\n(.*?)^```$", re.S | re.M)
 # Pages whose Python blocks are fragments of a larger setup (several replicas, an
 # adapter folder, a weights file) and do not run against one local server yet.
-FRAGMENT_PAGES = {"docs/replicas.md", "docs/weights.md", "docs/token-choice.md"}
+FRAGMENT_PAGES = {"docs/replicas.md", "docs/weights.md"}
 
 
 def python_blocks(page: Path) -> list[str]:
@@ -53,13 +53,15 @@ def server(default_model_dir):
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_python_block_runs_as_printed(page, server, capsys):
-    """The blocks of a page run in order, each in a fresh namespace, against the live server."""
+    """The blocks of a page run in order, in one namespace (a later block may use what an
+    earlier one made, as a reader would), against the live server."""
     name = str(page.relative_to(ROOT))
     if name in FRAGMENT_PAGES:
         pytest.skip(f"{name}: its blocks are fragments (see FRAGMENT_PAGES)")
+    namespace = {"__name__": "__doc_snippet__"}
     for i, block in enumerate(python_blocks(page)):
         code = compile(block.replace(DOC_ADDRESS, server.target), f"{name}[block {i}]", "exec")
-        exec(code, {"__name__": "__doc_snippet__"})
+        exec(code, namespace)
     with ExecutorClient(server.target, timeout=30) as ex:
         assert ex.status().active_sequences == 0, f"{name}'s blocks left sequences behind"
 
