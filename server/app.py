@@ -8,6 +8,7 @@ and flips health to SERVING.  ``serve`` is the CLI's entry point.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import threading
@@ -90,6 +91,9 @@ class App:
         """Refuses new calls (UNAVAILABLE/DRAINING), lets in-flight ones finish, stops."""
         log.info("draining: %d call(s) in flight", self.servicer.inflight)
         self.servicer.state = ServerState.DRAINING
+        if self.port_file:  # whoever reads it stops sending new work here
+            with contextlib.suppress(StartupError):  # the drain goes on if the file cannot be written
+                self.port_file.write(state="draining")
         self.servicer.shm.close_all()  # ends the registration streams; pinned calls finish their writes
         self.servicer.end_watches()  # KV events streams end: routers stop placing here
         await self.health.enter_graceful_shutdown()

@@ -76,7 +76,7 @@ class PortFile:
     instance_id, pid, state), for whoever started it with port 0.  Each write goes to a
     temporary file in the same folder and then replaces the file, so a reader never sees
     half of one.  It is written once listening (state "listening"), again once every
-    model serves ("serving"), and removed when the server exits."""
+    model serves ("serving"), once it drains ("draining"), and removed when it exits."""
 
     def __init__(self, path: str):
         self.path = Path(path)

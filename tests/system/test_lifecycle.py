@@ -352,3 +352,27 @@ def test_sigterm_drains_in_flight_calls_and_exits_zero(tiny_llama_dir):
         with pytest.raises(ExecutorError) as gone:
             after.info()
     assert gone.value.code is grpc.StatusCode.UNAVAILABLE and gone.value.reason is None, gone.value
+
+
+def test_the_port_file_says_draining_while_the_server_drains(tiny_llama_dir):
+    """A live sequence holds the drain for its export grace; meanwhile the --port-file
+    says "draining", so whoever reads it sends no new work here."""
+    import json
+
+    with ServerProcess(f"tiny={tiny_llama_dir}", "--no-warmup", "--kv-tokens", "256", "--export-grace", "30") as server:
+        server.wait_serving(timeout=60)
+        with ExecutorClient(server.target, timeout=30) as c:
+            c.prefill([1, 2, 3, 4, 5])  # kept: the drain waits for it to be exported
+        assert json.loads(server.port_file.read_text())["state"] == "serving"
+        server.proc.send_signal(signal.SIGTERM)
+        deadline, state = time.monotonic() + 20, "serving"
+        while state != "draining":
+            assert time.monotonic() < deadline, f"the port file still says {state!r}"
+            time.sleep(0.02)
+            try:
+                state = json.loads(server.port_file.read_text())["state"]
+            except (OSError, ValueError):  # removed once the server exits: too late
+                state = "gone"
+                break
+        assert state == "draining"
+        server.kill()
