@@ -181,6 +181,8 @@ async def build_server(config: ServerConfig) -> App:
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection((SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
+    if config.port and (refused := _plain_bind_error(config.host, config.port)) is not None:
+        raise refused
     try:
         if config.tls_cert:
             port = server.add_secure_port(address, _tls_credentials(config))
@@ -221,9 +223,15 @@ def _tls_credentials(config: ServerConfig) -> grpc.ServerCredentials:
 
 def _bind_error(host: str, port: int) -> StartupError:
     """Why ``host:port`` cannot be bound, found by trying it with a plain socket."""
+    return _plain_bind_error(host, port) or StartupError(
+        f"cannot listen on {host}:{port} (--host/--port): gRPC could not bind it")
+
+
+def _plain_bind_error(host: str, port: int) -> StartupError | None:
+    """Why a plain socket cannot bind ``host:port``, or None where it can: tried before
+    gRPC binds a fixed port, so a port in use is one line of ours and no gRPC log."""
     import socket
 
-    why = "gRPC could not bind it"
     try:
         for family, kind, proto, _, address in socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
                                                                   flags=socket.AI_PASSIVE):
@@ -235,6 +243,8 @@ def _bind_error(host: str, port: int) -> StartupError:
         why = exc.strerror or str(exc)
     except (OverflowError, ValueError, UnicodeError) as exc:
         why = str(exc)
+    else:
+        return None
     return StartupError(f"cannot listen on {host}:{port} (--host/--port): {why}")
 
 

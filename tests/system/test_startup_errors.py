@@ -160,6 +160,8 @@ def test_a_port_in_use_is_one_line_and_exit_2(tiny_llama_dir, taken_port, option
     assert "Traceback" not in stderr, stderr
     assert code == 2 and len(lines) == 1, stderr
     assert option in lines[0] and str(taken_port) in lines[0] and "in use" in lines[0], lines[0]
+    if option == "--port":  # refused before gRPC tries it: no gRPC core log line either
+        assert not re.search(r"^[EWID]\d{4} ", stderr, re.M), stderr
 
 
 def test_a_port_another_ferrum_server_serves_is_one_line_and_exit_2(tiny_llama_dir):
