@@ -236,6 +236,8 @@ def _plain_bind_error(host: str, port: int) -> StartupError | None:
         for family, kind, proto, _, address in socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
                                                                   flags=socket.AI_PASSIVE):
             with socket.socket(family, kind, proto) as probe:
+                # as gRPC binds: a port whose last connections linger (TIME_WAIT) is free
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 probe.bind(address)
     except socket.gaierror as exc:
         why = f"cannot resolve the address ({exc.strerror or exc})"
