@@ -568,6 +568,24 @@ impl RemoteExecutor {
         lease
     }
 
+    /// The lease a prefill's reply ``handle`` belongs to: the continued sequence's (moved
+    /// to the new handle), or a new one, held under the engine's ``key`` where it has one.
+    fn adopt(&self, lease: Option<Arc<Lease>>, key: Option<&str>, handle: pb::KvCacheHandle) -> Arc<Lease> {
+        match lease {
+            Some(l) => {
+                l.set(handle);
+                l
+            }
+            None => {
+                let l = self.lease(handle);
+                if let Some(k) = key {
+                    self.held(k, l.clone());
+                }
+                l
+            }
+        }
+    }
+
     fn held(&self, key: &str, lease: Arc<Lease>) {
         if let Some(old) = self.by_key.lock().unwrap().insert(key.to_string(), lease) {
             old.release();
@@ -646,19 +664,7 @@ impl ModelExecutor for RemoteExecutor {
             .await
             .map_err(|e| self.failed(e))?;
         let handle = reply.kv_cache.clone().ok_or_else(|| FerrumError::backend("Prefill reply without a handle"))?;
-        let lease = match lease {
-            Some(l) => {
-                l.set(handle);
-                l
-            }
-            None => {
-                let l = self.lease(handle);
-                if let Some(k) = &key {
-                    self.held(k, l.clone());
-                }
-                l
-            }
-        };
+        let lease = self.adopt(lease, key.as_deref(), handle);
         let logits = last_row(reply.logits.as_ref(), &[1, 1])?;
         self.counters.prefills.fetch_add(1, Ordering::Relaxed);
         self.counters.prefill_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
@@ -687,19 +693,7 @@ impl ModelExecutor for RemoteExecutor {
         let mut out = Vec::with_capacity(inputs.len());
         for (r, (lease, key)) in replies.into_iter().zip(known) {
             let handle = r.kv_cache.clone().ok_or_else(|| FerrumError::backend("BatchPrefill reply without a handle"))?;
-            let lease = match lease {
-                Some(l) => {
-                    l.set(handle);
-                    l
-                }
-                None => {
-                    let l = self.lease(handle);
-                    if let Some(k) = &key {
-                        self.held(k, l.clone());
-                    }
-                    l
-                }
-            };
+            let lease = self.adopt(lease, key.as_deref(), handle);
             let logits = last_row(r.logits.as_ref(), &[1, 1])?;
             out.push(PrefillOutput::new(Arc::new(logits), self.out_handle(&lease, key)));
         }
