@@ -47,7 +47,7 @@ def choose_step_ops(requested: str, dtype: torch.dtype, device: torch.device) ->
 
 
 def eager_attention(q, k, v, cos_table, sin_table, positions, pool: KvPool, layer: int, kv) -> torch.Tensor:
-    """The eager ops the fused attention replaces (models/llama.py): the reference."""
+    """The eager ops the fused attention replaces (models/layers.py): the reference."""
     B, T, H, D = q.shape
     cos = cos_table[positions].unsqueeze(2).to(q.dtype)
     sin = sin_table[positions].unsqueeze(2).to(q.dtype)

@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from ferrum_rpc.errors import CacheExpired, CacheNotFound, KvCapacityExhausted, WeightsChanged, shown
 from ferrum_rpc.hashing import block_hash, chain_root
-from .events import KvEventHub, Removed, Stored
+from .events import KvEventHub, Stored
 from .names import Names
-from .sequence import SequenceState
+from .prefix import PrefixIndex
+from .sequence import BlockSnapshot, SequenceState, SequenceView
 
 _EXPIRED_MEMORY = 100_000  # expired ids remembered, to answer CACHE_EXPIRED instead of NOT_FOUND
 
@@ -40,32 +40,6 @@ class WritePlan:
     added: list[int] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) to copy before writing
     replaced: list[tuple[int, int]] = field(default_factory=list)  # (table index, old block)
-
-
-@dataclass(frozen=True)
-class SequenceView:
-    """A sequence as it was when :meth:`BlockManager.snapshot` was taken (see SequenceState)."""
-
-    cache_id: str
-    length: int
-    block_ids: tuple[int, ...]
-    tokens: tuple[int, ...]
-    hashes: tuple[bytes, ...]
-    last_used: float
-    pins: int
-    tenant: str
-    prompt_spans: tuple[tuple[int, int], ...] = ()
-
-
-@dataclass(frozen=True)
-class BlockSnapshot:
-    """The manager's books at one moment, read-only: for tests and debugging."""
-
-    sequences: Mapping[str, SequenceView]  # cache id -> sequence
-    refs: tuple[int, ...]  # block -> how many sequences hold it (0: free)
-    free: tuple[int, ...]  # the free blocks, in the order the free list hands them out
-    hash_of: Mapping[int, bytes]  # prefix-cache index: block -> hash of its full content
-    block_of: Mapping[bytes, int]  # and back: hash -> block
 
 
 class BlockManager:
@@ -85,11 +59,7 @@ class BlockManager:
         self.prefix_caching = prefix_caching
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._refs = [0] * num_blocks
-        self._hash_of: dict[int, bytes] = {}  # block -> hash of its full content
-        self._block_of: dict[bytes, int] = {}  # hash -> block
-        # hash -> (tenant, parent hash, tokens) of every reusable block: what KV events tell
-        self._published: dict[bytes, tuple[str, bytes, tuple[int, ...]]] = {}
-        self.events: KvEventHub | None = None  # set by the executor (kv_events.py)
+        self.prefix = PrefixIndex()  # the prefix cache's hash <-> block index
         self._seqs: dict[str, SequenceState] = {}
         self._expired: OrderedDict[str, str] = OrderedDict()  # cache id -> its tenant
         self._invalidated: OrderedDict[str, str] = OrderedDict()  # dropped by a weights update: id -> tenant
@@ -100,6 +70,15 @@ class BlockManager:
         self.expired_count = 0
 
     # -- pool figures ----------------------------------------------------------
+    @property
+    def events(self) -> KvEventHub | None:
+        """The KV-event hub the prefix index tells (set by the executor)."""
+        return self.prefix.events
+
+    @events.setter
+    def events(self, hub: KvEventHub | None) -> None:
+        self.prefix.events = hub
+
     @property
     def num_free(self) -> int:
         return len(self._free)
@@ -114,7 +93,7 @@ class BlockManager:
 
     @property
     def num_cached_free(self) -> int:
-        return sum(1 for b in self._free if b in self._hash_of)
+        return sum(1 for b in self._free if b in self.prefix)
 
     def snapshot(self) -> BlockSnapshot:
         """A read-only copy of the books (sequences, ref counts, free list, prefix-hash
@@ -123,7 +102,8 @@ class BlockManager:
                                   s.last_used, s.pins, s.tenant, tuple(s.prompt_spans))
                 for cid, s in self._seqs.items()}
         return BlockSnapshot(MappingProxyType(seqs), tuple(self._refs), tuple(self._free),
-                             MappingProxyType(dict(self._hash_of)), MappingProxyType(dict(self._block_of)))
+                             MappingProxyType(dict(self.prefix.hash_of)),
+                             MappingProxyType(dict(self.prefix.block_of)))
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -135,7 +115,7 @@ class BlockManager:
             )
         taken = [self._free.popitem(last=False)[0] for _ in range(n)]
         for b in taken:
-            self._unhash(b)
+            self.prefix.forget(b)
             self._refs[b] = 1
         return taken
 
@@ -154,17 +134,9 @@ class BlockManager:
                 freed += 1
         return freed
 
-    def _unhash(self, block: int) -> None:
-        digest = self._hash_of.pop(block, None)
-        if digest is not None and self._block_of.get(digest) == block:
-            del self._block_of[digest]
-            tenant = self._published.pop(digest)[0]
-            if self.events is not None and self.events.active:
-                self.events.publish(tenant, Removed(digest))
-
     def cached_blocks(self, tenant: str) -> list[Stored]:
         """The reusable blocks of ``tenant``, in the order they were stored (a KV events snapshot)."""
-        return [Stored(d, parent, tokens) for d, (t, parent, tokens) in self._published.items() if t == tenant]
+        return self.prefix.stored(tenant)
 
     # -- sequences ------------------------------------------------------------
     def __contains__(self, cache_id: str) -> bool:
@@ -260,11 +232,7 @@ class BlockManager:
         roots of ``generation`` from now on (KV-event streams resync: a new hello names
         the root, its snapshot is empty)."""
         self.generation = generation
-        self._hash_of.clear()
-        self._block_of.clear()
-        self._published.clear()
-        if self.events is not None:
-            self.events.resync_all()
+        self.prefix.clear()
 
     def invalidate(self) -> int:
         """Drops every live sequence no job is using now, and makes every call naming any
@@ -302,7 +270,7 @@ class BlockManager:
         matched: list[int] = []
         hashes = self.block_hashes(tokens[:limit], seq.tenant, seq.adapter_digest)
         for digest in hashes:
-            block = self._block_of.get(digest)
+            block = self.prefix.lookup(digest)
             if block is None:
                 break
             matched.append(block)
@@ -331,14 +299,8 @@ class BlockManager:
             parent = seq.hashes[-1] if seq.hashes else self._root(seq.tenant, seq.adapter_digest, seq.generation)
             digest = self._block_hash(parent, seq.tokens[i * bs:(i + 1) * bs])
             seq.hashes.append(digest)
-            block = seq.block_ids[i]
-            if publish and block not in self._hash_of and digest not in self._block_of:
-                self._hash_of[block] = digest
-                self._block_of[digest] = block
-                tokens = tuple(seq.tokens[i * bs:(i + 1) * bs])
-                self._published[digest] = (seq.tenant, parent, tokens)
-                if self.events is not None and self.events.active:
-                    self.events.publish(seq.tenant, Stored(digest, parent, tokens))
+            if publish:
+                self.prefix.add(seq.block_ids[i], digest, seq.tenant, parent, tuple(seq.tokens[i * bs:(i + 1) * bs]))
 
     # -- writing ------------------------------------------------------------------
     def prepare_write(self, seq: SequenceState, start: int, end: int) -> WritePlan:
@@ -364,7 +326,7 @@ class BlockManager:
             plan.copies.append((old, new))
             plan.replaced.append((i, old))
         for i in range(first, min(have, self.blocks_for(end))):
-            self._unhash(seq.block_ids[i])  # its content is about to change
+            self.prefix.forget(seq.block_ids[i])  # its content is about to change
         del seq.hashes[first:]
         plan.added = self._take(need)
         seq.block_ids.extend(plan.added)

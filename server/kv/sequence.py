@@ -4,6 +4,7 @@ version (plain data; the block manager changes it)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -33,3 +34,29 @@ class SequenceState:
     def output_start(self) -> int:
         """Where the output starts: tokens[:output_start] are prompt, the rest output."""
         return min(self.prompt_spans[-1][1], self.length) if self.prompt_spans else 0
+
+
+@dataclass(frozen=True)
+class SequenceView:
+    """A sequence as it was when :meth:`BlockManager.snapshot` was taken (see :class:`SequenceState`)."""
+
+    cache_id: str
+    length: int
+    block_ids: tuple[int, ...]
+    tokens: tuple[int, ...]
+    hashes: tuple[bytes, ...]
+    last_used: float
+    pins: int
+    tenant: str
+    prompt_spans: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class BlockSnapshot:
+    """The manager's books at one moment, read-only: for tests and debugging."""
+
+    sequences: Mapping[str, SequenceView]  # cache id -> sequence
+    refs: tuple[int, ...]  # block -> how many sequences hold it (0: free)
+    free: tuple[int, ...]  # the free blocks, in the order the free list hands them out
+    hash_of: Mapping[int, bytes]  # prefix-cache index: block -> hash of its full content
+    block_of: Mapping[bytes, int]  # and back: hash -> block

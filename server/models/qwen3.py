@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
-from .llama import Attention, DecoderLayer, LlamaForCausalLM, RMSNorm
+from .layers import Attention, DecoderLayer, RMSNorm
+from .llama import LlamaForCausalLM
 
 
 class Qwen3Attention(Attention):

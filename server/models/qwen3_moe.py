@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .llama import MLP, LlamaForCausalLM
+from .layers import MLP
+from .llama import LlamaForCausalLM
 from .qwen3 import Qwen3DecoderLayer
 
 
