@@ -24,7 +24,7 @@ from ferrum_rpc.errors import ExecutorError, StartupError
 from .rpc.auth import AuthInterceptor, TlsFiles, TokenTable
 from .config import ServerConfig, parse_allow
 from .preflight import PortFile, check_tls_files
-from .rpc.migration import PushConfig
+from .rpc.push import PushConfig
 from .registry import Registry
 from .rpc.handler import add_executor_service
 from .rpc.servicer import ExecutorServicer

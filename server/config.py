@@ -9,7 +9,7 @@ from pathlib import Path
 from ferrum_rpc.errors import StartupError
 
 MIB = 1 << 20
-LINEAR_KERNELS = ("auto", "onednn-packed", "aten")  # see kernels.py
+LINEAR_KERNELS = ("auto", "onednn-packed", "aten")  # see kernels/select.py
 QUANTIZATIONS = ("none", "int8", "int4", "w8a8", "w4a8")  # see woq.py and qact.py
 STEP_OPS = ("auto", "fused", "eager")  # see fused.py
 BATCH_INVARIANT = ("auto", "on", "off")  # see models/loader.py
@@ -59,7 +59,7 @@ class ExecutorConfig:
             bfloat16 everywhere and float32 batches; float32 weights take 2x
             memory) and falls back to plain ``F.linear`` where it cannot run;
             "aten" forces the fallback; "onednn-packed" fails at load where it
-            cannot run.  See ``kernels.py``.  With ``quantize``, "aten" forces
+            cannot run.  See ``kernels/select.py``.  With ``quantize``, "aten" forces
             the torch fallbacks (dequantized weights through ``F.linear``).
         quantize: "none", "int8" or "int4": 8- or 4-bit block weights with
             activations kept to about 15 bits (two int8 digits per block,

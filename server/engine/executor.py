@@ -25,7 +25,7 @@ from typing import Iterable
 
 import torch
 
-from ferrum_rpc.errors import AdapterInvalid, ExecutorError, InvalidInput, RequestIdExists, TenantQuotaExceeded, shown
+from ferrum_rpc.errors import ExecutorError, InvalidInput
 from ..choice.rows import row_max
 from ..choice.policy import validate_token_choice
 from ..config import ExecutorConfig, TenantBounds, tenant_bounds
@@ -42,14 +42,14 @@ from ..kv.pool import KvPool
 from ..kv.blocks import BlockManager, SequenceState, WritePlan
 from .undo import Undo
 from ..kv.events import KvEventHub
-from ..kv.names import prompt_key
 from ..models import TORCH_DTYPES, load_model
 from ..parallel import runner
 from ..parallel.group import CURRENT
 from ..parallel.shard import Shard
 from .prompt import PromptInParts
+from .sequences import Sequences
 from .stats import Stats
-from ferrum_rpc.types import (BlockTable, Capabilities, DecodeInput, DecodeOutput, ExecutorStatus, HiddenStatesRequest,
+from ferrum_rpc.types import (Capabilities, DecodeInput, DecodeOutput, ExecutorStatus, HiddenStatesRequest,
                               KvCacheHandle, Logits, LogitsKind, LogitsPolicy, MemoryRequirements, ModelInfo,
                               PrefillOutput, ServerState, SpeculativeOutput, SpeculativeSampling, Timing,
                               TokenChoice, VerifyOutput)
@@ -103,6 +103,8 @@ class TorchExecutor:
         # LoRA adapters (none with tensor parallelism); self.adapters is their set, or None
         self.lora = Lora(model, config, self.kv, name, enabled=self.shard is None)
         self.adapters = self.lora.set
+        self.seqs = Sequences(name, instance_id, mc, self.device, config, self.kv, self.pool, self.checks, self.lora,
+                              self._copy_blocks, self.bounds, lambda: self.weights.version)
         self.lora.load_startup()
 
     def _kv_tokens(self, config: ExecutorConfig, mc) -> int:
@@ -193,7 +195,7 @@ class TorchExecutor:
         if hidden is not None:  # the handle is resolved first: its claimed length is not to be trusted
             start = self.checks.resolve(kv_cache, tenant).length if kv_cache is not None else 0
             self.checks.hidden(hidden, len(token_ids), start)
-        opened = self._open_prefill(token_ids, kv_cache, policy, tenant, reuse_prefix=hidden is None, name=name,
+        opened = self.seqs.open(token_ids, kv_cache, policy, tenant, reuse_prefix=hidden is None, name=name,
                                     adapter=adapter)
         self.kv.pin(opened.seq)
         return PromptInParts(self, opened, list(token_ids), policy, hidden, choice=choice,
@@ -206,7 +208,7 @@ class TorchExecutor:
     def plan_part(self, opened: Opened, tokens: list[int], rows: Rows, policy: LogitsPolicy) -> AppendPlan:
         """Plans an opened prompt's next ``tokens`` (reserving their KV room); raises with
         nothing reserved."""
-        return AppendPlan([self._step(opened, tokens, rows)], policy, PlanKind.PART)
+        return AppendPlan([self.seqs.step(opened, tokens, rows)], policy, PlanKind.PART)
 
     def plan_decode(self, inputs: list[DecodeInput], policy: LogitsPolicy | None, tenant: str = "") -> AppendPlan:
         """Validates a BatchDecode request and reserves its KV room; raises with no state change.
@@ -233,10 +235,10 @@ class TorchExecutor:
         steps: list[Step] = []
         try:
             for seq, item, want in zip(seqs, inputs, wants):
-                steps.append(self._step(Opened(seq, False, 0, seq.length, seq.last_used), [item.token_id], Rows.LAST))
+                steps.append(self.seqs.step(Opened(seq, False, 0, seq.length, seq.last_used), [item.token_id], Rows.LAST))
                 steps[-1].choice, steps[-1].logits = item.token_choice, want
         except BaseException:
-            self._unplan(steps)
+            self.seqs.unplan(steps)
             raise
         return AppendPlan(steps, policy, PlanKind.DECODE)
 
@@ -263,7 +265,7 @@ class TorchExecutor:
                 requests = choosing.choice_requests(steps) if top is not None else None
                 logits, chosen = self.runner.forward(self.model, self.pool, steps, top, requests)
         except BaseException as exc:
-            self._unplan(steps)
+            self.seqs.unplan(steps)
             self.stats.failed = not isinstance(exc, (ExecutorError, GeneratorExit, KeyboardInterrupt))
             raise
         for step in steps:
@@ -322,28 +324,8 @@ class TorchExecutor:
         return max(p.policy.top_k if p.policy.kind is LogitsKind.TOP_K else 1 for p in plans)
 
     def undo(self, undos: Iterable[Undo]) -> None:
-        """THE undo: puts each record's sequence back as it was before its call (see
-        :class:`Undo`): released if the call created it, else truncated back (idle
-        clock too, where the record has it).  Records whose sequence is gone, or
-        is no longer at ``left_at``, are skipped; applying a record twice is harmless."""
-        for undo in undos:
-            if undo.cache_id not in self.kv:
-                continue
-            seq = self.kv.get(undo.cache_id)
-            if undo.left_at is not None and seq.length != undo.left_at:
-                continue
-            if undo.back_to is None:
-                self.kv.release(undo.cache_id)
-            elif undo.back_to <= seq.length:
-                self.kv.shrink(seq, undo.back_to, touch=False)
-                if undo.clock is not None:
-                    seq.last_used = undo.clock
-
-    def _unplan(self, steps: list[Step]) -> None:
-        """Gives back the steps' reserved KV room and puts their sequences back as they were."""
-        for step in steps:
-            self.kv.undo_write(step.seq, step.plan)
-            self.undo([step.opened.undo])
+        """THE undo (``Sequences.undo``)."""
+        self.seqs.undo(undos)
 
     def decode(self, token_id: int, kv_cache: KvCacheHandle,
                policy: LogitsPolicy | None = LogitsPolicy(), tenant: str = "",
@@ -363,109 +345,36 @@ class TorchExecutor:
         return VerifyOutput(out.logits, out.kv_cache, out.timing)
 
     def truncate_kv(self, kv_cache: KvCacheHandle, new_length: int, tenant: str = "") -> KvCacheHandle:
-        seq = self.checks.resolve(kv_cache, tenant)
-        if not 0 <= new_length <= seq.length:
-            raise InvalidInput(f"new_length {new_length} is outside 0..={seq.length}")
-        self.kv.shrink(seq, new_length)
-        return self.handle(seq)
+        return self.seqs.truncate(kv_cache, new_length, tenant)
 
     def release_cache(self, cache_id: str, tenant: str = "") -> int:
-        """Forgets a sequence; returns how many blocks went back to the pool."""
-        self.checks.id(cache_id, "cache_id")
-        self.checks.not_busy(self.kv.get(cache_id, tenant))
-        return self.kv.release(cache_id)
+        return self.seqs.release(cache_id, tenant)
 
     def release_named(self, name: str, tenant: str = "", aborted: bool = False) -> int:
-        """Releases the tenant's sequence its caller named ``name`` (request_id); with none
-        live, the name is remembered as released so a call bringing it later fails
-        CANCELLED (:meth:`~..kv.names.Names.check_name`).  ``aborted``: the worker has just
-        aborted the call creating it, which undoes it at its next step.  Returns the
-        blocks freed."""
-        self.checks.id(name, "request_id")
-        seq = self.kv.names.named(tenant, name)
-        if seq is None:
-            self.kv.names.release_name(tenant, name)
-            return 0
-        if aborted and seq.pins:
-            return 0
-        self.checks.not_busy(seq)
-        return self.kv.release(seq.cache_id)
+        return self.seqs.release_named(name, tenant, aborted)
 
     def fork_cache(self, kv_cache: KvCacheHandle, num_children: int, tenant: str = "") -> list[KvCacheHandle]:
-        """N new sequences sharing the parent's blocks; the first write to a shared block copies it."""
-        if not 1 <= num_children <= self.config.max_batch_size:
-            raise InvalidInput(f"num_children must be in 1..={self.config.max_batch_size}, got {num_children}")
-        seq = self.checks.resolve(kv_cache, tenant)
-        self.checks.sequence_room(seq.tenant, num_children)
-        children = self.kv.fork(seq, [uuid.uuid4().hex for _ in range(num_children)])
-        return [self.handle(c) for c in children]
+        return self.seqs.fork(kv_cache, num_children, tenant)
 
     def expire_idle(self) -> list[str]:
-        """Reclaims sequences idle past ``config.idle_timeout_s``; returns their ids."""
-        if not self.config.idle_timeout_s:
-            return []
-        expired = self.kv.expire_idle(self.config.idle_timeout_s)
-        if expired:
-            log.info("%s: reclaimed %d idle sequence(s)", self.name, len(expired))
-        return expired
+        return self.seqs.expire_idle()
 
     # -- internals ----------------------------------------------------------------
     def bounds(self, tenant: str) -> TenantBounds:
         """What ``tenant`` may hold at once on this executor (config.tenant_bounds)."""
         return tenant_bounds(self.config, tenant, self.kv.num_blocks * self.kv.block_size)
 
-    def _open_prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None,
-                      policy: LogitsPolicy, tenant: str, reuse_prefix: bool = True, name: str = "",
-                      adapter: str = "") -> Opened:
-        """Validates a prefill and finds (or creates, taking any cached prefix) its sequence."""
-        if name:
-            if kv_cache is not None:
-                raise InvalidInput("request_id names the sequence a Prefill creates; leave it empty when "
-                                   "continuing a sequence")
-            self.checks.id(name, "request_id")
-        self.checks.tokens(token_ids)
-        key = prompt_key(token_ids, adapter) if name else b""
-        if name and (live := self.kv.names.check_name(tenant, name, key)) is not None:  # a retry: its sequence
-            raise RequestIdExists(f"request_id {shown(name)} names the live sequence this same prompt made; "
-                                  "nothing was done (its handle is in the error)", handle=self.handle(live))
-        self.checks.policy(policy, len(token_ids) if policy.all_positions else 1)
-        seq = self.checks.resolve(kv_cache, tenant) if kv_cache is not None else None
-        start = seq.length if seq else 0
-        self.checks.length(start, len(token_ids))
-        self.checks.fits_pool(start + len(token_ids))
-        if seq is not None:
-            if adapter and adapter != seq.adapter:
-                raise AdapterInvalid("adapter: a sequence keeps the adapter it was created with; leave it empty "
-                                     "when continuing a sequence")
-            return Opened(seq, False, 0, seq.length, seq.last_used)
-        self.checks.sequence_room(tenant, 1)
-        adapter, adapter_digest = self.lora.for_new_sequence(adapter)
-        seq = self.kv.create(uuid.uuid4().hex, tenant, name, adapter, adapter_digest, key)
-        cached = 0
-        if reuse_prefix and not policy.all_positions:  # a hit must leave the last token to compute
-            cached = self.kv.adopt_prefix(seq, token_ids, len(token_ids) - 1)
-        return Opened(seq, True, cached, 0, seq.last_used)
-
-    def _step(self, opened: Opened, tokens: list[int], rows: Rows) -> Step:
-        """Reserves room (and private copies of shared blocks) for ``tokens`` after the sequence's end."""
-        return Step(opened, list(tokens), opened.seq.length, self.reserve(opened.seq, len(tokens)), rows)
-
     def reserve(self, seq: SequenceState, tokens: int) -> WritePlan:
-        """Makes room for ``tokens`` after the sequence's end (private copies of shared
-        blocks made), within its tenant's KV quota; raises with nothing reserved."""
-        plan = self.kv.prepare_write(seq, seq.length, seq.length + tokens)
-        if quota := self.bounds(seq.tenant).kv_tokens:
-            held = self.kv.blocks_held(seq.tenant)
-            if held * self.kv.block_size > quota:
-                self.kv.undo_write(seq, plan)
-                raise TenantQuotaExceeded(
-                    f"your tenant would hold {held * self.kv.block_size} KV tokens ({held} blocks), over its "
-                    f"quota of {quota} (--tenant-kv-tokens); release or truncate sequences")
+        return self.seqs.reserve(seq, tokens)
+
+    def handle(self, seq: SequenceState) -> KvCacheHandle:
+        return self.seqs.handle(seq)
+
+    def _copy_blocks(self, copies: list) -> None:
         if self.runner is None:
-            self.pool.copy_blocks(plan.copies)
+            self.pool.copy_blocks(copies)
         else:
-            self.runner.copy_blocks(self.pool, plan.copies)
-        return plan
+            self.runner.copy_blocks(self.pool, copies)
 
     def apply_policy(self, rows: torch.Tensor, policy: LogitsPolicy) -> Logits:
         """rows: (P, V) float32 on the device -> what the caller asked for, on the CPU."""
@@ -477,13 +386,3 @@ class TorchExecutor:
         else:
             values, ids = rows.topk(policy.top_k, dim=-1)  # (P, k) each, sorted
         return Logits(policy.kind, values.cpu(), ids.cpu().numpy(), vocab)
-
-    def handle(self, seq: SequenceState) -> KvCacheHandle:
-        mc = self.model_config
-        return KvCacheHandle(
-            cache_id=seq.cache_id, sequence_length=seq.length, num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, device=str(self.device),
-            block_table=BlockTable(self.kv.block_size, tuple(seq.block_ids)),
-            model=self.name, server_instance_id=self.instance_id, adapter=seq.adapter,
-            weights_version=self.weights.version,
-        )

@@ -60,7 +60,7 @@ class Job:
     queue_ns: int = 0
     deadline: float | None = None  # time.monotonic() past which the caller no longer waits
     abandoned: bool = False  # the caller went away: stop before the next part and undo
-    parked_at: float | None = None  # a prompt first found no room for the whole of it (see scheduler.take_prompts)
+    parked_at: float | None = None  # a prompt first found no room for the whole of it (see policy.take_prompts)
     tenant: str = ""  # who submitted it ("" = auth off): its sequences, its fair share
     run: Any = None  # the decode-ahead run (ahead.AheadRun) whose forward this decode job is
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
+from typing import TYPE_CHECKING, Callable
 
 from ferrum_rpc.errors import (Cancelled, DeadlineExceeded, Draining, ExecutorError, SequenceLimitExceeded,
                                TenantQuotaExceeded)
@@ -21,6 +22,11 @@ from ferrum_rpc.types import DecodeInput
 from .ahead import QUEUED_FORWARDS, AheadRun
 from .burst import Burst, bursts_serve
 from .jobs import DecodeWork, Job
+from .queue import WorkQueue
+from .scheduler import Scheduler, StepPlan
+
+if TYPE_CHECKING:
+    from .executor import TorchExecutor
 
 log = logging.getLogger(__name__)
 
@@ -28,89 +34,105 @@ BURST_FORWARDS = 16  # a burst's most forwards: its entries reach the consumer w
 PLAIN_AFTER_FALLBACK = 16  # forwards run as plain steps after a burst's first forward could not count
 
 
-class DrivesRuns:
-    """Mixed into :class:`~.worker.ModelWorker` (its ``_cond``, ``_runs``, ``ahead``,
-    ``_stopping``, ``executor`` and ``undo``; bursts also its ``_jobs``, ``_parked``,
-    ``_decoders``, ``batch_wait_s`` and ``_run_step``); ``_runs_want_turn``,
-    ``_settle_runs``, ``_run_job``, ``_burst_runs`` and ``_burst`` are called by its loop."""
+class AheadRuns:
+    """The worker's decode-ahead runs, a client of its loop: the loop asks whether
+    they want a turn (:meth:`want_turn`), ends those that must end (:meth:`settle`),
+    adds their decode jobs to a plain step (:meth:`step_jobs`) or lets them go on in
+    a burst (:meth:`burst_candidates`, :meth:`burst`).
 
-    bursts = True  # runs may go on in bursts (False: every forward a plain step, as benchmarks compare)
-    _plain_steps = 0  # forwards left to run as plain steps before runs may burst again
+    Args:
+        step: runs a plan as one forward and gives its result to the scheduler (the loop's).
+        undo: applies undo records on the worker thread, queued as a call.
+    """
 
-    def start_ahead(self, items: list[DecodeInput], limit: int, stop_ids: frozenset[int], tenant: str,
+    def __init__(self, queue: WorkQueue, scheduler: Scheduler, executor: TorchExecutor,
+                 step: Callable[[StepPlan], None], undo: Callable[[list], Future]):
+        self.queue, self.scheduler, self.executor = queue, scheduler, executor
+        self._step, self._undo = step, undo
+        self.runs: list[AheadRun] = []
+        self.seats: dict[str, int] = {}  # tenant -> its sequences decoding ahead
+        self.bursts = True  # runs may go on in bursts (False: every forward a plain step, as benchmarks compare)
+        self._plain_steps = 0  # forwards left to run as plain steps before runs may burst again
+
+    def start(self, items: list[DecodeInput], limit: int, stop_ids: frozenset[int], tenant: str,
                     deadline: float | None, bound: int = QUEUED_FORWARDS) -> AheadRun:
         """Starts decoding ``items`` ahead on the worker (see ``ahead.py``): up to ``limit``
         tokens each, ``bound`` forwards queued before the run pauses.  Takes a seat per
         sequence for the run's life; refuses (TENANT_QUOTA_EXCEEDED) past the tenant's
         bound, so one tenant's runs take a bounded share of every forward, and
         (SEQUENCE_LIMIT_EXCEEDED) past --max-batch in all."""
-        with self._cond:
-            cap, held = self.executor.bounds(tenant).ahead_sequences, self.ahead.get(tenant, 0)
+        with self.queue.cond:
+            cap, held = self.executor.bounds(tenant).ahead_sequences, self.seats.get(tenant, 0)
             if cap and held + len(items) > cap:
                 raise TenantQuotaExceeded(
                     f"your tenant has {held} sequences decoding ahead, its cap is {cap} (--tenant-ahead-sequences); "
                     f"this step's {len(items)} would pass it: wait for a run to end or stop one")
-            total, room = sum(self.ahead.values()), self.executor.config.max_batch_size
+            total, room = sum(self.seats.values()), self.executor.config.max_batch_size
             if total + len(items) > room:  # in total too: more than one forward holds would only queue
                 raise SequenceLimitExceeded(
                     f"the server has {total} sequences decoding ahead, its cap is {room} (--max-batch); "
                     f"this step's {len(items)} would pass it: wait for a run to end")
-            if self._stopping:
+            if self.queue.stopping:
                 raise Draining("the model worker is stopping")
             run = AheadRun(items, limit, stop_ids, self.executor.max_seq_len, tenant, deadline, bound,
-                           lambda undos: self.undo(undos, "a finished run whose caller went away"), self._wake)
-            self.ahead[tenant] = held + len(items)
-            self._runs.append(run)
-            self._cond.notify()
+                           self._undo, self.queue.wake)
+            self.seats[tenant] = held + len(items)
+            self.runs.append(run)
+            self.queue.cond.notify()
         return run
 
-    def _wake(self) -> None:
-        with self._cond:
-            self._cond.notify()
-
     @property
-    def ahead_paused(self) -> int:
+    def paused(self) -> int:
         """Runs now waiting for their consumer to take their queued tokens."""
-        return sum(1 for run in self._runs if run.running and run.paused)
+        return sum(1 for run in self.runs if run.running and run.paused)
 
-    def _runs_want_turn(self) -> bool:
+    def fail_all(self, error: ExecutorError) -> None:
+        """Ends every run with ``error``, undoing nothing (the worker will never run again)."""
+        for run in list(self.runs):
+            run.end(error, None)
+
+    def want_turn(self) -> bool:
         """A run can join a forward, or must be ended (lock held)."""
-        return any(run.running and not run.paused for run in self._runs) or self._runs_to_settle()
+        return any(run.running and not run.paused for run in self.runs) or self.to_settle()
 
-    def _runs_to_settle(self) -> bool:
+    def step_jobs(self) -> list[Job]:
+        """The decode jobs of the runs that join the next plain step (lock held)."""
+        return [self._run_job(run) for run in self.runs if run.running and not run.paused]
+
+    def to_settle(self) -> bool:
         """A running run must be ended before anything else runs (lock held): its caller
         went away, its deadline passed, or the worker stops."""
         now = time.monotonic()
-        return any(run.running and (run.cancelled or self._stopping
-                                    or run.deadline is not None and now > run.deadline) for run in self._runs)
+        return any(run.running and (run.cancelled or self.queue.stopping
+                                    or run.deadline is not None and now > run.deadline) for run in self.runs)
 
-    def _settle_runs(self) -> None:
+    def settle(self) -> None:
         """Ends the runs whose caller went away, whose deadline passed or whose worker is
         stopping (undoing them), and lets go of the runs that ended."""
         now = time.monotonic()
-        for run in list(self._runs):
+        for run in list(self.runs):
             if not run.running:
                 pass
             elif run.cancelled:
                 run.end(Cancelled("the caller cancelled the call"), self.executor.undo)
             elif run.deadline is not None and now > run.deadline:
                 run.end(DeadlineExceeded("the caller's deadline passed; the run was undone"), self.executor.undo)
-            elif self._stopping:
+            elif self.queue.stopping:
                 run.end(Draining("the model worker is stopping"), self.executor.undo)
             if not run.running:
                 self._let_go(run)
 
     def _let_go(self, run: AheadRun) -> None:
-        with self._cond:
-            if run not in self._runs:
+        with self.queue.cond:
+            if run not in self.runs:
                 return
-            self._runs.remove(run)
-            if (left := self.ahead[run.tenant] - len(run.items)) > 0:
-                self.ahead[run.tenant] = left
+            self.runs.remove(run)
+            if (left := self.seats[run.tenant] - len(run.items)) > 0:
+                self.seats[run.tenant] = left
             else:
-                del self.ahead[run.tenant]
+                del self.seats[run.tenant]
 
-    def _burst_runs(self) -> list[AheadRun] | None:
+    def burst_candidates(self) -> list[AheadRun] | None:
         """The runs to go on in a burst, or None where the next forward is a plain step
         (lock held): something is queued or waits for room, a unary decoder was active
         within the last second (its next call joins a plain step), or a row cannot take
@@ -118,19 +140,18 @@ class DrivesRuns:
         if self._plain_steps:
             self._plain_steps -= 1
             return None
-        if not self.bursts or self._jobs or self._parked or self.batch_wait_s:
+        if not self.bursts or self.queue.jobs or self.queue.parked or self.scheduler.batch_wait_s:
             return None
-        now = time.monotonic()
-        if any(now - t <= self.DECODERS_ACTIVE_S for t in self._decoders.values()):
+        if self.scheduler.unary_decoders_active():
             return None
-        runs = [run for run in self._runs if run.running and not run.paused]
+        runs = [run for run in self.runs if run.running and not run.paused]
         if not runs or any(run.cancelled or run.stop_requested for run in runs):
             return None
         if not all(bursts_serve(self.executor, item) for run in runs for item in run.inputs()):
             return None
         return runs
 
-    def _burst(self, runs: list[AheadRun]) -> None:
+    def burst(self, runs: list[AheadRun]) -> None:
         """Runs ``runs`` in a burst, then advances each with every forward's entry; a
         burst that cannot run (``Burst.open``) or whose first forward does not count
         is one plain step instead."""
@@ -140,7 +161,7 @@ class DrivesRuns:
                   *(run.limit - run.emitted[index] for run in runs for index, _ in run.live))
         burst = Burst.open(ex, inputs, [run.tenant for run in runs for _ in run.live], cap)
         if burst is None:
-            self._run_step([self._run_job(run) for run in runs], [])
+            self._step(StepPlan(tuple(self._run_job(run) for run in runs)))
             return
         stops = [run.stop_ids for run in runs for _ in run.live]
         deadlines = [run.deadline for run in runs if run.deadline is not None]
@@ -163,7 +184,7 @@ class DrivesRuns:
             log.info("a burst's first forward has a row no token can be chosen for; the next %d forwards "
                      "run as plain steps", PLAIN_AFTER_FALLBACK)
             self._plain_steps = PLAIN_AFTER_FALLBACK
-            self._run_step([self._run_job(run) for run in runs], [])
+            self._step(StepPlan(tuple(self._run_job(run) for run in runs)))
             return
         ex.stats.failed = False
         spans, first = [], 0
@@ -171,16 +192,16 @@ class DrivesRuns:
             spans.append((run, range(first, first + len(run.live))))
             first += len(run.live)
         self._advance_by(burst, spans)
-        self._decoded_at, self._last_forward_s = time.monotonic(), burst.ns[-1] / 1e9
+        self.scheduler.burst_ran(burst.ns[-1])
 
     def _burst_ends(self, runs: list[AheadRun], deadlines: list[float]) -> bool:
         """Something waits for the worker: a queued call, another run that could join, a
         run cancelled or stopped, or a deadline passed.  Other runs exist only where the
         worker holds more runs than the burst (one starts on another thread)."""
-        return bool(self._jobs or any(run.cancelled or run.stop_requested or not run.running for run in runs)
+        return bool(self.queue.jobs or any(run.cancelled or run.stop_requested or not run.running for run in runs)
                     or deadlines and time.monotonic() > min(deadlines)
-                    or len(self._runs) != len(runs)
-                    and any(run.running and not run.paused and run not in runs for run in self._runs))
+                    or len(self.runs) != len(runs)
+                    and any(run.running and not run.paused and run not in runs for run in self.runs))
 
     def _advance_by(self, burst: Burst, spans: list[tuple[AheadRun, range]]) -> None:
         """Each forward of ``burst`` in order: each run's rows (its span of the burst's)

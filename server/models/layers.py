@@ -20,7 +20,6 @@ from .config import ModelConfig
 from .linear import fuse_linears
 
 
-
 @dataclass
 class Rope:
     """One forward's rotary embedding: per-token cos/sin for the eager path, or,

@@ -61,7 +61,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope_cos, self.rope_sin = rope_tables(self.config, device)
 
     def optimize_for_inference(self, pack_weights: bool, rows_kernel: bool = False) -> None:
-        """Fuses projections and, where ``pack_weights`` (the probe in ``kernels.py``
+        """Fuses projections and, where ``pack_weights`` (the probe in ``kernels/select.py``
         said the oneDNN packed linear runs here), prepacks weights (after loading).
         ``rows_kernel``: float32 and bfloat16 weights will run up to ``LINEAR_ROWS[dtype]``
         rows on linear_rows.cpp's ``linear_rows`` (see ``use_fused_ops``), so their plain

@@ -51,7 +51,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
                shard=None, batch_invariant: str = "auto",
                overrides: dict[str, torch.Tensor] | None = None) -> LlamaForCausalLM:
     """Loads weights onto ``device`` in ``dtype``, computes the RoPE tables, fuses the
-    projections and puts them on the linear kernel probed for this CPU (``kernels.py``),
+    projections and puts them on the linear kernel probed for this CPU (``kernels/select.py``),
     or quantizes them (``woq.py``); the choice is kept as ``model.kernels``.
 
     ``shard``: this rank's place in a tensor-parallel group (``parallel.shard.Shard``):

@@ -4,20 +4,16 @@ No torch here.  Every handler is wrapped by ``handler.py`` (tenant, admission,
 metrics, and every exception to a status in one place, from the shared error
 table); its parts serve the transfer RPCs (``migration.TransferRpcs``), the registry,
 adapter and shared-memory RPCs (``admin.AdminRpcs``), WatchKvEvents
-(``watch.KvEventRpcs``) and UpdateWeights (``weights.WeightsRpcs``).  Large replies are built and
-serialized on a reply-builder thread, a bounded slice at a time, so the event
-loop keeps answering everyone else meanwhile.
+(``watch.KvEventRpcs``) and UpdateWeights (``weights.WeightsRpcs``).  Replies with results are
+built by ``replies.Replies``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import itertools
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -26,7 +22,9 @@ from ferrum_rpc.errors import ExecutorError, InvalidInput
 from .auth import TokenTable
 from . import session
 from .ledger import Undelivered
-from .migration import PushConfig, TransferRpcs
+from .replies import Replies
+from .migration import TransferRpcs
+from .push import PushConfig
 from .admin import AdminRpcs
 from .watch import KvEventRpcs
 from .weights import WeightsRpcs
@@ -35,9 +33,8 @@ from .gate import Gate
 from .handler import call, handler, query
 from .hosting import HostedModels
 from .shm import SharedMemoryRegistry
-from ..engine.facade import ModelWorker, Undo
+from ..engine.facade import ModelWorker
 from ferrum_rpc.types import (
-    ChosenToken,
     DecodeInput,
     LogitsPolicy,
     ServerState,
@@ -48,9 +45,6 @@ from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-
-LARGE_REPLY_BYTES = 1 << 20  # replies at least this large are built off the event loop
-
 
 def _policy_or_unset(message) -> LogitsPolicy | None:
     """A request's logits policy; None when the field is unset (full float32 rows for
@@ -65,16 +59,6 @@ def _choice(worker: ModelWorker, message, field: str = "token_choice") -> TokenC
     choice = convert.token_choice_from_proto(message.token_choice, field)
     worker.executor.check_token_choice(choice, field)
     return choice
-
-
-
-
-def _payload_bytes(logits) -> int:
-    if logits is None:  # a chosen token only
-        return 0
-    values = logits.values
-    size = values.numel() * values.element_size() if hasattr(values, "numel") else values.nbytes
-    return size + (logits.token_ids.size * 5 if logits.token_ids is not None else 0)
 
 
 
@@ -94,8 +78,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         self.kv_event_rpcs = KvEventRpcs(self.gate)
         self.weights_rpcs = WeightsRpcs(self.gate, import_idle_s)
         self.sessions: set[session.DecodeSession] = set()  # running DecodeSession calls
-        # One thread: big replies are built one at a time, never on the event loop.
-        self._reply_builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reply-builder")
+        self.replies = Replies(self.shm)  # results into protobuf (large ones off the event loop)
 
     def rpc(self, name: str):
         """The handler of RPC ``name``: this servicer's, or the part's that serves it."""
@@ -172,88 +155,6 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             worker.executor.checks.reply_fits(policy or LogitsPolicy(), rows)
         return worker, items, policy
 
-    @contextlib.contextmanager
-    def logits_targets(self, policy: LogitsPolicy, rows: list[int], worker: ModelWorker, tenant: str):
-        """Where each output's full logits go when ``policy`` names a shared-memory
-        region: one ``(region, offset)`` per output, rows packed one after another.
-        Everything is checked, and the region pinned, before the call runs: the
-        write after it cannot fail.  Without shared memory every output's target is None."""
-        if policy is None or policy.shared_memory is None:
-            yield [None] * len(rows)
-            return
-        target = policy.shared_memory
-        region = self.shm.get(tenant, target.region)  # another tenant's region: "not found"
-        element = 4 if policy.dtype == "float32" else 2
-        if target.offset % element:
-            raise InvalidInput(f"logits.shared_memory.offset must be a multiple of {element}, got {target.offset}")
-        row_bytes = worker.executor.model_config.vocab_size * element
-        offsets = [target.offset + row_bytes * before for before in itertools.accumulate(rows, initial=0)]
-        region.check(target.offset, offsets[-1] - target.offset)
-        region.pin()
-        try:
-            yield [(region, offset) for offset in offsets[:-1]]
-        finally:
-            region.unpin()
-
-    async def step_replies(self, cls, fields: dict, outs, received_ns: int, single: bool, targets: list,
-                            keys: list[int]):
-        """A decode step's replies (``cls`` with ``fields``): one message per sequence,
-        tagged with its index, or with ``single`` one message whose ``results`` hold all;
-        each with the ledger keys (see ``Undelivered``) of the results it carries."""
-        if single:
-            reply = cls(**fields)
-            for index, out in enumerate(outs):
-                self._result(reply.results.add(index=index, **fields), out, received_ns, targets[index])
-            yield keys, reply
-            return
-        for index, out in enumerate(outs):
-            yield keys[index:index + 1], await self._reply(cls(index=index, **fields), out, received_ns,
-                                                           target=targets[index])
-
-    @staticmethod
-    def register_decodes(ledger: Undelivered, worker: ModelWorker, undo: list[Undo]) -> list[int]:
-        """One ledger entry per decoded sequence (``undo``: a decode's records, one an input)."""
-        return [ledger.add(worker, [record]) for record in undo]
-
-    @staticmethod
-    def _result(message, out, received_ns: int, target=None):
-        """Fills a reply's logits, handle and timing in place (large logits are copied once,
-        into the reply or into shared memory)."""
-        if out.logits is not None:
-            convert.fill_logits(message.logits, out.logits, target)
-        if isinstance(getattr(out, "chosen", None), ChosenToken):  # SpeculativeOutput's is a tuple
-            message.chosen.CopyFrom(convert.chosen_to_proto(out.chosen))
-        message.kv_cache.CopyFrom(convert.handle_to_proto(out.kv_cache))
-        message.timing.CopyFrom(convert.timing_to_proto(out.timing))
-        message.timing.total_ns = time.perf_counter_ns() - received_ns
-        return message
-
-    async def _reply(self, message, out, received_ns: int, worker: ModelWorker | None = None,
-                     undo: list[Undo] = (), target=None):
-        """:meth:`_result`, built and serialized on the reply-builder thread when large.
-
-        If the caller goes away while a large reply is being built, ``undo``
-        (see ``Undo``) is applied on ``worker``: nobody will ever hold the handle
-        this reply carries."""
-        if _payload_bytes(out.logits) < LARGE_REPLY_BYTES:
-            return self._result(message, out, received_ns, target)
-
-        def build() -> bytes:
-            try:
-                return self._result(message, out, received_ns, target).SerializeToString()
-            finally:
-                if target is not None:
-                    target[0].unpin()
-
-        if target is not None:  # the builder's own pin: a cancelled await must not release the region under it
-            target[0].hold()
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._reply_builder, build)
-        except asyncio.CancelledError:
-            if worker is not None and undo:
-                worker.undo(list(undo), "a reply whose caller went away while it was built")
-            raise
-
     # -- queries -----------------------------------------------------------------
     @query
     async def GetModelInfo(self, request, context, tenant: str):
@@ -290,7 +191,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         rows = len(request.token_ids) if policy is not None and policy.all_positions else 1
         hidden = convert.hidden_request_from_proto(request.hidden_states) if request.HasField("hidden_states") \
             else None
-        with self.logits_targets(policy, [rows], worker, tenant) as targets:
+        with self.replies.logits_targets(policy, [rows], worker, tenant) as targets:
             out, undo = await worker.front.prefill(list(request.token_ids), handle, policy, deadline_of(context), hidden,
                                              tenant, choice, name=request.request_id, adapter=request.adapter)
             reply = pb.PrefillResponse(cached_tokens=out.cached_tokens)
@@ -298,7 +199,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 tensor_codec.encode_into(reply.hidden_states.add(), array)
             for array in out.attention_weights:
                 tensor_codec.encode_into(reply.attention_weights.add(), array)
-            return await self._reply(reply, out, received, worker, undo, targets[0])
+            return await self.replies.reply(reply, out, received, worker, undo, targets[0])
 
     @call
     async def Decode(self, request, context, tenant: str):
@@ -306,20 +207,20 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         worker = self.gate.worker(request.model or request.kv_cache.model)
         item = DecodeInput(request.token_id, required_handle(request), _choice(worker, request))
         policy = _policy_or_unset(request)
-        with self.logits_targets(policy, [1], worker, tenant) as targets:
+        with self.replies.logits_targets(policy, [1], worker, tenant) as targets:
             (out,), undo = await worker.front.decode([item], policy, deadline_of(context), tenant)
-            return await self._reply(pb.DecodeResponse(), out, received, worker, undo, targets[0])
+            return await self.replies.reply(pb.DecodeResponse(), out, received, worker, undo, targets[0])
 
     @call
     async def BatchDecode(self, request, context, tenant: str):
         received = time.perf_counter_ns()
         worker, items, policy = self.decode_batch(request)
         ledger = Undelivered()
-        with self.logits_targets(policy, [1] * len(items), worker, tenant) as targets:
+        with self.replies.logits_targets(policy, [1] * len(items), worker, tenant) as targets:
             outs, undo = await worker.front.decode(items, policy, deadline_of(context), tenant)
-            keys = self.register_decodes(ledger, worker, undo)
+            keys = self.replies.register_decodes(ledger, worker, undo)
             try:
-                async for _, reply in self.step_replies(pb.BatchDecodeResponse, {}, outs, received,
+                async for _, reply in self.replies.step_replies(pb.BatchDecodeResponse, {}, outs, received,
                                                          request.single_reply, targets, keys):
                     yield reply
             except BaseException:  # failed, cancelled or closed before its last reply: nothing stays
@@ -333,9 +234,9 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         worker = self.gate.worker(request.model or request.kv_cache.model)
         handle = required_handle(request)
         policy = convert.policy_from_proto(request.logits)
-        with self.logits_targets(policy, [len(request.token_ids)], worker, tenant) as targets:
+        with self.replies.logits_targets(policy, [len(request.token_ids)], worker, tenant) as targets:
             out, undo = await worker.front.verify(list(request.token_ids), handle, policy, deadline_of(context), tenant)
-            return await self._reply(pb.ForwardVerifyResponse(), out, received, worker, undo,
+            return await self.replies.reply(pb.ForwardVerifyResponse(), out, received, worker, undo,
                                      targets[0])
 
     @call
@@ -368,7 +269,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         handle = required_handle(request)
         policy = _policy_or_unset(request)
         choice = _choice(worker, request)
-        with self.logits_targets(policy, [1], worker, tenant) as targets:
+        with self.replies.logits_targets(policy, [1], worker, tenant) as targets:
             sampling = None
             if request.HasField("sampling"):
                 m = request.sampling
@@ -378,7 +279,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
             reply = pb.SpeculativeDecodeResponse(accepted_token_ids=out.accepted_token_ids,
                                                  next_token_id=out.next_token_id,
                                                  chosen=[convert.chosen_to_proto(c) for c in out.chosen])
-            return await self._reply(reply, out, received, worker, undo, targets[0])
+            return await self.replies.reply(reply, out, received, worker, undo, targets[0])
 
     @call
     async def BatchPrefill(self, request, context, tenant: str):
@@ -404,7 +305,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         choices = [_choice(worker, item, f"items[{n}].token_choice") for n, item in enumerate(request.items)]
         rows = [len(i.token_ids) if policy is not None and policy.all_positions else 1 for i in request.items]
         deadline = deadline_of(context)
-        with self.logits_targets(policy, rows, worker, tenant) as targets:
+        with self.replies.logits_targets(policy, rows, worker, tenant) as targets:
             outs = await asyncio.gather(*(worker.front.prefill(list(item.token_ids), handle, policy, deadline, tenant=tenant,
                                                          choice=choice, name=item.request_id,
                                                          adapter=item.adapter)
@@ -421,7 +322,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 ledger.add(worker, done.undo)
             try:
                 for index, (out, _) in enumerate(outs):
-                    yield await self._reply(pb.BatchPrefillResponse(index=index, cached_tokens=out.cached_tokens),
+                    yield await self.replies.reply(pb.BatchPrefillResponse(index=index, cached_tokens=out.cached_tokens),
                                             out, received, target=targets[index])
             except BaseException:  # all or nothing, up to the last reply (see Undelivered.keep)
                 ledger.undo_rest()

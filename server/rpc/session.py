@@ -183,11 +183,11 @@ class DecodeSession:
                         outs = await self._decode_ahead(request, worker, items, keys)
                     else:
                         targets = pinned.enter_context(
-                            servicer.logits_targets(policy, [1] * len(items), worker, tenant))
+                            servicer.replies.logits_targets(policy, [1] * len(items), worker, tenant))
                         outs, undo = await worker.front.decode(items, policy, self.deadline, tenant)
-                        keys = servicer.register_decodes(ledger, worker, undo)  # no await since the decode
+                        keys = servicer.replies.register_decodes(ledger, worker, undo)  # no await since the decode
                 if not request.max_new_tokens:
-                    async for _, reply in servicer.step_replies(pb.DecodeSessionResponse, {"step_id": step_id},
+                    async for _, reply in servicer.replies.step_replies(pb.DecodeSessionResponse, {"step_id": step_id},
                                                                  outs, received, request.single_reply, targets, keys):
                         await self._hand(reply)
             servicer.observe("DecodeSession", tenant, None, received / 1e9, outs[0].timing if outs else None)

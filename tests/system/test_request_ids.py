@@ -106,7 +106,7 @@ def test_release_by_name_aborts_a_prefill_still_running(server, alice):
     releaser = threading.Thread(target=lambda: alice.release_cache(request_id="long-1"))
     releaser.start()
     deadline = time.monotonic() + 10
-    while not any(j is not None and j.fn == worker.release_named for j in list(worker._jobs)):
+    while not any(j is not None and j.fn == worker.release_named for j in list(worker.queue.jobs)):
         assert time.monotonic() < deadline
         time.sleep(0.005)
     go.set()
@@ -225,7 +225,7 @@ def test_a_retry_while_the_first_attempt_still_runs_waits_for_its_outcome(server
     retry = threading.Thread(target=lambda: retried.append(_call(alice, prompt, "slow-1")))
     retry.start()
     deadline = time.monotonic() + 10
-    while not any(j is not None and j.prefill is not None and j.prefill.name == "slow-1" for j in list(worker._jobs)):
+    while not any(j is not None and j.prefill is not None and j.prefill.name == "slow-1" for j in list(worker.queue.jobs)):
         assert time.monotonic() < deadline
         time.sleep(0.005)
     go.set()

@@ -76,7 +76,7 @@ def test_a_run_gives_the_tokens_step_by_step_decoding_gives(worker, choice):
             item = DecodeInput(out.chosen.token_id, out.kv_cache, choice)
         assert tokens == ran[i]
         assert run.last[i].kv_cache.sequence_length == items[i].kv_cache.sequence_length + 6
-    assert worker.ahead == {} and worker._runs == []  # seats given back
+    assert worker.ahead == {} and worker.runs.runs == []  # seats given back
 
 
 def test_stop_token_stop_and_sequence_length_end_a_run(worker, choice):

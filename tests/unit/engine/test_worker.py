@@ -105,11 +105,11 @@ def test_a_released_sequence_is_not_waited_for(worker):
     greedy = LogitsPolicy.argmax()
     gone = worker.submit_prefill([1, 2, 3], None, greedy).result()
     gone = worker.submit_decode([DecodeInput(4, gone.kv_cache)], greedy).result()[0].kv_cache
-    assert gone.cache_id in worker._decoders
+    assert gone.cache_id in worker.scheduler.decoders
     worker.submit(worker.executor.release_cache, gone.cache_id).result()
     live = worker.submit_prefill([5, 6, 7], None, greedy).result().kv_cache
     worker.submit_decode([DecodeInput(8, live)], greedy).result()
-    assert gone.cache_id not in worker._decoders and live.cache_id in worker._decoders
+    assert gone.cache_id not in worker.scheduler.decoders and live.cache_id in worker.scheduler.decoders
 
 
 def test_status_counts_queued_model_work_not_bookkeeping(worker):

@@ -1,10 +1,10 @@
-"""The scheduling policy on its own (server/engine/scheduler.py): no model, no threads."""
+"""The scheduling policy on its own (server/engine/policy.py): no model, no threads."""
 
 from __future__ import annotations
 
 import itertools
 
-from ferrum_rpc.server.engine.scheduler import (
+from ferrum_rpc.server.engine.policy import (
     Kind,
     Limits,
     Queued,
