@@ -2,6 +2,9 @@
 use puts it in a prefix, and a separate CMake project finds it with
 find_package(ferrum_client), links ferrum_client::ferrum_client, waits for the model
 with Client::wait_ready and decodes greedily: the same token ids as the Python client.
+The installed headers name only the client's own types: no generated contract header
+is installed, and a program using them compiles with the prefix's include folder alone,
+reading no gRPC or protobuf header.
 
 The prefix and the consumer's build folder live in the cache folder, next to the
 client's own build (only the consumer's one source file compiles after the first run).
@@ -9,8 +12,10 @@ client's own build (only the consumer's one source file compiles after the first
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -72,9 +77,11 @@ def consumer(cpp_bin):  # noqa: F811
     """The client installed into a prefix, and the consumer built against that prefix."""
     place = build_dir().with_name(build_dir().name + "-install")
     prefix, source, build = place / "prefix", place / "consumer", place / "consumer-build"
+    if (prefix / "include").exists():  # headers a previous install left (the generated ones, once)
+        shutil.rmtree(prefix / "include")
     _run("cmake", "--install", cpp_bin, "--prefix", prefix)
-    for installed in ("include/ferrum/client.hpp", "include/ferrum_client/gen/ferrum_rpc/v1/executor.pb.h",
-                      "lib/libferrum_client.a", "lib/cmake/ferrum_client/ferrum_clientConfig.cmake"):
+    for installed in ("include/ferrum/client.hpp", "include/ferrum/types.hpp", "lib/libferrum_client.a",
+                      "lib/cmake/ferrum_client/ferrum_clientConfig.cmake"):
         assert (prefix / installed).is_file(), f"cmake --install left out {installed}"
     source.mkdir(parents=True, exist_ok=True)
     for name, text in (("CMakeLists.txt", CONSUMER_CMAKE), ("main.cpp", CONSUMER_MAIN)):
@@ -115,3 +122,18 @@ def test_wait_ready_waits_for_the_model_not_the_channel(consumer):
                               text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert len(done.stdout.split()) == 2
+
+
+def test_the_installed_headers_include_neither_grpc_nor_protobuf(consumer):
+    """The consumer's source, preprocessed with the prefix's include folder as its only
+    one: every header it reads is the standard library's or the client's own."""
+    prefix = consumer.parents[1] / "prefix"
+    generated = [p.relative_to(prefix) for p in (prefix / "include").rglob("*") if p.name.endswith((".pb.h", ".pb.hpp"))]
+    assert not generated, f"generated contract headers installed: {generated}"
+    source = consumer.parents[1] / "consumer" / "main.cpp"
+    deps = _run("c++", "-std=c++17", f"-I{prefix / 'include'}", "-M", source).stdout
+    headers = deps.replace("\\\n", " ").split()[2:]  # "main.o: main.cpp h1 h2 ..."
+    own = [h for h in headers if h.startswith(str(prefix))]
+    assert {Path(h).name for h in own} == {"client.hpp", "types.hpp"}, own
+    leaked = [h for h in headers if "grpc" in h or "protobuf" in h or ".pb.h" in h]
+    assert not leaked, f"the public headers pull in {leaked}"
