@@ -12,6 +12,7 @@ client's own build (only the consumer's one source file compiles after the first
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import subprocess
@@ -21,7 +22,7 @@ import pytest
 
 from ferrum_rpc.client import ExecutorClient, LogitsPolicy
 from tests.conftest import running_server
-from tests.contract.test_cpp_client import build_dir, cpp_bin  # noqa: F401  (fixture)
+from tests.contract.test_cpp_client import ROOT, build_dir, cpp_bin  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -34,6 +35,8 @@ set(CMAKE_CXX_STANDARD 17)
 find_package(ferrum_client 0.2 CONFIG REQUIRED)
 add_executable(consumer main.cpp)
 target_link_libraries(consumer PRIVATE ferrum_client::ferrum_client)
+add_executable(docs_example docs_example.cpp)  # docs/cpp-client.md's example, as printed
+target_link_libraries(docs_example PRIVATE ferrum_client::ferrum_client)
 """
 
 CONSUMER_MAIN = """\
@@ -84,13 +87,22 @@ def consumer(cpp_bin):  # noqa: F811
                       "lib/cmake/ferrum_client/ferrum_clientConfig.cmake"):
         assert (prefix / installed).is_file(), f"cmake --install left out {installed}"
     source.mkdir(parents=True, exist_ok=True)
-    for name, text in (("CMakeLists.txt", CONSUMER_CMAKE), ("main.cpp", CONSUMER_MAIN)):
+    for name, text in (("CMakeLists.txt", CONSUMER_CMAKE), ("main.cpp", CONSUMER_MAIN),
+                       ("docs_example.cpp", docs_example())):
         if not (source / name).exists() or (source / name).read_text() != text:
             (source / name).write_text(text)
     _run("cmake", "-S", source, "-B", build, f"-DCMAKE_PREFIX_PATH={prefix}", "-DCMAKE_BUILD_TYPE=Debug",
          "-DCMAKE_CXX_FLAGS_DEBUG=-O0")
-    _run("cmake", "--build", build, "-j2")
+    _run("cmake", "--build", build, "-j2", "--target", "consumer")
     return build / "consumer"
+
+
+def docs_example() -> str:
+    """The C++ block of docs/cpp-client.md."""
+    text = (ROOT / "docs" / "cpp-client.md").read_text()
+    blocks = re.findall(r"^```cpp\n(.*?)^```$", text, re.S | re.M)
+    assert len(blocks) == 1, "docs/cpp-client.md: one ```cpp block expected"
+    return blocks[0]
 
 
 def test_a_find_package_consumer_decodes_as_the_python_client(consumer, tiny_llama_dir):
@@ -122,6 +134,12 @@ def test_wait_ready_waits_for_the_model_not_the_channel(consumer):
                               text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert len(done.stdout.split()) == 2
+
+
+def test_the_docs_example_builds_against_the_installed_package(consumer):
+    build = consumer.parent
+    _run("cmake", "--build", build, "-j2", "--target", "docs_example")
+    assert (build / "docs_example").is_file()
 
 
 def test_the_installed_headers_include_neither_grpc_nor_protobuf(consumer):
