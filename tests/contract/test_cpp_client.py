@@ -367,12 +367,12 @@ def test_tls_with_a_token(cpp_bin, tiny_llama_dir, pki, tokens_file):  # noqa: F
 
 # -- every RPC of the contract through the typed C++ API ---------------------------------
 RPC_ANSWERS = {
-    "GetModelInfo": "OK", "GetCapabilities": "OK", "GetStatus": "OK", "Prefill": "OK", "Decode": "OK",
+    "GetModelInfo": "OK llama:", "GetCapabilities": "OK", "GetStatus": "OK serving", "Prefill": "OK", "Decode": "OK",
     "BatchDecode": "OK", "ForwardVerify": "OK", "TruncateKv": "OK", "ReleaseCache": "OK", "DecodeSession": "OK",
     "ForkCache": "OK", "Forward": "UNIMPLEMENTED", "SpeculativeDecode": "OK", "BatchPrefill": "OK",
     "ListModels": "OK", "LoadModel": "OK", "UnloadModel": "OK", "RegisterSharedMemory": "OK",
-    "UnregisterSharedMemory": "OK", "ExportSequence": "OK", "ImportSequence": "OK 1", "CreateImportTicket": "OK",
-    "PushSequence": "OK 1", "WatchKvEvents": "OK", "LoadAdapter": "OK 8", "ListAdapters": "OK 1",
+    "UnregisterSharedMemory": "OK 1", "ExportSequence": "OK", "ImportSequence": "OK 1", "CreateImportTicket": "OK",
+    "PushSequence": "OK 1", "WatchKvEvents": "OK 1:1", "LoadAdapter": "OK 8", "ListAdapters": "OK 1",
     "UnloadAdapter": "OK", "UpdateWeights": "OK 1",
 }
 

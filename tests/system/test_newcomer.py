@@ -1,15 +1,20 @@
 """A newcomer's path, on the real default model behind a live server: every Python
-block of README.md and docs/*.md runs as printed (only the README's address,
-127.0.0.1:50051, becomes the test server's), the quickstart example is the README's
-first block, the client's text tools match transformers' without importing it,
-and a token id the wire cannot carry is INVALID_INPUT naming its field."""
+block of README.md and docs/*.md runs as printed (only the docs' addresses and folders
+become the test's: 127.0.0.1:50051 the test server, 127.0.0.1:50052 a second one for the
+replica pages, /adapters/ a folder of LoRA adapters made for the model), the quickstart
+example is the README's first block, the client's text tools match transformers'
+without importing it, and a token id the wire cannot carry is INVALID_INPUT naming its
+field."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+import textwrap
+import traceback
 from pathlib import Path
 
 import grpc
@@ -24,17 +29,29 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC_ADDRESS = "127.0.0.1:50051"
-BLOCK = re.compile(r"^```python\n(.*?)^```$", re.S | re.M)
-# Pages whose Python blocks are fragments of a larger setup (several replicas, an
-# adapter folder, a weights file) and do not run against one local server yet.
-FRAGMENT_PAGES = {"docs/replicas.md", "docs/weights.md"}
+DOC_SECOND_ADDRESS = "127.0.0.1:50052"  # a second replica (docs/replicas.md)
+DOC_ADAPTERS = "/adapters/"  # LoRA adapter folders (docs/weights.md)
+# A fenced block, at any indentation (a block inside a list item is indented with it).
+FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```$", re.S | re.M)
 
 
 def python_blocks(page: Path) -> list[str]:
-    return BLOCK.findall(page.read_text())
+    return [textwrap.dedent(body) for _, lang, body in FENCE.findall(page.read_text()) if lang == "python"]
 
 
 PAGES = [p for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))] if python_blocks(p)]
+
+
+def run_blocks(blocks: list[str], name: str, substitutions: dict[str, str]) -> dict:
+    """Runs a page's blocks in order in one namespace (a later block may use what an
+    earlier one made, as a reader would), each with the docs' addresses and folders
+    replaced; an error names the page and the block."""
+    namespace = {"__name__": "__doc_snippet__"}
+    for i, block in enumerate(blocks):
+        for doc, real in substitutions.items():
+            block = block.replace(doc, real)
+        exec(compile(block, f"{name}[block {i}]", "exec"), namespace)
+    return namespace
 
 
 @pytest.fixture(scope="module")
@@ -51,25 +68,77 @@ def server(default_model_dir):
         yield server
 
 
+@pytest.fixture(scope="module")
+def second_server(default_model_dir):
+    """Another server on the default model: the second replica of docs/replicas.md."""
+    with running_server(default_model_dir, name="SmolLM2-135M-Instruct", kv_tokens=4096, block_size=16,
+                        server_kwargs=dict(warmup=False)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def adapters(default_model_dir, tmp_path_factory) -> Path:
+    """A folder holding the LoRA adapter "sql" docs/weights.md loads: PEFT's files, rank 4
+    on layer 0's q_proj and v_proj, small random weights (written here: no peft needed)."""
+    from safetensors.numpy import save_file
+
+    config = json.loads((default_model_dir / "config.json").read_text())
+    hidden, head_dim = config["hidden_size"], config["hidden_size"] // config["num_attention_heads"]
+    out_dims = {"q_proj": hidden, "v_proj": config["num_key_value_heads"] * head_dim}
+    root = tmp_path_factory.mktemp("adapters")
+    folder, rank, rng = root / "sql", 4, np.random.default_rng(0)
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 8, "target_modules": list(out_dims),
+        "layers_to_transform": [0], "bias": "none"}))
+    save_file({f"base_model.model.model.layers.0.self_attn.{m}.lora_{ab}.weight":
+               (rng.standard_normal(shape) * 0.01).astype(np.float32)
+               for m, out in out_dims.items() for ab, shape in (("A", (rank, hidden)), ("B", (out, rank)))},
+              str(folder / "adapter_model.safetensors"))
+    return root
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_every_python_block_runs_as_printed(page, server, capsys):
-    """The blocks of a page run in order, in one namespace (a later block may use what an
-    earlier one made, as a reader would), against the live server."""
-    name = str(page.relative_to(ROOT))
-    if name in FRAGMENT_PAGES:
-        pytest.skip(f"{name}: its blocks are fragments (see FRAGMENT_PAGES)")
-    namespace = {"__name__": "__doc_snippet__"}
-    for i, block in enumerate(python_blocks(page)):
-        code = compile(block.replace(DOC_ADDRESS, server.target), f"{name}[block {i}]", "exec")
-        exec(code, namespace)
-    with ExecutorClient(server.target, timeout=30) as ex:
-        assert ex.status().active_sequences == 0, f"{name}'s blocks left sequences behind"
+def test_every_python_block_runs_as_printed(page, server, request):
+    """The blocks of a page run in order against the live server(s); afterwards no
+    server holds a sequence the blocks made."""
+    name, text = str(page.relative_to(ROOT)), page.read_text()
+    substitutions, servers = {DOC_ADDRESS: server.target}, [server]
+    if DOC_SECOND_ADDRESS in text:
+        second = request.getfixturevalue("second_server")
+        substitutions[DOC_SECOND_ADDRESS] = second.target
+        servers.append(second)
+    if DOC_ADAPTERS in text:
+        substitutions[DOC_ADAPTERS] = f"{request.getfixturevalue('adapters')}/"
+    run_blocks(python_blocks(page), name, substitutions)
+    for srv in servers:
+        with ExecutorClient(srv.target, timeout=30) as ex:
+            assert ex.status().active_sequences == 0, f"{name}'s blocks left sequences behind on {srv.target}"
 
 
-def test_every_fragment_page_still_parses():
-    for page in PAGES:
-        for i, block in enumerate(python_blocks(page)):
-            compile(block, f"{page.name}[block {i}]", "exec")
+def test_every_python_block_of_the_docs_is_run():
+    """No Python hides from the runner: each page's ```python fences (at any indentation)
+    are the blocks it runs, and no block under another label (or none) is client code."""
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = page.read_text()
+        assert len(python_blocks(page)) == len(re.findall(r"^ *```python$", text, re.M)), page.name
+        assert len(re.findall(r"^ *```", text, re.M)) == 2 * len(FENCE.findall(text)), f"{page.name}: an unclosed fence"
+        for _, lang, body in FENCE.findall(text):
+            if lang == "python" or "ferrum_rpc" not in body:
+                continue
+            try:
+                compile(textwrap.dedent(body), page.name, "exec")
+            except SyntaxError:
+                continue
+            pytest.fail(f"{page.name}: a ```{lang} block is Python that no test runs: {body[:80]!r}")
+
+
+def test_a_broken_block_fails_naming_its_page_and_block():
+    blocks = ["x = 1\n", "assert x == 2, 'the doc is wrong'\n"]
+    with pytest.raises(AssertionError, match="the doc is wrong") as info:
+        run_blocks(blocks, "docs/example.md", {})
+    assert traceback.extract_tb(info.value.__traceback__)[-1].filename == "docs/example.md[block 1]"
+    assert run_blocks(["y = '127.0.0.1:50051'\n"], "p", {DOC_ADDRESS: "h:1"})["y"] == "h:1"
 
 
 def test_the_readme_quickstart_is_examples_quickstart():

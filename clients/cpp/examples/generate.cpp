@@ -26,8 +26,16 @@ int main(int argc, char** argv) try {
   ferrum::Client ex(args.str("target", "127.0.0.1:50051"), options);
 
   if (args.has("info")) {
-    std::cerr << "GetCapabilities:\n" << ex.capabilities().DebugString() << "GetStatus:\n"
-              << ex.status().DebugString();
+    const ferrum::Capabilities caps = ex.capabilities();
+    std::cerr << "GetCapabilities:\n  model: " << caps.model << "\n  architecture: " << caps.architecture
+              << "\n  max_batch_size: " << caps.max_batch_size << "\n  max_sequence_length: "
+              << caps.max_sequence_length << "\n  kv_capacity_tokens: " << caps.kv_capacity_tokens
+              << "\n  max_decode_ahead: " << caps.max_decode_ahead << "\n  cpu_capability: " << caps.cpu_capability
+              << "\n";
+    const ferrum::ServerStatus status = ex.status();
+    std::cerr << "GetStatus:\n  state: " << ferrum::state_name(status.state)
+              << "\n  active_sequences: " << status.active_sequences << "\n  kv_blocks_free: " << status.kv_blocks_free
+              << "/" << status.kv_blocks_total << "\n  uptime_s: " << status.uptime_s << "\n";
   }
   std::vector<uint32_t> prompt = args.ids("tokens");
   if (prompt.empty()) {

@@ -4,6 +4,8 @@
 #include <memory>
 #include <string>
 
+#include <grpcpp/grpcpp.h>
+
 #include "ferrum/client.hpp"
 
 namespace ferrum {

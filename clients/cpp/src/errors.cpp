@@ -4,10 +4,8 @@
 // sequence's KvCacheHandle.
 #include <map>
 
-#include "ferrum/types.hpp"
-#include "ferrum_rpc/v1/executor.pb.h"
 #include "google/rpc/error_details.pb.h"
-#include "google/rpc/status.pb.h"
+#include "internal.hpp"
 
 namespace ferrum {
 
@@ -44,7 +42,7 @@ const std::map<std::string, Row>& table() {
 }
 }  // namespace
 
-Error::Error(grpc::StatusCode code, std::string reason, std::string message,
+Error::Error(StatusCode code, std::string reason, std::string message,
              std::optional<std::chrono::milliseconds> retry_delay, std::optional<Handle> existing)
     : std::runtime_error((reason.empty() ? std::string(code_name(code)) : reason) + ": " + message),
       code_(code), reason_(std::move(reason)), message_(std::move(message)), retry_delay_(retry_delay),
@@ -52,25 +50,25 @@ Error::Error(grpc::StatusCode code, std::string reason, std::string message,
 
 bool Error::retryable() const {
   if (!reason_.empty()) return table().at(reason_).retryable;
-  return code_ == grpc::StatusCode::UNAVAILABLE;  // no reason: the connection, not the server's table
+  return code_ == StatusCode::UNAVAILABLE;  // no reason: the connection, not the server's table
 }
 
 // A status with no reason: the rule the proto states beside the outcome_unknown option.
 bool Error::outcome_unknown() const {
   if (!reason_.empty()) return table().at(reason_).outcome_unknown;
   switch (code_) {
-    case grpc::StatusCode::CANCELLED:
-    case grpc::StatusCode::DEADLINE_EXCEEDED:
-    case grpc::StatusCode::UNAVAILABLE:
-    case grpc::StatusCode::UNKNOWN:
-    case grpc::StatusCode::INTERNAL:
+    case StatusCode::CANCELLED:
+    case StatusCode::DEADLINE_EXCEEDED:
+    case StatusCode::UNAVAILABLE:
+    case StatusCode::UNKNOWN:
+    case StatusCode::INTERNAL:
       return true;
     default:
       return false;
   }
 }
 
-const char* Error::code_name(grpc::StatusCode code) {
+const char* Error::code_name(StatusCode code) {
   static const char* names[] = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
                                 "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED",
                                 "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED",
@@ -96,23 +94,23 @@ Error error_from_rpc_status(const google::rpc::Status& status) {
       }
     } else if (detail.type_url() == kHandle) {
       pb::KvCacheHandle handle;
-      if (handle.ParseFromString(detail.value())) existing = Handle(std::move(handle));
+      if (handle.ParseFromString(detail.value())) existing = detail::Convert::handle(handle);
     }
   }
   // The server's message starts with "REASON: "; the reason is kept apart.
   std::string message = status.message();
   if (!reason.empty() && message.rfind(reason + ": ", 0) == 0) message = message.substr(reason.size() + 2);
-  return Error(static_cast<grpc::StatusCode>(status.code()), reason, message, delay,
+  return Error(static_cast<StatusCode>(status.code()), reason, message, delay,
                reason == "REQUEST_ID_EXISTS" ? existing : std::nullopt);
 }
 
 Error error_from_status(const grpc::Status& status) {
   google::rpc::Status details;
   if (!status.error_details().empty() && details.ParseFromString(status.error_details())) {
-    details.set_code(status.error_code());  // gRPC's code is the authority, as in the Python client
+    details.set_code(static_cast<int>(status.error_code()));  // gRPC's code is the authority, as in the Python client
     return error_from_rpc_status(details);
   }
-  return Error(status.error_code(), "", status.error_message());
+  return Error(static_cast<StatusCode>(status.error_code()), "", status.error_message());
 }
 
 }  // namespace ferrum

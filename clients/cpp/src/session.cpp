@@ -18,49 +18,59 @@ FinishReason finish_from(pb::FinishReason r) {
 }
 }  // namespace
 
+// The stream of a session and its step counter.
+struct DecodeSession::Impl {
+  std::string model;
+  std::unique_ptr<grpc::ClientContext> ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<pb::DecodeSessionRequest, pb::DecodeSessionResponse>> stream;
+  uint64_t next_step = 0;
+  bool done = false;
+
+  pb::DecodeSessionRequest request(const std::vector<DecodeInput>& items, std::optional<LogitsPolicy> logits,
+                                   std::optional<TokenChoice> choice) {
+    pb::DecodeSessionRequest req;
+    req.set_step_id(++next_step);
+    req.set_model(model);
+    add_items(&req, items, choice);
+    if (logits) *req.mutable_logits() = detail::Convert::proto(*logits);
+    req.set_single_reply(wants_single_reply(logits, req));
+    return req;
+  }
+
+  void write(const pb::DecodeSessionRequest& request) {
+    if (done) throw Error(StatusCode::FAILED_PRECONDITION, "", "the session was closed");
+    if (!stream->Write(request)) read();  // the stream ended: read() throws its status
+  }
+
+  std::shared_ptr<pb::DecodeSessionResponse> read() {  // throws Error when the stream ends
+    auto reply = std::make_shared<pb::DecodeSessionResponse>();
+    if (stream->Read(reply.get())) return reply;
+    done = true;
+    grpc::Status status = stream->Finish();
+    if (!status.ok()) throw error_from_status(status);
+    throw Error(StatusCode::UNAVAILABLE, "", "the session stream ended");
+  }
+};
+
 std::shared_ptr<DecodeSession> Client::decode_session() const { return std::make_shared<DecodeSession>(*this); }
 
-DecodeSession::DecodeSession(const Client& client) : model_(client.model()), ctx_(client.context()) {
-  stream_ = client.stub().DecodeSession(ctx_.get());
+DecodeSession::DecodeSession(const Client& client) : impl_(std::make_unique<Impl>()) {
+  impl_->model = client.model();
+  impl_->ctx = client.impl_->context();
+  impl_->stream = client.impl_->stub->DecodeSession(impl_->ctx.get());
 }
 
 DecodeSession::~DecodeSession() {
-  if (!done_) cancel();
-}
-
-pb::DecodeSessionRequest DecodeSession::request(const std::vector<DecodeInput>& items,
-                                                std::optional<LogitsPolicy> logits,
-                                                std::optional<TokenChoice> choice) {
-  pb::DecodeSessionRequest req;
-  req.set_step_id(++next_step_);
-  req.set_model(model_);
-  add_items(&req, items, choice);
-  if (logits) *req.mutable_logits() = logits->proto;
-  req.set_single_reply(wants_single_reply(logits, req));
-  return req;
-}
-
-void DecodeSession::write(const pb::DecodeSessionRequest& request) {
-  if (done_) throw Error(grpc::StatusCode::FAILED_PRECONDITION, "", "the session was closed");
-  if (!stream_->Write(request)) read();  // the stream ended: read() throws its status
-}
-
-std::shared_ptr<pb::DecodeSessionResponse> DecodeSession::read() {
-  auto reply = std::make_shared<pb::DecodeSessionResponse>();
-  if (stream_->Read(reply.get())) return reply;
-  done_ = true;
-  grpc::Status status = stream_->Finish();
-  if (!status.ok()) throw error_from_status(status);
-  throw Error(grpc::StatusCode::UNAVAILABLE, "", "the session stream ended");
+  if (!impl_->done) cancel();
 }
 
 std::vector<Output> DecodeSession::step(const std::vector<DecodeInput>& items, std::optional<LogitsPolicy> logits,
                                         std::optional<TokenChoice> choice) {
-  pb::DecodeSessionRequest req = request(items, logits, choice);
-  write(req);
+  pb::DecodeSessionRequest req = impl_->request(items, logits, choice);
+  impl_->write(req);
   std::vector<std::pair<uint32_t, Output>> got;
   while (got.size() < static_cast<size_t>(req.items_size())) {
-    std::shared_ptr<const pb::DecodeSessionResponse> reply = read();
+    std::shared_ptr<const pb::DecodeSessionResponse> reply = impl_->read();
     if (reply->has_error()) throw error_from_rpc_status(reply->error());  // the session goes on
     if (reply->results_size() > 0) {
       for (const auto& r : reply->results())
@@ -78,30 +88,30 @@ std::vector<Output> DecodeSession::step(const std::vector<DecodeInput>& items, s
 
 AheadRun DecodeSession::decode_ahead(const std::vector<DecodeInput>& items, uint32_t max_new_tokens,
                                      std::optional<TokenChoice> choice, const std::vector<uint32_t>& stop_token_ids) {
-  pb::DecodeSessionRequest req = request(items, std::nullopt, choice);
+  pb::DecodeSessionRequest req = impl_->request(items, std::nullopt, choice);
   req.set_single_reply(false);
   req.set_max_new_tokens(max_new_tokens);
   req.mutable_stop_token_ids()->Add(stop_token_ids.begin(), stop_token_ids.end());
-  write(req);
+  impl_->write(req);
   return AheadRun(shared_from_this(), req.step_id(), items.size());
 }
 
 void DecodeSession::close() {
-  if (done_) return;
-  done_ = true;
-  stream_->WritesDone();
+  if (impl_->done) return;
+  impl_->done = true;
+  impl_->stream->WritesDone();
   pb::DecodeSessionResponse rest;
-  while (stream_->Read(&rest)) {
+  while (impl_->stream->Read(&rest)) {
   }  // read to the end: a clean end confirms the last steps
-  grpc::Status status = stream_->Finish();
+  grpc::Status status = impl_->stream->Finish();
   if (!status.ok()) throw error_from_status(status);
 }
 
 void DecodeSession::cancel() {
-  if (done_) return;
-  done_ = true;
-  ctx_->TryCancel();  // the server undoes each sequence's unconfirmed step
-  stream_->Finish();
+  if (impl_->done) return;
+  impl_->done = true;
+  impl_->ctx->TryCancel();  // the server undoes each sequence's unconfirmed step
+  impl_->stream->Finish();
 }
 
 AheadRun::AheadRun(std::shared_ptr<DecodeSession> session, uint64_t step_id, size_t items)
@@ -110,21 +120,21 @@ AheadRun::AheadRun(std::shared_ptr<DecodeSession> session, uint64_t step_id, siz
 bool AheadRun::next(uint32_t* index, Chosen* chosen) {
   while (pending_.empty()) {
     if (left_ == 0) return false;
-    std::shared_ptr<const pb::DecodeSessionResponse> reply = session_->read();
+    std::shared_ptr<const pb::DecodeSessionResponse> reply = session_->impl_->read();
     if (reply->has_error()) {
       left_ = 0;
       throw error_from_rpc_status(reply->error());
     }
     if (reply->step_id() != step_id_)
-      throw Error(grpc::StatusCode::INTERNAL, "",
+      throw Error(StatusCode::INTERNAL, "",
                   "a reply of step " + std::to_string(reply->step_id()) + " during a decode-ahead step");
     auto take = [&](const pb::DecodeSessionResponse& r) {
-      if (r.index() >= results_.size()) throw Error(grpc::StatusCode::INTERNAL, "", "a reply for no item");
-      Chosen c = Chosen::from_proto(r.chosen());
+      if (r.index() >= results_.size()) throw Error(StatusCode::INTERNAL, "", "a reply for no item");
+      Chosen c = detail::Convert::chosen(r.chosen());
       AheadResult& res = results_[r.index()];
       res.chosen.push_back(c);
       if (r.has_kv_cache()) {  // the item's last message: its handle and why it ended
-        res.kv_cache = Handle(r.kv_cache());
+        res.kv_cache = detail::Convert::handle(r.kv_cache());
         res.finish_reason = finish_from(r.finish_reason());
         --left_;
       }
@@ -145,7 +155,7 @@ void AheadRun::stop() {
   pb::DecodeSessionRequest req;
   req.set_step_id(step_id_);
   req.set_stop(true);
-  session_->write(req);
+  session_->impl_->write(req);
 }
 
 AheadResult Client::decode_ahead(uint32_t token, const Handle& h, const TokenChoice& choice, uint32_t max_new_tokens,

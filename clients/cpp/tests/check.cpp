@@ -105,11 +105,11 @@ int logits(const ferrum_args::Args& args) {
 
 int errors(const ferrum_args::Args& args) {
   auto ex = check::client_from(args);
-  uint32_t vocab = ex.info().vocab_size();
+  uint32_t vocab = ex.info().vocab_size;
   auto subject = ex.prefill(check::prompt(6, vocab), LogitsPolicy::argmax()).kv_cache;
   auto with = [&](auto change) {
     ferrum::Handle h = subject;
-    change(h.proto());
+    change(h);
     return h;
   };
   ferrum::TokenChoice nan_temperature;
@@ -117,7 +117,7 @@ int errors(const ferrum_args::Args& args) {
   std::map<std::string, std::function<std::string()>> rows = {
       {"cache_not_found", [&] { ex.decode(5, with([](auto& p) { p.set_cache_id("no-such-sequence"); })); return ""; }},
       {"stale_handle", [&] { ex.decode(5, with([](auto& p) { p.set_server_instance_id("another-server"); })); return ""; }},
-      {"length_mismatch", [&] { ex.decode(5, with([](auto& p) { p.set_sequence_length(p.sequence_length() + 1); })); return ""; }},
+      {"length_mismatch", [&] { ex.decode(5, with([](auto& p) { p.set_length(p.length() + 1); })); return ""; }},
       {"empty_prefill", [&] { ex.prefill({}); return ""; }},
       {"empty_verify", [&] { ex.forward_verify({}, subject); return ""; }},
       {"token_outside_vocab", [&] { ex.decode(vocab, subject); return ""; }},
@@ -136,7 +136,7 @@ int errors(const ferrum_args::Args& args) {
       {"ahead_too_many", [&] { ex.decode_ahead(5, subject, ferrum::TokenChoice::greedy(), 5000); return ""; }},
       {"ahead_bad_stop", [&] { ex.decode_ahead(5, subject, ferrum::TokenChoice::greedy(), 4, {vocab}); return ""; }},
       {"deadline", [&] { ex.with_timeout(std::chrono::milliseconds(0)).prefill({1, 2, 3}); return ""; }},
-      {"too_long", [&] { ex.prefill(check::prompt(ex.info().max_sequence_length() + 1, vocab)); return ""; }},
+      {"too_long", [&] { ex.prefill(check::prompt(ex.info().max_sequence_length + 1, vocab)); return ""; }},
       {"kv_exhausted", [&] {  // two sequences of 28 tokens hold 14 of 16 blocks; 12 more need 3
          std::vector<ferrum::Handle> fillers;
          for (uint32_t seed : {1u, 2u}) fillers.push_back(ex.prefill(check::prompt(28, vocab, seed), LogitsPolicy::argmax()).kv_cache);

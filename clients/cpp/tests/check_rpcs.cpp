@@ -13,13 +13,13 @@ using ferrum::LogitsPolicy;
 
 int run_rpcs(const ferrum_args::Args& args) {
   auto ex = client_from(args);
-  uint32_t vocab = ex.info().vocab_size();
+  uint32_t vocab = ex.info().vocab_size;
   auto n = [](auto v) { return std::to_string(v); };
   ferrum::Handle h;
 
-  outcome("GetModelInfo", [&] { return ex.info().architecture() + ":" + n(ex.info().vocab_size()); });
-  outcome("GetCapabilities", [&] { return n(ex.capabilities().max_decode_ahead()); });
-  outcome("GetStatus", [&] { return n(ex.status().state()); });
+  outcome("GetModelInfo", [&] { return ex.info().architecture + ":" + n(ex.info().vocab_size); });
+  outcome("GetCapabilities", [&] { return n(ex.capabilities().max_decode_ahead); });
+  outcome("GetStatus", [&] { return std::string(ferrum::state_name(ex.status().state)); });
   outcome("Prefill", [&] {
     auto out = ex.prefill(prompt(6, vocab), LogitsPolicy::argmax());
     h = out.kv_cache;
@@ -66,8 +66,8 @@ int run_rpcs(const ferrum_args::Args& args) {
   });
   outcome("SpeculativeDecode", [&] {
     auto r = ex.speculative_decode(5, {6, 7}, h, LogitsPolicy::argmax());
-    h = ferrum::Handle(r.kv_cache());
-    return n(h.length());
+    h = r.kv_cache;
+    return n(h.length()) + ":" + n(r.accepted_token_ids.size() + 1 == r.chosen.size() || r.chosen.empty());
   });
   outcome("BatchPrefill", [&] {
     auto outs = ex.batch_prefill({{prompt(4, vocab, 2), std::nullopt}, {{5, 6}, h}}, LogitsPolicy::argmax());
@@ -75,7 +75,7 @@ int run_rpcs(const ferrum_args::Args& args) {
     h = outs[1].kv_cache;
     return n(outs.size()) + ":" + n(h.length());
   });
-  std::vector<ferrum::pb::SequenceChunk> chunks;
+  std::vector<ferrum::SequenceChunk> chunks;
   outcome("ExportSequence", [&] {
     chunks = ex.export_sequence(h);
     return n(chunks.size());
@@ -87,62 +87,44 @@ int run_rpcs(const ferrum_args::Args& args) {
   });
   std::string ticket;
   outcome("CreateImportTicket", [&] {
-    ferrum::pb::CreateImportTicketRequest req;
-    req.set_model(ex.model());
-    ticket = ex.create_import_ticket(req).ticket();
+    ticket = ex.create_import_ticket().ticket;
     return n(ticket.size());
   });
   outcome("PushSequence", [&] {  // to this same server, with the ticket it issued
-    ferrum::pb::PushSequenceRequest req;
-    *req.mutable_kv_cache() = h.proto();
-    req.set_target(args.str("target"));
-    req.set_ticket(ticket);
-    auto r = ex.push_sequence(req);
-    ex.release_cache(ferrum::Handle(r.kv_cache()));
-    return n(r.kv_cache().sequence_length() == h.length());
+    auto r = ex.push_sequence(h, args.str("target"), ticket);
+    ex.release_cache(r.kv_cache);
+    return n(r.kv_cache.length() == h.length());
   });
   outcome("WatchKvEvents", [&] {
-    ferrum::pb::WatchKvEventsRequest req;
-    req.set_snapshot(true);
     int batches = 0;
-    ex.watch_kv_events(req, [&](const ferrum::pb::KvEventBatch&) { return ++batches < 1; });
-    return n(batches);
+    bool hello = false;
+    ex.watch_kv_events(true, [&](const ferrum::KvEventBatch& b) {
+      hello = b.hello.has_value() && b.hello->block_size > 0;
+      return ++batches < 1;
+    });
+    return n(batches) + ":" + n(hello);
   });
   outcome("RegisterSharedMemory", [&] {
-    ferrum::pb::RegisterSharedMemoryRequest req;
-    req.set_name("cpp-region");
-    req.set_byte_size(4096);
-    auto reg = ex.register_shared_memory(req);
-    std::string key = reg->first().key();
-    outcome("UnregisterSharedMemory", [&] {
-      ferrum::pb::UnregisterSharedMemoryRequest un;
-      un.set_name("cpp-region");
-      ex.unregister_shared_memory(un);
-      return "";
-    });
+    auto reg = ex.register_shared_memory("cpp-region", 4096);
+    std::string key = reg->first().key;
+    outcome("UnregisterSharedMemory", [&] { return n(ex.unregister_shared_memory("cpp-region")); });
     reg->close();
     return n(!key.empty());
   });
-  outcome("ListModels", [&] { return n(ex.list_models().models_size()); });
+  outcome("ListModels", [&] { return n(ex.list_models().size()); });
   if (args.has("load-dir")) {
     outcome("LoadModel", [&] {
-      ferrum::pb::LoadModelRequest req;
-      req.set_name("cpp-loaded");
-      req.set_path(args.str("load-dir"));
       int stages = 0;
-      auto last = ex.load_model(req, [&](const ferrum::pb::LoadModelResponse&) { ++stages; });
-      return last.stage();
+      auto last = ex.load_model("cpp-loaded", args.str("load-dir"), [&](const ferrum::LoadProgress&) { ++stages; });
+      return last.stage;
     });
-    outcome("UnloadModel", [&] { return n(ex.unload_model("cpp-loaded").sequences_dropped()); });
+    outcome("UnloadModel", [&] { return n(ex.unload_model("cpp-loaded")); });
   }
   if (args.has("adapter-dir")) {  // a PEFT adapter folder for this model
     outcome("LoadAdapter", [&] {
-      ferrum::pb::LoadAdapterRequest req;
-      req.set_name("cpp-adapter");
-      req.set_path(args.str("adapter-dir"));
-      return n(ex.load_adapter(req).rank());
+      return n(ex.load_adapter("cpp-adapter", args.str("adapter-dir")).rank);
     });
-    outcome("ListAdapters", [&] { return n(ex.list_adapters().adapters_size()); });
+    outcome("ListAdapters", [&] { return n(ex.list_adapters().adapters.size()); });
     outcome("UnloadAdapter", [&] {
       ex.unload_adapter("cpp-adapter");
       return "";
@@ -152,14 +134,9 @@ int run_rpcs(const ferrum_args::Args& args) {
     outcome("UpdateWeights", [&] {
       std::ifstream in(args.str("update-file"), std::ios::binary);
       std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      std::vector<ferrum::pb::WeightsChunk> chunks(1);
-      chunks[0].mutable_header()->set_model(ex.model());
-      chunks[0].mutable_header()->set_total_bytes(data.size());
-      for (size_t at = 0; at < data.size(); at += 1 << 20) chunks.emplace_back().set_data(data.substr(at, 1 << 20));
       std::string hex = args.str("update-checksum"), checksum;
       for (size_t i = 0; i + 1 < hex.size(); i += 2) checksum.push_back(char(std::stoi(hex.substr(i, 2), nullptr, 16)));
-      chunks.emplace_back().mutable_trailer()->set_checksum(checksum);
-      return n(ex.update_weights(chunks).weights_version());
+      return n(ex.update_weights(data, checksum).weights_version);
     });
   }
   outcome("ReleaseCache", [&] {

@@ -5,8 +5,9 @@
 //   auto step = ex.decode(out.logits.argmax(), out.kv_cache);
 //   ex.release_cache(step.kv_cache);
 //
-// Every call throws ferrum::Error on failure. The executor calls are typed; the
-// registry, transfer and shared-memory calls take and return the contract's messages.
+// Every call throws ferrum::Error on failure. Every call takes and returns this
+// library's own types (types.hpp and below): the header includes neither gRPC nor
+// protobuf, and the generated contract code stays inside the library.
 #pragma once
 
 #include <chrono>
@@ -18,10 +19,7 @@
 #include <utility>
 #include <vector>
 
-#include <grpcpp/grpcpp.h>
-
 #include "ferrum/types.hpp"
-#include "ferrum_rpc/v1/executor.grpc.pb.h"
 
 namespace ferrum {
 
@@ -61,6 +59,151 @@ struct AheadResult {
   std::vector<Chosen> chosen;
 };
 
+// GetModelInfo: the model's shape.
+struct ModelInfo {
+  std::string name, architecture, device;
+  uint32_t vocab_size = 0, hidden_size = 0, num_layers = 0, num_attention_heads = 0, num_kv_heads = 0,
+           head_dim = 0, max_sequence_length = 0, bos_token_id = 0;
+  DType dtype = DType::Unspecified, kv_dtype = DType::Unspecified;
+  uint64_t parameter_count = 0;
+  std::vector<uint32_t> eos_token_ids;
+};
+
+// GetCapabilities: what the server does for the model, and its limits.
+struct Capabilities {
+  std::string model, architecture, kernel_path, cpu_capability, quantization, kv_fingerprint;
+  uint32_t max_batch_size = 0, max_sequence_length = 0, kv_block_size = 0, kv_num_blocks = 0,
+           prefill_chunk_tokens = 0, optimal_batch_size = 0, max_decode_ahead = 0, tensor_parallel_degree = 0,
+           max_adapters = 0, max_lora_rank = 0;
+  uint64_t kv_capacity_tokens = 0, max_message_bytes = 0, kv_bytes = 0, weights_version = 0;
+  double idle_timeout_s = 0;
+  std::vector<LogitsKind> logits_kinds;
+  std::vector<DType> logits_dtypes, supported_dtypes;
+  std::vector<std::string> models, attention_mechanisms, supported_devices, tensor_parallel_fallbacks;
+  bool chunked_prefill = false, forward_verify = false, truncate_kv = false, decode_session = false,
+       prefix_cache = false, fork_cache = false, mixture_of_experts = false, shared_memory = false,
+       speculative_decode = false, batch_prefill = false, tensor_parallel = false, pipeline_parallel = false,
+       dynamic_batching = false, continuous_batching = false, token_choice = false, accepts_imports = false,
+       kv_events = false, batch_invariant = false;
+  struct Memory {
+    uint64_t parameter_bytes = 0, kv_bytes_per_token_per_layer = 0, activation_bytes_per_token = 0,
+             overhead_bytes = 0;
+    uint32_t num_layers = 0;
+  } memory;
+};
+
+// GetStatus: where the server is for the model, and its counters.
+struct ServerStatus {
+  enum class State { Unspecified = 0, Loading = 1, Serving = 2, Draining = 3 };
+  State state = State::Unspecified;
+  std::string server_instance_id, model;
+  uint32_t kv_blocks_total = 0, kv_blocks_used = 0, kv_blocks_free = 0, active_sequences = 0, queue_depth = 0,
+           kv_blocks_shared = 0, kv_blocks_cached = 0, tenant_max_sequences = 0, tenant_ahead_sequences = 0,
+           ahead_sequences = 0, ahead_runs_paused = 0, imports_in_flight = 0, pushes_in_flight = 0,
+           adapters_loaded = 0;
+  uint64_t forwards = 0, tokens_processed = 0, prefix_cache_queried_tokens = 0, prefix_cache_hit_tokens = 0,
+           sequences_expired = 0, prefill_operations = 0, decode_operations = 0, memory_allocated_bytes = 0,
+           memory_used_bytes = 0, memory_peak_bytes = 0, tenant_kv_tokens = 0, session_bytes_unsent = 0,
+           transfer_bytes_in_flight = 0, transfer_budget_bytes = 0, adapter_bytes = 0, weights_version = 0;
+  double uptime_s = 0, prefix_cache_hit_rate = 0, avg_prefill_ms = 0, avg_decode_ms = 0, memory_utilization = 0;
+};
+const char* state_name(ServerStatus::State s);
+
+// SpeculativeDecode: the drafts kept, the token after them (not yet in the KV: send it
+// next), the logits after the kept drafts, and the sequence (1 + accepted longer).
+struct SpeculativeResult {
+  std::vector<uint32_t> accepted_token_ids;
+  uint32_t next_token_id = 0;
+  Logits logits;
+  Handle kv_cache;
+  Timing timing;
+  std::vector<Chosen> chosen;  // with a token choice: each accepted draft, then next_token_id
+};
+
+// One message of an exported sequence (header, KV, or trailer), as the wire's bytes:
+// carry the chunks as they are to import_sequence, here or in another process.
+class SequenceChunk {
+ public:
+  SequenceChunk() = default;
+  explicit SequenceChunk(std::string bytes) : bytes_(std::move(bytes)) {}
+  const std::string& bytes() const { return bytes_; }
+
+ private:
+  std::string bytes_;
+};
+
+struct ImportTicket {
+  std::string ticket, model;
+  double ttl_s = 0;
+};
+
+struct PushResult {
+  Handle kv_cache;  // the sequence on the target
+  uint64_t bytes_sent = 0;
+  bool released = false;  // a move: the source released its copy
+};
+
+// The registry's models, and a load's progress.
+struct ModelEntry {
+  std::string name, state, path;
+  bool is_default = false;
+};
+struct LoadProgress {
+  std::string stage;
+  double elapsed_s = 0;
+};
+
+// A LoRA adapter the server holds.
+struct AdapterEntry {
+  std::string name, path, digest;
+  uint32_t rank = 0, sequences = 0;
+  double scaling = 0, load_s = 0;
+  std::vector<std::string> target_modules;
+  uint64_t bytes = 0;
+};
+struct AdapterList {
+  std::vector<AdapterEntry> adapters;
+  std::vector<std::string> evicted;
+};
+
+// An in-place weights update's reply.
+struct WeightsUpdate {
+  uint64_t weights_version = 0;
+  uint32_t tensors = 0, sequences_invalidated = 0;
+  double rebuild_s = 0, paused_s = 0;
+};
+
+// A registered shared-memory region, as the server names it.
+struct SharedMemoryRegion {
+  std::string name, key;
+  uint64_t byte_size = 0;
+};
+
+// KV events: the prefix cache's blocks as they are stored and removed.
+struct KvBlock {
+  std::string block_hash, parent_hash;
+  std::vector<uint32_t> token_ids;
+};
+struct KvEventsHello {
+  std::string chain_root, model;
+  uint32_t block_size = 0, queue_limit = 0;
+  std::vector<KvBlock> cached;
+  uint64_t next_sequence = 0;
+  std::map<std::string, std::string> adapter_roots;
+};
+struct KvEvent {
+  enum class Kind { Unspecified, Stored, Removed, AllCleared };
+  uint64_t sequence = 0;
+  Kind kind = Kind::Unspecified;
+  KvBlock stored;       // Stored
+  std::string removed;  // Removed: the block's hash
+};
+struct KvEventBatch {
+  std::optional<KvEventsHello> hello;
+  std::vector<KvEvent> events;
+  bool resync = false;
+};
+
 class DecodeSession;
 
 class Client {
@@ -74,9 +217,9 @@ class Client {
   // UNAUTHENTICATED, a draining server).
   bool wait_ready(std::chrono::milliseconds timeout);
 
-  pb::ModelInfo info() const;
-  pb::Capabilities capabilities() const;
-  pb::Status status() const;
+  ModelInfo info() const;
+  Capabilities capabilities() const;
+  ServerStatus status() const;
 
   // A new sequence from tokens, or a continued one (chunked prefill) with continue_from.
   // A new one is named by request_id (at most 128 UTF-8 bytes) when given: the client
@@ -97,9 +240,9 @@ class Client {
   void release_cache(const Handle& h) const;
   void release_request(const std::string& request_id) const;  // by the caller's name
   std::vector<Handle> fork(const Handle& h, uint32_t num_children) const;
-  pb::SpeculativeDecodeResponse speculative_decode(uint32_t token, const std::vector<uint32_t>& drafts,
-                                                   const Handle& h, std::optional<LogitsPolicy> logits = std::nullopt,
-                                                   std::optional<TokenChoice> choice = std::nullopt) const;
+  SpeculativeResult speculative_decode(uint32_t token, const std::vector<uint32_t>& drafts, const Handle& h,
+                                       std::optional<LogitsPolicy> logits = std::nullopt,
+                                       std::optional<TokenChoice> choice = std::nullopt) const;
   // Several prompts (new: tokens only; continued: with a handle), shared forwards, in order.
   std::vector<Output> batch_prefill(const std::vector<std::pair<std::vector<uint32_t>, std::optional<Handle>>>& prompts,
                                     std::optional<LogitsPolicy> logits = std::nullopt) const;
@@ -115,62 +258,60 @@ class Client {
                            const std::vector<uint32_t>& stop_token_ids = {},
                            const std::function<bool(const Chosen&)>& on_token = nullptr) const;
 
-  // Sequences that move: the chunks of an export, and an import of them.
-  std::vector<pb::SequenceChunk> export_sequence(const Handle& h, uint64_t chunk_bytes = 0) const;
-  Handle import_sequence(const std::vector<pb::SequenceChunk>& chunks) const;
-  pb::ImportTicket create_import_ticket(const pb::CreateImportTicketRequest& request) const;
-  pb::PushSequenceResponse push_sequence(const pb::PushSequenceRequest& request) const;
+  // Sequences that move: the chunks of an export and an import of them; a ticket the
+  // target issues, and a push of a sequence to that target (move: the source releases it).
+  std::vector<SequenceChunk> export_sequence(const Handle& h, uint64_t chunk_bytes = 0) const;
+  Handle import_sequence(const std::vector<SequenceChunk>& chunks) const;
+  ImportTicket create_import_ticket(const std::string& fingerprint = "", double ttl_s = 0) const;
+  PushResult push_sequence(const Handle& h, const std::string& target, const std::string& ticket,
+                           bool move = false, uint64_t chunk_bytes = 0) const;
 
-  // The registry.
-  pb::ListModelsResponse list_models() const;
-  pb::LoadModelResponse load_model(const pb::LoadModelRequest& request,
-                                   const std::function<void(const pb::LoadModelResponse&)>& progress = nullptr) const;
-  pb::UnloadModelResponse unload_model(const std::string& name) const;
+  // The registry: load reports each stage to progress and returns the last.
+  std::vector<ModelEntry> list_models() const;
+  LoadProgress load_model(const std::string& name, const std::string& path,
+                          const std::function<void(const LoadProgress&)>& progress = nullptr) const;
+  uint32_t unload_model(const std::string& name) const;  // the sequences dropped
 
   // Weights that change: LoRA adapters (a new sequence names one in its Prefill), and
-  // an in-place update (the chunks of an UpdateWeights stream: header, data, trailer).
-  pb::AdapterEntry load_adapter(const pb::LoadAdapterRequest& request) const;
-  pb::UnloadAdapterResponse unload_adapter(const std::string& name) const;
-  pb::ListAdaptersResponse list_adapters() const;
-  pb::UpdateWeightsResponse update_weights(const std::vector<pb::WeightsChunk>& chunks) const;
+  // an in-place update from one safetensors file's bytes, sent in chunks of chunk_bytes
+  // with its BLAKE2b-256 checksum (32 raw bytes) as the trailer.
+  AdapterEntry load_adapter(const std::string& name, const std::string& path, bool replace = false) const;
+  void unload_adapter(const std::string& name) const;
+  AdapterList list_adapters() const;
+  WeightsUpdate update_weights(const std::string& safetensors, const std::string& checksum,
+                               bool invalidate_sequences = false, size_t chunk_bytes = 1 << 20) const;
 
   // Shared memory: registers a region for the duration of the returned stream
-  // (its first reply names the object); unregisters by name.
+  // (its first reply names the object); unregisters by name (the regions removed).
   class Registration;
-  std::unique_ptr<Registration> register_shared_memory(const pb::RegisterSharedMemoryRequest& request) const;
-  void unregister_shared_memory(const pb::UnregisterSharedMemoryRequest& request) const;
+  std::unique_ptr<Registration> register_shared_memory(const std::string& name, uint64_t byte_size,
+                                                       const std::string& key = "", uint64_t offset = 0) const;
+  uint32_t unregister_shared_memory(const std::string& name) const;
 
   // KV events: each batch to on_batch until it returns false (then the stream is cancelled).
-  void watch_kv_events(const pb::WatchKvEventsRequest& request,
-                       const std::function<bool(const pb::KvEventBatch&)>& on_batch) const;
+  void watch_kv_events(bool snapshot, const std::function<bool(const KvEventBatch&)>& on_batch) const;
 
-  const std::string& model() const { return options_.model; }
-  const ClientOptions& options() const { return options_; }
-  pb::ModelExecutor::Stub& stub() const { return *stub_; }
-  // A context with this client's deadline, its ferrum-deadline-unix-ns header and the model.
-  std::unique_ptr<grpc::ClientContext> context() const;
+  const std::string& model() const;
+  const ClientOptions& options() const;
+
+  struct Impl;  // the channel, stub and options: the library's own
 
  private:
-  Client(std::shared_ptr<grpc::Channel> channel, std::shared_ptr<pb::ModelExecutor::Stub> stub, ClientOptions o);
-  void release_names(const std::vector<std::string>& names) const;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::shared_ptr<pb::ModelExecutor::Stub> stub_;
-  ClientOptions options_;
+  friend class DecodeSession;
+  explicit Client(std::shared_ptr<const Impl> impl);
+  std::shared_ptr<const Impl> impl_;
 };
 
 class Client::Registration {
  public:
-  Registration(std::unique_ptr<grpc::ClientContext> ctx,
-               std::unique_ptr<grpc::ClientReader<pb::RegisterSharedMemoryResponse>> reader);
+  struct Impl;
+  explicit Registration(std::unique_ptr<Impl> impl);
   ~Registration();
-  const pb::RegisterSharedMemoryResponse& first() const { return first_; }
+  const SharedMemoryRegion& first() const;
   void close();  // ends the registration (the server unregisters the region)
 
  private:
-  std::unique_ptr<grpc::ClientContext> ctx_;
-  std::unique_ptr<grpc::ClientReader<pb::RegisterSharedMemoryResponse>> reader_;
-  pb::RegisterSharedMemoryResponse first_;
-  bool closed_ = false;
+  std::unique_ptr<Impl> impl_;
 };
 
 // A decode-ahead run on a session: next() yields (item index, chosen token) as they
@@ -198,7 +339,7 @@ class AheadRun {
 // ends it at once (the server undoes each sequence's unconfirmed step).
 class DecodeSession : public std::enable_shared_from_this<DecodeSession> {
  public:
-  DecodeSession(const Client& client);
+  explicit DecodeSession(const Client& client);
   ~DecodeSession();
   std::vector<Output> step(const std::vector<DecodeInput>& items, std::optional<LogitsPolicy> logits = std::nullopt,
                            std::optional<TokenChoice> choice = std::nullopt);
@@ -208,17 +349,11 @@ class DecodeSession : public std::enable_shared_from_this<DecodeSession> {
   void close();
   void cancel();
 
+  struct Impl;  // the stream: the library's own
+
  private:
   friend class AheadRun;
-  pb::DecodeSessionRequest request(const std::vector<DecodeInput>& items, std::optional<LogitsPolicy> logits,
-                                   std::optional<TokenChoice> choice);
-  void write(const pb::DecodeSessionRequest& request);
-  std::shared_ptr<pb::DecodeSessionResponse> read();  // throws Error when the stream ends
-  std::string model_;
-  std::unique_ptr<grpc::ClientContext> ctx_;
-  std::unique_ptr<grpc::ClientReaderWriter<pb::DecodeSessionRequest, pb::DecodeSessionResponse>> stream_;
-  uint64_t next_step_ = 0;
-  bool done_ = false;
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace ferrum
