@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import grpc
 import numpy as np
@@ -163,10 +163,12 @@ def run_case(client: ExecutorClient, addr: str, case: dict) -> dict:
     return {"case": case["name"], "steps": steps}
 
 
-def run_all(addr: str, cases_file: Path = CASES) -> list[dict]:
+def run_all(addr: str, cases_file: Path = CASES) -> Iterator[dict]:
+    """Each case's result, as it is run."""
     cases = json.loads(Path(cases_file).read_text())["cases"]
     with ExecutorClient(addr, timeout=30) as client:
-        return [run_case(client, addr, case) for case in cases]
+        for case in cases:
+            yield run_case(client, addr, case)
 
 
 def main(argv: list[str] | None = None) -> int:
