@@ -6,7 +6,8 @@ where they do not.
 
 Every RPC of the service must appear in a case or in the file's ``skipped`` list with a
 reason, so a new RPC fails here until a case exists; a case then fails in every client
-whose runner does not know its call. Expectations are re-recorded with ``make vectors``.
+whose runner does not know its call. Expectations are re-recorded with ``make vectors``
+(by the Python client); their greedy ids are checked against transformers' own model.
 
 The C++ and Rust runners are built as tests/contract/test_cpp_client.py and
 test_rust_client.py build those clients (their fixtures): without the toolchain they
@@ -21,7 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.conftest import running_server
+from tests.conftest import oracle_rows, running_server
 from tests.contract.test_cpp_client import cpp_bin  # noqa: F401 (fixture)
 from tests.contract.test_rust_client import rust_bin  # noqa: F401 (fixture)
 from tests.node_env import node_packages
@@ -72,6 +73,17 @@ def test_each_case_is_tagged_with_the_rpcs_its_steps_make():
 def test_the_fixtures_model_is_the_recorded_one(tiny_llama_dir):
     assert weights_digest(tiny_llama_dir) == DOC["model"]["weights_digest"], \
         "tiny_llama_dir's weights changed (transformers' initialization?): every expectation is stale"
+
+
+def test_the_recorded_greedy_ids_are_the_oracles(hf_tiny_llama):
+    """The recording is the Python client's; its greedy ids are also transformers' own
+    model's on the same weights (an oracle that shares no code with the server)."""
+    case = next(c for c in DOC["cases"] if c["name"] == "greedy_decode")
+    recorded = case["expect"][0]["ids"] + case["expect"][1]["ids"]
+    ids = list(case["steps"][0]["tokens"])
+    for _ in recorded:
+        ids.append(int(oracle_rows(hf_tiny_llama, ids)[-1].argmax()))
+    assert ids[len(case["steps"][0]["tokens"]):] == recorded
 
 
 # -- the clients -----------------------------------------------------------------------------
