@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: setup cpp-deps serve prepare test test-fast protos bench clean fuzz-soak
+.PHONY: setup cpp-deps serve prepare test test-fast protos vectors bench clean fuzz-soak
 
 setup: $(STAMP)
 
@@ -52,6 +52,11 @@ fuzz-soak: setup
 
 protos: setup
 	$(BIN)/python -m ferrum_rpc.codegen
+
+# The shared test vectors' expectations (tests/vectors/cases.json), recorded by the Python
+# client against a fresh server on tests/conftest.py's tiny model: after changing a case.
+vectors: setup
+	$(BIN)/python -m tests.vectors.record
 
 # The benchmarks side by side, then the plot (writes bench/results/).
 bench: prepare
