@@ -1,4 +1,7 @@
-"""Which kernel path each model gets, chosen by probing once at load.
+"""Which kernel path each model gets, chosen by probing once at load; and the one
+place in Python that asks what the CPU is (``cpu_capability``, ``cpu_identity``,
+oneDNN's bfloat16 check): other modules ask here.  The C++ kernels ask
+``csrc/cpu_features.cpp`` (tests/unit/kernels/test_cpu_probe.py keeps both so).
 
 A fast path is only taken where the running CPU and torch build can run it:
 the oneDNN prepacked linear is a private torch op whose bfloat16 kernels
@@ -60,6 +63,13 @@ def cpu_capability() -> str:
     return getter() if getter else "unknown"
 
 
+def onednn_bf16_supported() -> bool:
+    """Whether oneDNN runs bfloat16 on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT), as
+    torch reports it; True where this torch build cannot say (the probe then decides)."""
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return supported is None or bool(supported())
+
+
 def choose_linear(requested: str, dtype: torch.dtype, device: torch.device) -> KernelChoice:
     """Picks the linear kernel for weights of ``dtype`` on ``device``.
 
@@ -99,10 +109,8 @@ def probe_onednn_packed(dtype: torch.dtype) -> Verdict:
     for name in ("_reorder_linear_weight", "_linear_pointwise"):
         if not hasattr(ops, name):
             return False, f"torch.ops.mkldnn.{name} is missing from this torch build"
-    if dtype == torch.bfloat16:
-        supported = getattr(ops, "_is_mkldnn_bf16_supported", None)
-        if supported is not None and not supported():
-            return False, "this CPU lacks oneDNN's bfloat16 support (needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)"
+    if dtype == torch.bfloat16 and not onednn_bf16_supported():
+        return False, "this CPU lacks oneDNN's bfloat16 support (needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)"
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(48, 64, generator=gen).to(dtype)
     bias = torch.randn(48, generator=gen).to(dtype)
@@ -157,15 +165,40 @@ def packed_float32_wins_at_one_row() -> tuple[bool, str]:
     return saved() or (wins, timing)
 
 
-def _cpu_model() -> str:
+def _cpuinfo() -> dict[str, tuple[int, str]] | None:
+    """Each key of Linux's /proc/cpuinfo with its first line (as read) and that
+    line's index; None where there is no such file."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("model name", "flags")):
-                    return line  # model name, or the flags where there is none
+            lines = f.read().splitlines(keepends=True)
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return None
+    first: dict[str, tuple[int, str]] = {}
+    for i, line in enumerate(lines):
+        first.setdefault(line.partition(":")[0].strip(), (i, line))
+    return first
+
+
+def _cpu_model() -> str:
+    """The first "model name" or "flags" line, whichever comes first, else what platform says."""
+    first = _cpuinfo() or {}
+    found = [first[key] for key in ("model name", "flags") if key in first]
+    return min(found)[1] if found else platform.processor() or platform.machine()
+
+
+def cpu_identity() -> str:
+    """The CPU's model name and feature flags as JSON (/proc/cpuinfo's "model name" and
+    "flags", or "Features" and "CPU part" on ARM; flags sorted), else what platform
+    says: a key for what is measured once per CPU."""
+    first = _cpuinfo()
+    if first is None:
+        return f"{platform.machine()} {platform.processor()}"
+    seen = {}
+    for key in ("model name", "flags", "Features", "CPU part"):
+        if key in first:
+            value = first[key][1].partition(":")[2]
+            seen[key] = " ".join(sorted(value.split())) if key in ("flags", "Features") else value.strip()
+    return json.dumps(seen, sort_keys=True)
 
 
 def _time_packed_float32_one_row() -> tuple[bool, str]:

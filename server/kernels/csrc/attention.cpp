@@ -226,9 +226,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 
 TORCH_LIBRARY_FRAGMENT(ferrum_fused, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor positions, "
-        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor write_slots, Tensor tables, float scale) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(ferrum_fused, CPU, m) {
-  m.impl("paged_attention", &ferrum_fused::paged_attention);
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor write_slots, Tensor tables, float scale) -> Tensor",
+        ferrum_ops::on_cpu(&ferrum_fused::paged_attention));
 }

@@ -339,8 +339,7 @@ __attribute__((target("avx2,fma,avx512f,avx512vl"))) void task_avx512(const Attn
 // Whether the wider loops run: the AVX-512 cap, and the 256-bit forms of its
 // instructions (AVX512VL), which reach the 32 registers.
 bool wide_on() {
-  static const bool vl = __builtin_cpu_supports("avx512vl");
-  return vl && ferrum_active_isa() >= 2;
+  return ferrum_cpu::cpu_features().avx512vl && ferrum_active_isa() >= 2;
 }
 #endif
 template <typename T, typename P>
@@ -360,8 +359,8 @@ void attend_tasks(const AttnArgs& a, AttnPlan& plan, const float* qfp, const P* 
   const bool wide = vec && wide_on();
   // a bfloat16 model's attention on the dot product where its linears take it too
   constexpr bool bf16 = std::is_same_v<T, c10::BFloat16> && std::is_same_v<P, c10::BFloat16>;
-  static const bool bw = __builtin_cpu_supports("avx512bw");  // the loops' 16-bit masks and shuffles
-  const bool dot = bf16 && wide && bw && a.D % 16 == 0 && panel_path(true).dot;
+  // the loops' 16-bit masks and shuffles take AVX512BW
+  const bool dot = bf16 && wide && ferrum_cpu::cpu_features().avx512bw && a.D % 16 == 0 && panel_path(true).dot;
 #endif
   for (int64_t i = begin; i < end; ++i) {
 #ifdef FERRUM_X86

@@ -25,7 +25,8 @@
 
 #define FERRUM_INLINE inline __attribute__((always_inline))
 
-int ferrum_active_isa();  // woq.cpp: 0 portable, 1 avx2, 2 avx512
+#include "cpu_features.h"
+#include "ops.h"
 
 namespace ferrum_fused {
 

@@ -14,25 +14,34 @@ at::Tensor ferrum_qact_linear(const at::Tensor& x, const at::Tensor& codes, cons
 
 namespace ferrum_fused {
 
-at::Tensor layer_step(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
-                      at::TensorList qkv, at::TensorList o, at::TensorList gate_up, at::TensorList down,
-                      at::IntArrayRef bits, at::IntArrayRef digits, at::IntArrayRef rotated, at::TensorList qk_norm,
-                      const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
-                      const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& write_slots,
-                      const at::Tensor& tables, int64_t num_heads, int64_t num_kv_heads, double scale,
-                      bool rows_silu, const LoraBatch* lora, int64_t layer) {
-  TORCH_CHECK(bits.size() == 4 && digits.size() == 4 && rotated.size() == 4,
-              "decode_layer: bits, digits and rotated have four entries");
+StackLayer checked_layer(const char* who, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
+                         std::array<std::vector<at::Tensor>, 4> lin, at::IntArrayRef bits, at::IntArrayRef digits,
+                         at::IntArrayRef rotated, std::vector<at::Tensor> qk_norm) {
+  TORCH_CHECK(bits.size() == 4 && digits.size() == 4 && rotated.size() == 4, who,
+              ": bits, digits and rotated have four entries");
+  StackLayer L{ln1, ln2, eps, {}, {}, {}, {}, std::move(qk_norm), {}};
+  for (int i = 0; i < 4; ++i) {
+    L.lin[i] = std::move(lin[i]);
+    L.bits[i] = bits[i], L.digits[i] = digits[i], L.rotated[i] = rotated[i];
+    TORCH_CHECK(bits[i] == 32 ? L.lin[i].size() == 1u || L.lin[i].size() == 2u
+                              : L.lin[i].size() == (bits[i] < 0 ? 2u : 3u),
+                who, ": each linear is [qweight, scales, mins], [codes, scales] with negated bits, "
+                "or [weight] or [weight, panels] with bits 32");
+  }
+  return L;
+}
+
+at::Tensor layer_step(const at::Tensor& x, const StackLayer& L, const at::Tensor& cos, const at::Tensor& sin,
+                      const at::Tensor& positions, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& write_slots, const at::Tensor& tables, int64_t num_heads,
+                      int64_t num_kv_heads, double scale, bool rows_silu, const LoraBatch* lora, int64_t layer) {
+  const auto &bits = L.bits, &digits = L.digits, &rotated = L.rotated;
+  const std::vector<at::Tensor>& qk_norm = L.qk_norm;
+  const double eps = L.eps;
   const bool all_rows = bits[0] == 32 && bits[1] == 32 && bits[2] == 32 && bits[3] == 32;
   TORCH_CHECK(x.dim() == 3 && (x.scalar_type() == at::kFloat || (all_rows && x.scalar_type() == at::kBFloat16)),
               "decode_layer: x must be (B, T, C) float32 (or bfloat16 with every linear on linear_rows)");
   TORCH_CHECK(qk_norm.empty() || qk_norm.size() == 2, "decode_layer: qk_norm is [] or [q_norm, k_norm] weights");
-  const at::TensorList lists[] = {qkv, o, gate_up, down};
-  for (int i = 0; i < 4; ++i)
-    TORCH_CHECK(bits[i] == 32 ? lists[i].size() == 1u || lists[i].size() == 2u
-                              : lists[i].size() == (bits[i] < 0 ? 2u : 3u),
-                "decode_layer: each linear is [qweight, scales, mins], [codes, scales] with negated bits, "
-                "or [weight] or [weight, panels] with bits 32");
   const int64_t B = x.size(0), T = x.size(1), H = num_heads, Hkv = num_kv_heads, D = k_cache.size(3);
   auto lin = [&](const at::Tensor& in, at::TensorList w, int i) {
     if (lora != nullptr && bits[i] == 32 && w.size() == 1)
@@ -43,7 +52,7 @@ at::Tensor layer_step(const at::Tensor& x, const at::Tensor& ln1, const at::Tens
     if (lora != nullptr) lora->apply(layer, i, in, out);
     return out;
   };
-  const at::Tensor qkv_out = lin(rms_norm(x, ln1, eps), qkv, 0);  // (B, T, (H + 2 Hkv) D)
+  const at::Tensor qkv_out = lin(rms_norm(x, L.ln1, eps), L.lin[0], 0);  // (B, T, (H + 2 Hkv) D)
   TORCH_CHECK(qkv_out.size(-1) == (H + 2 * Hkv) * D, "decode_layer: q|k|v width does not match the heads");
   at::Tensor q = qkv_out.narrow(-1, 0, H * D).view({B, T, H, D});
   at::Tensor k = qkv_out.narrow(-1, H * D, Hkv * D).view({B, T, Hkv, D});
@@ -53,9 +62,9 @@ at::Tensor layer_step(const at::Tensor& x, const at::Tensor& ln1, const at::Tens
   }
   const at::Tensor v = qkv_out.narrow(-1, (H + Hkv) * D, Hkv * D).view({B, T, Hkv, D});
   const at::Tensor attn = paged_attention(q, k, v, cos, sin, positions, k_cache, v_cache, write_slots, tables, scale);
-  at::Tensor h = x + lin(attn, o, 1);
-  const at::Tensor gu = lin(rms_norm(h, ln2, eps), gate_up, 2);
-  return h.add_(lin(rows_silu ? silu_mul_rows(gu) : silu_mul(gu), down, 3));
+  at::Tensor h = x + lin(attn, L.lin[1], 1);
+  const at::Tensor gu = lin(rms_norm(h, L.ln2, eps), L.lin[2], 2);
+  return h.add_(lin(rows_silu ? silu_mul_rows(gu) : silu_mul(gu), L.lin[3], 3));
 }
 
 namespace {
@@ -66,8 +75,10 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& ln1, const at::Te
                         const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
                         const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& write_slots,
                         const at::Tensor& tables, int64_t num_heads, int64_t num_kv_heads, double scale) {
-  return layer_step(x, ln1, ln2, eps, qkv, o, gate_up, down, bits, digits, rotated, qk_norm, cos, sin, positions,
-                    k_cache, v_cache, write_slots, tables, num_heads, num_kv_heads, scale, false, nullptr, 0);
+  const StackLayer L = checked_layer("decode_layer", ln1, ln2, eps, {qkv.vec(), o.vec(), gate_up.vec(), down.vec()},
+                                     bits, digits, rotated, qk_norm.vec());
+  return layer_step(x, L, cos, sin, positions, k_cache, v_cache, write_slots, tables, num_heads, num_kv_heads, scale,
+                    false, nullptr, 0);
 }
 
 }  // namespace
@@ -100,9 +111,6 @@ TORCH_LIBRARY(ferrum_fused, m) {
   m.def("decode_layer(Tensor x, Tensor ln1, Tensor ln2, float eps, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, "
         "Tensor[] down, int[] bits, int[] digits, int[] rotated, Tensor[] qk_norm, Tensor cos, Tensor sin, "
         "Tensor positions, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor write_slots, Tensor tables, "
-        "int num_heads, int num_kv_heads, float scale) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(ferrum_fused, CPU, m) {
-  m.impl("decode_layer", &ferrum_fused::decode_layer);
+        "int num_heads, int num_kv_heads, float scale) -> Tensor",
+        ferrum_ops::on_cpu(&ferrum_fused::decode_layer));
 }

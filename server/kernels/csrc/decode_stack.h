@@ -18,6 +18,23 @@
 
 namespace ferrum_fused {
 
+// A decoder layer's weights as decode_layer takes them (layer_step's comment says
+// what each holds), and for the one region, the quantized linears' packed views.
+struct StackLayer {
+  at::Tensor ln1, ln2;
+  double eps;
+  std::vector<at::Tensor> lin[4];  // qkv, o, gate_up, down: decode_layer's weight lists
+  std::array<int64_t, 4> bits, digits, rotated;
+  std::vector<at::Tensor> qk_norm;
+  ferrum_qact::Packed packed[4];  // where bits < 0
+};
+
+// A layer from decode_layer's arguments, checked (`who` names the op in errors):
+// four entries each in bits, digits and rotated, each linear's list as its bits say.
+StackLayer checked_layer(const char* who, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
+                         std::array<std::vector<at::Tensor>, 4> lin, at::IntArrayRef bits, at::IntArrayRef digits,
+                         at::IntArrayRef rotated, std::vector<at::Tensor> qk_norm);
+
 // One Llama (or Qwen3: qk_norm holds the q/k RMSNorm weights, else empty)
 // decoder layer for a decode-sized float32 forward whose projections
 // are all our int8/int4 linears: the same ops, in the same order, as
@@ -38,13 +55,10 @@ namespace ferrum_fused {
 // for layer `layer` (lora.cpp), in float, after the base kernel ran: inside
 // linear_rows' parallel region for the float linears, by a call of their own after
 // the quantized ones.
-at::Tensor layer_step(const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
-                      at::TensorList qkv, at::TensorList o, at::TensorList gate_up, at::TensorList down,
-                      at::IntArrayRef bits, at::IntArrayRef digits, at::IntArrayRef rotated, at::TensorList qk_norm,
-                      const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
-                      const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& write_slots,
-                      const at::Tensor& tables, int64_t num_heads, int64_t num_kv_heads, double scale,
-                      bool rows_silu, const LoraBatch* lora, int64_t layer);
+at::Tensor layer_step(const at::Tensor& x, const StackLayer& L, const at::Tensor& cos, const at::Tensor& sin,
+                      const at::Tensor& positions, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& write_slots, const at::Tensor& tables, int64_t num_heads,
+                      int64_t num_kv_heads, double scale, bool rows_silu, const LoraBatch* lora, int64_t layer);
 
 // A model's layers held once, as decode_layer takes them, and run by one call a
 // step.  A Python call per layer pays argument conversion and dispatch each time,
@@ -71,13 +85,12 @@ constexpr int64_t kInvariantRows = 64;
 // per-row work, and a layer's threads meet 6 times, not 10.
 constexpr int64_t kWholeRows = 2;
 
-struct StackLayer {
-  at::Tensor ln1, ln2;
-  double eps;
-  std::vector<at::Tensor> lin[4];  // qkv, o, gate_up, down: decode_layer's weight lists
-  std::array<int64_t, 4> bits, digits, rotated;
-  std::vector<at::Tensor> qk_norm;
-  ferrum_qact::Packed packed[4];  // where bits < 0
+// A step's inputs besides the hidden states, as DecodeStack's forwards take them:
+// the RoPE tables, positions, the pool (layers, blocks, block_size, Hkv, D), the
+// write slots and block tables, and the layers [first, last) to run.
+struct StackStep {
+  const at::Tensor &cos, &sin, &positions, &k_pool, &v_pool, &write_slots, &tables;
+  int64_t first, last;
 };
 
 class DecodeStack : public torch::CustomClassHolder {
@@ -90,17 +103,12 @@ class DecodeStack : public torch::CustomClassHolder {
   void add_layer(at::Tensor ln1, at::Tensor ln2, double eps, std::vector<at::Tensor> qkv, std::vector<at::Tensor> o,
                  std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down, std::vector<int64_t> bits,
                  std::vector<int64_t> digits, std::vector<int64_t> rotated, std::vector<at::Tensor> qk_norm) {
-    TORCH_CHECK(bits.size() == 4 && digits.size() == 4 && rotated.size() == 4,
-                "DecodeStack: bits, digits and rotated have four entries");
     for (at::Tensor& w : qk_norm) w = w.contiguous();  // the one region reads the norms' weights by pointer
-    StackLayer L{ln1.contiguous(), ln2.contiguous(), eps, {qkv, o, gate_up, down}, {}, {}, {}, qk_norm, {}};
+    StackLayer L = checked_layer("DecodeStack", ln1.contiguous(), ln2.contiguous(), eps,
+                                 {std::move(qkv), std::move(o), std::move(gate_up), std::move(down)}, bits, digits,
+                                 rotated, qk_norm);
     bool packed = true;
     for (int i = 0; i < 4; ++i) {
-      L.bits[i] = bits[i], L.digits[i] = digits[i], L.rotated[i] = rotated[i];
-      TORCH_CHECK(bits[i] == 32 ? L.lin[i].size() == 1u || L.lin[i].size() == 2u
-                                : L.lin[i].size() == (bits[i] < 0 ? 2u : 3u),
-                  "DecodeStack: each linear is [qweight, scales, mins], [codes, scales] with negated bits, "
-                  "or [weight] or [weight, panels] with bits 32");
       if (bits[i] < 0) L.packed[i] = ferrum_qact::packed(L.lin[i][0], L.lin[i][1], -bits[i]);
       packed = packed && bits[i] < 0 && (digits[i] == 1 || digits[i] == 2) && (!rotated[i] || digits[i] == 1);
     }
@@ -140,7 +148,7 @@ class DecodeStack : public torch::CustomClassHolder {
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
                      const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& write_slots,
                      const at::Tensor& tables, int64_t first, int64_t last) {
-    return run(x, cos, sin, positions, k_pool, v_pool, write_slots, tables, first, last, nullptr);
+    return run(x, {cos, sin, positions, k_pool, v_pool, write_slots, tables, first, last}, nullptr);
   }
 
   // The whole step from token ids: ids (B, T) int64 -> the rows of `embed` (V, C) they
@@ -167,7 +175,7 @@ class DecodeStack : public torch::CustomClassHolder {
       TORCH_CHECK(0 <= id[r] && id[r] < V, "DecodeStack: token id ", id[r], " is outside the vocabulary of ", V);
       std::memcpy(xp + r * bytes, table + id[r] * bytes, bytes);
     }
-    const at::Tensor h = run(x, cos, sin, positions, k_pool, v_pool, write_slots, tables, 0, size(), nullptr).contiguous();
+    const at::Tensor h = run(x, {cos, sin, positions, k_pool, v_pool, write_slots, tables, 0, size()}, nullptr).contiguous();
     at::Tensor out = at::empty_like(h);
     const bool avx2 = avx2_on();
     auto normed = [&](auto* hp, const auto* wp, auto* op) {
@@ -187,7 +195,7 @@ class DecodeStack : public torch::CustomClassHolder {
                           const at::Tensor& write_slots, const at::Tensor& tables, int64_t first, int64_t last,
                           c10::intrusive_ptr<LoraBatch> lora) {
     TORCH_CHECK(x.dim() == 3 && lora->rows() == x.size(0) * x.size(1), "DecodeStack: one LoRA row per token");
-    return run(x, cos, sin, positions, k_pool, v_pool, write_slots, tables, first, last, lora.get());
+    return run(x, {cos, sin, positions, k_pool, v_pool, write_slots, tables, first, last}, lora.get());
   }
 
   bool one_region() const { return one_region_; }
@@ -204,54 +212,39 @@ class DecodeStack : public torch::CustomClassHolder {
   int64_t size() const { return int64_t(layers_.size()); }
 
  private:
-  at::Tensor run(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
-                 const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& write_slots,
-                 const at::Tensor& tables, int64_t first, int64_t last, const LoraBatch* lora) {
-    TORCH_CHECK(0 <= first && first <= last && last <= size(), "DecodeStack: layers ", first, "..", last, " of ", size());
-    TORCH_CHECK(k_pool.dim() == 5 && v_pool.sizes() == k_pool.sizes() && k_pool.size(0) == size(),
+  at::Tensor run(const at::Tensor& x, const StackStep& s, const LoraBatch* lora) {
+    TORCH_CHECK(0 <= s.first && s.first <= s.last && s.last <= size(), "DecodeStack: layers ", s.first, "..", s.last,
+                " of ", size());
+    TORCH_CHECK(s.k_pool.dim() == 5 && s.v_pool.sizes() == s.k_pool.sizes() && s.k_pool.size(0) == size(),
                 "DecodeStack: the pool must be (layers, blocks, block_size, kv_heads, head_dim)");
     // the pool holds the activations' dtype, or bfloat16 under float32 activations
-    const bool bf16_pool = k_pool.scalar_type() == at::kBFloat16;
+    const bool bf16_pool = s.k_pool.scalar_type() == at::kBFloat16;
     // a forward the regions take: no LoRA rows, (B, T, C) with few enough rows
     const bool region_shape = lora == nullptr && regions_ && x.dim() == 3 &&
                               x.size(0) * x.size(1) <= (rows_silu_ ? kInvariantRows : kStackRows) &&
-                              x.size(2) == C_ && k_pool.size(4) == D_;
+                              x.size(2) == C_ && s.k_pool.size(4) == D_;
     if (region_shape && one_region_ && x.scalar_type() == at::kFloat)
-      return bf16_pool ? forward_one_region<c10::BFloat16>(x, cos, sin, positions, k_pool, v_pool, write_slots,
-                                                           tables, first, last)
-                       : forward_one_region<float>(x, cos, sin, positions, k_pool, v_pool, write_slots, tables,
-                                                   first, last);
+      return bf16_pool ? forward_one_region<c10::BFloat16>(x, s) : forward_one_region<float>(x, s);
     if (region_shape && panels_region_ && x.scalar_type() == panel_dtype_) {
       const bool bf16 = panel_dtype_ == at::kBFloat16;
       // the dot product reads rows of bfloat16 pairs: every linear's input width even
       if (!panel_path(bf16).dot || (C_ % 2 == 0 && (H_ * D_) % 2 == 0 && I_ % 2 == 0)) {
-        if (bf16)
-          return forward_panels<c10::BFloat16, c10::BFloat16>(x, cos, sin, positions, k_pool, v_pool, write_slots,
-                                                              tables, first, last);
-        return bf16_pool ? forward_panels<float, c10::BFloat16>(x, cos, sin, positions, k_pool, v_pool, write_slots,
-                                                                tables, first, last)
-                         : forward_panels<float, float>(x, cos, sin, positions, k_pool, v_pool, write_slots, tables,
-                                                        first, last);
+        if (bf16) return forward_panels<c10::BFloat16, c10::BFloat16>(x, s);
+        return bf16_pool ? forward_panels<float, c10::BFloat16>(x, s) : forward_panels<float, float>(x, s);
       }
     }
     at::Tensor h = x;
-    for (int64_t l = first; l < last; ++l) {
-      const StackLayer& L = layers_[l];
-      h = layer_step(h, L.ln1, L.ln2, L.eps, L.lin[0], L.lin[1], L.lin[2], L.lin[3], L.bits, L.digits, L.rotated,
-                     L.qk_norm, cos, sin, positions, k_pool.select(0, l), v_pool.select(0, l), write_slots, tables,
-                     H_, Hkv_, scale_, rows_silu_, lora, l);
+    for (int64_t l = s.first; l < s.last; ++l) {
+      h = layer_step(h, layers_[l], s.cos, s.sin, s.positions, s.k_pool.select(0, l), s.v_pool.select(0, l),
+                     s.write_slots, s.tables, H_, Hkv_, scale_, rows_silu_, lora, l);
     }
     return h;
   }
 
   template <typename P>
-  at::Tensor forward_one_region(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                                const at::Tensor& positions, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                                const at::Tensor& write_slots, const at::Tensor& tables, int64_t first, int64_t last);
+  at::Tensor forward_one_region(const at::Tensor& x, const StackStep& s);
   template <typename E, typename P>
-  at::Tensor forward_panels(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                            const at::Tensor& positions, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                            const at::Tensor& write_slots, const at::Tensor& tables, int64_t first, int64_t last);
+  at::Tensor forward_panels(const at::Tensor& x, const StackStep& s);
 
   std::vector<StackLayer> layers_;
   int64_t H_, Hkv_, D_ = 0, C_ = 0, I_ = 0;

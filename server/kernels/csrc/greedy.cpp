@@ -126,9 +126,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> greedy_rows(const at:
 }  // namespace ferrum_fused
 
 TORCH_LIBRARY_FRAGMENT(ferrum_fused, m) {
-  m.def("greedy_rows(Tensor x) -> (Tensor, Tensor, Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(ferrum_fused, CPU, m) {
-  m.impl("greedy_rows", &ferrum_fused::greedy_rows);
+  m.def("greedy_rows(Tensor x) -> (Tensor, Tensor, Tensor, Tensor)", ferrum_ops::on_cpu(&ferrum_fused::greedy_rows));
 }

@@ -73,8 +73,8 @@ struct Dot16 {
 // BF16 dot product); otherwise Fma8.  The two give different bits, as any two
 // instruction paths may.
 bool dot16_on() {
-  static const bool cpu = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vl");
-  return cpu && ferrum_active_isa() >= 2;
+  const ferrum_cpu::Features& f = ferrum_cpu::cpu_features();
+  return f.avx512bf16 && f.avx512vl && ferrum_active_isa() >= 2;
 }
 
 // One output's sum from its four chains: (a0 + a1) + (a2 + a3) lane by lane, the
@@ -303,7 +303,7 @@ constexpr int64_t kBlockedTileBytes = 512 << 10;
 at::Tensor& blocked_linear(const at::Tensor& x2d, const at::Tensor& weight, at::Tensor& out) {
   const int64_t M = x2d.size(0), K = x2d.size(1), N = weight.size(0);
   const bool bf16 = weight.scalar_type() == at::kBFloat16, dot16 = bf16 && dot16_on();
-  const bool wide = ferrum_active_isa() >= 2 && __builtin_cpu_supports("avx512vl");
+  const bool wide = ferrum_active_isa() >= 2 && ferrum_cpu::cpu_features().avx512vl;
   const int64_t padded = (M + kBlockRows - 1) / kBlockRows * kBlockRows;
   at::Tensor xt = at::zeros({padded, K}, x2d.options().dtype(dot16 ? at::kBFloat16 : at::kFloat));
   xt.narrow(0, 0, M).copy_(x2d);
@@ -332,49 +332,73 @@ at::Tensor& blocked_linear(const at::Tensor& x2d, const at::Tensor& weight, at::
 }
 #endif
 
-// x (..., K) with at most `max_rows` rows, weight (N, K) contiguous, both float32 or
-// both bfloat16 -> (..., N): x @ weight.T, no bias (the caller adds it).  Rows go in
-// tiles of `tile` (a tile's activations stay in cache while each weight row is read
-// once for it); a tile changes which rows share a weight load, never a row's sums.
-at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const char* name, int64_t max_rows,
-                       int64_t tile) {
+// x (..., K) with at most `max_rows` rows and weight (N, K) contiguous, both float32
+// or both bfloat16, checked (errors named `name`): x's rows and the output's.
+ferrum_ops::Rows checked_rows(const at::Tensor& x, const at::Tensor& weight, const char* name, int64_t max_rows) {
   TORCH_CHECK(x.scalar_type() == weight.scalar_type() &&
               (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               name, ": float32 or bfloat16 only, x and weight alike");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), name, ": weight must be (N, K) contiguous");
   const int64_t N = weight.size(0), K = weight.size(1);
   TORCH_CHECK(x.size(-1) == K, name, ": activation width ", x.size(-1), " != ", K);
-  const at::Tensor x2d = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2d.size(0);
-  TORCH_CHECK(M <= max_rows, name, ": at most ", max_rows, " rows, got ", M);
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  at::Tensor out = at::empty({M, N}, x.options());
-  const bool avx2 = avx2_on();
+  ferrum_ops::Rows io = ferrum_ops::rows_of(x, K, N);
+  TORCH_CHECK(io.M <= max_rows, name, ": at most ", max_rows, " rows, got ", io.M);
+  return io;
+}
+
+// Outputs [n0, n1) of `rows` rows on the loops this CPU and the cap allow (dot16:
+// dot16_on(), read once by the caller).
+template <typename T>
+void rows_cols(bool avx2, bool dot16, const T* xp, int64_t rows, const T* wp, int64_t K, int64_t n0, int64_t n1,
+               int64_t N, T* yp) {
 #ifdef FERRUM_X86
-  const bool dot16 = dot16_on();
-  if (avx2 && M >= kBlockedMin) return blocked_linear(x2d, weight, out).view(shape);
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (dot16) return linear_rows_dot16(xp, rows, wp, K, n0, n1, N, yp);
+  }
+  if (avx2) return linear_rows_avx2<T>(xp, rows, wp, K, n0, n1, N, yp);
+#else
+  (void)avx2, (void)dot16;
+#endif
+  linear_rows_portable<T>(xp, rows, wp, K, n0, n1, N, yp);
+}
+
+bool dot16_here() {
+#ifdef FERRUM_X86
+  return dot16_on();
+#else
+  return false;
+#endif
+}
+
+// x (..., K) with at most `max_rows` rows, weight (N, K) contiguous, both float32 or
+// both bfloat16 -> (..., N): x @ weight.T, no bias (the caller adds it).  Rows go in
+// tiles of `tile` (a tile's activations stay in cache while each weight row is read
+// once for it); a tile changes which rows share a weight load, never a row's sums.
+at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const char* name, int64_t max_rows,
+                       int64_t tile) {
+  ferrum_ops::Rows io = checked_rows(x, weight, name, max_rows);
+  const int64_t M = io.M, N = weight.size(0), K = weight.size(1);
+  const bool avx2 = avx2_on(), dot16 = dot16_here();
+#ifdef FERRUM_X86
+  if (avx2 && M >= kBlockedMin) {
+    blocked_linear(io.x2d, weight, io.out);
+    return io.result();
+  }
 #endif
   auto run = [&](auto tag) {
     using T_ = decltype(tag);
-    const T_ *xp = x2d.data_ptr<T_>(), *wp = weight.data_ptr<T_>();
-    T_* yp = out.data_ptr<T_>();
+    const T_ *xp = io.x2d.data_ptr<T_>(), *wp = weight.data_ptr<T_>();
+    T_* yp = io.out.data_ptr<T_>();
     for (int64_t m0 = 0; m0 < M; m0 += tile) {
       const int64_t rows = std::min(tile, M - m0);
       at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
-#ifdef FERRUM_X86
-        if constexpr (std::is_same_v<T_, c10::BFloat16>) {
-          if (dot16) return linear_rows_dot16(xp + m0 * K, rows, wp, K, b, e, N, yp + m0 * N);
-        }
-        if (avx2) return linear_rows_avx2<T_>(xp + m0 * K, rows, wp, K, b, e, N, yp + m0 * N);
-#endif
-        linear_rows_portable<T_>(xp + m0 * K, rows, wp, K, b, e, N, yp + m0 * N);
+        rows_cols<T_>(avx2, dot16, xp + m0 * K, rows, wp, K, b, e, N, yp + m0 * N);
       });
     }
   };
   if (x.scalar_type() == at::kFloat) run(float{});
   else run(c10::BFloat16{});
-  return out.view(shape);
+  return io.result();
 }
 
 
@@ -385,35 +409,14 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight) {
 }
 
 at::Tensor linear_rows_with(const at::Tensor& x, const at::Tensor& weight, RowsHook& hook) {
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type() &&
-              (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "linear_rows: float32 or bfloat16 only, x and weight alike");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "linear_rows: weight must be (N, K) contiguous");
-  const int64_t N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(x.size(-1) == K, "linear_rows: activation width ", x.size(-1), " != ", K);
-  const at::Tensor x2d = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2d.size(0);
-  TORCH_CHECK(M <= kLinearRowsMax, "linear_rows: at most ", kLinearRowsMax, " rows, got ", M);
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  at::Tensor out = at::empty({M, N}, x.options());
-  hook.prepare(x2d, out);
-  const bool avx2 = avx2_on();
-#ifdef FERRUM_X86
-  const bool dot16 = dot16_on();
-#endif
+  const ferrum_ops::Rows io = checked_rows(x, weight, "linear_rows", kLinearRowsMax);
+  const int64_t M = io.M, N = weight.size(0), K = weight.size(1);
+  hook.prepare(io.x2d, io.out);
+  const bool avx2 = avx2_on(), dot16 = dot16_here();
   // this thread's outputs [n0, n1), as rows_linear's loop body
   auto cols = [&](auto tag, int64_t n0, int64_t n1) {
     using T_ = decltype(tag);
-    const T_ *xp = x2d.data_ptr<T_>(), *wp = weight.data_ptr<T_>();
-    T_* yp = out.data_ptr<T_>();
-#ifdef FERRUM_X86
-    if constexpr (std::is_same_v<T_, c10::BFloat16>) {
-      if (dot16) return linear_rows_dot16(xp, M, wp, K, n0, n1, N, yp);
-    }
-    if (avx2) return linear_rows_avx2<T_>(xp, M, wp, K, n0, n1, N, yp);
-#endif
-    linear_rows_portable<T_>(xp, M, wp, K, n0, n1, N, yp);
+    rows_cols<T_>(avx2, dot16, io.x2d.data_ptr<T_>(), M, weight.data_ptr<T_>(), K, n0, n1, N, io.out.data_ptr<T_>());
   };
   auto body = [&](int tid, int nt) {
     const int64_t n0 = N * tid / nt / 16 * 16, n1 = tid + 1 == nt ? N : N * (tid + 1) / nt / 16 * 16;
@@ -427,7 +430,7 @@ at::Tensor linear_rows_with(const at::Tensor& x, const at::Tensor& weight, RowsH
   if (threads <= 1 || omp_in_parallel()) {
     body(0, 1);
     hook.after(0, 0, N);
-    return out.view(shape);
+    return io.result();
   }
 #pragma omp parallel num_threads(threads)
   {
@@ -438,7 +441,7 @@ at::Tensor linear_rows_with(const at::Tensor& x, const at::Tensor& weight, RowsH
     }
     hook.after(tid, n0, n1);
   }
-  return out.view(shape);
+  return io.result();
 }
 
 // Any number of rows on the same arithmetic, each output the same dot product in the
@@ -450,11 +453,7 @@ at::Tensor linear_rows_tiled(const at::Tensor& x, const at::Tensor& weight) {
 }  // namespace ferrum_fused
 
 TORCH_LIBRARY_FRAGMENT(ferrum_fused, m) {
-  m.def("linear_rows(Tensor x, Tensor weight) -> Tensor");
-  m.def("linear_rows_tiled(Tensor x, Tensor weight) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(ferrum_fused, CPU, m) {
-  m.impl("linear_rows", &ferrum_fused::linear_rows);
-  m.impl("linear_rows_tiled", &ferrum_fused::linear_rows_tiled);
+  using ferrum_ops::on_cpu;
+  m.def("linear_rows(Tensor x, Tensor weight) -> Tensor", on_cpu(&ferrum_fused::linear_rows));
+  m.def("linear_rows_tiled(Tensor x, Tensor weight) -> Tensor", on_cpu(&ferrum_fused::linear_rows_tiled));
 }

@@ -29,6 +29,7 @@
 #include <torch/library.h>
 
 #include "fused.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <atomic>
@@ -327,8 +328,8 @@ void panels_range(const char* x, int64_t xe, int64_t ldx, int64_t M, const char*
 std::atomic<bool> g_dot_allowed{true};
 bool dot_on() {
 #ifdef FERRUM_X86
-  static const bool cpu = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512f");
-  return cpu && ferrum_active_isa() >= 2 && g_dot_allowed.load();
+  const ferrum_cpu::Features& f = ferrum_cpu::cpu_features();
+  return f.avx512bf16 && f.avx512f && ferrum_active_isa() >= 2 && g_dot_allowed.load();
 #else
   return false;
 #endif
@@ -390,12 +391,10 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
                   panels.size(1) == (bf16 ? (K + 1) / 2 : K) && panels.size(2) == kCols &&
                   (!bf16 || panels.size(3) == 2),
               "panel_linear: panels are not pack_panels' of an (", N, ", ", K, ") weight");
-  const at::Tensor x2d = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2d.size(0);
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0) return out.view(shape);
+  const ferrum_ops::Rows io = ferrum_ops::rows_of(x, K, N);
+  const at::Tensor &x2d = io.x2d, &out = io.out;
+  const int64_t M = io.M;
+  if (M == 0) return io.result();
   const PanelPath path = panel_path(bf16);
   // the rows as the tiles read them: bfloat16 pairs (an odd K padded) for the dot
   // product, float32 for the fused multiply-adds
@@ -427,24 +426,20 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
         range(m0, std::min(M, m0 + kClaimRows), p0, std::min(P, p0 + kClaimPanels));
       }
     });
-    return out.view(shape);
+    return io.result();
   }
   // a thread's share: whole groups of panels, at least a few per thread
   const int64_t grain = std::max<int64_t>(4, 2 * kMaxPanels * 64 / std::max<int64_t>(M, 64));
   at::parallel_for(0, P, grain, [&](int64_t b, int64_t e) { range(0, M, b, e); });
-  return out.view(shape);
+  return io.result();
 }
 
 }  // namespace ferrum_fused
 
 TORCH_LIBRARY_FRAGMENT(ferrum_fused, m) {
-  m.def("pack_panels(Tensor weight) -> Tensor");
-  m.def("panel_linear(Tensor x, Tensor panels, int n) -> Tensor");
+  using ferrum_ops::on_cpu;
+  m.def("pack_panels(Tensor weight) -> Tensor", on_cpu(&ferrum_fused::pack_panels));
+  m.def("panel_linear(Tensor x, Tensor panels, int n) -> Tensor", on_cpu(&ferrum_fused::panel_linear));
   m.def("set_panel_dot(bool allowed) -> bool", &ferrum_fused::set_panel_dot);
   m.def("panel_dot_runs() -> bool", &ferrum_fused::panel_dot_runs);
-}
-
-TORCH_LIBRARY_IMPL(ferrum_fused, CPU, m) {
-  m.impl("pack_panels", &ferrum_fused::pack_panels);
-  m.impl("panel_linear", &ferrum_fused::panel_linear);
 }

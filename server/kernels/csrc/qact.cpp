@@ -42,7 +42,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_features.h"
 #include "qact.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <array>
@@ -59,7 +61,6 @@
 #define FERRUM_X86 1
 #endif
 
-int ferrum_active_isa();  // woq.cpp: 0 portable, 1 avx2, 2 avx512
 
 namespace {
 
@@ -217,19 +218,14 @@ std::atomic<int> g_max_isa{kAvx512Vnni};
 
 // Whether this CPU runs each level: not a chain (AVX-512 VNNI CPUs without AVX-VNNI exist).
 bool cpu_has(int isa) {
-  static const std::array<bool, 4> has = [] {
-    std::array<bool, 4> h{true, false, false, false};
-#ifdef FERRUM_X86
-    __builtin_cpu_init();
-    h[kAvx2] = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  const ferrum_cpu::Features& f = ferrum_cpu::cpu_features();
+  const bool avx2 = f.avx2 && f.fma && f.f16c;
 #ifdef FERRUM_HAVE_AVXVNNI
-    h[kAvxVnni] = h[kAvx2] && __builtin_cpu_supports("avxvnni");
+  const bool avxvnni = avx2 && f.avxvnni;
+#else
+  const bool avxvnni = false;  // this compiler built no AVX-VNNI loops
 #endif
-    h[kAvx512Vnni] = h[kAvx2] && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-                     __builtin_cpu_supports("avx512bw");
-#endif
-    return h;
-  }();
+  const std::array<bool, 4> has{true, avx2, avxvnni, avx2 && f.avx512vnni && f.avx512vl && f.avx512bw};
   return has[isa];
 }
 
@@ -395,19 +391,16 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   const Packed W = packed_weights(codes, scales, bits, n);
   const int64_t U = W.U, K = W.G * kBlock;
   TORCH_CHECK(x.size(-1) == K, "block_linear: activation width ", x.size(-1), " != ", K);
-  const at::Tensor x2d = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2d.size(0);
-  auto shape = x.sizes().vec();
-  shape.back() = n;
-  at::Tensor out = at::empty({M, n}, x.options());
-  if (M == 0) return out.view(shape);
+  const ferrum_ops::Rows io = ferrum_ops::rows_of(x, K, n);
+  const int64_t M = io.M;
+  if (M == 0) return io.result();
   const int dg = int(digits);
   const int isa = active_isa();
-  const Q8Rows X = quantize_rows(x2d.data_ptr<float>(), M, K, dg, rotated, isa);
-  float* y = out.data_ptr<float>();
+  const Q8Rows X = quantize_rows(io.x2d.data_ptr<float>(), M, K, dg, rotated, isa);
+  float* y = io.out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, U / (4 * at::get_num_threads()));
   at::parallel_for(0, U, grain, [&](int64_t begin, int64_t end) { run_units(isa, W, int(bits), begin, end, X, M, dg, y); });
-  return out.view(shape);
+  return io.result();
 }
 
 // x (..., K) float32 -> (codes (..., digits, K) int8, d (..., K/16), sum (..., K/32)):
@@ -459,13 +452,10 @@ at::Tensor ferrum_qact_linear(const at::Tensor& x, const at::Tensor& codes, cons
 }
 
 TORCH_LIBRARY(ferrum_qact, m) {
-  m.def("block_linear(Tensor x, Tensor codes, Tensor scales, int bits, int n, int digits=1, bool rotated=False) -> Tensor");
-  m.def("quantize(Tensor x, int digits, bool rotated=False) -> (Tensor, Tensor, Tensor)");
+  using ferrum_ops::on_cpu;
+  m.def("block_linear(Tensor x, Tensor codes, Tensor scales, int bits, int n, int digits=1, bool rotated=False) -> Tensor",
+        on_cpu(&block_linear));
+  m.def("quantize(Tensor x, int digits, bool rotated=False) -> (Tensor, Tensor, Tensor)", on_cpu(&quantize));
   m.def("isa() -> str", &isa);
   m.def("set_max_isa(str name) -> str", &set_max_isa);
-}
-
-TORCH_LIBRARY_IMPL(ferrum_qact, CPU, m) {
-  m.impl("block_linear", &block_linear);
-  m.impl("quantize", &quantize);
 }

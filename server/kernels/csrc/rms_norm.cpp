@@ -63,9 +63,5 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }  // namespace ferrum_fused
 
 TORCH_LIBRARY_FRAGMENT(ferrum_fused, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(ferrum_fused, CPU, m) {
-  m.impl("rms_norm", &ferrum_fused::rms_norm);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", ferrum_ops::on_cpu(&ferrum_fused::rms_norm));
 }

@@ -106,11 +106,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 }  // namespace ferrum_fused
 
 TORCH_LIBRARY_FRAGMENT(ferrum_fused, m) {
-  m.def("silu_mul(Tensor gate_up) -> Tensor");
-  m.def("silu_mul_rows(Tensor gate_up) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(ferrum_fused, CPU, m) {
-  m.impl("silu_mul", &ferrum_fused::silu_mul);
-  m.impl("silu_mul_rows", &ferrum_fused::silu_mul_rows);
+  using ferrum_ops::on_cpu;
+  m.def("silu_mul(Tensor gate_up) -> Tensor", on_cpu(&ferrum_fused::silu_mul));
+  m.def("silu_mul_rows(Tensor gate_up) -> Tensor", on_cpu(&ferrum_fused::silu_mul_rows));
 }

@@ -19,6 +19,9 @@
 #include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
+#include "cpu_features.h"
+#include "ops.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -123,134 +126,49 @@ __attribute__((target("avx2,fma"))) void dot_avx2(const float* w, const float* x
 
 #endif  // FERRUM_X86
 
-// The best instruction set this CPU and OS support (libgcc's checks include the
-// OS saving AVX/AVX-512 state).
+// The best instruction set this CPU and OS support (cpu_features.h).
 int cpu_isa() {
-  static const int isa = [] {
-#ifdef FERRUM_X86
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma")) return int(kAvx512);
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return int(kAvx2);
-#endif
-    return int(kPortable);
-  }();
-  return isa;
+  const ferrum_cpu::Features& f = ferrum_cpu::cpu_features();
+  if (f.avx512f && f.fma) return kAvx512;
+  if (f.avx2 && f.fma) return kAvx2;
+  return kPortable;
 }
 
 int active_isa() { return std::min(cpu_isa(), g_max_isa.load()); }
 
 #ifdef FERRUM_X86
 // ---- few activation rows: weights expanded in registers, never stored ---------
-// R activation rows (R <= 4) against one quantized weight row: each group of 32
-// codes becomes floats (code * scale + min) in registers and meets every row.
-template <int R>
-__attribute__((target("avx2,fma"))) void int4_reg_avx2(const uint8_t* q, const float* sc, const float* mn,
-                                                       int64_t k, const float* x, int64_t ldx, float* out,
-                                                       int64_t ldo) {
-  __m256 a[R][2];
-  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
-  const __m128i low = _mm_set1_epi8(0x0F);
-  for (int64_t g = 0; g < k / kGroup; ++g) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * (kGroup / 2)));
-    const __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
-    const __m256 s = _mm256_broadcast_ss(sc + g), m = _mm256_broadcast_ss(mn + g);
-    const __m256 w[4] = {
-        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), s, m),
-        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), s, m),
-        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), s, m),
-        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), s, m)};
-    const float* xg = x + g * kGroup;
-    for (int r = 0; r < R; ++r) {
-      a[r][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xg + r * ldx), a[r][0]);
-      a[r][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + r * ldx + 8), a[r][1]);
-      a[r][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + r * ldx + 16), a[r][0]);
-      a[r][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + r * ldx + 24), a[r][1]);
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r * ldo] = hsum_avx2(_mm256_add_ps(a[r][0], a[r][1]));
+// woq_reg.inc once for AVX2 (8 lanes, FERRUM_MM naming _mm256_ intrinsics) and
+// once for AVX-512 (16 lanes, _mm512_), each with that width's horizontal sum.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#define FERRUM_MM(op) _mm256_##op
+#define FERRUM_REG_SUM hsum_avx2
+namespace reg_avx2 {
+#include "woq_reg.inc"
 }
+#undef FERRUM_MM
+#undef FERRUM_REG_SUM
+#pragma GCC pop_options
 
-template <int R>
-__attribute__((target("avx2,fma"))) void int8_reg_avx2(const uint8_t* q, const float* sc, const float* mn,
-                                                       int64_t k, const float* x, int64_t ldx, float* out,
-                                                       int64_t ldo) {
-  __m256 a[R][2];
-  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < k / kGroup; ++g) {
-    const __m256 s = _mm256_broadcast_ss(sc + g), m = _mm256_broadcast_ss(mn + g);
-    const uint8_t* qg = q + g * kGroup;
-    const float* xg = x + g * kGroup;
-    for (int j = 0; j < 4; ++j) {
-      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + 8 * j));
-      const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), s, m);
-      for (int r = 0; r < R; ++r) a[r][j & 1] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xg + r * ldx + 8 * j), a[r][j & 1]);
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r * ldo] = hsum_avx2(_mm256_add_ps(a[r][0], a[r][1]));
+#pragma GCC push_options
+#pragma GCC target("avx512f,fma")
+#define FERRUM_MM(op) _mm512_##op
+#define FERRUM_REG_SUM _mm512_reduce_add_ps
+namespace reg_avx512 {
+#include "woq_reg.inc"
 }
+#undef FERRUM_MM
+#undef FERRUM_REG_SUM
+#pragma GCC pop_options
 
-template <int R>
-__attribute__((target("avx512f,fma"))) void int4_reg_avx512(const uint8_t* q, const float* sc, const float* mn,
-                                                            int64_t k, const float* x, int64_t ldx, float* out,
-                                                            int64_t ldo) {
-  __m512 a[R][2];
-  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
-  const __m128i low = _mm_set1_epi8(0x0F);
-  for (int64_t g = 0; g < k / kGroup; ++g) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * (kGroup / 2)));
-    const __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
-    const __m512 s = _mm512_set1_ps(sc[g]), m = _mm512_set1_ps(mn[g]);
-    const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), s, m);  // elements 0..15
-    const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), s, m);  // 16..31
-    const float* xg = x + g * kGroup;
-    for (int r = 0; r < R; ++r) {
-      a[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg + r * ldx), a[r][0]);
-      a[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + r * ldx + 16), a[r][1]);
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][0], a[r][1]));
-}
-
-template <int R>
-__attribute__((target("avx512f,fma"))) void int8_reg_avx512(const uint8_t* q, const float* sc, const float* mn,
-                                                            int64_t k, const float* x, int64_t ldx, float* out,
-                                                            int64_t ldo) {
-  __m512 a[R][2];
-  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < k / kGroup; ++g) {
-    const __m512 s = _mm512_set1_ps(sc[g]), m = _mm512_set1_ps(mn[g]);
-    const uint8_t* qg = q + g * kGroup;
-    const __m512 w0 = _mm512_fmadd_ps(
-        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg)))), s, m);
-    const __m512 w1 = _mm512_fmadd_ps(
-        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 16)))), s, m);
-    const float* xg = x + g * kGroup;
-    for (int r = 0; r < R; ++r) {
-      a[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg + r * ldx), a[r][0]);
-      a[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + r * ldx + 16), a[r][1]);
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][0], a[r][1]));
-}
-
-// A weight row (n) against M <= kRegMaxRows activation rows, with the best kernel for `isa`.
-template <template <int> class K>
-void reg_rows(int64_t M, const uint8_t* q, const float* sc, const float* mn, int64_t k, const float* x,
+// A weight row (n) against M <= kRegMaxRows activation rows, on the widest loops `isa` allows.
+template <bool kInt4>
+void reg_rows(int isa, int64_t M, const uint8_t* q, const float* sc, const float* mn, int64_t k, const float* x,
               int64_t ldx, float* out, int64_t ldo) {
-  switch (M) {
-    case 1: return K<1>::run(q, sc, mn, k, x, ldx, out, ldo);
-    case 2: return K<2>::run(q, sc, mn, k, x, ldx, out, ldo);
-    case 3: return K<3>::run(q, sc, mn, k, x, ldx, out, ldo);
-    default: return K<4>::run(q, sc, mn, k, x, ldx, out, ldo);
-  }
+  if (isa >= kAvx512) return reg_avx512::reg_rows<kInt4>(M, q, sc, mn, k, x, ldx, out, ldo);
+  reg_avx2::reg_rows<kInt4>(M, q, sc, mn, k, x, ldx, out, ldo);
 }
-#define FERRUM_REG_KERNEL(NAME) \
-  template <int R> struct NAME##_k { \
-    static void run(const uint8_t* q, const float* sc, const float* mn, int64_t k, const float* x, int64_t ldx, \
-                    float* out, int64_t ldo) { NAME<R>(q, sc, mn, k, x, ldx, out, ldo); } };
-FERRUM_REG_KERNEL(int4_reg_avx2)
-FERRUM_REG_KERNEL(int8_reg_avx2)
-FERRUM_REG_KERNEL(int4_reg_avx512)
-FERRUM_REG_KERNEL(int8_reg_avx512)
 #endif
 
 void dot_rows(bool avx2, const float* w, const float* x, int64_t ldx, int64_t rows, int64_t k, float* out,
@@ -332,61 +250,49 @@ at::Tensor as_rows(const at::Tensor& x, int64_t k) {
   return x.reshape({-1, k}).contiguous();
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                       const at::Tensor& mins) {
+// x (..., K) float32 times the (N, K) weight of `bits`-bit codes (8: a byte an
+// element; 4: two, GGUF Q4_1's order) with a scale and a minimum per group of 32.
+at::Tensor woq_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                      const at::Tensor& mins, int64_t bits) {
+  TORCH_CHECK(bits == 8 || bits == 4, "woq_linear: bits must be 8 or 4, not ", bits);
+  const bool int4 = bits == 4;
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
-              "int8 weights must be a contiguous (N, K) uint8 tensor of codes");
-  TORCH_CHECK(qweight.size(1) % kGroup == 0, "int8 weights need K divisible by ", kGroup);
-  const int64_t N = qweight.size(0), K = qweight.size(1), G = K / kGroup;
+              "int", bits, " weights must be a contiguous (N, K", int4 ? "/2" : "", ") uint8 tensor of codes");
+  const int64_t N = qweight.size(0), row_bytes = qweight.size(1), K = int4 ? row_bytes * 2 : row_bytes, G = K / kGroup;
+  TORCH_CHECK(K % kGroup == 0, "int", bits, " weights need K divisible by ", kGroup);
   TORCH_CHECK(scales.scalar_type() == at::kFloat && mins.scalar_type() == at::kFloat && scales.is_contiguous() &&
               mins.is_contiguous() && scales.numel() == N * G && mins.numel() == N * G,
-              "int8 scales and minimums must be (N, K/32) float32");
+              "int", bits, " scales and minimums must be (N, K/32) float32");
   at::Tensor x2d = as_rows(x, K);
   const uint8_t* q = qweight.data_ptr<uint8_t>();
   const float *s = scales.data_ptr<float>(), *z = mins.data_ptr<float>();
   auto expand = [&](bool avx2, int64_t n, float* buf) {
+    const uint8_t* row = q + n * row_bytes;
 #ifdef FERRUM_X86
-    if (avx2) return int8_row_avx2(q + n * K, s + n * G, z + n * G, K, buf);
+    if (avx2) return int4 ? int4_row_avx2(row, s + n * G, z + n * G, K, buf)
+                          : int8_row_avx2(row, s + n * G, z + n * G, K, buf);
 #endif
-    int8_row_portable(q + n * K, s + n * G, z + n * G, K, buf);
+    int4 ? int4_row_portable(row, s + n * G, z + n * G, K, buf) : int8_row_portable(row, s + n * G, z + n * G, K, buf);
   };
   auto reg = [&](int isa, int64_t n, int64_t M, const float* xr, float* y) {
 #ifdef FERRUM_X86
-    if (isa >= kAvx512) return reg_rows<int8_reg_avx512_k>(M, q + n * K, s + n * G, z + n * G, K, xr, K, y, N);
-    reg_rows<int8_reg_avx2_k>(M, q + n * K, s + n * G, z + n * G, K, xr, K, y, N);
+    const uint8_t* row = q + n * row_bytes;
+    if (int4) return reg_rows<true>(isa, M, row, s + n * G, z + n * G, K, xr, K, y, N);
+    reg_rows<false>(isa, M, row, s + n * G, z + n * G, K, xr, K, y, N);
 #endif
   };
   at::Tensor out = run_linear(x2d, N, expand, reg);
   return out.view(out_shape(x, N));
 }
 
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const at::Tensor& mins) {
+  return woq_linear(x, qweight, scales, mins, 8);
+}
+
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& mins) {
-  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
-              "int4 weights must be a contiguous (N, K/2) uint8 tensor");
-  const int64_t N = qweight.size(0), K = qweight.size(1) * 2, G = K / kGroup;
-  TORCH_CHECK(K % kGroup == 0, "int4 weights need K divisible by ", kGroup);
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && mins.scalar_type() == at::kFloat && scales.is_contiguous() &&
-              mins.is_contiguous() && scales.numel() == N * G && mins.numel() == N * G,
-              "int4 scales and minimums must be (N, K/32) float32");
-  at::Tensor x2d = as_rows(x, K);
-  const uint8_t* q = qweight.data_ptr<uint8_t>();
-  const float *s = scales.data_ptr<float>(), *z = mins.data_ptr<float>();
-  auto expand = [&](bool avx2, int64_t n, float* buf) {
-#ifdef FERRUM_X86
-    if (avx2) return int4_row_avx2(q + n * (K / 2), s + n * G, z + n * G, K, buf);
-#endif
-    int4_row_portable(q + n * (K / 2), s + n * G, z + n * G, K, buf);
-  };
-  auto reg = [&](int isa, int64_t n, int64_t M, const float* xr, float* y) {
-#ifdef FERRUM_X86
-    const uint8_t* row = q + n * (K / 2);
-    if (isa >= kAvx512) return reg_rows<int4_reg_avx512_k>(M, row, s + n * G, z + n * G, K, xr, K, y, N);
-    reg_rows<int4_reg_avx2_k>(M, row, s + n * G, z + n * G, K, xr, K, y, N);
-#endif
-  };
-  at::Tensor out = run_linear(x2d, N, expand, reg);
-  return out.view(out_shape(x, N));
+  return woq_linear(x, qweight, scales, mins, 4);
 }
 
 // Which inner loops run: "avx512" (few rows; more rows use avx2), "avx2" or "portable".
@@ -407,17 +313,15 @@ int ferrum_active_isa() { return active_isa(); }
 // A quantized linear for decode_stack.cpp's whole-layer op: bits 8 or 4.
 at::Tensor ferrum_woq_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                              const at::Tensor& mins, int64_t bits) {
-  return bits == 8 ? int8_linear(x, qweight, scales, mins) : int4_linear(x, qweight, scales, mins);
+  return woq_linear(x, qweight, scales, mins, bits);
 }
 
+// Each schema with its CPU kernel (torch::dispatch), or for every device where the
+// op reads no tensor.
 TORCH_LIBRARY(ferrum_woq, m) {
-  m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins) -> Tensor");
-  m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins) -> Tensor");
+  using ferrum_ops::on_cpu;
+  m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins) -> Tensor", on_cpu(&int8_linear));
+  m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins) -> Tensor", on_cpu(&int4_linear));
   m.def("isa() -> str", &isa);
   m.def("set_max_isa(str name) -> str", &set_max_isa);
-}
-
-TORCH_LIBRARY_IMPL(ferrum_woq, CPU, m) {
-  m.impl("int8_linear", &int8_linear);
-  m.impl("int4_linear", &int4_linear);
 }
