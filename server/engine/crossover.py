@@ -16,7 +16,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,7 +25,7 @@ import torch
 from ferrum_rpc.errors import ExecutorError
 from ferrum_rpc.paths import cache_root
 from ferrum_rpc.types import DecodeInput, LogitsPolicy
-from ..kernels.select import cpu_capability
+from ..kernels.select import cpu_capability, cpu_identity
 
 if TYPE_CHECKING:
     from .executor import TorchExecutor
@@ -34,23 +33,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 VERSION = 1  # of the measurement: a change to how it measures gives new keys
-
-
-def _cpu_identity() -> str:
-    """The CPU's model name and flags (Linux's /proc/cpuinfo), else what platform says."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return f"{platform.machine()} {platform.processor()}"
-    wanted = ("model name", "flags", "Features", "CPU part")
-    seen = {}
-    for line in lines:
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key in wanted and key not in seen:
-            seen[key] = " ".join(sorted(value.split())) if key in ("flags", "Features") else value.strip()
-    return json.dumps(seen, sort_keys=True)
 
 
 def crossover_key(executor) -> dict:
@@ -61,7 +43,7 @@ def crossover_key(executor) -> dict:
         "weights": executor.weights.digest,
         "dtype": str(executor.dtype), "kv_dtype": config.kv_dtype_name, "quantize": config.quantize,
         "kernels": executor.model.kernels.describe(), "batch_invariant": config.batch_invariant,
-        "device": str(executor.device), "cpu": _cpu_identity(), "cpu_capability": cpu_capability(),
+        "device": str(executor.device), "cpu": cpu_identity(), "cpu_capability": cpu_capability(),
         "torch": torch.__version__, "threads": torch.get_num_threads(),
         "block_size": kv.block_size, "kv_blocks": kv.num_blocks, "max_batch_size": config.max_batch_size,
         "max_sequences": config.max_sequences, "tenant_max_sequences": executor.bounds("").max_sequences,
