@@ -25,13 +25,14 @@ def _failure(what: str, timeout: float, value: Any) -> AssertionError:
 
 
 def wait_for(observe: Callable[[], T], timeout: float, what: str,
-             until: Callable[[T], bool] = bool) -> T:
+             until: Callable[[T], bool] = bool, poll_s: float = LAST_POLL_S) -> T:
     """Calls ``observe`` until ``until`` holds for what it returns (by default: until it
     returns something true), and returns that value.  Polls with a short backoff (1 ms,
-    doubling to 50 ms); at ``timeout`` seconds raises AssertionError naming ``what`` and
-    the last value observed.  An exception from ``observe`` propagates at once."""
+    doubling to ``poll_s``, 50 ms unless a test must catch a short-lived state); at
+    ``timeout`` seconds raises AssertionError naming ``what`` and the last value observed.
+    An exception from ``observe`` propagates at once."""
     deadline = time.monotonic() + timeout
-    pause = FIRST_POLL_S
+    pause = min(FIRST_POLL_S, poll_s)
     while True:
         value = observe()
         if until(value):
@@ -40,15 +41,15 @@ def wait_for(observe: Callable[[], T], timeout: float, what: str,
         if left <= 0:
             raise _failure(what, timeout, value)
         time.sleep(min(pause, left))
-        pause = min(2 * pause, LAST_POLL_S)
+        pause = min(2 * pause, poll_s)
 
 
 async def wait_for_async(observe: Callable[[], Any], timeout: float, what: str,
-                         until: Callable[[Any], bool] = bool) -> Any:
+                         until: Callable[[Any], bool] = bool, poll_s: float = LAST_POLL_S) -> Any:
     """``wait_for`` inside an event loop: ``observe`` may be a plain function or a
     coroutine function; the pauses between looks let the loop run."""
     deadline = time.monotonic() + timeout
-    pause = FIRST_POLL_S
+    pause = min(FIRST_POLL_S, poll_s)
     while True:
         value = observe()
         if inspect.isawaitable(value):
@@ -59,4 +60,4 @@ async def wait_for_async(observe: Callable[[], Any], timeout: float, what: str,
         if left <= 0:
             raise _failure(what, timeout, value)
         await asyncio.sleep(min(pause, left))
-        pause = min(2 * pause, LAST_POLL_S)
+        pause = min(2 * pause, poll_s)
