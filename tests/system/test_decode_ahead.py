@@ -9,7 +9,6 @@ bad requests are refused with no state change."""
 
 from __future__ import annotations
 
-import time
 
 import grpc
 import pytest
@@ -21,6 +20,7 @@ from ferrum_rpc.server.engine.ahead import QUEUED_FORWARDS
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 from tests.conftest import executor_snapshot
+from tests.waiting import wait_for
 
 PROMPTS = ([1, 17, 42, 99, 5, 230, 17, 8], [3, 4, 5], [200, 201, 9, 9, 9, 12, 40, 41, 42, 43, 44])
 GREEDY = TokenChoice(temperature=0.0)
@@ -155,18 +155,31 @@ def test_a_cancelled_session_leaves_the_sequence_where_the_step_found_it(client,
             if n == 3:
                 call.cancel()
                 break
-    deadline = time.monotonic() + 10
-    while _executor(tiny_server).kv.snapshot().sequences[out.kv_cache.cache_id].length != before:
-        assert time.monotonic() < deadline, "the cancelled run was not undone"
-        time.sleep(0.02)
+    wait_for(lambda: _executor(tiny_server).kv.snapshot().sequences[out.kv_cache.cache_id].length, 10,
+             f"the cancelled run to be undone (length back to {before})", until=lambda n: n == before)
     step = client.decode(out.chosen.token_id, out.kv_cache, token_choice=GREEDY)  # the old handle holds
     client.release_cache(step.kv_cache)
 
 
-def test_a_caller_that_stops_reading_pauses_the_run(tiny_server):
+def _paused_for_good(length, client) -> int:
+    """The unread run's length once it is paused with replies it cannot send, and stays so
+    across a GetStatus (a job through the model worker and a turn of the server's event
+    loop, where a write that could still complete would complete and unpause the run)."""
+    def observe():
+        before = length()
+        status = client.status()
+        return before, length(), status.ahead_runs_paused, status.session_bytes_unsent
+
+    _, after, _, _ = wait_for(observe, 30, "(length, length, runs paused, bytes unsent) of a run paused for good",
+                              until=lambda o: o[0] == o[1] and o[2] == 1 and o[3] > 0)
+    return after
+
+
+def test_a_caller_that_stops_reading_pauses_the_run(tiny_server, client):
     """The caller's receive window is 1 KiB and each reply carries 20 logprobs: once
     the window, gRPC's buffers and the step's 32 unread replies are full, the server
-    decodes no further until the caller reads (the sequence stops growing)."""
+    decodes no further until the caller reads (the sequence stops growing while another
+    caller's decode runs a forward)."""
     options = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
     choice = TokenChoice(temperature=0.0, top_logprobs=20)
     with ExecutorClient(tiny_server.target, timeout=60, channel_options=options) as c:
@@ -178,9 +191,10 @@ def test_a_caller_that_stops_reading_pauses_the_run(tiny_server):
             def length():
                 return ex.kv.snapshot().sequences[out.kv_cache.cache_id].length
 
-            time.sleep(1.0)
-            paused = length()
-            time.sleep(1.0)
+            paused = _paused_for_good(length, client)
+            other = client.prefill(PROMPTS[0], token_choice=GREEDY)
+            step = client.decode(other.chosen.token_id, other.kv_cache, token_choice=GREEDY)  # a forward
+            client.release_cache(step.kv_cache)
             assert length() == paused < len(PROMPTS[1]) + 240, "the unread run kept decoding"
             (result,) = run.wait()  # reading lets it finish
         assert result.finish_reason == "length" and len(result.chosen) == 240
@@ -317,10 +331,9 @@ def test_a_full_pool_mid_run_answers_its_error_and_leaves_the_sequence_as_it_was
                 for _ in run:
                     received += 1
             assert caught.value.reason is Reason.KV_CAPACITY_EXHAUSTED and received > 0
-            deadline = time.monotonic() + 10
-            while executor_snapshot(ex)["free"] != before["free"]:  # the undo runs on the worker
-                assert time.monotonic() < deadline, "the failed run's blocks were not given back"
-                time.sleep(0.02)
+            wait_for(lambda: executor_snapshot(ex)["free"], 10,  # the undo runs on the worker
+                     f"the failed run's blocks to be given back ({before['free']} free)",
+                     until=lambda free: free == before["free"])
             assert ex.kv.snapshot().sequences[out.kv_cache.cache_id].length == len(PROMPTS[0])
             (step,) = session.step([DecodeInput(out.chosen.token_id, out.kv_cache, GREEDY)])
             assert step.kv_cache.sequence_length == len(PROMPTS[0]) + 1
@@ -361,17 +374,6 @@ def raw_decode_session(target: str, request: pb.DecodeSessionRequest, window: in
     return sock
 
 
-def _until_still(read, still_s: float, timeout: float):
-    """``read()`` once it has not changed for ``still_s`` seconds."""
-    deadline, last, since = time.monotonic() + timeout, read(), time.monotonic()
-    while time.monotonic() - since < still_s:
-        assert time.monotonic() < deadline, f"still changing after {timeout} s: {last}"
-        time.sleep(0.05)
-        if (now := read()) != last:
-            last, since = now, time.monotonic()
-    return last
-
-
 def test_a_caller_that_never_reads_the_socket_pauses_the_run_within_its_window(tiny_server, client):
     """A raw HTTP/2 peer with a 1 KiB receive window sends a decode-ahead step of 240
     tokens (20 logprobs each: responses of 80+ bytes) and never reads.  gRPC takes a
@@ -398,7 +400,7 @@ def test_a_caller_that_never_reads_the_socket_pauses_the_run_within_its_window(t
 
     sock = raw_decode_session(tiny_server.target, request, window)
     try:
-        paused = _until_still(length, 0.5, timeout=30)
+        paused = _paused_for_good(length, client)
         status = client.status()
         forwards = status.forwards
         assert (status.ahead_sequences, status.ahead_runs_paused) == (1, 1) and status.session_bytes_unsent > 0
@@ -406,15 +408,12 @@ def test_a_caller_that_never_reads_the_socket_pauses_the_run_within_its_window(t
             f"the unread run decoded {paused - len(PROMPTS[1])} tokens, past its bound of {bound}"
         step = client.decode(other.chosen.token_id, other.kv_cache, token_choice=GREEDY)  # another caller
         assert step.kv_cache.sequence_length == len(PROMPTS[0]) + 1
-        time.sleep(0.3)
+        # GetStatus runs on the worker after that decode: a paused run that went on would show here
         assert client.status().forwards == forwards + 1  # that decode's forward only
         assert length() == paused
     finally:
         sock.close()
-    deadline = time.monotonic() + 10
-    while length() != len(PROMPTS[1]):  # the cancelled run is undone
-        assert time.monotonic() < deadline, "the abandoned run was not undone"
-        time.sleep(0.02)
+    wait_for(length, 10, "the abandoned run to be undone", until=lambda n: n == len(PROMPTS[1]))
     status = client.status()
     assert (status.ahead_sequences, status.ahead_runs_paused, status.session_bytes_unsent) == (0, 0, 0)
     client.release_cache(step.kv_cache)

@@ -23,6 +23,7 @@ from ferrum_rpc.errors import (CacheExpired, InvalidInput, KvCapacityExhausted, 
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 from tests.conftest import TINY, running_server
+from tests.waiting import wait_for
 
 VOCAB = TINY["vocab_size"]
 CODE = grpc.StatusCode
@@ -30,13 +31,6 @@ CODE = grpc.StatusCode
 
 def prompt(n: int, seed: int = 0) -> list[int]:
     return [(37 * i + 11 + 101 * seed) % VOCAB for i in range(n)]
-
-
-def wait_until(cond, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.005)
 
 
 class Gates:
@@ -54,7 +48,7 @@ class Gates:
     def hold(self) -> threading.Event:
         """A gate that is running now: the worker is provably busy."""
         event, job = self.add()
-        wait_until(job.running)
+        wait_for(job.running, 10, "the gate to hold the worker")
         return event
 
     def release_all(self) -> None:
@@ -76,18 +70,23 @@ def pool():
 # -- 1. the idle reaper never takes a sequence a job is using --------------------------
 def test_idle_reaper_never_frees_a_sequence_mid_chunked_prefill(tiny_llama_dir, hf_tiny_llama, pool):
     long_prompt = prompt(24)
-    with running_server(tiny_llama_dir, prefill_chunk=8, idle_timeout_s=0.5) as server, \
+    idle_s = 0.5
+    with running_server(tiny_llama_dir, prefill_chunk=8, idle_timeout_s=idle_s) as server, \
             ExecutorClient(server.target, timeout=30) as ex:
         gates = Gates(server)
         first = gates.hold()
         call = pool.submit(ex.prefill, long_prompt)
-        wait_until(lambda: gates.worker.queue_depth == 1)
+        wait_for(lambda: gates.worker.queue_depth, 10, "one call queued", until=lambda n: n == 1)
         second, second_job = gates.add()  # queue: [prefill, gate 2]
         first.set()  # the prefill's first chunk runs, then gate 2 holds the worker ...
-        wait_until(second_job.running)
-        time.sleep(2 * gates.worker.REAP_EVERY_S)  # ... past the idle timeout and a reaper pass
+        wait_for(second_job.running, 10, "the second gate to hold the worker")
+        # ... until the sequence is idle past the timeout and a reaper pass is due, so that the
+        # worker's next turn reaps before the prefill's next chunk runs
+        due = max(gates.worker._next_reap, time.monotonic() + idle_s)
+        wait_for(lambda: time.monotonic() > due, 10, "the idle timeout and the next reaper pass to be due")
         second.set()
         out = call.result(timeout=30)
+        assert gates.worker._next_reap > due, "no reaper pass ran while the sequence was idle"
 
         status = ex.status()
         assert status.sequences_expired == 0
@@ -115,11 +114,14 @@ def test_failing_calls_do_not_keep_a_sequence_alive(tiny_llama_dir):
         wrong.CopyFrom(convert.handle_to_proto(stale))
         wrong.sequence_length += 1
         bad = convert.handle_from_proto(wrong)
-        end = time.monotonic() + 3 * server.app.servicer.workers["tiny"].REAP_EVERY_S
-        while time.monotonic() < end:  # only failing calls, for longer than the idle timeout
+
+        def fail_once_more() -> int:
             with pytest.raises(Exception):
                 ex.decode(5, bad)
-            time.sleep(0.05)
+            return ex.status().sequences_expired
+
+        # only failing calls use the sequence until the reaper takes it
+        wait_for(fail_once_more, 10, "the sequence to expire while only failing calls name it")
         with pytest.raises(CacheExpired):
             ex.decode(5, handle)
 
@@ -163,17 +165,18 @@ def test_abandoned_chunked_prefill_stops_and_undoes_its_work(tiny_llama_dir, how
         first = gates.hold()
         request = pb.PrefillRequest(token_ids=prompt(200), logits=pb.LogitsPolicy(kind=pb.LOGITS_KIND_ARGMAX))
         call = stub.Prefill.future(request, timeout=0.5 if how == "deadline" else 30)
-        wait_until(lambda: gates.worker.queue_depth == 1)
+        wait_for(lambda: gates.worker.queue_depth, 10, "one call queued", until=lambda n: n == 1)
         second, second_job = gates.add()
         first.set()  # one chunk runs, then the worker is held again
-        wait_until(second_job.running)
+        wait_for(second_job.running, 10, "the second gate to hold the worker")
         if how == "cancel":
             call.cancel()
         with pytest.raises(grpc.FutureCancelledError if how == "cancel" else grpc.RpcError) as info:
             call.result(timeout=10)
         if how == "deadline":
             assert info.value.code() == CODE.DEADLINE_EXCEEDED
-        wait_until(lambda: server.app.servicer.inflight == 0)  # the server saw the caller go
+        wait_for(lambda: server.app.servicer.inflight, 10, "the server to see the caller go",
+                 until=lambda n: n == 0)
         second.set()
         assert kv_state(ex) == before  # every chunk undone, nothing stranded
         assert ex.status().forwards <= forwards + 2  # it stopped at the next chunk boundary
@@ -260,12 +263,12 @@ def test_long_forward_verify_runs_in_chunks_with_decodes_between(tiny_llama_dir,
         gates = Gates(server)
         first = gates.hold()
         verify = pool.submit(ex.forward_verify, draft, handle)
-        wait_until(lambda: gates.worker.queue_depth == 1)
+        wait_for(lambda: gates.worker.queue_depth, 10, "one call queued", until=lambda n: n == 1)
         decode = pool.submit(ex.decode, 9, other)
-        wait_until(lambda: gates.worker.queue_depth == 2)
+        wait_for(lambda: gates.worker.queue_depth, 10, "two calls queued", until=lambda n: n == 2)
         second, second_job = gates.add()  # queue: [verify, decode, gate 2]
         first.set()
-        wait_until(second_job.running)  # verify ran one chunk, requeued behind the decode
+        wait_for(second_job.running, 10, "the second gate to hold the worker")  # verify ran one chunk, requeued behind the decode
         assert decode.result(timeout=10).kv_cache.sequence_length == 4
         assert not verify.done()
         second.set()
@@ -284,8 +287,16 @@ def test_decode_session_stops_reading_when_the_caller_does_not(wide_model_dir):
             token_id=5, kv_cache=convert.handle_to_proto(h))]) for i, h in enumerate(handles)]
         channel = grpc.insecure_channel(server.target)
         stream = pb_grpc.ModelExecutorStub(channel).DecodeSession(iter(requests), timeout=30)
-        time.sleep(1.5)  # the caller writes 128 steps of 200 KB replies and reads none
-        ran = ex.status().tokens_processed - before
+
+        def observe():  # the caller writes 128 steps of 200 KB replies and reads none
+            first = ex.status()
+            then = ex.status()  # a job through the worker and a turn of the event loop later
+            return first.tokens_processed, then.tokens_processed, then.session_bytes_unsent
+
+        # the session holds replies it cannot send and runs no more steps
+        _, done, _ = wait_for(observe, 30, "(tokens, tokens, bytes unsent) of a session that stopped",
+                              until=lambda o: o[0] == o[1] > before and o[2] > 0)
+        ran = done - before
         # the window of pending steps plus what the transport buffers (a few MB), not all 128
         assert ran <= 48, f"{ran} of 128 steps ran for a caller that reads nothing"
         got = [next(stream) for _ in range(128)]  # reading resumes the session; nothing is lost

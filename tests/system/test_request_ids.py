@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import grpc
 import pytest
@@ -19,6 +18,7 @@ from ferrum_rpc.client import AsyncExecutorClient, ExecutorClient, InvalidInput,
 from ferrum_rpc.errors import ExecutorError, Reason, RequestIdTaken, from_rpc_error
 from ferrum_rpc.v1 import executor_pb2 as pb
 from tests.conftest import TENANT_TOKENS, tenants_server
+from tests.waiting import wait_for, wait_for_async
 
 ALICE, BOB = TENANT_TOKENS["alice"], TENANT_TOKENS["bob"]
 ARGMAX = LogitsPolicy.argmax()
@@ -105,10 +105,8 @@ def test_release_by_name_aborts_a_prefill_still_running(server, alice):
     assert entered.wait(10)
     releaser = threading.Thread(target=lambda: alice.release_cache(request_id="long-1"))
     releaser.start()
-    deadline = time.monotonic() + 10
-    while not any(j is not None and j.fn == worker.release_named for j in list(worker.queue.jobs)):
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    wait_for(lambda: any(j is not None and j.fn == worker.release_named for j in list(worker.queue.jobs)), 10,
+             "the release to be queued behind the held prompt")
     go.set()
     caller.join(10)
     releaser.join(10)
@@ -131,7 +129,7 @@ def test_the_clients_release_what_a_call_cancelled_mid_reply_created(server):
             before = _live(server, "alice")
             for delay in (0.0, 0.002, 0.005, 0.01, 0.02, 0.05):
                 task = asyncio.ensure_future(client.prefill(PROMPT * 4, logits=ARGMAX))
-                await asyncio.sleep(delay)
+                await asyncio.sleep(delay)  # workload: cancels the call at points swept across its life
                 task.cancel()
                 try:
                     out = await task
@@ -140,10 +138,8 @@ def test_the_clients_release_what_a_call_cancelled_mid_reply_created(server):
                 else:
                     await client.release_cache(out.kv_cache)
             await asyncio.wait(list(client._releasing), timeout=10) if client._releasing else None
-            deadline = time.monotonic() + 10
-            while _live(server, "alice") != before and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-            assert _live(server, "alice") == before
+            await wait_for_async(lambda: _live(server, "alice"), 10, f"alice's live sequences back to {before}",
+                                 until=lambda n: n == before)
 
     asyncio.run(main())
 
@@ -151,22 +147,29 @@ def test_the_clients_release_what_a_call_cancelled_mid_reply_created(server):
 def test_the_sync_client_releases_what_a_timed_out_prefill_created(server, alice):
     """A server that stalls after committing the prompt: the caller times out, and its
     client releases the sequence by name (the server undoes it too; either suffices)."""
-    ex = _worker(server).executor
+    worker = _worker(server)
+    ex = worker.executor
     real = ex.run
+    timed_out = threading.Event()
 
     def run(plans):
         ex.run = real
         out = real(plans)
-        time.sleep(0.6)
+        timed_out.wait(10)  # the stall lasts until the caller has given up
         return out
 
     before = _live(server, "alice")
     ex.run = run
-    with ExecutorClient(server.target, timeout=0.3, token=ALICE) as hasty:
-        with pytest.raises(ExecutorError) as caught:
-            hasty.prefill(PROMPT, logits=ARGMAX)
+    try:
+        with ExecutorClient(server.target, timeout=0.3, token=ALICE) as hasty:
+            with pytest.raises(ExecutorError) as caught:
+                hasty.prefill(PROMPT, logits=ARGMAX)
+    finally:
+        timed_out.set()
     assert caught.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
-    time.sleep(0.5)
+    wait_for(lambda: _live(server, "alice"), 10, f"alice's live sequences back to {before}",
+             until=lambda n: n == before)
+    worker.submit(lambda: None).result(timeout=10)  # the stalled prompt's job has ended, and made nothing
     assert _live(server, "alice") == before
 
 
@@ -224,10 +227,8 @@ def test_a_retry_while_the_first_attempt_still_runs_waits_for_its_outcome(server
     retried: list = []
     retry = threading.Thread(target=lambda: retried.append(_call(alice, prompt, "slow-1")))
     retry.start()
-    deadline = time.monotonic() + 10
-    while not any(j is not None and j.prefill is not None and j.prefill.name == "slow-1" for j in list(worker.queue.jobs)):
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    wait_for(lambda: any(j is not None and j.prefill is not None and j.prefill.name == "slow-1"
+                         for j in list(worker.queue.jobs)), 10, "the retry to be queued behind the held first attempt")
     go.set()
     caller.join(10)
     retry.join(10)

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from multiprocessing import shared_memory
 
 import grpc
@@ -23,6 +22,7 @@ from ferrum_rpc.types import DecodeInput, LogitsPolicy, SharedMemoryTarget
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 from tests.conftest import running_server
+from tests.waiting import wait_for
 
 PROMPT = [5, 9, 13, 2, 77, 31, 8, 100, 4, 6]
 VOCAB = 320  # the tiny model's
@@ -168,7 +168,7 @@ def test_close_and_unregister_end_the_registration(server, ex):
     region = ex.shared_memory(VOCAB * 4, name="short-lived")
     target = region.target()
     region.close()
-    _wait_for(lambda: len(server.app.servicer.shm) == 0)
+    wait_for(lambda: len(server.app.servicer.shm), 10, "no registered region", until=lambda n: n == 0)
     with pytest.raises(SharedMemoryNotFound):
         ex.decode(1, seq.kv_cache, LogitsPolicy.full(shared_memory=target))
 
@@ -188,7 +188,7 @@ def test_a_killed_client_loses_its_region(server, ex):
         from ferrum_rpc.client import ExecutorClient
         region = ExecutorClient({server.target!r}).shared_memory(4096, name="doomed")
         print("registered", flush=True)
-        time.sleep(60)
+        time.sleep(60)  # workload: the client lives, holding its region, until the test kills it
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
@@ -196,7 +196,7 @@ def test_a_killed_client_loses_its_region(server, ex):
         assert len(server.app.servicer.shm) == 1
         proc.kill()
         proc.wait(10)
-        _wait_for(lambda: len(server.app.servicer.shm) == 0)
+        wait_for(lambda: len(server.app.servicer.shm), 10, "no registered region", until=lambda n: n == 0)
     finally:
         proc.kill()
 
@@ -232,14 +232,6 @@ def test_servers_off_loopback_do_not_serve_it_unless_asked(tiny_llama_dir):
         with pytest.raises(ExecutorError, match="shared memory is off") as info:
             ex.shared_memory(64)
         assert info.value.code is grpc.StatusCode.UNIMPLEMENTED
-
-
-def _wait_for(predicate, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.02)
 
 
 def test_the_asyncio_client_registers_and_reads_regions_too(server, ex):

@@ -17,6 +17,7 @@ import pytest
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 from tests.system.test_replicas import Replica
+from tests.waiting import wait_for
 
 VOCAB = 8192  # rows of 32 KiB: a 200-position reply is built on the reply-builder thread
 PROMPT = list(range(3, 203))
@@ -147,6 +148,15 @@ def test_refused_registrations_leak_no_descriptors(replica, stub):
         _posixshmem.shm_unlink(empty)
 
 
+def _fence(stub, token) -> None:
+    """A call that queues behind every earlier one on the model worker and then on the
+    reply-builder thread (its 1.3 MB reply is built there): once it returned, every earlier
+    call's reply has been built and written wherever it was going to be."""
+    out = stub.Prefill(pb.PrefillRequest(token_ids=PROMPT[:40], logits=pb.LogitsPolicy(
+        kind=pb.LOGITS_KIND_FULL, all_positions=True)), metadata=_md(token), timeout=60)
+    stub.ReleaseCache(pb.ReleaseCacheRequest(cache_id=out.kv_cache.cache_id), metadata=_md(token), timeout=30)
+
+
 def test_no_write_lands_after_unregister_returns(replica, stub):
     size = len(PROMPT) * VOCAB * 4  # 6.5 MB: built and copied on the reply-builder thread
     for delay in (0.0, 0.01, 0.03, 0.06, 0.1):
@@ -157,23 +167,21 @@ def test_no_write_lands_after_unregister_returns(replica, stub):
             name = f"raced-{delay}"
             future = stub.Prefill.future(pb.PrefillRequest(token_ids=PROMPT, logits=_full("raced", all_positions=True),
                                                            request_id=name), metadata=_md(ALICE), timeout=60)
-            time.sleep(delay)
+            time.sleep(delay)  # workload: cancels the call at points swept across its life
             future.cancel()
             reply = stub.UnregisterSharedMemory(pb.UnregisterSharedMemoryRequest(name="raced"), metadata=_md(ALICE),
                                                 timeout=30)
             assert reply.unregistered == 1
             os.pwrite(fd, b"\x5a" * size, 0)
-            time.sleep(0.5)
+            _fence(stub, ALICE)  # the raced call's reply, if any, is built by now
             assert os.pread(fd, size, 0) == b"\x5a" * size, "the server wrote after Unregister returned"
             if future.cancelled():
                 # The caller never got a handle.  The reply may have been handed to gRPC before
                 # the cancel (then the sequence exists): what is guaranteed is that a release by
                 # the caller's request_id leaves nothing, whichever side of the race it fell on.
                 stub.ReleaseCache(pb.ReleaseCacheRequest(request_id=name), metadata=_md(ALICE), timeout=30)
-                deadline = time.monotonic() + 10
-                while _active(stub, ALICE) != active and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                assert _active(stub, ALICE) == active
+                wait_for(lambda: _active(stub, ALICE), 10, f"alice's live sequences back to {active}",
+                         until=lambda n: n == active)
             else:
                 stub.ReleaseCache(pb.ReleaseCacheRequest(cache_id=future.result().kv_cache.cache_id),
                                   metadata=_md(ALICE), timeout=30)
@@ -187,7 +195,7 @@ def test_unregister_all_ends_every_registration(replica, stub):
     calls = [_register(stub, BOB, name=f"r{i}", byte_size=len(PROMPT) * VOCAB * 4)[1] for i in range(3)]
     future = stub.Prefill.future(pb.PrefillRequest(token_ids=PROMPT, logits=_full("r0", all_positions=True)),
                                  metadata=_md(BOB), timeout=60)
-    time.sleep(0.02)
+    time.sleep(0.02)  # workload: the Unregister races the prefill (either order must end all three)
     reply = stub.UnregisterSharedMemory(pb.UnregisterSharedMemoryRequest(), metadata=_md(BOB), timeout=30)
     assert reply.unregistered == 3
     for call in calls:  # each stream ends (the server answered the registration's end)

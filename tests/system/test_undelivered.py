@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 
 import grpc
 import pytest
@@ -19,6 +18,7 @@ from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 from tests.conftest import running_server
 from tests.system.test_replicas import Replica
+from tests.waiting import wait_for
 
 FULL = pb.LogitsPolicy(kind=pb.LOGITS_KIND_FULL)  # 256 KiB a row: a few unread replies fill HTTP/2's windows
 ARGMAX = pb.LogitsPolicy(kind=pb.LOGITS_KIND_ARGMAX)
@@ -77,12 +77,10 @@ def _advanced(stub, handles) -> int:
 
 
 def _advanced_after_undo(stub, handles, timeout: float = 10.0) -> int:
-    """:func:`_advanced`, asked again until it reads 0 or ``timeout`` passes (the undo
+    """:func:`_advanced`, asked again until it reads 0; fails after ``timeout`` (the undo
     runs on the server's worker thread after the call ends)."""
-    end = time.monotonic() + timeout
-    while (count := _advanced(stub, handles)) and time.monotonic() < end:
-        time.sleep(0.1)
-    return count
+    return wait_for(lambda: _advanced(stub, handles), timeout, "no sequence past its handle (the undo)",
+                    until=lambda count: count == 0)
 
 
 def _release(stub, handles) -> None:
@@ -91,10 +89,8 @@ def _release(stub, handles) -> None:
 
 
 def _settle(stub, expected, timeout: float = 10.0):
-    end = time.monotonic() + timeout
-    while _status(stub) != expected and time.monotonic() < end:
-        time.sleep(0.05)
-    return _status(stub)
+    return wait_for(lambda: _status(stub), timeout, f"(sequences, blocks used) back to {expected}",
+                    until=lambda now: now == expected)
 
 
 def test_batch_decode_cancelled_after_one_reply_changes_nothing(stub):
@@ -102,8 +98,7 @@ def test_batch_decode_cancelled_after_one_reply_changes_nothing(stub):
     handles = _prompts(stub, 32)
     call = stub.BatchDecode(pb.BatchDecodeRequest(items=[pb.DecodeItem(kv_cache=h, token_id=2) for h in handles],
                                                   logits=FULL), timeout=30)
-    first = next(call)
-    time.sleep(0.5)  # the server has sent what the window takes, and waits on the rest
+    first = next(call)  # the batch's one forward ran; the other 31 replies cannot fit the 64 KiB windows
     call.cancel()
     advanced = _advanced_after_undo(stub, handles)
     assert advanced == 0, f"{advanced} of 32 sequences moved although the call was cancelled"
@@ -118,8 +113,17 @@ def test_decode_session_never_read_then_cancelled_changes_nothing(stub):
     handles = _prompts(stub, 24)
     requests = [pb.DecodeSessionRequest(step_id=i, items=[pb.DecodeItem(kv_cache=h, token_id=2)], logits=FULL)
                 for i, h in enumerate(handles)]
+    before = stub.GetStatus(pb.GetStatusRequest(), timeout=30).tokens_processed
     call = stub.DecodeSession(iter(requests), timeout=30)
-    time.sleep(1.5)  # no reply is read
+
+    def observe():  # no reply is read
+        first = stub.GetStatus(pb.GetStatusRequest(), timeout=30)
+        then = stub.GetStatus(pb.GetStatusRequest(), timeout=30)  # a worker job and an event-loop turn later
+        return first.tokens_processed, then.tokens_processed, then.session_bytes_unsent
+
+    # steps ran and the session holds replies it cannot send: it runs no more until read
+    wait_for(observe, 30, "(tokens, tokens, bytes unsent) of a session that stopped",
+             until=lambda o: o[0] == o[1] > before and o[2] > 0)
     call.cancel()
     advanced = _advanced_after_undo(stub, handles)
     assert advanced == 0, f"{advanced} of 24 sequences advanced while their replies sat unread"
@@ -152,7 +156,7 @@ def test_decode_session_keeps_steps_the_caller_confirmed(stub):
     (handle,) = _prompts(stub, 1)
     replies = list(stub.DecodeSession(iter([pb.DecodeSessionRequest(
         step_id=1, items=[pb.DecodeItem(kv_cache=handle, token_id=2)], logits=ARGMAX)]), timeout=30))
-    time.sleep(0.2)
+    # the call ended OK, so its handler has returned: an undo it queued runs before these probes
     assert _advanced(stub, [replies[0].kv_cache]) == 0 and _advanced(stub, [handle]) == 1
     _release(stub, [handle])
 
@@ -162,7 +166,8 @@ def test_batch_prefill_cancelled_leaves_no_sequence(stub):
     items = [pb.PrefillItem(token_ids=list(range(5 + i, 25 + i))) for i in range(24)]  # 6 MB of replies
     call = stub.BatchPrefill(pb.BatchPrefillRequest(items=items, logits=FULL), timeout=30)
     first = next(call)
-    time.sleep(0.5)
+    # every prompt's sequence is made while the replies wait on the 64 KiB windows
+    wait_for(lambda: _status(stub)[0], 30, "the 24 prompts' sequences", until=lambda n: n == before[0] + 24)
     call.cancel()
     seqs, _ = _settle(stub, before)
     assert (seqs, _) == before, f"{seqs - before[0]} of 24 prompts' sequences stayed after the call was cancelled"

@@ -21,6 +21,7 @@ from ferrum_rpc.types import DecodeInput
 from tests.conftest import executor_snapshot as snapshot
 from tests.conftest import oracle_rows as oracle
 from tests.conftest import running_server
+from tests.waiting import wait_for_async
 
 FULL = LogitsPolicy.full()
 ATOL = 1e-4
@@ -145,10 +146,11 @@ def test_worker_puts_decodes_first_then_prompt_parts_up_to_the_budget(model, bud
             worker.submit(gate.wait, 30)  # holds the worker while the queue fills
             before = (ex.stats.forwards, ex.stats.tokens_processed)
             prefill = asyncio.ensure_future(worker.front.prefill(prompt, None, FULL))
-            await asyncio.sleep(0.05)
+            await wait_for_async(lambda: worker.work_queued, 10, "the prompt queued", until=lambda n: n == 1)
             decodes = [asyncio.ensure_future(worker.front.decode([DecodeInput(100 + i, h)], FULL))
                        for i, h in enumerate(handles)]
-            await asyncio.sleep(0.05)
+            await wait_for_async(lambda: worker.work_queued, 10, "the prompt and the decodes queued",
+                                 until=lambda n: n == 1 + len(handles))
             gate.set()
             results = await asyncio.gather(prefill, *decodes)
             return before, results
@@ -176,7 +178,7 @@ def test_a_prompt_abandoned_between_parts_is_undone_while_decodes_go_on(tiny_lla
             gate = threading.Event()
             worker.submit(gate.wait, 30)
             prefill = asyncio.ensure_future(worker.front.prefill(list(range(1, 200)), None, FULL))
-            await asyncio.sleep(0.05)
+            await wait_for_async(lambda: worker.work_queued, 10, "the prompt queued", until=lambda n: n == 1)
             gate.set()
             handle, steps = h, 0
             while steps < 3 or ex.kv.count("") < 2:  # the prompt is open and has parts in
@@ -185,8 +187,8 @@ def test_a_prompt_abandoned_between_parts_is_undone_while_decodes_go_on(tiny_lla
             prefill.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await prefill
-            while (await worker.front.call(lambda: ex.kv.count(""))) != 1:  # the worker undoes it at its next turn
-                await asyncio.sleep(0.01)
+            await wait_for_async(lambda: worker.front.call(lambda: ex.kv.count("")), 10,  # undone at the worker's next turn
+                                 "one live sequence (the abandoned prompt undone)", until=lambda n: n == 1)
             await worker.front.call(ex.truncate_kv, handle, 3)
             return snap, await worker.front.call(snapshot, ex)
 

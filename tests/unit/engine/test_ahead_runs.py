@@ -17,6 +17,7 @@ from ferrum_rpc.server.engine.ahead import Finish
 from ferrum_rpc.server.engine.executor import TorchExecutor
 from ferrum_rpc.server.engine.worker import ModelWorker
 from ferrum_rpc.types import DecodeInput, TokenChoice
+from tests.waiting import wait_for
 
 CHOICES = {"sampled": TokenChoice(temperature=1.0, seed=7),  # in bursts where the runs are alone (burst.py)
            "greedy": TokenChoice.greedy(),  # in bursts, the fused greedy pass
@@ -44,14 +45,15 @@ def prompt(worker: ModelWorker, choice: TokenChoice, ids: list[int], tenant: str
 
 def drain(run, timeout: float = 30) -> list:
     """Takes every entry of a run, polling (the consumer's side, on a plain thread)."""
-    entries, end = [], time.monotonic() + timeout
-    while not run.done:
-        entry = run.take()
-        if entry is None:
-            assert time.monotonic() < end, "the run never finished"
-            time.sleep(0.001)
-        else:
+    entries: list = []
+
+    def take_queued() -> bool:
+        while not run.done and (entry := run.take()) is not None:
             entries.append(entry)
+        return run.done
+
+    # polled every millisecond: a run queues 2 forwards by default and waits for its consumer
+    wait_for(take_queued, timeout, "the run to hand over its last entry", poll_s=0.001)
     return entries
 
 
@@ -89,8 +91,7 @@ def test_stop_token_stop_and_sequence_length_end_a_run(worker, choice):
     worker.submit(worker.executor.truncate_kv, again[-1][0].out.kv_cache, item.kv_cache.sequence_length).result()
 
     run = worker.start_ahead([item], 4000, frozenset(), "", None)
-    while not run.take():
-        time.sleep(0.001)
+    wait_for(run.take, 30, "the run's first entry")
     run.stop()
     assert drain(run)[-1][0].finish is Finish.STOPPED
 
@@ -104,16 +105,13 @@ def test_a_run_whose_queue_is_full_pauses_until_its_consumer_takes(worker, choic
     item = prompt(worker, choice, [5, 6, 7])
     start = item.kv_cache.sequence_length
     run = worker.start_ahead([item], 20, frozenset(), "", None, bound=2)
-    end = time.monotonic() + 30
-    while worker.ahead_paused != 1:
-        assert time.monotonic() < end
-        time.sleep(0.001)
-    time.sleep(0.05)  # a paused run joins no forward: its sequence stays at the bound
+    wait_for(lambda: worker.ahead_paused, 30, "one paused run", until=lambda n: n == 1)
+    other = prompt(worker, choice, [9, 3])
+    worker.submit_decode([other], None).result(timeout=30)  # a paused run joins no forward, not this one
     assert lengths(worker)[item.kv_cache.cache_id] == start + 2 and run.paused
     assert run.take() is not None
-    while lengths(worker)[item.kv_cache.cache_id] < start + 3:
-        assert time.monotonic() < end
-        time.sleep(0.001)
+    wait_for(lambda: lengths(worker)[item.kv_cache.cache_id], 30, "the unpaused run's next forward",
+             until=lambda n: n >= start + 3)
     drain(run)
     assert run.last[0].kv_cache.sequence_length == start + 20
 
@@ -122,16 +120,12 @@ def test_take_some_takes_the_oldest_forwards_in_order_and_unpauses_the_run(worke
     item = prompt(worker, choice, [5, 6, 7])
     start = item.kv_cache.sequence_length
     run = worker.start_ahead([item], 12, frozenset(), "", None, bound=5)
-    end = time.monotonic() + 30
-    while not run.paused:
-        assert time.monotonic() < end
-        time.sleep(0.001)
+    wait_for(lambda: run.paused, 30, "the run to pause on its full queue")
     assert run.queued == 5
     first = run.take_some(3)
     assert [entry[0].out.kv_cache.sequence_length for entry in first] == [start + 1, start + 2, start + 3]
-    while lengths(worker)[item.kv_cache.cache_id] < start + 6:  # no longer paused
-        assert time.monotonic() < end
-        time.sleep(0.001)
+    wait_for(lambda: lengths(worker)[item.kv_cache.cache_id], 30, "the run to go on (no longer paused)",
+             until=lambda n: n >= start + 6)
     rest = drain(run)
     assert [e[0].out.kv_cache.sequence_length for e in first + rest] == list(range(start + 1, start + 13))
     assert rest[-1][0].finish is Finish.LENGTH and run.take_some(4) == [] and run.done
@@ -141,8 +135,7 @@ def test_a_cancelled_run_changes_nothing(worker, choice):
     items = [prompt(worker, choice, [5, 6, 7]), prompt(worker, choice, [8])]
     before = lengths(worker)
     run = worker.start_ahead(items, 200, frozenset(), "", None, bound=1000)
-    while lengths(worker) == before:
-        time.sleep(0.001)
+    wait_for(lambda: lengths(worker), 30, "the run's first forward", until=lambda now: now != before)
     run.cancel()
     with pytest.raises(Cancelled):
         drain(run)
@@ -154,10 +147,13 @@ def test_a_finished_run_cancelled_before_its_last_entry_is_taken_is_undone(worke
     item = prompt(worker, choice, [5, 6, 7])
     before = lengths(worker)
     run = worker.start_ahead([item], 3, frozenset(), "", None)
-    end = time.monotonic() + 30
-    while run.running:
-        assert time.monotonic() < end
-        run.take() if len(run._entries) > 1 else time.sleep(0.001)  # leaves the last entry queued
+
+    def take_all_but_the_last() -> bool:
+        while len(run._entries) > 1:
+            run.take()
+        return not run.running
+
+    wait_for(take_all_but_the_last, 30, "the run to finish with its last entry untaken")
     run.cancel()
     assert worker.submit(lambda: lengths(worker)).result(timeout=10) == before
 
@@ -178,8 +174,7 @@ def test_seats_are_bounded_per_tenant_and_in_all(worker, choice):
         worker.start_ahead(items, 5, frozenset(), "a", None)  # the tenant's cap is 3
     gate = threading.Event()
     held = worker.submit(gate.wait, 30)  # keeps the run from finishing while seats are counted
-    while not held.running():
-        time.sleep(0.001)
+    wait_for(held.running, 30, "the worker to run the holding job")
     run = worker.start_ahead(items[:3], 5, frozenset(), "a", None)
     assert worker.ahead == {"a": 3}
     with pytest.raises(SequenceLimitExceeded):
@@ -194,8 +189,7 @@ def test_stopping_the_worker_ends_a_paused_run_and_undoes_it(worker, choice):
     item = prompt(worker, choice, [5, 6, 7])
     before = lengths(worker)
     run = worker.start_ahead([item], 50, frozenset(), "", None, bound=1)
-    while not run.paused:
-        time.sleep(0.001)
+    wait_for(lambda: run.paused, 30, "the run to pause on its full queue")
     worker.stop(timeout=10)
     with pytest.raises(Draining):
         drain(run)
@@ -219,10 +213,10 @@ def test_a_run_past_its_deadline_ends_undone(worker, choice):
     before = lengths(worker)
     gate = threading.Event()
     held = worker.submit(gate.wait, 30)
-    while not held.running():
-        time.sleep(0.001)
-    run = worker.start_ahead([item], 4000, frozenset(), "", time.monotonic() + 0.05, bound=10_000)
-    time.sleep(0.1)
+    wait_for(held.running, 30, "the worker to run the holding job")
+    deadline = time.monotonic() + 0.05
+    run = worker.start_ahead([item], 4000, frozenset(), "", deadline, bound=10_000)
+    wait_for(lambda: time.monotonic() > deadline, 10, "the run's deadline to pass")
     gate.set()
     with pytest.raises(DeadlineExceeded):
         drain(run, timeout=60)

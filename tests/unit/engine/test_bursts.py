@@ -8,7 +8,6 @@ sequence as it was; nothing holds a block once the sequences go."""
 from __future__ import annotations
 
 import functools
-import time
 
 import pytest
 
@@ -19,6 +18,7 @@ from ferrum_rpc.server.engine.executor import TorchExecutor
 from ferrum_rpc.server.engine.worker import ModelWorker
 from ferrum_rpc.types import DecodeInput, TokenChoice
 from tests.unit.engine.test_ahead_runs import drain
+from tests.waiting import wait_for
 
 GREEDY = TokenChoice.greedy()
 
@@ -140,8 +140,7 @@ def test_a_stop_token_ends_the_burst_at_its_forward_and_nothing_is_left_held(wor
 def test_a_stop_ends_the_run_at_the_forward_it_was_seen_with_every_token_chosen_until_then(worker):
     item = prompt(worker, [5, 6, 7])
     run = worker.start_ahead([item], 200, frozenset(), "", None, bound=1000)
-    while not run.queued:
-        time.sleep(0.0005)
+    wait_for(lambda: run.queued, 30, "the run's first entry", poll_s=0.0005)  # stopped well before 200
     run.stop()
     entries = drain(run)
     assert entries[-1][0].finish is Finish.STOPPED and len(entries) < 200
@@ -153,8 +152,7 @@ def test_a_stop_ends_the_run_at_the_forward_it_was_seen_with_every_token_chosen_
 def test_a_call_queued_during_a_burst_is_served_before_the_run_ends(worker):
     item, other = prompt(worker, [5, 6, 7]), prompt(worker, [8, 9])
     run = worker.start_ahead([item], worker.executor.max_seq_len - 4, frozenset(), "", None, bound=1000)
-    while worker.executor.stats.burst_forwards == 0:
-        time.sleep(0.0005)
+    wait_for(lambda: worker.executor.stats.burst_forwards, 30, "the run's first burst", poll_s=0.0005)
     (out,) = worker.submit_decode([other], None).result(timeout=30)
     assert run.running  # the decode waited for one burst at most, not for the run
     assert out.kv_cache.sequence_length == other.kv_cache.sequence_length + 1

@@ -14,6 +14,7 @@ from ferrum_rpc.server.config import ExecutorConfig
 from ferrum_rpc.server.engine.executor import TorchExecutor
 from ferrum_rpc.server.engine.worker import ModelWorker
 from ferrum_rpc.types import LogitsPolicy
+from tests.waiting import wait_for
 
 
 @pytest.fixture
@@ -29,8 +30,7 @@ def hold(worker: ModelWorker) -> threading.Event:
     """Occupies the worker thread until the returned gate is set."""
     gate = threading.Event()
     held = worker.submit(gate.wait, 30)
-    while not held.running():
-        time.sleep(0.001)
+    wait_for(held.running, 30, "the worker to run the holding job")
     return gate
 
 
@@ -39,8 +39,7 @@ def test_stop_finishes_a_chunked_job_requeued_behind_it(worker):
     chunked = worker.submit_prefill(list(range(1, 30)), None, LogitsPolicy.argmax())  # 8 slices
     stopper = threading.Thread(target=worker.stop, kwargs={"timeout": 30})
     stopper.start()  # the stop sentinel is queued behind the prefill's first slice
-    while not worker.stopping:
-        time.sleep(0.001)
+    wait_for(lambda: worker.stopping, 30, "the worker to start stopping")
     gate.set()
     out = chunked.result(timeout=30)  # once hung forever: later slices queued behind the sentinel
     assert out.kv_cache.sequence_length == 29
@@ -54,8 +53,9 @@ def test_stop_finishes_a_chunked_job_requeued_behind_it(worker):
 def test_a_job_whose_deadline_passed_in_the_queue_is_not_run(worker):
     gate = hold(worker)
     ran = []
-    expired = worker.submit(ran.append, 1, deadline=time.monotonic() + 0.05)
-    time.sleep(0.1)
+    deadline = time.monotonic() + 0.05
+    expired = worker.submit(ran.append, 1, deadline=deadline)
+    wait_for(lambda: time.monotonic() > deadline, 10, "the queued job's deadline to pass")
     gate.set()
     with pytest.raises(DeadlineExceeded):
         expired.result(timeout=10)
