@@ -47,7 +47,9 @@ MAX_TOKENS = 16
 
 
 def target_dir() -> Path:
-    return cache_root() / "cargo-target"
+    """Cargo's target folder: CARGO_TARGET_DIR where set (a private copy, so builds of
+    other checkouts do not replace this one's binaries), else the shared cache's."""
+    return Path(os.environ.get("CARGO_TARGET_DIR") or cache_root() / "cargo-target")
 
 
 @pytest.fixture(scope="session")
