@@ -285,6 +285,30 @@ def test_ferrum_engine_eight_at_once_equal_each_alone(rust_bin, smol, smol_dir, 
         assert c.status().active_sequences == 0
 
 
+def executor_calls(stderr: str) -> dict[str, int]:
+    """The counts ferrum-engine-generate --timing prints on its "executor calls:" line."""
+    line = next(x for x in stderr.splitlines() if x.startswith("executor calls:"))
+    return {k: int(v) for k, v in (pair.split("=") for pair in line.split(":", 1)[1].split())}
+
+
+def test_ferrum_engine_greedy_takes_the_servers_choice_and_sampling_full_logits(rust_bin, smol, smol_dir,
+                                                                                python_greedy):
+    """Greedy requests get their tokens chosen by the server (no logits fetched) and the
+    same ids as generate_ids; sampled ones fetch full rows; both step over a session."""
+    args = ("--addr", smol.target, "--max-tokens", MAX_TOKENS, "--tokenizer", Path(smol_dir) / "tokenizer.json",
+            "--ids", "--timing")
+    greedy = run(rust_bin, "ferrum-engine-generate", *args, PROMPTS[0], timeout=300)
+    ids = [int(t) for t in greedy.stdout.splitlines()[0].split()]
+    assert ids == python_greedy[0]
+    calls = executor_calls(greedy.stderr)
+    assert calls["server_chosen"] >= len(ids) - 1 > 0 and calls["session_steps"] >= len(ids) - 2, calls
+    sampled = run(rust_bin, "ferrum-engine-generate", *args, "--temperature", "0.8", "--seed", "3", PROMPTS[0],
+                  timeout=300)
+    ids = sampled.stdout.splitlines()[0].split()
+    calls = executor_calls(sampled.stderr)
+    assert ids and calls["server_chosen"] == 0 and calls["session_steps"] >= len(ids) - 2, calls
+
+
 def test_ferrum_engine_text_is_generated(rust_bin, smol, smol_dir):
     done = run(rust_bin, "ferrum-engine-generate", "--addr", smol.target, "--max-tokens", 8,
                "--tokenizer", Path(smol_dir) / "tokenizer.json", PROMPTS[0], timeout=300)
