@@ -671,6 +671,12 @@ impl RemoteExecutor {
             None => bytes::Bytes::new(),
             Some(mask) => self.mask_bitmask(mask, vocab)?,
         };
+        // A mask that forbids a token takes the server's general choice path (it
+        // unpacks the bitmask over the vocabulary every step), which measured slower
+        // than fetching the row and masking here: such rows stay full logits.
+        if !allowed.is_empty() {
+            return None;
+        }
         Some(pb::TokenChoice {
             temperature: Some(0.0),
             allowed_token_bitmask: allowed,
