@@ -47,7 +47,9 @@ MAX_TOKENS = 16
 
 
 def target_dir() -> Path:
-    return cache_root() / "cargo-target"
+    """Cargo's target folder: CARGO_TARGET_DIR where set (a private copy, so builds of
+    other checkouts do not replace this one's binaries), else the shared cache's."""
+    return Path(os.environ.get("CARGO_TARGET_DIR") or cache_root() / "cargo-target")
 
 
 @pytest.fixture(scope="session")
@@ -281,6 +283,31 @@ def test_ferrum_engine_eight_at_once_equal_each_alone(rust_bin, smol, smol_dir, 
         while c.status().active_sequences and time.monotonic() < deadline:
             time.sleep(0.05)
         assert c.status().active_sequences == 0
+
+
+def executor_calls(stderr: str) -> dict[str, int]:
+    """The counts ferrum-engine-generate --timing prints on its "executor calls:" line."""
+    line = next(x for x in stderr.splitlines() if x.startswith("executor calls:"))
+    return {k: int(v) for k, v in (pair.split("=") for pair in line.split(":", 1)[1].split())}
+
+
+def test_ferrum_engine_steps_over_one_session(rust_bin, smol, smol_dir, python_greedy):
+    """Greedy and sampled requests step over the executor's DecodeSession, greedy with
+    generate_ids' ids. Ferrum's greedy mask forbids some of SmolLM2's tokens, so its rows
+    are full logits (the server's choice is for masks that forbid nothing) as sampled
+    ones are."""
+    args = ("--addr", smol.target, "--max-tokens", MAX_TOKENS, "--tokenizer", Path(smol_dir) / "tokenizer.json",
+            "--ids", "--timing")
+    greedy = run(rust_bin, "ferrum-engine-generate", *args, PROMPTS[0], timeout=300)
+    ids = [int(t) for t in greedy.stdout.splitlines()[0].split()]
+    assert ids == python_greedy[0]
+    calls = executor_calls(greedy.stderr)
+    assert calls["server_chosen"] == 0 and calls["session_steps"] >= len(ids) - 2 > 0, calls
+    sampled = run(rust_bin, "ferrum-engine-generate", *args, "--temperature", "0.8", "--seed", "3", PROMPTS[0],
+                  timeout=300)
+    ids = sampled.stdout.splitlines()[0].split()
+    calls = executor_calls(sampled.stderr)
+    assert ids and calls["server_chosen"] == 0 and calls["session_steps"] >= len(ids) - 2, calls
 
 
 def test_ferrum_engine_text_is_generated(rust_bin, smol, smol_dir):

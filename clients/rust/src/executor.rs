@@ -12,7 +12,16 @@
 //!
 //! Logits come back as FULL float32 rows ([`LogitsTensor`], a `TensorLike` over the
 //! reply's bytes); token ids are read from the engine's input tensors with
-//! `to_vec_u32`.
+//! `to_vec_u32`. Where the engine's unified batch asks an item for its greedy token
+//! only (`LogitsReturnPolicy::GreedyArgmax`), the server chooses it (a greedy
+//! `TokenChoice` carrying the engine's token mask) and the item's result is the
+//! one-element row holding the token id, as the engine takes a model-side argmax;
+//! no logits cross the wire for it.
+//!
+//! Decode steps go over one long-lived DecodeSession stream (one message each way per
+//! step, every item's result in one reply) rather than a BatchDecode call each; a
+//! client with a per-call deadline uses BatchDecode (a session has no per-step
+//! deadline, and ending one early would undo its sequences' last steps).
 //!
 //! The trait's synchronous methods (capabilities, status, kv_capacity,
 //! kv_slot_capacity_snapshot) answer from a snapshot of GetCapabilities and GetStatus
@@ -25,10 +34,11 @@ use crate::logits::LogitsView;
 use crate::pb;
 use async_trait::async_trait;
 use ferrum_interfaces::kv_cache::{BlockTable, CacheHandleStats};
+use crate::session::DecodeSession;
 use ferrum_interfaces::model_executor::{
     AttentionType, DecodeInput, DecodeOutput, ExecutorCapabilities, ExecutorMemoryUsage, ExecutorState,
-    ExecutorStatus, KvSlotCapacitySnapshot, KvSlotRequest, KvSlotReservation, MemoryRequirements, PrefillInput,
-    PrefillOutput, UnifiedBatch,
+    ExecutorStatus, KvSlotCapacitySnapshot, KvSlotRequest, KvSlotReservation, LogitsReturnPolicy,
+    MemoryRequirements, PrefillInput, PrefillOutput, TokenSelectionMask, UnifiedBatch,
 };
 use ferrum_interfaces::{KvCacheHandle, ModelExecutor, TensorLike, TensorRef};
 use ferrum_types::{DataType, Device, FerrumError, ModelId, ModelInfo, ModelType, Result};
@@ -350,13 +360,51 @@ fn logits_rows(logits: Option<&pb::Logits>) -> Result<(Vec<f32>, usize, usize)> 
     Ok((out, view.rows(), view.vocab()))
 }
 
+/// The last row of a reply's logits (copied once out of the reply's bytes).
+fn last_row_vec(logits: Option<&pb::Logits>) -> Result<Vec<f32>> {
+    let view = logits
+        .and_then(LogitsView::of)
+        .ok_or_else(|| FerrumError::backend("reply without full logits"))?;
+    if view.rows() == 0 {
+        return Err(FerrumError::backend("reply with no logits rows"));
+    }
+    let r = view.rows() - 1;
+    Ok(match view.row_f32_slice(r) {
+        Some(s) => s.to_vec(),
+        None => view.row_to_vec(r),
+    })
+}
+
 /// The last row of a reply's logits, shaped `shape_prefix + [vocab]`.
 fn last_row(logits: Option<&pb::Logits>, shape_prefix: &[usize]) -> Result<LogitsTensor> {
-    let (all, rows, vocab) = logits_rows(logits)?;
-    let row = all[(rows - 1) * vocab..].to_vec();
+    let row = last_row_vec(logits)?;
     let mut shape = shape_prefix.to_vec();
-    shape.push(vocab);
+    shape.push(row.len());
     Ok(LogitsTensor::new(row, shape))
+}
+
+/// A unified-batch item's result: its last position's logits row, or, for an item
+/// the server chose a greedy token for, the one-element row holding that id (the
+/// engine's model-side argmax form).
+fn item_result(logits: Option<&pb::Logits>, chosen: Option<&pb::ChosenToken>, greedy: bool) -> Result<Vec<f32>> {
+    if greedy {
+        let c = chosen.ok_or_else(|| FerrumError::backend("reply without the chosen token"))?;
+        return Ok(vec![c.token_id as f32]);
+    }
+    last_row_vec(logits)
+}
+
+/// The logits policy of a call whose items are `greedy` (a token choice) or not: FULL
+/// when an item needs its row; else ARGMAX (a few bytes) when an item has no choice
+/// (a prompt's middle chunk, whose result is unused); else none (choices only).
+fn policy_for(need_rows: bool, all_chosen: bool) -> Option<pb::LogitsPolicy> {
+    if need_rows {
+        Some(policy::full())
+    } else if all_chosen {
+        None
+    } else {
+        Some(policy::argmax())
+    }
 }
 
 #[derive(Default)]
@@ -368,6 +416,10 @@ struct Counters {
     decodes: AtomicU64,
     prefill_ns: AtomicU64,
     decode_ns: AtomicU64,
+    /// Tokens the server chose for the engine (greedy items), and decode steps sent
+    /// over the DecodeSession stream.
+    chosen: AtomicU64,
+    session_steps: AtomicU64,
 }
 
 /// Ferrum's `ModelExecutor` on a ferrum-rpc server.
@@ -386,6 +438,11 @@ pub struct RemoteExecutor {
     last_error: Mutex<Option<String>>,
     pending: Arc<AtomicUsize>,
     refresher: tokio::task::JoinHandle<()>,
+    /// The decode steps' stream, opened on the first step and again after it broke.
+    session: tokio::sync::Mutex<Option<DecodeSession>>,
+    /// The last token mask sent, by its fingerprint and length, as the contract's
+    /// bitmask bytes (the engine's mask is the same every step of a request).
+    mask_bits: Mutex<Option<(u64, usize, bytes::Bytes)>>,
 }
 
 impl Drop for RemoteExecutor {
@@ -465,6 +522,8 @@ impl RemoteExecutor {
             last_error: Mutex::new(None),
             pending: Arc::new(AtomicUsize::new(0)),
             refresher,
+            session: tokio::sync::Mutex::new(None),
+            mask_bits: Mutex::new(None),
         })
     }
 
@@ -482,12 +541,12 @@ impl RemoteExecutor {
     /// How often the engine called each trait method, as "name=count" pairs.
     pub fn call_counts(&self) -> String {
         let names = ["prefill", "batch_prefill", "batch_decode", "unified_decode", "forward_verify", "truncate_kv"];
-        names
-            .iter()
-            .zip(&self.counters.calls)
-            .map(|(n, c)| format!("{n}={}", c.load(Ordering::Relaxed)))
-            .collect::<Vec<_>>()
-            .join(" ")
+        let c = &self.counters;
+        let mut pairs: Vec<String> =
+            names.iter().zip(&c.calls).map(|(n, c)| format!("{n}={}", c.load(Ordering::Relaxed))).collect();
+        pairs.push(format!("server_chosen={}", c.chosen.load(Ordering::Relaxed)));
+        pairs.push(format!("session_steps={}", c.session_steps.load(Ordering::Relaxed)));
+        pairs.join(" ")
     }
 
     fn count(&self, method: usize) {
@@ -592,27 +651,144 @@ impl RemoteExecutor {
         }
     }
 
-    /// One decode step per input in ONE BatchDecode (all or nothing).
-    async fn decode_many(&self, inputs: &[(u32, Arc<Lease>)]) -> Result<Vec<LogitsTensor>> {
+    /// The server's greedy choice standing for the engine's `policy`, when it asks for
+    /// the argmax only and the contract can say the same: the token mask as the
+    /// request's allowed-token bitmask (None where the mask does not cover the
+    /// vocabulary or allows nothing), no repetition penalty (the engine's penalises its
+    /// own token list, the server's the whole sequence: those rows keep full logits).
+    fn greedy_choice(&self, policy: &LogitsReturnPolicy) -> Option<pb::TokenChoice> {
+        let LogitsReturnPolicy::GreedyArgmax { token_mask, repetition_penalty } = policy else {
+            return None;
+        };
+        if repetition_penalty.as_ref().is_some_and(|p| !p.is_empty()) {
+            return None;
+        }
+        let vocab = self.info.vocab_size;
+        if vocab == 0 || vocab > (1 << 24) {
+            return None; // the id must be exact as the engine's f32
+        }
+        let allowed = match token_mask {
+            None => bytes::Bytes::new(),
+            Some(mask) => self.mask_bitmask(mask, vocab)?,
+        };
+        // A mask that forbids a token takes the server's general choice path (it
+        // unpacks the bitmask over the vocabulary every step), which measured slower
+        // than fetching the row and masking here: such rows stay full logits.
+        if !allowed.is_empty() {
+            return None;
+        }
+        Some(pb::TokenChoice {
+            temperature: Some(0.0),
+            allowed_token_bitmask: allowed,
+            ..Default::default()
+        })
+    }
+
+    /// `mask` (one i8 per token, non-zero allowed) over the first `vocab` tokens as the
+    /// contract's bitmask (empty when every token is allowed).
+    fn mask_bitmask(&self, mask: &TokenSelectionMask, vocab: usize) -> Option<bytes::Bytes> {
+        let valid = &mask.valid_token_mask;
+        if valid.len() < vocab {
+            return None;
+        }
+        if let Some((fp, len, bits)) = self.mask_bits.lock().unwrap().as_ref() {
+            if *fp == mask.fingerprint && *len == valid.len() {
+                return Some(bits.clone());
+            }
+        }
+        let words = vocab.div_ceil(32);
+        let mut bits = vec![0u32; words];
+        let mut any = false;
+        let mut all = true;
+        for (i, v) in valid[..vocab].iter().enumerate() {
+            if *v != 0 {
+                bits[i / 32] |= 1 << (i % 32);
+                any = true;
+            } else {
+                all = false;
+            }
+        }
+        if !any {
+            return None;
+        }
+        let bytes = if all {
+            bytes::Bytes::new()
+        } else {
+            bytes::Bytes::from(bits.iter().flat_map(|w| w.to_le_bytes()).collect::<Vec<u8>>())
+        };
+        *self.mask_bits.lock().unwrap() = Some((mask.fingerprint, valid.len(), bytes.clone()));
+        Some(bytes)
+    }
+
+    /// One decode step per input in ONE step (all or nothing): a DecodeSession step,
+    /// or a BatchDecode where the client has a per-call deadline. An input with a token
+    /// choice gets the server's token, the others their logits row.
+    async fn decode_step(&self, inputs: &[(u32, Arc<Lease>, Option<pb::TokenChoice>)]) -> Result<Vec<Vec<f32>>> {
         let t0 = std::time::Instant::now();
-        let items = inputs
+        let need_rows = inputs.iter().any(|i| i.2.is_none());
+        let greedy: Vec<bool> = inputs.iter().map(|i| i.2.is_some()).collect();
+        let items: Vec<pb::DecodeItem> = inputs
             .iter()
-            .map(|(t, l)| pb::DecodeItem { token_id: *t, kv_cache: Some(l.handle()), token_choice: None })
+            .map(|(t, l, c)| pb::DecodeItem { token_id: *t, kv_cache: Some(l.handle()), token_choice: c.clone() })
             .collect();
-        let replies = self.client.batch_decode(items, Some(policy::full()), true).await.map_err(|e| self.failed(e))?;
+        let logits = policy_for(need_rows, true);
+        let replies: Vec<(Option<pb::Logits>, Option<pb::KvCacheHandle>, Option<pb::ChosenToken>)> =
+            if self.client.options().timeout.is_some() {
+                let r = self.client.batch_decode(items, logits, true).await.map_err(|e| self.failed(e))?;
+                r.into_iter().map(|r| (r.logits, r.kv_cache, r.chosen)).collect()
+            } else {
+                let r = self.session_step(items, logits).await?;
+                r.into_iter().map(|r| (r.logits, r.kv_cache, r.chosen)).collect()
+            };
         if replies.len() != inputs.len() {
-            return Err(FerrumError::backend(format!("BatchDecode answered {} of {} items", replies.len(), inputs.len())));
+            return Err(FerrumError::backend(format!("a decode step answered {} of {} items", replies.len(), inputs.len())));
         }
         let mut out = Vec::with_capacity(inputs.len());
-        for (r, (_, lease)) in replies.into_iter().zip(inputs) {
-            if let Some(h) = r.kv_cache.clone() {
+        for ((logits, handle, chosen), ((_, lease, _), greedy)) in replies.into_iter().zip(inputs.iter().zip(greedy)) {
+            if let Some(h) = handle {
                 lease.set(h);
             }
-            out.push(last_row(r.logits.as_ref(), &[1])?);
+            out.push(item_result(logits.as_ref(), chosen.as_ref(), greedy)?);
+            self.counters.chosen.fetch_add(greedy as u64, Ordering::Relaxed);
         }
         self.counters.decodes.fetch_add(inputs.len() as u64, Ordering::Relaxed);
         self.counters.decode_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
         Ok(out)
+    }
+
+    /// One step on the executor's DecodeSession (opened here when there is none, or the
+    /// last one broke). A step that failed on its own leaves the session open; one whose
+    /// stream failed drops it, and the next step opens a new one.
+    async fn session_step(
+        &self,
+        items: Vec<pb::DecodeItem>,
+        logits: Option<pb::LogitsPolicy>,
+    ) -> Result<Vec<pb::DecodeSessionResponse>> {
+        let mut slot = self.session.lock().await;
+        if slot.as_ref().map_or(true, |s| s.is_broken()) {
+            *slot = Some(self.client.decode_session().await.map_err(|e| self.failed(e))?);
+        }
+        let session = slot.as_mut().unwrap();
+        self.counters.session_steps.fetch_add(1, Ordering::Relaxed);
+        let got = session.step_with(items, logits, true).await;
+        if session.is_broken() {
+            *slot = None;
+        }
+        got.map_err(|e| self.failed(e))
+    }
+
+    /// One decode step per input, full logits rows (the trait's batch_decode).
+    async fn decode_many(&self, inputs: &[(u32, Arc<Lease>)]) -> Result<Vec<LogitsTensor>> {
+        let work: Vec<_> = inputs.iter().map(|(t, l)| (*t, l.clone(), None)).collect();
+        Ok(self
+            .decode_step(&work)
+            .await?
+            .into_iter()
+            .map(|row| {
+                let n = row.len();
+                LogitsTensor::new(row, vec![1, n])
+            })
+            .collect())
     }
 }
 
@@ -742,6 +918,7 @@ impl ModelExecutor for RemoteExecutor {
         let mut prefill_leases = Vec::new();
         let mut decode_idx = Vec::new();
         let mut decode_work = Vec::new();
+        let (mut prefill_rows, mut prefill_chosen) = (false, true);
         for (i, item) in batch.items.iter().enumerate() {
             let lease = self.lease_of(&item.kv_cache).or_else(|| self.lease_for_key(&item.seq_id));
             let lease = match lease {
@@ -760,14 +937,18 @@ impl ModelExecutor for RemoteExecutor {
                 _ => return Err(FerrumError::not_found(format!("no remote sequence for {}", item.seq_id))),
             };
             let is_decode = item.q_tokens.len() == 1 && item.is_final_chunk && lease.is_some();
+            let choice = if item.is_final_chunk { self.greedy_choice(&item.logits_policy) } else { None };
             if is_decode {
                 decode_idx.push(i);
-                decode_work.push((item.q_tokens[0], lease.unwrap()));
+                decode_work.push((item.q_tokens[0], lease.unwrap(), choice));
             } else {
                 prefill_idx.push(i);
+                prefill_rows |= item.is_final_chunk && choice.is_none();
+                prefill_chosen &= choice.is_some();
                 prefill_items.push(pb::PrefillItem {
                     token_ids: item.q_tokens.clone(),
                     kv_cache: lease.as_ref().map(|l| l.handle()),
+                    token_choice: choice,
                     ..Default::default()
                 });
                 prefill_leases.push(lease);
@@ -777,8 +958,10 @@ impl ModelExecutor for RemoteExecutor {
         if !prefill_items.is_empty() {
             let t0 = std::time::Instant::now();
             let n = prefill_items.len();
-            let replies = self.client.batch_prefill(prefill_items, Some(policy::full())).await.map_err(|e| self.failed(e))?;
-            for ((r, i), lease) in replies.into_iter().zip(&prefill_idx).zip(prefill_leases) {
+            let greedy: Vec<bool> = prefill_items.iter().map(|p| p.token_choice.is_some()).collect();
+            let logits = policy_for(prefill_rows, prefill_chosen);
+            let replies = self.client.batch_prefill(prefill_items, logits).await.map_err(|e| self.failed(e))?;
+            for (((r, i), lease), greedy) in replies.into_iter().zip(&prefill_idx).zip(prefill_leases).zip(greedy) {
                 let item = &batch.items[*i];
                 let handle = r.kv_cache.clone().ok_or_else(|| FerrumError::backend("BatchPrefill reply without a handle"))?;
                 match lease {
@@ -789,17 +972,18 @@ impl ModelExecutor for RemoteExecutor {
                     }
                 }
                 if item.is_final_chunk {
-                    results[*i] = Some(last_row(r.logits.as_ref(), &[1])?.values().to_vec());
+                    results[*i] = Some(item_result(r.logits.as_ref(), r.chosen.as_ref(), greedy)?);
+                    self.counters.chosen.fetch_add(greedy as u64, Ordering::Relaxed);
                 }
             }
             self.counters.prefills.fetch_add(n as u64, Ordering::Relaxed);
             self.counters.prefill_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
         }
         if !decode_work.is_empty() {
-            match self.decode_many(&decode_work).await {
+            match self.decode_step(&decode_work).await {
                 Ok(rows) => {
                     for (row, i) in rows.into_iter().zip(&decode_idx) {
-                        results[*i] = Some(row.values().to_vec());
+                        results[*i] = Some(row);
                     }
                 }
                 Err(e) => {

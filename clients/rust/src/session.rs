@@ -20,6 +20,8 @@ pub struct DecodeSession {
     rx: Replies,
     next_step: u64,
     model: String,
+    /// The stream itself failed (not a step): no later step can go through.
+    broken: bool,
 }
 
 /// One token a decode-ahead run emitted.
@@ -60,14 +62,28 @@ impl DecodeSession {
         let req = client.request(ReceiverStream::new(rx));
         let mut stub = client.raw();
         let call = tokio::spawn(async move { stub.decode_session(req).await });
-        Ok(DecodeSession { tx, rx: Replies::Opening(call), next_step: 1, model: client.model().to_string() })
+        Ok(DecodeSession {
+            tx,
+            rx: Replies::Opening(call),
+            next_step: 1,
+            model: client.model().to_string(),
+            broken: false,
+        })
     }
 
     async fn send(&mut self, message: pb::DecodeSessionRequest) -> Result<()> {
-        self.tx.send(message).await.map_err(|_| lost("before the request was sent"))
+        let sent = self.tx.send(message).await.map_err(|_| lost("before the request was sent"));
+        self.broken |= sent.is_err();
+        sent
     }
 
     async fn next(&mut self) -> Result<pb::DecodeSessionResponse> {
+        let got = self.read().await;
+        self.broken |= got.is_err();
+        got
+    }
+
+    async fn read(&mut self) -> Result<pb::DecodeSessionResponse> {
         if let Replies::Opening(task) = &mut self.rx {
             let opened = task.await.map_err(|_| lost("before it opened"))??;
             self.rx = Replies::Open(opened.into_inner());
@@ -79,17 +95,42 @@ impl DecodeSession {
         }
     }
 
+    /// True once the stream itself failed (the server gone, the call cancelled): every
+    /// later step fails too, so open a new session. A step that failed on its own
+    /// (its one `error` reply) leaves the session usable.
+    pub fn is_broken(&self) -> bool {
+        self.broken
+    }
+
     /// One decode step over `items` (distinct sequences); one result per item, in order.
     pub async fn step(
         &mut self,
         items: Vec<pb::DecodeItem>,
         logits: Option<pb::LogitsPolicy>,
     ) -> Result<Vec<pb::DecodeSessionResponse>> {
+        self.step_with(items, logits, false).await
+    }
+
+    /// As [`step`](Self::step); with `single_reply` the server answers the step in one
+    /// message holding every item's result (the same results, one message's cost).
+    pub async fn step_with(
+        &mut self,
+        items: Vec<pb::DecodeItem>,
+        logits: Option<pb::LogitsPolicy>,
+        single_reply: bool,
+    ) -> Result<Vec<pb::DecodeSessionResponse>> {
         let step_id = self.next_step;
         self.next_step += 1;
         let n = items.len();
-        self.send(pb::DecodeSessionRequest { step_id, model: self.model.clone(), items, logits, ..Default::default() })
-            .await?;
+        self.send(pb::DecodeSessionRequest {
+            step_id,
+            model: self.model.clone(),
+            items,
+            logits,
+            single_reply,
+            ..Default::default()
+        })
+        .await?;
         let mut out = Vec::with_capacity(n);
         while out.len() < n {
             let reply = self.next().await?;
