@@ -395,6 +395,7 @@ class Capabilities:
     max_adapters: int = 0  # LoRA adapters loaded at once (--max-adapters; 0: none served)
     max_lora_rank: int = 0  # the largest rank an adapter may have (--max-lora-rank)
     weights_version: int = 0  # 0 as loaded, one more after each UpdateWeights
+    kv_dtype: str = ""  # the KV pool's dtype: float32, bfloat16 or int8 ("": a server that predates it)
 
     def supports_batch_size(self, batch_size: int) -> bool:
         """Whether one forward may carry ``batch_size`` sequences (the trait's check)."""

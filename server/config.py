@@ -13,7 +13,7 @@ LINEAR_KERNELS = ("auto", "onednn-packed", "aten")  # see kernels/select.py
 QUANTIZATIONS = ("none", "int8", "int4", "w8a8", "w4a8")  # see woq.py and qact.py
 STEP_OPS = ("auto", "fused", "eager")  # see fused.py
 BATCH_INVARIANT = ("auto", "on", "off")  # see models/loader.py
-KV_DTYPES = ("auto", "float32", "bfloat16")
+KV_DTYPES = ("auto", "float32", "bfloat16", "int8")
 
 
 def batch_invariant_mode(value: str | bool) -> str:
@@ -32,7 +32,10 @@ class ExecutorConfig:
             attention reads; keys and values rounded once, as written), or
             ``dtype``'s; "auto": bfloat16 with w8a8 and w4a8 (activations already
             rounded to 8 bits a block, as llama.cpp keeps its KV in 16 bits),
-            else ``dtype``'s.  ``kv_dtype_name`` is the one resolved.
+            else ``dtype``'s; "int8" under either dtype: each key and value row
+            (a token's kv head) quantized by its own absolute maximum, a float32
+            scale beside it (kv/pool.py ``quantize_rows``; ~1.06 bytes a value).
+            ``kv_dtype_name`` is the one resolved.
         device: "cpu", "cuda" or "cuda:N".
         kv_tokens: KV pool capacity in tokens (rounded up to whole blocks).
         block_size: tokens per KV block.
@@ -137,7 +140,7 @@ class ExecutorConfig:
             raise StartupError(f"cuda_graphs must be auto or off, not {self.cuda_graphs!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise StartupError(f"kv_dtype must be one of {KV_DTYPES}, not {self.kv_dtype!r}")
-        if self.kv_dtype not in ("auto", self.dtype) and self.dtype != "float32":
+        if self.kv_dtype not in ("auto", "int8", self.dtype) and self.dtype != "float32":
             raise StartupError(f"--kv-dtype {self.kv_dtype} needs --dtype float32 (a {self.dtype} model keeps "
                                f"its KV in {self.dtype})")
         if self.kv_tokens <= 0 or self.block_size <= 0 or self.max_batch_size <= 0:

@@ -12,7 +12,7 @@ import signal
 import torch
 
 from .engine.forward import forward
-from .kv.pool import KvPool
+from .kv.pool import KV_TORCH_DTYPES, KvPool
 from .models import TORCH_DTYPES, load_model
 from .parallel.group import Group, join
 from .parallel.runner import follow_update, receive
@@ -60,7 +60,7 @@ def serve_rank(group: Group, model_path: str, executor_config) -> None:
     assert kind == "pool", kind
     cfg = shard.local_config()
     pool = KvPool(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                  TORCH_DTYPES[executor_config.kv_dtype_name], device)
+                  KV_TORCH_DTYPES[executor_config.kv_dtype_name], device)
     log.info("rank %d serving its shard: KV pool of %d blocks (%.1f MiB)", group.rank, num_blocks,
              pool.nbytes / 2**20)
     while True:

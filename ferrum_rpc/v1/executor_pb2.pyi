@@ -54,6 +54,7 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_INT32: _ClassVar[DType]
     DTYPE_INT64: _ClassVar[DType]
     DTYPE_UINT32: _ClassVar[DType]
+    DTYPE_INT8: _ClassVar[DType]
 
 class LogitsKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -115,6 +116,7 @@ DTYPE_BFLOAT16: DType
 DTYPE_INT32: DType
 DTYPE_INT64: DType
 DTYPE_UINT32: DType
+DTYPE_INT8: DType
 LOGITS_KIND_UNSPECIFIED: LogitsKind
 LOGITS_KIND_FULL: LogitsKind
 LOGITS_KIND_TOP_K: LogitsKind
@@ -340,7 +342,7 @@ class GetCapabilitiesRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("model", "max_batch_size", "max_sequence_length", "kv_block_size", "kv_num_blocks", "kv_capacity_tokens", "logits_kinds", "logits_dtypes", "chunked_prefill", "forward_verify", "truncate_kv", "max_message_bytes", "models", "idle_timeout_s", "prefill_chunk_tokens", "decode_session", "prefix_cache", "fork_cache", "mixture_of_experts", "architecture", "kv_bytes", "kernel_path", "cpu_capability", "quantization", "shared_memory", "speculative_decode", "batch_prefill", "attention_mechanisms", "supported_dtypes", "supported_devices", "tensor_parallel", "pipeline_parallel", "dynamic_batching", "continuous_batching", "memory", "optimal_batch_size", "token_choice", "max_decode_ahead", "tensor_parallel_degree", "tensor_parallel_fallbacks", "accepts_imports", "kv_fingerprint", "kv_events", "batch_invariant", "max_adapters", "max_lora_rank", "weights_version")
+    __slots__ = ("model", "max_batch_size", "max_sequence_length", "kv_block_size", "kv_num_blocks", "kv_capacity_tokens", "logits_kinds", "logits_dtypes", "chunked_prefill", "forward_verify", "truncate_kv", "max_message_bytes", "models", "idle_timeout_s", "prefill_chunk_tokens", "decode_session", "prefix_cache", "fork_cache", "mixture_of_experts", "architecture", "kv_bytes", "kernel_path", "cpu_capability", "quantization", "shared_memory", "speculative_decode", "batch_prefill", "attention_mechanisms", "supported_dtypes", "supported_devices", "tensor_parallel", "pipeline_parallel", "dynamic_batching", "continuous_batching", "memory", "optimal_batch_size", "token_choice", "max_decode_ahead", "tensor_parallel_degree", "tensor_parallel_fallbacks", "accepts_imports", "kv_fingerprint", "kv_events", "batch_invariant", "max_adapters", "max_lora_rank", "weights_version", "kv_dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -388,6 +390,7 @@ class Capabilities(_message.Message):
     MAX_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_batch_size: int
     max_sequence_length: int
@@ -435,7 +438,8 @@ class Capabilities(_message.Message):
     max_adapters: int
     max_lora_rank: int
     weights_version: int
-    def __init__(self, model: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., logits_kinds: _Optional[_Iterable[_Union[LogitsKind, str]]] = ..., logits_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., chunked_prefill: _Optional[bool] = ..., forward_verify: _Optional[bool] = ..., truncate_kv: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., idle_timeout_s: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., decode_session: _Optional[bool] = ..., prefix_cache: _Optional[bool] = ..., fork_cache: _Optional[bool] = ..., mixture_of_experts: _Optional[bool] = ..., architecture: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., kernel_path: _Optional[str] = ..., cpu_capability: _Optional[str] = ..., quantization: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., speculative_decode: _Optional[bool] = ..., batch_prefill: _Optional[bool] = ..., attention_mechanisms: _Optional[_Iterable[str]] = ..., supported_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., supported_devices: _Optional[_Iterable[str]] = ..., tensor_parallel: _Optional[bool] = ..., pipeline_parallel: _Optional[bool] = ..., dynamic_batching: _Optional[bool] = ..., continuous_batching: _Optional[bool] = ..., memory: _Optional[_Union[MemoryRequirements, _Mapping]] = ..., optimal_batch_size: _Optional[int] = ..., token_choice: _Optional[bool] = ..., max_decode_ahead: _Optional[int] = ..., tensor_parallel_degree: _Optional[int] = ..., tensor_parallel_fallbacks: _Optional[_Iterable[str]] = ..., accepts_imports: _Optional[bool] = ..., kv_fingerprint: _Optional[str] = ..., kv_events: _Optional[bool] = ..., batch_invariant: _Optional[bool] = ..., max_adapters: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., weights_version: _Optional[int] = ...) -> None: ...
+    kv_dtype: str
+    def __init__(self, model: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., logits_kinds: _Optional[_Iterable[_Union[LogitsKind, str]]] = ..., logits_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., chunked_prefill: _Optional[bool] = ..., forward_verify: _Optional[bool] = ..., truncate_kv: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., idle_timeout_s: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., decode_session: _Optional[bool] = ..., prefix_cache: _Optional[bool] = ..., fork_cache: _Optional[bool] = ..., mixture_of_experts: _Optional[bool] = ..., architecture: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., kernel_path: _Optional[str] = ..., cpu_capability: _Optional[str] = ..., quantization: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., speculative_decode: _Optional[bool] = ..., batch_prefill: _Optional[bool] = ..., attention_mechanisms: _Optional[_Iterable[str]] = ..., supported_dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., supported_devices: _Optional[_Iterable[str]] = ..., tensor_parallel: _Optional[bool] = ..., pipeline_parallel: _Optional[bool] = ..., dynamic_batching: _Optional[bool] = ..., continuous_batching: _Optional[bool] = ..., memory: _Optional[_Union[MemoryRequirements, _Mapping]] = ..., optimal_batch_size: _Optional[int] = ..., token_choice: _Optional[bool] = ..., max_decode_ahead: _Optional[int] = ..., tensor_parallel_degree: _Optional[int] = ..., tensor_parallel_fallbacks: _Optional[_Iterable[str]] = ..., accepts_imports: _Optional[bool] = ..., kv_fingerprint: _Optional[str] = ..., kv_events: _Optional[bool] = ..., batch_invariant: _Optional[bool] = ..., max_adapters: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., weights_version: _Optional[int] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
 
 class MemoryRequirements(_message.Message):
     __slots__ = ("parameter_bytes", "kv_bytes_per_token_per_layer", "activation_bytes_per_token", "overhead_bytes", "num_layers")

@@ -57,7 +57,7 @@ def capabilities(ex) -> Capabilities:
         supported_devices=("cpu", "cuda") if torch.cuda.is_available() else ("cpu",),
         memory=ex.stats.memory_requirements(), optimal_batch_size=ex.optimal_batch_size,
         token_choice=True, tensor_parallel=ex.shard is not None,
-        accepts_imports=ex.shard is None, kv_fingerprint=fingerprint(ex).digest,
+        accepts_imports=ex.shard is None, kv_fingerprint=fingerprint(ex).digest, kv_dtype=ex.config.kv_dtype_name,
         kv_events=ex.kv.prefix_caching, batch_invariant=getattr(ex.model, "batch_invariant", False),
         tensor_parallel_degree=ex.shard.degree if ex.shard else 1,
         tensor_parallel_fallbacks=_fallbacks(ex),

@@ -38,7 +38,7 @@ from . import speculating
 from .forward import AppendPlan, PlanKind, Rows, Step, forward
 from .opened import Opened
 from .graphs import decode_graphs
-from ..kv.pool import KvPool
+from ..kv.pool import KV_TORCH_DTYPES, KvPool
 from ..kv.blocks import BlockManager, SequenceState, WritePlan
 from .undo import Undo
 from ..kv.events import KvEventHub
@@ -78,7 +78,7 @@ class TorchExecutor:
         self.model_config = mc
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.kv_dtype = TORCH_DTYPES[config.kv_dtype_name]  # the pool's
+        self.kv_dtype = KV_TORCH_DTYPES[config.kv_dtype_name]  # the pool's (int8: quantized, kv/pool.py)
         self.max_seq_len = min(config.max_seq_len or mc.max_position_embeddings, mc.max_position_embeddings)
         # tensor parallel (parallel/): this rank's shard of the model and of the pool (its KV heads);
         # every forward and block copy goes through the runner, which sends it to the other ranks

@@ -4,7 +4,8 @@ pushes, and where a push may go, are the rpc layer's: ``rpc/tickets.py``).
 
 An export is a stream of ``SequenceChunk`` messages: one header (tokens, prompt
 spans, the fingerprint, sizes), the KV of consecutive tokens in chunks (the pool's
-dtype, K then V, all layers), one trailer (a BLAKE2b checksum).  The importer checks
+dtype, K then V, all layers; an int8 pool's float32 scales after them, K's then V's),
+one trailer (a BLAKE2b checksum).  The importer checks
 every part as it arrives (:class:`Receiver`, no executor state touched) and only
 then, in one worker job (:func:`install`), takes blocks, writes the pool and makes
 the sequence: a refused, truncated or cancelled import leaves blocks, sequences
@@ -42,6 +43,8 @@ from ferrum_rpc.hashing import stream_hasher, text_digest
 from ferrum_rpc.types import KvCacheHandle
 from ferrum_rpc.v1 import executor_pb2 as pb
 
+from ..kv.pool import KvPool
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -72,6 +75,14 @@ def fingerprint_digest(fp: pb.KvFingerprint) -> str:
     return text_digest(text)
 
 
+def kv_dtype_of(fp: pb.KvFingerprint) -> str:
+    """The KV pool dtype a fingerprint names (its layout's kv_dtype, else its dtype's)."""
+    for part in fp.kv_layout.split():
+        if part.startswith("kv_dtype="):
+            return part.removeprefix("kv_dtype=")
+    return tensor_codec.dtype_from_proto(fp.dtype) if fp.dtype else "unknown"
+
+
 def _check_fingerprint(theirs: pb.KvFingerprint, ours: pb.KvFingerprint) -> None:
     if fingerprint_digest(theirs) != theirs.digest:
         raise TransferCorrupted("the header's fingerprint digest does not match its fields")
@@ -79,8 +90,10 @@ def _check_fingerprint(theirs: pb.KvFingerprint, ours: pb.KvFingerprint) -> None
         return
     differ = [name for name in ("weights_digest", "dtype", "quantization", "kv_layout", "block_size",
                                 "tensor_parallel") if getattr(theirs, name) != getattr(ours, name)]
+    kv_dtype = "" if (a := kv_dtype_of(theirs)) == (b := kv_dtype_of(ours)) else \
+        f"; the export's KV pool holds {a}, this server's {b} (--kv-dtype): KV moves only between pools of one dtype"
     raise FingerprintMismatch(f"the export's KV is not compatible with this server's (differs in: "
-                              f"{', '.join(differ)}; export {theirs.digest}, here {ours.digest})")
+                              f"{', '.join(differ)}{kv_dtype}; export {theirs.digest}, here {ours.digest})")
 
 
 def pool_bytes(executor) -> int:
@@ -90,14 +103,22 @@ def pool_bytes(executor) -> int:
 
 def _bytes_per_token(executor) -> int:
     mc = executor.model_config
-    return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * executor.pool.k.element_size()
+    return KvPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, executor.pool.k.dtype)
 
 
-def _pool_rows(executor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the pool as (layers, slots, kv_heads, head_dim) views."""
+def _pool_rows(executor) -> list[torch.Tensor]:
+    """K and V of the pool as (layers, slots, kv_heads, head_dim) views, then an int8
+    pool's K and V scales as (layers, slots, kv_heads)."""
     pool = executor.pool
-    L, _, _, H, D = pool.k.shape
-    return pool.k.view(L, -1, H, D), pool.v.view(L, -1, H, D)
+    return [t.flatten(1, 2) for t in pool.tensors()]
+
+
+def _read(executor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The pool's rows at ``slots`` on the CPU: KV (2, layers, tokens, kv_heads, head_dim)
+    and an int8 pool's scales (2, layers, tokens, kv_heads), else None."""
+    rows = [t.index_select(1, slots) for t in _pool_rows(executor)]
+    kv = torch.stack(rows[:2]).cpu()
+    return kv, (torch.stack(rows[2:]).cpu() if len(rows) > 2 else None)
 
 
 # -- export ---------------------------------------------------------------------------------
@@ -115,6 +136,7 @@ class Snapshot:
     model: str
     adapter: str = ""
     adapter_digest: str = ""
+    scales: torch.Tensor | None = None  # an int8 pool's: (2, layers, tokens, kv_heads) float32
 
 
 def snapshot(executor, handle: KvCacheHandle, tenant: str) -> Snapshot:
@@ -122,19 +144,18 @@ def snapshot(executor, handle: KvCacheHandle, tenant: str) -> Snapshot:
     idle clock).  Another tenant's sequence is CACHE_NOT_FOUND, as everywhere."""
     seq = executor.checks.resolve(handle, tenant)
     slots = torch.tensor(executor.kv.slots(seq, 0, seq.length), dtype=torch.long, device=executor.pool.k.device)
-    k, v = _pool_rows(executor)
-    kv = torch.stack((k.index_select(1, slots), v.index_select(1, slots))).cpu()  # (2, L, T, H, D)
+    kv, scales = _read(executor, slots)  # (2, L, T, H, D), (2, L, T, H) or None
     return Snapshot(executor.handle(seq), tuple(seq.tokens[:seq.length]), tuple(seq.prompt_spans), kv,
                     fingerprint(executor, executor.weights.digest_of(seq.generation)), executor.name, seq.adapter,
-                    seq.adapter_digest)
+                    seq.adapter_digest, scales)
 
 
 def export_messages(snap: Snapshot, chunk_bytes: int = 0) -> Iterator[pb.SequenceChunk]:
     """The export stream of a snapshot: header, KV chunks of at most ``chunk_bytes``
     (at least one token each), trailer."""
-    kv = snap.kv
+    kv, scales = snap.kv, snap.scales
     length = kv.shape[2]
-    per_token = kv[:, :, :1].numel() * kv.element_size()
+    per_token = sum(t[:, :, :1].numel() * t.element_size() for t in (kv, scales) if t is not None)
     h = stream_hasher()
     h.update(snap.fingerprint.digest.encode())
     h.update(b"".join(t.to_bytes(4, "little") for t in snap.tokens))
@@ -146,10 +167,11 @@ def export_messages(snap: Snapshot, chunk_bytes: int = 0) -> Iterator[pb.Sequenc
         adapter_digest=snap.adapter_digest))
     step = max(1, (chunk_bytes or DEFAULT_CHUNK_BYTES) // per_token)
     for start in range(0, length, step):
-        part = kv[:, :, start:start + step].contiguous()
-        data = part.view(torch.uint8).numpy().tobytes()  # dtype-agnostic bytes (bfloat16 has no numpy type)
+        parts = [t[:, :, start:start + step].contiguous() for t in (kv, scales) if t is not None]
+        # dtype-agnostic bytes (bfloat16 has no numpy type): the values, then any scales
+        data = b"".join(part.view(torch.uint8).numpy().tobytes() for part in parts)
         h.update(data)
-        yield pb.SequenceChunk(kv=pb.KvChunk(first_token=start, num_tokens=part.shape[2], data=data))
+        yield pb.SequenceChunk(kv=pb.KvChunk(first_token=start, num_tokens=parts[0].shape[2], data=data))
     yield pb.SequenceChunk(trailer=pb.SequenceTrailer(checksum=h.digest()))
 
 
@@ -166,6 +188,7 @@ class Incoming:
     fingerprint: str
     adapter: str = ""
     adapter_digest: str = ""
+    scales: torch.Tensor | None = None  # an int8 pool's: (2, layers, tokens, kv_heads) float32
 
 
 def _hash_adapter(h, adapter: str, digest: str) -> None:
@@ -248,6 +271,7 @@ class Receiver:
         self.reserved = 0  # bytes this import holds of the budget
         self.header: pb.SequenceHeader | None = None
         self.kv: torch.Tensor | None = None
+        self.scales: torch.Tensor | None = None  # an int8 pool's
         self.received = 0  # tokens of KV so far
         self.hash = stream_hasher()
         self.checked: Incoming | None = None
@@ -297,6 +321,8 @@ class Receiver:
         mc = ex.model_config
         self.header = header
         self.kv = torch.empty((2, mc.num_layers, length, mc.num_kv_heads, mc.head_dim), dtype=ex.pool.k.dtype)
+        if ex.pool.quantized:
+            self.scales = torch.empty((2, mc.num_layers, length, mc.num_kv_heads), dtype=ex.pool.k_scale.dtype)
         self.hash.update(header.fingerprint.digest.encode())
         self.hash.update(b"".join(t.to_bytes(4, "little") for t in header.token_ids))
         _hash_adapter(self.hash, header.adapter, header.adapter_digest)
@@ -311,8 +337,11 @@ class Receiver:
             raise InvalidInput(f"a KV chunk of {n} tokens holds {len(chunk.data)} bytes, not {size}")
         self.hash.update(chunk.data)
         _, L, _, H, D = self.kv.shape
-        values = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8).view(self.kv.dtype)
-        self.kv[:, :, self.received:self.received + n] = values.view(2, L, n, H, D)
+        data = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8)
+        split = self.kv[:, :, :n].numel() * self.kv.element_size()  # the values', then the scales' bytes
+        self.kv[:, :, self.received:self.received + n] = data[:split].view(self.kv.dtype).view(2, L, n, H, D)
+        if self.scales is not None:
+            self.scales[:, :, self.received:self.received + n] = data[split:].view(self.scales.dtype).view(2, L, n, H)
         self.received += n
 
     def _trailer(self, trailer: pb.SequenceTrailer) -> None:
@@ -323,11 +352,12 @@ class Receiver:
             raise TransferCorrupted("the checksum does not match the stream: it was altered on the way")
         spans = list(self.header.prompt_spans)
         self.checked = Incoming(list(self.header.token_ids), list(zip(spans[::2], spans[1::2])), self.kv,
-                                self.header.fingerprint.digest, self.header.adapter, self.header.adapter_digest)
+                                self.header.fingerprint.digest, self.header.adapter, self.header.adapter_digest,
+                                self.scales)
 
     def close(self) -> None:
         """Drops the buffer and gives its bytes back to the budget (the call ended)."""
-        self.kv = self.checked = None
+        self.kv = self.scales = self.checked = None
         if self.reserved:
             self.budget.release(self.tenant, self.reserved)
             self.reserved = 0
@@ -363,9 +393,9 @@ def install(executor, incoming: Incoming, tenant: str) -> KvCacheHandle:
     try:
         kv.prepare_write(seq, 0, length)  # cannot fail now: the blocks are there
         slots = torch.tensor(kv.slots(seq, 0, length), dtype=torch.long, device=ex.pool.k.device)
-        k, v = _pool_rows(ex)
-        k[:, slots] = incoming.kv[0].to(k.device)
-        v[:, slots] = incoming.kv[1].to(v.device)
+        rows = _pool_rows(ex)
+        for pool, values in zip(rows, [*incoming.kv, *([] if incoming.scales is None else incoming.scales)]):
+            pool[:, slots] = values.to(pool.device)
         kv.commit(seq, 0, incoming.tokens)
         seq.prompt_spans[:] = incoming.spans
     except BaseException:

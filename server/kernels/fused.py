@@ -22,7 +22,7 @@ from .build import load_library
 from .probe import TOLERANCE, Verdict, as_probe, built, check, relative_error, within
 from .rope import apply_rope, rope_tables
 from ..config import STEP_OPS
-from ..kv.pool import KvPool
+from ..kv.pool import KvPool, dequantize_rows
 
 AUTO, FUSED, EAGER = STEP_OPS
 
@@ -87,12 +87,21 @@ def attention_error(dtype: torch.dtype, gen: torch.Generator, heads: int = 4, kv
                     block: int = 4, kv_dtype: torch.dtype | None = None) -> float:
     """Relative error of the fused paged attention against the eager ops, on a
     ragged batch (a 3-token continuation of 5 tokens, a 1-token decode of 9) in
-    shuffled, shared-nothing pool blocks (of ``kv_dtype``, else ``dtype``), both
-    pools checked after the write."""
+    shuffled, shared-nothing pool blocks (of ``kv_dtype``, else ``dtype``; an int8
+    pool's values and scales random), both pools checked after the write (an int8
+    pool's as they read back)."""
     cfg = SimpleNamespace(head_dim=dim, rope_theta=10000.0, max_position_embeddings=64)
     cos_table, sin_table = rope_tables(cfg, torch.device("cpu"))
     pools = [KvPool(1, 8, block, kv_heads, dim, kv_dtype or dtype, torch.device("cpu")) for _ in range(2)]
     for pool in pools[1:]:
+        if pools[0].quantized:  # random int8 rows and scales
+            for src, dst in zip(pools[0].tensors(), pool.tensors()):
+                if src.dtype == torch.int8:
+                    src.random_(-127, 128, generator=gen)
+                else:
+                    src.uniform_(0.005, 0.02, generator=gen)
+                dst.copy_(src)
+            continue
         pool.k.copy_(pools[0].k.normal_(generator=gen))
         pool.v.copy_(pools[0].v.normal_(generator=gen))
     tables, starts, counts = [[5, 2], [0, 7, 3]], [5, 9], [3, 1]
@@ -103,9 +112,16 @@ def attention_error(dtype: torch.dtype, gen: torch.Generator, heads: int = 4, kv
     want = eager_attention(q, k, v, cos_table, sin_table, kv_eager.positions, pools[0], 0, kv_eager)
     got = torch.ops.ferrum_fused.paged_attention(q, k, v, cos_table, sin_table, kv_fused.positions, pools[1].k[0],
                                                  pools[1].v[0], kv_fused.write_slots, kv_fused.tables,
-                                                 1 / math.sqrt(dim))
+                                                 1 / math.sqrt(dim), *pools[1].scales(0))
     real = torch.tensor([[True, True, True], [True, False, False]])  # padded rows' outputs are ignored
     blocks = slice(0, 8)  # not the scratch block: padded tokens all write one slot there, in any order
+
+    def stored(pool, which):  # a pool's K or V as it reads back (an int8 one's dequantized)
+        values = getattr(pool, which)[:, blocks]
+        if not pool.quantized:
+            return values
+        return dequantize_rows(values, getattr(pool, f"{which}_scale")[:, blocks], torch.float32)
+
     return max(relative_error(got[real], want[real]),
-               relative_error(pools[1].k[:, blocks], pools[0].k[:, blocks]),
-               relative_error(pools[1].v[:, blocks], pools[0].v[:, blocks]))
+               relative_error(stored(pools[1], "k"), stored(pools[0], "k")),
+               relative_error(stored(pools[1], "v"), stored(pools[0], "v")))

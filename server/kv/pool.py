@@ -10,9 +10,39 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+# --kv-dtype's names as the pool's element types; int8 is quantized (see ``quantize_rows``)
+KV_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+SCALE_DTYPE = torch.float32  # an int8 pool's scale per (token, kv head), for K and for V
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., D) -> int8 values (..., D) and float32 scales (...): symmetric, each row
+    (a token's one kv head) by its own absolute maximum, scale = absmax / 127 and value
+    = round(x / scale) (to nearest even), so a row's bits depend on that row alone.  A
+    zero row has scale 0 and values 0; a row with a NaN or an infinity keeps a
+    non-finite scale (what it reads back is not finite either).  The fused op's writer
+    (csrc/attention.cpp, ``quantize_row``) computes the same bits."""
+    xf = x.float()
+    scale = xf.abs().amax(-1) / 127
+    s = scale.unsqueeze(-1)
+    values = torch.where(s > 0, xf / torch.where(s > 0, s, 1), 0).round_().clamp_(-127, 127)
+    return values.to(torch.int8), scale
+
+
+def dequantize_rows(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 values (..., D) and their scales (...) -> values * scale in ``dtype`` (the
+    product in float32)."""
+    return (values.float() * scale.unsqueeze(-1)).to(dtype)
+
 
 class KvPool:
-    """K and V for every layer: (layers, blocks, block_size, kv_heads, head_dim)."""
+    """K and V for every layer: (layers, blocks, block_size, kv_heads, head_dim).
+
+    An int8 pool (``dtype`` torch.int8, --kv-dtype int8) holds each key and value row
+    quantized (``quantize_rows``) with its float32 scale beside it in ``k_scale`` /
+    ``v_scale`` (layers, blocks, block_size, kv_heads): 1 byte a value and 4 a row of
+    head_dim values, where bfloat16 holds 2 a value.
+    """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
@@ -20,25 +50,45 @@ class KvPool:
         shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.quantized = dtype == torch.int8
+        self.k_scale = self.v_scale = None
+        if self.quantized:
+            self.k_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
+            self.v_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
         self.block_size = block_size
         self.scratch_block = num_blocks
         self.layers = list(zip(self.k.unbind(0), self.v.unbind(0)))  # per layer (K, V) views, made once
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the pool, shaped (layers, blocks, block_size, ...): K, V, and an
+        int8 pool's scales.  What moves a block (copy on write) or a token (export,
+        import) moves each of them."""
+        return [self.k, self.v] + ([self.k_scale, self.v_scale] if self.quantized else [])
+
+    def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One layer's (K, V) scales (blocks, block_size, kv_heads), or (None, None)."""
+        return (self.k_scale[layer], self.v_scale[layer]) if self.quantized else (None, None)
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copies the KV of block ``src`` into block ``dst`` for every layer (copy on write)."""
+        """Copies the KV of block ``src`` into block ``dst`` for every layer (copy on write),
+        an int8 pool's scales with its values."""
         if pairs:
             src = torch.tensor([p[0] for p in pairs], device=self.k.device)
             dst = torch.tensor([p[1] for p in pairs], device=self.k.device)
-            self.k[:, dst] = self.k[:, src]
-            self.v[:, dst] = self.v[:, src]
+            for t in self.tensors():
+                t[:, dst] = t[:, src]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        """K and V of one token in every layer, an int8 pool's scales included."""
+        row = head_dim * torch.empty((), dtype=dtype).element_size()
+        if dtype == torch.int8:
+            row += torch.empty((), dtype=SCALE_DTYPE).element_size()
+        return 2 * num_layers * num_kv_heads * row
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def batch(self, block_tables: list[list[int]], starts: list[int], counts: list[int]) -> KvBatch:
         """A view for B sequences, sequence b appending ``counts[b]`` tokens after ``starts[b]``.
@@ -132,11 +182,29 @@ class KvBatch:
         """Writes k, v (B, T, Hkv, D) and returns the context (B, Hkv, S, D) each, in k's dtype
         (a bfloat16 pool under float32 activations: each value rounded once, as written)."""
         B, _, H, D = k.shape
+        if self.pool.quantized:
+            return self._update_quantized(layer, k, v)
         out = []
         for pool, new in ((self.pool.k[layer], k), (self.pool.v[layer], v)):
             pool.view(-1, H, D).index_copy_(0, self.write_slots, new.reshape(-1, H, D).to(pool.dtype))
             ctx = pool.index_select(0, self.flat_tables)  # (B*nb, bs, Hkv, D); one gather, cheaper than pool[tables]
             out.append(ctx.view(B, -1, H, D).transpose(1, 2).to(k.dtype))
+        return out[0], out[1]
+
+    def _update_quantized(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``update`` on an int8 pool: each new row quantized on its own and written with
+        its scale; the context gathered as int8 and scales, then dequantized (its blocks
+        only, never the whole pool)."""
+        B, _, H, D = k.shape
+        out = []
+        for pool, scales, new in ((self.pool.k[layer], self.pool.k_scale[layer], k),
+                                  (self.pool.v[layer], self.pool.v_scale[layer], v)):
+            values, scale = quantize_rows(new.reshape(-1, H, D))
+            pool.view(-1, H, D).index_copy_(0, self.write_slots, values)
+            scales.view(-1, H).index_copy_(0, self.write_slots, scale)
+            ctx = pool.index_select(0, self.flat_tables)  # (B*nb, bs, Hkv, D) int8
+            ctx_scale = scales.index_select(0, self.flat_tables)  # (B*nb, bs, Hkv)
+            out.append(dequantize_rows(ctx, ctx_scale, k.dtype).view(B, -1, H, D).transpose(1, 2))
         return out[0], out[1]
 
 

@@ -113,7 +113,8 @@ class Attention(nn.Module):
             q, k = self.qk_norm(q.reshape(B, T, H, D), k.reshape(B, T, Hkv, D))
             return torch.ops.ferrum_fused.paged_attention(
                 q, k, v.reshape(B, T, Hkv, D), rope.table_cos, rope.table_sin, kv.positions, kv.pool.k[self.layer],
-                kv.pool.v[self.layer], kv.write_slots, kv.tables, 1 / math.sqrt(D))
+                kv.pool.v[self.layer], kv.write_slots, kv.tables, 1 / math.sqrt(D),
+                *kv.pool.scales(self.layer))  # an int8 pool's scales, else (None, None)
         cos_sin = (rope.cos, rope.sin)
         if len(proj) == 1 and not self.has_qk_norm:
             # Rotate q and k as one tensor: half the per-layer RoPE ops.

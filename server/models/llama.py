@@ -241,10 +241,11 @@ class LlamaForCausalLM(nn.Module):
     def _stack_takes(self, positions: torch.Tensor, dtype: torch.dtype, rows: int, kv) -> bool:
         """Whether the stack (``layer_ops``) runs every layer of a padded forward of ``rows``
         tokens at ``positions`` (B, T), activations in ``dtype`` (LoRA aside): fused RoPE
-        and attention (fused ops on, T within ``fused_max_tokens``, no eager attention)
-        and a batch the stack takes."""
+        and attention (fused ops on, T within ``fused_max_tokens``, no eager attention),
+        a float KV pool and a batch the stack takes."""
         return (self.layer_ops is not None and dtype == self.layer_ops_dtype and self.fused_ops
                 and positions.shape[1] <= self.fused_max_tokens and getattr(kv, "attention", None) is None
+                and not kv.pool.quantized  # the stack reads float pools only: an int8 one runs layer by layer
                 and (self.layer_ops_rows is None or rows <= self.layer_ops_rows))
 
     def _whole_step(self, input_ids: torch.Tensor, positions: torch.Tensor | None, kv) -> bool:

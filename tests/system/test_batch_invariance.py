@@ -8,7 +8,7 @@ w8a8 rotated on Q4_1-grid weights, w4a8 in float32 and bfloat16) on csrc/qact.cp
 inner loops: AVX-512 VNNI, AVX-VNNI, AVX2 and portable, each where this CPU has it;
 float32 split over two tensor-parallel ranks (real rank processes); and float32 over a
 bfloat16 KV pool (--kv-dtype bfloat16; w8a8 and w4a8 hold one by default, int8 and int4
-a float32 one)."""
+a float32 one), and an int8 pool (--kv-dtype int8) under float32 and bfloat16 w4a8."""
 
 from __future__ import annotations
 
@@ -44,14 +44,15 @@ def _bits(out) -> np.ndarray:
 
 
 # (model, dtype, --quantize, inner loops: the cap set on csrc's kernels, "" for the best here,
-# and optionally "tp2" (split over 2 tensor-parallel ranks) or "kv-bf16" / "kv-f32" (--kv-dtype bfloat16 or
-# float32; by default w8a8 and w4a8 keep a bfloat16 pool, the rest their dtype's))
+# and optionally "tp2" (split over 2 tensor-parallel ranks) or "kv-bf16" / "kv-f32" / "kv-int8" (--kv-dtype
+# bfloat16, float32 or int8; by default w8a8 and w4a8 keep a bfloat16 pool, the rest their dtype's))
 CASES = [("llama", "float32", "none", ""), ("llama", "bfloat16", "none", ""), ("qwen3", "float32", "none", ""),
          ("llama", "float32", "int8", ""), ("q4llama", "float32", "int4", ""), ("q4llama", "float32", "w8a8", ""),
          ("qwen3", "float32", "w4a8", ""), ("llama", "bfloat16", "w4a8", ""),
          ("q4llama", "float32", "w8a8", "avx-vnni"), ("q4llama", "float32", "w8a8", "avx2"),
          ("llama", "float32", "int4", "avx2"), ("llama", "float32", "int8", "portable"),
-         ("llama", "float32", "none", "", "tp2"), ("llama", "float32", "none", "", "kv-bf16")]
+         ("llama", "float32", "none", "", "tp2"), ("llama", "float32", "none", "", "kv-bf16"),
+         ("llama", "float32", "none", "", "kv-int8"), ("llama", "bfloat16", "w4a8", "", "kv-int8")]
 
 
 @contextlib.contextmanager
@@ -78,7 +79,7 @@ def _inner_loops(name: str):
 def server(request, tiny_llama_dir, tiny_qwen3_dir, tiny_q4_llama_dir):
     name, dtype, quantize, loops, *more = request.param
     model = {"llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir, "q4llama": tiny_q4_llama_dir}[name]
-    kv_dtype = {"kv-bf16": "bfloat16", "kv-f32": "float32"}.get(more[0] if more else "", "auto")
+    kv_dtype = {"kv-bf16": "bfloat16", "kv-f32": "float32", "kv-int8": "int8"}.get(more[0] if more else "", "auto")
     if more == ["tp2"]:  # ranks are processes of a `ferrum-rpc serve`
         serving = all_serving(ServerProcess(f"tiny={model}", "--dtype", dtype, "--batch-invariant",
                                             "--tensor-parallel", "2", "--prefill-chunk", "16",
@@ -105,7 +106,7 @@ def test_capabilities_say_so(server, client):
     caps = client.capabilities()
     assert caps.batch_invariant
     name, dtype, quantize, _, *more = server.case
-    kv_dtype = {"kv-bf16": "bfloat16", "kv-f32": "float32"}.get(more[0] if more else "", "auto")
+    kv_dtype = {"kv-bf16": "bfloat16", "kv-f32": "float32", "kv-int8": "int8"}.get(more[0] if more else "", "auto")
     assert client.info().kv_dtype == ExecutorConfig(dtype=dtype, quantize=quantize, kv_dtype=kv_dtype).kv_dtype_name
     quantize, loops = server.case[2:4]
     if quantize != "none":  # every linear on qact.cpp's kernels, on the inner loops asked for

@@ -30,6 +30,21 @@ FERRUM_INLINE void rope(const T* x, const float* cos, const float* sin, int64_t 
 
 }  // namespace
 
+float quantize_row(const float* x, int64_t d, int8_t* q) {
+  float m = 0.0f;
+  bool nan = false;
+  for (int64_t i = 0; i < d; ++i) {
+    const float a = std::fabs(x[i]);
+    nan |= a != a;
+    m = a > m ? a : m;
+  }
+  const float scale = nan ? NAN : m / 127.0f;
+  const bool ok = std::isfinite(scale) && scale > 0.0f;
+  for (int64_t i = 0; i < d; ++i)
+    q[i] = ok ? int8_t(std::clamp(std::nearbyint(x[i] / scale), -127.0f, 127.0f)) : int8_t(0);
+  return scale;
+}
+
 PagedIndex checked_index(const at::Tensor& positions, const at::Tensor& write_slots, const at::Tensor& tables,
                          int64_t BT, int64_t B, const at::Tensor& cos, const at::Tensor& sin, int64_t D,
                          int64_t blocks, int64_t bs) {
@@ -57,7 +72,7 @@ void rope_and_write(const AttnArgs& a, const T* qp, Heads qs, const T* kp, Heads
                     const float* cp, const float* snp, const int64_t* sp, int64_t bt0, int64_t bt1, float* qfp,
                     P* kc, P* vc) {
   const int64_t H = a.H, Hkv = a.Hkv, D = a.D;
-  std::vector<float> tmp(D);
+  std::vector<float> tmp(D), vtmp(D);
   for (int64_t bt = bt0; bt < bt1; ++bt) {
     const int64_t b = bt / a.T, t = bt % a.T, p = a.pos[bt];
     const float *c = cp + p * D, *s = snp + p * D;
@@ -67,10 +82,16 @@ void rope_and_write(const AttnArgs& a, const T* qp, Heads qs, const T* kp, Heads
       P* kd = kc + (sp[bt] * Hkv + h) * D;
       P* vd = vc + (sp[bt] * Hkv + h) * D;
       const T* vsrc = vp + b * vs.b + t * vs.t + h * vs.h;
+      if constexpr (std::is_same_v<P, int8_t>) {  // each row quantized on its own, its scale beside it
+        for (int64_t i = 0; i < D; ++i) vtmp[i] = load(vsrc[i]);
+        a.k_scale[sp[bt] * Hkv + h] = quantize_row(tmp.data(), D, kd);
+        a.v_scale[sp[bt] * Hkv + h] = quantize_row(vtmp.data(), D, vd);
+        continue;
+      }
       for (int64_t i = 0; i < D; ++i) {
         kd[i] = store<P>(tmp[i]);
         if constexpr (std::is_same_v<T, P>) vd[i] = vsrc[i];
-        else vd[i] = store<P>(load(vsrc[i]));
+        else if constexpr (!std::is_same_v<P, int8_t>) vd[i] = store<P>(load(vsrc[i]));
       }
     }
   }
@@ -85,6 +106,13 @@ template void rope_and_write<float, c10::BFloat16>(const AttnArgs&, const float*
 template void rope_and_write<c10::BFloat16>(const AttnArgs&, const c10::BFloat16*, Heads, const c10::BFloat16*, Heads,
                                             const c10::BFloat16*, Heads, const float*, const float*, const int64_t*,
                                             int64_t, int64_t, float*, c10::BFloat16*, c10::BFloat16*);
+template void rope_and_write<float, int8_t>(const AttnArgs&, const float*, Heads, const float*, Heads, const float*,
+                                            Heads, const float*, const float*, const int64_t*, int64_t, int64_t,
+                                            float*, int8_t*, int8_t*);
+template void rope_and_write<c10::BFloat16, int8_t>(const AttnArgs&, const c10::BFloat16*, Heads,
+                                                    const c10::BFloat16*, Heads, const c10::BFloat16*, Heads,
+                                                    const float*, const float*, const int64_t*, int64_t, int64_t,
+                                                    float*, int8_t*, int8_t*);
 
 AttnPlan attention_plan(const AttnArgs& a, int threads, bool claim) {
   AttnPlan plan;
@@ -163,29 +191,41 @@ std::pair<int64_t, int64_t> attention_share(const AttnPlan& plan, int tid, int n
 // q (B, T, H, D), k/v (B, T, Hkv, D): any strides but a contiguous last dim.
 // cos/sin (max_pos, D) float32; positions (B, T) int64; k_cache/v_cache
 // (blocks, block_size, Hkv, D) contiguous, one layer of the pool, in q's dtype or
-// bfloat16 under float32 q; write_slots
+// bfloat16 under float32 q, or int8 with its k_scale / v_scale (blocks, block_size,
+// Hkv) float32 (rope_and_write quantizes each new row; the tasks apply each key's
+// scale to its score and each value's to its weight); write_slots
 // (B*T) int64 pool slots for the new keys/values; tables (B, nb) int64 block
 // ids.  Writes k (rotated) and v into the pool, then returns the attention
 // output (B, T, H*D), each query seeing keys 0..its position.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                            const at::Tensor& sin, const at::Tensor& positions, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& write_slots, const at::Tensor& tables,
-                           double scale) {
+                           double scale, const std::optional<at::Tensor>& k_scale,
+                           const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "paged_attention: q, k, v must be (B, T, heads, D)");
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3), Hkv = k.size(2);
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "paged_attention: head dim must be contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4, "paged_attention: pool layer");
   TORCH_CHECK(k_cache.size(2) == Hkv && k_cache.size(3) == D && H % Hkv == 0, "paged_attention: head shapes");
+  const bool int8 = k_cache.scalar_type() == at::kChar;
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
               v_cache.scalar_type() == k_cache.scalar_type() &&
-              (k_cache.scalar_type() == q.scalar_type() ||
+              (k_cache.scalar_type() == q.scalar_type() || int8 ||
                (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16)),
-              "paged_attention: q, k, v share a dtype, and the pool holds it (or bfloat16 under float32)");
+              "paged_attention: q, k, v share a dtype, and the pool holds it (or bfloat16 under float32, or int8)");
+  TORCH_CHECK(int8 == (k_scale.has_value() && v_scale.has_value()) && int8 == (k_scale.has_value() || v_scale.has_value()),
+              "paged_attention: an int8 pool comes with its k_scale and v_scale, a float pool with none");
+  TORCH_CHECK(!int8 || (q.scalar_type() != at::kDouble && k_scale->scalar_type() == at::kFloat &&
+                        v_scale->scalar_type() == at::kFloat && k_scale->is_contiguous() &&
+                        v_scale->is_contiguous() && k_scale->sizes() == k_cache.sizes().slice(0, 3) &&
+                        v_scale->sizes() == k_scale->sizes()),
+              "paged_attention: an int8 pool's scales are (blocks, block_size, kv_heads) float32, contiguous");
   const PagedIndex ix = checked_index(positions, write_slots, tables, B * T, B, cos, sin, D, k_cache.size(0), k_cache.size(1));
   at::Tensor out = at::empty({B, T, H * D}, q.options());
   at::Tensor qf = at::empty({B, T, H, D}, q.options().dtype(at::kFloat));
-  const AttnArgs args{B, T, H, Hkv, D, k_cache.size(1), ix.tab.size(1), ix.pos.data_ptr<int64_t>(),
-                      ix.tab.data_ptr<int64_t>(), float(scale)};
+  AttnArgs args{B, T, H, Hkv, D, k_cache.size(1), ix.tab.size(1), ix.pos.data_ptr<int64_t>(),
+                ix.tab.data_ptr<int64_t>(), float(scale)};
+  if (int8) args.k_scale = k_scale->data_ptr<float>(), args.v_scale = v_scale->data_ptr<float>();
   const int threads = at::get_num_threads();
   auto run = [&](auto* q_type, auto* pool_type) {
     using T_ = std::remove_pointer_t<decltype(q_type)>;
@@ -212,6 +252,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       }
     });
   };
+  if (int8) {
+    if (q.scalar_type() == at::kFloat) run(static_cast<float*>(nullptr), static_cast<int8_t*>(nullptr));
+    else run(static_cast<c10::BFloat16*>(nullptr), static_cast<int8_t*>(nullptr));
+    return out;
+  }
   if (k_cache.scalar_type() != q.scalar_type()) {
     run(static_cast<float*>(nullptr), static_cast<c10::BFloat16*>(nullptr));
     return out;
@@ -226,6 +271,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 
 TORCH_LIBRARY_FRAGMENT(ferrum_fused, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor positions, "
-        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor write_slots, Tensor tables, float scale) -> Tensor",
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor write_slots, Tensor tables, float scale, "
+        "Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> Tensor",
         ferrum_ops::on_cpu(&ferrum_fused::paged_attention));
 }

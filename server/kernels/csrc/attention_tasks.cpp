@@ -15,7 +15,10 @@
 // in AVX-512's 32, sums for 3, the rest in pairs and alone (attention_loops.inc).  A
 // bfloat16 model whose linears take the AVX-512 BF16 dot product takes it here too:
 // its query and p rounded to bfloat16, summed in pairs, in an order as fixed
-// (attention_dot.inc).
+// (attention_dot.inc).  An int8 pool (--kv-dtype int8) runs the float loops on its
+// values widened exactly to float32, each score then multiplied by its key row's
+// scale and each p (after l is summed) by its value row's: the scale of a row is
+// its own (rope_and_write's), so nothing of this depends on the batch either.
 #include "fused.h"
 
 #include <algorithm>
@@ -75,6 +78,7 @@ struct Scratch {
   std::vector<uint16_t> qb, pb;      // the dot product's path: queries and p rounded to bfloat16
   std::vector<const uint16_t*> held_qb;
   std::vector<int64_t> offs, lens;
+  std::vector<float> key_scale, value_scale;  // an int8 pool's: the chunk's keys' row scales
   std::vector<int64_t> held;         // the held query heads' queries (their index in the task)
   std::vector<const float*> held_q;  // their query vectors
   std::vector<float*> held_s;        // and their scores
@@ -186,6 +190,12 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
       if (++off == a.bs) off = 0, ++blk;
     }
     for (int64_t j = j1 - j0; j % 8 != 0; ++j) offs[j] = offs[0];
+    constexpr bool INT8 = std::is_same_v<P, int8_t>;
+    if constexpr (INT8) {  // each key's and value's row scale (row at pool offset o: scale o / D)
+      sc.key_scale.resize(kC), sc.value_scale.resize(kC);
+      for (int64_t j = 0; j < (j1 - j0 + 7) / 8 * 8; ++j)
+        sc.key_scale[j] = a.k_scale[offs[j] / D], sc.value_scale[j] = a.v_scale[offs[j] / D];
+    }
     if (ask) prefetch_rows(kc, offs, 0, std::min(kAhead, j1 - j0), D);
     int64_t* lens = sc.lens.data();  // each query's keys in this chunk (none where <= 0)
     for (int64_t i = 0; i < nq; ++i) lens[i] = std::min(pos[i] + 1, j0 + kC) - j0;
@@ -231,6 +241,9 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
 #endif
           scores8_portable(sc.held_q[u], kc, offs + r, D, a.scale, sc.held_s[u] + r);
       }
+      if constexpr (INT8)  // the int8 dot products times each key's scale (before any mask's -inf)
+        for (int64_t x = 0; x < held; ++x)
+          for (int l = 0; l < 8; ++l) sc.held_s[x][r + l] *= sc.key_scale[r + l];
       if (r + 8 > held_until)  // some query ends among these keys: the keys past its own -inf (exps 0)
         for (int64_t x = 0; x < held; ++x) {
           const int64_t len = lens[sc.held[x]];
@@ -251,6 +264,9 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
         // p rounded, an odd len's next one too (exps_avx2 wrote it: 0) for its pair
         if constexpr (DOT) dot_round(s, len + len % 2, sc.pb.data() + (i * Gt + g) * kC);
 #endif
+        // an int8 pool: each p times its value row's scale (l, summed above, keeps p)
+        if constexpr (INT8)
+          for (int64_t j = 0; j < len; ++j) s[j] *= sc.value_scale[j];
       }
     }
     for (int64_t r = 0; r < j1 - j0; r += kValueRows)  // V by sub-chunks (in L1 for every query and head)
@@ -401,6 +417,11 @@ template void attend_tasks<c10::BFloat16, c10::BFloat16>(const AttnArgs&, AttnPl
 template void attend_tasks<float, c10::BFloat16>(const AttnArgs&, AttnPlan&, const float*, const c10::BFloat16*,
                                                  const c10::BFloat16*, int64_t, int64_t, float*);
 
+template void attend_tasks<float, int8_t>(const AttnArgs&, AttnPlan&, const float*, const int8_t*, const int8_t*,
+                                          int64_t, int64_t, float*);
+template void attend_tasks<c10::BFloat16, int8_t>(const AttnArgs&, AttnPlan&, const float*, const int8_t*,
+                                                  const int8_t*, int64_t, int64_t, c10::BFloat16*);
+
 template void attend_claimed<float, float>(const AttnArgs&, AttnPlan&, const float*, const float*, const float*,
                                            float*);
 template void attend_claimed<double, double>(const AttnArgs&, AttnPlan&, const float*, const double*, const double*,
@@ -410,5 +431,10 @@ template void attend_claimed<c10::BFloat16, c10::BFloat16>(const AttnArgs&, Attn
                                                            c10::BFloat16*);
 template void attend_claimed<float, c10::BFloat16>(const AttnArgs&, AttnPlan&, const float*, const c10::BFloat16*,
                                                    const c10::BFloat16*, float*);
+
+template void attend_claimed<float, int8_t>(const AttnArgs&, AttnPlan&, const float*, const int8_t*, const int8_t*,
+                                            float*);
+template void attend_claimed<c10::BFloat16, int8_t>(const AttnArgs&, AttnPlan&, const float*, const int8_t*,
+                                                    const int8_t*, c10::BFloat16*);
 
 }  // namespace ferrum_fused

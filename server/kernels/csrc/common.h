@@ -37,6 +37,11 @@ inline float load(c10::BFloat16 v) {  // the bit pattern shifted into place: exa
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
+// an int8 KV pool's value (its row's scale applied apart); a template, so a double
+// (or any other) argument does not find it among load(float)'s rivals
+template <typename I>
+  requires std::is_same_v<I, int8_t>
+inline float load(I v) { return float(v); }
 template <typename T> inline T store(float v) { return static_cast<T>(v); }
 
 // Whether the AVX2+FMA loops run (the CPU has them and the cap allows them).
@@ -83,6 +88,11 @@ __attribute__((target("avx2,fma"))) inline __m256 load8(const T* p) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
+}
+
+// 8 int8 widened to float32 (exact): an int8 KV pool's values, before their row's scale.
+__attribute__((target("avx2,fma"))) inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
 // float32 to bfloat16 bits in the low 16 of each lane, as c10::BFloat16 rounds (to

@@ -28,6 +28,7 @@
 
 #include "common.h"
 
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -85,7 +86,17 @@ struct AttnArgs {
   int64_t B, T, H, Hkv, D, bs, nb;
   const int64_t *pos, *tables;
   float scale;
+  // An int8 pool's scales (blocks, block_size, Hkv) float32, one per key or value row:
+  // rope_and_write writes them, the tasks read them (a row at pool offset o, in
+  // elements, has its scale at o / D).  Null for a float pool.
+  float *k_scale = nullptr, *v_scale = nullptr;
 };
+
+// An int8 pool's row (a token's kv head): x (d) float32 -> q (d) int8, returning the
+// scale: absmax / 127, each value round(x / scale) to nearest even; a zero row scale 0
+// and values 0, a row with a NaN a NaN scale, with an infinity an infinite one (values 0
+// where the scale is not finite and positive).  kv/pool.py's quantize_rows: the same bits.
+float quantize_row(const float* x, int64_t d, int8_t* q);
 
 // The pool's indices checked (positions against cos/sin and the tables, write
 // slots and block ids against the pool), as contiguous int64.
@@ -104,7 +115,8 @@ struct Heads {
 // RoPE on each (b, t) of [bt0, bt1)'s queries (into qf (B*T, H, D) float32) and
 // keys, and those keys and values written into the pool layer (slots sp).  The
 // pool holds P: the activations' T, or bfloat16 under float32 activations (each
-// key and value rounded once, as it is written).
+// key and value rounded once, as it is written), or int8 (each row quantized by
+// quantize_row from its float32 value, its scale into a.k_scale / a.v_scale).
 template <typename T, typename P = T>
 void rope_and_write(const AttnArgs& a, const T* qp, Heads qs, const T* kp, Heads ks, const T* vp, Heads vs,
                     const float* cp, const float* snp, const int64_t* sp, int64_t bt0, int64_t bt1, float* qfp,
@@ -165,6 +177,7 @@ void attend_claimed(const AttnArgs& a, AttnPlan& plan, const float* qfp, const P
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                            const at::Tensor& sin, const at::Tensor& positions, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& write_slots, const at::Tensor& tables,
-                           double scale);
+                           double scale, const std::optional<at::Tensor>& k_scale = std::nullopt,
+                           const std::optional<at::Tensor>& v_scale = std::nullopt);
 
 }  // namespace ferrum_fused

@@ -49,13 +49,15 @@ def test_rms_norm_and_silu_mul_match_torch(ops, isa, dtype):
 
 
 @pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, None), (torch.bfloat16, None),
-                                            (torch.float32, torch.bfloat16)])
+                                            (torch.float32, torch.bfloat16), (torch.float32, torch.int8),
+                                            (torch.bfloat16, torch.int8)])
 @pytest.mark.parametrize("shape", [dict(), dict(heads=9, kv_heads=3, dim=64, block=16), dict(heads=4, kv_heads=4)])
 def test_paged_attention_matches_rope_write_and_sdpa(ops, isa, dtype, kv_dtype, shape):
     """Ragged batch, shuffled blocks, grouped-query and plain multi-head shapes, a
-    pool in the activations' dtype or bfloat16 under float32 ones; the output rows
-    and every pool block written must agree (keys and values rounded to the pool's
-    dtype once, as the eager path's write rounds them)."""
+    pool in the activations' dtype or bfloat16 under float32 ones, or int8 with its
+    scales; the output rows and every pool block written must agree (keys and values
+    rounded to the pool's dtype once, as the eager path's write rounds them; an int8
+    pool's compared as they read back)."""
     gen = torch.Generator().manual_seed(2)
     assert attention_error(dtype, gen, kv_dtype=kv_dtype, **shape) <= TOL[dtype]
 
