@@ -13,8 +13,8 @@
 //! Logits come back as FULL float32 rows ([`LogitsTensor`], a `TensorLike` over the
 //! reply's bytes); token ids are read from the engine's input tensors with
 //! `to_vec_u32`. Where the engine's unified batch asks an item for its greedy token
-//! only (`LogitsReturnPolicy::GreedyArgmax`), the server chooses it (a greedy
-//! `TokenChoice` carrying the engine's token mask) and the item's result is the
+//! only (`LogitsReturnPolicy::GreedyArgmax`) and its token mask forbids nothing, the
+//! server chooses it (a greedy `TokenChoice`) and the item's result is the
 //! one-element row holding the token id, as the engine takes a model-side argmax;
 //! no logits cross the wire for it.
 //!
@@ -652,9 +652,8 @@ impl RemoteExecutor {
     }
 
     /// The server's greedy choice standing for the engine's `policy`, when it asks for
-    /// the argmax only and the contract can say the same: the token mask as the
-    /// request's allowed-token bitmask (None where the mask does not cover the
-    /// vocabulary or allows nothing), no repetition penalty (the engine's penalises its
+    /// the argmax only and the contract can say the same cheaply: a token mask that
+    /// forbids nothing (see below for one that does), no repetition penalty (the engine's penalises its
     /// own token list, the server's the whole sequence: those rows keep full logits).
     fn greedy_choice(&self, policy: &LogitsReturnPolicy) -> Option<pb::TokenChoice> {
         let LogitsReturnPolicy::GreedyArgmax { token_mask, repetition_penalty } = policy else {
