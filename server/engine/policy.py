@@ -1,7 +1,7 @@
 """The scheduling policy: which queued work shares the next forward.
 
 Pure functions over a snapshot of the queue: no torch, no threads, no clocks, so
-the policy is unit-tested on its own (``tests/unit/engine/test_policy.py``).  The
+the policy is unit-tested on its own (``tests/unit/engine/test_scheduling_policy.py``).  The
 scheduler (``scheduler.py``) takes the snapshot under the queue's lock, asks these
 functions, and turns what they chose into a step plan.
 
