@@ -73,6 +73,8 @@ def as_numpy(array: Any) -> tuple[np.ndarray, int]:
     if not isinstance(array, np.ndarray):
         array, wire = _torch_to_numpy(array)
     wire = wire if wire is not None else dtype_to_proto(array.dtype.name)
+    if wire not in _NUMPY_DTYPES:  # a name only (int8: a KV pool's dtype), never a tensor's
+        raise InvalidInput(f"unsupported dtype {array.dtype.name!r} for a tensor")
     return array.astype(array.dtype.newbyteorder("<"), copy=False), wire
 
 

@@ -43,7 +43,7 @@ from .clients import (
     resolve_targets,
 )
 from .contract import DRIVEN, _Contract, _driven, _export_header, _RESULTS
-from .drivers import _AsyncDriver, _SyncDriver
+from .drivers import AsyncDriver, SyncDriver
 from .policy import REPLAY_LOGITS, ReplicaPolicy, moves_sequence
 from .routing import _Routing
 from .sessions import AsyncReplicaDecodeSession, ReplicaDecodeSession, _ReplicaSessions

@@ -42,11 +42,14 @@ class _Item:
     prompt: bool = False  # what it adds is prompt (a BatchPrefill), not output
 
 
-class _Batches:
+class Batches:
     """Split batches as flows (part of :class:`~.routing._Routing`; placement and moves
-    come from :class:`~.placement._Placement` and :class:`~.failover._Failover`)."""
+    come from :class:`~.placement.Placement` and :class:`~.failover.Failover`)."""
 
-    def _items_flow(self, entries: Iterable[tuple[Sequence[int], KvCacheHandle | None]],
+    def __init__(self, routing):
+        self.r = routing  # the state the flows read and change
+
+    def items_flow(self, entries: Iterable[tuple[Sequence[int], KvCacheHandle | None]],
                     prompt: bool = False) -> Flow:
         """Batch entries -> items with their replica: a handle goes to its owner, a new
         prompt where placement puts it."""
@@ -54,25 +57,25 @@ class _Batches:
         for index, (tokens, handle) in enumerate(entries):
             tokens = list(tokens)
             if handle is None:
-                replica = yield from self._place_flow(tokens, role=PREFILL)
+                replica = yield from self.r.placement.place_flow(tokens, role=PREFILL)
                 if replica is None:
-                    replica = min(self._fleet.replicas, key=lambda r: r.unusable_until)
+                    replica = min(self.r._fleet.replicas, key=lambda r: r.unusable_until)
                 items.append(_Item(index, tokens, None, None, replica, prompt=prompt))
                 continue
-            seq, send = self._fleet.resolve(handle)
+            seq, send = self.r._fleet.resolve(handle)
             if seq is not None and not prompt:
-                send = yield from self._roles.handoff_flow(self._place_flow, self._migrate_flow, seq, send)
-            replica = seq.replica if seq is not None else (yield from self._owner_flow(handle))
+                send = yield from self.r._roles.handoff_flow(self.r.placement.place_flow, self.r.failovers.migrate_flow, seq, send)
+            replica = seq.replica if seq is not None else (yield from self.r.placement.owner_flow(handle))
             items.append(_Item(index, tokens, seq, send, replica, before=send.sequence_length, prompt=prompt))
         return items
 
-    def _batch_flow(self, entries, call_for: Callable[[_Replica, list[_Item]], _Call], prompt: bool = False) -> Flow:
+    def batch_flow(self, entries, call_for: Callable[[_Replica, list[_Item]], _Call], prompt: bool = False) -> Flow:
         """A batch's entries placed or routed, then run split by replica (``_grouped_flow``);
         ``prompt``: the entries add prompt tokens (a BatchPrefill)."""
-        items = yield from self._items_flow(entries, prompt)
-        return (yield from self._grouped_flow(items, call_for))
+        items = yield from self.items_flow(entries, prompt)
+        return (yield from self.grouped_flow(items, call_for))
 
-    def _step_flow(self, items: Iterable[DecodeItem], logits: LogitsPolicy | None = None,
+    def step_flow(self, items: Iterable[DecodeItem], logits: LogitsPolicy | None = None,
                    token_choice: TokenChoice | None = None) -> Flow:
         """One DecodeSession step: split by owner, one stream step per replica in parallel
         (calls on each replica's stream, which the session driver holds), merged in order."""
@@ -82,9 +85,9 @@ class _Batches:
         def call_for(replica, group):
             return _Call(replica, "step", ([DecodeInput(i.tokens[0], i.send, choices[i.index]) for i in group],
                                            logits), stream=True)
-        return (yield from self._batch_flow(_entries(items), call_for))
+        return (yield from self.batch_flow(_entries(items), call_for))
 
-    def _grouped_flow(self, items: list[_Item], call_for: Callable[[_Replica, list[_Item]], _Call]) -> Flow:
+    def grouped_flow(self, items: list[_Item], call_for: Callable[[_Replica, list[_Item]], _Call]) -> Flow:
         """Runs a batch split by replica, the groups in parallel, and returns the outputs
         in the items' order.  A group whose replica cannot hold its sequences is moved
         (replayed, or new prompts placed again) and run again (its stream, for a session
@@ -95,7 +98,7 @@ class _Batches:
         done: list[_Item] = []
         pending = items
         try:
-            for round_ in range(self.policy.max_attempts + 1):
+            for round_ in range(self.r.policy.max_attempts + 1):
                 groups: dict[_Replica, list[_Item]] = {}
                 for item in pending:
                     groups.setdefault(item.replica, []).append(item)
@@ -106,15 +109,15 @@ class _Batches:
                     if not isinstance(result, ExecutorError):
                         for item, out in zip(group, result):
                             outputs[item.index] = out
-                            self._commit(item, out)
+                            self.commit(item, out)
                             done.append(item)
-                    elif failure is None and self._movable(group, result) and round_ < self.policy.max_attempts:
-                        self._mark(replica, result)
+                    elif failure is None and self.movable(group, result) and round_ < self.r.policy.max_attempts:
+                        self.r.placement.mark(replica, result)
                         if call.stream:
                             yield _Lost(replica)
                         retry.extend((item, result) for item in group)
-                    elif failure is None and self.failover and round_ < self.policy.max_attempts and any(
-                            self._resyncs(item.seq, result) for item in group):
+                    elif failure is None and self.r.failover and round_ < self.r.policy.max_attempts and any(
+                            self.r.failovers.resyncs(item.seq, result) for item in group):
                         retry.extend((item, result) for item in group)  # the unsure ones are rebuilt
                     else:
                         if result.code is grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -127,50 +130,50 @@ class _Batches:
                 if not retry:
                     return outputs
                 for item, cause in retry:
-                    yield from self._relocate_flow(item, cause)
+                    yield from self.relocate_flow(item, cause)
                 pending = [item for item, _ in retry]
         except ExecutorError:
-            yield from self._undo_flow(done)
+            yield from self.undo_flow(done)
             raise
         raise AssertionError("unreachable")
 
-    def _movable(self, group: list[_Item], err: ExecutorError) -> bool:
-        return self.failover and moves_sequence(err) and all(
+    def movable(self, group: list[_Item], err: ExecutorError) -> bool:
+        return self.r.failover and moves_sequence(err) and all(
             item.seq is not None and item.seq.tokens or item.send is None for item in group)
 
-    def _relocate_flow(self, item: _Item, cause: ExecutorError) -> Flow:
+    def relocate_flow(self, item: _Item, cause: ExecutorError) -> Flow:
         if cause.reason is Reason.LENGTH_MISMATCH:  # a resync: only the sequences a timeout left unsure
-            if self._resyncs(item.seq, cause):
-                item.send = yield from self._resync_flow(item.seq, item.send, cause)
+            if self.r.failovers.resyncs(item.seq, cause):
+                item.send = yield from self.r.failovers.resync_flow(item.seq, item.send, cause)
                 item.replica = item.seq.replica
             return
         if item.seq is None:  # a new prompt: place it again, elsewhere
-            replica = yield from self._place_flow(item.tokens, {item.replica}, PREFILL)
+            replica = yield from self.r.placement.place_flow(item.tokens, {item.replica}, PREFILL)
             if replica is None:
                 raise FailoverFailed(f"could not place a new sequence: no replica usable ({cause})", cause=cause)
             item.replica = replica
             return
-        item.send = yield from self._replay_flow(item.seq, item.send, cause)
+        item.send = yield from self.r.failovers.replay_flow(item.seq, item.send, cause)
         item.replica = item.seq.replica
 
-    def _commit(self, item: _Item, out: Any) -> None:
+    def commit(self, item: _Item, out: Any) -> None:
         if item.send is None:
-            item.seq, item.created = self._fleet.track(item.replica, item.tokens, out.kv_cache), True
-            self._fleet.remember_prefix(item.tokens, item.replica)
+            item.seq, item.created = self.r._fleet.track(item.replica, item.tokens, out.kv_cache), True
+            self.r._fleet.remember_prefix(item.tokens, item.replica)
         elif item.seq is not None:
-            self._fleet.advance(item.seq, item.before, item.tokens, out.kv_cache, item.prompt)
+            self.r._fleet.advance(item.seq, item.before, item.tokens, out.kv_cache, item.prompt)
 
-    def _undo_flow(self, done: list[_Item]) -> Flow:
+    def undo_flow(self, done: list[_Item]) -> Flow:
         """Takes back what the succeeded part of a failed batch did (best effort, logged)."""
         for item in done:
             seq = item.seq
             try:
                 if item.created:
                     yield _Call(seq.replica, "release_cache", (seq.handle,))
-                    self._fleet.forget(seq)
+                    self.r._fleet.forget(seq)
                 elif seq is not None:
                     handle = yield _Call(seq.replica, "truncate_kv", (seq.handle, item.before))
-                    self._fleet.advance(seq, item.before, (), handle)
+                    self.r._fleet.advance(seq, item.before, (), handle)
             except ExecutorError as err:
                 log.warning("could not undo the part of a failed batch on %s: %s", seq.replica.target, err)
 

@@ -2,9 +2,10 @@
 :class:`AsyncReplicaSetClient` (asyncio), and :func:`connect` / :func:`connect_async`,
 which build a single-target client for one server and a replica set for several.
 
-A replica set holds one single-target client per replica; its routing is
-:class:`~.routing._Routing`'s flows, its public calls :data:`~.contract.DRIVEN`,
-each driven by the class's driver (:mod:`.drivers`).
+A replica set holds one single-target client per replica, its routing
+(:class:`~.routing._Routing`, whose parts' flows route over the replicas) and a
+driver (:mod:`.drivers`) that performs what the flows yield; its public calls are
+:data:`~.contract.DRIVEN`, each a flow over the routing run by the driver.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from .contract import DRIVEN
-from .drivers import _AsyncDriver, _SyncDriver
+from .drivers import AsyncDriver, SyncDriver
 from .policy import ReplicaPolicy
 from .routing import _Routing
 from .sessions import AsyncReplicaDecodeSession, ReplicaDecodeSession
@@ -39,9 +40,9 @@ RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reco
                      ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
-class _ReplicaSet(_Routing):
+class _ReplicaSet:
     """What the blocking and asyncio replica sets share: construction (the replicas'
-    clients, the KV-event router) and the calls that are not flows."""
+    clients, the routing, the KV-event router) and the calls that are not flows."""
 
     _client_class: type  # the single-target client of each replica
     _session_class: type  # what decode_session opens
@@ -55,19 +56,24 @@ class _ReplicaSet(_Routing):
         the other arguments are :class:`~ferrum_rpc.client.client.ExecutorClient`'s."""
         self.model, self.timeout = model, timeout
         options = list(channel_options) + RECONNECT_OPTIONS
-        super().__init__([_Replica(t, self._client_class(
+        self.routing = routing = _Routing([_Replica(t, self._client_class(
             t, model=model, timeout=timeout, max_message_bytes=max_message_bytes, tls=tls, token=token,
             channel_options=options, keepalive=keepalive)) for t in resolve_targets(target)],
             replica_policy, failover)
-        self._router = KvRouter(
+        self._fleet = routing._fleet
+        routing._router = KvRouter(
             [r.target for r in self._fleet.replicas],
             lambda t: _channel(t, _options(max_message_bytes, keepalive) + options, tls, token, aio=False),
-            model) if self.policy.kv_events else None
+            model) if routing.policy.kv_events else None
         self._opened()
 
+    @property
+    def policy(self) -> ReplicaPolicy:
+        return self.routing.policy
+
     def _close_router(self) -> None:
-        if self._router is not None:
-            self._router.close()
+        if self.routing._router is not None:
+            self.routing._router.close()
 
     def _opened(self) -> None:
         """Called once the replicas' clients exist."""
@@ -87,7 +93,7 @@ class _ReplicaSet(_Routing):
 
 
 @with_methods(DRIVEN, aio=False)
-class ReplicaSetClient(_SyncDriver, _ReplicaSet):
+class ReplicaSetClient(_ReplicaSet):
     """:class:`ExecutorClient`'s methods over several replicas, each reached through its
     own ExecutorClient; :func:`connect` builds one for several targets.
 
@@ -105,6 +111,10 @@ class ReplicaSetClient(_SyncDriver, _ReplicaSet):
 
     def _opened(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self._fleet.replicas)), thread_name_prefix="replicas")
+        self._driver = SyncDriver(self._fleet, self._pool)
+
+    def _drive(self, flow):
+        return self._driver.drive(flow)
 
     def close(self) -> None:
         self._close_router()
@@ -120,11 +130,17 @@ class ReplicaSetClient(_SyncDriver, _ReplicaSet):
 
 
 @with_methods(DRIVEN, aio=True)
-class AsyncReplicaSetClient(_AsyncDriver, _ReplicaSet):
+class AsyncReplicaSetClient(_ReplicaSet):
     """:class:`ReplicaSetClient` for asyncio, over AsyncExecutorClients: the same methods, awaitable."""
 
     _client_class = AsyncExecutorClient
     _session_class = AsyncReplicaDecodeSession
+
+    def _opened(self) -> None:
+        self._driver = AsyncDriver()
+
+    def _drive(self, flow):
+        return self._driver.drive(flow)
 
     async def close(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self._close_router)

@@ -9,7 +9,7 @@ replica-set clients alike.
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import grpc
 
@@ -32,21 +32,21 @@ from ferrum_rpc.types import (
 
 
 class _Contract:
-    """A replica set's public calls, each written once as a flow (the replica set is
-    ``self``); :class:`ReplicaSetClient` and :class:`AsyncReplicaSetClient` get one
-    method per function here (:data:`DRIVEN`), which drives the flow."""
+    """A replica set's public calls, each written once as a flow (``self`` is the set's
+    :class:`~.routing._Routing`); :class:`ReplicaSetClient` and :class:`AsyncReplicaSetClient`
+    get one method per function here (:data:`DRIVEN`), which drives the flow."""
 
     def replica_of(self, handle: KvCacheHandle):
         """The target that owns ``handle``'s sequence now (after any failover); a handle
         this client does not track goes by its instance id, replicas not yet asked
         probed first (StaleHandle when it is none of them)."""
         seq, _ = self._fleet.resolve(handle)
-        owner = seq.replica if seq is not None else (yield from self._owner_flow(handle))
+        owner = seq.replica if seq is not None else (yield from self.placement.owner_flow(handle))
         return owner.target
 
     def replica_status(self):
         """Every replica's GetStatus now (or the error asking it gave)."""
-        return {r.target: out for r, out in zip(self._fleet.replicas, (yield from self._statuses_flow()))}
+        return {r.target: out for r, out in zip(self._fleet.replicas, (yield from self.placement.statuses_flow()))}
 
     def wait_ready(self, timeout: float = 30.0):
         """Waits until every replica serves the model (each within ``timeout``; see
@@ -61,17 +61,17 @@ class _Contract:
         ``adapter``; a continuation on its owner."""
         tokens = list(token_ids)
         if kv_cache is None:
-            return (yield from self._new_sequence_flow(
+            return (yield from self.placement.new_sequence_flow(
                 tokens, lambda r: _Call(r, "prefill", (tokens, None, logits, hidden_states, token_choice,
                                                        request_id, adapter)), adapter))
-        return (yield from self._sequence_flow(
+        return (yield from self.failovers.sequence_flow(
             kv_cache, lambda r, h: _Call(r, "prefill", (tokens, h, logits, hidden_states, token_choice, request_id,
                                                         adapter)),
             lambda out: tokens, prompt=True))
 
     def decode(self, token_id: int, kv_cache: KvCacheHandle, logits: LogitsPolicy | None = None,
                token_choice: TokenChoice | None = None):
-        return (yield from self._sequence_flow(
+        return (yield from self.failovers.sequence_flow(
             kv_cache, lambda r, h: _Call(r, "decode", (token_id, h, logits, token_choice)), lambda out: [token_id]))
 
     def batch_decode(self, items: Iterable[DecodeItem], logits: LogitsPolicy | None = None,
@@ -83,7 +83,7 @@ class _Contract:
         def call_for(replica, group):
             return _Call(replica, "batch_decode",
                          ([DecodeInput(i.tokens[0], i.send, choices[i.index]) for i in group], logits))
-        return (yield from self._batch_flow(_entries(items), call_for))
+        return (yield from self.batches.batch_flow(_entries(items), call_for))
 
     def decode_ahead(self, token_id: int, kv_cache: KvCacheHandle, token_choice: TokenChoice,
                      max_new_tokens: int, stop_token_ids: Sequence[int] = (), on_token=None):
@@ -93,7 +93,7 @@ class _Contract:
         are appended first, so a greedy or seeded choice gives the tokens the lost run
         would have given (an unseeded one draws afresh from there)."""
         got, stopped = [], [False]
-        return (yield from self._sequence_flow(
+        return (yield from self.failovers.sequence_flow(
             kv_cache, lambda r, h: _Call(r, _run_ahead, (h, token_id, token_choice, max_new_tokens, stop_token_ids,
                                                          got, on_token, stopped)),
             lambda out: [token_id] + [c.token_id for c in out.chosen[:-1]]))
@@ -101,13 +101,13 @@ class _Contract:
     def forward_verify(self, token_ids: Sequence[int], kv_cache: KvCacheHandle,
                        logits: LogitsPolicy = LogitsPolicy()):
         tokens = list(token_ids)
-        return (yield from self._sequence_flow(
+        return (yield from self.failovers.sequence_flow(
             kv_cache, lambda r, h: _Call(r, "forward_verify", (tokens, h, logits)), lambda out: tokens))
 
     def speculative_decode(self, token_id: int, draft: Sequence[int], kv_cache: KvCacheHandle,
                            logits: LogitsPolicy | None = None, sampling: SpeculativeSampling | None = None,
                            token_choice: TokenChoice | None = None):
-        return (yield from self._sequence_flow(
+        return (yield from self.failovers.sequence_flow(
             kv_cache, lambda r, h: _Call(r, "speculative_decode", (token_id, draft, h, logits, sampling,
                                                                    token_choice)),
             lambda out: [token_id, *out.accepted_token_ids]))
@@ -124,20 +124,20 @@ class _Contract:
             return _Call(replica, "batch_prefill",
                          ([i.tokens if i.send is None else (i.tokens, i.send) for i in group], logits,
                           [choices[i.index] for i in group], [adapters[i.index] for i in group]))
-        return (yield from self._batch_flow(_prompt_entries(prompts), call_for, prompt=True))
+        return (yield from self.batches.batch_flow(_prompt_entries(prompts), call_for, prompt=True))
 
     def truncate_kv(self, kv_cache: KvCacheHandle, new_length: int):
-        return (yield from self._sequence_flow(
+        return (yield from self.failovers.sequence_flow(
             kv_cache, lambda r, h: _Call(r, "truncate_kv", (h, new_length)), lambda out: (),
             result_handle=lambda out: out, keep=new_length))
 
     def release_cache(self, cache: KvCacheHandle | str | None = None, request_id: str | None = None):
         if request_id is not None:
-            return (yield from self._release_name_flow(request_id))
-        return (yield from self._release_flow(cache))
+            return (yield from self.releases.release_name_flow(request_id))
+        return (yield from self.releases.release_flow(cache))
 
     def fork_cache(self, kv_cache: KvCacheHandle, num_children: int):
-        return (yield from self._fork_flow(kv_cache, num_children))
+        return (yield from self.failovers.fork_flow(kv_cache, num_children))
 
     def unload_model(self, name: str):
         """Unloads the model on every replica; returns the sequences dropped in all."""
@@ -149,7 +149,7 @@ class _Contract:
     def export_sequence(self, kv_cache: KvCacheHandle, file=None, chunk_bytes: int = 0):
         """Reads the sequence out of the replica that owns it (see ExecutorClient.export_sequence)."""
         seq, send = self._fleet.resolve(kv_cache)
-        replica = seq.replica if seq is not None else (yield from self._owner_flow(kv_cache))
+        replica = seq.replica if seq is not None else (yield from self.placement.owner_flow(kv_cache))
         return (yield _Call(replica, "export_sequence", (send, file, chunk_bytes)))
 
     def import_sequence(self, data):
@@ -157,7 +157,7 @@ class _Contract:
         for a replay, is the export's when ``data`` is bytes; a file's is not kept)."""
         header = _export_header(data)
         tokens = list(header.token_ids) if header is not None else None
-        replica = yield from self._place_flow(tokens or [], role=DECODE)
+        replica = yield from self.placement.place_flow(tokens or [], role=DECODE)
         if replica is None:
             replica = min(self._fleet.replicas, key=lambda r: r.unusable_until)
         handle = yield _Call(replica, "import_sequence", (data,))
@@ -174,7 +174,7 @@ class _Contract:
                       chunk_bytes: int = 0):
         """The owner pushes the sequence to ``target``; a move stops tracking it here."""
         seq, send = self._fleet.resolve(kv_cache)
-        replica = seq.replica if seq is not None else (yield from self._owner_flow(kv_cache))
+        replica = seq.replica if seq is not None else (yield from self.placement.owner_flow(kv_cache))
         out = yield _Call(replica, "push_sequence", (send, target, ticket, move, chunk_bytes))
         if seq is not None and out.released:
             self._fleet.forget(seq)
@@ -204,12 +204,13 @@ _RESULTS = {rpc.name: rpc.returns for rpc in RPCS}  # a replica set's calls retu
 _RESULTS["decode_ahead"] = AheadResult
 
 
-def _driven(flow: Callable[..., Flow], name: str | None = None) -> Callable[[bool], Callable]:
+def _driven(flow: Callable[..., Flow], name: str | None = None,
+            over: Callable[[Any], Any] = lambda obj: obj.routing) -> Callable[[bool], Callable]:
     """``make(aio)`` for the method (named ``name``, by default the flow's) that runs
-    ``flow`` with its object's ``_drive``."""
+    ``flow`` over ``over(obj)`` (a replica set's routing) with its object's ``_drive``."""
     name = name or flow.__name__
     return lambda aio: method(name, flow, _RESULTS.get(name, inspect.Signature.empty),
-                              lambda self, *args, **kwargs: self._drive(flow(self, *args, **kwargs)), aio)
+                              lambda self, *args, **kwargs: self._drive(flow(over(self), *args, **kwargs)), aio)
 
 
 def _table_flow(rpc: Rpc) -> Callable[..., Flow]:
@@ -223,7 +224,7 @@ def _table_flow(rpc: Rpc) -> Callable[..., Flow]:
         bound.apply_defaults()
         args = tuple(bound.arguments.values())[1:]
         if rpc.replicas == "any":
-            return (yield from self._any_flow(rpc.name, args))
+            return (yield from self.placement.any_flow(rpc.name, args))
         result = None
         for replica in self._fleet.replicas:
             result = yield _Call(replica, rpc.name, args, False)

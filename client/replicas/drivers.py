@@ -18,27 +18,35 @@ from ..fleet import _Fleet, _Replica
 from ferrum_rpc.errors import ExecutorError
 
 
+def _no_stream(replica: _Replica) -> Any:
+    raise TypeError("a call on a DecodeSession stream outside a replica-set session")
+
+
 class _Driver:
-    """What both drivers share: which client (or stream) a call runs on."""
+    """What both drivers share: which client (or stream) a call runs on.
+
+    Args:
+        stream: the DecodeSession stream to a replica (only a replica-set session has them).
+        lost: drops the stream to a replica that cannot hold its sequences any more.
+    """
+
+    def __init__(self, stream: Callable[[_Replica], Any] = _no_stream,
+                 lost: Callable[[_Replica], None] = lambda replica: None):
+        self._stream, self._lost = stream, lost
 
     def _callee(self, call: _Call) -> Callable:
         return call.bound(self._stream(call.replica) if call.stream else call.replica.client)
 
-    def _stream(self, replica: _Replica) -> Any:
-        """The DecodeSession stream to ``replica`` (only a replica-set session has them)."""
-        raise TypeError("a call on a DecodeSession stream outside a replica-set session")
 
-    def _lost(self, replica: _Replica) -> None:
-        """Drops the stream to a replica that cannot hold its sequences any more (none here)."""
+class SyncDriver(_Driver):
+    """Runs flows on the caller's thread; parallel calls on ``pool``; counts a
+    replica's calls in flight under ``fleet``'s lock."""
 
+    def __init__(self, fleet: _Fleet, pool: ThreadPoolExecutor, **streams):
+        super().__init__(**streams)
+        self._fleet, self._pool = fleet, pool
 
-class _SyncDriver(_Driver):
-    """Runs flows on the caller's thread; parallel calls on a small pool."""
-
-    _fleet: _Fleet
-    _pool: ThreadPoolExecutor
-
-    def _drive(self, flow: Flow) -> Any:
+    def drive(self, flow: Flow) -> Any:
         request = _resume(flow, None)
         while not isinstance(request, _Done):
             outcome = None
@@ -72,10 +80,10 @@ class _SyncDriver(_Driver):
             return err
 
 
-class _AsyncDriver(_Driver):
+class AsyncDriver(_Driver):
     """Awaits flows on the event loop; parallel calls gathered."""
 
-    async def _drive(self, flow: Flow) -> Any:
+    async def drive(self, flow: Flow) -> Any:
         request = _resume(flow, None)
         while not isinstance(request, _Done):
             outcome = None

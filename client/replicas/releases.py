@@ -13,14 +13,17 @@ from ferrum_rpc.types import KvCacheHandle
 log = logging.getLogger(__name__)
 
 
-class _Releases:
+class Releases:
     """Release flows (part of :class:`~.routing._Routing`)."""
 
-    def _release_name_flow(self, name: str) -> Flow:
+    def __init__(self, routing):
+        self.r = routing  # the state the flows read and change
+
+    def release_name_flow(self, name: str) -> Flow:
         """Releases a request_id on every replica (names are per server, and a call whose
         reply was lost may have run on any replica it was tried on); the blocks freed."""
         freed = 0
-        for replica in self._fleet.replicas:
+        for replica in self.r._fleet.replicas:
             try:
                 freed += yield _Call(replica, "release_cache", (None, name))
             except ExecutorError as err:
@@ -28,19 +31,19 @@ class _Releases:
                     raise
         return freed
 
-    def _release_flow(self, cache: KvCacheHandle | str) -> Flow:
+    def release_flow(self, cache: KvCacheHandle | str) -> Flow:
         """Releases a sequence and stops tracking it; the blocks freed (0 when its replica
         is gone, restarted or stopping: the blocks went with it)."""
         if isinstance(cache, KvCacheHandle):
-            seq, _ = self._fleet.resolve(cache)
+            seq, _ = self.r._fleet.resolve(cache)
             if seq is None:
-                owner = yield from self._owner_flow(cache)
+                owner = yield from self.r.placement.owner_flow(cache)
                 return (yield _Call(owner, "release_cache", (cache,)))
         else:
-            seq = self._fleet.by_cache_id(cache)
+            seq = self.r._fleet.by_cache_id(cache)
             if seq is None:  # an id this client never saw: ask each replica
                 last = None
-                for replica in self._fleet.replicas:
+                for replica in self.r._fleet.replicas:
                     try:
                         return (yield _Call(replica, "release_cache", (cache,)))
                     except ExecutorError as err:
@@ -54,5 +57,5 @@ class _Releases:
             # Its server is gone, restarted or stopping: the blocks go with it.
             log.info("released %s with its replica %s gone (%s)", seq.handle.cache_id, seq.replica.target, err)
             freed = 0
-        self._fleet.forget(seq)
+        self.r._fleet.forget(seq)
         return freed

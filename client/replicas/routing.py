@@ -8,19 +8,20 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence
 
-from .batches import _Batches
-from .failover import _Failover
-from .placement import _Placement
+from .batches import Batches
+from .failover import Failover
+from .placement import Placement
 from .policy import ReplicaPolicy
-from .releases import _Releases
+from .releases import Releases
 from ..disagg import Roles
 from ..fleet import _Fleet, _Replica
 
 
-class _Routing(_Placement, _Failover, _Batches, _Releases):
-    """Placement, affinity, failover, batches and releases as flows, over one fleet of
-    replicas; shared by the blocking and asyncio replica sets (and built bare, with
-    replicas that hold no client, by the flows' unit tests)."""
+class _Routing:
+    """One fleet of replicas and the parts whose flows route over it: ``placement``,
+    ``failovers`` (affinity and the moves that keep a sequence alive), ``batches`` and
+    ``releases``.  Shared by the blocking and asyncio replica sets (and built bare,
+    with replicas that hold no client, by the flows' unit tests)."""
 
     def __init__(self, replicas: Sequence[_Replica], policy: ReplicaPolicy | None = None, failover: bool = True,
                  router: Any = None, clock: Callable[[], float] = time.monotonic):
@@ -32,3 +33,7 @@ class _Routing(_Placement, _Failover, _Batches, _Releases):
         self._fleet = _Fleet(list(replicas), self.policy)
         self._roles = Roles(self._fleet.replicas, self.policy.roles)
         self._router = router
+        self.placement = Placement(self)
+        self.failovers = Failover(self)
+        self.batches = Batches(self)
+        self.releases = Releases(self)

@@ -1,5 +1,5 @@
 """A DecodeSession over a replica set: one stream per owning replica, opened on first
-use.  A step's routing, failover and undo are a flow (:meth:`~.batches._Batches._step_flow`);
+use.  A step's routing, failover and undo are a flow (:meth:`~.batches.Batches.step_flow`);
 the session is its driver, holding the streams its calls run on and dropping those
 whose replica is lost."""
 
@@ -12,7 +12,7 @@ from typing import Any, Iterable
 import grpc
 
 from .contract import _driven
-from .drivers import _AsyncDriver, _SyncDriver
+from .drivers import AsyncDriver, SyncDriver
 from ..fleet import _Replica
 from ..rpc import DecodeItem
 from ferrum_rpc.errors import ExecutorError
@@ -27,7 +27,7 @@ class _ReplicaSessions:
 
     def __init__(self, client):
         self._client = client
-        self._fleet = client._fleet
+        self._fleet = client.routing._fleet
         self._sessions: dict[_Replica, Any] = {}
         self._lock = threading.Lock()
 
@@ -40,17 +40,20 @@ class _ReplicaSessions:
     def _step_flow(self, items: Iterable[DecodeItem], logits: LogitsPolicy | None = None,
                    token_choice: TokenChoice | None = None):
         """One step: split by owner, one stream step per replica in parallel, merged in order."""
-        return (yield from self._client._step_flow(items, logits, token_choice))
+        return (yield from self._client.routing.batches.step_flow(items, logits, token_choice))
 
 
-class ReplicaDecodeSession(_ReplicaSessions, _SyncDriver):
+class ReplicaDecodeSession(_ReplicaSessions):
     __doc__ = _ReplicaSessions.__doc__
 
-    step = _driven(_ReplicaSessions._step_flow, "step")(False)
+    step = _driven(_ReplicaSessions._step_flow, "step", over=lambda session: session)(False)
 
     def __init__(self, client):
         super().__init__(client)
-        self._pool = client._pool
+        self._driver = SyncDriver(self._fleet, client._pool, stream=self._stream, lost=self._lost)
+
+    def _drive(self, flow):
+        return self._driver.drive(flow)
 
     def _lost(self, replica: _Replica) -> None:
         with self._lock:
@@ -72,10 +75,17 @@ class ReplicaDecodeSession(_ReplicaSessions, _SyncDriver):
         self.close()
 
 
-class AsyncReplicaDecodeSession(_ReplicaSessions, _AsyncDriver):
+class AsyncReplicaDecodeSession(_ReplicaSessions):
     """:class:`ReplicaDecodeSession` for asyncio."""
 
-    step = _driven(_ReplicaSessions._step_flow, "step")(True)
+    step = _driven(_ReplicaSessions._step_flow, "step", over=lambda session: session)(True)
+
+    def __init__(self, client):
+        super().__init__(client)
+        self._driver = AsyncDriver(stream=self._stream, lost=self._lost)
+
+    def _drive(self, flow):
+        return self._driver.drive(flow)
 
     def _lost(self, replica: _Replica) -> None:
         session = self._sessions.pop(replica, None)

@@ -97,7 +97,7 @@ def test_a_session_step_drops_the_stream_to_a_lost_replica_before_moving_its_seq
         Call("a", "prefill", prefilled("a1", "x", 3)),
         Call("a", "forward_verify", verified("a1", "x", 4)),
         Parallel(Call("a", "step", [decoded("a1", "x", 5)], stream=True)),
-    ], rs.clock).run(rs._step_flow([(8, hs), (9, ht)]))
+    ], rs.clock).run(rs.batches.step_flow([(8, hs), (9, ht)]))
     assert [o.kv_cache.cache_id for o in out] == ["s", "x"]
 
 

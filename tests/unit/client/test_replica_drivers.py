@@ -12,7 +12,7 @@ import grpc
 
 from ferrum_rpc.client.fleet import _Fleet, _Replica
 from ferrum_rpc.client.replicas.actions import _Call, _Lost, _Parallel, _Sleep
-from ferrum_rpc.client.replicas.drivers import _AsyncDriver, _SyncDriver
+from ferrum_rpc.client.replicas.drivers import AsyncDriver, SyncDriver
 from ferrum_rpc.client.replicas.policy import ReplicaPolicy
 from ferrum_rpc.errors import ExecutorError
 
@@ -51,25 +51,16 @@ def flow(a, b):
     return first, both, made, caught, streamed
 
 
-class Session(_SyncDriver):
-    def __init__(self, fleet, pool):
-        self._fleet, self._pool, self.streams, self.lost = fleet, pool, {}, []
+class Streams:
+    """A session's streams, as a replica-set session gives its driver."""
 
-    def _stream(self, replica):
-        return self.streams.setdefault(replica, Server(replica.target + "-stream"))
-
-    def _lost(self, replica):
-        self.lost.append(replica.target)
-
-
-class AsyncSession(_AsyncDriver):
     def __init__(self):
         self.streams, self.lost = {}, []
 
-    def _stream(self, replica):
+    def stream(self, replica):
         return self.streams.setdefault(replica, Server(replica.target + "-stream"))
 
-    def _lost(self, replica):
+    def drop(self, replica):
         self.lost.append(replica.target)
 
 
@@ -85,11 +76,13 @@ def check(out, a, b, lost):
 def test_the_blocking_driver_runs_each_action_where_it_names():
     a, b = _Replica("a", Server("a")), _Replica("b", Server("b"))
     with ThreadPoolExecutor(2) as pool:
-        session = Session(_Fleet([a, b], ReplicaPolicy()), pool)
-        check(session._drive(flow(a, b)), a, b, session.lost)
+        session = Streams()
+        driver = SyncDriver(_Fleet([a, b], ReplicaPolicy()), pool, stream=session.stream, lost=session.drop)
+        check(driver.drive(flow(a, b)), a, b, session.lost)
 
 
 def test_the_asyncio_driver_runs_each_action_where_it_names():
     a, b = _Replica("a", Server("a")), _Replica("b", Server("b"))
-    session = AsyncSession()
-    check(asyncio.run(session._drive(flow(a, b))), a, b, session.lost)
+    session = Streams()
+    driver = AsyncDriver(stream=session.stream, lost=session.drop)
+    check(asyncio.run(driver.drive(flow(a, b))), a, b, session.lost)

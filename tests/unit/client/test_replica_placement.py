@@ -105,7 +105,7 @@ def test_an_error_that_is_not_the_replicas_fault_reaches_the_caller_untried_else
 def test_with_no_replica_usable_placement_waits_out_cooldowns_then_fails_within_its_bounds():
     rs = routing("a", "b", max_attempts=3)
     for r in rs._fleet.replicas:
-        rs._mark(r, UNAVAILABLE)  # left out for the cooldown (1 s), then probed again
+        rs.placement.mark(r, UNAVAILABLE)  # left out for the cooldown (1 s), then probed again
     script = Script([
         Sleep(1.0),
         Parallel(Call("a", "_status_probe", UNAVAILABLE), Call("b", "_status_probe", UNAVAILABLE)),

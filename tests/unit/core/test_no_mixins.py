@@ -12,16 +12,18 @@ import pytest
 
 pytestmark = pytest.mark.timeout(60)
 
-SERVER = Path(__file__).resolve().parents[3] / "server"
+ROOT = Path(__file__).resolve().parents[3]
+SERVER = ROOT / "server"
+CLIENT = ROOT / "client"
 MODULE_ROOTS = {"nn.Module", "torch.nn.Module", "Module"}
 
 
-def _classes() -> dict[str, tuple[str, list[str]]]:
+def _classes(folder: Path = SERVER) -> dict[str, tuple[str, list[str]]]:
     found: dict[str, tuple[str, list[str]]] = {}
-    for path in sorted(SERVER.rglob("*.py")):
+    for path in sorted(folder.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
-                found[node.name] = (str(path.relative_to(SERVER)), [ast.unparse(b) for b in node.bases])
+                found[node.name] = (str(path.relative_to(folder)), [ast.unparse(b) for b in node.bases])
     return found
 
 
@@ -46,6 +48,15 @@ def test_no_class_mixes_server_classes():
             wrong.append(f"{path}: {name}({', '.join(bases)}) inherits from more than one class")
         elif local and _root(name, classes) not in MODULE_ROOTS:
             wrong.append(f"{path}: {name}({local[0]}) inherits a server class that is no torch module (compose it)")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_client_class_inherits_across_files():
+    """The client's classes too: a twin (blocking, asyncio) may share a base in its own
+    file; one that inherits a class of another file (a mixin, a driver) is composed instead."""
+    classes = _classes(CLIENT)
+    wrong = [f"{path}: {name}({', '.join(bases)})" for name, (path, bases) in classes.items()
+             for base in bases if base.split(".")[-1] in classes and classes[base.split(".")[-1]][0] != path]
     assert not wrong, "\n".join(wrong)
 
 
