@@ -19,7 +19,7 @@ import grpc
 
 from ferrum_rpc import convert
 from . import rpc as rpcs
-from .token_ids import checked_ids
+from ferrum_rpc.rules import checked_ids
 from ferrum_rpc.errors import ExecutorError, from_rpc_error, from_status_proto
 from ferrum_rpc.types import ChosenToken, DecodeInput, KvCacheHandle, LogitsPolicy, TokenChoice
 from ferrum_rpc.v1 import executor_pb2 as pb

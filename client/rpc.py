@@ -41,7 +41,7 @@ from ferrum_rpc.types import (  # the table's `returns` name some of these
 )
 from ferrum_rpc.v1 import executor_pb2 as pb
 from . import admin
-from .token_ids import checked_id, checked_ids
+from ferrum_rpc.rules import checked_id, checked_ids, validate_token_choice
 
 DecodeItem = Union[DecodeInput, tuple[int, KvCacheHandle]]
 Prompt = Union[Sequence[int], tuple[Sequence[int], KvCacheHandle]]
@@ -134,8 +134,10 @@ def set_logits(req, logits: LogitsPolicy | None) -> None:
         req.logits.CopyFrom(convert.policy_to_proto(logits))
 
 
-def set_choice(message, choice: TokenChoice | None) -> None:
+def set_choice(message, choice: TokenChoice | None, field: str = "token_choice") -> None:
+    """The policy, checked against the server's rules (``ferrum_rpc.rules``) before it is sent."""
     if choice is not None:
+        validate_token_choice(choice, None, field)
         message.token_choice.CopyFrom(convert.token_choice_to_proto(choice))
 
 
@@ -145,12 +147,12 @@ def batch_request(c, items: Iterable[DecodeItem], logits: LogitsPolicy | None,
     # one message (each stream message costs both sides a write and a read); full rows stay one message each.
     req = pb.BatchDecodeRequest(model=c.model)
     set_logits(req, logits)
-    for item in items:
+    for n, item in enumerate(items):
         token_id, handle, choice = (item.token_id, item.kv_cache, item.token_choice) \
             if isinstance(item, DecodeInput) else (*item, None)
         message = req.items.add(token_id=checked_id("items.token_id", token_id),
                                 kv_cache=convert.handle_to_proto(handle))
-        set_choice(message, choice if choice is not None else token_choice)
+        set_choice(message, choice if choice is not None else token_choice, f"items[{n}].token_choice")
     if logits is None:
         req.single_reply = bool(req.items) and all(i.HasField("token_choice") for i in req.items)
     else:
@@ -293,7 +295,7 @@ def _batch_prefill(c, prompts: Iterable[Prompt], logits: LogitsPolicy | None = N
     adapters = [adapters] * len(prompts) if isinstance(adapters, str) else list(adapters)
     if len(adapters) != len(prompts):
         raise ValueError(f"{len(adapters)} adapters for {len(prompts)} prompts")
-    for prompt, choice, adapter in zip(prompts, choices, adapters):
+    for n, (prompt, choice, adapter) in enumerate(zip(prompts, choices, adapters)):
         token_ids, handle = split_prompt(prompt)
         item = req.items.add(token_ids=checked_ids("prompts.token_ids", token_ids))
         if handle is not None:
@@ -301,7 +303,7 @@ def _batch_prefill(c, prompts: Iterable[Prompt], logits: LogitsPolicy | None = N
         else:
             item.request_id = new_request_id()  # released by this name if the call's outcome is unknown
             item.adapter = adapter
-        set_choice(item, choice)
+        set_choice(item, choice, f"items[{n}].token_choice")
     return req
 
 

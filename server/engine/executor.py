@@ -27,7 +27,7 @@ import torch
 
 from ferrum_rpc.errors import ExecutorError, InvalidInput
 from ..choice.rows import row_max
-from ..choice.policy import validate_token_choice
+from ferrum_rpc.rules import validate_token_choice
 from ..config import ExecutorConfig, TenantBounds, tenant_bounds
 from .adapters import Lora
 from .weights import Weights

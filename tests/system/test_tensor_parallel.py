@@ -26,7 +26,7 @@ from ferrum_rpc.errors import ExecutorError, Reason
 from ferrum_rpc.harness import ServerProcess, all_serving
 from ferrum_rpc.server.config import ExecutorConfig
 from ferrum_rpc.server.engine.executor import TorchExecutor
-from ferrum_rpc.server.choice.policy import pack_allowed_tokens, unpack_allowed_tokens
+from ferrum_rpc.rules import pack_allowed_tokens, unpack_allowed_tokens
 from ferrum_rpc.types import DecodeInput, HiddenStatesRequest, LogprobsMode, TokenChoice
 from tests.conftest import oracle_rows
 

@@ -43,7 +43,7 @@ from ferrum_rpc import tensor_codec
 from ferrum_rpc.client import DecodeInput, ExecutorClient, LogitsPolicy, LogprobsMode, TokenChoice
 from ferrum_rpc.client.generate import encode_prompt, load_tokenizer
 from ferrum_rpc.harness import ServerProcess
-from ferrum_rpc.server.choice.policy import pack_allowed_tokens, unpack_allowed_tokens
+from ferrum_rpc.rules import pack_allowed_tokens, unpack_allowed_tokens
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 from tests.conftest import oracle_rows
@@ -343,7 +343,7 @@ def _constrained(client, prompt, choice, grammar, eos: int, limit: int = 64) -> 
     """Decodes with ``choice`` plus the grammar's mask of each step (llguidance's numpy
     helper fills an int32 row; its bytes go in ``allowed_token_bitmask``) until the
     grammar accepts the end token. Checks on every step that the server's reading of
-    the bytes (server/choice/policy.unpack_allowed_tokens) allows exactly the tokens
+    the bytes (ferrum_rpc/rules.unpack_allowed_tokens) allows exactly the tokens
     llguidance's own apply_token_bitmask_inplace leaves finite."""
     import llguidance
     import llguidance.numpy

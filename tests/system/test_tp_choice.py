@@ -11,7 +11,7 @@ import multiprocessing
 import torch
 
 from ferrum_rpc.server.choice.sampling import choose_tokens
-from ferrum_rpc.server.choice.policy import pack_allowed_tokens
+from ferrum_rpc.rules import pack_allowed_tokens
 from ferrum_rpc.server.parallel.group import free_port
 from ferrum_rpc.server.parallel.choice import RowRequest
 from ferrum_rpc.types import LogprobsMode, TokenChoice

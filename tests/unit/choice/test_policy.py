@@ -1,4 +1,4 @@
-"""server/choice/policy.py: one validation test per bad input (the message names the
+"""ferrum_rpc/rules.py (the token-choice rules server and clients share): one validation test per bad input (the message names the
 field), the allowed-token bitmask's documented layout, and a real grammar library's
 bitmask (llguidance, a JSON schema) never violated by the tokens choose_tokens picks."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ferrum_rpc.errors import InvalidInput
-from ferrum_rpc.server.choice.policy import pack_allowed_tokens, unpack_allowed_tokens, validate_token_choice
+from ferrum_rpc.rules import pack_allowed_tokens, unpack_allowed_tokens, validate_token_choice
 from ferrum_rpc.server.choice.sampling import choose_tokens
 from ferrum_rpc.types import TokenChoice
 from tests.unit.choice.test_sampling import WARPED

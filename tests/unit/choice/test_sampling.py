@@ -27,7 +27,7 @@ from transformers.generation.logits_process import (
 
 from ferrum_rpc.server.choice.draws import uniform_for
 from ferrum_rpc.server.choice.sampling import accept_drafts, choose_tokens
-from ferrum_rpc.server.choice.policy import pack_allowed_tokens, unpack_allowed_tokens, validate_token_choice
+from ferrum_rpc.rules import pack_allowed_tokens, unpack_allowed_tokens, validate_token_choice
 from ferrum_rpc.types import LogprobsMode, TokenChoice
 
 SMALL = 20  # == MAX_TOP_LOGPROBS: top_logprobs=20 PROCESSED lists a row's whole distribution

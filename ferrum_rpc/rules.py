@@ -1,34 +1,46 @@
-"""A token-choice policy's checks and the allowed-token bitmask's layout: what a request
-may ask of the server's token choice, refused with the field named before any state
-changes.  No torch (numpy for the bitmask), so any layer may call it."""
+"""The contract's rules for what a request may carry, in one place: the server checks
+every request against them at its edge, and the clients check what they send against
+the same rules before it goes out, so a caller gets the server's reason (INVALID_INPUT
+naming the field) without a round trip.
+
+- token ids: integers in the wire's uint32 range (the server also bounds them by its
+  vocabulary);
+- a token-choice policy's ranges, logit bias and allowed-token bitmask;
+- the bitmask's layout (little-endian int32 words, bit i of word j for token 32*j + i).
+
+No torch (numpy for the bitmask): any layer, and any client, may import it."""
 
 from __future__ import annotations
 
 import math
+from typing import Iterable
 
 import numpy as np
 
 from ferrum_rpc.errors import InvalidInput
 from ferrum_rpc.types import MAX_TOP_LOGPROBS, LogprobsMode, TokenChoice
 
+_UINT32 = 1 << 32  # the wire's token ids are uint32
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound; exp(-200) is 0 in float32, so +-100 forces or bans any token
 MAX_PENALTY = 2.0  # presence and frequency, OpenAI's range
 
 
 # ---------------------------------------------------------------------------- validation
 
-def validate_token_choice(choice: TokenChoice, vocab_size: int, field: str = "token_choice") -> None:
+def validate_token_choice(choice: TokenChoice, vocab_size: int | None, field: str = "token_choice") -> None:
     """Raises InvalidInput naming the first bad field of ``choice`` (``field`` prefixes
-    the name, e.g. "items[3].token_choice"). Call it before any state changes.
+    the name, e.g. "items[3].token_choice"). The server calls it before any state
+    changes; a client calls it before the request goes out (``vocab_size`` None: the
+    checks that need the vocabulary are the server's).
 
     Args:
         choice: the policy.
-        vocab_size: the model's vocabulary (the width of a logits row).
+        vocab_size: the model's vocabulary (the width of a logits row), or None.
         field: how the message names the policy.
     """
     _check_range(choice, field)
     _check_bias(choice.logit_bias, vocab_size, field)
-    if choice.allowed_token_bitmask:
+    if choice.allowed_token_bitmask and vocab_size is not None:
         _check_bitmask(choice.allowed_token_bitmask, vocab_size, field)
 
 
@@ -57,11 +69,11 @@ def _check_range(c: TokenChoice, field: str) -> None:
         raise bad("logprobs_mode", "RAW or PROCESSED", c.logprobs_mode)
 
 
-def _check_bias(bias, vocab_size: int, field: str) -> None:
+def _check_bias(bias, vocab_size: int | None, field: str) -> None:
     for token, value in bias.items():
-        if not (isinstance(token, (int, np.integer)) and 0 <= token < vocab_size):
+        if not (isinstance(token, (int, np.integer)) and 0 <= token < (_UINT32 if vocab_size is None else vocab_size)):
             raise InvalidInput(f"{field}.logit_bias names token {token!r}, outside the vocabulary "
-                               f"(0 ..= {vocab_size - 1})")
+                               f"(0 ..= {(_UINT32 if vocab_size is None else vocab_size) - 1})")
         if not (math.isfinite(value) and abs(value) <= MAX_LOGIT_BIAS):
             raise InvalidInput(f"{field}.logit_bias[{token}] must be finite and in "
                                f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value!r}")
@@ -90,3 +102,27 @@ def pack_allowed_tokens(token_ids, vocab_size: int) -> bytes:
 def unpack_allowed_tokens(mask: bytes, vocab_size: int) -> np.ndarray:
     """(vocab_size,) bool: which tokens ``mask`` allows (bits past the vocabulary ignored)."""
     return np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")[:vocab_size].astype(bool)
+
+
+# ---------------------------------------------------------------------------- token ids
+
+def checked_ids(field: str, ids: Iterable[int]) -> list[int]:
+    """``ids`` as the wire's uint32 token ids, refused before the wire with
+    INVALID_INPUT naming ``field`` when one is not an integer in 0..2**32-1
+    (protobuf would raise a bare ValueError, or silently wrap a numpy value)."""
+    out = list(ids)
+    for i, t in enumerate(out):
+        if isinstance(t, bool) or not hasattr(t, "__index__"):
+            raise InvalidInput(f"{field}[{i}] must be an integer token id, got {t!r}")
+        if not 0 <= int(t) < _UINT32:
+            raise InvalidInput(f"{field}[{i}] must be a token id >= 0, got {int(t)}")
+    return [int(t) for t in out]
+
+
+def checked_id(field: str, token_id: int) -> int:
+    """One token id, checked as :func:`checked_ids` checks each."""
+    if isinstance(token_id, bool) or not hasattr(token_id, "__index__"):
+        raise InvalidInput(f"{field} must be an integer token id, got {token_id!r}")
+    if not 0 <= int(token_id) < _UINT32:
+        raise InvalidInput(f"{field} must be a token id >= 0, got {int(token_id)}")
+    return int(token_id)
