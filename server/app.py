@@ -80,7 +80,7 @@ class App:
         self.registry.loading.update((spec.name, spec.path) for spec in self.config.models)
         for spec in self.config.models:
             await self.registry.load(spec.name, spec.path)
-        self.servicer.state = ServerState.SERVING
+        self.servicer.gate.state = ServerState.SERVING
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %s on port %d", ", ".join(self.registry.workers), self.port)
@@ -89,8 +89,8 @@ class App:
 
     async def drain(self, grace_s: float) -> None:
         """Refuses new calls (UNAVAILABLE/DRAINING), lets in-flight ones finish, stops."""
-        log.info("draining: %d call(s) in flight", self.servicer.inflight)
-        self.servicer.state = ServerState.DRAINING
+        log.info("draining: %d call(s) in flight", self.servicer.gate.inflight)
+        self.servicer.gate.state = ServerState.DRAINING
         if self.port_file:  # whoever reads it stops sending new work here
             with contextlib.suppress(StartupError):  # the drain goes on if the file cannot be written
                 self.port_file.write(state="draining")
@@ -100,7 +100,7 @@ class App:
         try:
             await asyncio.wait_for(self.servicer.wait_idle(), grace_s)
         except asyncio.TimeoutError:
-            log.warning("grace period over with %d call(s) in flight", self.servicer.inflight)
+            log.warning("grace period over with %d call(s) in flight", self.servicer.gate.inflight)
         await self._export_grace(self.config.export_grace_s)
         # Imports still streaming are ended now (DRAINING, their buffers freed): a stalled
         # one holds the drain no longer than the export grace.
@@ -117,7 +117,7 @@ class App:
         """A tensor-parallel rank is lost (``tp.fail``): health NOT_SERVING, every call
         unanswered and every new one fails UNAVAILABLE/TENSOR_PARALLEL_RANK_LOST, then
         the server stops (the CLI exits non-zero so a supervisor restarts it)."""
-        self.servicer.lost = error
+        self.servicer.gate.lost = error
         for name in ("", SERVICE_NAME, *self.registry.workers):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         for worker in list(self.registry.workers.values()):
@@ -149,7 +149,7 @@ class App:
 
     @property
     def registry(self) -> Registry:
-        return self.servicer.registry
+        return self.servicer.gate.registry
 
 
 async def build_server(config: ServerConfig) -> App:
@@ -165,7 +165,7 @@ async def build_server(config: ServerConfig) -> App:
     if config.metrics_port is not None:
         from .rpc.metrics import Metrics
 
-        metrics = Metrics(lambda: [w.executor for w in list(servicer.workers.values())],
+        metrics = Metrics(lambda: [w.executor for w in list(servicer.gate.workers.values())],
                           transfers=lambda: servicer.transfer_figures())
     health = HealthServicer()
     registry = Registry(config.executor, instance_id, health, warmup=config.warmup,
@@ -290,7 +290,7 @@ async def _run(app: App) -> None:
         if isinstance(exc, StartupError):
             raise exc
         # loading is in order: the failed model is the first one not serving
-        spec = next((s for s in config.models if s.name not in app.servicer.workers), None)
+        spec = next((s for s in config.models if s.name not in app.servicer.gate.workers), None)
         where = f"--model {spec.name}={spec.path}" if spec else "--model"
         raise StartupError(f"{where}: cannot load it: {type(exc).__name__}: {exc}") from exc
     loader.cancel()

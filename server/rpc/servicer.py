@@ -18,7 +18,7 @@ import time
 import grpc
 
 from ferrum_rpc import convert, tensor_codec
-from ferrum_rpc.errors import ExecutorError, InvalidInput
+from ferrum_rpc.errors import InvalidInput
 from .auth import TokenTable
 from . import session
 from .ledger import Undelivered
@@ -87,40 +87,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                 return getattr(owner, name)
         return getattr(self, name)  # the generated base's UNIMPLEMENTED
 
-    # -- the process's view (app.py) --------------------------------------------------------
-    @property
-    def state(self) -> ServerState:
-        return self.gate.state
-
-    @state.setter
-    def state(self, value: ServerState) -> None:
-        self.gate.state = value
-
-    @property
-    def lost(self) -> ExecutorError | None:
-        return self.gate.lost
-
-    @lost.setter
-    def lost(self, error: ExecutorError | None) -> None:
-        self.gate.lost = error
-
-    @property
-    def inflight(self) -> int:
-        return self.gate.inflight
-
-    @property
-    def instance_id(self) -> str:
-        return self.gate.instance_id
-
-    @property
-    def registry(self) -> HostedModels:
-        return self.gate.registry
-
-    @property
-    def workers(self) -> dict[str, ModelWorker]:
-        """The serving models' workers by name (the registry's routing table)."""
-        return self.gate.workers
-
+    # -- the process's view (app.py; its entry state is the gate's) ---------------------------
     @property
     def transfers(self) -> int:
         """Exports, pushes and imports running now (a draining server waits for them)."""
@@ -163,17 +130,17 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
     @query
     async def GetCapabilities(self, request, context, tenant: str):
         caps = convert.capabilities_to_proto(self.gate.worker(request.model).executor.capabilities())
-        caps.models.extend(sorted(self.workers))
+        caps.models.extend(sorted(self.gate.workers))
         caps.shared_memory = self.admin_rpcs.shared_memory
         caps.max_decode_ahead = session.MAX_DECODE_AHEAD
         return caps
 
     @query
     async def GetStatus(self, request, context, tenant: str):
-        if self.state is ServerState.LOADING and not self.workers:
-            return pb.Status(state=pb.Status.STATE_LOADING, server_instance_id=self.instance_id)
+        if self.gate.state is ServerState.LOADING and not self.gate.workers:
+            return pb.Status(state=pb.Status.STATE_LOADING, server_instance_id=self.gate.instance_id)
         worker = self.gate.worker(request.model)
-        status = await worker.front.call(worker.executor.status, self.state, worker.work_queued, tenant)
+        status = await worker.front.call(worker.executor.status, self.gate.state, worker.work_queued, tenant)
         status = dataclasses.replace(status, ahead_sequences=sum(worker.ahead.values()),
                                      ahead_runs_paused=worker.ahead_paused,
                                      session_bytes_unsent=sum(s.unsent for s in self.sessions),

@@ -287,12 +287,12 @@ def test_limit_rows_have_the_python_clients_reasons(cpp_bin, tiny_llama_dir):
         got = compare_rows(cpp_bin, srv.target, py, ["too_long", "kv_exhausted"])
         assert got["too_long"][:2] == ["OUT_OF_RANGE", "SEQUENCE_TOO_LONG"]
         assert got["kv_exhausted"] == ["RESOURCE_EXHAUSTED", "KV_CAPACITY_EXHAUSTED", "retryable"]
-        srv.app.servicer.state = ServerState.DRAINING  # the flag SIGTERM's drain sets
+        srv.app.servicer.gate.state = ServerState.DRAINING  # the flag SIGTERM's drain sets
         try:
             want = outcome(lambda: py.prefill([1, 2, 3]))
             refused = run(cpp_bin, "ferrum-generate", "--target", srv.target, "--tokens", "1,2,3", check=False)
         finally:
-            srv.app.servicer.state = ServerState.SERVING
+            srv.app.servicer.gate.state = ServerState.SERVING
         assert want == ["UNAVAILABLE", "DRAINING"]
         assert refused.returncode == 2 and "ferrum-generate: DRAINING: " in refused.stderr
 
@@ -337,7 +337,7 @@ def test_a_caller_named_prefill_is_retried_not_released(cpp_bin, server, py):
     alone, so the retry makes the sequence, and a second retry gets it back (its reply
     as if lost) as an existing sequence without logits; another prompt under the name is
     REQUEST_ID_TAKEN, and nothing is left once the caller releases the name."""
-    kv = server.app.servicer.workers["tiny"].executor.kv
+    kv = server.app.servicer.gate.workers["tiny"].executor.kv
     before = kv.count("")
     got = lines(run(cpp_bin, "ferrum-cpp-check", "names", "--target", server.target, "--tokens", ids(PROMPT),
                     "--name", "cpp-retry-1").stdout)

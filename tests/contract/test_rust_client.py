@@ -154,12 +154,12 @@ def test_limit_rows_have_the_python_clients_reasons(rust_bin, tiny_llama_dir):
         assert got["too_long"][:2] == want["too_long"] == ["OUT_OF_RANGE", "SEQUENCE_TOO_LONG"]
         assert got["kv_exhausted"] == ["RESOURCE_EXHAUSTED", "KV_CAPACITY_EXHAUSTED", "true", "false"]
         assert want["kv_exhausted"] == ["RESOURCE_EXHAUSTED", "KV_CAPACITY_EXHAUSTED"]
-        srv.app.servicer.state = ServerState.DRAINING  # the flag SIGTERM's drain sets
+        srv.app.servicer.gate.state = ServerState.DRAINING  # the flag SIGTERM's drain sets
         try:
             want = outcome(lambda: py.prefill([1, 2, 3]))
             got = lines(run(rust_bin, "ferrum-rust-check", "errors", srv.target, "prefill").stdout)
         finally:
-            srv.app.servicer.state = ServerState.SERVING
+            srv.app.servicer.gate.state = ServerState.SERVING
         assert want == ["UNAVAILABLE", "DRAINING"]
         assert got["prefill"] == ["UNAVAILABLE", "DRAINING", "true", "false"]
 

@@ -250,7 +250,7 @@ def test_a_load_reads_its_adapter_before_it_waits_for_the_worker(server, good, t
     go (nothing is read on the worker), and when the worker is free the adapter loads
     with the digest of the files as they were."""
     folder = shutil.copytree(good, tmp_path / "moving")
-    worker = server.app.servicer.workers["tiny"]
+    worker = server.app.servicer.gate.workers["tiny"]
     gate = threading.Event()
     held = worker.submit(gate.wait, 60)
     result: dict = {}

@@ -243,7 +243,7 @@ def test_a_load_whose_deadline_passes_while_queued_loads_nothing(server, adapter
     import threading
     import time
 
-    worker = server.app.servicer.workers["tiny"]
+    worker = server.app.servicer.gate.workers["tiny"]
     gate = threading.Event()
     held = worker.submit(gate.wait, 30)
     while not held.running():
@@ -254,7 +254,7 @@ def test_a_load_whose_deadline_passes_while_queued_loads_nothing(server, adapter
                 impatient.load_adapter("late", str(adapters["c"]))
             assert expired.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
         deadline = time.monotonic() + 10
-        while server.app.servicer.inflight:  # the server's side of the call has ended too
+        while server.app.servicer.gate.inflight:  # the server's side of the call has ended too
             assert time.monotonic() < deadline
             time.sleep(0.005)
     finally:

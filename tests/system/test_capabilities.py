@@ -57,7 +57,7 @@ def test_packed_weights_are_counted_once(tiny_llama_dir):
     with running_server(tiny_llama_dir) as invariant, ExecutorClient(invariant.target, timeout=30) as ex:
         caps = ex.capabilities()
         assert caps.batch_invariant
-        linears = [m for m in invariant.app.servicer.workers["tiny"].executor.model.modules()
+        linears = [m for m in invariant.app.servicer.gate.workers["tiny"].executor.model.modules()
                    if isinstance(m, FastLinear)]
         panels = sum(m.panels.untyped_storage().nbytes() for m in linears)
         assert panels >= sum(m.weight.numel() * 4 for m in linears)  # every float linear packed (zeros pad)
@@ -67,7 +67,7 @@ def test_packed_weights_are_counted_once(tiny_llama_dir):
         caps = ex.capabilities()
         if "onednn-packed" not in caps.kernel_path:
             pytest.skip(f"oneDNN packed linears do not run on this CPU ({caps.kernel_path})")
-        linears = [m for m in packed.app.servicer.workers["tiny"].executor.model.modules()
+        linears = [m for m in packed.app.servicer.gate.workers["tiny"].executor.model.modules()
                    if isinstance(m, FastLinear)]
         # "batched" (the load-time timing found packed slower for one row here, as it may on a busy
         # machine): the plain copy is kept beside the packed one by design, and counted

@@ -125,7 +125,7 @@ def test_decode_steps_replayed_as_cuda_graphs_equal_eager_steps(dtype, tiny_llam
                 np.testing.assert_allclose(x.logits.values, y.logits.values, rtol=0,
                                            atol=ATOL if dtype == "float32" else 0.01 * scale)
                 ha[i], hb[i], tokens[i] = x.kv_cache, y.kv_cache, int(y.logits.values[0].argmax())
-        executor = graphs.app.servicer.workers["tiny"].executor
+        executor = graphs.app.servicer.gate.workers["tiny"].executor
         # (the server's warm-up measured every batch bucket through graphs too)
         assert {1, 2, 4} <= {batch for batch, _ in executor.graphs.graphs}
         assert len({width for _, width in executor.graphs.graphs}) >= 2

@@ -30,7 +30,7 @@ def server(tiny_llama_dir):
 def _stall_loop_during_next_forward(server) -> threading.Event:
     """On the next forward: stall the server's event loop for STALL_S (scheduled from the
     worker thread, which then waits until the loop is inside the stall), then run it."""
-    ex = server.app.servicer.workers["tiny"].executor
+    ex = server.app.servicer.gate.workers["tiny"].executor
     real, stalled = ex.run, threading.Event()
 
     def run(plans):

@@ -34,7 +34,7 @@ def client(tiny_server):
 
 
 def _executor(server):
-    return server.app.servicer.workers["tiny"].executor
+    return server.app.servicer.gate.workers["tiny"].executor
 
 
 def _single_steps(client, prompt, choice, n):

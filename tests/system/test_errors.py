@@ -652,7 +652,7 @@ def test_draining_refuses_calls_and_keeps_state(tiny_llama_dir):
     with running_server(tiny_llama_dir) as server, ExecutorClient(server.target, timeout=30) as c:
         subject, reference = (c.prefill(prompt(6)).kv_cache for _ in range(2))
         before = kv_state(c)
-        server.app.servicer.state = ServerState.DRAINING  # the flag SIGTERM's drain sets
+        server.app.servicer.gate.state = ServerState.DRAINING  # the flag SIGTERM's drain sets
         # Queries stay answered so callers can watch the drain.
         assert c.status().state is ServerState.DRAINING
         assert c.info().name == "tiny" and c.capabilities().model == "tiny"
@@ -666,9 +666,9 @@ def test_draining_refuses_calls_and_keeps_state(tiny_llama_dir):
             assert "shutting down" in err.message
         with ExecutorClient(server.target, timeout=30) as late:  # a new caller too
             expect(Draining, late.prefill, [1])
-        assert server.app.servicer.inflight == 0, "refused calls were counted as in flight"
+        assert server.app.servicer.gate.inflight == 0, "refused calls were counted as in flight"
         # nothing was touched while refusing: lift the flag (test only) and look
-        server.app.servicer.state = ServerState.SERVING
+        server.app.servicer.gate.state = ServerState.SERVING
         assert kv_state(c) == before
         assert_same_sequence(c, subject, reference)
 
@@ -837,7 +837,7 @@ def test_async_client_maps_errors(tiny_server, client, seqs):
 
 def test_async_client_draining(tiny_llama_dir):
     with running_server(tiny_llama_dir) as server:
-        server.app.servicer.state = ServerState.DRAINING
+        server.app.servicer.gate.state = ServerState.DRAINING
 
         async def scenario():
             async with AsyncExecutorClient(server.target, timeout=30) as ac:

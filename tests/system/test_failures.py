@@ -37,7 +37,7 @@ class Gates:
     """Holds a server's model worker: each gate is a job that waits on its Event."""
 
     def __init__(self, server, model: str = "tiny"):
-        self.worker = server.app.servicer.workers[model]
+        self.worker = server.app.servicer.gate.workers[model]
         self.events: list[threading.Event] = []
 
     def add(self):
@@ -175,7 +175,7 @@ def test_abandoned_chunked_prefill_stops_and_undoes_its_work(tiny_llama_dir, how
             call.result(timeout=10)
         if how == "deadline":
             assert info.value.code() == CODE.DEADLINE_EXCEEDED
-        wait_for(lambda: server.app.servicer.inflight, 10, "the server to see the caller go",
+        wait_for(lambda: server.app.servicer.gate.inflight, 10, "the server to see the caller go",
                  until=lambda n: n == 0)
         second.set()
         assert kv_state(ex) == before  # every chunk undone, nothing stranded

@@ -74,7 +74,7 @@ def test_hostile_token_choices_are_served_and_fail_nobody_else(server):
 def _poison(server, cache_id: str) -> None:
     """Writes NaN over a sequence's K in every layer, on the worker thread (corrupt state,
     as a bad import or a faulty device would leave it)."""
-    worker = server.app.servicer.workers["tiny"]
+    worker = server.app.servicer.gate.workers["tiny"]
     ex = worker.executor
     blocks = lambda: torch.tensor(ex.kv.get(cache_id).block_ids, device=ex.pool.k.device)  # noqa: E731
     worker.submit(lambda: ex.pool.k.index_fill_(1, blocks(), float("nan"))).result(10)

@@ -79,7 +79,7 @@ class Channel:
 async def _stop(app) -> None:
     """Cleanup after a failed test: stop the server and any worker threads."""
     await app.server.stop(None)
-    for worker in app.servicer.workers.values():
+    for worker in app.servicer.gate.workers.values():
         worker.stop(timeout=5)
 
 
@@ -109,7 +109,7 @@ def test_health_not_serving_while_loading_then_serving(tiny_llama_dir):
 
             status = await ch.executor.GetStatus(pb.GetStatusRequest(), timeout=5)
             assert status.state == pb.Status.STATE_LOADING
-            assert status.server_instance_id == app.servicer.instance_id
+            assert status.server_instance_id == app.servicer.gate.instance_id
 
             for call in (ch.executor.Prefill(pb.PrefillRequest(token_ids=PROMPT, logits=ARGMAX), timeout=5),
                          ch.executor.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)):
@@ -130,7 +130,7 @@ def test_health_not_serving_while_loading_then_serving(tiny_llama_dir):
             assert status.active_sequences == 0  # the warm-up released its cache
             reply = await ch.executor.Prefill(pb.PrefillRequest(token_ids=PROMPT, logits=ARGMAX), timeout=5)
             assert reply.kv_cache.sequence_length == len(PROMPT)
-            assert reply.kv_cache.server_instance_id == app.servicer.instance_id
+            assert reply.kv_cache.server_instance_id == app.servicer.gate.instance_id
 
             await app.drain(5)
             await _assert_down_or_not_serving(ch)
@@ -154,7 +154,7 @@ def test_drain_finishes_in_flight_calls_and_refuses_new_ones(tiny_llama_dir):
             await app.load()
             warm = await ch.executor.Prefill(pb.PrefillRequest(token_ids=PROMPT, logits=ARGMAX), timeout=5)
 
-            worker = app.servicer.workers["tiny"]
+            worker = app.servicer.gate.workers["tiny"]
             held = worker.submit(gate.wait, 10)  # the worker thread now waits on the gate
             prefill = asyncio.ensure_future(ch.executor.Prefill(
                 pb.PrefillRequest(token_ids=PROMPT, logits=ARGMAX), timeout=15))
@@ -162,12 +162,12 @@ def test_drain_finishes_in_flight_calls_and_refuses_new_ones(tiny_llama_dir):
                 items=[pb.DecodeItem(token_id=warm.logits.token_ids[0], kv_cache=warm.kv_cache)],
                 logits=ARGMAX), timeout=15)
             batch = asyncio.ensure_future(_collect(stream))
-            await wait_for_async(lambda: app.servicer.inflight, 5, "both calls in flight", until=lambda n: n == 2)
+            await wait_for_async(lambda: app.servicer.gate.inflight, 5, "both calls in flight", until=lambda n: n == 2)
 
             drain = asyncio.ensure_future(app.drain(10))
             calls_done_at_drain_end: list = []  # checked once all ends: drain ended after both calls
             drain.add_done_callback(lambda _: calls_done_at_drain_end.append((prefill.done(), batch.done())))
-            await wait_for_async(lambda: app.servicer.state, 5, "the server to drain",
+            await wait_for_async(lambda: app.servicer.gate.state, 5, "the server to drain",
                                  until=lambda s: s is ServerState.DRAINING)
             # health says NOT_SERVING as the drain's last step before it waits for the calls in flight
             await wait_for_async(lambda: ch.health_status(SERVICE), 5, "health NOT_SERVING",
@@ -187,7 +187,7 @@ def test_drain_finishes_in_flight_calls_and_refuses_new_ones(tiny_llama_dir):
                 err = await ch.refused(call)
                 assert err.code() is grpc.StatusCode.UNAVAILABLE
                 assert reason_of(err) == "DRAINING"
-            assert app.servicer.inflight == 2  # refusals are never counted as in flight
+            assert app.servicer.gate.inflight == 2  # refusals are never counted as in flight
             # ... while queries still answer, so callers can see the state
             info = await ch.executor.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
             assert info.name == "tiny"
@@ -205,7 +205,7 @@ def test_drain_finishes_in_flight_calls_and_refuses_new_ones(tiny_llama_dir):
 
             await asyncio.wait_for(drain, 10)
             assert calls_done_at_drain_end == [(True, True)], "drain returned before the calls in flight ended"
-            assert app.servicer.inflight == 0
+            assert app.servicer.gate.inflight == 0
             await _assert_down_or_not_serving(ch)
         except BaseException:
             gate.set()

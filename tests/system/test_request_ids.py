@@ -32,7 +32,7 @@ def server(tiny_llama_dir, tmp_path_factory):
 
 
 def _worker(server):
-    return server.app.servicer.workers["tiny"]
+    return server.app.servicer.gate.workers["tiny"]
 
 
 def _live(server, tenant: str) -> int:
