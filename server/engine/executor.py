@@ -174,7 +174,7 @@ class TorchExecutor:
                 if (done := prompt.part_done(plan, rows, time.perf_counter_ns() - t0)) is not None:
                     return done
         except BaseException:
-            prompt.undo()
+            prompt.abandon()
             raise
 
     def open_prefill(self, token_ids: list[int], kv_cache: KvCacheHandle | None = None,
@@ -282,7 +282,7 @@ class TorchExecutor:
             at += n
             if (failure := next((s.failure for s in plan.steps if s.failure is not None), None)) is not None:
                 for step in plan.steps:  # this call alone fails, and changes nothing
-                    self.undo([step.opened.undo])
+                    self.undo([step.opened.undo_record])
                 results.append(failure)
                 continue
             if plan.kind is PlanKind.PART:

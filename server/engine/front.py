@@ -45,7 +45,7 @@ class AsyncFront:
                      tenant: str = "") -> Done:
         """A decode step; the undo records are one per input, in order."""
         work = DecodeWork(inputs, policy)
-        return await self._await(self.worker.put(Job(None, (), decode=work, deadline=deadline, tenant=tenant)), work.undo)
+        return await self._await(self.worker.put(Job(None, (), decode=work, deadline=deadline, tenant=tenant)), work.undo_records)
 
     async def speculative(self, token_id: int, draft: list[int], kv_cache: KvCacheHandle,
                           policy: LogitsPolicy | None, deadline: float | None = None, sampling=None,

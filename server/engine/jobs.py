@@ -20,7 +20,7 @@ class DecodeWork:
     inputs: list[DecodeInput]
     policy: LogitsPolicy
 
-    def undo(self, outs: list) -> list[Undo]:
+    def undo_records(self, outs: list) -> list[Undo]:
         """Each sequence back to the length its input handle had (one record an input)."""
         return [Undo.of(i.kv_cache, o.kv_cache) for i, o in zip(self.inputs, outs)]
 
@@ -44,7 +44,7 @@ class Done(NamedTuple):
     """A finished call's result and the undo records that put back what it changed:
     the records its caller applies if the reply never goes out (see ``Undo``)."""
     out: Any
-    undo: list[Undo]
+    undo_records: list[Undo]
 
 
 @dataclass

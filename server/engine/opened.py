@@ -19,6 +19,6 @@ class Opened:
     clock: float  # its idle clock before the call (a failure leaves it untouched)
 
     @property
-    def undo(self) -> Undo:
-        """Puts the sequence back as it was before the call, idle clock included."""
+    def undo_record(self) -> Undo:
+        """The record that puts the sequence back as it was before the call, idle clock included."""
         return Undo(self.seq.cache_id, None if self.created else self.origin, clock=self.clock)

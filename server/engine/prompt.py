@@ -108,7 +108,7 @@ class PromptInParts:
             weights = tuple(torch.cat([F.pad(w, (0, length - w.shape[-1])) for w in self.weights[layer]], dim=1)
                             [:, picked].numpy() for layer in (hidden.attention_layers if hidden else ()))
         except BaseException:
-            self.undo()
+            self.abandon()
             raise
         self.open = False
         if not self.as_output:  # the penalties' prompt now ends here
@@ -119,9 +119,9 @@ class PromptInParts:
                              cached_tokens=self.opened.cached, hidden_states=states, attention_weights=weights,
                              chosen=self.chosen)
 
-    def undo(self) -> None:
+    def abandon(self) -> None:
         """Undoes every part run so far (safe to call twice, and after a failed forward)."""
         if self.open:
             self.open = False
             self.executor.kv.unpin(self.opened.seq, touch=False)
-            self.executor.undo([self.opened.undo])
+            self.executor.undo([self.opened.undo_record])

@@ -73,7 +73,7 @@ class Runner:
                 log.exception("batched forward failed")
             for job, _ in planned:
                 if job.prompt is not None:
-                    job.prompt.undo()
+                    job.prompt.abandon()
                 job.future.set_exception(exc)
             return StepResult(None)
         forward_ns, steps = time.perf_counter_ns() - t0, sum(len(p.steps) for _, p in planned)
@@ -88,11 +88,11 @@ class Runner:
         if not isinstance(result, BaseException) and (gone := job.gone()) is not None:
             # its caller stopped waiting during the forward: what it committed goes back
             if job.decode:
-                self.executor.undo(job.decode.undo(result))
+                self.executor.undo(job.decode.undo_records(result))
             result = gone
         if isinstance(result, BaseException):  # this call's own rows failed; run() undid it
             if job.prompt is not None:
-                job.prompt.undo()
+                job.prompt.abandon()
             job.future.set_exception(result)
             return
         if job.decode:
@@ -119,7 +119,7 @@ class Runner:
             job.queue_ns = time.perf_counter_ns() - job.enqueued_ns
         if (gone := job.gone()) is not None:  # nobody waits for it: undo its parts so far
             if job.prompt is not None:
-                job.prompt.undo()
+                job.prompt.abandon()
             job.future.set_exception(gone)
             return None
         try:
@@ -136,6 +136,6 @@ class Runner:
             return None
         except BaseException as exc:
             if job.prompt is not None:
-                job.prompt.undo()
+                job.prompt.abandon()
             job.future.set_exception(exc)
             return None

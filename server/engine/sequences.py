@@ -117,7 +117,7 @@ class Sequences:
         """Gives back the steps' reserved KV room and puts their sequences back as they were."""
         for step in steps:
             self.kv.undo_write(step.seq, step.plan)
-            self.undo([step.opened.undo])
+            self.undo([step.opened.undo_record])
 
     def truncate(self, kv_cache: KvCacheHandle, new_length: int, tenant: str = "") -> KvCacheHandle:
         seq = self.checks.resolve(kv_cache, tenant)

@@ -14,7 +14,7 @@ class Undo:
 
     The executor makes it where a call changes a sequence (:meth:`of` for a
     finished call, from the handle the call was given and the one it returned;
-    ``Opened.undo`` for a call in progress); whoever abandons the call (a
+    ``Opened.undo_record`` for a call in progress); whoever abandons the call (a
     failure, a caller that went away, a reply never sent) applies it with
     :meth:`TorchExecutor.undo`.  A sequence already gone is skipped."""
 

@@ -60,13 +60,13 @@ class Undelivered:
         per sequence, from where the call found it to where it is now)."""
         self._pending.pop(key, None)
 
-    def undo(self, keys) -> None:
+    def abandon(self, keys) -> None:
         """Undoes these entries now (a result whose reply became an error)."""
         rest, self._pending = self._pending, {k: self._pending[k] for k in keys if k in self._pending}
-        self.undo_rest()
+        self.abandon_rest()
         self._pending = {k: v for k, v in rest.items() if k not in keys}
 
-    def undo_rest(self) -> None:
+    def abandon_rest(self) -> None:
         by_worker: dict[int, tuple[ModelWorker, list[Undo]]] = {}
         for worker, undos in self._pending.values():
             by_worker.setdefault(id(worker), (worker, []))[1].extend(undos)

@@ -112,9 +112,14 @@ class Replies:
 
         if target is not None:  # the builder's own pin: a cancelled await must not release the region under it
             target[0].hold()
+        job = self._reply_builder.submit(build)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._reply_builder, build)
+            return await asyncio.wrap_future(job)
         except asyncio.CancelledError:
+            # a build that never started never runs its finally: its pin is given back here
+            # (cancel() is False once it runs; then its finally does it)
+            if job.cancel() and target is not None:
+                target[0].unpin()
             if worker is not None and undo:
                 worker.undo(list(undo), "a reply whose caller went away while it was built")
             raise

@@ -191,7 +191,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                                                          request.single_reply, targets, keys):
                     yield reply
             except BaseException:  # failed, cancelled or closed before its last reply: nothing stays
-                ledger.undo_rest()
+                ledger.abandon_rest()
                 raise
             ledger.keep()
 
@@ -280,19 +280,19 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
                                         return_exceptions=True)
             failed = next((o for o in outs if isinstance(o, BaseException)), None)
             if failed is not None:  # all or nothing: the prompts that ran are undone
-                done = [record for o in outs if not isinstance(o, BaseException) for record in o.undo]
+                done = [record for o in outs if not isinstance(o, BaseException) for record in o.undo_records]
                 if done:
                     await worker.front.call(worker.executor.undo, done)
                 raise failed
             ledger = Undelivered()
             for done in outs:
-                ledger.add(worker, done.undo)
+                ledger.add(worker, done.undo_records)
             try:
                 for index, (out, _) in enumerate(outs):
                     yield await self.replies.reply(pb.BatchPrefillResponse(index=index, cached_tokens=out.cached_tokens),
                                             out, received, target=targets[index])
             except BaseException:  # all or nothing, up to the last reply (see Undelivered.keep)
-                ledger.undo_rest()
+                ledger.abandon_rest()
                 raise
             ledger.keep()
 

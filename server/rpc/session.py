@@ -124,7 +124,7 @@ class DecodeSession:
             # RST_STREAM): the cancel shows as this task being cancelled a moment later
             await asyncio.sleep(SESSION_END_GRACE_S)
         except BaseException:
-            self.ledger.undo_rest()  # unconfirmed steps (see the module docstring)
+            self.ledger.abandon_rest()  # unconfirmed steps (see the module docstring)
             raise
         else:
             self.ledger.keep()
@@ -192,7 +192,7 @@ class DecodeSession:
                         await self._hand(reply)
             servicer.observe("DecodeSession", tenant, None, received / 1e9, outs[0].timing if outs else None)
         except Exception as exc:
-            ledger.undo(keys)  # the step answers with an error: it changes nothing
+            ledger.abandon(keys)  # the step answers with an error: it changes nothing
             servicer.observe("DecodeSession", tenant, exc, received / 1e9)
             await self._hand(pb.DecodeSessionResponse(
                 step_id=step_id, error=to_status_proto(as_executor_error(exc))))

@@ -116,8 +116,8 @@ def test_a_failing_ragged_forward_undoes_every_part_of_every_prompt(tiny_llama_d
             ex.run(plans)
     finally:
         ex.model.logits = real_logits
-    prompt.undo()
-    prompt.undo()  # twice is harmless
+    prompt.abandon()
+    prompt.abandon()  # twice is harmless
     assert snapshot(ex) == before
 
 
@@ -258,7 +258,7 @@ def test_a_prompt_whose_next_part_finds_the_pool_full_is_undone_whole(tiny_llama
         for _ in range(4):
             plan = prompt.next_part(8)
             prompt.part_done(plan, ex.run([plan])[0])
-    prompt.undo()  # what the worker does when a part cannot be planned
+    prompt.abandon()  # what the worker does when a part cannot be planned
     after = snapshot(ex)
     assert set(after["seqs"]) == {other.cache_id}  # the prompt's sequence is gone
     assert after["seqs"][other.cache_id][0] == 16 and after["used"] == before["used"] + 4

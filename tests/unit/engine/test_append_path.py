@@ -94,8 +94,8 @@ def test_a_failed_mixed_forward_leaves_every_sequence_as_it_was(ex, monkeypatch,
     (fail_forward if where == "forward" else fail_lm_head)(ex, monkeypatch)
     with pytest.raises(Boom):
         ex.run(plans)
-    new.undo()  # what the worker does for prompts whose forward failed
-    cont.undo()
+    new.abandon()  # what the worker does for prompts whose forward failed
+    cont.abandon()
     assert snapshot(ex) == before
     monkeypatch.undo()
     out = ex.decode(17, ha)  # and the sequences still serve
