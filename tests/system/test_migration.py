@@ -302,10 +302,11 @@ def test_an_import_cancelled_mid_stream_changes_nothing(servers, export):
                 await asyncio.Event().wait()  # the trailer never comes: the call is cancelled first
                 yield messages[-1]
 
-            call = stub.ImportSequence(some_then_wait(), metadata=(("authorization", f"Bearer {TOKENS['alice']}"),))
+            auth = (("authorization", f"Bearer {TOKENS['alice']}"),)
+            call = stub.ImportSequence(some_then_wait(), metadata=auth)
             await sent.wait()
             # the server has read everything but the trailer: 20 tokens' KV buffered
-            await wait_for_async(lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=10), 10,
+            await wait_for_async(lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=10, metadata=auth), 10,
                                  "the import's 20 tokens buffered on B",
                                  until=lambda st: (st.imports_in_flight, st.transfer_bytes_in_flight) == (1, 20 * 512))
             call.cancel()
