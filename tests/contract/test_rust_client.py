@@ -20,7 +20,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +34,7 @@ from ferrum_rpc.client.sampling import SamplingParams
 from ferrum_rpc.harness import ServerProcess, all_serving
 from ferrum_rpc.paths import cache_root
 from ferrum_rpc.types import ServerState
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(2400)
 
@@ -279,10 +279,7 @@ def test_ferrum_engine_eight_at_once_equal_each_alone(rust_bin, smol, smol_dir, 
     got = engine_ids(rust_bin, smol.target, PROMPTS, 8, smol_dir)
     assert got == python_greedy
     with ExecutorClient(smol.target, timeout=30) as c:
-        deadline = time.monotonic() + 10
-        while c.status().active_sequences and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert c.status().active_sequences == 0
+        wait_for(lambda: c.status().active_sequences, 10, "no live sequence", until=lambda n: n == 0)
 
 
 def executor_calls(stderr: str) -> dict[str, int]:
@@ -325,10 +322,14 @@ def test_a_request_cancelled_mid_generation_leaves_no_sequence(rust_bin, smol, s
                                  "400", "--concurrency", "2", "--tokenizer", str(Path(smol_dir) / "tokenizer.json"),
                                  "--ids", PROMPTS[0], PROMPTS[1]], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
-            deadline = time.monotonic() + 120
-            while c.status().active_sequences < 2 or c.status().forwards < before.forwards + 8:
-                assert proc.poll() is None and time.monotonic() < deadline, "generation never got going"
-                time.sleep(0.02)
+
+            def going():
+                assert proc.poll() is None, "the program ended before generation got going"
+                status = c.status()
+                return status.active_sequences, status.forwards - before.forwards
+
+            wait_for(going, 120, "(live sequences, forwards) of generation under way",
+                     until=lambda o: o[0] >= 2 and o[1] >= 8)
             proc.send_signal(signal.SIGINT)
             _, err = proc.communicate(timeout=30)
         finally:
@@ -338,10 +339,7 @@ def test_a_request_cancelled_mid_generation_leaves_no_sequence(rust_bin, smol, s
         # Ferrum's engine cancelled the requests and released their sequences itself
         # (the program's own release of leftovers had nothing to do).
         assert b"the engine released its sequences" in err and b"released here" not in err, err
-        deadline = time.monotonic() + 30
-        while c.status().active_sequences and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert c.status().active_sequences == 0
+        wait_for(lambda: c.status().active_sequences, 30, "no live sequence", until=lambda n: n == 0)
 
 
 def test_server_killed_mid_generation_ends_with_the_reason(rust_bin, smol_dir):
@@ -353,10 +351,12 @@ def test_server_killed_mid_generation_ends_with_the_reason(rust_bin, smol_dir):
                                      "400", "--tokenizer", str(Path(smol_dir) / "tokenizer.json"), "--ids",
                                      PROMPTS[0]], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             try:
-                deadline = time.monotonic() + 120
-                while c.status().forwards < start + 4:
-                    assert proc.poll() is None and time.monotonic() < deadline, "generation never got going"
-                    time.sleep(0.02)
+
+                def forwards():
+                    assert proc.poll() is None, "the program ended before generation got going"
+                    return c.status().forwards - start
+
+                wait_for(forwards, 120, "four forwards of generation", until=lambda n: n >= 4)
                 srv.kill()
                 out, err = proc.communicate(timeout=60)  # an error, not a hang
             finally:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import shutil
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +22,7 @@ from ferrum_rpc.errors import ExecutorError, Reason
 from ferrum_rpc.harness import all_serving
 from tests.conftest import TENANT_TOKENS, running_server, tenants_server
 from tests.unit.models.lora_helpers import edit_config, make_adapter
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -264,14 +264,10 @@ def test_a_load_reads_its_adapter_before_it_waits_for_the_worker(server, good, t
 
     loader = threading.Thread(target=load)
     try:
-        deadline = time.monotonic() + 30
-        while not held.running():
-            assert time.monotonic() < deadline, "the worker never took the holding job"
-            time.sleep(0.005)
+        wait_for(held.running, 30, "the worker to take the holding job")
         loader.start()
-        while worker.queue_depth == 0:  # the load's job, queued once its adapter is built
-            assert time.monotonic() < deadline, "the load never queued on the worker"
-            time.sleep(0.005)
+        # the load's job, queued once its adapter is built
+        wait_for(lambda: worker.queue_depth, 30, "the load to queue on the worker")
         shutil.rmtree(folder)
     finally:
         gate.set()

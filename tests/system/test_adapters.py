@@ -5,7 +5,6 @@ that never cross adapters, and every refusal from the error table."""
 
 from __future__ import annotations
 
-import time
 
 import grpc
 import numpy as np
@@ -15,6 +14,7 @@ from ferrum_rpc.client import DecodeInput, ExecutorClient, LogitsPolicy, TokenCh
 from ferrum_rpc.errors import ExecutorError, Reason
 from tests.conftest import TENANT_TOKENS, running_server, tenants_server
 from tests.unit.models.lora_helpers import edit_config, make_adapter, oracle
+from tests.waiting import wait_for
 
 PROMPTS = ([1, 17, 42, 99, 5, 230, 17, 8], [3, 4, 5, 6, 7, 8, 9, 10, 11], [200, 201, 9, 9, 9, 12])
 FULL = LogitsPolicy()
@@ -241,22 +241,18 @@ def test_a_load_whose_deadline_passes_while_queued_loads_nothing(server, adapter
     """The worker is held; a LoadAdapter with a short deadline waits behind it and
     expires: once the worker is free the load never runs."""
     import threading
-    import time
 
     worker = server.app.servicer.gate.workers["tiny"]
     gate = threading.Event()
     held = worker.submit(gate.wait, 30)
-    while not held.running():
-        time.sleep(0.001)
+    wait_for(held.running, 30, "the worker to run the holding job")
     try:
         with ExecutorClient(server.target, timeout=0.3) as impatient:
             with pytest.raises(ExecutorError) as expired:
                 impatient.load_adapter("late", str(adapters["c"]))
             assert expired.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
-        deadline = time.monotonic() + 10
-        while server.app.servicer.gate.inflight:  # the server's side of the call has ended too
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        wait_for(lambda: server.app.servicer.gate.inflight, 10, "the server's side of the call to end too",
+                 until=lambda n: n == 0)
     finally:
         gate.set()
     with ExecutorClient(server.target) as c:
@@ -282,10 +278,8 @@ def test_kv_events_name_adapter_roots_and_route_adapter_prompts_to_their_cache(t
         with ReplicaSetClient([x.target, y.target], timeout=30,
                               replica_policy=ReplicaPolicy(status_ttl_s=0.05, seed=0)) as fleet:
             router = fleet._router
-            end = time.monotonic() + 20
-            while any(router.matched_tokens(s, "a").get(x.target, 0) < 24 for s in systems):
-                assert time.monotonic() < end, "the events never arrived"
-                time.sleep(0.05)
+            wait_for(lambda: [router.matched_tokens(s, "a").get(x.target, 0) for s in systems], 20,
+                     "the events (24 tokens matched on X per system prompt)", until=lambda m: min(m) >= 24)
             index = router.indexes[x.target]
             assert index.adapter_roots == {"a": hashing.chain_root("", entry.digest)}
             assert all(router.matched_tokens(s).get(x.target) == 0 for s in systems)  # not the base's blocks
@@ -298,10 +292,8 @@ def test_kv_events_name_adapter_roots_and_route_adapter_prompts_to_their_cache(t
             with ExecutorClient(x.target, timeout=30) as direct:
                 direct.load_adapter("c", str(adapters["c"]))
                 digest = next(e.digest for e in direct.list_adapters() if e.name == "c")
-            end = time.monotonic() + 20
-            while "c" not in index.adapter_roots:
-                assert time.monotonic() < end, "no new hello after the load"
-                time.sleep(0.05)
+            wait_for(lambda: set(index.adapter_roots), 20, "a new hello naming c after the load",
+                     until=lambda roots: "c" in roots)
             assert index.adapter_roots["c"] == hashing.chain_root("", digest)
         with ExecutorClient(x.target, timeout=30) as direct:
             for handle in kept:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -13,6 +12,7 @@ import torch
 from ferrum_rpc.client import ExecutorClient, LogitsPolicy
 from ferrum_rpc.errors import CacheExpired, CacheNotFound, LengthMismatch, Reason
 from tests.conftest import running_server
+from tests.waiting import wait_for
 
 ATOL = 1e-4
 
@@ -62,10 +62,13 @@ def test_idle_sequences_expire_with_cache_expired(tiny_llama_dir):
         assert ex.capabilities().idle_timeout_s == 0.5
         idle = ex.prefill([1, 2, 3]).kv_cache
         busy = ex.prefill([4, 5, 6]).kv_cache
-        deadline = time.monotonic() + 1.6
-        while time.monotonic() < deadline:  # keep one sequence in use
+
+        def use_busy() -> int:  # keeps one sequence in use until the reaper took the other
+            nonlocal busy
             busy = ex.decode(7, busy).kv_cache
-            time.sleep(0.1)
+            return ex.status().sequences_expired
+
+        wait_for(use_busy, 10, "the idle sequence to expire")
         with pytest.raises(CacheExpired) as info:
             ex.decode(7, idle)
         assert info.value.reason is Reason.CACHE_EXPIRED and isinstance(info.value, CacheNotFound)
@@ -110,10 +113,14 @@ def test_disconnect_mid_session_loses_nothing_of_other_sequences(tiny_server):
         reference = survivor.prefill([5, 6, 7]).kv_cache
         quitter = ExecutorClient(tiny_server.target)
         theirs = quitter.prefill([1, 1, 1]).kv_cache
+        servicer = tiny_server.app.servicer
+        others = set(servicer.sessions)
         session = quitter.decode_session()
         session.step([(3, theirs)])
+        (theirs_session,) = set(servicer.sessions) - others
         quitter.close()  # drops the stream without ending it
-        time.sleep(0.2)
+        wait_for(lambda: theirs_session in servicer.sessions, 10, "the server to end the dropped session",
+                 until=lambda still: not still)
         a = survivor.decode(8, mine)
         b = survivor.decode(8, reference)
         np.testing.assert_allclose(a.logits.values, b.logits.values, atol=ATOL, rtol=0)

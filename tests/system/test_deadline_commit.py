@@ -35,7 +35,7 @@ def _stall_loop_during_next_forward(server) -> threading.Event:
 
     def run(plans):
         ex.run = real
-        server.loop.call_soon_threadsafe(lambda: (stalled.set(), time.sleep(STALL_S)))
+        server.loop.call_soon_threadsafe(lambda: (stalled.set(), time.sleep(STALL_S)))  # workload: the stall
         stalled.wait(5)
         return real(plans)
 
@@ -57,7 +57,9 @@ def test_a_call_whose_deadline_passed_while_the_server_stalled_is_undone(server,
             else:
                 hasty.prefill([7, 8, 9], handle, logits=LogitsPolicy.argmax())
         assert stalled.is_set() and caught.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
-        time.sleep(STALL_S)  # the server is serving again
+        serving = threading.Event()  # the loop runs this after the stall: the server is serving again
+        server.loop.call_soon_threadsafe(serving.set)
+        assert serving.wait(10 + STALL_S)
         retry = steady.decode(7, handle, logits=LogitsPolicy.argmax())  # the caller's retry, same handle
         assert retry.kv_cache.sequence_length == handle.sequence_length + 1
         steady.release_cache(retry.kv_cache)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -42,6 +41,7 @@ from ferrum_rpc.errors import (
 from ferrum_rpc.types import KvCacheHandle, LogitsPolicy, ServerState
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
+from tests.waiting import wait_for
 
 VOCAB = 320  # conftest.TINY
 CODE = grpc.StatusCode
@@ -784,8 +784,12 @@ def test_coalesced_decodes_never_exceed_max_batch_size(tiny_llama_dir):
             def first():
                 return clients[0].batch_decode([(5, handles[0])])
 
+            worker = server.app.servicer.workers["tiny"]
+
             def second():
-                time.sleep(0.1)  # arrives while the worker waits for more work
+                # arrives while the worker waits for more work: the first call is in, its job taken
+                wait_for(lambda: (server.app.servicer.inflight, worker.queue_depth), 10,
+                         "(calls in flight, jobs queued) with the first decode taken", until=lambda o: o == (1, 0))
                 return clients[1].batch_decode([(6, handles[1]), (7, handles[2])])
 
             with ThreadPoolExecutor(2) as pool:

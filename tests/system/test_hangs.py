@@ -148,7 +148,7 @@ def _stop_during_a_decode(replica: Replica, ex, token: int, handle, stop_s: floa
         # call's 2 s deadline race: either ends the call, and either must leave the
         # abandoned decode unrun on resume, which is what the caller checks next.
         assert caught.value.code in allowed, caught.value
-        time.sleep(max(0.0, stop_s - (time.monotonic() - start)))
+        time.sleep(max(0.0, stop_s - (time.monotonic() - start)))  # workload: the hang lasts stop_s
     finally:
         frozen.thaw()
 

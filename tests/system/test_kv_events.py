@@ -23,6 +23,7 @@ from ferrum_rpc.server.kv.events import KvEventHub, Stored, Subscriber
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 from tests.system.test_replicas import Replica
+from tests.waiting import wait_for
 
 ALICE, BOB = "alice-token-aaaaaaaaaaaaaaaaaaaa", "bob-token-bbbbbbbbbbbbbbbbbbbbbbb"
 BS = 4  # Replica's --block-size
@@ -215,10 +216,8 @@ def test_placement_by_events_hits_prefixes_the_lru_cannot_know(tiny_llama_dir):
         policy = dict(status_ttl_s=0.05, seed=0)
         with ReplicaSetClient([x.target, y.target], timeout=30,
                               replica_policy=ReplicaPolicy(**policy)) as by_events:
-            end = time.monotonic() + 20
-            while any(by_events._router.matched_tokens(s).get(x.target, 0) < 24 for s in systems):
-                assert time.monotonic() < end, "the events never arrived"
-                time.sleep(0.05)
+            wait_for(lambda: [by_events._router.matched_tokens(s).get(x.target, 0) for s in systems], 20,
+                     "the events (24 tokens matched on X per system prompt)", until=lambda m: min(m) >= 24)
             hits = [by_events.prefill(s + [9, 10, 11, i]).cached_tokens for i, s in enumerate(systems)]
         with ReplicaSetClient([x.target, y.target], timeout=30,
                               replica_policy=ReplicaPolicy(kv_events=False, **policy)) as by_lru:

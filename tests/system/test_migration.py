@@ -38,6 +38,7 @@ from ferrum_rpc.harness import ServerProcess, all_serving
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 from tests.system.test_security import pki  # noqa: F401  (a fixture: a CA and a server certificate)
+from tests.waiting import wait_for, wait_for_async
 
 TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789ab"}
 FLAGS = ("--block-size", "4", "--no-warmup", "--threads", "1", "--grace", "5")
@@ -298,12 +299,16 @@ def test_an_import_cancelled_mid_stream_changes_nothing(servers, export):
                 for m in messages[:-1]:
                     yield m
                 sent.set()
-                await asyncio.sleep(30)
+                await asyncio.Event().wait()  # the trailer never comes: the call is cancelled first
                 yield messages[-1]
 
-            call = stub.ImportSequence(some_then_wait(), metadata=(("authorization", f"Bearer {TOKENS['alice']}"),))
+            auth = (("authorization", f"Bearer {TOKENS['alice']}"),)
+            call = stub.ImportSequence(some_then_wait(), metadata=auth)
             await sent.wait()
-            await asyncio.sleep(0.3)  # the server has read everything but the trailer
+            # the server has read everything but the trailer: 20 tokens' KV buffered
+            await wait_for_async(lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=10, metadata=auth), 10,
+                                 "the import's 20 tokens buffered on B",
+                                 until=lambda st: (st.imports_in_flight, st.transfer_bytes_in_flight) == (1, 20 * 512))
             call.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await call
@@ -370,8 +375,9 @@ def test_tickets_refused_expired_other_tenants_unknown_or_for_another_fingerprin
         target = servers["b"].target
         unchanged, mine = state(b), state(a)
         short = b.create_import_ticket(ttl_s=0.2).ticket
+        expired_after = time.monotonic() + 0.2  # later than the server's own expiry (one clock)
         bobs = bob.create_import_ticket().ticket
-        time.sleep(0.4)
+        wait_for(lambda: time.monotonic() > expired_after, 5, "the short ticket's 0.2 s to pass")
         for ticket, cls in ((short, TicketExpired), (bobs, TicketNotFound), ("no-such-ticket", TicketNotFound)):
             with pytest.raises(ExecutorError) as info:
                 a.push_sequence(handle, target, ticket)

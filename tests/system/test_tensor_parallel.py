@@ -29,6 +29,7 @@ from ferrum_rpc.server.engine.executor import TorchExecutor
 from ferrum_rpc.rules import pack_allowed_tokens, unpack_allowed_tokens
 from ferrum_rpc.types import DecodeInput, HiddenStatesRequest, LogprobsMode, TokenChoice
 from tests.conftest import oracle_rows
+from tests.waiting import wait_for
 
 ATOL = 1e-4
 FULL = LogitsPolicy.full()
@@ -486,6 +487,7 @@ def _decode_until_failure(target: str, started: threading.Event, result: dict) -
             started.set()
             while True:
                 handle = ex.decode(1, handle, LogitsPolicy.argmax()).kv_cache
+                result["steps"] = result.get("steps", 0) + 1
                 if handle.sequence_length > 200:
                     handle = ex.truncate_kv(handle, len(PROMPT))
     except ExecutorError as exc:
@@ -506,7 +508,7 @@ def test_a_lost_rank_fails_the_server_closed(servers, arch, how):
     caller = threading.Thread(target=_decode_until_failure, args=(server.target, started, result), daemon=True)
     caller.start()
     assert started.wait(30)
-    time.sleep(0.3)  # decoding
+    wait_for(lambda: result.get("steps", 0), 30, "the caller's third decode", until=lambda n: n >= 3)  # decoding
     lost_at = time.monotonic()
     os.kill(ranks[0].pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
     bound = 2.0 + (TIMEOUT_S if how == "hung" else 0.0)
@@ -523,10 +525,8 @@ def test_a_lost_rank_fails_the_server_closed(servers, arch, how):
     assert result["at"] - lost_at < bound and exited_at - lost_at < bound + 1.5, \
         (result["at"] - lost_at, exited_at - lost_at)
     assert "tensor parallelism lost" in server.log()
-    deadline = time.monotonic() + 5
-    while _alive(children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _alive(children)  # the ranks (and multiprocessing's helper) went with the server
+    # the ranks (and multiprocessing's helper) went with the server
+    wait_for(lambda: _alive(children), 5, "no rank process left (pids alive)", until=lambda pids: not pids)
 
 
 @pytest.mark.slow

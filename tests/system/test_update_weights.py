@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import shutil
 import threading
-import time
 
 import grpc
 import numpy as np
@@ -19,6 +18,7 @@ from ferrum_rpc.errors import ExecutorError, Reason
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 from tests.conftest import TENANT_TOKENS, running_server, tenants_server
+from tests.waiting import wait_for
 
 FULL = LogitsPolicy()
 PROMPT = [1, 17, 42, 99, 5, 230, 17, 8]
@@ -85,15 +85,13 @@ def test_a_load_through_the_update_sees_only_whole_versions(tiny_llama_dir, pert
         threads = [threading.Thread(target=generate, args=(i,)) for i in range(16)]
         for t in threads:
             t.start()
-        def wait_for(n: int) -> None:
-            deadline = time.monotonic() + 60
-            while len(seen) < n and not errors:
-                assert time.monotonic() < deadline, f"{len(seen)} of {n} rows after 60 s"
-                time.sleep(0.01)
+        def rows(n: int) -> None:
+            wait_for(lambda: (len(seen), len(errors)), 60, f"{n} rows (rows, errors)",
+                     until=lambda o: o[0] >= n or o[1] > 0)
 
-        wait_for(32)
+        rows(32)
         c.update_weights(tensors)
-        wait_for(len(seen) + 32)
+        rows(len(seen) + 32)
         stop.set()
         for t in threads:
             t.join()
