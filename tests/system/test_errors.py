@@ -784,11 +784,11 @@ def test_coalesced_decodes_never_exceed_max_batch_size(tiny_llama_dir):
             def first():
                 return clients[0].batch_decode([(5, handles[0])])
 
-            worker = server.app.servicer.workers["tiny"]
+            worker = server.app.servicer.gate.workers["tiny"]
 
             def second():
                 # arrives while the worker waits for more work: the first call is in, its job taken
-                wait_for(lambda: (server.app.servicer.inflight, worker.queue_depth), 10,
+                wait_for(lambda: (server.app.servicer.gate.inflight, worker.queue_depth), 10,
                          "(calls in flight, jobs queued) with the first decode taken", until=lambda o: o == (1, 0))
                 return clients[1].batch_decode([(6, handles[1]), (7, handles[2])])
 
