@@ -42,7 +42,7 @@ cpp-deps:
 test: setup cpp-deps
 	$(BIN)/python -m pytest -q --durations=25
 
-# The unit tier alone: no server, no process, no real model (seconds once the kernels are built).
+# The unit tier alone: no process, no socket, no compiled kernel, no model file (seconds on a fresh machine).
 test-fast: setup
 	$(BIN)/python -m pytest -q tests/unit
 

@@ -119,7 +119,7 @@ def write_results(name: str, records: list[dict], meta: dict | None = None) -> P
     path = Path(name) if name.endswith(".json") else RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
-            "processor": platform.processor(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **(meta or {})}
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **(meta or {})}
     path.write_text(json.dumps({"meta": meta, "records": records}, indent=2))
     log.info("wrote %s", path)
     return path

@@ -1,7 +1,7 @@
 """Which kernel path each model gets, chosen by probing once at load; and the one
 place in Python that asks what the CPU is (``cpu_capability``, ``cpu_identity``,
 oneDNN's bfloat16 check): other modules ask here.  The C++ kernels ask
-``csrc/cpu_features.cpp`` (tests/unit/kernels/test_cpu_probe.py keeps both so).
+``csrc/cpu_features.cpp`` (tests/component/kernels/test_cpu_probe.py keeps both so).
 
 A fast path is only taken where the running CPU and torch build can run it:
 the oneDNN prepacked linear is a private torch op whose bfloat16 kernels

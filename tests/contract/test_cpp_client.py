@@ -382,7 +382,7 @@ def rpc_lines(cpp_bin, server, tiny_llama_dir, tmp_path_factory) -> dict:
     """Every RPC once; UpdateWeights with the model's own tensors (the same weights: the
     module's other tests see the same logits), LoadAdapter with an adapter made by peft."""
     from ferrum_rpc.hashing import stream_hasher
-    from tests.unit.models.lora_helpers import make_adapter
+    from tests.component.models.lora_helpers import make_adapter
 
     folder = tmp_path_factory.mktemp("cpp-update")
     adapter = make_adapter(tiny_llama_dir, folder / "adapter", seed=3, r=8)

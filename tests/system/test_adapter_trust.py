@@ -21,7 +21,7 @@ from ferrum_rpc.client import ExecutorClient, LogitsPolicy
 from ferrum_rpc.errors import ExecutorError, Reason
 from ferrum_rpc.harness import all_serving
 from tests.conftest import TENANT_TOKENS, running_server, tenants_server
-from tests.unit.models.lora_helpers import edit_config, make_adapter
+from tests.component.models.lora_helpers import edit_config, make_adapter
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(300)

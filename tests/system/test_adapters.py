@@ -13,7 +13,7 @@ import pytest
 from ferrum_rpc.client import DecodeInput, ExecutorClient, LogitsPolicy, TokenChoice
 from ferrum_rpc.errors import ExecutorError, Reason
 from tests.conftest import TENANT_TOKENS, running_server, tenants_server
-from tests.unit.models.lora_helpers import edit_config, make_adapter, oracle
+from tests.component.models.lora_helpers import edit_config, make_adapter, oracle
 from tests.waiting import wait_for
 
 PROMPTS = ([1, 17, 42, 99, 5, 230, 17, 8], [3, 4, 5, 6, 7, 8, 9, 10, 11], [200, 201, 9, 9, 9, 12])

@@ -1,6 +1,6 @@
 // What this CPU (and its OS) can run: the one place the kernels ask.  Every file
 // that picks inner loops by instruction set reads cpu_features() and nothing
-// else; cpu_features.cpp alone asks the CPU (tests/unit/kernels/test_cpu_probe.py
+// else; cpu_features.cpp alone asks the CPU (tests/component/kernels/test_cpu_probe.py
 // keeps it so).  The caps (ferrum_woq/ferrum_qact set_max_isa) then choose among
 // what is here, so tests run every path this CPU has.
 #pragma once

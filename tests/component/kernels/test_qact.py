@@ -18,7 +18,7 @@ from ferrum_rpc.errors import StartupError
 from ferrum_rpc.server.config import ExecutorConfig
 from ferrum_rpc.server.models import load_model
 from tests.conftest import running_server
-from tests.unit.kernels.test_woq import _gguf_blocks, _oracle_with_our_weights
+from tests.component.kernels.test_woq import _gguf_blocks, _oracle_with_our_weights
 
 # Of the output's largest magnitude.  Against the float reference (unquantized
 # activations, the layer's own weights) the activation grid is the whole error:

@@ -87,7 +87,7 @@ def test_the_setting_is_auto_or_off():
 
 def test_a_failed_graph_step_leaves_every_sequence_as_it_was(tiny_llama_dir, monkeypatch):
     from tests.conftest import executor_snapshot as snapshot
-    from tests.unit.engine.test_append_path import Boom, fail_lm_head
+    from tests.component.engine.test_append_path import Boom, fail_lm_head
 
     ex = _executor(tiny_llama_dir, True)
     ha = ex.prefill([1, 2, 3, 4, 5, 6], None, LogitsPolicy.argmax()).kv_cache

@@ -12,7 +12,7 @@ import torch
 from ferrum_rpc.server.kv.pool import RaggedBatch
 from ferrum_rpc.server.models import load_model
 from ferrum_rpc.server.models.lora import AdapterSet
-from tests.unit.models.lora_helpers import make_adapter, oracle, run
+from tests.component.models.lora_helpers import make_adapter, oracle, run
 
 ATOL = 1e-4
 CPU = torch.device("cpu")
@@ -125,7 +125,7 @@ def test_a_quantized_base_keeps_its_kernels_and_adds_the_delta_in_float(tiny_lla
     the adapter's delta is added in float: transformers with our dequantized weights
     plus peft's adapter gives the same logits, within the quantized tests' tolerance."""
     from ferrum_rpc.server.kernels import qact
-    from tests.unit.kernels.test_woq import _oracle_with_our_weights
+    from tests.component.kernels.test_woq import _oracle_with_our_weights
 
     if kernel == "woq":  # the weight-only kernels on float activations (woq.cpp)
         monkeypatch.setattr(qact, "choose_kernel", lambda requested: (qact.TORCH_Q8, "fallback: not in this test"))

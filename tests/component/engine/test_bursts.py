@@ -17,7 +17,7 @@ from ferrum_rpc.server.engine.ahead import Finish
 from ferrum_rpc.server.engine.executor import TorchExecutor
 from ferrum_rpc.server.engine.worker import ModelWorker
 from ferrum_rpc.types import DecodeInput, TokenChoice
-from tests.unit.engine.test_ahead_runs import drain
+from tests.component.engine.test_ahead_runs import drain
 from tests.waiting import wait_for
 
 GREEDY = TokenChoice.greedy()

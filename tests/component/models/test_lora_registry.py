@@ -15,7 +15,7 @@ from ferrum_rpc.server.models.config import ModelConfig
 from ferrum_rpc.server.models.lora import AdapterSet
 from ferrum_rpc.server.models.lora_read import AdapterError, read_adapter
 from tests.conftest import TINY
-from tests.unit.models.lora_helpers import edit_config, make_adapter, run
+from tests.component.models.lora_helpers import edit_config, make_adapter, run
 
 CPU = torch.device("cpu")
 
