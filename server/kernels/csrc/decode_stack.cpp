@@ -20,7 +20,8 @@ at::Tensor layer_step(const at::Tensor& x, const at::Tensor& ln1, const at::Tens
                       const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
                       const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& write_slots,
                       const at::Tensor& tables, int64_t num_heads, int64_t num_kv_heads, double scale,
-                      bool rows_silu, const LoraBatch* lora, int64_t layer) {
+                      bool rows_silu, const LoraBatch* lora, int64_t layer,
+                      const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(bits.size() == 4 && digits.size() == 4 && rotated.size() == 4,
               "decode_layer: bits, digits and rotated have four entries");
   const bool all_rows = bits[0] == 32 && bits[1] == 32 && bits[2] == 32 && bits[3] == 32;
@@ -52,7 +53,8 @@ at::Tensor layer_step(const at::Tensor& x, const at::Tensor& ln1, const at::Tens
     k = rms_norm(k, qk_norm[1], eps);
   }
   const at::Tensor v = qkv_out.narrow(-1, (H + Hkv) * D, Hkv * D).view({B, T, Hkv, D});
-  const at::Tensor attn = paged_attention(q, k, v, cos, sin, positions, k_cache, v_cache, write_slots, tables, scale);
+  const at::Tensor attn =
+      paged_attention(q, k, v, cos, sin, positions, k_cache, v_cache, write_slots, tables, scale, k_scale, v_scale);
   at::Tensor h = x + lin(attn, o, 1);
   const at::Tensor gu = lin(rms_norm(h, ln2, eps), gate_up, 2);
   return h.add_(lin(rows_silu ? silu_mul_rows(gu) : silu_mul(gu), down, 3));
@@ -93,6 +95,7 @@ TORCH_LIBRARY(ferrum_fused, m) {
       .def("forward_lora", &ferrum_fused::DecodeStack::forward_lora)
       .def("set_rows_silu", &ferrum_fused::DecodeStack::set_rows_silu)
       .def("set_regions", &ferrum_fused::DecodeStack::set_regions)
+      .def("set_kv_scales", &ferrum_fused::DecodeStack::set_kv_scales)
       .def("set_whole_rows", &ferrum_fused::DecodeStack::set_whole_rows)
       .def("one_region", &ferrum_fused::DecodeStack::one_region)
       .def("panels_region", &ferrum_fused::DecodeStack::panels_region)

@@ -44,7 +44,9 @@ at::Tensor layer_step(const at::Tensor& x, const at::Tensor& ln1, const at::Tens
                       const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
                       const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& write_slots,
                       const at::Tensor& tables, int64_t num_heads, int64_t num_kv_heads, double scale,
-                      bool rows_silu, const LoraBatch* lora, int64_t layer);
+                      bool rows_silu, const LoraBatch* lora, int64_t layer,
+                      const std::optional<at::Tensor>& k_scale = std::nullopt,
+                      const std::optional<at::Tensor>& v_scale = std::nullopt);
 
 // A model's layers held once, as decode_layer takes them, and run by one call a
 // step.  A Python call per layer pays argument conversion and dispatch each time,
@@ -191,6 +193,15 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   bool one_region() const { return one_region_; }
+  // An int8 pool's scales (layers, blocks, block_size, kv_heads) float32, which the
+  // forwards over an int8 pool (k_pool int8) read and write beside it; the caller
+  // sets them for the pool it passes.
+  void set_kv_scales(const at::Tensor& k_scale, const at::Tensor& v_scale) {
+    TORCH_CHECK(k_scale.dim() == 4 && v_scale.sizes() == k_scale.sizes() && k_scale.scalar_type() == at::kFloat &&
+                    v_scale.scalar_type() == at::kFloat && k_scale.is_contiguous() && v_scale.is_contiguous(),
+                "DecodeStack: an int8 pool's scales are (layers, blocks, block_size, kv_heads) float32, contiguous");
+    k_scale_ = k_scale, v_scale_ = v_scale;
+  }
   // whether a step of a few rows whose linears are all float panels runs as one region
   bool panels_region() const { return panels_region_; }
   // whether steps of a few rows may run as one region (both kinds; off: a layer_step a
@@ -210,12 +221,17 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(0 <= first && first <= last && last <= size(), "DecodeStack: layers ", first, "..", last, " of ", size());
     TORCH_CHECK(k_pool.dim() == 5 && v_pool.sizes() == k_pool.sizes() && k_pool.size(0) == size(),
                 "DecodeStack: the pool must be (layers, blocks, block_size, kv_heads, head_dim)");
-    // the pool holds the activations' dtype, or bfloat16 under float32 activations
-    const bool bf16_pool = k_pool.scalar_type() == at::kBFloat16;
+    // the pool holds the activations' dtype, or bfloat16 under float32 activations, or
+    // int8 with the scales set_kv_scales gave
+    const bool bf16_pool = k_pool.scalar_type() == at::kBFloat16, int8_pool = k_pool.scalar_type() == at::kChar;
+    TORCH_CHECK(!int8_pool || (k_scale_.defined() && k_scale_.sizes() == k_pool.sizes().slice(0, 4)),
+                "DecodeStack: an int8 pool needs its scales (set_kv_scales) shaped as its first four dims");
     // a forward the regions take: no LoRA rows, (B, T, C) with few enough rows
     const bool region_shape = lora == nullptr && regions_ && x.dim() == 3 &&
                               x.size(0) * x.size(1) <= (rows_silu_ ? kInvariantRows : kStackRows) &&
                               x.size(2) == C_ && k_pool.size(4) == D_;
+    if (region_shape && one_region_ && x.scalar_type() == at::kFloat && int8_pool)
+      return forward_one_region<int8_t>(x, cos, sin, positions, k_pool, v_pool, write_slots, tables, first, last);
     if (region_shape && one_region_ && x.scalar_type() == at::kFloat)
       return bf16_pool ? forward_one_region<c10::BFloat16>(x, cos, sin, positions, k_pool, v_pool, write_slots,
                                                            tables, first, last)
@@ -225,6 +241,11 @@ class DecodeStack : public torch::CustomClassHolder {
       const bool bf16 = panel_dtype_ == at::kBFloat16;
       // the dot product reads rows of bfloat16 pairs: every linear's input width even
       if (!panel_path(bf16).dot || (C_ % 2 == 0 && (H_ * D_) % 2 == 0 && I_ % 2 == 0)) {
+        if (int8_pool)
+          return bf16 ? forward_panels<c10::BFloat16, int8_t>(x, cos, sin, positions, k_pool, v_pool, write_slots,
+                                                              tables, first, last)
+                      : forward_panels<float, int8_t>(x, cos, sin, positions, k_pool, v_pool, write_slots, tables,
+                                                      first, last);
         if (bf16)
           return forward_panels<c10::BFloat16, c10::BFloat16>(x, cos, sin, positions, k_pool, v_pool, write_slots,
                                                               tables, first, last);
@@ -239,7 +260,9 @@ class DecodeStack : public torch::CustomClassHolder {
       const StackLayer& L = layers_[l];
       h = layer_step(h, L.ln1, L.ln2, L.eps, L.lin[0], L.lin[1], L.lin[2], L.lin[3], L.bits, L.digits, L.rotated,
                      L.qk_norm, cos, sin, positions, k_pool.select(0, l), v_pool.select(0, l), write_slots, tables,
-                     H_, Hkv_, scale_, rows_silu_, lora, l);
+                     H_, Hkv_, scale_, rows_silu_, lora, l,
+                     int8_pool ? std::optional<at::Tensor>(k_scale_.select(0, l)) : std::nullopt,
+                     int8_pool ? std::optional<at::Tensor>(v_scale_.select(0, l)) : std::nullopt);
     }
     return h;
   }
@@ -253,7 +276,18 @@ class DecodeStack : public torch::CustomClassHolder {
                             const at::Tensor& positions, const at::Tensor& k_pool, const at::Tensor& v_pool,
                             const at::Tensor& write_slots, const at::Tensor& tables, int64_t first, int64_t last);
 
+  // `args` with layer l's scales where the pool is int8 (P int8_t), else as it is
+  template <typename P>
+  AttnArgs layer_args(AttnArgs args, int64_t l) const {
+    if constexpr (std::is_same_v<P, int8_t>) {
+      args.k_scale = k_scale_.data_ptr<float>() + l * k_scale_.stride(0);
+      args.v_scale = v_scale_.data_ptr<float>() + l * v_scale_.stride(0);
+    }
+    return args;
+  }
+
   std::vector<StackLayer> layers_;
+  at::Tensor k_scale_, v_scale_;  // an int8 pool's (set_kv_scales)
   int64_t H_, Hkv_, D_ = 0, C_ = 0, I_ = 0;
   double scale_;
   bool one_region_ = false;

@@ -163,6 +163,7 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
     for (int64_t l = first; l < last; ++l) {
       const StackLayer& L = layers_[l];
       P *kc = kp + l * layer_elems, *vc = vp + l * layer_elems;
+      const AttnArgs la = layer_args<P>(args, l);  // an int8 pool's scales of this layer
       norm_and_quantize(L, L.ln1, 0);
       rows_ready();
       linear(L, 0, qkv.data());
@@ -174,12 +175,12 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const at::Tensor
         const auto [o0, o1] = mine(L.packed[1].U);
         ferrum_qact::prefetch_units(L.packed[1], int(-L.bits[1]), o0, o1, kPrefetchBytes);
         const auto [m0, m1] = mine(M);
-        norm_rope_rows<float, P>(args, L, avx2, qkv.data(), m0, m1, cp, sp, slots, qf.data(), kc, vc);
+        norm_rope_rows<float, P>(la, L, avx2, qkv.data(), m0, m1, cp, sp, slots, qf.data(), kc, vc);
       }
       bar.wait();
       {
         const auto [t0, t1] = attention_share(plan, tid, nt);
-        attend_tasks<float, P>(args, plan, qf.data(), kc, vc, t0, t1, att.data());
+        attend_tasks<float, P>(la, plan, qf.data(), kc, vc, t0, t1, att.data());
       }
       bar.wait();
       quantize_rows(L, 1, att.data(), H * D);
@@ -282,6 +283,7 @@ at::Tensor DecodeStack::forward_panels(const at::Tensor& x, const at::Tensor& co
     for (int64_t l = first; l < last; ++l) {
       const StackLayer& L = layers_[l];
       P *kc = kp + l * layer_elems, *vc = vp + l * layer_elems;
+      const AttnArgs la = layer_args<P>(args, l);  // an int8 pool's scales of this layer
       norm(L.ln1, L.eps);
       rows_ready();
       linear(L, 0, xn, C, qkv.data());
@@ -298,12 +300,12 @@ at::Tensor DecodeStack::forward_panels(const at::Tensor& x, const at::Tensor& co
         }
 #endif
         const auto [m0, m1] = mine(M);
-        norm_rope_rows<E, P>(args, L, avx2, qkv.data(), m0, m1, cp, sp, slots, qf.data(), kc, vc);
+        norm_rope_rows<E, P>(la, L, avx2, qkv.data(), m0, m1, cp, sp, slots, qf.data(), kc, vc);
       }
       bar.wait();
       {
         const auto [t0, t1] = attention_share(plan, tid, nt);
-        attend_tasks<E, P>(args, plan, qf.data(), kc, vc, t0, t1, att.data());
+        attend_tasks<E, P>(la, plan, qf.data(), kc, vc, t0, t1, att.data());
       }
       bar.wait();
       if (widen) {
@@ -344,6 +346,9 @@ template at::Tensor DecodeStack::forward_one_region<c10::BFloat16>(FERRUM_STACK_
 template at::Tensor DecodeStack::forward_panels<c10::BFloat16, c10::BFloat16>(FERRUM_STACK_ARGS);
 template at::Tensor DecodeStack::forward_panels<float, c10::BFloat16>(FERRUM_STACK_ARGS);
 template at::Tensor DecodeStack::forward_panels<float, float>(FERRUM_STACK_ARGS);
+template at::Tensor DecodeStack::forward_one_region<int8_t>(FERRUM_STACK_ARGS);
+template at::Tensor DecodeStack::forward_panels<float, int8_t>(FERRUM_STACK_ARGS);
+template at::Tensor DecodeStack::forward_panels<c10::BFloat16, int8_t>(FERRUM_STACK_ARGS);
 #undef FERRUM_STACK_ARGS
 
 }  // namespace ferrum_fused
