@@ -31,7 +31,6 @@ _DTYPE_BY_NAME = {
     "int32": pb.DTYPE_INT32,
     "int64": pb.DTYPE_INT64,
     "uint32": pb.DTYPE_UINT32,
-    "int8": pb.DTYPE_INT8,  # names an int8 KV pool (ModelInfo.kv_dtype); no tensor travels as int8
 }
 _NAME_BY_DTYPE = {v: k for k, v in _DTYPE_BY_NAME.items()}
 
