@@ -214,14 +214,17 @@ def timing_from_proto(m: pb.Timing) -> Timing:
 def model_info_to_proto(info: ModelInfo) -> pb.ModelInfo:
     fields = asdict(info)
     fields["dtype"] = tensor_codec.dtype_to_proto(info.dtype)
-    fields["kv_dtype"] = tensor_codec.dtype_to_proto(info.kv_dtype or info.dtype)
+    # an int8 KV pool (--kv-dtype int8) is named by DTYPE_INT8, a dtype no tensor travels in
+    kv = info.kv_dtype or info.dtype
+    fields["kv_dtype"] = pb.DTYPE_INT8 if kv == "int8" else tensor_codec.dtype_to_proto(kv)
     return pb.ModelInfo(**fields)
 
 
 def model_info_from_proto(m: pb.ModelInfo) -> ModelInfo:
     fields = _fields_of(ModelInfo, m)
     fields["dtype"] = tensor_codec.dtype_from_proto(m.dtype)
-    fields["kv_dtype"] = tensor_codec.dtype_from_proto(m.kv_dtype) if m.kv_dtype else fields["dtype"]
+    fields["kv_dtype"] = ("int8" if m.kv_dtype == pb.DTYPE_INT8 else tensor_codec.dtype_from_proto(m.kv_dtype)) \
+        if m.kv_dtype else fields["dtype"]
     fields["eos_token_ids"] = tuple(m.eos_token_ids)
     return ModelInfo(**fields)
 

@@ -31,7 +31,6 @@ _DTYPE_BY_NAME = {
     "int32": pb.DTYPE_INT32,
     "int64": pb.DTYPE_INT64,
     "uint32": pb.DTYPE_UINT32,
-    "int8": pb.DTYPE_INT8,  # names an int8 KV pool (ModelInfo.kv_dtype); no tensor travels as int8
 }
 _NAME_BY_DTYPE = {v: k for k, v in _DTYPE_BY_NAME.items()}
 
@@ -73,8 +72,6 @@ def as_numpy(array: Any) -> tuple[np.ndarray, int]:
     if not isinstance(array, np.ndarray):
         array, wire = _torch_to_numpy(array)
     wire = wire if wire is not None else dtype_to_proto(array.dtype.name)
-    if wire not in _NUMPY_DTYPES:  # a name only (int8: a KV pool's dtype), never a tensor's
-        raise InvalidInput(f"unsupported dtype {array.dtype.name!r} for a tensor")
     return array.astype(array.dtype.newbyteorder("<"), copy=False), wire
 
 

@@ -199,6 +199,7 @@ class LlamaForCausalLM(nn.Module):
         if capture is None and adapter_slots is None and self._whole_step(input_ids, positions, kv):
             # the embedding, every layer and the final norm in one call to the stack
             pool, norm = kv.pool, self.model.norm
+            self._stack_scales(pool)
             return self.layer_ops.forward_ids(input_ids, self.model.embed_tokens.weight, norm.weight, norm.eps,
                                               self.rope_cos, self.rope_sin, kv.positions, pool.k, pool.v,
                                               kv.write_slots, kv.tables)
@@ -216,6 +217,7 @@ class LlamaForCausalLM(nn.Module):
         if (self._stack_takes(positions, x.dtype, x.shape[0] * x.shape[1], kv)
                 and (lora is None or lora.batch is not None)):
             pool, n = kv.pool, len(self.model.layers)
+            self._stack_scales(pool)
             step = (self.rope_cos, self.rope_sin, kv.positions, pool.k, pool.v, kv.write_slots, kv.tables)
             if lora is None:
                 run = self.layer_ops.forward
@@ -238,14 +240,18 @@ class LlamaForCausalLM(nn.Module):
             keep(len(self.model.layers), out)
         return out
 
+    def _stack_scales(self, pool) -> None:
+        """Gives the stack an int8 pool's scales (it reads and writes them beside the values)."""
+        if pool.quantized:
+            self.layer_ops.set_kv_scales(pool.k_scale, pool.v_scale)
+
     def _stack_takes(self, positions: torch.Tensor, dtype: torch.dtype, rows: int, kv) -> bool:
         """Whether the stack (``layer_ops``) runs every layer of a padded forward of ``rows``
         tokens at ``positions`` (B, T), activations in ``dtype`` (LoRA aside): fused RoPE
-        and attention (fused ops on, T within ``fused_max_tokens``, no eager attention),
-        a float KV pool and a batch the stack takes."""
+        and attention (fused ops on, T within ``fused_max_tokens``, no eager attention)
+        and a batch the stack takes."""
         return (self.layer_ops is not None and dtype == self.layer_ops_dtype and self.fused_ops
                 and positions.shape[1] <= self.fused_max_tokens and getattr(kv, "attention", None) is None
-                and not kv.pool.quantized  # the stack reads float pools only: an int8 one runs layer by layer
                 and (self.layer_ops_rows is None or rows <= self.layer_ops_rows))
 
     def _whole_step(self, input_ids: torch.Tensor, positions: torch.Tensor | None, kv) -> bool:

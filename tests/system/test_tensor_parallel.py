@@ -136,6 +136,29 @@ def test_a_bfloat16_kv_pool_on_every_rank_matches_transformers_with_its_cache_ro
         ex.release_cache(handle)
 
 
+def test_an_int8_kv_pool_split_by_kv_head_matches_one_rank(folders):
+    """--kv-dtype int8 split over 2 ranks: each rank's pool holds its KV heads' int8 rows
+    and their scales (a row's scale is its own head's, so the split changes none); the
+    prompt's and 8 greedy steps' logits agree with one process's int8 pool (to the
+    all-reduce's order), the same tokens chosen."""
+    from tests.conftest import running_server
+
+    with all_serving(ServerProcess(f"tiny={folders['llama']}", *FLAGS, "--kv-dtype", "int8"), timeout=180) \
+            as (server,), running_server(folders["llama"], kv_dtype="int8") as one, \
+            ExecutorClient(server.target, timeout=60) as ex, ExecutorClient(one.target, timeout=60) as ref:
+        assert ex.info().kv_dtype == "int8" and ex.capabilities().tensor_parallel
+        split, whole = ex.capabilities(), ref.capabilities()  # a rank's block holds half the heads' rows
+        assert split.kv_bytes * 2 * (whole.kv_num_blocks + 1) == whole.kv_bytes * (split.kv_num_blocks + 1)
+        got, want = ex.prefill(PROMPT, logits=ALL), ref.prefill(PROMPT, logits=ALL)
+        np.testing.assert_allclose(got.logits.values, want.logits.values, atol=ATOL, rtol=0)
+        token = int(want.logits.values[-1].argmax())
+        for _ in range(8):
+            got, want = ex.decode(token, got.kv_cache, FULL), ref.decode(token, want.kv_cache, FULL)
+            np.testing.assert_allclose(got.logits.values[0], want.logits.values[0], atol=ATOL, rtol=0)
+            assert int(got.logits.values[0].argmax()) == int(want.logits.values[0].argmax())
+            token = int(want.logits.values[0].argmax())
+
+
 def test_top_k_is_reduced_across_vocabulary_shards(servers, oracles):
     """TOP_K over ranks' own top-k: the global top-k, sorted, values and ids."""
     with _client(servers, "llama") as ex:

@@ -34,7 +34,8 @@ StackLayer checked_layer(const char* who, const at::Tensor& ln1, const at::Tenso
 at::Tensor layer_step(const at::Tensor& x, const StackLayer& L, const at::Tensor& cos, const at::Tensor& sin,
                       const at::Tensor& positions, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& write_slots, const at::Tensor& tables, int64_t num_heads,
-                      int64_t num_kv_heads, double scale, bool rows_silu, const LoraBatch* lora, int64_t layer) {
+                      int64_t num_kv_heads, double scale, bool rows_silu, const LoraBatch* lora, int64_t layer,
+                      const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   const auto &bits = L.bits, &digits = L.digits, &rotated = L.rotated;
   const std::vector<at::Tensor>& qk_norm = L.qk_norm;
   const double eps = L.eps;
@@ -61,7 +62,8 @@ at::Tensor layer_step(const at::Tensor& x, const StackLayer& L, const at::Tensor
     k = rms_norm(k, qk_norm[1], eps);
   }
   const at::Tensor v = qkv_out.narrow(-1, (H + Hkv) * D, Hkv * D).view({B, T, Hkv, D});
-  const at::Tensor attn = paged_attention(q, k, v, cos, sin, positions, k_cache, v_cache, write_slots, tables, scale);
+  const at::Tensor attn =
+      paged_attention(q, k, v, cos, sin, positions, k_cache, v_cache, write_slots, tables, scale, k_scale, v_scale);
   at::Tensor h = x + lin(attn, L.lin[1], 1);
   const at::Tensor gu = lin(rms_norm(h, L.ln2, eps), L.lin[2], 2);
   return h.add_(lin(rows_silu ? silu_mul_rows(gu) : silu_mul(gu), L.lin[3], 3));
@@ -104,6 +106,7 @@ TORCH_LIBRARY(ferrum_fused, m) {
       .def("forward_lora", &ferrum_fused::DecodeStack::forward_lora)
       .def("set_rows_silu", &ferrum_fused::DecodeStack::set_rows_silu)
       .def("set_regions", &ferrum_fused::DecodeStack::set_regions)
+      .def("set_kv_scales", &ferrum_fused::DecodeStack::set_kv_scales)
       .def("set_whole_rows", &ferrum_fused::DecodeStack::set_whole_rows)
       .def("one_region", &ferrum_fused::DecodeStack::one_region)
       .def("panels_region", &ferrum_fused::DecodeStack::panels_region)

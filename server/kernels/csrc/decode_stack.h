@@ -58,7 +58,9 @@ StackLayer checked_layer(const char* who, const at::Tensor& ln1, const at::Tenso
 at::Tensor layer_step(const at::Tensor& x, const StackLayer& L, const at::Tensor& cos, const at::Tensor& sin,
                       const at::Tensor& positions, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& write_slots, const at::Tensor& tables, int64_t num_heads,
-                      int64_t num_kv_heads, double scale, bool rows_silu, const LoraBatch* lora, int64_t layer);
+                      int64_t num_kv_heads, double scale, bool rows_silu, const LoraBatch* lora, int64_t layer,
+                      const std::optional<at::Tensor>& k_scale = std::nullopt,
+                      const std::optional<at::Tensor>& v_scale = std::nullopt);
 
 // A model's layers held once, as decode_layer takes them, and run by one call a
 // step.  A Python call per layer pays argument conversion and dispatch each time,
@@ -87,10 +89,12 @@ constexpr int64_t kWholeRows = 2;
 
 // A step's inputs besides the hidden states, as DecodeStack's forwards take them:
 // the RoPE tables, positions, the pool (layers, blocks, block_size, Hkv, D), the
-// write slots and block tables, and the layers [first, last) to run.
+// write slots and block tables, and the layers [first, last) to run; over an int8
+// pool, its scales (layers, blocks, block_size, Hkv) float32 (null for a float pool).
 struct StackStep {
   const at::Tensor &cos, &sin, &positions, &k_pool, &v_pool, &write_slots, &tables;
   int64_t first, last;
+  const at::Tensor *k_scale = nullptr, *v_scale = nullptr;
 };
 
 class DecodeStack : public torch::CustomClassHolder {
@@ -199,6 +203,15 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   bool one_region() const { return one_region_; }
+  // An int8 pool's scales (layers, blocks, block_size, kv_heads) float32, which the
+  // forwards over an int8 pool (k_pool int8) read and write beside it; the caller
+  // sets them for the pool it passes.
+  void set_kv_scales(const at::Tensor& k_scale, const at::Tensor& v_scale) {
+    TORCH_CHECK(k_scale.dim() == 4 && v_scale.sizes() == k_scale.sizes() && k_scale.scalar_type() == at::kFloat &&
+                    v_scale.scalar_type() == at::kFloat && k_scale.is_contiguous() && v_scale.is_contiguous(),
+                "DecodeStack: an int8 pool's scales are (layers, blocks, block_size, kv_heads) float32, contiguous");
+    k_scale_ = k_scale, v_scale_ = v_scale;
+  }
   // whether a step of a few rows whose linears are all float panels runs as one region
   bool panels_region() const { return panels_region_; }
   // whether steps of a few rows may run as one region (both kinds; off: a layer_step a
@@ -212,23 +225,30 @@ class DecodeStack : public torch::CustomClassHolder {
   int64_t size() const { return int64_t(layers_.size()); }
 
  private:
-  at::Tensor run(const at::Tensor& x, const StackStep& s, const LoraBatch* lora) {
+  at::Tensor run(const at::Tensor& x, StackStep s, const LoraBatch* lora) {
     TORCH_CHECK(0 <= s.first && s.first <= s.last && s.last <= size(), "DecodeStack: layers ", s.first, "..", s.last,
                 " of ", size());
     TORCH_CHECK(s.k_pool.dim() == 5 && s.v_pool.sizes() == s.k_pool.sizes() && s.k_pool.size(0) == size(),
                 "DecodeStack: the pool must be (layers, blocks, block_size, kv_heads, head_dim)");
-    // the pool holds the activations' dtype, or bfloat16 under float32 activations
-    const bool bf16_pool = s.k_pool.scalar_type() == at::kBFloat16;
+    // the pool holds the activations' dtype, or bfloat16 under float32 activations, or
+    // int8 with the scales set_kv_scales gave (the step carries them)
+    const bool bf16_pool = s.k_pool.scalar_type() == at::kBFloat16, int8_pool = s.k_pool.scalar_type() == at::kChar;
+    TORCH_CHECK(!int8_pool || (k_scale_.defined() && k_scale_.sizes() == s.k_pool.sizes().slice(0, 4)),
+                "DecodeStack: an int8 pool needs its scales (set_kv_scales) shaped as its first four dims");
+    if (int8_pool) s.k_scale = &k_scale_, s.v_scale = &v_scale_;
     // a forward the regions take: no LoRA rows, (B, T, C) with few enough rows
     const bool region_shape = lora == nullptr && regions_ && x.dim() == 3 &&
                               x.size(0) * x.size(1) <= (rows_silu_ ? kInvariantRows : kStackRows) &&
                               x.size(2) == C_ && s.k_pool.size(4) == D_;
-    if (region_shape && one_region_ && x.scalar_type() == at::kFloat)
+    if (region_shape && one_region_ && x.scalar_type() == at::kFloat) {
+      if (int8_pool) return forward_one_region<int8_t>(x, s);
       return bf16_pool ? forward_one_region<c10::BFloat16>(x, s) : forward_one_region<float>(x, s);
+    }
     if (region_shape && panels_region_ && x.scalar_type() == panel_dtype_) {
       const bool bf16 = panel_dtype_ == at::kBFloat16;
       // the dot product reads rows of bfloat16 pairs: every linear's input width even
       if (!panel_path(bf16).dot || (C_ % 2 == 0 && (H_ * D_) % 2 == 0 && I_ % 2 == 0)) {
+        if (int8_pool) return bf16 ? forward_panels<c10::BFloat16, int8_t>(x, s) : forward_panels<float, int8_t>(x, s);
         if (bf16) return forward_panels<c10::BFloat16, c10::BFloat16>(x, s);
         return bf16_pool ? forward_panels<float, c10::BFloat16>(x, s) : forward_panels<float, float>(x, s);
       }
@@ -236,7 +256,9 @@ class DecodeStack : public torch::CustomClassHolder {
     at::Tensor h = x;
     for (int64_t l = s.first; l < s.last; ++l) {
       h = layer_step(h, layers_[l], s.cos, s.sin, s.positions, s.k_pool.select(0, l), s.v_pool.select(0, l),
-                     s.write_slots, s.tables, H_, Hkv_, scale_, rows_silu_, lora, l);
+                     s.write_slots, s.tables, H_, Hkv_, scale_, rows_silu_, lora, l,
+                     int8_pool ? std::optional<at::Tensor>(s.k_scale->select(0, l)) : std::nullopt,
+                     int8_pool ? std::optional<at::Tensor>(s.v_scale->select(0, l)) : std::nullopt);
     }
     return h;
   }
@@ -247,6 +269,7 @@ class DecodeStack : public torch::CustomClassHolder {
   at::Tensor forward_panels(const at::Tensor& x, const StackStep& s);
 
   std::vector<StackLayer> layers_;
+  at::Tensor k_scale_, v_scale_;  // an int8 pool's (set_kv_scales)
   int64_t H_, Hkv_, D_ = 0, C_ = 0, I_ = 0;
   double scale_;
   bool one_region_ = false;

@@ -61,7 +61,8 @@ class SpinBarrier {
 // What both regions start from, checked once: the pool against P (the layers, kv
 // heads), the step's paged index and the attention's arguments over it, the
 // residual stream h (x's copy, updated in place), the pointers the phases take and
-// the team's size.  ix keeps the index tensors args points into alive.
+// the team's size.  ix keeps the index tensors args points into alive.  Over an int8
+// pool (P int8_t), its scales too: layer_args gives layer l's.
 template <typename P>
 struct Region {
   int64_t M, maxK;  // rows; the widest linear input (C, H * D or I)
@@ -71,10 +72,19 @@ struct Region {
   const int64_t* slots;
   int64_t layer_elems;  // one layer's elements in the pool
   P *kp, *vp;
+  float *ksp = nullptr, *vsp = nullptr;  // an int8 pool's scales (null for a float pool)
+  int64_t layer_scales = 0;              // one layer's scales
   const float *cp, *sp;
   int threads;
   bool whole;  // every thread does every row's norm (whole_rows)
   int copies;  // per-thread buffers: one a thread where whole, else one shared
+
+  // the attention's arguments for layer l: args with that layer's scales over an int8 pool
+  AttnArgs layer_args(int64_t l) const {
+    AttnArgs a = args;
+    if (ksp != nullptr) a.k_scale = ksp + l * layer_scales, a.v_scale = vsp + l * layer_scales;
+    return a;
+  }
 };
 
 template <typename P>
@@ -95,6 +105,11 @@ Region<P> region(const at::Tensor& x, const StackStep& s, int64_t C, int64_t I, 
   r.slots = ix.slots.data_ptr<int64_t>();
   r.layer_elems = k_pool.stride(0);
   r.kp = k_pool.data_ptr<P>(), r.vp = v_pool.data_ptr<P>();
+  if constexpr (std::is_same_v<P, int8_t>) {  // run() checked the scales against the pool
+    TORCH_CHECK(s.k_scale != nullptr && s.v_scale != nullptr, "DecodeStack: an int8 pool needs its scales");
+    r.ksp = s.k_scale->data_ptr<float>(), r.vsp = s.v_scale->data_ptr<float>();
+    r.layer_scales = s.k_scale->stride(0);
+  }
   r.cp = s.cos.data_ptr<float>(), r.sp = s.sin.data_ptr<float>();
   r.threads = at::get_num_threads();
   r.whole = M <= whole_rows;
@@ -164,18 +179,19 @@ void norm_rope_rows(const AttnArgs& a, const StackLayer& L, bool avx2, E* qkv, i
 }
 
 // Layer l's attention in a region, between the qkv linear and o: this thread's rows
-// of q|k|v normed and RoPE'd (the new keys and values into the pool's layer), then,
-// once every row is, its share of the attention's tasks into att (M, H * D); the
-// team meets after each.
+// of q|k|v normed and RoPE'd (the new keys and values, and an int8 pool's scales, into
+// the pool's layer), then, once every row is, its share of the attention's tasks into
+// att (M, H * D); the team meets after each.
 template <typename E, typename P>
 void attention_phase(const Region<P>& in, const Team& team, AttnPlan& plan, const StackLayer& L, int64_t l,
                      bool avx2, E* qkv, float* qf, E* att) {
   P *kc = in.kp + l * in.layer_elems, *vc = in.vp + l * in.layer_elems;
+  const AttnArgs args = in.layer_args(l);
   const auto [m0, m1] = team.mine(in.M);
-  norm_rope_rows<E, P>(in.args, L, avx2, qkv, m0, m1, in.cp, in.sp, in.slots, qf, kc, vc);
+  norm_rope_rows<E, P>(args, L, avx2, qkv, m0, m1, in.cp, in.sp, in.slots, qf, kc, vc);
   team.bar.wait();
   const auto [t0, t1] = attention_share(plan, team.tid, team.nt);
-  attend_tasks<E, P>(in.args, plan, qf, kc, vc, t0, t1, att);
+  attend_tasks<E, P>(args, plan, qf, kc, vc, t0, t1, att);
   team.bar.wait();
 }
 
@@ -370,6 +386,9 @@ template at::Tensor DecodeStack::forward_one_region<c10::BFloat16>(FERRUM_STACK_
 template at::Tensor DecodeStack::forward_panels<c10::BFloat16, c10::BFloat16>(FERRUM_STACK_ARGS);
 template at::Tensor DecodeStack::forward_panels<float, c10::BFloat16>(FERRUM_STACK_ARGS);
 template at::Tensor DecodeStack::forward_panels<float, float>(FERRUM_STACK_ARGS);
+template at::Tensor DecodeStack::forward_one_region<int8_t>(FERRUM_STACK_ARGS);
+template at::Tensor DecodeStack::forward_panels<float, int8_t>(FERRUM_STACK_ARGS);
+template at::Tensor DecodeStack::forward_panels<c10::BFloat16, int8_t>(FERRUM_STACK_ARGS);
 #undef FERRUM_STACK_ARGS
 
 }  // namespace ferrum_fused

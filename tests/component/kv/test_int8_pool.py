@@ -113,3 +113,44 @@ def test_int8_pool_bytes():
     assert f32 / i8 >= 2.5
     pool = KvPool(30, 10, 16, 3, 64, torch.int8, CPU)
     assert pool.nbytes == 11 * 16 * i8  # the scratch block included
+
+
+@pytest.mark.parametrize("quantize,invariant", [("w4a8", False), ("none", True)])
+def test_decode_stack_over_an_int8_pool_equals_its_layer_by_layer_steps(tiny_llama_dir, quantize, invariant):
+    """The decode stack's one-region step (quantized linears) and its panel step (the
+    batch-invariant float linears) over an int8 pool: the hidden states, the int8 rows
+    and the scales they write are the bits of its layer-by-layer steps (layer_step,
+    paged_attention with the scales); a stack without the scales refuses the pool."""
+    from ferrum_rpc.server.config import ExecutorConfig
+    from ferrum_rpc.server.engine.executor import TorchExecutor
+
+    config = ExecutorConfig(kv_tokens=64, quantize=quantize, batch_invariant=invariant, kv_dtype="int8")
+    model = TorchExecutor.from_path("tiny", tiny_llama_dir, config).model
+    stack, cfg = model.layer_ops, model.config
+    assert stack.one_region() or stack.panels_region()
+    gen = torch.Generator().manual_seed(4)
+    pool = KvPool(2, 12, 4, cfg.num_kv_heads, cfg.head_dim, torch.int8, CPU)
+    for t in pool.tensors():
+        t.copy_(torch.randint(-127, 128, t.shape, generator=gen) if t.dtype == torch.int8 else
+                torch.rand(t.shape, generator=gen) / 50)
+    for B, T in [(1, 1), (2, 1), (1, 3)]:
+        x = torch.randn(B, T, cfg.hidden_size, generator=gen)
+        tables = torch.stack([torch.randperm(12, generator=gen)[:3] for _ in range(B)])
+        positions = torch.stack([torch.arange(T) + 2 + 3 * b % 7 for b in range(B)])
+        slots = (tables.gather(1, positions // 4) * 4 + positions % 4).reshape(-1)
+        runs = []
+        for regions in (True, False):
+            stack.set_regions(regions)
+            copy = [t.clone() for t in pool.tensors()]
+            stack.set_kv_scales(copy[2], copy[3])
+            out = stack.forward(x, model.rope_cos, model.rope_sin, positions, copy[0], copy[1], slots, tables, 0, 2)
+            runs.append((out, copy))
+        stack.set_regions(True)
+        assert torch.equal(runs[0][0], runs[1][0]), (B, T)
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+        assert not all(torch.equal(a, b) for a, b in zip(runs[0][1], pool.tensors()))  # it wrote
+    fresh = torch.classes.ferrum_fused.DecodeStack(cfg.num_heads, cfg.num_kv_heads, 1 / cfg.head_dim ** 0.5)
+    for args in model._whole_layer_args():
+        fresh.add_layer(*args)
+    with pytest.raises(RuntimeError, match="set_kv_scales"):
+        fresh.forward(x, model.rope_cos, model.rope_sin, positions, pool.k, pool.v, slots, tables, 0, 2)
