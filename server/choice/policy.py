@@ -5,6 +5,8 @@ changes.  No torch (numpy for the bitmask), so any layer may call it."""
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 
 import numpy as np
 
@@ -72,7 +74,7 @@ def _check_bitmask(mask: bytes, vocab_size: int, field: str) -> None:
     if len(mask) != 4 * words:
         raise InvalidInput(f"{field}.allowed_token_bitmask must be ceil({vocab_size} / 32) = {words} int32 words "
                            f"({4 * words} bytes), got {len(mask)} bytes")
-    if not unpack_allowed_tokens(mask, vocab_size).any():
+    if not allowed_tokens(mask, vocab_size).any():
         raise InvalidInput(f"{field}.allowed_token_bitmask allows no token of the {vocab_size}")
 
 
@@ -90,3 +92,35 @@ def pack_allowed_tokens(token_ids, vocab_size: int) -> bytes:
 def unpack_allowed_tokens(mask: bytes, vocab_size: int) -> np.ndarray:
     """(vocab_size,) bool: which tokens ``mask`` allows (bits past the vocabulary ignored)."""
     return np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")[:vocab_size].astype(bool)
+
+
+# A request's bitmask is the same bytes every step (a grammar state, a fixed set of banned
+# tokens), so its unpacked form is kept: the last _ALLOWED_KEPT distinct masks, keyed by
+# (vocab_size, the bytes themselves): Python hashes a bytes object once and a hit is
+# confirmed by comparing the bytes, so two masks never share an entry.
+_ALLOWED_KEPT = 64
+_allowed: OrderedDict[tuple[int, bytes], np.ndarray] = OrderedDict()
+_allowed_lock = threading.Lock()
+
+
+def allowed_tokens(mask: bytes, vocab_size: int) -> np.ndarray:
+    """:func:`unpack_allowed_tokens`, kept for the last few distinct masks.  The array is
+    shared between callers: read it, never write it."""
+    key = (vocab_size, bytes(mask))
+    with _allowed_lock:
+        got = _allowed.get(key)
+        if got is not None:
+            _allowed.move_to_end(key)
+            return got
+    got = unpack_allowed_tokens(mask, vocab_size)
+    with _allowed_lock:
+        _allowed[key] = got
+        if len(_allowed) > _ALLOWED_KEPT:
+            _allowed.popitem(last=False)
+    return got
+
+
+def allows(mask: bytes, token: int) -> bool:
+    """Whether ``mask`` allows ``token`` (a bit test on the bytes: bit t % 8 of byte
+    t // 8, the little-endian words' layout), for a token inside the vocabulary."""
+    return bool(mask[token >> 3] >> (token & 7) & 1)
