@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
+from ferrum_rpc.errors import InvalidInput
 from ferrum_rpc.server.choice import policy
 from ferrum_rpc.server.choice.policy import allowed_tokens, allows, pack_allowed_tokens, validate_token_choice
 from ferrum_rpc.server.choice.sampling import choose_tokens, masked_greedy_choice
 from ferrum_rpc.server.kernels import fused
-from ferrum_rpc.errors import InvalidInput
 from ferrum_rpc.types import LogprobsMode, TokenChoice
 
 SAMPLED = TokenChoice(temperature=0.9, seed=5)  # beside the greedy rows, it sends the batch down the general steps
