@@ -84,7 +84,7 @@ def _check_bitmask(mask: bytes, vocab_size: int, field: str) -> None:
     if len(mask) != 4 * words:
         raise InvalidInput(f"{field}.allowed_token_bitmask must be ceil({vocab_size} / 32) = {words} int32 words "
                            f"({4 * words} bytes), got {len(mask)} bytes")
-    if not unpack_allowed_tokens(mask, vocab_size).any():
+    if not _allows_any(mask, vocab_size):
         raise InvalidInput(f"{field}.allowed_token_bitmask allows no token of the {vocab_size}")
 
 
@@ -102,6 +102,20 @@ def pack_allowed_tokens(token_ids, vocab_size: int) -> bytes:
 def unpack_allowed_tokens(mask: bytes, vocab_size: int) -> np.ndarray:
     """(vocab_size,) bool: which tokens ``mask`` allows (bits past the vocabulary ignored)."""
     return np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")[:vocab_size].astype(bool)
+
+
+def _allows_any(mask: bytes, vocab_size: int) -> bool:
+    """Whether ``mask`` allows any token of the vocabulary, read on the bytes (no unpacking:
+    the server checks every step's mask)."""
+    full, rest = divmod(vocab_size, 8)
+    data = np.frombuffer(mask, dtype=np.uint8)
+    return bool(data[:full].any()) or bool(rest and data[full] & ((1 << rest) - 1))
+
+
+def allows(mask: bytes, token: int) -> bool:
+    """Whether ``mask`` allows ``token`` (a bit test on the bytes: bit t % 8 of byte
+    t // 8, the little-endian words' layout), for a token inside the vocabulary."""
+    return bool(mask[token >> 3] >> (token & 7) & 1)
 
 
 # ---------------------------------------------------------------------------- token ids

@@ -65,6 +65,7 @@ class Step:
         self.top = torch.full((batch, n), -math.inf)
         self.raw_is_processed = [False] * batch  # the processed logits are the model's own
         self.raw_max = torch.full((batch,), math.nan)  # each row's largest logit, where a path found it
+        self.raw_norm = torch.full((batch,), math.nan)  # each row's RAW log-normaliser, where known
 
     def put(self, index, tokens, chosen, log_norm, top=None, top_ids=None) -> None:
         """index: the rows; tokens (R,) vocabulary ids; chosen and log_norm (R,);

@@ -32,7 +32,12 @@ Order of operations per row (vLLM's sampler; transformers' processor order):
 6. the draw: inverse CDF in vocabulary order with one uniform per row, keyed by
    (seed, position) (:func:`draws.uniform_for`, :func:`draws.draw`).
 
-Paths: steps 1-2 are skipped (no copy of the logits) when no row uses them. Rows
+Paths: steps 1-2 are skipped (no copy of the logits) when no row uses them. A batch
+of greedy rows whose only shaping is an allowed-token bitmask (RAW logprobs, no top
+list) skips them too: the argmax of the model's row stands where the mask allows it,
+and the masked row's argmax is taken only for the rows where it does not
+(:func:`_masked_greedy`, the same bits). A greedy row's RAW normaliser is the fused
+op's over the model's row whichever path it takes. Rows
 with a top_k up to 4096, or top_p alone whose 256 most likely tokens hold more
 than top_p of the mass, filter and draw among those candidates only (``candidates``:
 one top-k, no sort of the vocabulary); other filtered rows sort their rows as
@@ -55,6 +60,7 @@ import math
 from dataclasses import replace
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from ferrum_rpc.errors import NonFiniteLogits
@@ -62,10 +68,12 @@ from ferrum_rpc.types import ChosenToken, LogprobsMode, TokenChoice
 
 from .candidates import routes, sample_candidate_rows
 from .draws import draw, uniforms
+from ferrum_rpc.rules import allows
+from .masks import allowed_tokens
 from .rows import ChosenTokens, Step, greedy_stats, log_normaliser, row_index, row_max, take_rows
 from .shaping import held_finite, reads_history, shape_logits
 
-__all__ = ["accept_drafts", "choose_plain_greedy", "choose_tokens", "plain_choice"]
+__all__ = ["accept_drafts", "choose_plain_greedy", "choose_tokens", "masked_greedy_choice", "plain_choice"]
 
 
 def choose_tokens(
@@ -102,12 +110,20 @@ def choose_tokens(
     held, failed = held_finite(logits, None if stats is None else (stats[2], stats[1]))
     if held is not logits:
         stats = None  # computed over the rows before they were held
-    elif stats is not None and len(greedy) == batch and all(plain_choice(c) for c in choices):
-        return _plain_greedy(stats)
+    elif stats is not None and len(greedy) == batch:
+        if all(plain_choice(c) for c in choices):
+            return _plain_greedy(stats)
+        if all(masked_greedy_choice(c) for c in choices):
+            return _masked_greedy(logits, choices, stats)
     logits = held
     shaped, touched = shape_logits(logits, choices, prompt_token_ids, output_token_ids)
     n = min(max(c.top_logprobs for c in choices), vocab)
     step = Step(batch, n, any(c.top_logprobs and c.logprobs_mode is LogprobsMode.PROCESSED for c in choices))
+    if shaped_greedy := [i for i in greedy if touched[i]]:
+        # their RAW normaliser: the fused op's over the model's row, as _masked_greedy takes it
+        raw = stats if stats is not None else greedy_stats(logits)
+        if raw is not None:
+            step.raw_norm[shaped_greedy] = raw[3][shaped_greedy]
     if greedy:
         _choose_greedy(shaped, greedy, touched, step, stats if shaped is logits else None)
     if narrow:
@@ -167,6 +183,14 @@ def plain_choice(c: TokenChoice) -> bool:
     return not (c.top_logprobs or c.logit_bias or c.allowed_token_bitmask or reads_history(c))
 
 
+def masked_greedy_choice(c: TokenChoice) -> bool:
+    """Whether a greedy row's choice is :func:`plain_choice` but for an allowed-token
+    bitmask, with RAW logprobs: its logprob is the model's, against the model's
+    normaliser, so only the argmax reads the mask."""
+    return (c.is_greedy and not (c.top_logprobs or c.logit_bias or reads_history(c))
+            and (not c.allowed_token_bitmask or c.logprobs_mode is LogprobsMode.RAW))
+
+
 def choose_plain_greedy(logits: torch.Tensor) -> ChosenTokens | None:
     """:func:`choose_tokens` of float32 CPU rows whose choices are all greedy and
     :func:`plain_choice`, with the same bits; None where it would take another path
@@ -183,6 +207,31 @@ def _plain_greedy(stats) -> ChosenTokens:
     ids, largest, _, log_norm = stats
     batch = ids.shape[0]
     return ChosenTokens(ids, largest - log_norm, *_no_top(batch), (0,) * batch)
+
+
+def _masked_greedy(logits: torch.Tensor, choices, stats) -> ChosenTokens:
+    """Greedy rows of :func:`masked_greedy_choice`, ``stats`` :func:`greedy_stats` of their
+    (finite, unheld) rows: the bits the general steps give them at about the cost of plain
+    greedy.  A row's largest logit, at the first index holding it, is also the largest
+    of the allowed tokens at the first allowed index holding it whenever the mask allows
+    that index (the common case: one bit test).  Other rows take the argmax of the row
+    with its forbidden tokens at -inf, numpy's first index of the largest as the fused
+    op gives it over the masked row.  The logprob is RAW: the token's logit less the
+    model's normaliser (stats), as the general steps' _finish takes it for these rows."""
+    ids, _, _, log_norm = stats
+    tokens = ids
+    vocab = logits.shape[1]
+    for i, c in enumerate(choices):
+        mask = c.allowed_token_bitmask
+        if mask and not allows(mask, int(ids[i])):
+            row = logits[i].numpy()
+            best = int(np.where(allowed_tokens(mask, vocab), row, -np.inf).argmax())
+            if tokens is ids:
+                tokens = ids.clone()
+            tokens[i] = best
+    chosen = logits.gather(1, tokens.unsqueeze(-1)).squeeze(-1) - log_norm
+    batch = tokens.shape[0]
+    return ChosenTokens(tokens, chosen, *_no_top(batch), (0,) * batch)
 
 
 def _choose_greedy(shaped, rows: list[int], touched: list[bool], step: Step, stats=None) -> None:
@@ -286,6 +335,11 @@ def _finish(logits: torch.Tensor, choices, step: Step) -> ChosenTokens:
         x = take_rows(logits, index)
         fresh = [r for r, i in enumerate(raw) if not step.raw_is_processed[i]]
         log_norm = step.log_norm[index].clone()
+        norms = step.raw_norm[index]
+        known_norm = norms.tolist()
+        if fused := [r for r in fresh if not math.isnan(known_norm[r])]:  # shaped greedy rows: the op's normaliser
+            log_norm[fused] = norms[fused]
+            fresh = [r for r in fresh if math.isnan(known_norm[r])]
         if fresh:
             known = step.raw_max[index][fresh]
             largest = None if bool(known.isnan().any()) else known.unsqueeze(-1)

@@ -15,6 +15,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .masks import allowed_tokens
+
 __all__ = ["LOGIT_LIMIT", "held_finite", "penalise_counts", "shape_logits", "unpack_rows"]
 
 # Logits are held to +-LOGIT_LIMIT before temperature: a repetition penalty may be any finite
@@ -45,11 +47,11 @@ def held_finite(logits: torch.Tensor, low_high=None) -> tuple[torch.Tensor, tupl
 
 
 def unpack_rows(masks: list[bytes], vocab_size: int) -> torch.Tensor:
-    """(R, vocab_size) bool from R bitmasks, vectorised: shift each word by 0..31."""
-    words = np.frombuffer(b"".join(masks), dtype="<i4").astype(np.int32).reshape(len(masks), -1)
-    words = torch.from_numpy(words)  # (R, W)
-    bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # (R, W, 32)
-    return bits.reshape(len(masks), -1)[:, :vocab_size].bool()
+    """(R, vocab_size) bool from R bitmasks, each unpacked once while it stays among the
+    last few distinct masks (:func:`policy.allowed_tokens`)."""
+    if len(masks) == 1:  # a view of the kept array: callers only read it
+        return torch.from_numpy(allowed_tokens(masks[0], vocab_size)).unsqueeze(0)
+    return torch.from_numpy(np.stack([allowed_tokens(m, vocab_size) for m in masks]))
 
 
 def reads_history(c) -> bool:

@@ -290,16 +290,16 @@ def executor_calls(stderr: str) -> dict[str, int]:
 
 def test_ferrum_engine_steps_over_one_session(rust_bin, smol, smol_dir, python_greedy):
     """Greedy and sampled requests step over the executor's DecodeSession, greedy with
-    generate_ids' ids. Ferrum's greedy mask forbids some of SmolLM2's tokens, so its rows
-    are full logits (the server's choice is for masks that forbid nothing) as sampled
-    ones are."""
+    generate_ids' ids. Ferrum's greedy mask forbids some of SmolLM2's tokens: it goes as
+    the allowed-token bitmask and the server chooses every greedy decode token; sampled
+    rows are full logits (Ferrum samples them)."""
     args = ("--addr", smol.target, "--max-tokens", MAX_TOKENS, "--tokenizer", Path(smol_dir) / "tokenizer.json",
             "--ids", "--timing")
     greedy = run(rust_bin, "ferrum-engine-generate", *args, PROMPTS[0], timeout=300)
     ids = [int(t) for t in greedy.stdout.splitlines()[0].split()]
     assert ids == python_greedy[0]
     calls = executor_calls(greedy.stderr)
-    assert calls["server_chosen"] == 0 and calls["session_steps"] >= len(ids) - 2 > 0, calls
+    assert calls["server_chosen"] >= len(ids) - 2 > 0 and calls["session_steps"] >= len(ids) - 2, calls
     sampled = run(rust_bin, "ferrum-engine-generate", *args, "--temperature", "0.8", "--seed", "3", PROMPTS[0],
                   timeout=300)
     ids = sampled.stdout.splitlines()[0].split()

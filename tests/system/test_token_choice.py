@@ -22,6 +22,7 @@ from ferrum_rpc.client import (
     LogprobsMode,
     TokenChoice,
 )
+from ferrum_rpc.rules import pack_allowed_tokens
 from ferrum_rpc.server.kv.blocks import BlockManager
 from ferrum_rpc.server.choice.sampling import choose_tokens
 from ferrum_rpc.v1 import executor_pb2 as pb
@@ -182,6 +183,48 @@ def test_raw_logprobs_are_the_full_logits_log_softmax(client):
     assert out.chosen.token_id == int(row.argmax())
     assert abs(out.chosen.logprob - float(torch.log_softmax(row, -1)[out.chosen.token_id])) < 1e-5
     client.release_cache(out.kv_cache)
+
+
+def test_greedy_under_a_bitmask_is_the_masked_rows_argmax_on_every_path(client):
+    """A greedy choice whose only shaping is an allowed-token bitmask (the server's fast
+    path: the model's argmax where the mask allows it, else the masked row's): each
+    step's token is the first largest allowed logit of the FULL row and its RAW logprob
+    the row's log-softmax; Decode steps, decoding ahead (a burst) and a DecodeSession
+    beside an unmasked greedy row give the same tokens and logprob bits."""
+    plain = [c.token_id for c in _generate_alone(client, PROMPT, TokenChoice.greedy(), 12)]
+    banned = set(plain[1:]) | set(range(8))  # the unmasked argmax is forbidden at most steps
+    choice = TokenChoice.greedy(allowed_token_bitmask=pack_allowed_tokens(set(range(320)) - banned, 320))
+    out = client.prefill(PROMPT, token_choice=choice)
+    first, handle = out.chosen, out.kv_cache
+    stepped, token = [], first.token_id
+    for _ in range(12):
+        out = client.decode(token, handle, logits=LogitsPolicy.full(), token_choice=choice)
+        row = torch.tensor(out.logits.values[0], dtype=torch.float64)
+        masked = row.clone()
+        masked[sorted(banned)] = -math.inf
+        assert out.chosen.token_id == int(masked.max(-1).indices) and out.chosen.token_id not in banned
+        assert abs(out.chosen.logprob - float(torch.log_softmax(row, -1)[out.chosen.token_id])) < 1e-5
+        stepped.append(out.chosen)
+        token, handle = out.chosen.token_id, out.kv_cache
+    client.release_cache(handle)
+    assert [c.token_id for c in stepped] != plain[1:13]  # the mask changed the text
+
+    out = client.prefill(PROMPT, token_choice=choice)
+    ahead = client.decode_ahead(out.chosen.token_id, out.kv_cache, choice, 12)
+    assert [(c.token_id, c.logprob) for c in ahead.chosen] == [(c.token_id, c.logprob) for c in stepped]
+    client.release_cache(ahead.kv_cache)
+
+    outs = client.batch_prefill([PROMPT, PROMPT], token_choice=[TokenChoice.greedy(), choice])
+    handles, nexts, got = [o.kv_cache for o in outs], [o.chosen.token_id for o in outs], []
+    with client.decode_session() as session:
+        for _ in range(12):
+            step = session.step([DecodeInput(nexts[0], handles[0], TokenChoice.greedy()),
+                                 DecodeInput(nexts[1], handles[1], choice)])
+            got.append(step[1].chosen)
+            handles, nexts = [o.kv_cache for o in step], [o.chosen.token_id for o in step]
+    assert [(c.token_id, c.logprob) for c in got] == [(c.token_id, c.logprob) for c in stepped]
+    for h in handles:
+        client.release_cache(h)
 
 
 def test_penalties_split_prompt_from_output(client):

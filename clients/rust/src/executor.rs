@@ -13,8 +13,8 @@
 //! Logits come back as FULL float32 rows ([`LogitsTensor`], a `TensorLike` over the
 //! reply's bytes); token ids are read from the engine's input tensors with
 //! `to_vec_u32`. Where the engine's unified batch asks an item for its greedy token
-//! only (`LogitsReturnPolicy::GreedyArgmax`) and its token mask forbids nothing, the
-//! server chooses it (a greedy `TokenChoice`) and the item's result is the
+//! only (`LogitsReturnPolicy::GreedyArgmax`, its token mask sent as the allowed-token
+//! bitmask), the server chooses it (a greedy `TokenChoice`) and the item's result is the
 //! one-element row holding the token id, as the engine takes a model-side argmax;
 //! no logits cross the wire for it.
 //!
@@ -652,9 +652,10 @@ impl RemoteExecutor {
     }
 
     /// The server's greedy choice standing for the engine's `policy`, when it asks for
-    /// the argmax only and the contract can say the same cheaply: a token mask that
-    /// forbids nothing (see below for one that does), no repetition penalty (the engine's penalises its
-    /// own token list, the server's the whole sequence: those rows keep full logits).
+    /// the argmax only and the contract can say the same: its token mask as the
+    /// allowed-token bitmask (none where it forbids nothing), no repetition penalty (the
+    /// engine's penalises its own token list, the server's the whole sequence: those rows
+    /// keep full logits).
     fn greedy_choice(&self, policy: &LogitsReturnPolicy) -> Option<pb::TokenChoice> {
         let LogitsReturnPolicy::GreedyArgmax { token_mask, repetition_penalty } = policy else {
             return None;
@@ -670,12 +671,9 @@ impl RemoteExecutor {
             None => bytes::Bytes::new(),
             Some(mask) => self.mask_bitmask(mask, vocab)?,
         };
-        // A mask that forbids a token takes the server's general choice path (it
-        // unpacks the bitmask over the vocabulary every step), which measured slower
-        // than fetching the row and masking here: such rows stay full logits.
-        if !allowed.is_empty() {
-            return None;
-        }
+        // A mask that forbids tokens goes as the bitmask: the server's greedy choice under
+        // one costs about what plain greedy costs (its argmax stands where the mask allows
+        // it), and its logprob is RAW, which the engine does not read.
         Some(pb::TokenChoice {
             temperature: Some(0.0),
             allowed_token_bitmask: allowed,

@@ -127,3 +127,15 @@ def test_good_policies_pass():
                             TokenChoice(allowed_token_bitmask=pack_allowed_tokens([69], 70)),
                             TokenChoice(top_k=10_000)]:
         validate_token_choice(choice, 70)
+
+
+def test_a_bitmask_allowing_only_bits_past_the_vocabulary_allows_no_token():
+    """The check reads the mask's bytes: a bit in the last, partial byte inside the
+    vocabulary counts; one past the vocabulary does not."""
+    vocab = 100  # 4 words: bits 100..127 lie past it
+    validate_token_choice(TokenChoice(allowed_token_bitmask=pack_allowed_tokens([99], vocab)), vocab)
+    validate_token_choice(TokenChoice(allowed_token_bitmask=pack_allowed_tokens([96], vocab)), vocab)
+    past = bytearray(16)
+    past[12] = 0b0001_0000  # token 100
+    with pytest.raises(InvalidInput, match="allows no token"):
+        validate_token_choice(TokenChoice(allowed_token_bitmask=bytes(past)), vocab)
