@@ -67,10 +67,6 @@ class _ReplicaSet:
             model) if routing.policy.kv_events else None
         self._opened()
 
-    @property
-    def policy(self) -> ReplicaPolicy:
-        return self.routing.policy
-
     def _close_router(self) -> None:
         if self.routing._router is not None:
             self.routing._router.close()

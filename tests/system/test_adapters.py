@@ -277,7 +277,7 @@ def test_kv_events_name_adapter_roots_and_route_adapter_prompts_to_their_cache(t
             (entry,) = direct.list_adapters()
         with ReplicaSetClient([x.target, y.target], timeout=30,
                               replica_policy=ReplicaPolicy(status_ttl_s=0.05, seed=0)) as fleet:
-            router = fleet._router
+            router = fleet.routing._router
             wait_for(lambda: [router.matched_tokens(s, "a").get(x.target, 0) for s in systems], 20,
                      "the events (24 tokens matched on X per system prompt)", until=lambda m: min(m) >= 24)
             index = router.indexes[x.target]

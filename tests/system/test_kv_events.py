@@ -216,7 +216,7 @@ def test_placement_by_events_hits_prefixes_the_lru_cannot_know(tiny_llama_dir):
         policy = dict(status_ttl_s=0.05, seed=0)
         with ReplicaSetClient([x.target, y.target], timeout=30,
                               replica_policy=ReplicaPolicy(**policy)) as by_events:
-            wait_for(lambda: [by_events._router.matched_tokens(s).get(x.target, 0) for s in systems], 20,
+            wait_for(lambda: [by_events.routing._router.matched_tokens(s).get(x.target, 0) for s in systems], 20,
                      "the events (24 tokens matched on X per system prompt)", until=lambda m: min(m) >= 24)
             hits = [by_events.prefill(s + [9, 10, 11, i]).cached_tokens for i, s in enumerate(systems)]
         with ReplicaSetClient([x.target, y.target], timeout=30,
