@@ -62,6 +62,14 @@ def _save_tiny(path, config_cls, model_cls, seed: int, **extra):
 
 
 @pytest.fixture(scope="session")
+def default_model_dir():
+    """The embedded SmolLM2-135M-Instruct, prepared once (cached under cache_root())."""
+    from ferrum_rpc.server.prepare import prepare_default_model
+
+    return prepare_default_model()
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 

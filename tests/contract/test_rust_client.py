@@ -238,45 +238,39 @@ def test_the_readmes_example_is_the_built_one(rust_bin):
 
 # -- Ferrum's engine on SmolLM2 -------------------------------------------------------------
 @pytest.fixture(scope="module")
-def smol_dir():
-    from ferrum_rpc.server.prepare import prepare_default_model
-
-    return prepare_default_model()
-
-
-@pytest.fixture(scope="module")
-def smol(smol_dir):
-    with running_server(smol_dir, name=SMOL, kv_tokens=8192, block_size=16, server_kwargs=dict(warmup=False)) as srv:
+def smol(default_model_dir):
+    with running_server(default_model_dir, name=SMOL, kv_tokens=8192, block_size=16,
+                        server_kwargs=dict(warmup=False)) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
-def python_greedy(smol, smol_dir):
+def python_greedy(smol, default_model_dir):
     """generate_ids' greedy ids for each prompt, tokenized as tokenizers' encode(text)."""
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(Path(smol_dir) / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(Path(default_model_dir) / "tokenizer.json"))
     with ExecutorClient(smol.target, timeout=60) as c:
         eos = set(c.info().eos_token_ids)
         return [list(generate_ids(c, tok.encode(p).ids, MAX_TOKENS, SamplingParams(greedy=True), stop_ids=eos))
                 for p in PROMPTS]
 
 
-def engine_ids(rust_bin, target: str, prompts: list[str], concurrency: int, smol_dir) -> list[list[int]]:
+def engine_ids(rust_bin, target: str, prompts: list[str], concurrency: int, default_model_dir) -> list[list[int]]:
     done = run(rust_bin, "ferrum-engine-generate", "--addr", target, "--max-tokens", MAX_TOKENS, "--concurrency",
-               concurrency, "--tokenizer", Path(smol_dir) / "tokenizer.json", "--ids", *prompts, timeout=300)
+               concurrency, "--tokenizer", Path(default_model_dir) / "tokenizer.json", "--ids", *prompts, timeout=300)
     out = done.stdout.splitlines()
     assert len(out) == len(prompts), done.stdout
     return [[int(t) for t in line.split()] for line in out]
 
 
-def test_ferrum_engine_greedy_equals_generate_ids_alone(rust_bin, smol, smol_dir, python_greedy):
-    got = [engine_ids(rust_bin, smol.target, [p], 1, smol_dir)[0] for p in PROMPTS]
+def test_ferrum_engine_greedy_equals_generate_ids_alone(rust_bin, smol, default_model_dir, python_greedy):
+    got = [engine_ids(rust_bin, smol.target, [p], 1, default_model_dir)[0] for p in PROMPTS]
     assert got == python_greedy
 
 
-def test_ferrum_engine_eight_at_once_equal_each_alone(rust_bin, smol, smol_dir, python_greedy):
-    got = engine_ids(rust_bin, smol.target, PROMPTS, 8, smol_dir)
+def test_ferrum_engine_eight_at_once_equal_each_alone(rust_bin, smol, default_model_dir, python_greedy):
+    got = engine_ids(rust_bin, smol.target, PROMPTS, 8, default_model_dir)
     assert got == python_greedy
     with ExecutorClient(smol.target, timeout=30) as c:
         wait_for(lambda: c.status().active_sequences, 10, "no live sequence", until=lambda n: n == 0)
@@ -288,12 +282,13 @@ def executor_calls(stderr: str) -> dict[str, int]:
     return {k: int(v) for k, v in (pair.split("=") for pair in line.split(":", 1)[1].split())}
 
 
-def test_ferrum_engine_steps_over_one_session(rust_bin, smol, smol_dir, python_greedy):
+def test_ferrum_engine_steps_over_one_session(rust_bin, smol, default_model_dir, python_greedy):
     """Greedy and sampled requests step over the executor's DecodeSession, greedy with
     generate_ids' ids. Ferrum's greedy mask forbids some of SmolLM2's tokens: it goes as
     the allowed-token bitmask and the server chooses every greedy decode token; sampled
     rows are full logits (Ferrum samples them)."""
-    args = ("--addr", smol.target, "--max-tokens", MAX_TOKENS, "--tokenizer", Path(smol_dir) / "tokenizer.json",
+    args = ("--addr", smol.target, "--max-tokens", MAX_TOKENS,
+            "--tokenizer", Path(default_model_dir) / "tokenizer.json",
             "--ids", "--timing")
     greedy = run(rust_bin, "ferrum-engine-generate", *args, PROMPTS[0], timeout=300)
     ids = [int(t) for t in greedy.stdout.splitlines()[0].split()]
@@ -307,19 +302,20 @@ def test_ferrum_engine_steps_over_one_session(rust_bin, smol, smol_dir, python_g
     assert ids and calls["server_chosen"] == 0 and calls["session_steps"] >= len(ids) - 2, calls
 
 
-def test_ferrum_engine_text_is_generated(rust_bin, smol, smol_dir):
+def test_ferrum_engine_text_is_generated(rust_bin, smol, default_model_dir):
     done = run(rust_bin, "ferrum-engine-generate", "--addr", smol.target, "--max-tokens", 8,
-               "--tokenizer", Path(smol_dir) / "tokenizer.json", PROMPTS[0], timeout=300)
+               "--tokenizer", Path(default_model_dir) / "tokenizer.json", PROMPTS[0], timeout=300)
     assert done.stdout.strip(), "no text"
 
 
-def test_a_request_cancelled_mid_generation_leaves_no_sequence(rust_bin, smol, smol_dir):
+def test_a_request_cancelled_mid_generation_leaves_no_sequence(rust_bin, smol, default_model_dir):
     """The engine program interrupted (SIGINT after its first decode steps reached the
     server): its requests go with it, and the server holds no sequence of theirs."""
     with ExecutorClient(smol.target, timeout=30) as c:
         before = c.status()
         proc = subprocess.Popen([str(rust_bin / "ferrum-engine-generate"), "--addr", smol.target, "--max-tokens",
-                                 "400", "--concurrency", "2", "--tokenizer", str(Path(smol_dir) / "tokenizer.json"),
+                                 "400", "--concurrency", "2",
+                                 "--tokenizer", str(Path(default_model_dir) / "tokenizer.json"),
                                  "--ids", PROMPTS[0], PROMPTS[1]], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
 
@@ -342,13 +338,13 @@ def test_a_request_cancelled_mid_generation_leaves_no_sequence(rust_bin, smol, s
         wait_for(lambda: c.status().active_sequences, 30, "no live sequence", until=lambda n: n == 0)
 
 
-def test_server_killed_mid_generation_ends_with_the_reason(rust_bin, smol_dir):
-    with all_serving(ServerProcess(f"{SMOL}={smol_dir}", "--kv-tokens", "4096", "--block-size", "16",
+def test_server_killed_mid_generation_ends_with_the_reason(rust_bin, default_model_dir):
+    with all_serving(ServerProcess(f"{SMOL}={default_model_dir}", "--kv-tokens", "4096", "--block-size", "16",
                                    "--no-warmup", "--threads", "1")) as (srv,):
         with ExecutorClient(srv.target, timeout=30) as c:
             start = c.status().forwards
             proc = subprocess.Popen([str(rust_bin / "ferrum-engine-generate"), "--addr", srv.target, "--max-tokens",
-                                     "400", "--tokenizer", str(Path(smol_dir) / "tokenizer.json"), "--ids",
+                                     "400", "--tokenizer", str(Path(default_model_dir) / "tokenizer.json"), "--ids",
                                      PROMPTS[0]], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             try:
 

@@ -21,18 +21,12 @@ STEPS = 6
 
 
 @pytest.fixture(scope="module")
-def smol_dir():
-    from ferrum_rpc.server.prepare import prepare_default_model
-
-    return prepare_default_model()
-
-
-@pytest.fixture(scope="module")
-def servers(smol_dir):
+def servers(default_model_dir):
     """Two int8 servers and a bfloat16 one (each in-process, real gRPC on loopback)."""
     kw = dict(kv_tokens=2048, block_size=16, server_kwargs={"warmup": False})
-    with running_server(smol_dir, kv_dtype="int8", **kw) as a, running_server(smol_dir, kv_dtype="int8", **kw) as b, \
-            running_server(smol_dir, kv_dtype="bfloat16", **kw) as c:
+    with running_server(default_model_dir, kv_dtype="int8", **kw) as a, \
+            running_server(default_model_dir, kv_dtype="int8", **kw) as b, \
+            running_server(default_model_dir, kv_dtype="bfloat16", **kw) as c:
         yield {"a": a, "b": b, "bf16": c}
 
 

@@ -55,13 +55,6 @@ def run_blocks(blocks: list[str], name: str, substitutions: dict[str, str]) -> d
 
 
 @pytest.fixture(scope="module")
-def default_model_dir():
-    from ferrum_rpc.server.prepare import prepare_default_model
-
-    return prepare_default_model()
-
-
-@pytest.fixture(scope="module")
 def server(default_model_dir):
     with running_server(default_model_dir, name="SmolLM2-135M-Instruct", kv_tokens=4096, block_size=16,
                         server_kwargs=dict(warmup=False)) as server:

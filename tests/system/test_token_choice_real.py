@@ -56,14 +56,7 @@ TINY_PROMPT = [1, 17, 42, 99, 5, 230, 17, 8]
 # ---------------------------------------------------------------------------- fixtures
 
 @pytest.fixture(scope="module")
-def smol_dir():
-    from ferrum_rpc.server.prepare import prepare_default_model
-
-    return prepare_default_model()
-
-
-@pytest.fixture(scope="module")
-def smol(smol_dir):
+def smol(default_model_dir):
     """A ``ferrum-rpc serve`` process serving the default model (no warm-up: the tests
     measure nothing), and a client of it."""
     with ServerProcess(None, "--kv-tokens", "4096", "--block-size", "16", "--no-warmup") as server:
@@ -73,15 +66,15 @@ def smol(smol_dir):
 
 
 @pytest.fixture(scope="module")
-def smol_tokenizer(smol_dir):
-    return load_tokenizer(smol_dir)
+def smol_tokenizer(default_model_dir):
+    return load_tokenizer(default_model_dir)
 
 
 @pytest.fixture(scope="module")
-def smol_oracle(smol_dir):
+def smol_oracle(default_model_dir):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # straight through <|im_end|>, as the server's loop
     return model
 
@@ -327,14 +320,14 @@ ASK = "Give me a JSON object with the name and age of a fictional person."
 
 
 @pytest.fixture(scope="module")
-def person_grammar(smol_dir, smol_tokenizer):
+def person_grammar(default_model_dir, smol_tokenizer):
     """llguidance's tokenizer built from the model's tokenizer.json (the tokenizers
     library's serialisation), and the PERSON schema's grammar."""
     llguidance = pytest.importorskip("llguidance")
     from tokenizers import Tokenizer
 
-    vocab = json.loads((smol_dir / "config.json").read_text())["vocab_size"]
-    tokenizer = llguidance.LLTokenizer(Tokenizer.from_file(str(smol_dir / "tokenizer.json")).to_str(),
+    vocab = json.loads((default_model_dir / "config.json").read_text())["vocab_size"]
+    tokenizer = llguidance.LLTokenizer(Tokenizer.from_file(str(default_model_dir / "tokenizer.json")).to_str(),
                                        n_vocab=vocab, eos_token=smol_tokenizer.eos_token_id)
     return tokenizer, llguidance.LLMatcher.grammar_from_json_schema(json.dumps(PERSON)), vocab
 

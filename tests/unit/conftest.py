@@ -29,6 +29,9 @@ def _unit_tier(monkeypatch):
     monkeypatch.setattr(build, "build_extension", _refused("built or loaded the C++ kernels"))
 
 
-@pytest.fixture
-def tiny_llama_dir():
+def _no_model_files():
     raise AssertionError("a unit test asked for a model's files: it belongs in tests/component or tests/system")
+
+
+tiny_llama_dir = pytest.fixture(_no_model_files, name="tiny_llama_dir")
+default_model_dir = pytest.fixture(_no_model_files, name="default_model_dir")
