@@ -12,6 +12,7 @@ import os
 import numpy as np
 
 from ferrum_rpc import hashing
+from ferrum_rpc.rules import check_model_name
 from ferrum_rpc.v1 import executor_pb2 as pb
 
 
@@ -23,6 +24,7 @@ def list_models(c) -> pb.ListModelsRequest:
 def load_model(c, name: str, path: str, progress=None) -> pb.LoadModelRequest:
     """Loads the model in ``path`` (a folder on the server) as ``name``; returns once
     it serves.  ``progress(stage, elapsed_s)`` sees each stage."""
+    check_model_name(name, path)
     return pb.LoadModelRequest(name=name, path=path)
 
 
@@ -33,6 +35,7 @@ def load_progress(c, message: pb.LoadModelResponse, name: str, path: str, progre
 
 def unload_model(c, name: str) -> pb.UnloadModelRequest:
     """Stops serving ``name`` (its sequences go); returns how many sequences it held."""
+    check_model_name(name)
     return pb.UnloadModelRequest(name=name)
 
 

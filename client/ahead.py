@@ -19,7 +19,7 @@ import grpc
 
 from ferrum_rpc import convert
 from . import rpc as rpcs
-from ferrum_rpc.rules import checked_ids
+from ferrum_rpc.rules import check_decode_session, checked_ids
 from ferrum_rpc.errors import ExecutorError, from_rpc_error, from_status_proto
 from ferrum_rpc.types import ChosenToken, DecodeInput, KvCacheHandle, LogitsPolicy, TokenChoice
 from ferrum_rpc.v1 import executor_pb2 as pb
@@ -58,6 +58,7 @@ def ahead_request(session, items: Iterable[rpcs.DecodeItem], max_new_tokens: int
     request.max_new_tokens = max_new_tokens
     request.stop_token_ids.extend(checked_ids("stop_token_ids", stop_token_ids))
     request.forwards_per_response = forwards_per_response
+    check_decode_session(request)
     return request
 
 

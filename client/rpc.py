@@ -41,7 +41,23 @@ from ferrum_rpc.types import (  # the table's `returns` name some of these
 )
 from ferrum_rpc.v1 import executor_pb2 as pb
 from . import admin
-from ferrum_rpc.rules import checked_id, checked_ids, validate_token_choice
+from ferrum_rpc.rules import (
+    check_decode_batch,
+    check_drafts,
+    check_fork,
+    check_hidden,
+    check_id,
+    check_logits_policy,
+    check_prefill_batch,
+    check_push_target,
+    check_sampling,
+    check_shared_memory_offset,
+    check_ticket_ttl,
+    check_prefill,
+    checked_id,
+    checked_ids,
+    validate_token_choice,
+)
 
 DecodeItem = Union[DecodeInput, tuple[int, KvCacheHandle]]
 Prompt = Union[Sequence[int], tuple[Sequence[int], KvCacheHandle]]
@@ -131,6 +147,8 @@ def chosen_output(c, cls, reply):
 def set_logits(req, logits: LogitsPolicy | None) -> None:
     """None leaves the field unset: full float32 rows, none where a token_choice is given."""
     if logits is not None:
+        check_logits_policy(logits, 1)
+        check_shared_memory_offset(logits)
         req.logits.CopyFrom(convert.policy_to_proto(logits))
 
 
@@ -153,6 +171,7 @@ def batch_request(c, items: Iterable[DecodeItem], logits: LogitsPolicy | None,
         message = req.items.add(token_id=checked_id("items.token_id", token_id),
                                 kv_cache=convert.handle_to_proto(handle))
         set_choice(message, choice if choice is not None else token_choice, f"items[{n}].token_choice")
+    check_decode_batch([i.kv_cache.cache_id for i in req.items])
     if logits is None:
         req.single_reply = bool(req.items) and all(i.HasField("token_choice") for i in req.items)
     else:
@@ -219,6 +238,9 @@ def _prefill(c, token_ids: Sequence[int], kv_cache: KvCacheHandle | None = None,
     by that name if the call is cancelled or times out.  ``adapter``: the LoRA adapter a
     new sequence runs with (``list_adapters``), kept for its life."""
     req = pb.PrefillRequest(model=c.model, token_ids=checked_ids("token_ids", token_ids), adapter=adapter)
+    check_prefill(req.token_ids, kv_cache is not None, request_id or "")
+    if hidden_states is not None:
+        check_hidden(hidden_states, len(req.token_ids), 0)
     set_logits(req, logits)
     set_choice(req, token_choice)
     if kv_cache is not None:
@@ -269,9 +291,11 @@ def _speculative_decode(c, token_id: int, draft: Sequence[int], kv_cache: KvCach
     req = pb.SpeculativeDecodeRequest(model=c.model, token_id=checked_id("token_id", token_id),
                                       draft_token_ids=checked_ids("draft", draft),
                                       kv_cache=convert.handle_to_proto(kv_cache))
+    check_drafts(len(draft), token_choice is not None, sampling is not None)
     set_logits(req, logits)
     set_choice(req, token_choice)
     if sampling is not None:
+        check_sampling(sampling)
         req.sampling.CopyFrom(pb.SpeculativeSampling(temperature=sampling.temperature, top_k=sampling.top_k,
                                                      top_p=sampling.top_p, seed=sampling.seed))
     return req
@@ -304,6 +328,8 @@ def _batch_prefill(c, prompts: Iterable[Prompt], logits: LogitsPolicy | None = N
             item.request_id = new_request_id()  # released by this name if the call's outcome is unknown
             item.adapter = adapter
         set_choice(item, choice, f"items[{n}].token_choice")
+    check_prefill_batch([i.kv_cache.cache_id for i in req.items if i.HasField("kv_cache")],
+                        [i.request_id for i in req.items], len(req.items))
     return req
 
 
@@ -317,6 +343,7 @@ def _release_cache(c, cache: KvCacheHandle | str | None = None, request_id: str 
     if (cache is None) == (request_id is None):
         raise ValueError("release_cache takes a handle or cache_id, or a request_id")
     if request_id is not None:
+        check_id(request_id, "request_id")
         return pb.ReleaseCacheRequest(request_id=request_id, model=c.model)
     if isinstance(cache, KvCacheHandle):
         return pb.ReleaseCacheRequest(cache_id=cache.cache_id, model=cache.model)
@@ -345,6 +372,7 @@ def existing_output(c, error: RequestIdExists) -> PrefillOutput:
 
 def _fork_cache(c, kv_cache: KvCacheHandle, num_children: int) -> pb.ForkCacheRequest:
     """N handles sharing ``kv_cache``'s blocks (copied on first divergent write)."""
+    check_fork(num_children)
     return pb.ForkCacheRequest(kv_cache=convert.handle_to_proto(kv_cache), num_children=num_children)
 
 
@@ -380,6 +408,7 @@ def _create_import_ticket(c, fingerprint: str = "", ttl_s: float = 0.0) -> pb.Cr
     """A single-use ticket (``.ticket``) that lets another server push one sequence here
     for this caller's tenant within ``ttl_s`` seconds (0: 30); ``fingerprint``: the
     digest the pushed sequence must have (empty: this server's)."""
+    check_ticket_ttl(ttl_s)
     return pb.CreateImportTicketRequest(model=c.model, fingerprint=fingerprint, ttl_s=ttl_s)
 
 
@@ -388,6 +417,7 @@ def _push_sequence(c, kv_cache: KvCacheHandle, target: str, ticket: str, move: b
     """Has the server stream ``kv_cache`` straight to the server at ``target`` (which
     issued ``ticket``); with ``move``, released here once the receiver has it.
     Returns the receiver's handle, the bytes sent and whether it was released."""
+    check_push_target(target)
     return pb.PushSequenceRequest(model=c.model or kv_cache.model, kv_cache=convert.handle_to_proto(kv_cache),
                                   target=target, ticket=ticket, move=move, chunk_bytes=chunk_bytes)
 

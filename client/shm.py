@@ -21,6 +21,7 @@ from multiprocessing import shared_memory
 import grpc
 
 from ferrum_rpc.errors import ExecutorError, from_rpc_error
+from ferrum_rpc.rules import check_region
 from ferrum_rpc.types import SharedMemoryTarget
 from ferrum_rpc.v1 import executor_pb2 as pb
 
@@ -93,6 +94,7 @@ class SharedMemoryRegion:
             self._registry[self.name] = self
 
     def _request(self) -> pb.RegisterSharedMemoryRequest:
+        check_region(self.name, "", 0, self.byte_size)
         return pb.RegisterSharedMemoryRequest(name=self.name, byte_size=self.byte_size)
 
     def _unregister_request(self) -> pb.UnregisterSharedMemoryRequest:

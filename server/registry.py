@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 
 from ferrum_rpc.errors import Draining, ExecutorError, InvalidInput, ModelLoading, ModelNotFound, shown
-from .rpc.edge import MAX_PATH_BYTES
+from ferrum_rpc.rules import check_model_name
 from .config import ExecutorConfig
 from .engine import crossover
 from .engine.executor import TorchExecutor
@@ -29,7 +29,6 @@ from .engine.worker import ModelWorker
 
 log = logging.getLogger(__name__)
 
-MAX_NAME_BYTES = 128
 
 
 @dataclass(frozen=True)
@@ -86,12 +85,9 @@ class Registry:
         that is over 4,096 bytes, that the OS refuses (ENAMETOOLONG, EACCES, ...) or that
         is no model folder; errors show a bounded prefix of the path, never the OS's own
         message with all of it."""
-        if not name or len(name.encode()) > MAX_NAME_BYTES:
-            raise InvalidInput(f"name must be 1..={MAX_NAME_BYTES} bytes")
+        check_model_name(name, path)
         if name in self.workers or name in self.loading:
             raise InvalidInput(f"a model named {shown(name)} is hosted already")
-        if len(path.encode()) > MAX_PATH_BYTES:
-            raise InvalidInput(f"path {shown(path)} is over {MAX_PATH_BYTES} bytes")
         try:
             found = (Path(path) / "config.json").is_file()
         except (OSError, ValueError) as exc:
@@ -133,8 +129,7 @@ class Registry:
         """Unloads a model: refused to new calls at once, in-flight calls finish, then
         its worker stops and its KV and weights go; returns the sequences it held."""
         self._check_not_split("UnloadModel")
-        if not name:
-            raise InvalidInput("name is required")
+        check_model_name(name)
         self.worker(name)  # the precise refusal: loading, unloaded, unknown
         worker = self.workers.pop(name)
         self.paths.pop(name, None)

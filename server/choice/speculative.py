@@ -3,11 +3,10 @@ token after them (pure functions of the logits rows; no KV, no state)."""
 
 from __future__ import annotations
 
-import math
 
 import torch
 
-from ferrum_rpc.errors import InvalidInput
+from ferrum_rpc.rules import check_sampling
 from ferrum_rpc.types import SpeculativeSampling
 
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): logits / T would
@@ -19,9 +18,7 @@ def checked_sampling(sampling: SpeculativeSampling | None) -> SpeculativeSamplin
     """Validates a sampling request (no state read); None where sampling is greedy."""
     if sampling is None:
         return None
-    if not (math.isfinite(sampling.temperature) and sampling.temperature > 0 and 0 <= sampling.top_p <= 1
-            and sampling.top_k >= 0):
-        raise InvalidInput("sampling needs a finite temperature > 0, top_k >= 0 and top_p in [0, 1]")
+    check_sampling(sampling)
     if sampling.temperature < GREEDY_BELOW_TEMPERATURE:  # logits / T would overflow float32: greedy
         return None
     return sampling

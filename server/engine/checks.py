@@ -1,7 +1,10 @@
-"""The executor's checks: every rule a request must meet before any state changes
-(tokens, lengths, logits policies and message sizes, ids, handles, the pool and the
-sequence caps), in one place that the executor, the import path and the worker call.
-Each reads the executor's fixed facts and its block manager, and changes nothing."""
+"""The executor's checks: every rule a request must meet before any state changes, in
+one place that the executor, the import path and the worker call.  A request's shape
+(tokens, logits policies and message sizes, ids, analysis requests) is checked by the
+contract's rules (:mod:`ferrum_rpc.rules`, which the clients share) against this
+server's :class:`~ferrum_rpc.rules.Limits`; what needs the server's state (a handle
+against its sequence, lengths, the pool and the sequence caps) is checked here.  Each
+reads the executor's fixed facts and its block manager, and changes nothing."""
 
 from __future__ import annotations
 
@@ -16,13 +19,11 @@ from ferrum_rpc.errors import (
     StaleHandle,
     shown,
 )
-from ferrum_rpc.types import LOGITS_DTYPES, HiddenStatesRequest, KvCacheHandle, LogitsKind, LogitsPolicy
+from ferrum_rpc.rules import Limits, check_hidden, check_id, check_logits_policy, check_tokens
+from ferrum_rpc.types import HiddenStatesRequest, KvCacheHandle, LogitsPolicy
 from ..config import TenantBounds
 from ..kv.blocks import BlockManager, SequenceState
 
-_WIRE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-_SCORED_ENTRY_BYTES = 4 + 5  # TOP_K/ARGMAX: a float32 score and a varint token id (<= 5 bytes)
-MAX_ID_BYTES = 128  # longest id accepted, in UTF-8 bytes (cache ids, request ids; ours are 32 hex digits)
 
 
 class Checks:
@@ -34,69 +35,30 @@ class Checks:
         self.model_config, self.config, self.kv = model_config, config, kv
         self.max_seq_len, self.instance_id, self.bounds = max_seq_len, instance_id, bounds
 
+    @property
+    def limits(self) -> Limits:
+        """This server's facts the contract's rules read (read each time: a test or an
+        operator may change the config's bounds on a live executor)."""
+        mc, config = self.model_config, self.config
+        return Limits(vocab_size=mc.vocab_size, max_batch_size=config.max_batch_size,
+                      max_message_bytes=config.max_message_bytes, prefill_chunk=config.prefill_chunk,
+                      num_layers=mc.num_layers, num_heads=mc.num_heads, hidden_size=mc.hidden_size)
+
     def hidden(self, hidden: HiddenStatesRequest, tokens: int, start: int) -> None:
-        """Validates an analysis request for ``tokens`` tokens after ``start`` and that
-        its tensors fit the message limit (no state read)."""
-        mc = self.model_config
-        layers, heads = mc.num_layers, mc.num_heads
-        if not hidden.layers and not hidden.attention_layers:
-            raise InvalidInput("hidden_states asks for nothing: give layers, attention_layers or both")
-        if bad := [layer for layer in hidden.layers if not 0 <= layer <= layers]:
-            raise InvalidInput(f"hidden_states.layers must be in 0..={layers}, got {bad[:8]}")
-        if bad := [layer for layer in hidden.attention_layers if not 0 <= layer < layers]:
-            raise InvalidInput(f"hidden_states.attention_layers must be in 0..{layers - 1}, got {bad[:8]}")
-        if bad := [h for h in hidden.attention_heads if not 0 <= h < heads]:
-            raise InvalidInput(f"hidden_states.attention_heads must be in 0..{heads - 1}, got {bad[:8]}")
-        if hidden.attention_heads and not hidden.attention_layers:
-            raise InvalidInput("hidden_states.attention_heads needs attention_layers")
-        if bad := [p for p in hidden.positions if not 0 <= p < tokens]:
-            raise InvalidInput(f"hidden_states.positions must be in 0..{tokens - 1}, got {bad[:8]}")
-        rows = len(hidden.positions) or tokens
-        size = 4 * rows * (len(hidden.layers) * mc.hidden_size
-                           + len(hidden.attention_layers) * (len(hidden.attention_heads) or heads) * (start + tokens))
-        if size > self.config.max_message_bytes:
-            raise InvalidInput(f"hidden states of {len(hidden.layers)} layers and attention weights of "
-                               f"{len(hidden.attention_layers)} layers at {rows} positions need {size} bytes, over "
-                               f"the {self.config.max_message_bytes}-byte message limit; ask for fewer layers, "
-                               "heads or positions")
+        """An analysis request for ``tokens`` tokens after ``start`` (no state read)."""
+        check_hidden(hidden, tokens, start, self.limits)
 
     def tokens(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise InvalidInput("no tokens given")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidInput(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
-
-    def reply_fits(self, policy: LogitsPolicy, positions: int) -> None:
-        """Raises INVALID_INPUT unless ``positions`` rows of ``policy`` fit one reply (reads no state)."""
-        self.policy(policy, positions)
+        check_tokens(token_ids, self.limits)
 
     def policy(self, policy: LogitsPolicy, positions: int) -> None:
-        """Checks the policy, and that its reply will fit the message limit (every kind,
-        before any work: a reply that fails at send time would strand the sequence)."""
-        vocab = self.model_config.vocab_size
-        if policy.kind is LogitsKind.TOP_K and not 1 <= policy.top_k <= vocab:
-            raise InvalidInput(f"top_k must be in 1..={vocab}, got {policy.top_k}")
-        if policy.dtype not in LOGITS_DTYPES:
-            raise InvalidInput(f"logits dtype must be one of {LOGITS_DTYPES}, got {shown(policy.dtype)}")
-        if policy.kind is LogitsKind.FULL:
-            per_position = vocab * _WIRE_BYTES[policy.dtype]
-        else:
-            per_position = (policy.top_k if policy.kind is LogitsKind.TOP_K else 1) * _SCORED_ENTRY_BYTES
-        size = positions * per_position
-        if size > self.config.max_message_bytes:
-            raise InvalidInput(
-                f"{policy.kind.name} logits for {positions} positions need up to {size} bytes, over the "
-                f"{self.config.max_message_bytes}-byte message limit; ask for fewer positions, a smaller "
-                f"top-k or the last position only"
-            )
+        """The policy, and that ``positions`` rows of it fit one reply (no state read)."""
+        check_logits_policy(policy, positions, self.limits)
+
+    reply_fits = policy
 
     def id(self, value: str, field: str) -> None:
-        if not value:
-            raise InvalidInput(f"{field} is required")
-        if (size := len(value.encode("utf-8", "surrogatepass"))) > MAX_ID_BYTES:  # the contract's unit: UTF-8 bytes
-            raise InvalidInput(f"{field} is {size} bytes long (UTF-8); at most {MAX_ID_BYTES}")
+        check_id(value, field)
 
     def resolve(self, handle: KvCacheHandle, tenant: str) -> SequenceState:
         """The sequence a handle names; validates without touching any state

@@ -25,9 +25,9 @@ from typing import Iterable
 
 import torch
 
-from ferrum_rpc.errors import ExecutorError, InvalidInput
+from ferrum_rpc.errors import ExecutorError
 from ..choice.rows import row_max
-from ferrum_rpc.rules import validate_token_choice
+from ferrum_rpc.rules import check_decode_batch, validate_token_choice
 from ..config import ExecutorConfig, TenantBounds, tenant_bounds
 from .adapters import Lora
 from .weights import Weights
@@ -201,6 +201,11 @@ class TorchExecutor:
         return PromptInParts(self, opened, list(token_ids), policy, hidden, choice=choice,
                              want_logits=want_logits, as_output=as_output)
 
+    @property
+    def limits(self):
+        """This server's facts the contract's rules read (:class:`ferrum_rpc.rules.Limits`)."""
+        return self.checks.limits
+
     def check_token_choice(self, choice: TokenChoice, field: str = "token_choice") -> None:
         """INVALID_INPUT naming the first bad field of ``choice`` (reads no state: any thread)."""
         validate_token_choice(choice, self.model_config.vocab_size, field)
@@ -214,10 +219,7 @@ class TorchExecutor:
         """Validates a BatchDecode request and reserves its KV room; raises with no state change.
         ``policy=None``: the logits field was unset: full float32 rows for the items
         without a token_choice, none for those with one."""
-        if not inputs:
-            raise InvalidInput("batch_decode needs at least one input")
-        if len(inputs) > self.config.max_batch_size:
-            raise InvalidInput(f"{len(inputs)} sequences exceed max batch size {self.config.max_batch_size}")
+        check_decode_batch([i.kv_cache.cache_id for i in inputs], self.limits)
         for n, item in enumerate(inputs):
             if item.token_choice is not None:
                 self.check_token_choice(item.token_choice, "token_choice" if len(inputs) == 1
@@ -225,9 +227,6 @@ class TorchExecutor:
         wants = [policy is not None or item.token_choice is None for item in inputs]
         policy = LogitsPolicy() if policy is None else policy
         self.checks.policy(policy, 1)
-        ids = [i.kv_cache.cache_id for i in inputs]
-        if len(set(ids)) != len(ids):
-            raise InvalidInput("a sequence appears more than once in one batch")
         self.checks.tokens([i.token_id for i in inputs])
         seqs = [self.checks.resolve(i.kv_cache, tenant) for i in inputs]
         for seq in seqs:

@@ -14,6 +14,7 @@ import uuid
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from ferrum_rpc.errors import AdapterInvalid, InvalidInput, RequestIdExists, TenantQuotaExceeded, shown
+from ferrum_rpc.rules import check_fork, check_prefill
 from ferrum_rpc.types import BlockTable, KvCacheHandle, LogitsPolicy
 from ..config import ExecutorConfig, TenantBounds
 from ..kv.blocks import BlockManager, SequenceState, WritePlan
@@ -49,12 +50,7 @@ class Sequences:
                       policy: LogitsPolicy, tenant: str, reuse_prefix: bool = True, name: str = "",
                       adapter: str = "") -> Opened:
         """Validates a prefill and finds (or creates, taking any cached prefix) its sequence."""
-        if name:
-            if kv_cache is not None:
-                raise InvalidInput("request_id names the sequence a Prefill creates; leave it empty when "
-                                   "continuing a sequence")
-            self.checks.id(name, "request_id")
-        self.checks.tokens(token_ids)
+        check_prefill(token_ids, kv_cache is not None, name, self.checks.limits)
         key = prompt_key(token_ids, adapter) if name else b""
         if name and (live := self.kv.names.check_name(tenant, name, key)) is not None:  # a retry: its sequence
             raise RequestIdExists(f"request_id {shown(name)} names the live sequence this same prompt made; "
@@ -150,8 +146,7 @@ class Sequences:
 
     def fork(self, kv_cache: KvCacheHandle, num_children: int, tenant: str = "") -> list[KvCacheHandle]:
         """N new sequences sharing the parent's blocks; the first write to a shared block copies it."""
-        if not 1 <= num_children <= self.config.max_batch_size:
-            raise InvalidInput(f"num_children must be in 1..={self.config.max_batch_size}, got {num_children}")
+        check_fork(num_children, self.checks.limits)
         seq = self.checks.resolve(kv_cache, tenant)
         self.checks.sequence_room(seq.tenant, num_children)
         children = self.kv.fork(seq, [uuid.uuid4().hex for _ in range(num_children)])

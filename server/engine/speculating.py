@@ -4,7 +4,7 @@ truncated, all as one worker job (nobody sees the drafts' KV)."""
 
 from __future__ import annotations
 
-from ferrum_rpc.errors import InvalidInput
+from ferrum_rpc.rules import check_drafts
 from ferrum_rpc.types import (
     KvCacheHandle,
     LogitsKind,
@@ -31,11 +31,8 @@ def speculative_decode(ex, token_id: int, draft: list[int], kv_cache: KvCacheHan
     kept draft's choice, then the next token's; ``policy=None``: no logits with a
     choice, else full float32.  Fails with no state change; it is one worker
     job, so nobody sees the drafts' KV."""
-    if len(draft) + 1 > ex.config.prefill_chunk:
-        raise InvalidInput(f"{len(draft)} drafts exceed {ex.config.prefill_chunk - 1} (one forward's chunk)")
+    check_drafts(len(draft), choice is not None, sampling is not None, ex.limits)
     if choice is not None:
-        if sampling is not None:
-            raise InvalidInput("token_choice and sampling are exclusive: give one acceptance rule")
         ex.check_token_choice(choice)
     want_logits = policy is not None or choice is None
     policy = LogitsPolicy() if policy is None else policy

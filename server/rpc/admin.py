@@ -23,7 +23,7 @@ from ferrum_rpc.errors import AdapterInvalid, Draining, ExecutorError, shown
 from ferrum_rpc.types import ServerState
 from ferrum_rpc.v1 import executor_pb2 as pb
 from ..engine.facade import build_thread_init
-from .edge import MAX_PATH_BYTES
+from ferrum_rpc.rules import MAX_PATH_BYTES
 from .gate import Gate
 from .handler import handler, query
 from .shm import SharedMemoryRegistry

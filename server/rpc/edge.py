@@ -12,8 +12,6 @@ from ferrum_rpc.metadata import DEADLINE_HEADER
 from ferrum_rpc.types import KvCacheHandle
 
 
-MAX_PATH_BYTES = 4096  # the longest folder path LoadModel and LoadAdapter take
-
 
 def deadline_of(context) -> float | None:
     """The caller's deadline on the worker's clock (None: it waits forever).

@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from ferrum_rpc import convert
-from ferrum_rpc.errors import InvalidInput
+from ferrum_rpc.rules import check_shared_memory_offset
 from ferrum_rpc.types import ChosenToken, LogitsPolicy
 from .ledger import Undelivered
 from .shm import SharedMemoryRegistry
@@ -48,9 +48,8 @@ class Replies:
             return
         target = policy.shared_memory
         region = self._shm.get(tenant, target.region)  # another tenant's region: "not found"
+        check_shared_memory_offset(policy)
         element = 4 if policy.dtype == "float32" else 2
-        if target.offset % element:
-            raise InvalidInput(f"logits.shared_memory.offset must be a multiple of {element}, got {target.offset}")
         row_bytes = worker.executor.model_config.vocab_size * element
         offsets = [target.offset + row_bytes * before for before in itertools.accumulate(rows, initial=0)]
         region.check(target.offset, offsets[-1] - target.offset)

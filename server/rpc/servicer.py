@@ -18,7 +18,7 @@ import time
 import grpc
 
 from ferrum_rpc import convert, tensor_codec
-from ferrum_rpc.errors import InvalidInput
+from ferrum_rpc.rules import MAX_DECODE_AHEAD, check_prefill_batch, check_release
 from .auth import TokenTable
 from . import session
 from .ledger import Undelivered
@@ -132,7 +132,7 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         caps = convert.capabilities_to_proto(self.gate.worker(request.model).executor.capabilities())
         caps.models.extend(sorted(self.gate.workers))
         caps.shared_memory = self.admin_rpcs.shared_memory
-        caps.max_decode_ahead = session.MAX_DECODE_AHEAD
+        caps.max_decode_ahead = MAX_DECODE_AHEAD
         return caps
 
     @query
@@ -216,9 +216,8 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
     @call
     async def ReleaseCache(self, request, context, tenant: str):
         worker = self.gate.worker(request.model)
+        check_release(request.cache_id, request.request_id)
         if request.request_id:
-            if request.cache_id:
-                raise InvalidInput("ReleaseCache takes a cache_id or a request_id, not both")
             return pb.ReleaseCacheResponse(blocks_freed=await worker.front.release_named(request.request_id, tenant))
         freed = await worker.front.call(worker.executor.release_cache, request.cache_id, tenant)
         return pb.ReleaseCacheResponse(blocks_freed=freed)
@@ -254,20 +253,13 @@ class ExecutorServicer(pb_grpc.ModelExecutorServicer):
         under the step budget, with other callers' decodes); all or nothing."""
         received = time.perf_counter_ns()
         if not request.items:
-            raise InvalidInput("items is empty: BatchPrefill needs at least one prompt")
+            check_prefill_batch([], [], 0)
         first = next((i.kv_cache.model for i in request.items if i.HasField("kv_cache")), "")
         worker = self.gate.worker(request.model or first)
-        if len(request.items) > worker.executor.config.max_batch_size:
-            raise InvalidInput(f"{len(request.items)} prompts exceed max batch size "
-                               f"{worker.executor.config.max_batch_size}")
         handles = [convert.handle_from_proto(i.kv_cache) if i.HasField("kv_cache") else None
                    for i in request.items]
-        ids = [h.cache_id for h in handles if h is not None]
-        if len(set(ids)) != len(ids):
-            raise InvalidInput("a sequence may be continued at most once per BatchPrefill")
-        names = [i.request_id for i in request.items if i.request_id]
-        if len(set(names)) != len(names):
-            raise InvalidInput("a request_id may name at most one item of a BatchPrefill")
+        check_prefill_batch([h.cache_id for h in handles if h is not None], [i.request_id for i in request.items],
+                            len(request.items), worker.executor.limits)
         policy = _policy_or_unset(request)
         choices = [_choice(worker, item, f"items[{n}].token_choice") for n, item in enumerate(request.items)]
         rows = [len(i.token_ids) if policy is not None and policy.all_positions else 1 for i in request.items]

@@ -57,42 +57,15 @@ from ferrum_rpc.errors import InvalidInput, to_status_proto
 from ..engine.facade import QUEUED_FORWARDS, AheadRun, Emitted, Finish, ModelWorker
 from .ledger import Undelivered
 from .handler import as_executor_error, check_parsed
+from ferrum_rpc.rules import check_decode_session
 from ferrum_rpc.types import DecodeInput
 from ferrum_rpc.v1 import executor_pb2 as pb
 
 MAX_PENDING_STEPS = 8  # steps whose replies the caller has not taken yet
 SESSION_END_GRACE_S = 0.02  # a session whose requests ended waits this long for a cancel sent after them
-MAX_DECODE_AHEAD = 4096  # DecodeSessionRequest.max_new_tokens bound (Capabilities.max_decode_ahead)
-MAX_STOP_TOKENS = 64  # DecodeSessionRequest.stop_token_ids bound
 MAX_HELD_TOKENS = 1024  # a decode-ahead response holds no more forwards once it holds this many tokens
 
 _STEP_DONE = object()  # a step's last entry in the reply queue: frees its window seat
-
-
-def check_stop_message(request) -> None:
-    if request.items or request.max_new_tokens or request.stop_token_ids or request.HasField("logits") \
-            or request.single_reply or request.model or request.forwards_per_response:
-        raise InvalidInput("a DecodeSession stop message carries its step_id and stop only")
-
-
-def check_ahead(request, worker: ModelWorker, items: list[DecodeInput]) -> None:
-    """Decoding ahead's own rules (DecodeSessionRequest.max_new_tokens), before anything runs."""
-    if request.max_new_tokens > MAX_DECODE_AHEAD:
-        raise InvalidInput(f"max_new_tokens must be at most {MAX_DECODE_AHEAD}, got {request.max_new_tokens}")
-    if request.HasField("logits") or request.single_reply:
-        raise InvalidInput("decoding ahead streams chosen tokens only: logits and single_reply must be unset")
-    missing = [n for n, item in enumerate(items) if item.token_choice is None]
-    if missing:
-        raise InvalidInput(f"decoding ahead needs a token_choice on every item (items {missing} have none)")
-    if request.forwards_per_response > MAX_DECODE_AHEAD:
-        raise InvalidInput(f"forwards_per_response must be at most {MAX_DECODE_AHEAD}, "
-                           f"got {request.forwards_per_response}")
-    if len(request.stop_token_ids) > MAX_STOP_TOKENS:
-        raise InvalidInput(f"stop_token_ids holds at most {MAX_STOP_TOKENS} ids, got {len(request.stop_token_ids)}")
-    vocab = worker.executor.model_config.vocab_size
-    bad = [t for t in request.stop_token_ids if t >= vocab]
-    if bad:
-        raise InvalidInput(f"stop_token_ids {bad[:4]} are outside the vocabulary (size {vocab})")
 
 
 class DecodeSession:
@@ -164,7 +137,7 @@ class DecodeSession:
         try:
             check_parsed(request)
             if request.stop:
-                check_stop_message(request)
+                check_decode_session(request)
                 if step_id in self.ahead:
                     self.ahead[step_id].stop()
                 return
@@ -172,14 +145,8 @@ class DecodeSession:
                 with servicer.admit():
                     worker, items, policy = servicer.decode_batch(request)
                     ledger.confirm([i.kv_cache for i in items])  # the caller read those replies
-                    if request.stop_token_ids and not request.max_new_tokens:
-                        raise InvalidInput("stop_token_ids end a decode-ahead run: set max_new_tokens, or leave "
-                                           "them empty (a single step stops nowhere)")
-                    if request.forwards_per_response and not request.max_new_tokens:
-                        raise InvalidInput("forwards_per_response is decoding ahead's: set max_new_tokens, or "
-                                           "leave it 0")
+                    check_decode_session(request, worker.executor.limits)
                     if request.max_new_tokens:
-                        check_ahead(request, worker, items)
                         outs = await self._decode_ahead(request, worker, items, keys)
                     else:
                         targets = pinned.enter_context(

@@ -49,6 +49,7 @@ from ferrum_rpc.errors import (
     TenantQuotaExceeded,
     shown,
 )
+from ferrum_rpc.rules import check_region
 
 try:  # CPython's own binding of shm_open/shm_unlink (what multiprocessing.shared_memory uses)
     import _posixshmem
@@ -57,7 +58,6 @@ except ImportError:  # pragma: no cover - not a POSIX system
 
 log = logging.getLogger(__name__)
 
-MAX_NAME_BYTES = 128
 MAX_REGIONS_PER_TENANT = 64
 MAX_BYTES_PER_TENANT = 4 << 30  # every region of one tenant together (tmpfs pages, reserved up front)
 
@@ -179,13 +179,7 @@ class SharedMemoryRegistry:
         """Creates the region's object (see the module docstring); ``key`` and ``offset``
         are fields of the earlier contract in which the caller made the object,
         and must be empty now."""
-        if not name or len(name.encode()) > MAX_NAME_BYTES or "\x00" in name:
-            raise InvalidInput(f"name must be 1..={MAX_NAME_BYTES} bytes without NUL, got {len(name.encode())}")
-        if key or offset:
-            raise InvalidInput("key and offset must be empty: the server creates the shared-memory object "
-                               "and its reply names it (a caller-made object is not accepted)")
-        if byte_size <= 0:
-            raise InvalidInput("byte_size must be > 0")
+        check_region(name, key, offset, byte_size)
         with self._lock:
             mine = [r for (t, _), r in self._regions.items() if t == tenant]
             if (tenant, name) in self._regions:

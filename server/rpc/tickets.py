@@ -11,11 +11,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ferrum_rpc.errors import InvalidInput, PushTargetRefused, TicketExpired, TicketNotFound, TicketUsed, shown
+from ferrum_rpc.errors import PushTargetRefused, TicketExpired, TicketNotFound, TicketUsed, shown
 from ferrum_rpc.metadata import TENANT_HEADER, TICKET_HEADER
+from ferrum_rpc.rules import DEFAULT_TICKET_TTL_S, MAX_TICKET_TTL_S, check_push_target, check_ticket_ttl
 
-DEFAULT_TICKET_TTL_S = 30.0
-MAX_TICKET_TTL_S = 300.0
 MAX_TICKETS = 10_000  # outstanding tickets kept (the oldest go first)
 
 
@@ -39,8 +38,7 @@ class TicketBook:
         self._lock = threading.Lock()
 
     def issue(self, tenant: str, model: str, fingerprint_digest: str, ttl_s: float) -> Ticket:
-        if not 0 <= ttl_s <= MAX_TICKET_TTL_S:
-            raise InvalidInput(f"ttl_s must be in 0..={MAX_TICKET_TTL_S:g} (0: {DEFAULT_TICKET_TTL_S:g}), got {ttl_s}")
+        check_ticket_ttl(ttl_s)
         ticket = Ticket(secrets.token_urlsafe(32), tenant, model, fingerprint_digest,
                         time.monotonic() + (ttl_s or DEFAULT_TICKET_TTL_S))
         with self._lock:
@@ -91,12 +89,9 @@ def check_target(target: str, allowed: tuple) -> tuple[str, str]:
     this server connects to, so it may only be one the operator allowed.  Returns
     (the address to connect to, the host name TLS verifies): the checked address
     itself, so a name that resolves elsewhere a moment later changes nothing."""
-    host, sep, port = target.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidInput(f"target must be host:port, got {shown(target)}")
+    host, port = check_push_target(target)
     try:
-        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:
         raise PushTargetRefused(f"cannot resolve the push target {shown(target)}: {exc}") from None
     for *_, address in infos:

@@ -1,14 +1,9 @@
-"""The contract's rules for what a request may carry, in one place: the server checks
-every request against them at its edge, and the clients check what they send against
-the same rules before it goes out, so a caller gets the server's reason (INVALID_INPUT
-naming the field) without a round trip.
+"""Rules for the tokens a request carries and how a token is chosen:
 
 - token ids: integers in the wire's uint32 range (the server also bounds them by its
-  vocabulary);
+  vocabulary, :func:`ferrum_rpc.rules.requests.check_tokens`);
 - a token-choice policy's ranges, logit bias and allowed-token bitmask;
-- the bitmask's layout (little-endian int32 words, bit i of word j for token 32*j + i).
-
-No torch (numpy for the bitmask): any layer, and any client, may import it."""
+- the bitmask's layout (little-endian int32 words, bit i of word j for token 32*j + i)."""
 
 from __future__ import annotations
 
