@@ -40,6 +40,7 @@ class Case:
         self.client, self.addr = client, addr
         self.handles: dict[str, Any] = {}
         self.next: dict[str, int] = {}
+        self.exports: dict[str, bytes] = {}  # an export's bytes by name, relayed to import untouched
 
     def token(self, name: str, token: int | str) -> int:
         return self.next[name] if token == "next" else int(token)
@@ -57,6 +58,14 @@ class Case:
         else:
             result["ids"] = ids
         return result
+
+    def speculated(self, name: str, out) -> dict:
+        """Stores a SpeculativeDecode round's handle under ``name`` with the round's
+        ``next_token_id`` as its next token; the result: the handle's length, the drafts
+        kept, the next token and the argmax of the logits row after the kept drafts."""
+        self.handles[name], self.next[name] = out.kv_cache, out.next_token_id
+        return {"length": out.kv_cache.sequence_length, "accepted": list(out.accepted_token_ids),
+                "next": out.next_token_id, "ids": [int(row[0]) for row in np.asarray(out.logits.token_ids)]}
 
 
 def output_ids(out) -> list[int]:
@@ -142,6 +151,19 @@ def run_step(case: Case, step: dict) -> dict:
         for name, handle in zip(step["as"], children):
             case.handles[name], case.next[name] = handle, case.next[parent]
         return {"lengths": [h.sequence_length for h in children]}
+    if call == "speculative":
+        name = step["handle"]
+        out = c.speculative_decode(case.token(name, step["token"]), step["draft"], case.handles[name],
+                                   logits=POLICIES[step["logits"]])
+        return case.speculated(name, out)
+    if call == "export":
+        case.exports[step["as"]] = c.export_sequence(case.handles[step["handle"]])
+        case.next[step["as"]] = case.next[step["handle"]]
+        return {}
+    if call == "import":
+        name = step["as"]
+        case.handles[name], case.next[name] = c.import_sequence(case.exports[step["from"]]), case.next[step["from"]]
+        return {"length": case.handles[name].sequence_length}
     if call == "forward":
         # The client has no forward() (UNIMPLEMENTED by contract): the generated stub's call.
         with grpc.insecure_channel(case.addr) as channel:

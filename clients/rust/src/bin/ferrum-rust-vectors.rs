@@ -22,6 +22,8 @@ struct Case<'a> {
     client: &'a ExecutorClient,
     handles: HashMap<String, pb::KvCacheHandle>,
     next: HashMap<String, u32>,
+    /// An export's messages by name, relayed to ImportSequence as received.
+    exports: HashMap<String, Vec<pb::SequenceChunk>>,
 }
 
 /// What an output-producing reply holds, whichever RPC made it.
@@ -114,6 +116,18 @@ impl Case<'_> {
         }
         result.insert("ids".into(), json!(got));
         Value::Object(result)
+    }
+
+    /// Stores a SpeculativeDecode round's handle under `name` with its `next_token_id` as
+    /// the next token; the result: length, the drafts kept, the next token and the
+    /// argmax of the logits row after them.
+    fn speculated(&mut self, name: &str, r: pb::SpeculativeDecodeResponse) -> Value {
+        let handle = r.kv_cache.unwrap_or_default();
+        let length = handle.sequence_length;
+        self.handles.insert(name.to_string(), handle);
+        self.next.insert(name.to_string(), r.next_token_id);
+        let argmax = r.logits.map(|l| l.token_ids).unwrap_or_default();
+        json!({"length": length, "accepted": r.accepted_token_ids, "next": r.next_token_id, "ids": argmax})
     }
 
     fn kept_all(&mut self, names: &[String], outs: Vec<Out>) -> Value {
@@ -251,6 +265,40 @@ async fn run_step(case: &mut Case<'_>, addr: &str, step: &Value) -> R<Value> {
             }
             Ok(json!({ "lengths": lengths }))
         }
+        "speculative" => {
+            let name = step["handle"].as_str().unwrap();
+            let (logits, _) = asked(step);
+            let req = pb::SpeculativeDecodeRequest {
+                token_id: case.token(name, &step["token"]),
+                draft_token_ids: ids(&step["draft"]),
+                kv_cache: Some(case.handle(step)),
+                logits,
+                ..Default::default()
+            };
+            let r = c.speculative_decode(req).await?;
+            Ok(case.speculated(name, r))
+        }
+        "export" => {
+            let req = pb::ExportSequenceRequest { kv_cache: Some(case.handle(step)), ..Default::default() };
+            let chunks = c.export_sequence(req).await?;
+            let name = step["as"].as_str().unwrap().to_string();
+            case.exports.insert(name.clone(), chunks);
+            if let Some(next) = case.next.get(step["handle"].as_str().unwrap()).copied() {
+                case.next.insert(name, next);
+            }
+            Ok(json!({}))
+        }
+        "import" => {
+            let from = step["from"].as_str().unwrap();
+            let name = step["as"].as_str().unwrap().to_string();
+            let h = c.import_sequence(case.exports[from].clone()).await?.kv_cache.unwrap_or_default();
+            let length = h.sequence_length;
+            case.handles.insert(name.clone(), h);
+            if let Some(next) = case.next.get(from).copied() {
+                case.next.insert(name, next);
+            }
+            Ok(json!({ "length": length }))
+        }
         "forward" => {
             c.forward(pb::ForwardRequest::default()).await?;
             Ok(json!({}))
@@ -265,7 +313,7 @@ async fn connect(addr: &str, model: &str) -> R<ExecutorClient> {
 }
 
 async fn run_case(client: &ExecutorClient, addr: &str, case: &Value) -> Value {
-    let mut state = Case { client, handles: HashMap::new(), next: HashMap::new() };
+    let mut state = Case { client, handles: HashMap::new(), next: HashMap::new(), exports: HashMap::new() };
     let mut steps = Vec::new();
     for step in case["steps"].as_array().unwrap() {
         steps.push(match run_step(&mut state, addr, step).await {
