@@ -239,6 +239,12 @@ async function runStep(c, step) {
       c.next[step.as] = c.next[step.from];
       return { length: reply.kv_cache.sequence_length };
     }
+    case "ticket": {
+      // What is the same on every run: the secret's length (it is random), the model and
+      // the seconds it stays valid rounded up (they run down).
+      const t = await unary(ex, "CreateImportTicket", { fingerprint: step.fingerprint || "", ttl_s: step.ttl_s || 0 });
+      return { ticket_chars: t.ticket.length, model: t.model, ttl_s: Math.ceil(t.ttl_s) };
+    }
     case "forward":
       await unary(ex, "Forward", {});
       return {};

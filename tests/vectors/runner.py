@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -105,6 +106,12 @@ def kept_all(case: Case, names: list[str], outs) -> dict:
     return {"items": [case.kept(name, out) for name, out in zip(names, outs)]}
 
 
+def ticket_result(ticket: str, model: str, ttl_s: float) -> dict:
+    """What of an import ticket is the same on every run: the secret's length (it is
+    random), the model and the seconds it stays valid rounded up (they run down)."""
+    return {"ticket_chars": len(ticket), "model": model, "ttl_s": math.ceil(ttl_s)}
+
+
 def run_step(case: Case, step: dict) -> dict:
     c, call = case.client, step["call"]
     if call == "info":
@@ -164,6 +171,9 @@ def run_step(case: Case, step: dict) -> dict:
         name = step["as"]
         case.handles[name], case.next[name] = c.import_sequence(case.exports[step["from"]]), case.next[step["from"]]
         return {"length": case.handles[name].sequence_length}
+    if call == "ticket":
+        ticket = c.create_import_ticket(fingerprint=step.get("fingerprint", ""), ttl_s=step.get("ttl_s", 0.0))
+        return ticket_result(ticket.ticket, ticket.model, ticket.ttl_s)
     if call == "forward":
         # The client has no forward() (UNIMPLEMENTED by contract): the generated stub's call.
         with grpc.insecure_channel(case.addr) as channel:

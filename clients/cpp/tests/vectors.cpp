@@ -7,6 +7,7 @@
 // {"case": NAME, "steps": [RESULT, ...]}, in the format every client's runner prints
 // (tests/vectors/README.md); tests/contract/test_vectors.py compares them with the
 // cases' `expect`. A call this runner does not know ends it with an error (exit 1).
+#include <cmath>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -212,6 +213,14 @@ Value run_step(Case& c, const Value& step) {
     c.handles[name] = ex.import_sequence(c.exports.at(from));
     if (c.next.count(from)) c.next[name] = c.next[from];
     result.object["length"] = json::number(c.handles[name].length());
+  } else if (call == "ticket") {
+    // What is the same on every run: the secret's length (it is random), the model and
+    // the seconds it stays valid rounded up (they run down).
+    auto t = ex.create_import_ticket(step.has("fingerprint") ? step["fingerprint"].str() : "",
+                                     step.has("ttl_s") ? step["ttl_s"].number : 0);
+    result.object["ticket_chars"] = json::number(double(t.ticket.size()));
+    result.object["model"] = json::string(t.model);
+    result.object["ttl_s"] = json::number(std::ceil(t.ttl_s));
   } else if (call == "forward") {
     ex.forward();
   } else {

@@ -299,6 +299,17 @@ async fn run_step(case: &mut Case<'_>, addr: &str, step: &Value) -> R<Value> {
             }
             Ok(json!({ "length": length }))
         }
+        "ticket" => {
+            // What is the same on every run: the secret's length (it is random), the model
+            // and the seconds it stays valid rounded up (they run down).
+            let req = pb::CreateImportTicketRequest {
+                fingerprint: step.get("fingerprint").and_then(Value::as_str).unwrap_or("").to_string(),
+                ttl_s: step.get("ttl_s").and_then(Value::as_f64).unwrap_or(0.0),
+                ..Default::default()
+            };
+            let t = c.create_import_ticket(req).await?;
+            Ok(json!({"ticket_chars": t.ticket.chars().count(), "model": t.model, "ttl_s": t.ttl_s.ceil() as i64}))
+        }
         "forward" => {
             c.forward(pb::ForwardRequest::default()).await?;
             Ok(json!({}))
