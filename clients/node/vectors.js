@@ -78,6 +78,7 @@ class Case {
     this.handles = {};
     this.next = {};
     this.exports = {};  // an export's messages by name, relayed to ImportSequence as received
+    this.tickets = {};  // an import ticket's secret by name
   }
 
   token(name, token) {
@@ -243,7 +244,16 @@ async function runStep(c, step) {
       // What is the same on every run: the secret's length (it is random), the model and
       // the seconds it stays valid rounded up (they run down).
       const t = await unary(ex, "CreateImportTicket", { fingerprint: step.fingerprint || "", ttl_s: step.ttl_s || 0 });
+      if (step.as) c.tickets[step.as] = t.ticket;
       return { ticket_chars: t.ticket.length, model: t.model, ttl_s: Math.ceil(t.ttl_s) };
+    }
+    case "push": {  // into the server the runner talks to, named by the runner's own address
+      const reply = await unary(ex, "PushSequence", {
+        kv_cache: c.handles[step.handle], target: c.addr, ticket: c.tickets[step.ticket], move: step.move,
+      });
+      c.handles[step.as] = reply.kv_cache;
+      c.next[step.as] = c.next[step.handle];
+      return { length: reply.kv_cache.sequence_length, released: reply.released };
     }
     case "forward":
       await unary(ex, "Forward", {});

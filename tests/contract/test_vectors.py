@@ -42,7 +42,7 @@ CALL_RPCS = {  # each step's call and the RPC it makes
     "decode": "Decode", "batch_decode": "BatchDecode", "session": "DecodeSession", "verify": "ForwardVerify",
     "truncate": "TruncateKv", "release": "ReleaseCache", "fork": "ForkCache", "forward": "Forward",
     "speculative": "SpeculativeDecode", "export": "ExportSequence", "import": "ImportSequence",
-    "ticket": "CreateImportTicket",
+    "ticket": "CreateImportTicket", "push": "PushSequence",
 }
 
 

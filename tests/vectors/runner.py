@@ -42,6 +42,7 @@ class Case:
         self.handles: dict[str, Any] = {}
         self.next: dict[str, int] = {}
         self.exports: dict[str, bytes] = {}  # an export's bytes by name, relayed to import untouched
+        self.tickets: dict[str, str] = {}  # an import ticket's secret by name
 
     def token(self, name: str, token: int | str) -> int:
         return self.next[name] if token == "next" else int(token)
@@ -173,7 +174,14 @@ def run_step(case: Case, step: dict) -> dict:
         return {"length": case.handles[name].sequence_length}
     if call == "ticket":
         ticket = c.create_import_ticket(fingerprint=step.get("fingerprint", ""), ttl_s=step.get("ttl_s", 0.0))
+        if "as" in step:
+            case.tickets[step["as"]] = ticket.ticket
         return ticket_result(ticket.ticket, ticket.model, ticket.ttl_s)
+    if call == "push":  # into the server the runner talks to, named by the runner's own address
+        name = step["handle"]
+        pushed = c.push_sequence(case.handles[name], case.addr, case.tickets[step["ticket"]], move=step["move"])
+        case.handles[step["as"]], case.next[step["as"]] = pushed.kv_cache, case.next[name]
+        return {"length": pushed.kv_cache.sequence_length, "released": pushed.released}
     if call == "forward":
         # The client has no forward() (UNIMPLEMENTED by contract): the generated stub's call.
         with grpc.insecure_channel(case.addr) as channel:

@@ -58,6 +58,7 @@ struct Case {
   std::map<std::string, ferrum::Handle> handles;
   std::map<std::string, uint32_t> next;
   std::map<std::string, std::vector<ferrum::SequenceChunk>> exports;  // relayed to import_sequence untouched
+  std::map<std::string, std::string> tickets;                          // an import ticket's secret by name
 
   uint32_t token(const std::string& name, const Value& token) {
     return token.type == Value::Type::String ? next.at(name) : token.u32();
@@ -218,9 +219,19 @@ Value run_step(Case& c, const Value& step) {
     // the seconds it stays valid rounded up (they run down).
     auto t = ex.create_import_ticket(step.has("fingerprint") ? step["fingerprint"].str() : "",
                                      step.has("ttl_s") ? step["ttl_s"].number : 0);
+    if (step.has("as")) c.tickets[step["as"].str()] = t.ticket;
     result.object["ticket_chars"] = json::number(double(t.ticket.size()));
     result.object["model"] = json::string(t.model);
     result.object["ttl_s"] = json::number(std::ceil(t.ttl_s));
+  } else if (call == "push") {  // into the server the runner talks to, named by the runner's own address
+    const std::string& name = step["handle"].str();
+    const std::string& keep = step["as"].str();
+    auto pushed = ex.push_sequence(c.handles.at(name), c.addr, c.tickets.at(step["ticket"].str()),
+                                   step["move"].type == Value::Type::Bool && step["move"].boolean);
+    c.handles[keep] = pushed.kv_cache;
+    if (c.next.count(name)) c.next[keep] = c.next[name];
+    result.object["length"] = json::number(pushed.kv_cache.length());
+    result.object["released"] = json::boolean(pushed.released);
   } else if (call == "forward") {
     ex.forward();
   } else {
@@ -230,7 +241,7 @@ Value run_step(Case& c, const Value& step) {
 }
 
 Value run_case(const ferrum::Client& client, const std::string& addr, const Value& kase) {
-  Case c{client, addr, {}, {}, {}};
+  Case c{client, addr, {}, {}, {}, {}};
   Value steps = json::array();
   for (const auto& step : kase["steps"].array) {
     try {

@@ -24,6 +24,8 @@ struct Case<'a> {
     next: HashMap<String, u32>,
     /// An export's messages by name, relayed to ImportSequence as received.
     exports: HashMap<String, Vec<pb::SequenceChunk>>,
+    /// An import ticket's secret by name.
+    tickets: HashMap<String, String>,
 }
 
 /// What an output-producing reply holds, whichever RPC made it.
@@ -308,7 +310,30 @@ async fn run_step(case: &mut Case<'_>, addr: &str, step: &Value) -> R<Value> {
                 ..Default::default()
             };
             let t = c.create_import_ticket(req).await?;
+            if let Some(name) = step.get("as").and_then(Value::as_str) {
+                case.tickets.insert(name.to_string(), t.ticket.clone());
+            }
             Ok(json!({"ticket_chars": t.ticket.chars().count(), "model": t.model, "ttl_s": t.ttl_s.ceil() as i64}))
+        }
+        "push" => {
+            // Into the server the runner talks to, named by the runner's own address.
+            let name = step["handle"].as_str().unwrap();
+            let req = pb::PushSequenceRequest {
+                kv_cache: Some(case.handle(step)),
+                target: addr.to_string(),
+                ticket: case.tickets[step["ticket"].as_str().unwrap()].clone(),
+                r#move: step["move"].as_bool().unwrap(),
+                ..Default::default()
+            };
+            let r = c.push_sequence(req).await?;
+            let h = r.kv_cache.unwrap_or_default();
+            let length = h.sequence_length;
+            let keep = step["as"].as_str().unwrap().to_string();
+            case.handles.insert(keep.clone(), h);
+            if let Some(next) = case.next.get(name).copied() {
+                case.next.insert(keep, next);
+            }
+            Ok(json!({"length": length, "released": r.released}))
         }
         "forward" => {
             c.forward(pb::ForwardRequest::default()).await?;
@@ -324,7 +349,7 @@ async fn connect(addr: &str, model: &str) -> R<ExecutorClient> {
 }
 
 async fn run_case(client: &ExecutorClient, addr: &str, case: &Value) -> Value {
-    let mut state = Case { client, handles: HashMap::new(), next: HashMap::new(), exports: HashMap::new() };
+    let mut state = Case { client, handles: HashMap::new(), next: HashMap::new(), exports: HashMap::new(), tickets: HashMap::new() };
     let mut steps = Vec::new();
     for step in case["steps"].as_array().unwrap() {
         steps.push(match run_step(&mut state, addr, step).await {
