@@ -349,7 +349,8 @@ async fn connect(addr: &str, model: &str) -> R<ExecutorClient> {
 }
 
 async fn run_case(client: &ExecutorClient, addr: &str, case: &Value) -> Value {
-    let mut state = Case { client, handles: HashMap::new(), next: HashMap::new(), exports: HashMap::new(), tickets: HashMap::new() };
+    let mut state =
+        Case { client, handles: HashMap::new(), next: HashMap::new(), exports: HashMap::new(), tickets: HashMap::new() };
     let mut steps = Vec::new();
     for step in case["steps"].as_array().unwrap() {
         steps.push(match run_step(&mut state, addr, step).await {
