@@ -37,6 +37,18 @@ function unary(client, method, request) {
   }));
 }
 
+/** A client-streaming call: writes each message of requests, then the one reply. */
+function clientStream(client, method, requests) {
+  return new Promise((resolve, reject) => {
+    const call = client[method]({ deadline: Date.now() + 30000 }, (err, reply) => {
+      if (err) reject(new CallError(CODE_NAMES[err.code], reasonOf(err), err.details));
+      else resolve(reply);
+    });
+    requests.forEach((r) => call.write(r));
+    call.end();
+  });
+}
+
 function serverStream(client, method, request) {
   return new Promise((resolve, reject) => {
     const replies = [];
@@ -65,6 +77,8 @@ class Case {
     this.addr = addr;
     this.handles = {};
     this.next = {};
+    this.exports = {};  // an export's messages by name, relayed to ImportSequence as received
+    this.tickets = {};  // an import ticket's secret by name
   }
 
   token(name, token) {
@@ -84,6 +98,17 @@ class Case {
       result.ids = ids;
     }
     return result;
+  }
+
+  /** Stores a SpeculativeDecode round's handle under name, its next_token_id as the next
+   * token; the result: length, the drafts kept, the next token, the logits row's argmax. */
+  speculated(name, out) {
+    this.handles[name] = out.kv_cache;
+    this.next[name] = out.next_token_id;
+    return {
+      length: out.kv_cache.sequence_length, accepted: out.accepted_token_ids.map(Number),
+      next: out.next_token_id, ids: out.logits.token_ids.map(Number),
+    };
   }
 
   keptAll(names, outs) {
@@ -199,6 +224,36 @@ async function runStep(c, step) {
         c.next[name] = c.next[step.handle];
       });
       return { lengths: reply.children.map((h) => h.sequence_length) };
+    }
+    case "speculative":
+      return c.speculated(step.handle, await unary(ex, "SpeculativeDecode", {
+        token_id: c.token(step.handle, step.token), draft_token_ids: step.draft, kv_cache: c.handles[step.handle],
+        logits: POLICIES[step.logits],
+      }));
+    case "export":
+      c.exports[step.as] = await serverStream(ex, "ExportSequence", { kv_cache: c.handles[step.handle] });
+      c.next[step.as] = c.next[step.handle];
+      return {};
+    case "import": {
+      const reply = await clientStream(ex, "ImportSequence", c.exports[step.from]);
+      c.handles[step.as] = reply.kv_cache;
+      c.next[step.as] = c.next[step.from];
+      return { length: reply.kv_cache.sequence_length };
+    }
+    case "ticket": {
+      // What is the same on every run: the secret's length (it is random), the model and
+      // the seconds it stays valid rounded up (they run down).
+      const t = await unary(ex, "CreateImportTicket", { fingerprint: step.fingerprint || "", ttl_s: step.ttl_s || 0 });
+      if (step.as) c.tickets[step.as] = t.ticket;
+      return { ticket_chars: t.ticket.length, model: t.model, ttl_s: Math.ceil(t.ttl_s) };
+    }
+    case "push": {  // into the server the runner talks to, named by the runner's own address
+      const reply = await unary(ex, "PushSequence", {
+        kv_cache: c.handles[step.handle], target: c.addr, ticket: c.tickets[step.ticket], move: step.move,
+      });
+      c.handles[step.as] = reply.kv_cache;
+      c.next[step.as] = c.next[step.handle];
+      return { length: reply.kv_cache.sequence_length, released: reply.released };
     }
     case "forward":
       await unary(ex, "Forward", {});

@@ -41,6 +41,8 @@ CALL_RPCS = {  # each step's call and the RPC it makes
     "info": "GetModelInfo", "status": "GetStatus", "prefill": "Prefill", "batch_prefill": "BatchPrefill",
     "decode": "Decode", "batch_decode": "BatchDecode", "session": "DecodeSession", "verify": "ForwardVerify",
     "truncate": "TruncateKv", "release": "ReleaseCache", "fork": "ForkCache", "forward": "Forward",
+    "speculative": "SpeculativeDecode", "export": "ExportSequence", "import": "ImportSequence",
+    "ticket": "CreateImportTicket", "push": "PushSequence",
 }
 
 
@@ -86,6 +88,23 @@ def test_the_recorded_greedy_ids_are_the_oracles(hf_tiny_llama):
     for _ in recorded:
         ids.append(int(oracle_rows(hf_tiny_llama, ids)[-1].argmax()))
     assert ids[len(case["steps"][0]["tokens"]):] == recorded
+
+
+def test_the_speculative_round_keeps_greedys_drafts_up_to_the_wrong_one():
+    """The recorded round kept exactly the drafts equal to greedy's continuation (the
+    greedy case's ids, checked against the oracle above) before the first that is not,
+    and its next token and the decode after it are greedy's next two."""
+    greedy = next(c for c in DOC["cases"] if c["name"] == "greedy_decode")
+    case = next(c for c in DOC["cases"] if c["name"] == "speculative_partly_accepted")
+    assert case["steps"][0]["tokens"] == greedy["steps"][0]["tokens"]
+    continuation = greedy["expect"][1]["ids"]  # what follows the prefill's token
+    draft = case["steps"][1]["draft"]
+    wrong = next(i for i, (d, g) in enumerate(zip(draft, continuation)) if d != g)
+    assert 0 < wrong < len(draft) - 1, "the draft is wrong in the middle"
+    round_, after = case["expect"][1], case["expect"][2]
+    assert round_["accepted"] == draft[:wrong]
+    assert [round_["next"], *after["ids"]] == continuation[wrong:wrong + 2]
+    assert round_["ids"] == [round_["next"]] and round_["length"] == len(case["steps"][0]["tokens"]) + 1 + wrong
 
 
 # -- the clients -----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -40,6 +41,8 @@ class Case:
         self.client, self.addr = client, addr
         self.handles: dict[str, Any] = {}
         self.next: dict[str, int] = {}
+        self.exports: dict[str, bytes] = {}  # an export's bytes by name, relayed to import untouched
+        self.tickets: dict[str, str] = {}  # an import ticket's secret by name
 
     def token(self, name: str, token: int | str) -> int:
         return self.next[name] if token == "next" else int(token)
@@ -57,6 +60,14 @@ class Case:
         else:
             result["ids"] = ids
         return result
+
+    def speculated(self, name: str, out) -> dict:
+        """Stores a SpeculativeDecode round's handle under ``name`` with the round's
+        ``next_token_id`` as its next token; the result: the handle's length, the drafts
+        kept, the next token and the argmax of the logits row after the kept drafts."""
+        self.handles[name], self.next[name] = out.kv_cache, out.next_token_id
+        return {"length": out.kv_cache.sequence_length, "accepted": list(out.accepted_token_ids),
+                "next": out.next_token_id, "ids": [int(row[0]) for row in np.asarray(out.logits.token_ids)]}
 
 
 def output_ids(out) -> list[int]:
@@ -94,6 +105,12 @@ def batch_items(case: Case, step: dict) -> list[DecodeInput]:
 
 def kept_all(case: Case, names: list[str], outs) -> dict:
     return {"items": [case.kept(name, out) for name, out in zip(names, outs)]}
+
+
+def ticket_result(ticket: str, model: str, ttl_s: float) -> dict:
+    """What of an import ticket is the same on every run: the secret's length (it is
+    random), the model and the seconds it stays valid rounded up (they run down)."""
+    return {"ticket_chars": len(ticket), "model": model, "ttl_s": math.ceil(ttl_s)}
 
 
 def run_step(case: Case, step: dict) -> dict:
@@ -142,6 +159,29 @@ def run_step(case: Case, step: dict) -> dict:
         for name, handle in zip(step["as"], children):
             case.handles[name], case.next[name] = handle, case.next[parent]
         return {"lengths": [h.sequence_length for h in children]}
+    if call == "speculative":
+        name = step["handle"]
+        out = c.speculative_decode(case.token(name, step["token"]), step["draft"], case.handles[name],
+                                   logits=POLICIES[step["logits"]])
+        return case.speculated(name, out)
+    if call == "export":
+        case.exports[step["as"]] = c.export_sequence(case.handles[step["handle"]])
+        case.next[step["as"]] = case.next[step["handle"]]
+        return {}
+    if call == "import":
+        name = step["as"]
+        case.handles[name], case.next[name] = c.import_sequence(case.exports[step["from"]]), case.next[step["from"]]
+        return {"length": case.handles[name].sequence_length}
+    if call == "ticket":
+        ticket = c.create_import_ticket(fingerprint=step.get("fingerprint", ""), ttl_s=step.get("ttl_s", 0.0))
+        if "as" in step:
+            case.tickets[step["as"]] = ticket.ticket
+        return ticket_result(ticket.ticket, ticket.model, ticket.ttl_s)
+    if call == "push":  # into the server the runner talks to, named by the runner's own address
+        name = step["handle"]
+        pushed = c.push_sequence(case.handles[name], case.addr, case.tickets[step["ticket"]], move=step["move"])
+        case.handles[step["as"]], case.next[step["as"]] = pushed.kv_cache, case.next[name]
+        return {"length": pushed.kv_cache.sequence_length, "released": pushed.released}
     if call == "forward":
         # The client has no forward() (UNIMPLEMENTED by contract): the generated stub's call.
         with grpc.insecure_channel(case.addr) as channel:

@@ -171,6 +171,12 @@ inline Value number(double n) {
   v.number = n;
   return v;
 }
+inline Value boolean(bool b) {
+  Value v;
+  v.type = Value::Type::Bool;
+  v.boolean = b;
+  return v;
+}
 inline Value string(const std::string& s) {
   Value v;
   v.type = Value::Type::String;

@@ -7,6 +7,7 @@
 // {"case": NAME, "steps": [RESULT, ...]}, in the format every client's runner prints
 // (tests/vectors/README.md); tests/contract/test_vectors.py compares them with the
 // cases' `expect`. A call this runner does not know ends it with an error (exit 1).
+#include <cmath>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -56,6 +57,8 @@ struct Case {
   std::string addr;
   std::map<std::string, ferrum::Handle> handles;
   std::map<std::string, uint32_t> next;
+  std::map<std::string, std::vector<ferrum::SequenceChunk>> exports;  // relayed to import_sequence untouched
+  std::map<std::string, std::string> tickets;                          // an import ticket's secret by name
 
   uint32_t token(const std::string& name, const Value& token) {
     return token.type == Value::Type::String ? next.at(name) : token.u32();
@@ -79,6 +82,22 @@ struct Case {
       for (uint32_t r = 0; r < out.logits.rows(); ++r) ids.push_back(out.logits.argmax(r));
     }
     if (!ids.empty()) next[name] = ids.back();
+    result.object["ids"] = json::numbers(ids);
+    return result;
+  }
+
+  // Stores a SpeculativeDecode round's handle under name with its next_token_id as the
+  // next token; the result: length, the drafts kept, the next token and the argmax of
+  // the logits row after them.
+  Value speculated(const std::string& name, const ferrum::SpeculativeResult& out) {
+    handles[name] = out.kv_cache;
+    next[name] = out.next_token_id;
+    std::vector<uint32_t> ids;
+    for (uint32_t r = 0; r < out.logits.rows(); ++r) ids.push_back(out.logits.argmax(r));
+    Value result = json::object();
+    result.object["length"] = json::number(out.kv_cache.length());
+    result.object["accepted"] = json::numbers(out.accepted_token_ids);
+    result.object["next"] = json::number(out.next_token_id);
     result.object["ids"] = json::numbers(ids);
     return result;
   }
@@ -181,6 +200,38 @@ Value run_step(Case& c, const Value& step) {
       lengths.push_back(children[i].length());
     }
     result.object["lengths"] = json::numbers(lengths);
+  } else if (call == "speculative") {
+    const std::string& name = step["handle"].str();
+    return c.speculated(name, ex.speculative_decode(c.token(name, step["token"]), step["draft"].ids(),
+                                                    c.handles.at(name), policy(step)));
+  } else if (call == "export") {
+    const std::string& name = step["handle"].str();
+    c.exports[step["as"].str()] = ex.export_sequence(c.handles.at(name));
+    if (c.next.count(name)) c.next[step["as"].str()] = c.next[name];
+  } else if (call == "import") {
+    const std::string& from = step["from"].str();
+    const std::string& name = step["as"].str();
+    c.handles[name] = ex.import_sequence(c.exports.at(from));
+    if (c.next.count(from)) c.next[name] = c.next[from];
+    result.object["length"] = json::number(c.handles[name].length());
+  } else if (call == "ticket") {
+    // What is the same on every run: the secret's length (it is random), the model and
+    // the seconds it stays valid rounded up (they run down).
+    auto t = ex.create_import_ticket(step.has("fingerprint") ? step["fingerprint"].str() : "",
+                                     step.has("ttl_s") ? step["ttl_s"].number : 0);
+    if (step.has("as")) c.tickets[step["as"].str()] = t.ticket;
+    result.object["ticket_chars"] = json::number(double(t.ticket.size()));
+    result.object["model"] = json::string(t.model);
+    result.object["ttl_s"] = json::number(std::ceil(t.ttl_s));
+  } else if (call == "push") {  // into the server the runner talks to, named by the runner's own address
+    const std::string& name = step["handle"].str();
+    const std::string& keep = step["as"].str();
+    auto pushed = ex.push_sequence(c.handles.at(name), c.addr, c.tickets.at(step["ticket"].str()),
+                                   step["move"].type == Value::Type::Bool && step["move"].boolean);
+    c.handles[keep] = pushed.kv_cache;
+    if (c.next.count(name)) c.next[keep] = c.next[name];
+    result.object["length"] = json::number(pushed.kv_cache.length());
+    result.object["released"] = json::boolean(pushed.released);
   } else if (call == "forward") {
     ex.forward();
   } else {
@@ -190,7 +241,7 @@ Value run_step(Case& c, const Value& step) {
 }
 
 Value run_case(const ferrum::Client& client, const std::string& addr, const Value& kase) {
-  Case c{client, addr, {}, {}};
+  Case c{client, addr, {}, {}, {}, {}};
   Value steps = json::array();
   for (const auto& step : kase["steps"].array) {
     try {

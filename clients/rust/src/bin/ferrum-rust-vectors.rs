@@ -22,6 +22,10 @@ struct Case<'a> {
     client: &'a ExecutorClient,
     handles: HashMap<String, pb::KvCacheHandle>,
     next: HashMap<String, u32>,
+    /// An export's messages by name, relayed to ImportSequence as received.
+    exports: HashMap<String, Vec<pb::SequenceChunk>>,
+    /// An import ticket's secret by name.
+    tickets: HashMap<String, String>,
 }
 
 /// What an output-producing reply holds, whichever RPC made it.
@@ -114,6 +118,18 @@ impl Case<'_> {
         }
         result.insert("ids".into(), json!(got));
         Value::Object(result)
+    }
+
+    /// Stores a SpeculativeDecode round's handle under `name` with its `next_token_id` as
+    /// the next token; the result: length, the drafts kept, the next token and the
+    /// argmax of the logits row after them.
+    fn speculated(&mut self, name: &str, r: pb::SpeculativeDecodeResponse) -> Value {
+        let handle = r.kv_cache.unwrap_or_default();
+        let length = handle.sequence_length;
+        self.handles.insert(name.to_string(), handle);
+        self.next.insert(name.to_string(), r.next_token_id);
+        let argmax = r.logits.map(|l| l.token_ids).unwrap_or_default();
+        json!({"length": length, "accepted": r.accepted_token_ids, "next": r.next_token_id, "ids": argmax})
     }
 
     fn kept_all(&mut self, names: &[String], outs: Vec<Out>) -> Value {
@@ -251,6 +267,74 @@ async fn run_step(case: &mut Case<'_>, addr: &str, step: &Value) -> R<Value> {
             }
             Ok(json!({ "lengths": lengths }))
         }
+        "speculative" => {
+            let name = step["handle"].as_str().unwrap();
+            let (logits, _) = asked(step);
+            let req = pb::SpeculativeDecodeRequest {
+                token_id: case.token(name, &step["token"]),
+                draft_token_ids: ids(&step["draft"]),
+                kv_cache: Some(case.handle(step)),
+                logits,
+                ..Default::default()
+            };
+            let r = c.speculative_decode(req).await?;
+            Ok(case.speculated(name, r))
+        }
+        "export" => {
+            let req = pb::ExportSequenceRequest { kv_cache: Some(case.handle(step)), ..Default::default() };
+            let chunks = c.export_sequence(req).await?;
+            let name = step["as"].as_str().unwrap().to_string();
+            case.exports.insert(name.clone(), chunks);
+            if let Some(next) = case.next.get(step["handle"].as_str().unwrap()).copied() {
+                case.next.insert(name, next);
+            }
+            Ok(json!({}))
+        }
+        "import" => {
+            let from = step["from"].as_str().unwrap();
+            let name = step["as"].as_str().unwrap().to_string();
+            let h = c.import_sequence(case.exports[from].clone()).await?.kv_cache.unwrap_or_default();
+            let length = h.sequence_length;
+            case.handles.insert(name.clone(), h);
+            if let Some(next) = case.next.get(from).copied() {
+                case.next.insert(name, next);
+            }
+            Ok(json!({ "length": length }))
+        }
+        "ticket" => {
+            // What is the same on every run: the secret's length (it is random), the model
+            // and the seconds it stays valid rounded up (they run down).
+            let req = pb::CreateImportTicketRequest {
+                fingerprint: step.get("fingerprint").and_then(Value::as_str).unwrap_or("").to_string(),
+                ttl_s: step.get("ttl_s").and_then(Value::as_f64).unwrap_or(0.0),
+                ..Default::default()
+            };
+            let t = c.create_import_ticket(req).await?;
+            if let Some(name) = step.get("as").and_then(Value::as_str) {
+                case.tickets.insert(name.to_string(), t.ticket.clone());
+            }
+            Ok(json!({"ticket_chars": t.ticket.chars().count(), "model": t.model, "ttl_s": t.ttl_s.ceil() as i64}))
+        }
+        "push" => {
+            // Into the server the runner talks to, named by the runner's own address.
+            let name = step["handle"].as_str().unwrap();
+            let req = pb::PushSequenceRequest {
+                kv_cache: Some(case.handle(step)),
+                target: addr.to_string(),
+                ticket: case.tickets[step["ticket"].as_str().unwrap()].clone(),
+                r#move: step["move"].as_bool().unwrap(),
+                ..Default::default()
+            };
+            let r = c.push_sequence(req).await?;
+            let h = r.kv_cache.unwrap_or_default();
+            let length = h.sequence_length;
+            let keep = step["as"].as_str().unwrap().to_string();
+            case.handles.insert(keep.clone(), h);
+            if let Some(next) = case.next.get(name).copied() {
+                case.next.insert(keep, next);
+            }
+            Ok(json!({"length": length, "released": r.released}))
+        }
         "forward" => {
             c.forward(pb::ForwardRequest::default()).await?;
             Ok(json!({}))
@@ -265,7 +349,8 @@ async fn connect(addr: &str, model: &str) -> R<ExecutorClient> {
 }
 
 async fn run_case(client: &ExecutorClient, addr: &str, case: &Value) -> Value {
-    let mut state = Case { client, handles: HashMap::new(), next: HashMap::new() };
+    let mut state =
+        Case { client, handles: HashMap::new(), next: HashMap::new(), exports: HashMap::new(), tickets: HashMap::new() };
     let mut steps = Vec::new();
     for step in case["steps"].as_array().unwrap() {
         steps.push(match run_step(&mut state, addr, step).await {
