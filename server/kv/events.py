@@ -1,6 +1,6 @@
 """KV events for routers: the prefix cache's blocks as they are stored and removed.
 
-``BlockManager`` (kv_manager.py) tells a :class:`KvEventHub` each time a full
+``BlockManager`` (blocks.py) tells a :class:`KvEventHub` each time a full
 block becomes reusable under its chained hash (``stored``) and each time such a
 block stops being reusable (``removed``: its KV is about to be overwritten);
 the hub numbers them per tenant and hands them to that tenant's subscribers
