@@ -15,10 +15,10 @@
 // in AVX-512's 32, sums for 3, the rest in pairs and alone (attention_loops.inc).  A
 // bfloat16 model whose linears take the AVX-512 BF16 dot product takes it here too:
 // its query and p rounded to bfloat16, summed in pairs, in an order as fixed
-// (attention_dot.inc).  An int8 pool (--kv-dtype int8) runs the float loops on its
-// values widened exactly to float32, each score then multiplied by its key row's
-// scale and each p (after l is summed) by its value row's: the scale of a row is
-// its own (rope_and_write's), so nothing of this depends on the batch either.
+// (attention_dot.inc).  An int8 pool (--kv-dtype int8) runs the float loops on each
+// key's and value's elements read as the int8 value times its block's scale (one
+// float32 product, on every path alike): the scales of a row are its own
+// (rope_and_write's), so nothing of this depends on the batch either.
 #include "fused.h"
 
 #include <algorithm>
@@ -78,7 +78,7 @@ struct Scratch {
   std::vector<uint16_t> qb, pb;      // the dot product's path: queries and p rounded to bfloat16
   std::vector<const uint16_t*> held_qb;
   std::vector<int64_t> offs, lens;
-  std::vector<float> key_scale, value_scale;  // an int8 pool's: the chunk's keys' row scales
+  std::vector<float> key_scale, value_scale;  // an int8 pool's: the chunk's rows' scales (nb a row)
   std::vector<int64_t> held;         // the held query heads' queries (their index in the task)
   std::vector<const float*> held_q;  // their query vectors
   std::vector<float*> held_s;        // and their scores
@@ -90,7 +90,7 @@ struct Scratch {
 // ends past the last N taken.
 template <int N, bool DOT, typename T>
 FERRUM_INLINE void score_tiles(Scratch& sc, int64_t& u, int64_t held, int64_t r, const T* kc, const int64_t* offs,
-                               int64_t D, float scale) {
+                               int64_t D, float scale, const float* ks, int64_t nb) {
   for (; u + N <= held; u += N) {
     float* s[N];
     for (int h = 0; h < N; ++h) s[h] = sc.held_s[u + h] + r;
@@ -98,7 +98,7 @@ FERRUM_INLINE void score_tiles(Scratch& sc, int64_t& u, int64_t held, int64_t r,
       if constexpr (DOT)
         dot_scores_x4<N>(sc.held_qb.data() + u, reinterpret_cast<const uint16_t*>(kc), offs + at, D, scale, s);
       else
-        scores_x4<N>(sc.held_q.data() + u, kc, offs + at, D, scale, s);
+        scores_x4<N>(sc.held_q.data() + u, kc, offs + at, D, scale, s, ks + at * nb, nb);
       for (int h = 0; h < N; ++h) s[h] += 4;
     }
   }
@@ -191,11 +191,14 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
     }
     for (int64_t j = j1 - j0; j % 8 != 0; ++j) offs[j] = offs[0];
     constexpr bool INT8 = std::is_same_v<P, int8_t>;
-    if constexpr (INT8) {  // each key's and value's row scale (row at pool offset o: scale o / D)
-      sc.key_scale.resize(kC), sc.value_scale.resize(kC);
+    const int64_t nb = INT8 ? kv_scale_blocks(D) : 0;  // scales a row
+    if constexpr (INT8) {  // each key's and value's row's scales (a row at pool offset o: from o / D * nb)
+      sc.key_scale.resize(kC * nb), sc.value_scale.resize(kC * nb);
       for (int64_t j = 0; j < (j1 - j0 + 7) / 8 * 8; ++j)
-        sc.key_scale[j] = a.k_scale[offs[j] / D], sc.value_scale[j] = a.v_scale[offs[j] / D];
+        for (int64_t b = 0, o = offs[j] / D * nb; b < nb; ++b)
+          sc.key_scale[j * nb + b] = a.k_scale.get(o + b), sc.value_scale[j * nb + b] = a.v_scale.get(o + b);
     }
+    const float *ks = sc.key_scale.data(), *vs = sc.value_scale.data();
     if (ask) prefetch_rows(kc, offs, 0, std::min(kAhead, j1 - j0), D);
     int64_t* lens = sc.lens.data();  // each query's keys in this chunk (none where <= 0)
     for (int64_t i = 0; i < nq; ++i) lens[i] = std::min(pos[i] + 1, j0 + kC) - j0;
@@ -226,24 +229,21 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
       // the held query heads' scores for these 8 keys: 4 heads at a time on AVX-512, 3
       // on AVX2, then pairs
       if constexpr (DOT) {
-        score_tiles<4, true>(sc, u, held, r, kc, offs, D, a.scale);
-        score_tiles<2, true>(sc, u, held, r, kc, offs, D, a.scale);
-        score_tiles<1, true>(sc, u, held, r, kc, offs, D, a.scale);
+        score_tiles<4, true>(sc, u, held, r, kc, offs, D, a.scale, ks, nb);
+        score_tiles<2, true>(sc, u, held, r, kc, offs, D, a.scale, ks, nb);
+        score_tiles<1, true>(sc, u, held, r, kc, offs, D, a.scale, ks, nb);
       }
-      if constexpr (LEVEL == 2) score_tiles<4, false>(sc, u, held, r, kc, offs, D, a.scale);
-      if constexpr (LEVEL == 1) score_tiles<3, false>(sc, u, held, r, kc, offs, D, a.scale);
-      if constexpr (VEC && !DOT) score_tiles<2, false>(sc, u, held, r, kc, offs, D, a.scale);
+      if constexpr (LEVEL == 2) score_tiles<4, false>(sc, u, held, r, kc, offs, D, a.scale, ks, nb);
+      if constexpr (LEVEL == 1) score_tiles<3, false>(sc, u, held, r, kc, offs, D, a.scale, ks, nb);
+      if constexpr (VEC && !DOT) score_tiles<2, false>(sc, u, held, r, kc, offs, D, a.scale, ks, nb);
 #endif
       for (; u < held; ++u) {
 #ifdef FERRUM_X86
-        if constexpr (VEC) scores8_avx2(sc.held_q[u], kc, offs + r, D, a.scale, sc.held_s[u] + r);
+        if constexpr (VEC) scores8_avx2(sc.held_q[u], kc, offs + r, D, a.scale, sc.held_s[u] + r, ks + r * nb, nb);
         else
 #endif
-          scores8_portable(sc.held_q[u], kc, offs + r, D, a.scale, sc.held_s[u] + r);
+          scores8_portable(sc.held_q[u], kc, offs + r, D, a.scale, sc.held_s[u] + r, ks + r * nb, nb);
       }
-      if constexpr (INT8)  // the int8 dot products times each key's scale (before any mask's -inf)
-        for (int64_t x = 0; x < held; ++x)
-          for (int l = 0; l < 8; ++l) sc.held_s[x][r + l] *= sc.key_scale[r + l];
       if (r + 8 > held_until)  // some query ends among these keys: the keys past its own -inf (exps 0)
         for (int64_t x = 0; x < held; ++x) {
           const int64_t len = lens[sc.held[x]];
@@ -264,9 +264,6 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
         // p rounded, an odd len's next one too (exps_avx2 wrote it: 0) for its pair
         if constexpr (DOT) dot_round(s, len + len % 2, sc.pb.data() + (i * Gt + g) * kC);
 #endif
-        // an int8 pool: each p times its value row's scale (l, summed above, keeps p)
-        if constexpr (INT8)
-          for (int64_t j = 0; j < len; ++j) s[j] *= sc.value_scale[j];
       }
     }
     for (int64_t r = 0; r < j1 - j0; r += kValueRows)  // V by sub-chunks (in L1 for every query and head)
@@ -300,22 +297,22 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
           for (; g + 3 <= Gt && len > r && D % 32 == 0; g += 3) {
             const float* ps[3] = {p(g), p(g + 1), p(g + 2)};
             float* accs[3] = {acc(g), acc(g + 1), acc(g + 2)};
-            if (LEVEL >= 2 && D % 64 == 0) values_x<3, 8>(ps, r, end, vc, offs, D, accs, ask);
-            else values_x<3, 4>(ps, r, end, vc, offs, D, accs, ask);
+            if (LEVEL >= 2 && D % 64 == 0) values_x<3, 8>(ps, r, end, vc, offs, D, accs, ask, vs, nb);
+            else values_x<3, 4>(ps, r, end, vc, offs, D, accs, ask, vs, nb);
           }
         if constexpr (VEC && !DOT)
           for (; g + 2 <= Gt && len > r && D % 32 == 0; g += 2) {
             const float* ps[2] = {p(g), p(g + 1)};
             float* accs[2] = {acc(g), acc(g + 1)};
-            values_x<2, 4>(ps, r, end, vc, offs, D, accs, ask);
+            values_x<2, 4>(ps, r, end, vc, offs, D, accs, ask, vs, nb);
           }
 #endif
         for (; g < Gt && len > r; ++g) {
 #ifdef FERRUM_X86
-          if constexpr (VEC) values_avx2(p(g), r, end, vc, offs, D, acc(g), ask);
+          if constexpr (VEC) values_avx2(p(g), r, end, vc, offs, D, acc(g), ask, vs, nb);
           else
 #endif
-            values_portable(p(g), r, end, vc, offs, D, acc(g));
+            values_portable(p(g), r, end, vc, offs, D, acc(g), vs, nb);
         }
       }
     for (int64_t i = 0; i < nq; ++i) {
