@@ -48,9 +48,8 @@ void quantize_row(const float* x, int64_t d, int8_t* q, const KvScales& s, int64
 }
 
 KvScales kv_scales(const at::Tensor& t, const char* who) {
-  TORCH_CHECK((t.scalar_type() == at::kHalf || t.scalar_type() == at::kFloat) && t.is_contiguous(), who,
-              ": an int8 pool's scales are float16 or float32, contiguous");
-  return {t.data_ptr(), t.scalar_type() == at::kHalf};
+  TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous(), who, ": an int8 pool's scales are float16, contiguous");
+  return {t.data_ptr<c10::Half>()};
 }
 
 PagedIndex checked_index(const at::Tensor& positions, const at::Tensor& write_slots, const at::Tensor& tables,
@@ -201,7 +200,7 @@ std::pair<int64_t, int64_t> attention_share(const AttnPlan& plan, int tid, int n
 // cos/sin (max_pos, D) float32; positions (B, T) int64; k_cache/v_cache
 // (blocks, block_size, Hkv, D) contiguous, one layer of the pool, in q's dtype or
 // bfloat16 under float32 q, or int8 with its k_scale / v_scale (blocks, block_size,
-// Hkv, ceil(D / 32)) float16 or float32 (rope_and_write quantizes each new row by
+// Hkv, ceil(D / 32)) float16 (rope_and_write quantizes each new row by
 // blocks of 32; the tasks read each row as its values times its blocks' scales); write_slots
 // (B*T) int64 pool slots for the new keys/values; tables (B, nb) int64 block
 // ids.  Writes k (rotated) and v into the pool, then returns the attention

@@ -90,8 +90,8 @@ constexpr int64_t kWholeRows = 2;
 // A step's inputs besides the hidden states, as DecodeStack's forwards take them:
 // the RoPE tables, positions, the pool (layers, blocks, block_size, Hkv, D), the
 // write slots and block tables, and the layers [first, last) to run; over an int8
-// pool, its scales (layers, blocks, block_size, Hkv, ceil(D / 32)) float16 or float32
-// (null for a float pool).
+// pool, its scales (layers, blocks, block_size, Hkv, ceil(D / 32)) float16 (null for
+// a float pool).
 struct StackStep {
   const at::Tensor &cos, &sin, &positions, &k_pool, &v_pool, &write_slots, &tables;
   int64_t first, last;
@@ -205,15 +205,14 @@ class DecodeStack : public torch::CustomClassHolder {
 
   bool one_region() const { return one_region_; }
   // An int8 pool's scales (layers, blocks, block_size, kv_heads, ceil(head_dim / 32))
-  // float16 or float32 (fused.h: KvScales), which the forwards over an int8 pool
+  // float16 (fused.h: KvScales), which the forwards over an int8 pool
   // (k_pool int8) read and write beside it; the caller sets them for the pool it passes.
   void set_kv_scales(const at::Tensor& k_scale, const at::Tensor& v_scale) {
     TORCH_CHECK(k_scale.dim() == 5 && v_scale.sizes() == k_scale.sizes() &&
-                    (k_scale.scalar_type() == at::kHalf || k_scale.scalar_type() == at::kFloat) &&
-                    v_scale.scalar_type() == k_scale.scalar_type() && k_scale.is_contiguous() &&
+                    k_scale.scalar_type() == at::kHalf && v_scale.scalar_type() == at::kHalf && k_scale.is_contiguous() &&
                     v_scale.is_contiguous(),
                 "DecodeStack: an int8 pool's scales are (layers, blocks, block_size, kv_heads, ceil(head_dim / 32)) "
-                "float16 or float32, contiguous");
+                "float16, contiguous");
     k_scale_ = k_scale, v_scale_ = v_scale;
   }
   // whether a step of a few rows whose linears are all float panels runs as one region

@@ -92,27 +92,17 @@ void panel_range(const PanelPath& path, const void* xs, int64_t ldx, int64_t M, 
 constexpr int64_t kKvScaleBlock = 32;
 inline int64_t kv_scale_blocks(int64_t D) { return (D + kKvScaleBlock - 1) / kKvScaleBlock; }
 
-// An int8 pool layer's scales: (blocks, block_size, Hkv, kv_scale_blocks(D)), float16
-// (the pool's, kv/pool.py SCALE_DTYPE) or float32; a row at pool offset o (in
-// elements) has its scales from (o / D) * kv_scale_blocks(D).  Empty for a float pool.
+// An int8 pool layer's scales: (blocks, block_size, Hkv, kv_scale_blocks(D)) float16
+// (kv/pool.py SCALE_DTYPE); a row at pool offset o (in elements) has its scales from
+// (o / D) * kv_scale_blocks(D).  Null for a float pool.
 struct KvScales {
-  void* data = nullptr;
-  bool half = false;
-  float get(int64_t i) const {
-    return half ? float(static_cast<const c10::Half*>(data)[i]) : static_cast<const float*>(data)[i];
-  }
-  // the scale s rounded to this storage (float16: to nearest even), stored at i; returns what was stored
-  float put(int64_t i, float s) const {
-    if (!half) return static_cast<float*>(data)[i] = s;
-    const c10::Half h(s);
-    static_cast<c10::Half*>(data)[i] = h;
-    return float(h);
-  }
-  KvScales plus(int64_t n) const {  // the scales from element n on
-    return {static_cast<char*>(data) + n * (half ? 2 : 4), half};
-  }
+  c10::Half* data = nullptr;
+  float get(int64_t i) const { return float(data[i]); }
+  // the scale s rounded to float16 (to nearest even) and stored at i; returns what was stored
+  float put(int64_t i, float s) const { return float(data[i] = c10::Half(s)); }
+  KvScales plus(int64_t n) const { return {data + n}; }  // the scales from element n on
 };
-// A scales tensor's view, checked: float16 or float32, contiguous.
+// A scales tensor's view, checked: float16, contiguous.
 KvScales kv_scales(const at::Tensor& t, const char* who);
 
 struct AttnArgs {

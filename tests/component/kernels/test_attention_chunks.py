@@ -116,11 +116,11 @@ def test_a_query_has_the_same_bits_in_a_prompt_alone_in_a_batch_and_on_any_threa
     assert torch.equal(step[2], others[1].run(0, 300)[299])
 
 
-@pytest.mark.parametrize("dim", [64, 48, 16, 12])
+@pytest.mark.parametrize("dim", [64, 48, 16, 12, 160])
 def test_an_int8_pool_is_read_as_its_values_times_their_blocks_scales(ops, isa, dim):
     """The loops read each key and value of an int8 pool as its int8 values times
-    their block's scale (48: a shorter last block; 16 and 12: one block, the row); a
-    decode step gives the prompt's bits."""
+    their block's scale (48: a shorter last block; 16 and 12: one block, the row; 160:
+    five, past the loops' unrolled counts); a decode step gives the prompt's bits."""
     if dim % 8 and isa != "avx2":
         pytest.skip("a head dim that is no multiple of 8 runs the portable loops on any ISA: once is enough")
     seq = Sequence(300, dim, torch.int8, seed=dim)
