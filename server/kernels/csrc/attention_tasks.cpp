@@ -11,8 +11,8 @@
 // A block's K and V rows are read once for all its queries and heads: K by 8 rows
 // (in L1 while every query's scores take them), V by 64 (in L1 while every query's
 // sums take them); the vector loops take several query heads at once, so each K or V
-// vector loaded feeds an FMA for each: scores for 3 heads in AVX2's 16 registers or 4
-// in AVX-512's 32, sums for 3, the rest in pairs and alone (attention_loops.inc).  A
+// vector loaded feeds an FMA for each: scores for 3 heads in AVX2's 16 registers or 4,
+// then 3, in AVX-512's 32, sums for 3, the rest in pairs and alone (attention_loops.inc).  A
 // bfloat16 model whose linears take the AVX-512 BF16 dot product takes it here too:
 // its query and p rounded to bfloat16, summed in pairs, in an order as fixed
 // (attention_dot.inc).  An int8 pool (--kv-dtype int8) runs the float loops on each
