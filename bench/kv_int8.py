@@ -3,7 +3,7 @@ executor the server runs):
 
 - capacity: sequences of 4,000 tokens that fit in the bytes of a float32 pool of
   ``--pool-tokens`` tokens, float32 against int8 (and bfloat16), from the pools' own
-  byte counts (int8: values and their float32 scales);
+  byte counts (int8: values and their float16 scales, one a block of 32);
 - accuracy: 32 prompts of 64 tokens (windows of tests/data/english.txt), 64 greedy
   tokens each on a float32 cache; then every continuation teacher-forced on an int8
   (and a bfloat16) cache: the share of positions whose argmax equals float32's
@@ -31,7 +31,7 @@ from bench.common import log, write_results
 from ferrum_rpc.client.generate import load_tokenizer
 from ferrum_rpc.server.config import ExecutorConfig
 from ferrum_rpc.server.engine.executor import TorchExecutor
-from ferrum_rpc.server.kv.pool import KV_TORCH_DTYPES, KvPool
+from ferrum_rpc.server.kv.pool import KV_TORCH_DTYPES, SCALES_LAYOUT, KvPool
 from ferrum_rpc.server.prepare import prepare_default_model
 from ferrum_rpc.types import DecodeInput, LogitsPolicy
 
@@ -145,8 +145,8 @@ def main() -> None:
             records.append({"kind": "decode", "kv_dtype": kv, "batch": b, "context": 512, "tokens_per_s": r})
             log.info("decode %s batch %d: %.1f tok/s", kv, b, r)
     write_results(args.out, records, {"note": "shared 2-core machine: figures taken under whatever else ran",
-                                      "decode_path": "int8 pools run layer by layer (the decode stack takes "
-                                                     "float pools only); bfloat16/float32 on the decode stack"})
+                                      "int8_layout": SCALES_LAYOUT,
+                                      "decode_path": "every pool on the decode stack (int8 with set_kv_scales)"})
 
 
 def turns(model_dir: Path, ids: list[int], args) -> None:

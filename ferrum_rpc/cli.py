@@ -126,8 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the KV pool's dtype.  bfloat16 under --dtype float32 (any --quantize) halves the "
                         "pool's bytes and what a long context's attention reads, each key and value rounded once "
                         "as it is written; int8 (either --dtype) stores each token's key and value per kv head "
-                        "as int8 with a float32 scale (absmax / 127 of that row alone: ~1.06 bytes a value, "
-                        "3.8x the tokens of float32 in the same bytes); auto (the default): bfloat16 with "
+                        "as int8 with a float16 scale per block of 32 values (absmax / 127 of that block alone, "
+                        "llama.cpp's q8_0: ~1.06 bytes a value, 3.75x the tokens of float32 in the same bytes); "
+                        "auto (the default): bfloat16 with "
                         "--quantize w8a8 or w4a8, else --dtype")
     s.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     s.add_argument("--kv-tokens", type=int, default=16384, help="KV pool capacity in tokens")

@@ -33,8 +33,9 @@ class ExecutorConfig:
             ``dtype``'s; "auto": bfloat16 with w8a8 and w4a8 (activations already
             rounded to 8 bits a block, as llama.cpp keeps its KV in 16 bits),
             else ``dtype``'s; "int8" under either dtype: each key and value row
-            (a token's kv head) quantized by its own absolute maximum, a float32
-            scale beside it (kv/pool.py ``quantize_rows``; ~1.06 bytes a value).
+            (a token's kv head) quantized by blocks of 32, each by its own absolute
+            maximum, a float16 scale beside it (kv/pool.py ``quantize_rows``, llama.cpp's
+            q8_0; ~1.06 bytes a value).
             ``kv_dtype_name`` is the one resolved.
         device: "cpu", "cuda" or "cuda:N".
         kv_tokens: KV pool capacity in tokens (rounded up to whole blocks).

@@ -4,7 +4,7 @@ pushes, and where a push may go, are the rpc layer's: ``rpc/tickets.py``).
 
 An export is a stream of ``SequenceChunk`` messages: one header (tokens, prompt
 spans, the fingerprint, sizes), the KV of consecutive tokens in chunks (the pool's
-dtype, K then V, all layers; an int8 pool's float32 scales after them, K's then V's),
+dtype, K then V, all layers; an int8 pool's block scales after them, K's then V's),
 one trailer (a BLAKE2b checksum).  The importer checks
 every part as it arrives (:class:`Receiver`, no executor state touched) and only
 then, in one worker job (:func:`install`), takes blocks, writes the pool and makes
@@ -42,7 +42,7 @@ from ferrum_rpc.types import KvCacheHandle
 from ferrum_rpc.v1 import executor_pb2 as pb
 from .transfer_budget import TransferBudget
 
-from ..kv.pool import KvPool
+from ..kv.pool import SCALES_LAYOUT, KvPool
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,8 @@ def fingerprint(executor, weights_digest: str | None = None) -> pb.KvFingerprint
         weights_digest=executor.weights.digest if weights_digest is None else weights_digest, dtype=tensor_codec.dtype_to_proto(executor.config.dtype),
         quantization=executor.config.quantize, block_size=executor.kv.block_size, tensor_parallel=1,
         kv_layout=f"paged-kv/v1 layers={mc.num_layers} kv_heads={mc.num_kv_heads} head_dim={mc.head_dim}"
-                  + ("" if (kv := executor.config.kv_dtype_name) == executor.config.dtype else f" kv_dtype={kv}"))
+                  + ("" if (kv := executor.config.kv_dtype_name) == executor.config.dtype else f" kv_dtype={kv}")
+                  + (f" {SCALES_LAYOUT}" if kv == "int8" else ""))
     fp.digest = fingerprint_digest(fp)
     return fp
 
@@ -107,14 +108,14 @@ def _bytes_per_token(executor) -> int:
 
 def _pool_rows(executor) -> list[torch.Tensor]:
     """K and V of the pool as (layers, slots, kv_heads, head_dim) views, then an int8
-    pool's K and V scales as (layers, slots, kv_heads)."""
+    pool's K and V scales as (layers, slots, kv_heads, scale blocks)."""
     pool = executor.pool
     return [t.flatten(1, 2) for t in pool.tensors()]
 
 
 def _read(executor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The pool's rows at ``slots`` on the CPU: KV (2, layers, tokens, kv_heads, head_dim)
-    and an int8 pool's scales (2, layers, tokens, kv_heads), else None."""
+    and an int8 pool's scales (2, layers, tokens, kv_heads, scale blocks), else None."""
     rows = [t.index_select(1, slots) for t in _pool_rows(executor)]
     kv = torch.stack(rows[:2]).cpu()
     return kv, (torch.stack(rows[2:]).cpu() if len(rows) > 2 else None)
@@ -135,7 +136,7 @@ class Snapshot:
     model: str
     adapter: str = ""
     adapter_digest: str = ""
-    scales: torch.Tensor | None = None  # an int8 pool's: (2, layers, tokens, kv_heads) float32
+    scales: torch.Tensor | None = None  # an int8 pool's: (2, layers, tokens, kv_heads, scale blocks)
 
 
 def snapshot(executor, handle: KvCacheHandle, tenant: str) -> Snapshot:
@@ -143,7 +144,7 @@ def snapshot(executor, handle: KvCacheHandle, tenant: str) -> Snapshot:
     idle clock).  Another tenant's sequence is CACHE_NOT_FOUND, as everywhere."""
     seq = executor.checks.resolve(handle, tenant)
     slots = torch.tensor(executor.kv.slots(seq, 0, seq.length), dtype=torch.long, device=executor.pool.k.device)
-    kv, scales = _read(executor, slots)  # (2, L, T, H, D), (2, L, T, H) or None
+    kv, scales = _read(executor, slots)  # (2, L, T, H, D), (2, L, T, H, scale blocks) or None
     return Snapshot(executor.handle(seq), tuple(seq.tokens[:seq.length]), tuple(seq.prompt_spans), kv,
                     fingerprint(executor, executor.weights.digest_of(seq.generation)), executor.name, seq.adapter,
                     seq.adapter_digest, scales)
@@ -187,7 +188,7 @@ class Incoming:
     fingerprint: str
     adapter: str = ""
     adapter_digest: str = ""
-    scales: torch.Tensor | None = None  # an int8 pool's: (2, layers, tokens, kv_heads) float32
+    scales: torch.Tensor | None = None  # an int8 pool's: (2, layers, tokens, kv_heads, scale blocks)
 
 
 def _hash_adapter(h, adapter: str, digest: str) -> None:
@@ -275,7 +276,8 @@ class Receiver:
         self.header = header
         self.kv = torch.empty((2, mc.num_layers, length, mc.num_kv_heads, mc.head_dim), dtype=ex.pool.k.dtype)
         if ex.pool.quantized:
-            self.scales = torch.empty((2, mc.num_layers, length, mc.num_kv_heads), dtype=ex.pool.k_scale.dtype)
+            self.scales = torch.empty((2, mc.num_layers, length, *ex.pool.k_scale.shape[3:]),
+                                      dtype=ex.pool.k_scale.dtype)
         self.hash.update(header.fingerprint.digest.encode())
         self.hash.update(b"".join(t.to_bytes(4, "little") for t in header.token_ids))
         _hash_adapter(self.hash, header.adapter, header.adapter_digest)
@@ -294,7 +296,8 @@ class Receiver:
         split = self.kv[:, :, :n].numel() * self.kv.element_size()  # the values', then the scales' bytes
         self.kv[:, :, self.received:self.received + n] = data[:split].view(self.kv.dtype).view(2, L, n, H, D)
         if self.scales is not None:
-            self.scales[:, :, self.received:self.received + n] = data[split:].view(self.scales.dtype).view(2, L, n, H)
+            self.scales[:, :, self.received:self.received + n] = \
+                data[split:].view(self.scales.dtype).view(2, L, n, *self.scales.shape[3:])
         self.received += n
 
     def _trailer(self, trailer: pb.SequenceTrailer) -> None:

@@ -12,36 +12,64 @@ import torch
 
 # --kv-dtype's names as the pool's element types; int8 is quantized (see ``quantize_rows``)
 KV_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
-SCALE_DTYPE = torch.float32  # an int8 pool's scale per (token, kv head), for K and for V
+# An int8 pool's rows are quantized in blocks of SCALE_BLOCK values (llama.cpp's q8_0),
+# each block's scale stored as SCALE_DTYPE beside the values, for K and for V
+SCALE_BLOCK = 32
+SCALE_DTYPE = torch.float16
+# what the KV fingerprint's layout says of an int8 pool's scales: an export of another
+# layout (one float32 scale a row, before these blocks) is refused, not misread
+SCALES_LAYOUT = f"kv_scales={str(SCALE_DTYPE).removeprefix('torch.')}/{SCALE_BLOCK}"
+
+
+def scale_blocks(head_dim: int) -> int:
+    """Scales an int8 pool holds a row of ``head_dim`` values: blocks of SCALE_BLOCK from
+    the row's start, the last one shorter where head_dim is no multiple of it (one
+    block, the whole row, where head_dim <= SCALE_BLOCK)."""
+    return -(-head_dim // SCALE_BLOCK)
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """x (..., D) float32 -> (..., scale_blocks(D), SCALE_BLOCK), a shorter last block
+    padded with zeros (which change no block's absolute maximum)."""
+    D = x.shape[-1]
+    nb = scale_blocks(D)
+    if nb * SCALE_BLOCK != D:
+        x = torch.nn.functional.pad(x, (0, nb * SCALE_BLOCK - D))
+    return x.unflatten(-1, (nb, SCALE_BLOCK))
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (..., D) -> int8 values (..., D) and float32 scales (...): symmetric, each row
-    (a token's one kv head) by its own absolute maximum, scale = absmax / 127 and value
-    = round(x / scale) (to nearest even), so a row's bits depend on that row alone.  A
-    zero row has scale 0 and values 0; a row with a NaN or an infinity keeps a
-    non-finite scale (what it reads back is not finite either).  The fused op's writer
-    (csrc/attention.cpp, ``quantize_row``) computes the same bits."""
-    xf = x.float()
-    scale = xf.abs().amax(-1) / 127
-    s = scale.unsqueeze(-1)
-    values = torch.where(s > 0, xf / torch.where(s > 0, s, 1), 0).round_().clamp_(-127, 127)
-    return values.to(torch.int8), scale
+    """x (..., D) -> int8 values (..., D) and SCALE_DTYPE scales (..., scale_blocks(D)):
+    symmetric, each block of a row (a token's one kv head) by its own absolute maximum,
+    scale = absmax / 127 rounded to SCALE_DTYPE (to nearest even) and value = round(x /
+    scale) by that stored scale (to nearest even) clamped to +-127, so a row's bits
+    depend on that row alone.  A zero block has scale 0 and values 0; a block with a NaN
+    or an infinity keeps a non-finite scale and values 0 (what it reads back is not
+    finite).  The fused op's writer (csrc/attention.cpp, ``quantize_row``) computes the
+    same bits."""
+    D = x.shape[-1]
+    blocks = _blocks(x.float())  # (..., nb, 32)
+    scale = (blocks.abs().amax(-1) / 127).to(SCALE_DTYPE)
+    s = scale.float().unsqueeze(-1)
+    ok = s.isfinite() & (s > 0)
+    values = torch.where(ok, blocks / torch.where(ok, s, 1), 0).round_().clamp_(-127, 127)
+    return values.to(torch.int8).flatten(-2)[..., :D], scale
 
 
 def dequantize_rows(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """int8 values (..., D) and their scales (...) -> values * scale in ``dtype`` (the
-    product in float32)."""
-    return (values.float() * scale.unsqueeze(-1)).to(dtype)
+    """int8 values (..., D) and their scales (..., scale_blocks(D)) -> each value times its
+    block's scale in ``dtype`` (the product in float32)."""
+    D = values.shape[-1]
+    return (_blocks(values.float()) * scale.float().unsqueeze(-1)).flatten(-2)[..., :D].to(dtype)
 
 
 class KvPool:
     """K and V for every layer: (layers, blocks, block_size, kv_heads, head_dim).
 
     An int8 pool (``dtype`` torch.int8, --kv-dtype int8) holds each key and value row
-    quantized (``quantize_rows``) with its float32 scale beside it in ``k_scale`` /
-    ``v_scale`` (layers, blocks, block_size, kv_heads): 1 byte a value and 4 a row of
-    head_dim values, where bfloat16 holds 2 a value.
+    quantized (``quantize_rows``) with its blocks' scales beside it in ``k_scale`` /
+    ``v_scale`` (layers, blocks, block_size, kv_heads, scale_blocks(head_dim)) float16: 1
+    byte a value and 2 a block of 32, where bfloat16 holds 2 a value.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int,
@@ -53,8 +81,9 @@ class KvPool:
         self.quantized = dtype == torch.int8
         self.k_scale = self.v_scale = None
         if self.quantized:
-            self.k_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
-            self.v_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
+            scales = (*shape[:-1], scale_blocks(head_dim))
+            self.k_scale = torch.zeros(scales, dtype=SCALE_DTYPE, device=device)
+            self.v_scale = torch.zeros(scales, dtype=SCALE_DTYPE, device=device)
         self.block_size = block_size
         self.scratch_block = num_blocks
         self.layers = list(zip(self.k.unbind(0), self.v.unbind(0)))  # per layer (K, V) views, made once
@@ -66,7 +95,7 @@ class KvPool:
         return [self.k, self.v] + ([self.k_scale, self.v_scale] if self.quantized else [])
 
     def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """One layer's (K, V) scales (blocks, block_size, kv_heads), or (None, None)."""
+        """One layer's (K, V) scales (blocks, block_size, kv_heads, scale_blocks), or (None, None)."""
         return (self.k_scale[layer], self.v_scale[layer]) if self.quantized else (None, None)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -83,7 +112,7 @@ class KvPool:
         """K and V of one token in every layer, an int8 pool's scales included."""
         row = head_dim * torch.empty((), dtype=dtype).element_size()
         if dtype == torch.int8:
-            row += torch.empty((), dtype=SCALE_DTYPE).element_size()
+            row += scale_blocks(head_dim) * torch.empty((), dtype=SCALE_DTYPE).element_size()
         return 2 * num_layers * num_kv_heads * row
 
     @property
@@ -199,11 +228,11 @@ class KvBatch:
         out = []
         for pool, scales, new in ((self.pool.k[layer], self.pool.k_scale[layer], k),
                                   (self.pool.v[layer], self.pool.v_scale[layer], v)):
-            values, scale = quantize_rows(new.reshape(-1, H, D))
+            values, scale = quantize_rows(new.reshape(-1, H, D))  # (B*T, Hkv, D), (B*T, Hkv, nb)
             pool.view(-1, H, D).index_copy_(0, self.write_slots, values)
-            scales.view(-1, H).index_copy_(0, self.write_slots, scale)
+            scales.view(-1, *scale.shape[1:]).index_copy_(0, self.write_slots, scale)
             ctx = pool.index_select(0, self.flat_tables)  # (B*nb, bs, Hkv, D) int8
-            ctx_scale = scales.index_select(0, self.flat_tables)  # (B*nb, bs, Hkv)
+            ctx_scale = scales.index_select(0, self.flat_tables)  # (B*nb, bs, Hkv, scale blocks)
             out.append(dequantize_rows(ctx, ctx_scale, k.dtype).view(B, -1, H, D).transpose(1, 2))
         return out[0], out[1]
 

@@ -2,16 +2,19 @@
 the capabilities and the fingerprint name the dtype; greedy decoding gives bit-identical
 logits alone, inside a batch of other sequences and with its prompt from the prefix
 cache; a sequence exported from one int8 server imports into another and decodes there
-bit for bit; an int8 export is refused by a bfloat16 server, which says why.  (Accuracy
-against a float32 cache is measured by bench/kv_int8.py.)"""
+bit for bit; an int8 export is refused by a bfloat16 server, which says why, and an
+export of the earlier int8 layout (one float32 scale a row) by an int8 server.
+(Accuracy against a float32 cache is measured by bench/kv_int8.py.)"""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from ferrum_rpc import sequence_file
 from ferrum_rpc.client import DecodeInput, ExecutorClient, LogitsPolicy
 from ferrum_rpc.errors import FingerprintMismatch
+from ferrum_rpc.server.engine.transfer import fingerprint_digest
 from tests.conftest import running_server
 
 pytestmark = pytest.mark.cpu_only
@@ -62,7 +65,7 @@ def test_capabilities_and_fingerprint_name_int8(servers):
         assert a.info().kv_dtype == "int8"
         assert ca.kv_fingerprint == cb.kv_fingerprint != cc.kv_fingerprint
         assert ca.batch_invariant
-        # int8 with its scales: 68 bytes a row of 64 values, where bfloat16 holds 128
+        # int8 with its two float16 scales: 68 bytes a row of 64 values, where bfloat16 holds 128
         assert ca.kv_bytes * 128 == cc.kv_bytes * 68
 
 
@@ -107,3 +110,22 @@ def test_an_int8_sequence_moves_bit_for_bit_and_a_bfloat16_server_refuses_it(ser
         message = str(info.value)
         assert "kv_layout" in message and "holds int8" in message and "bfloat16" in message
         assert c.status().active_sequences == 0
+
+
+def test_an_export_of_the_earlier_int8_layout_is_refused(servers):
+    """Before blocks, an int8 row carried one float32 scale: 68 bytes a row too, so only
+    the fingerprint tells the layouts apart.  An export whose fingerprint is that of a
+    server of the earlier layout (its kv_layout without kv_scales, its digest valid) is
+    refused before any KV is read, and nothing is taken."""
+    with ExecutorClient(servers["a"].target, timeout=120) as a, ExecutorClient(servers["b"].target, timeout=120) as b:
+        out = a.prefill(prompt(20, 4), logits=FULL)
+        messages = list(sequence_file.messages(a.export_sequence(out.kv_cache)))
+        a.release_cache(out.kv_cache)
+        fp = messages[0].header.fingerprint
+        assert fp.kv_layout.endswith(" kv_dtype=int8 kv_scales=float16/32")
+        fp.kv_layout = fp.kv_layout.removesuffix(" kv_scales=float16/32")
+        fp.digest = fingerprint_digest(fp)
+        before = b.status().active_sequences
+        with pytest.raises(FingerprintMismatch, match="kv_layout"):
+            b.import_sequence(b"".join(sequence_file.frame(m) for m in messages))
+        assert b.status().active_sequences == before

@@ -30,19 +30,26 @@ FERRUM_INLINE void rope(const T* x, const float* cos, const float* sin, int64_t 
 
 }  // namespace
 
-float quantize_row(const float* x, int64_t d, int8_t* q) {
-  float m = 0.0f;
-  bool nan = false;
-  for (int64_t i = 0; i < d; ++i) {
-    const float a = std::fabs(x[i]);
-    nan |= a != a;
-    m = a > m ? a : m;
+void quantize_row(const float* x, int64_t d, int8_t* q, const KvScales& s, int64_t at) {
+  for (int64_t b0 = 0; b0 < d; b0 += kKvScaleBlock) {
+    const int64_t b1 = std::min(d, b0 + kKvScaleBlock);
+    float m = 0.0f;
+    bool nan = false;
+    for (int64_t i = b0; i < b1; ++i) {
+      const float a = std::fabs(x[i]);
+      nan |= a != a;
+      m = a > m ? a : m;
+    }
+    const float scale = s.put(at + b0 / kKvScaleBlock, nan ? NAN : m / 127.0f);
+    const bool ok = std::isfinite(scale) && scale > 0.0f;
+    for (int64_t i = b0; i < b1; ++i)
+      q[i] = ok ? int8_t(std::clamp(std::nearbyint(x[i] / scale), -127.0f, 127.0f)) : int8_t(0);
   }
-  const float scale = nan ? NAN : m / 127.0f;
-  const bool ok = std::isfinite(scale) && scale > 0.0f;
-  for (int64_t i = 0; i < d; ++i)
-    q[i] = ok ? int8_t(std::clamp(std::nearbyint(x[i] / scale), -127.0f, 127.0f)) : int8_t(0);
-  return scale;
+}
+
+KvScales kv_scales(const at::Tensor& t, const char* who) {
+  TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous(), who, ": an int8 pool's scales are float16, contiguous");
+  return {t.data_ptr<c10::Half>()};
 }
 
 PagedIndex checked_index(const at::Tensor& positions, const at::Tensor& write_slots, const at::Tensor& tables,
@@ -82,10 +89,11 @@ void rope_and_write(const AttnArgs& a, const T* qp, Heads qs, const T* kp, Heads
       P* kd = kc + (sp[bt] * Hkv + h) * D;
       P* vd = vc + (sp[bt] * Hkv + h) * D;
       const T* vsrc = vp + b * vs.b + t * vs.t + h * vs.h;
-      if constexpr (std::is_same_v<P, int8_t>) {  // each row quantized on its own, its scale beside it
+      if constexpr (std::is_same_v<P, int8_t>) {  // each row quantized on its own, its scales beside it
         for (int64_t i = 0; i < D; ++i) vtmp[i] = load(vsrc[i]);
-        a.k_scale[sp[bt] * Hkv + h] = quantize_row(tmp.data(), D, kd);
-        a.v_scale[sp[bt] * Hkv + h] = quantize_row(vtmp.data(), D, vd);
+        const int64_t at = (sp[bt] * Hkv + h) * kv_scale_blocks(D);
+        quantize_row(tmp.data(), D, kd, a.k_scale, at);
+        quantize_row(vtmp.data(), D, vd, a.v_scale, at);
         continue;
       }
       for (int64_t i = 0; i < D; ++i) {
@@ -192,8 +200,8 @@ std::pair<int64_t, int64_t> attention_share(const AttnPlan& plan, int tid, int n
 // cos/sin (max_pos, D) float32; positions (B, T) int64; k_cache/v_cache
 // (blocks, block_size, Hkv, D) contiguous, one layer of the pool, in q's dtype or
 // bfloat16 under float32 q, or int8 with its k_scale / v_scale (blocks, block_size,
-// Hkv) float32 (rope_and_write quantizes each new row; the tasks apply each key's
-// scale to its score and each value's to its weight); write_slots
+// Hkv, ceil(D / 32)) float16 (rope_and_write quantizes each new row by
+// blocks of 32; the tasks read each row as its values times its blocks' scales); write_slots
 // (B*T) int64 pool slots for the new keys/values; tables (B, nb) int64 block
 // ids.  Writes k (rotated) and v into the pool, then returns the attention
 // output (B, T, H*D), each query seeing keys 0..its position.
@@ -215,17 +223,19 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
               "paged_attention: q, k, v share a dtype, and the pool holds it (or bfloat16 under float32, or int8)");
   TORCH_CHECK(int8 == (k_scale.has_value() && v_scale.has_value()) && int8 == (k_scale.has_value() || v_scale.has_value()),
               "paged_attention: an int8 pool comes with its k_scale and v_scale, a float pool with none");
-  TORCH_CHECK(!int8 || (q.scalar_type() != at::kDouble && k_scale->scalar_type() == at::kFloat &&
-                        v_scale->scalar_type() == at::kFloat && k_scale->is_contiguous() &&
-                        v_scale->is_contiguous() && k_scale->sizes() == k_cache.sizes().slice(0, 3) &&
-                        v_scale->sizes() == k_scale->sizes()),
-              "paged_attention: an int8 pool's scales are (blocks, block_size, kv_heads) float32, contiguous");
+  if (int8) {
+    std::vector<int64_t> want(k_cache.sizes().begin(), k_cache.sizes().end());
+    want.back() = kv_scale_blocks(D);
+    TORCH_CHECK(q.scalar_type() != at::kDouble && k_scale->sizes() == at::IntArrayRef(want) &&
+                    v_scale->sizes() == k_scale->sizes() && v_scale->scalar_type() == k_scale->scalar_type(),
+                "paged_attention: an int8 pool's scales are (blocks, block_size, kv_heads, ceil(head_dim / 32))");
+  }
   const PagedIndex ix = checked_index(positions, write_slots, tables, B * T, B, cos, sin, D, k_cache.size(0), k_cache.size(1));
   at::Tensor out = at::empty({B, T, H * D}, q.options());
   at::Tensor qf = at::empty({B, T, H, D}, q.options().dtype(at::kFloat));
   AttnArgs args{B, T, H, Hkv, D, k_cache.size(1), ix.tab.size(1), ix.pos.data_ptr<int64_t>(),
                 ix.tab.data_ptr<int64_t>(), float(scale)};
-  if (int8) args.k_scale = k_scale->data_ptr<float>(), args.v_scale = v_scale->data_ptr<float>();
+  if (int8) args.k_scale = kv_scales(*k_scale, "paged_attention"), args.v_scale = kv_scales(*v_scale, "paged_attention");
   const int threads = at::get_num_threads();
   auto run = [&](auto* q_type, auto* pool_type) {
     using T_ = std::remove_pointer_t<decltype(q_type)>;

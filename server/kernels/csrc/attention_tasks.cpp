@@ -11,14 +11,15 @@
 // A block's K and V rows are read once for all its queries and heads: K by 8 rows
 // (in L1 while every query's scores take them), V by 64 (in L1 while every query's
 // sums take them); the vector loops take several query heads at once, so each K or V
-// vector loaded feeds an FMA for each: scores for 3 heads in AVX2's 16 registers or 4
-// in AVX-512's 32, sums for 3, the rest in pairs and alone (attention_loops.inc).  A
+// vector loaded feeds an FMA for each: scores for 3 heads in AVX2's 16 registers or 4,
+// then 3, in AVX-512's 32, sums for 3, the rest in pairs and alone (attention_loops.inc).  A
 // bfloat16 model whose linears take the AVX-512 BF16 dot product takes it here too:
 // its query and p rounded to bfloat16, summed in pairs, in an order as fixed
-// (attention_dot.inc).  An int8 pool (--kv-dtype int8) runs the float loops on its
-// values widened exactly to float32, each score then multiplied by its key row's
-// scale and each p (after l is summed) by its value row's: the scale of a row is
-// its own (rope_and_write's), so nothing of this depends on the batch either.
+// (attention_dot.inc).  An int8 pool (--kv-dtype int8) runs the float loops on each
+// key's elements read as the int8 value times its block's scale, and weights each
+// value's blocks by p times the block's scale (each product once, in float32, the
+// same on every path): the scales of a row are its own (rope_and_write's), so
+// nothing of this depends on the batch either.
 #include "fused.h"
 
 #include <algorithm>
@@ -73,12 +74,60 @@ __attribute__((noinline)) void finish(const float* state, int64_t D, T* out) {
 #include "attention_loops.inc"
 #include "attention_dot.inc"
 
+// The nb float16 scales a row (an int8 pool layer's, fused.h KvScales) of rows[0..n)
+// into out (n nb) through bits, widened (exactly) 8 at a time where the CPU has F16C.
+#ifdef FERRUM_X86
+__attribute__((target("avx2,f16c"))) void widen_f16c(const uint16_t* bits, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + i))));
+  for (; i < n; ++i) out[i] = _cvtsh_ss(bits[i]);
+}
+#endif
+
+template <int N>
+void gather_scales_nb(const KvScales& s, const int64_t* rows, int64_t n, int64_t nb, uint16_t* bits, float* out) {
+  const int64_t NB = N > 0 ? N : nb;
+  const uint16_t* h = reinterpret_cast<const uint16_t*>(s.data);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t b = 0; b < NB; ++b) bits[j * NB + b] = h[rows[j] * NB + b];
+#ifdef FERRUM_X86
+  if (ferrum_cpu::cpu_features().f16c) {
+    widen_f16c(bits, n * NB, out);
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n * NB; ++i) out[i] = float(c10::Half(bits[i], c10::Half::from_bits()));
+}
+
+// Each query head's value weights w (len nb): its p[j] times key j's value scales.
+template <int N>
+void weigh_nb(const float* p, const float* vs, int64_t len, int64_t nb, float* w) {
+  const int64_t NB = N > 0 ? N : nb;
+  for (int64_t j = 0; j < len; ++j)
+    for (int64_t b = 0; b < NB; ++b) w[j * NB + b] = p[j] * vs[j * NB + b];
+}
+
+// f(N) for nb scales a row: N == nb for head dims up to 128 (the loops unrolled), else 0.
+template <typename F>
+void with_nb(int64_t nb, F&& f) {
+  switch (nb) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    default: return f(std::integral_constant<int, 0>{});
+  }
+}
+
 struct Scratch {
   std::vector<float> state, s, chunk;
   std::vector<uint16_t> qb, pb;      // the dot product's path: queries and p rounded to bfloat16
   std::vector<const uint16_t*> held_qb;
-  std::vector<int64_t> offs, lens;
-  std::vector<float> key_scale, value_scale;  // an int8 pool's: the chunk's keys' row scales
+  std::vector<int64_t> offs, lens, rows;  // rows: an int8 pool's, each key's row (offs / D)
+  std::vector<float> key_scale, value_scale;  // an int8 pool's: the chunk's rows' scales (nb a row)
+  std::vector<uint16_t> scale_bits;           // and their float16 bits, gathered
+  std::vector<float> weights;                 // and each query head's p times its values' scales
   std::vector<int64_t> held;         // the held query heads' queries (their index in the task)
   std::vector<const float*> held_q;  // their query vectors
   std::vector<float*> held_s;        // and their scores
@@ -90,7 +139,7 @@ struct Scratch {
 // ends past the last N taken.
 template <int N, bool DOT, typename T>
 FERRUM_INLINE void score_tiles(Scratch& sc, int64_t& u, int64_t held, int64_t r, const T* kc, const int64_t* offs,
-                               int64_t D, float scale) {
+                               int64_t D, float scale, const float* ks, int64_t nb) {
   for (; u + N <= held; u += N) {
     float* s[N];
     for (int h = 0; h < N; ++h) s[h] = sc.held_s[u + h] + r;
@@ -98,7 +147,7 @@ FERRUM_INLINE void score_tiles(Scratch& sc, int64_t& u, int64_t held, int64_t r,
       if constexpr (DOT)
         dot_scores_x4<N>(sc.held_qb.data() + u, reinterpret_cast<const uint16_t*>(kc), offs + at, D, scale, s);
       else
-        scores_x4<N>(sc.held_q.data() + u, kc, offs + at, D, scale, s);
+        scores_x4<N>(sc.held_q.data() + u, kc, offs + at, D, scale, s, ks + at * nb, nb);
       for (int h = 0; h < N; ++h) s[h] += 4;
     }
   }
@@ -155,7 +204,8 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
   const int64_t D = a.D, H = a.H, G = a.H / a.Hkv, row = a.Hkv * D, W = 2 + D;
   const int64_t Gt = k.g1 - k.g0, nq = k.t1 - k.t0, bt0 = k.b * a.T + k.t0;
   const int64_t *table = a.tables + k.b * a.nb, *pos = a.pos + bt0;
-  constexpr bool VEC = LEVEL >= 1, DOT = LEVEL >= 3;
+  constexpr bool VEC = LEVEL >= 1, DOT = LEVEL >= 3, INT8 = std::is_same_v<P, int8_t>;
+  const int64_t nb = INT8 ? kv_scale_blocks(D) : 0;  // an int8 pool's scales a row
   int64_t nmax = 0;
   for (int64_t i = 0; i < nq; ++i) nmax = std::max(nmax, pos[i] + 1);
   // a decode step's task (a query or two) reads each K and V row once or twice: it asks
@@ -170,6 +220,11 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
   sc.held_s.resize(nq * Gt);
   sc.lens.resize(nq);
   sc.offs.resize(kC);
+  if constexpr (INT8) {
+    sc.key_scale.resize(kC * nb), sc.value_scale.resize(kC * nb), sc.scale_bits.resize(kC * nb);
+    sc.weights.resize(nq * Gt * kC * nb);
+    sc.rows.resize(kC);
+  }
   int64_t* offs = sc.offs.data();
   auto query = [&](int64_t i, int64_t g) { return qf + ((bt0 + i) * H + k.kvh * G + k.g0 + g) * D; };
 #ifdef FERRUM_X86
@@ -187,15 +242,19 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
     // the chunk's keys' row offsets, then to a multiple of 8 key j0's (those scores are masked)
     for (int64_t j = j0, blk = j0 / a.bs, off = j0 % a.bs; j < j1; ++j) {
       offs[j - j0] = (table[blk] * a.bs + off) * row + k.kvh * D;
+      if constexpr (INT8) sc.rows[j - j0] = (table[blk] * a.bs + off) * a.Hkv + k.kvh;  // its scales' row
       if (++off == a.bs) off = 0, ++blk;
     }
     for (int64_t j = j1 - j0; j % 8 != 0; ++j) offs[j] = offs[0];
-    constexpr bool INT8 = std::is_same_v<P, int8_t>;
-    if constexpr (INT8) {  // each key's and value's row scale (row at pool offset o: scale o / D)
-      sc.key_scale.resize(kC), sc.value_scale.resize(kC);
-      for (int64_t j = 0; j < (j1 - j0 + 7) / 8 * 8; ++j)
-        sc.key_scale[j] = a.k_scale[offs[j] / D], sc.value_scale[j] = a.v_scale[offs[j] / D];
+    if constexpr (INT8) {  // each key's and value's row's scales
+      for (int64_t j = j1 - j0; j % 8 != 0; ++j) sc.rows[j] = sc.rows[0];
+      with_nb(nb, [&](auto N) {
+        gather_scales_nb<N>(a.k_scale, sc.rows.data(), (j1 - j0 + 7) / 8 * 8, nb, sc.scale_bits.data(),
+                            sc.key_scale.data());
+        gather_scales_nb<N>(a.v_scale, sc.rows.data(), j1 - j0, nb, sc.scale_bits.data(), sc.value_scale.data());
+      });
     }
+    const float* ks = sc.key_scale.data();
     if (ask) prefetch_rows(kc, offs, 0, std::min(kAhead, j1 - j0), D);
     int64_t* lens = sc.lens.data();  // each query's keys in this chunk (none where <= 0)
     for (int64_t i = 0; i < nq; ++i) lens[i] = std::min(pos[i] + 1, j0 + kC) - j0;
@@ -223,27 +282,25 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
       }
       int64_t u = 0;
 #ifdef FERRUM_X86
-      // the held query heads' scores for these 8 keys: 4 heads at a time on AVX-512, 3
-      // on AVX2, then pairs
+      // the held query heads' scores for these 8 keys: 4 heads at a time on AVX-512, then
+      // 3 (a kv head's 3 query heads read each K vector once), then pairs
       if constexpr (DOT) {
-        score_tiles<4, true>(sc, u, held, r, kc, offs, D, a.scale);
-        score_tiles<2, true>(sc, u, held, r, kc, offs, D, a.scale);
-        score_tiles<1, true>(sc, u, held, r, kc, offs, D, a.scale);
+        score_tiles<4, true>(sc, u, held, r, kc, offs, D, a.scale, ks, nb);
+        score_tiles<2, true>(sc, u, held, r, kc, offs, D, a.scale, ks, nb);
+        score_tiles<1, true>(sc, u, held, r, kc, offs, D, a.scale, ks, nb);
       }
-      if constexpr (LEVEL == 2) score_tiles<4, false>(sc, u, held, r, kc, offs, D, a.scale);
-      if constexpr (LEVEL == 1) score_tiles<3, false>(sc, u, held, r, kc, offs, D, a.scale);
-      if constexpr (VEC && !DOT) score_tiles<2, false>(sc, u, held, r, kc, offs, D, a.scale);
+      if constexpr (LEVEL == 2) score_tiles<4, false>(sc, u, held, r, kc, offs, D, a.scale, ks, nb);
+      if constexpr (LEVEL == 2) score_tiles<3, false>(sc, u, held, r, kc, offs, D, a.scale, ks, nb);
+      if constexpr (LEVEL == 1) score_tiles<3, false>(sc, u, held, r, kc, offs, D, a.scale, ks, nb);
+      if constexpr (VEC && !DOT) score_tiles<2, false>(sc, u, held, r, kc, offs, D, a.scale, ks, nb);
 #endif
       for (; u < held; ++u) {
 #ifdef FERRUM_X86
-        if constexpr (VEC) scores8_avx2(sc.held_q[u], kc, offs + r, D, a.scale, sc.held_s[u] + r);
+        if constexpr (VEC) scores8_avx2(sc.held_q[u], kc, offs + r, D, a.scale, sc.held_s[u] + r, ks + r * nb, nb);
         else
 #endif
-          scores8_portable(sc.held_q[u], kc, offs + r, D, a.scale, sc.held_s[u] + r);
+          scores8_portable(sc.held_q[u], kc, offs + r, D, a.scale, sc.held_s[u] + r, ks + r * nb, nb);
       }
-      if constexpr (INT8)  // the int8 dot products times each key's scale (before any mask's -inf)
-        for (int64_t x = 0; x < held; ++x)
-          for (int l = 0; l < 8; ++l) sc.held_s[x][r + l] *= sc.key_scale[r + l];
       if (r + 8 > held_until)  // some query ends among these keys: the keys past its own -inf (exps 0)
         for (int64_t x = 0; x < held; ++x) {
           const int64_t len = lens[sc.held[x]];
@@ -264,16 +321,20 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
         // p rounded, an odd len's next one too (exps_avx2 wrote it: 0) for its pair
         if constexpr (DOT) dot_round(s, len + len % 2, sc.pb.data() + (i * Gt + g) * kC);
 #endif
-        // an int8 pool: each p times its value row's scale (l, summed above, keeps p)
-        if constexpr (INT8)
-          for (int64_t j = 0; j < len; ++j) s[j] *= sc.value_scale[j];
+        if constexpr (INT8) {  // the value sums' weights: p times each block's scale
+          float* w = sc.weights.data() + (i * Gt + g) * kC * nb;
+          with_nb(nb, [&](auto N) { weigh_nb<N>(s, sc.value_scale.data(), len, nb, w); });
+        }
       }
     }
     for (int64_t r = 0; r < j1 - j0; r += kValueRows)  // V by sub-chunks (in L1 for every query and head)
       for (int64_t i = 0; i < nq; ++i) {
         const int64_t len = lens[i];
         const int64_t end = std::min(len, r + kValueRows);
-        auto p = [&](int64_t g) { return sc.s.data() + (i * Gt + g) * kC; };
+        // each key's p, or an int8 pool's weights (nb a key)
+        auto p = [&](int64_t g) {
+          return INT8 ? sc.weights.data() + (i * Gt + g) * kC * nb : sc.s.data() + (i * Gt + g) * kC;
+        };
         auto acc = [&](int64_t g) { return sc.chunk.data() + (i * Gt + g) * W + 2; };
         int64_t g = 0;
 #ifdef FERRUM_X86
@@ -300,22 +361,22 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
           for (; g + 3 <= Gt && len > r && D % 32 == 0; g += 3) {
             const float* ps[3] = {p(g), p(g + 1), p(g + 2)};
             float* accs[3] = {acc(g), acc(g + 1), acc(g + 2)};
-            if (LEVEL >= 2 && D % 64 == 0) values_x<3, 8>(ps, r, end, vc, offs, D, accs, ask);
-            else values_x<3, 4>(ps, r, end, vc, offs, D, accs, ask);
+            if (LEVEL >= 2 && D % 64 == 0) values_x<3, 8>(ps, r, end, vc, offs, D, accs, ask, nb);
+            else values_x<3, 4>(ps, r, end, vc, offs, D, accs, ask, nb);
           }
         if constexpr (VEC && !DOT)
           for (; g + 2 <= Gt && len > r && D % 32 == 0; g += 2) {
             const float* ps[2] = {p(g), p(g + 1)};
             float* accs[2] = {acc(g), acc(g + 1)};
-            values_x<2, 4>(ps, r, end, vc, offs, D, accs, ask);
+            values_x<2, 4>(ps, r, end, vc, offs, D, accs, ask, nb);
           }
 #endif
         for (; g < Gt && len > r; ++g) {
 #ifdef FERRUM_X86
-          if constexpr (VEC) values_avx2(p(g), r, end, vc, offs, D, acc(g), ask);
+          if constexpr (VEC) values_avx2(p(g), r, end, vc, offs, D, acc(g), ask, nb);
           else
 #endif
-            values_portable(p(g), r, end, vc, offs, D, acc(g));
+            values_portable(p(g), r, end, vc, offs, D, acc(g), nb);
         }
       }
     for (int64_t i = 0; i < nq; ++i) {

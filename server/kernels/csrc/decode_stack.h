@@ -90,7 +90,8 @@ constexpr int64_t kWholeRows = 2;
 // A step's inputs besides the hidden states, as DecodeStack's forwards take them:
 // the RoPE tables, positions, the pool (layers, blocks, block_size, Hkv, D), the
 // write slots and block tables, and the layers [first, last) to run; over an int8
-// pool, its scales (layers, blocks, block_size, Hkv) float32 (null for a float pool).
+// pool, its scales (layers, blocks, block_size, Hkv, ceil(D / 32)) float16 (null for
+// a float pool).
 struct StackStep {
   const at::Tensor &cos, &sin, &positions, &k_pool, &v_pool, &write_slots, &tables;
   int64_t first, last;
@@ -203,13 +204,15 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   bool one_region() const { return one_region_; }
-  // An int8 pool's scales (layers, blocks, block_size, kv_heads) float32, which the
-  // forwards over an int8 pool (k_pool int8) read and write beside it; the caller
-  // sets them for the pool it passes.
+  // An int8 pool's scales (layers, blocks, block_size, kv_heads, ceil(head_dim / 32))
+  // float16 (fused.h: KvScales), which the forwards over an int8 pool
+  // (k_pool int8) read and write beside it; the caller sets them for the pool it passes.
   void set_kv_scales(const at::Tensor& k_scale, const at::Tensor& v_scale) {
-    TORCH_CHECK(k_scale.dim() == 4 && v_scale.sizes() == k_scale.sizes() && k_scale.scalar_type() == at::kFloat &&
-                    v_scale.scalar_type() == at::kFloat && k_scale.is_contiguous() && v_scale.is_contiguous(),
-                "DecodeStack: an int8 pool's scales are (layers, blocks, block_size, kv_heads) float32, contiguous");
+    TORCH_CHECK(k_scale.dim() == 5 && v_scale.sizes() == k_scale.sizes() &&
+                    k_scale.scalar_type() == at::kHalf && v_scale.scalar_type() == at::kHalf && k_scale.is_contiguous() &&
+                    v_scale.is_contiguous(),
+                "DecodeStack: an int8 pool's scales are (layers, blocks, block_size, kv_heads, ceil(head_dim / 32)) "
+                "float16, contiguous");
     k_scale_ = k_scale, v_scale_ = v_scale;
   }
   // whether a step of a few rows whose linears are all float panels runs as one region
@@ -233,8 +236,10 @@ class DecodeStack : public torch::CustomClassHolder {
     // the pool holds the activations' dtype, or bfloat16 under float32 activations, or
     // int8 with the scales set_kv_scales gave (the step carries them)
     const bool bf16_pool = s.k_pool.scalar_type() == at::kBFloat16, int8_pool = s.k_pool.scalar_type() == at::kChar;
-    TORCH_CHECK(!int8_pool || (k_scale_.defined() && k_scale_.sizes() == s.k_pool.sizes().slice(0, 4)),
-                "DecodeStack: an int8 pool needs its scales (set_kv_scales) shaped as its first four dims");
+    TORCH_CHECK(!int8_pool || (k_scale_.defined() && k_scale_.sizes().slice(0, 4) == s.k_pool.sizes().slice(0, 4) &&
+                               k_scale_.size(4) == kv_scale_blocks(s.k_pool.size(4))),
+                "DecodeStack: an int8 pool needs its scales (set_kv_scales) shaped as its first four dims and "
+                "ceil(head_dim / 32)");
     if (int8_pool) s.k_scale = &k_scale_, s.v_scale = &v_scale_;
     // a forward the regions take: no LoRA rows, (B, T, C) with few enough rows
     const bool region_shape = lora == nullptr && regions_ && x.dim() == 3 &&

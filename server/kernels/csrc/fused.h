@@ -28,6 +28,8 @@
 
 #include "common.h"
 
+#include <c10/util/Half.h>
+
 #include <optional>
 #include <utility>
 #include <vector>
@@ -82,21 +84,42 @@ void panel_range(const PanelPath& path, const void* xs, int64_t ldx, int64_t M, 
                  int64_t N, int64_t p0, int64_t p1, T* y);
 
 // ---- attention.cpp ------------------------------------------------------------------
+// An int8 pool's row (a token's kv head, D values) is quantized in blocks of
+// kKvScaleBlock values from its start, llama.cpp's q8_0: each block its own scale
+// (absmax / 127 of the block), the last block shorter where D is no multiple of it
+// (kv_scale_blocks(D) scales a row; one, of the whole row, where D <= 32).  A block's
+// scale is a row's own, so a token's cached bits never depend on other rows.
+constexpr int64_t kKvScaleBlock = 32;
+inline int64_t kv_scale_blocks(int64_t D) { return (D + kKvScaleBlock - 1) / kKvScaleBlock; }
+
+// An int8 pool layer's scales: (blocks, block_size, Hkv, kv_scale_blocks(D)) float16
+// (kv/pool.py SCALE_DTYPE); a row at pool offset o (in elements) has its scales from
+// (o / D) * kv_scale_blocks(D).  Null for a float pool.
+struct KvScales {
+  c10::Half* data = nullptr;
+  float get(int64_t i) const { return float(data[i]); }
+  // the scale s rounded to float16 (to nearest even) and stored at i; returns what was stored
+  float put(int64_t i, float s) const { return float(data[i] = c10::Half(s)); }
+  KvScales plus(int64_t n) const { return {data + n}; }  // the scales from element n on
+};
+// A scales tensor's view, checked: float16, contiguous.
+KvScales kv_scales(const at::Tensor& t, const char* who);
+
 struct AttnArgs {
   int64_t B, T, H, Hkv, D, bs, nb;
   const int64_t *pos, *tables;
   float scale;
-  // An int8 pool's scales (blocks, block_size, Hkv) float32, one per key or value row:
-  // rope_and_write writes them, the tasks read them (a row at pool offset o, in
-  // elements, has its scale at o / D).  Null for a float pool.
-  float *k_scale = nullptr, *v_scale = nullptr;
+  // An int8 pool layer's scales: rope_and_write writes them, the tasks read them.
+  KvScales k_scale = {}, v_scale = {};
 };
 
-// An int8 pool's row (a token's kv head): x (d) float32 -> q (d) int8, returning the
-// scale: absmax / 127, each value round(x / scale) to nearest even; a zero row scale 0
-// and values 0, a row with a NaN a NaN scale, with an infinity an infinite one (values 0
-// where the scale is not finite and positive).  kv/pool.py's quantize_rows: the same bits.
-float quantize_row(const float* x, int64_t d, int8_t* q);
+// An int8 pool's row: x (d) float32 -> q (d) int8 and its kv_scale_blocks(d) scales
+// into s from index at.  Each block: scale = absmax / 127 rounded to s's storage, each
+// value round(x / scale) (to nearest even, by the stored scale) clamped to +-127; a
+// zero block scale 0 and values 0, a block with a NaN a NaN scale, with an infinity an
+// infinite one (values 0 where the scale is not finite and positive).  kv/pool.py's
+// quantize_rows: the same bits.
+void quantize_row(const float* x, int64_t d, int8_t* q, const KvScales& s, int64_t at);
 
 // The pool's indices checked (positions against cos/sin and the tables, write
 // slots and block ids against the pool), as contiguous int64.
@@ -116,7 +139,7 @@ struct Heads {
 // keys, and those keys and values written into the pool layer (slots sp).  The
 // pool holds P: the activations' T, or bfloat16 under float32 activations (each
 // key and value rounded once, as it is written), or int8 (each row quantized by
-// quantize_row from its float32 value, its scale into a.k_scale / a.v_scale).
+// quantize_row from its float32 value, its scales into a.k_scale / a.v_scale).
 template <typename T, typename P = T>
 void rope_and_write(const AttnArgs& a, const T* qp, Heads qs, const T* kp, Heads ks, const T* vp, Heads vs,
                     const float* cp, const float* snp, const int64_t* sp, int64_t bt0, int64_t bt1, float* qfp,

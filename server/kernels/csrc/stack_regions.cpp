@@ -72,8 +72,8 @@ struct Region {
   const int64_t* slots;
   int64_t layer_elems;  // one layer's elements in the pool
   P *kp, *vp;
-  float *ksp = nullptr, *vsp = nullptr;  // an int8 pool's scales (null for a float pool)
-  int64_t layer_scales = 0;              // one layer's scales
+  KvScales ksp, vsp;        // an int8 pool's scales (empty for a float pool)
+  int64_t layer_scales = 0;  // one layer's scales
   const float *cp, *sp;
   int threads;
   bool whole;  // every thread does every row's norm (whole_rows)
@@ -82,7 +82,7 @@ struct Region {
   // the attention's arguments for layer l: args with that layer's scales over an int8 pool
   AttnArgs layer_args(int64_t l) const {
     AttnArgs a = args;
-    if (ksp != nullptr) a.k_scale = ksp + l * layer_scales, a.v_scale = vsp + l * layer_scales;
+    if (ksp.data != nullptr) a.k_scale = ksp.plus(l * layer_scales), a.v_scale = vsp.plus(l * layer_scales);
     return a;
   }
 };
@@ -107,7 +107,7 @@ Region<P> region(const at::Tensor& x, const StackStep& s, int64_t C, int64_t I, 
   r.kp = k_pool.data_ptr<P>(), r.vp = v_pool.data_ptr<P>();
   if constexpr (std::is_same_v<P, int8_t>) {  // run() checked the scales against the pool
     TORCH_CHECK(s.k_scale != nullptr && s.v_scale != nullptr, "DecodeStack: an int8 pool needs its scales");
-    r.ksp = s.k_scale->data_ptr<float>(), r.vsp = s.v_scale->data_ptr<float>();
+    r.ksp = kv_scales(*s.k_scale, "DecodeStack"), r.vsp = kv_scales(*s.v_scale, "DecodeStack");
     r.layer_scales = s.k_scale->stride(0);
   }
   r.cp = s.cos.data_ptr<float>(), r.sp = s.sin.data_ptr<float>();

@@ -1,12 +1,14 @@
 """The fused paged attention's fixed arithmetic (csrc/attention_tasks.cpp): a query's
 keys in chunks of 256, so its bits are the same alone, in a block of prompt queries,
 as a decode step, in a batch, on 1 or 2 threads, and close to a float64 reference,
-at context lengths around the chunk boundaries."""
+at context lengths around the chunk boundaries; over an int8 pool, each row read as its
+values times its blocks' scales."""
 
 import pytest
 import torch
 
 from ferrum_rpc.server.kernels import fused
+from ferrum_rpc.server.kv.pool import SCALE_DTYPE, dequantize_rows, scale_blocks
 
 H, HKV, BS, SCALE = 6, 2, 16, 0.3
 LENGTHS = (1, 8, 255, 256, 257, 512, 513, 520)
@@ -20,13 +22,21 @@ def ops():
 
 
 class Sequence:
-    """One sequence's K and V in shuffled pool blocks, written by a prompt's fused op."""
+    """One sequence's K and V in shuffled pool blocks, written by a prompt's fused op
+    (an int8 pool: float32 activations, the rows quantized as written)."""
 
     def __init__(self, length: int, dim: int, dtype: torch.dtype, seed: int):
         gen = torch.Generator().manual_seed(seed)
         self.n, self.dim, self.dtype = length, dim, dtype
         blocks = (length + BS - 1) // BS
-        self.k_cache = torch.full((blocks + 2, BS, HKV, dim), float("nan"), dtype=dtype)  # unwritten slots: NaN
+        self.scales: tuple[torch.Tensor, ...] = ()
+        if dtype == torch.int8:  # unwritten slots: NaN scales
+            self.k_cache = torch.zeros((blocks + 2, BS, HKV, dim), dtype=dtype)
+            self.scales = tuple(torch.full((blocks + 2, BS, HKV, scale_blocks(dim)), float("nan"), dtype=SCALE_DTYPE)
+                                for _ in range(2))
+            dtype = torch.float32
+        else:
+            self.k_cache = torch.full((blocks + 2, BS, HKV, dim), float("nan"), dtype=dtype)  # unwritten slots: NaN
         self.v_cache = self.k_cache.clone()
         self.table = torch.randperm(blocks + 2, generator=gen)[:blocks]
         self.q = torch.randn(length, H, dim, generator=gen).to(dtype)
@@ -43,11 +53,16 @@ class Sequence:
         pos = torch.arange(start, stop)
         return torch.ops.ferrum_fused.paged_attention(
             self.q[None, start:stop], self.k[None, start:stop], self.v[None, start:stop], self.cos, self.sin,
-            pos[None], self.k_cache, self.v_cache, self.slots(pos), self.table[None], SCALE)[0]
+            pos[None], self.k_cache, self.v_cache, self.slots(pos), self.table[None], SCALE, *self.scales)[0]
 
     def reference(self, p: int) -> torch.Tensor:
-        """Query p in float64: (H * D)."""
+        """Query p in float64 (over an int8 pool: keys and values as the pool holds them,
+        dequantized): (H * D)."""
         q, k, v = self.q[p].double(), self.k[:p + 1].double(), self.v[:p + 1].double()
+        if self.scales:
+            slots = self.slots(torch.arange(p + 1))
+            k, v = (dequantize_rows(c.flatten(0, 1)[slots], s.flatten(0, 1)[slots], torch.float64)
+                    for c, s in zip((self.k_cache, self.v_cache), self.scales))
         k, v = k.repeat_interleave(H // HKV, dim=1), v.repeat_interleave(H // HKV, dim=1)  # (n, H, D)
         w = torch.softmax(torch.einsum("hd,nhd->hn", q, k) * SCALE, dim=-1)
         return torch.einsum("hn,nhd->hd", w, v).reshape(-1)
@@ -101,6 +116,21 @@ def test_a_query_has_the_same_bits_in_a_prompt_alone_in_a_batch_and_on_any_threa
     assert torch.equal(step[2], others[1].run(0, 300)[299])
 
 
+@pytest.mark.parametrize("dim", [64, 48, 16, 12, 160])
+def test_an_int8_pool_is_read_as_its_values_times_their_blocks_scales(ops, isa, dim):
+    """The loops read each key and value of an int8 pool as its int8 values times
+    their block's scale (48: a shorter last block; 16 and 12: one block, the row; 160:
+    five, past the loops' unrolled counts); a decode step gives the prompt's bits."""
+    if dim % 8 and isa != "avx2":
+        pytest.skip("a head dim that is no multiple of 8 runs the portable loops on any ISA: once is enough")
+    seq = Sequence(300, dim, torch.int8, seed=dim)
+    prompt = seq.run(0, seq.n)
+    for p in (1, 8, 256, 257, 300):
+        want = seq.reference(p - 1)
+        assert (prompt[p - 1].double() - want).abs().max() <= 2e-6 * want.abs().max() + 1e-6, p
+        assert torch.equal(seq.run(p - 1, p)[0], prompt[p - 1]), p
+
+
 def test_bfloat16_pool_matches_float64(ops, isa):
     seq = Sequence(300, 16, torch.bfloat16, seed=3)
     prompt = seq.run(0, seq.n)
@@ -118,7 +148,7 @@ def test_a_nan_key_gives_a_nan_output(ops, isa):
     assert seq.run(seq.n - 1, seq.n).isnan().all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("dim", [64, 32, 16])
 def test_the_avx512_loops_give_the_avx2_loops_bits(ops, dtype, dim):
     """The wider loops of AVX-512 machines (four query heads' scores per K load, three

@@ -1,6 +1,8 @@
-"""The int8 KV pool (--kv-dtype int8) on its own: the per-row quantization, what a
-row's bits depend on (the row alone: never the batch it was written in, on the
-eager write and the fused op's), copy on write, and the pool's bytes."""
+"""The int8 KV pool (--kv-dtype int8) on its own: the quantization by blocks of 32 of
+each row, what a row's bits depend on (the row alone: never the batch it was written
+in, on the eager write and the fused op's), the fused attention's reading of the
+blocks' scales (against the rows dequantized, and on each ISA's loops), copy on
+write, and the pool's bytes."""
 
 from __future__ import annotations
 
@@ -11,21 +13,38 @@ import torch
 
 from ferrum_rpc.server.kernels import fused
 from ferrum_rpc.server.kernels.rope import rope_tables
-from ferrum_rpc.server.kv.pool import KvPool, dequantize_rows, quantize_rows
+from ferrum_rpc.server.kv.pool import SCALE_DTYPE, KvPool, dequantize_rows, quantize_rows, scale_blocks
 
 CPU = torch.device("cpu")
 
 
-def test_quantize_round_trip_is_within_half_a_step_of_each_row():
+def test_quantize_round_trip_is_within_half_a_step_of_each_block():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(50, 3, 64, generator=gen) * torch.logspace(-3, 2, 50).view(50, 1, 1)
     values, scale = quantize_rows(x)
-    assert values.dtype == torch.int8 and scale.shape == (50, 3) and scale.dtype == torch.float32
-    assert values.abs().max().item() == 127  # each row's largest value reaches the end of the range
+    assert values.dtype == torch.int8 and scale.shape == (50, 3, 2) and scale.dtype == SCALE_DTYPE == torch.float16
+    blocks = values.view(50, 3, 2, 32)
+    assert (blocks.abs().amax(-1) == 127).all()  # each block's largest value reaches the end of the range
     back = dequantize_rows(values, scale, torch.float32)
-    step = scale.unsqueeze(-1)
+    step = scale.float().repeat_interleave(32, -1)  # each value's block's stored scale
     assert ((back - x).abs() <= step / 2 * (1 + 1e-6)).all()
-    assert torch.equal(scale, x.abs().amax(-1) / 127)
+    assert torch.equal(scale, (x.view(50, 3, 2, 32).abs().amax(-1) / 127).half())
+
+
+def test_a_loud_block_leaves_the_rest_of_its_row_alone():
+    """The point of blocks: one outlier (a RoPE'd key's loud dims) coarsens its own 32
+    values' steps, not the whole row's; and a head dim that is no multiple of 32 ends
+    in a shorter block (the tiny test model's 16: one block, the row)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 80, generator=gen)
+    loud = x.clone()
+    loud[:, 40] = 500.0  # block 1 of [0, 32), [32, 64), [64, 80)
+    (qa, sa), (qb, sb) = quantize_rows(x), quantize_rows(loud)
+    assert scale_blocks(80) == 3 and sa.shape == (4, 3) and scale_blocks(16) == 1 and scale_blocks(64) == 2
+    assert torch.equal(qa[:, :32], qb[:, :32]) and torch.equal(qa[:, 64:], qb[:, 64:])
+    assert torch.equal(sa[:, [0, 2]], sb[:, [0, 2]]) and (sb[:, 1] > 20 * sa[:, 1]).all()
+    assert torch.equal(sa[:, 2], (x[:, 64:].abs().amax(-1) / 127).half())  # the short block's own 16 values
+    assert (dequantize_rows(qb, sb, torch.float32) - loud).abs()[:, :32].max() < 0.02
 
 
 def test_quantize_edge_rows():
@@ -34,6 +53,7 @@ def test_quantize_edge_rows():
     x[2, 0] = float("inf")
     x[3] = torch.arange(8) - 3.5
     values, scale = quantize_rows(x)
+    assert scale.shape == (4, 1)  # 8 values: one block
     assert scale[0] == 0 and (values[0] == 0).all()  # a zero row: scale 0, reads back 0
     assert dequantize_rows(values[:1], scale[:1], torch.float32).eq(0).all()
     for row in (1, 2):  # non-finite in, non-finite out (never a plausible finite row)
@@ -55,12 +75,12 @@ def test_a_rows_bits_do_not_depend_on_the_rows_written_with_it():
         assert torch.equal(a[:, :2], b[:, :2])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_fused_write_of_a_row_does_not_depend_on_its_batch(dtype):
+@pytest.mark.parametrize("dtype,D", [(torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 48)])
+def test_the_fused_write_of_a_row_does_not_depend_on_its_batch(dtype, D):
     ok, why = fused.probe_fused(torch.float32)
     assert ok, why
     gen = torch.Generator().manual_seed(2)
-    H, Hkv, D = 6, 2, 32
+    H, Hkv = 6, 2
     cfg = type("C", (), dict(head_dim=D, rope_theta=10000.0, max_position_embeddings=64))
     cos, sin = rope_tables(cfg, CPU)
     q = torch.randn(3, 4, H, D, generator=gen).to(dtype)
@@ -85,14 +105,19 @@ def test_the_fused_write_of_a_row_does_not_depend_on_its_batch(dtype):
 
 
 def test_int8_pool_refuses_missing_scales():
-    pool = KvPool(1, 4, 4, 2, 16, torch.int8, CPU)
+    pool = KvPool(1, 4, 4, 2, 64, torch.int8, CPU)
     kv = pool.batch([[0]], [0], [1])
-    cfg = type("C", (), dict(head_dim=16, rope_theta=10000.0, max_position_embeddings=16))
+    cfg = type("C", (), dict(head_dim=64, rope_theta=10000.0, max_position_embeddings=16))
     cos, sin = rope_tables(cfg, CPU)
-    x = torch.randn(1, 1, 2, 16)
+    x = torch.randn(1, 1, 2, 64)
     with pytest.raises(RuntimeError, match="k_scale and v_scale"):
         torch.ops.ferrum_fused.paged_attention(x, x, x, cos, sin, kv.positions, pool.k[0], pool.v[0],
-                                               kv.write_slots, kv.tables, 0.25)
+                                               kv.write_slots, kv.tables, 0.125)
+    # a row's scales in the old layout (one a row, float32): refused, not misread
+    old = [torch.zeros(pool.k.shape[1:4]) for _ in range(2)]
+    with pytest.raises(RuntimeError, match=r"ceil\(head_dim / 32\)"):
+        torch.ops.ferrum_fused.paged_attention(x, x, x, cos, sin, kv.positions, pool.k[0], pool.v[0],
+                                               kv.write_slots, kv.tables, 0.125, *old)
 
 
 def test_copy_on_write_copies_the_scales():
@@ -106,10 +131,10 @@ def test_copy_on_write_copies_the_scales():
 
 
 def test_int8_pool_bytes():
-    """SmolLM2-135M's shape (30 layers, 3 kv heads of 64): int8 with its scales holds
-    3.76x the tokens of float32 in the same bytes (1.88x bfloat16's)."""
+    """SmolLM2-135M's shape (30 layers, 3 kv heads of 64): int8 with its two float16
+    scales a row holds 3.76x the tokens of float32 in the same bytes (1.88x bfloat16's)."""
     f32, bf16, i8 = (KvPool.bytes_per_token(30, 3, 64, d) for d in (torch.float32, torch.bfloat16, torch.int8))
-    assert (f32, bf16, i8) == (46080, 23040, 2 * 30 * 3 * (64 + 4))
+    assert (f32, bf16, i8) == (46080, 23040, 2 * 30 * 3 * (64 + 2 * 2))
     assert f32 / i8 >= 2.5
     pool = KvPool(30, 10, 16, 3, 64, torch.int8, CPU)
     assert pool.nbytes == 11 * 16 * i8  # the scratch block included
