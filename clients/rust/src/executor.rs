@@ -437,10 +437,11 @@ struct Counters {
     chosen: AtomicU64,
     session_steps: AtomicU64,
     /// Decode-ahead runs started, engine steps answered from a run's tokens (the runs'
-    /// first tokens included), and sequences settled (a run's lead cut off or replayed).
+    /// first tokens included), and settles that changed the server's sequence (a run's
+    /// lead the engine never took cut off, or a failed run's taken tokens replayed).
     ahead_runs: AtomicU64,
     ahead_served: AtomicU64,
-    ahead_settled: AtomicU64,
+    ahead_cut: AtomicU64,
 }
 
 /// Ferrum's `ModelExecutor` on a ferrum-rpc server.
@@ -463,8 +464,10 @@ pub struct RemoteExecutor {
     session: Mutex<Option<Arc<SharedSession>>>,
     /// Decode-ahead runs and the sequences they decode (see crate::ahead).
     book: Arc<tokio::sync::Mutex<Book>>,
-    /// Most tokens a run decodes per sequence (0: no decoding ahead).
+    /// Most tokens a run decodes per sequence (0: no decoding ahead), and the most the
+    /// server and client allow (0: decoding ahead is not possible).
     ahead_window: u32,
+    ahead_limit: u32,
     /// The model's end-of-sequence ids: a run ends a sequence at one.
     stop_ids: Vec<u32>,
     /// The last token mask sent, by its fingerprint and length, as the contract's
@@ -540,11 +543,12 @@ impl RemoteExecutor {
         };
         // Decoding ahead needs the session, the server's token choice, and no per-call
         // deadline (a session step has none; such a client steps with BatchDecode).
-        let ahead_window = if caps.decode_session && caps.token_choice && client.options().timeout.is_none() {
-            WINDOW.min(caps.max_decode_ahead)
+        let ahead_limit = if caps.decode_session && caps.token_choice && client.options().timeout.is_none() {
+            caps.max_decode_ahead
         } else {
             0
         };
+        let ahead_window = WINDOW.min(ahead_limit);
         let vocab = mi.vocab_size;
         let mut stop_ids: Vec<u32> = mi.eos_token_ids.iter().copied().filter(|&t| t < vocab).collect();
         stop_ids.sort_unstable();
@@ -564,9 +568,18 @@ impl RemoteExecutor {
             session: Mutex::new(None),
             book: Arc::new(tokio::sync::Mutex::new(Book::default())),
             ahead_window,
+            ahead_limit,
             stop_ids,
             mask_bits: Mutex::new(None),
         })
+    }
+
+    /// Decoding ahead with runs of at most `window` tokens per sequence (0: never);
+    /// the server's `max_decode_ahead` bounds it, and a client with a per-call deadline
+    /// never decodes ahead. The default is [`WINDOW`].
+    pub fn with_decode_ahead(mut self, window: u32) -> Self {
+        self.ahead_window = window.min(self.ahead_limit);
+        self
     }
 
     /// The last failed call's error, as "REASON: message" (the code's name without a
@@ -590,7 +603,7 @@ impl RemoteExecutor {
         pairs.push(format!("session_steps={}", c.session_steps.load(Ordering::Relaxed)));
         pairs.push(format!("ahead_runs={}", c.ahead_runs.load(Ordering::Relaxed)));
         pairs.push(format!("ahead_served={}", c.ahead_served.load(Ordering::Relaxed)));
-        pairs.push(format!("ahead_settled={}", c.ahead_settled.load(Ordering::Relaxed)));
+        pairs.push(format!("ahead_cut={}", c.ahead_cut.load(Ordering::Relaxed)));
         pairs.join(" ")
     }
 
@@ -844,7 +857,6 @@ impl RemoteExecutor {
     /// (ForwardVerify).
     async fn settle(&self, book: &mut Book, key: &str) -> Result<()> {
         let Some(s) = book.detach(key).await else { return Ok(()) };
-        self.counters.ahead_settled.fetch_add(1, Ordering::Relaxed);
         let Some(lease) = s.lease.upgrade() else { return Ok(()) };
         if lease.released.load(Ordering::SeqCst) {
             return Ok(());
@@ -852,6 +864,7 @@ impl RemoteExecutor {
         let engine_len = s.engine_len();
         if s.failed.is_some() {
             if s.taken > 0 {
+                self.counters.ahead_cut.fetch_add(1, Ordering::Relaxed);
                 let mut tokens = Vec::with_capacity(s.taken);
                 tokens.push(s.start);
                 tokens.extend_from_slice(&s.tokens[..s.taken - 1]);
@@ -867,6 +880,7 @@ impl RemoteExecutor {
         } else if let Some(end) = s.end {
             lease.set(end);
             if lease.len() > engine_len {
+                self.counters.ahead_cut.fetch_add(1, Ordering::Relaxed);
                 let h = self.client.truncate_kv(&lease.handle(), engine_len as u32).await.map_err(|e| self.failed(e))?;
                 lease.set(h);
             }

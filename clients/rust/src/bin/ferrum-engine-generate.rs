@@ -3,12 +3,14 @@
 //!
 //! ferrum-engine-generate --addr HOST:PORT [--token T] [--max-tokens N]
 //!     [--concurrency K] [--temperature X] [--seed S] [--ids] [--timing]
-//!     [--tokenizer FILE] PROMPT...
+//!     [--decode-ahead N] [--tokenizer FILE] PROMPT...
 //!
 //! Greedy unless a temperature is given. Each prompt is tokenized by Ferrum's
 //! tokenizer over tokenizer.json (tokenizers' encode with its defaults). One line per
 //! prompt, in the order given: the generated text, or with --ids the generated ids
-//! separated by spaces. K requests are in flight at once. With --timing, a last line
+//! separated by spaces. K requests are in flight at once. --decode-ahead N: the
+//! executor's decode-ahead runs hold at most N tokens a sequence (0: no decoding ahead;
+//! default 64). With --timing, a last line
 //! `timing {json}` gives per-request time to first token and decode tokens/s.
 //! A failed request prints `error: <REASON: message>` on stderr and exits 1.
 
@@ -30,6 +32,7 @@ struct Args {
     seed: Option<u64>,
     ids: bool,
     timing: bool,
+    decode_ahead: Option<u32>,
     tokenizer: PathBuf,
     prompts: Vec<String>,
 }
@@ -42,7 +45,7 @@ fn default_tokenizer() -> PathBuf {
 }
 
 fn usage(msg: &str) -> ! {
-    eprintln!("{msg}\nusage: ferrum-engine-generate --addr HOST:PORT [--token T] [--max-tokens N] [--concurrency K] [--temperature X] [--seed S] [--ids] [--timing] [--tokenizer FILE] PROMPT...");
+    eprintln!("{msg}\nusage: ferrum-engine-generate --addr HOST:PORT [--token T] [--max-tokens N] [--concurrency K] [--temperature X] [--seed S] [--ids] [--timing] [--decode-ahead N] [--tokenizer FILE] PROMPT...");
     std::process::exit(2)
 }
 
@@ -56,6 +59,7 @@ fn parse() -> Args {
         seed: None,
         ids: false,
         timing: false,
+        decode_ahead: None,
         tokenizer: default_tokenizer(),
         prompts: vec![],
     };
@@ -70,6 +74,9 @@ fn parse() -> Args {
             "--temperature" => a.temperature = Some(val("--temperature").parse().unwrap_or_else(|_| usage("bad --temperature"))),
             "--seed" => a.seed = Some(val("--seed").parse().unwrap_or_else(|_| usage("bad --seed"))),
             "--tokenizer" => a.tokenizer = PathBuf::from(val("--tokenizer")),
+            "--decode-ahead" => {
+                a.decode_ahead = Some(val("--decode-ahead").parse().unwrap_or_else(|_| usage("bad --decode-ahead")))
+            }
             "--ids" => a.ids = true,
             "--timing" => a.timing = true,
             "--" => a.prompts.extend(it.by_ref()),
@@ -96,7 +103,10 @@ async fn main() {
         }
     };
     let executor = match RemoteExecutor::new(client).await {
-        Ok(e) => Arc::new(e),
+        Ok(e) => Arc::new(match args.decode_ahead {
+            Some(window) => e.with_decode_ahead(window),
+            None => e,
+        }),
         Err(e) => {
             eprintln!("error: {e}");
             std::process::exit(1);
