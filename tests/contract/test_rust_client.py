@@ -318,6 +318,22 @@ def test_ferrum_engine_in_short_decode_ahead_runs_equals_each_alone(rust_bin, sm
         wait_for(lambda: c.status().active_sequences, 10, "no live sequence", until=lambda n: n == 0)
 
 
+def test_ferrum_engine_within_the_servers_decode_ahead_seats(rust_bin, default_model_dir, python_greedy):
+    """A server that lets a tenant decode ahead 3 sequences at a time refuses the
+    executor's run of 8 (TENANT_QUOTA_EXCEEDED): those steps go plain and later runs
+    stay within what the server allows; the ids stay generate_ids' and nothing is left."""
+    with running_server(default_model_dir, name=SMOL, kv_tokens=8192, block_size=16, tenant_ahead_sequences=3,
+                        server_kwargs=dict(warmup=False)) as srv:
+        done = run(rust_bin, "ferrum-engine-generate", "--addr", srv.target, "--max-tokens", MAX_TOKENS,
+                   "--concurrency", 8, "--tokenizer", Path(default_model_dir) / "tokenizer.json", "--ids", "--timing",
+                   *PROMPTS, timeout=300)
+        assert [[int(t) for t in line.split()] for line in done.stdout.splitlines()[:-1]] == python_greedy
+        calls = executor_calls(done.stderr)
+        assert calls["ahead_runs"] >= 2 and calls["session_steps"] >= 1 and calls["ahead_served"] > 0, calls
+        with ExecutorClient(srv.target, timeout=30) as c:
+            wait_for(lambda: c.status().active_sequences, 10, "no live sequence", until=lambda n: n == 0)
+
+
 def executor_calls(stderr: str) -> dict[str, int]:
     """The counts ferrum-engine-generate --timing prints on its "executor calls:" line."""
     line = next(x for x in stderr.splitlines() if x.startswith("executor calls:"))

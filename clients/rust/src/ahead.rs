@@ -34,8 +34,8 @@ use std::time::{Duration, Instant};
 /// tokens streamed before it are cut off again).
 pub const WINDOW: u32 = 64;
 
-/// How long, after the server refused a run for want of decode-ahead seats, no run
-/// starts past the seats this executor held then.
+/// How long, after the server refused a run for want of decode-ahead seats, runs start
+/// only within the bound that refusal set (see [`Book::refused`]).
 const REFUSED_FOR: Duration = Duration::from_secs(1);
 
 /// One sequence decoding ahead.
@@ -84,7 +84,7 @@ pub(crate) struct Book {
     seqs: HashMap<String, SeqAhead>,
     runs: HashMap<u64, Run>,
     next_run: u64,
-    /// After a refusal: the seats held then, until when.
+    /// After a refusal: how many seats runs may hold, until when.
     refused: Option<(usize, Instant)>,
 }
 
@@ -109,9 +109,11 @@ impl Book {
         }
     }
 
-    /// Records that the server refused a run for want of seats.
-    pub fn refused(&mut self) {
-        self.refused = Some((self.seats(), Instant::now() + REFUSED_FOR));
+    /// Records that the server refused runs of `asked` sequences for want of seats (its
+    /// bound is not in the capabilities): for a while runs may hold the seats held now
+    /// and half of those asked for, so repeated refusals home in on the bound.
+    pub fn refused(&mut self, asked: usize) {
+        self.refused = Some((self.seats() + asked / 2, Instant::now() + REFUSED_FOR));
     }
 
     /// True when the engine's step of `key` (input `token` at position `pos`, chosen

@@ -949,6 +949,7 @@ impl RemoteExecutor {
             .map(|(i, key)| (i, key, None))
             .chain(fresh.into_iter().map(|(i, key, lease, token, choice, _)| (i, key, Some((token, lease, choice)))));
         let mut took: Vec<String> = Vec::new();
+        let mut refusals = 0;
         let mut retry_idx = Vec::new();
         let mut retry_work = Vec::new();
         let mut failure = None;
@@ -966,9 +967,7 @@ impl RemoteExecutor {
                 // A run that never started (refused), or ended without this step's
                 // token: the step goes plain.
                 Some((token, lease, choice)) if refused || err.is_none() => {
-                    if refused {
-                        book.refused();
-                    }
+                    refusals += usize::from(refused);
                     if let Err(e) = self.settle(book, &key).await {
                         for key in &took {
                             book.untake(key);
@@ -983,6 +982,9 @@ impl RemoteExecutor {
                     break;
                 }
             }
+        }
+        if refusals > 0 {
+            book.refused(refusals);
         }
         let retried = match (&failure, retry_work.is_empty()) {
             (None, false) => self.decode_step(&retry_work).await.map(Some),

@@ -245,5 +245,8 @@ async fn main() {
     }
     let _ = engine.shutdown().await;
     drop(engine);
+    // Whatever the engine still held is released, and every release answered, before
+    // the process (and its DecodeSession stream) goes.
+    executor.release_all(std::time::Duration::from_secs(5)).await;
     std::process::exit(if failed { 1 } else { 0 });
 }
