@@ -34,6 +34,12 @@ use std::time::{Duration, Instant};
 /// tokens streamed before it are cut off again).
 pub const WINDOW: u32 = 64;
 
+/// Most runs going at once on the executor's session. A session reads no request while
+/// 8 of its steps have replies outstanding (the server's MAX_PENDING_STEPS, in
+/// server/rpc/session.py), and a run is such a step until it ends: two seats stay for a
+/// plain step and a stop message.
+pub const MAX_RUNS: usize = 6;
+
 /// How long, after the server refused a run for want of decode-ahead seats, runs start
 /// only within the bound that refusal set (see [`Book::refused`]).
 const REFUSED_FOR: Duration = Duration::from_secs(1);
@@ -91,6 +97,11 @@ pub(crate) struct Book {
 impl Book {
     pub fn holds(&self, key: &str) -> bool {
         self.seqs.contains_key(key)
+    }
+
+    /// Runs going.
+    pub fn runs(&self) -> usize {
+        self.runs.len()
     }
 
     /// Decode-ahead seats this executor holds on the server (sequences in running runs).

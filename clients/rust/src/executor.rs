@@ -28,7 +28,7 @@
 //! refreshed in the background; see docs/contract.md for each mismatch between the
 //! trait and the contract.
 
-use crate::ahead::{Book, WINDOW};
+use crate::ahead::{Book, MAX_RUNS, WINDOW};
 use crate::client::{policy, ExecutorClient};
 use crate::error::ExecutorError;
 use crate::logits::LogitsView;
@@ -904,11 +904,12 @@ impl RemoteExecutor {
         Ok(())
     }
 
-    /// A unified batch's decode steps: `served` from their runs' tokens, `fresh` each
-    /// starting a run (one run per run length), the rest (`decode_idx`/`decode_work`) in
-    /// one plain step. A step the server refused a run for lack of decode-ahead seats
-    /// goes in a plain step instead. On error no run token counts as taken: the engine
-    /// steps those sequences again.
+    /// A unified batch's decode steps: `served` from their runs' tokens, `fresh` starting
+    /// one run together (as long as the shortest of their lengths, so no sequence's run
+    /// outlasts its request), the rest (`decode_idx`/`decode_work`) in one plain step.
+    /// Steps that would pass the seats the server allows or [`MAX_RUNS`], or that the
+    /// server refused a run for lack of seats, go in a plain step instead. On error no
+    /// run token counts as taken: the engine steps those sequences again.
     async fn decode_ahead(
         &self,
         book: &mut Book,
@@ -919,7 +920,8 @@ impl RemoteExecutor {
         mut decode_work: Vec<(u32, Arc<Lease>, Option<pb::TokenChoice>)>,
     ) -> Result<()> {
         let t0 = std::time::Instant::now();
-        if let Some(room) = book.room() {
+        let room = if book.runs() >= MAX_RUNS { Some(0) } else { book.room() };
+        if let Some(room) = room {
             while fresh.len() > room {
                 let (i, _, lease, token, choice, _) = fresh.pop().unwrap();
                 decode_idx.push(i);
@@ -927,16 +929,10 @@ impl RemoteExecutor {
             }
         }
         if !fresh.is_empty() {
-            let session = self.session();
-            let mut lens: Vec<u32> = fresh.iter().map(|f| f.5).collect();
-            lens.sort_unstable();
-            lens.dedup();
-            for len in lens {
-                let group: Vec<_> =
-                    fresh.iter().filter(|f| f.5 == len).map(|f| (f.1.clone(), f.2.clone(), f.3, f.4.clone())).collect();
-                book.start(&session, group, len, self.stop_ids.clone()).await.map_err(|e| self.failed(e))?;
-                self.counters.ahead_runs.fetch_add(1, Ordering::Relaxed);
-            }
+            let len = fresh.iter().map(|f| f.5).min().unwrap();
+            let group: Vec<_> = fresh.iter().map(|f| (f.1.clone(), f.2.clone(), f.3, f.4.clone())).collect();
+            book.start(&self.session(), group, len, self.stop_ids.clone()).await.map_err(|e| self.failed(e))?;
+            self.counters.ahead_runs.fetch_add(1, Ordering::Relaxed);
         }
         if !decode_work.is_empty() {
             let rows = self.decode_step(&decode_work).await?;
