@@ -18,10 +18,13 @@
 //! one-element row holding the token id, as the engine takes a model-side argmax;
 //! no logits cross the wire for it.
 //!
-//! Decode steps go over one long-lived DecodeSession stream (one message each way per
-//! step, every item's result in one reply) rather than a BatchDecode call each; a
-//! client with a per-call deadline uses BatchDecode (a session has no per-step
-//! deadline, and ending one early would undo its sequences' last steps).
+//! Decode steps go over one long-lived DecodeSession stream rather than a BatchDecode
+//! call each: a greedy step the server chooses decodes ahead (crate::ahead: a run
+//! streams the sequence's next tokens and the engine's following steps are answered
+//! from them), the others go in one plain step (one message each way, every item's
+//! result in one reply). A client with a per-call deadline uses BatchDecode and does not
+//! decode ahead (a session has no per-step deadline, and ending one early would undo
+//! its sequences' last steps).
 //!
 //! The trait's synchronous methods (capabilities, status, kv_capacity,
 //! kv_slot_capacity_snapshot) answer from a snapshot of GetCapabilities and GetStatus
@@ -135,8 +138,8 @@ impl Lease {
         pending.fetch_add(1, Ordering::SeqCst);
         self.runtime.spawn(async move {
             if let Some(book) = book {
-                // A run still decoding the sequence is stopped first: the server
-                // releases no sequence a running step holds.
+                // A run still decoding the sequence is stopped and read to the
+                // sequence's end first: the release follows the run's last forward on it.
                 book.lock().await.detach(&id).await;
             }
             let _ = client.release_cache(&id).await;
