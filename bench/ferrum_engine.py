@@ -1,8 +1,9 @@
 """Ferrum's own engine through the server against the Python client, in one run on one
 server: ferrum-engine-generate (Ferrum's ContinuousEngine with RemoteExecutor, greedy:
-the server chooses each token under Ferrum's token mask, one engine step a message) and
-the Python client's generate_ids (greedy, its default path: the server chooses the
-tokens, decoding ahead where it can), at 1 and at 8 concurrent requests.
+the server chooses each token under Ferrum's token mask, decoding ahead under the
+engine, whose steps are answered from the streamed tokens) and the Python client's
+generate_ids (greedy, its default path: the server chooses the tokens, decoding ahead
+where it can), at 1 and at 8 concurrent requests.
 
 Per side and concurrency: time to first token (median over requests, measured from
 each request's submission; the engine's startup is outside it) and decode tokens/s

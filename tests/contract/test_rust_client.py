@@ -227,6 +227,35 @@ def test_remote_executor_releases_its_sequence_on_drop(rust_bin, server, py):
     assert got["after"] == got["before"]
 
 
+def test_remote_executors_decode_ahead_holds_the_engines_sequence(rust_bin, server, py):
+    """RemoteExecutor under unified batches as Ferrum's engine sends them, decoding ahead
+    in runs of 4 (chained over 10 greedy steps): the ids are the server's greedy ones; a
+    step on a token the run did not predict, then a full-logits step, each cut the run's
+    lead off first (their choices are those of the engine's own sequence); the release
+    leaves nothing."""
+    n = 10
+    got = lines(run(rust_bin, "ferrum-rust-check", "engine-ahead", server.target, n, ids(PROMPT)).stdout)
+
+    def argmax(tokens: list[int]) -> int:
+        out = py.prefill(tokens, logits=ARGMAX)
+        py.release_cache(out.kv_cache)
+        return int(out.logits.token_ids[0][0])
+
+    want: list[int] = []
+    for _ in range(n + 1):
+        want.append(argmax(list(PROMPT) + want))
+    assert [int(t) for t in got["ahead_ids"]] == want
+    diverted = argmax(list(PROMPT) + want[:n] + [7])
+    assert int(got["diverted"][0]) == diverted
+    assert int(got["full_argmax"][0]) == argmax(list(PROMPT) + want[:n] + [7, diverted])
+    counts = {k: int(v) for k, v in (pair.split("=") for pair in got["counts"])}
+    # runs: steps 1-4, 5-8, 9-12 (cut at 11 by the diverted step), the diverted step's
+    # (cut by the full-logits step, a plain step)
+    assert counts["ahead_runs"] == 4 and counts["ahead_served"] == n + 1 and counts["ahead_cut"] == 2, counts
+    assert counts["session_steps"] == 1, counts
+    assert got["released"] == ["1"] and got["after"] == got["before"]
+
+
 def test_the_readmes_example_is_the_built_one(rust_bin):
     import re
 
@@ -256,9 +285,11 @@ def python_greedy(smol, default_model_dir):
                 for p in PROMPTS]
 
 
-def engine_ids(rust_bin, target: str, prompts: list[str], concurrency: int, default_model_dir) -> list[list[int]]:
+def engine_ids(rust_bin, target: str, prompts: list[str], concurrency: int, default_model_dir,
+               *options) -> list[list[int]]:
     done = run(rust_bin, "ferrum-engine-generate", "--addr", target, "--max-tokens", MAX_TOKENS, "--concurrency",
-               concurrency, "--tokenizer", Path(default_model_dir) / "tokenizer.json", "--ids", *prompts, timeout=300)
+               concurrency, "--tokenizer", Path(default_model_dir) / "tokenizer.json", "--ids", *options, *prompts,
+               timeout=300)
     out = done.stdout.splitlines()
     assert len(out) == len(prompts), done.stdout
     return [[int(t) for t in line.split()] for line in out]
@@ -276,6 +307,33 @@ def test_ferrum_engine_eight_at_once_equal_each_alone(rust_bin, smol, default_mo
         wait_for(lambda: c.status().active_sequences, 10, "no live sequence", until=lambda n: n == 0)
 
 
+def test_ferrum_engine_in_short_decode_ahead_runs_equals_each_alone(rust_bin, smol, default_model_dir,
+                                                                    python_greedy):
+    """Decode-ahead runs of 3 tokens: each sequence's run ends long before its request
+    does and the next starts from the engine's step, 8 sequences share runs and leave
+    them at different times (EOS); the ids stay generate_ids' and nothing is left."""
+    got = engine_ids(rust_bin, smol.target, PROMPTS, 8, default_model_dir, "--decode-ahead", 3)
+    assert got == python_greedy
+    with ExecutorClient(smol.target, timeout=30) as c:
+        wait_for(lambda: c.status().active_sequences, 10, "no live sequence", until=lambda n: n == 0)
+
+
+def test_ferrum_engine_within_the_servers_decode_ahead_seats(rust_bin, default_model_dir, python_greedy):
+    """A server that lets a tenant decode ahead 3 sequences at a time refuses the
+    executor's run of 8 (TENANT_QUOTA_EXCEEDED): those steps go plain and later runs
+    stay within what the server allows; the ids stay generate_ids' and nothing is left."""
+    with running_server(default_model_dir, name=SMOL, kv_tokens=8192, block_size=16, tenant_ahead_sequences=3,
+                        server_kwargs=dict(warmup=False)) as srv:
+        done = run(rust_bin, "ferrum-engine-generate", "--addr", srv.target, "--max-tokens", MAX_TOKENS,
+                   "--concurrency", 8, "--tokenizer", Path(default_model_dir) / "tokenizer.json", "--ids", "--timing",
+                   *PROMPTS, timeout=300)
+        assert [[int(t) for t in line.split()] for line in done.stdout.splitlines()[:-1]] == python_greedy
+        calls = executor_calls(done.stderr)
+        assert calls["ahead_runs"] >= 2 and calls["session_steps"] >= 1 and calls["ahead_served"] > 0, calls
+        with ExecutorClient(srv.target, timeout=30) as c:
+            wait_for(lambda: c.status().active_sequences, 10, "no live sequence", until=lambda n: n == 0)
+
+
 def executor_calls(stderr: str) -> dict[str, int]:
     """The counts ferrum-engine-generate --timing prints on its "executor calls:" line."""
     line = next(x for x in stderr.splitlines() if x.startswith("executor calls:"))
@@ -285,8 +343,10 @@ def executor_calls(stderr: str) -> dict[str, int]:
 def test_ferrum_engine_steps_over_one_session(rust_bin, smol, default_model_dir, python_greedy):
     """Greedy and sampled requests step over the executor's DecodeSession, greedy with
     generate_ids' ids. Ferrum's greedy mask forbids some of SmolLM2's tokens: it goes as
-    the allowed-token bitmask and the server chooses every greedy decode token; sampled
-    rows are full logits (Ferrum samples them)."""
+    the allowed-token bitmask and the server chooses every greedy decode token, decoding
+    ahead (the steps answered from a run's tokens, the run as long as the request's
+    remaining tokens, so no lead is cut off); sampled rows are full logits (Ferrum
+    samples them), one plain session step each."""
     args = ("--addr", smol.target, "--max-tokens", MAX_TOKENS,
             "--tokenizer", Path(default_model_dir) / "tokenizer.json",
             "--ids", "--timing")
@@ -294,12 +354,14 @@ def test_ferrum_engine_steps_over_one_session(rust_bin, smol, default_model_dir,
     ids = [int(t) for t in greedy.stdout.splitlines()[0].split()]
     assert ids == python_greedy[0]
     calls = executor_calls(greedy.stderr)
-    assert calls["server_chosen"] >= len(ids) - 2 > 0 and calls["session_steps"] >= len(ids) - 2, calls
+    assert calls["server_chosen"] >= len(ids) - 2 > 0 and calls["ahead_served"] >= len(ids) - 2, calls
+    assert calls["ahead_runs"] >= 1 and calls["ahead_cut"] == 0, calls
     sampled = run(rust_bin, "ferrum-engine-generate", *args, "--temperature", "0.8", "--seed", "3", PROMPTS[0],
                   timeout=300)
     ids = sampled.stdout.splitlines()[0].split()
     calls = executor_calls(sampled.stderr)
     assert ids and calls["server_chosen"] == 0 and calls["session_steps"] >= len(ids) - 2, calls
+    assert calls["ahead_runs"] == 0, calls
 
 
 def test_ferrum_engine_text_is_generated(rust_bin, smol, default_model_dir):

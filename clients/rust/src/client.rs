@@ -7,7 +7,7 @@
 use crate::error::{ExecutorError, Result};
 use crate::pb;
 use crate::pb::model_executor_client::ModelExecutorClient;
-use crate::session::DecodeSession;
+use crate::session::{DecodeSession, SharedSession};
 use futures::Stream;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tonic::metadata::MetadataValue;
@@ -400,6 +400,11 @@ impl ExecutorClient {
     /// DecodeSession: a long-lived stream of decode steps (see [`DecodeSession`]).
     pub async fn decode_session(&self) -> Result<DecodeSession> {
         DecodeSession::open(self).await
+    }
+
+    /// DecodeSession as one stream several steps use at once (see [`SharedSession`]).
+    pub fn shared_session(&self) -> SharedSession {
+        SharedSession::open(self)
     }
 
     // ---- Models, adapters, weights ----

@@ -18,27 +18,31 @@
 //! one-element row holding the token id, as the engine takes a model-side argmax;
 //! no logits cross the wire for it.
 //!
-//! Decode steps go over one long-lived DecodeSession stream (one message each way per
-//! step, every item's result in one reply) rather than a BatchDecode call each; a
-//! client with a per-call deadline uses BatchDecode (a session has no per-step
-//! deadline, and ending one early would undo its sequences' last steps).
+//! Decode steps go over one long-lived DecodeSession stream rather than a BatchDecode
+//! call each: a greedy step the server chooses decodes ahead (crate::ahead: a run
+//! streams the sequence's next tokens and the engine's following steps are answered
+//! from them), the others go in one plain step (one message each way, every item's
+//! result in one reply). A client with a per-call deadline uses BatchDecode and does not
+//! decode ahead (a session has no per-step deadline, and ending one early would undo
+//! its sequences' last steps).
 //!
 //! The trait's synchronous methods (capabilities, status, kv_capacity,
 //! kv_slot_capacity_snapshot) answer from a snapshot of GetCapabilities and GetStatus
 //! refreshed in the background; see docs/contract.md for each mismatch between the
 //! trait and the contract.
 
+use crate::ahead::{Book, MAX_RUNS, WINDOW};
 use crate::client::{policy, ExecutorClient};
 use crate::error::ExecutorError;
 use crate::logits::LogitsView;
 use crate::pb;
 use async_trait::async_trait;
 use ferrum_interfaces::kv_cache::{BlockTable, CacheHandleStats};
-use crate::session::DecodeSession;
+use crate::session::SharedSession;
 use ferrum_interfaces::model_executor::{
     AttentionType, DecodeInput, DecodeOutput, ExecutorCapabilities, ExecutorMemoryUsage, ExecutorState,
     ExecutorStatus, KvSlotCapacitySnapshot, KvSlotRequest, KvSlotReservation, LogitsReturnPolicy,
-    MemoryRequirements, PrefillInput, PrefillOutput, TokenSelectionMask, UnifiedBatch,
+    MemoryRequirements, PrefillInput, PrefillOutput, TokenSelectionMask, UnifiedBatch, UnifiedBatchItem,
 };
 use ferrum_interfaces::{KvCacheHandle, ModelExecutor, TensorLike, TensorRef};
 use ferrum_types::{DataType, Device, FerrumError, ModelId, ModelInfo, ModelType, Result};
@@ -80,16 +84,25 @@ pub struct Lease {
     released: AtomicBool,
     /// Releases sent and not yet answered (shared by an executor's leases).
     pending: Arc<AtomicUsize>,
+    /// The executor's decode-ahead runs: a sequence one of them decodes is settled
+    /// (its run stopped and read to the sequence's end) before it is released.
+    book: Option<Arc<tokio::sync::Mutex<Book>>>,
 }
 
 impl Lease {
-    fn new(client: &ExecutorClient, handle: pb::KvCacheHandle, pending: Arc<AtomicUsize>) -> Arc<Self> {
+    fn new(
+        client: &ExecutorClient,
+        handle: pb::KvCacheHandle,
+        pending: Arc<AtomicUsize>,
+        book: Option<Arc<tokio::sync::Mutex<Book>>>,
+    ) -> Arc<Self> {
         Arc::new(Lease {
             client: client.clone(),
             runtime: tokio::runtime::Handle::current(),
             handle: Mutex::new(handle),
             released: AtomicBool::new(false),
             pending,
+            book,
         })
     }
 
@@ -98,7 +111,7 @@ impl Lease {
         self.handle.lock().unwrap().clone()
     }
 
-    fn set(&self, handle: pb::KvCacheHandle) {
+    pub(crate) fn set(&self, handle: pb::KvCacheHandle) {
         *self.handle.lock().unwrap() = handle;
     }
 
@@ -121,8 +134,14 @@ impl Lease {
         let client = self.client.with_timeout(Some(Duration::from_secs(5)));
         let id = self.cache_id();
         let pending = self.pending.clone();
+        let book = self.book.clone();
         pending.fetch_add(1, Ordering::SeqCst);
         self.runtime.spawn(async move {
+            if let Some(book) = book {
+                // A run still decoding the sequence is stopped and read to the
+                // sequence's end first: the release follows the run's last forward on it.
+                book.lock().await.detach(&id).await;
+            }
             let _ = client.release_cache(&id).await;
             pending.fetch_sub(1, Ordering::SeqCst);
         });
@@ -420,6 +439,12 @@ struct Counters {
     /// over the DecodeSession stream.
     chosen: AtomicU64,
     session_steps: AtomicU64,
+    /// Decode-ahead runs started, engine steps answered from a run's tokens (the runs'
+    /// first tokens included), and settles that changed the server's sequence (a run's
+    /// lead the engine never took cut off, or a failed run's taken tokens replayed).
+    ahead_runs: AtomicU64,
+    ahead_served: AtomicU64,
+    ahead_cut: AtomicU64,
 }
 
 /// Ferrum's `ModelExecutor` on a ferrum-rpc server.
@@ -439,7 +464,15 @@ pub struct RemoteExecutor {
     pending: Arc<AtomicUsize>,
     refresher: tokio::task::JoinHandle<()>,
     /// The decode steps' stream, opened on the first step and again after it broke.
-    session: tokio::sync::Mutex<Option<DecodeSession>>,
+    session: Mutex<Option<Arc<SharedSession>>>,
+    /// Decode-ahead runs and the sequences they decode (see crate::ahead).
+    book: Arc<tokio::sync::Mutex<Book>>,
+    /// Most tokens a run decodes per sequence (0: no decoding ahead), and the most the
+    /// server and client allow (0: decoding ahead is not possible).
+    ahead_window: u32,
+    ahead_limit: u32,
+    /// The model's end-of-sequence ids: a run ends a sequence at one.
+    stop_ids: Vec<u32>,
     /// The last token mask sent, by its fingerprint and length, as the contract's
     /// bitmask bytes (the engine's mask is the same every step of a request).
     mask_bits: Mutex<Option<(u64, usize, bytes::Bytes)>>,
@@ -511,6 +544,19 @@ impl RemoteExecutor {
             license: None,
             metadata,
         };
+        // Decoding ahead needs the session, the server's token choice, and no per-call
+        // deadline (a session step has none; such a client steps with BatchDecode).
+        let ahead_limit = if caps.decode_session && caps.token_choice && client.options().timeout.is_none() {
+            caps.max_decode_ahead
+        } else {
+            0
+        };
+        let ahead_window = WINDOW.min(ahead_limit);
+        let vocab = mi.vocab_size;
+        let mut stop_ids: Vec<u32> = mi.eos_token_ids.iter().copied().filter(|&t| t < vocab).collect();
+        stop_ids.sort_unstable();
+        stop_ids.dedup();
+        stop_ids.truncate(64); // DecodeSessionRequest.stop_token_ids' bound
         Ok(RemoteExecutor {
             client,
             info,
@@ -522,9 +568,21 @@ impl RemoteExecutor {
             last_error: Mutex::new(None),
             pending: Arc::new(AtomicUsize::new(0)),
             refresher,
-            session: tokio::sync::Mutex::new(None),
+            session: Mutex::new(None),
+            book: Arc::new(tokio::sync::Mutex::new(Book::default())),
+            ahead_window,
+            ahead_limit,
+            stop_ids,
             mask_bits: Mutex::new(None),
         })
+    }
+
+    /// Decoding ahead with runs of at most `window` tokens per sequence (0: never);
+    /// the server's `max_decode_ahead` bounds it, and a client with a per-call deadline
+    /// never decodes ahead. The default is [`WINDOW`].
+    pub fn with_decode_ahead(mut self, window: u32) -> Self {
+        self.ahead_window = window.min(self.ahead_limit);
+        self
     }
 
     /// The last failed call's error, as "REASON: message" (the code's name without a
@@ -546,6 +604,9 @@ impl RemoteExecutor {
             names.iter().zip(&c.calls).map(|(n, c)| format!("{n}={}", c.load(Ordering::Relaxed))).collect();
         pairs.push(format!("server_chosen={}", c.chosen.load(Ordering::Relaxed)));
         pairs.push(format!("session_steps={}", c.session_steps.load(Ordering::Relaxed)));
+        pairs.push(format!("ahead_runs={}", c.ahead_runs.load(Ordering::Relaxed)));
+        pairs.push(format!("ahead_served={}", c.ahead_served.load(Ordering::Relaxed)));
+        pairs.push(format!("ahead_cut={}", c.ahead_cut.load(Ordering::Relaxed)));
         pairs.join(" ")
     }
 
@@ -620,7 +681,7 @@ impl RemoteExecutor {
     }
 
     fn lease(&self, handle: pb::KvCacheHandle) -> Arc<Lease> {
-        let lease = Lease::new(&self.client, handle, self.pending.clone());
+        let lease = Lease::new(&self.client, handle, self.pending.clone(), Some(self.book.clone()));
         let mut ids = self.by_id.lock().unwrap();
         ids.retain(|_, w| w.strong_count() > 0);
         ids.insert(lease.cache_id(), Arc::downgrade(&lease));
@@ -761,17 +822,196 @@ impl RemoteExecutor {
         items: Vec<pb::DecodeItem>,
         logits: Option<pb::LogitsPolicy>,
     ) -> Result<Vec<pb::DecodeSessionResponse>> {
-        let mut slot = self.session.lock().await;
-        if slot.as_ref().map_or(true, |s| s.is_broken()) {
-            *slot = Some(self.client.decode_session().await.map_err(|e| self.failed(e))?);
-        }
-        let session = slot.as_mut().unwrap();
         self.counters.session_steps.fetch_add(1, Ordering::Relaxed);
-        let got = session.step_with(items, logits, true).await;
-        if session.is_broken() {
-            *slot = None;
+        self.session().step(items, logits, true).await.map_err(|e| self.failed(e))
+    }
+
+    /// The executor's DecodeSession (opened here when there is none, or the last one
+    /// broke). Steps and runs share it; a step that failed on its own leaves it open.
+    fn session(&self) -> Arc<SharedSession> {
+        let mut slot = self.session.lock().unwrap();
+        if slot.as_ref().map_or(true, |s| s.is_broken()) {
+            *slot = Some(Arc::new(self.client.shared_session()));
         }
-        got.map_err(|e| self.failed(e))
+        slot.clone().unwrap()
+    }
+
+    /// Tokens a run started at `item`'s step may decode: the window, or fewer where the
+    /// engine's item says how long the request may grow (Ferrum's
+    /// `ferrum_kv_capacity_hint`: prompt plus max_tokens less one, so the run ends with
+    /// the request's last token); 0 when this executor does not decode ahead.
+    fn ahead_len(&self, item: &UnifiedBatchItem) -> u32 {
+        if self.ahead_window == 0 {
+            return 0;
+        }
+        let left = item
+            .metadata
+            .get("ferrum_kv_capacity_hint")
+            .and_then(|v| v.as_u64())
+            .map(|h| h as usize)
+            .filter(|&h| h > item.pos_offset)
+            .map(|h| h - item.pos_offset);
+        left.map_or(self.ahead_window, |l| l.min(self.ahead_window as usize) as u32)
+    }
+
+    /// Takes `key` out of the book and brings the server's sequence to the engine's
+    /// length: a run's tokens the engine never took are cut off (TruncateKv); after a
+    /// failed run (undone by the server) the tokens it did take are appended again
+    /// (ForwardVerify).
+    async fn settle(&self, book: &mut Book, key: &str) -> Result<()> {
+        let Some(s) = book.detach(key).await else { return Ok(()) };
+        let Some(lease) = s.lease.upgrade() else { return Ok(()) };
+        if lease.released.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let engine_len = s.engine_len();
+        if s.failed.is_some() {
+            if s.taken > 0 {
+                self.counters.ahead_cut.fetch_add(1, Ordering::Relaxed);
+                let mut tokens = Vec::with_capacity(s.taken);
+                tokens.push(s.start);
+                tokens.extend_from_slice(&s.tokens[..s.taken - 1]);
+                let reply = self
+                    .client
+                    .forward_verify(&tokens, &lease.handle(), Some(policy::argmax()))
+                    .await
+                    .map_err(|e| self.failed(e))?;
+                if let Some(h) = reply.kv_cache {
+                    lease.set(h);
+                }
+            }
+        } else if let Some(end) = s.end {
+            lease.set(end);
+            if lease.len() > engine_len {
+                self.counters.ahead_cut.fetch_add(1, Ordering::Relaxed);
+                let h = self.client.truncate_kv(&lease.handle(), engine_len as u32).await.map_err(|e| self.failed(e))?;
+                lease.set(h);
+            }
+        }
+        if lease.len() != engine_len {
+            return Err(FerrumError::backend(format!(
+                "sequence {key} holds {} tokens on the server after its decode-ahead run, the engine {engine_len}",
+                lease.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Settles `lease`'s sequence when a run decodes it (before any call but a step).
+    async fn settle_lease(&self, lease: &Arc<Lease>) -> Result<()> {
+        let key = lease.cache_id();
+        let mut book = self.book.lock().await;
+        if book.holds(&key) {
+            self.settle(&mut book, &key).await?;
+        }
+        Ok(())
+    }
+
+    /// A unified batch's decode steps: `served` from their runs' tokens, `fresh` starting
+    /// one run together (as long as the shortest of their lengths, so no sequence's run
+    /// outlasts its request), the rest (`decode_idx`/`decode_work`) in one plain step.
+    /// Steps that would pass the seats the server allows or [`MAX_RUNS`], or that the
+    /// server refused a run for lack of seats, go in a plain step instead. On error no
+    /// run token counts as taken: the engine steps those sequences again.
+    async fn decode_ahead(
+        &self,
+        book: &mut Book,
+        results: &mut [Option<Vec<f32>>],
+        served: Vec<(usize, String)>,
+        mut fresh: Vec<(usize, String, Arc<Lease>, u32, pb::TokenChoice, u32)>,
+        mut decode_idx: Vec<usize>,
+        mut decode_work: Vec<(u32, Arc<Lease>, Option<pb::TokenChoice>)>,
+    ) -> Result<()> {
+        let t0 = std::time::Instant::now();
+        let room = if book.runs() >= MAX_RUNS { Some(0) } else { book.room() };
+        if let Some(room) = room {
+            while fresh.len() > room {
+                let (i, _, lease, token, choice, _) = fresh.pop().unwrap();
+                decode_idx.push(i);
+                decode_work.push((token, lease, Some(choice)));
+            }
+        }
+        if !fresh.is_empty() {
+            let len = fresh.iter().map(|f| f.5).min().unwrap();
+            let group: Vec<_> = fresh.iter().map(|f| (f.1.clone(), f.2.clone(), f.3, f.4.clone())).collect();
+            book.start(&self.session(), group, len, self.stop_ids.clone()).await.map_err(|e| self.failed(e))?;
+            self.counters.ahead_runs.fetch_add(1, Ordering::Relaxed);
+        }
+        if !decode_work.is_empty() {
+            let rows = self.decode_step(&decode_work).await?;
+            for (row, i) in rows.into_iter().zip(&decode_idx) {
+                results[*i] = Some(row);
+            }
+        }
+        let waits = served
+            .into_iter()
+            .map(|(i, key)| (i, key, None))
+            .chain(fresh.into_iter().map(|(i, key, lease, token, choice, _)| (i, key, Some((token, lease, choice)))));
+        let mut took: Vec<String> = Vec::new();
+        let mut refusals = 0;
+        let mut retry_idx = Vec::new();
+        let mut retry_work = Vec::new();
+        let mut failure = None;
+        for (i, key, start) in waits {
+            if let Some(t) = book.take(&key).await {
+                results[i] = Some(vec![t as f32]);
+                took.push(key);
+                continue;
+            }
+            let err = book.error(&key);
+            let refused = err
+                .as_ref()
+                .is_some_and(|e| matches!(e.reason.as_deref(), Some("TENANT_QUOTA_EXCEEDED" | "SEQUENCE_LIMIT_EXCEEDED")));
+            match start {
+                // A run that never started (refused), or ended without this step's
+                // token: the step goes plain.
+                Some((token, lease, choice)) if refused || err.is_none() => {
+                    refusals += usize::from(refused);
+                    if let Err(e) = self.settle(book, &key).await {
+                        for key in &took {
+                            book.untake(key);
+                        }
+                        return Err(e);
+                    }
+                    retry_idx.push(i);
+                    retry_work.push((token, lease, Some(choice)));
+                }
+                _ => {
+                    failure = Some((key, err));
+                    break;
+                }
+            }
+        }
+        if refusals > 0 {
+            book.refused(refusals);
+        }
+        let retried = match (&failure, retry_work.is_empty()) {
+            (None, false) => self.decode_step(&retry_work).await.map(Some),
+            _ => Ok(None),
+        };
+        if failure.is_some() || retried.is_err() {
+            for key in &took {
+                book.untake(key);
+            }
+        }
+        if let Some((key, err)) = failure {
+            let settled = self.settle(book, &key).await;
+            return Err(match err {
+                Some(e) => self.failed(e),
+                None => settled.err().unwrap_or_else(|| FerrumError::backend("a decode-ahead run ended early")),
+            });
+        }
+        if let Some(rows) = retried? {
+            for (row, i) in rows.into_iter().zip(&retry_idx) {
+                results[*i] = Some(row);
+            }
+        }
+        let n = took.len() as u64;
+        self.counters.ahead_served.fetch_add(n, Ordering::Relaxed);
+        self.counters.chosen.fetch_add(n, Ordering::Relaxed);
+        self.counters.decodes.fetch_add(n, Ordering::Relaxed);
+        self.counters.decode_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        Ok(())
     }
 
     /// One decode step per input, full logits rows (the trait's batch_decode).
@@ -831,6 +1071,9 @@ impl ModelExecutor for RemoteExecutor {
             Some(h) => (self.lease_of(h), Some(Self::key_of(h))),
             None => (None, None),
         };
+        if let Some(l) = &lease {
+            self.settle_lease(l).await?;
+        }
         let reply = self
             .client
             .prefill(&ids, lease.as_ref().map(|l| l.handle()).as_ref(), Some(policy::full()), None)
@@ -855,6 +1098,9 @@ impl ModelExecutor for RemoteExecutor {
                 Some(h) => (self.lease_of(h), Some(Self::key_of(h))),
                 None => (None, None),
             };
+            if let Some(l) = &lease {
+                self.settle_lease(l).await?;
+            }
             items.push(pb::PrefillItem {
                 token_ids: input_ids(&input.input_ids)?,
                 kv_cache: lease.as_ref().map(|l| l.handle()),
@@ -891,6 +1137,7 @@ impl ModelExecutor for RemoteExecutor {
             let lease = self
                 .lease_of(&input.kv_cache)
                 .ok_or_else(|| FerrumError::not_found(format!("no remote sequence for {}", input.kv_cache.cache_id())))?;
+            self.settle_lease(&lease).await?;
             work.push((token, lease));
         }
         let logits = self.decode_many(&work).await?;
@@ -904,20 +1151,42 @@ impl ModelExecutor for RemoteExecutor {
     }
 
     /// The engine's mixed batch: prompt chunks in ONE BatchPrefill, then the decode
-    /// steps in ONE BatchDecode. The prefills run first; when the decodes then fail,
-    /// the sequences this call created are released, so a failed call leaves the
-    /// server as it was (the engine falls back to its split path and prefills again).
+    /// steps. A greedy step the server chooses (see `greedy_choice`) decodes ahead (see
+    /// crate::ahead): it starts a run, or takes the token its sequence's run already
+    /// chose; the other steps go in ONE plain step. The prefills run first; when the
+    /// decodes then fail, the sequences this call created are released, so a failed
+    /// call leaves the server as it was (the engine falls back to its split path and
+    /// prefills again).
     async fn unified_decode(&self, batch: &UnifiedBatch) -> Result<Vec<Option<Vec<f32>>>> {
         self.count(3);
+        let mut book = self.book.lock().await;
         let mut results: Vec<Option<Vec<f32>>> = vec![None; batch.items.len()];
         let mut prefill_idx = Vec::new();
         let mut prefill_items = Vec::new();
         let mut prefill_leases = Vec::new();
         let mut decode_idx = Vec::new();
         let mut decode_work = Vec::new();
+        // Steps a running run answers (item index, sequence), and steps that start one
+        // (item index, sequence, lease, token, choice, tokens the run may decode).
+        let mut served: Vec<(usize, String)> = Vec::new();
+        let mut fresh: Vec<(usize, String, Arc<Lease>, u32, pb::TokenChoice, u32)> = Vec::new();
         let (mut prefill_rows, mut prefill_chosen) = (false, true);
         for (i, item) in batch.items.iter().enumerate() {
             let lease = self.lease_of(&item.kv_cache).or_else(|| self.lease_for_key(&item.seq_id));
+            let choice = if item.is_final_chunk { self.greedy_choice(&item.logits_policy) } else { None };
+            if let Some(l) = &lease {
+                let key = l.cache_id();
+                if book.holds(&key) {
+                    let step = item.q_tokens.len() == 1 && item.is_final_chunk;
+                    if step && choice.as_ref().is_some_and(|c| book.serves(&key, item.q_tokens[0], item.pos_offset, c)) {
+                        served.push((i, key));
+                        continue;
+                    }
+                    // Not the step its run predicted: the server's sequence is brought
+                    // back to the engine's first.
+                    self.settle(&mut book, &key).await?;
+                }
+            }
             let lease = match lease {
                 Some(l) if item.pos_offset > 0 => {
                     if l.len() != item.pos_offset {
@@ -934,10 +1203,16 @@ impl ModelExecutor for RemoteExecutor {
                 _ => return Err(FerrumError::not_found(format!("no remote sequence for {}", item.seq_id))),
             };
             let is_decode = item.q_tokens.len() == 1 && item.is_final_chunk && lease.is_some();
-            let choice = if item.is_final_chunk { self.greedy_choice(&item.logits_policy) } else { None };
             if is_decode {
-                decode_idx.push(i);
-                decode_work.push((item.q_tokens[0], lease.unwrap(), choice));
+                let lease = lease.unwrap();
+                let run_len = self.ahead_len(item);
+                match choice {
+                    Some(c) if run_len > 1 => fresh.push((i, lease.cache_id(), lease, item.q_tokens[0], c, run_len)),
+                    choice => {
+                        decode_idx.push(i);
+                        decode_work.push((item.q_tokens[0], lease, choice));
+                    }
+                }
             } else {
                 prefill_idx.push(i);
                 prefill_rows |= item.is_final_chunk && choice.is_none();
@@ -976,20 +1251,14 @@ impl ModelExecutor for RemoteExecutor {
             self.counters.prefills.fetch_add(n as u64, Ordering::Relaxed);
             self.counters.prefill_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
         }
-        if !decode_work.is_empty() {
-            match self.decode_step(&decode_work).await {
-                Ok(rows) => {
-                    for (row, i) in rows.into_iter().zip(&decode_idx) {
-                        results[*i] = Some(row);
-                    }
-                }
-                Err(e) => {
-                    for key in created {
-                        self.release_cache(&key);
-                    }
-                    return Err(e);
-                }
+        let decoded = self
+            .decode_ahead(&mut book, &mut results, served, fresh, decode_idx, decode_work)
+            .await;
+        if let Err(e) = decoded {
+            for key in created {
+                self.release_cache(&key);
             }
+            return Err(e);
         }
         Ok(results)
     }
@@ -1000,6 +1269,7 @@ impl ModelExecutor for RemoteExecutor {
         let lease = self
             .lease_of(kv_cache)
             .ok_or_else(|| FerrumError::not_found(format!("no remote sequence for {}", kv_cache.cache_id())))?;
+        self.settle_lease(&lease).await?;
         let h = self.client.truncate_kv(&lease.handle(), new_len as u32).await.map_err(|e| self.failed(e))?;
         lease.set(h);
         Ok(())
@@ -1013,6 +1283,7 @@ impl ModelExecutor for RemoteExecutor {
         let lease = self
             .lease_of(&first.kv_cache)
             .ok_or_else(|| FerrumError::not_found(format!("no remote sequence for {}", first.kv_cache.cache_id())))?;
+        self.settle_lease(&lease).await?;
         let mut tokens = Vec::with_capacity(inputs.len());
         for input in inputs {
             tokens.push(*input_ids(&input.input_ids)?.last().ok_or_else(|| FerrumError::invalid_request("empty input"))?);

@@ -10,6 +10,7 @@ pub mod pb {
     tonic::include_proto!("ferrum.executor.v1");
 }
 
+pub mod ahead;
 pub mod client;
 pub mod error;
 pub mod executor;

@@ -236,3 +236,170 @@ fn flatten(results: Vec<pb::DecodeSessionResponse>) -> Vec<pb::DecodeSessionResp
     }
     out
 }
+
+/// One DecodeSession stream that several steps use at once: decode-ahead runs of some
+/// sequences stream on while plain steps of others come and go. A reader task takes
+/// every reply off the stream and hands it to its step's queue by `step_id`; a step's
+/// queue is registered before its request is sent, so no reply can miss it. When the
+/// stream itself fails (the server gone, the call cancelled), every open step's queue
+/// gets that error and the session is broken: open a new one. Dropping the session
+/// cancels the stream (the server then undoes each sequence's unconfirmed step).
+pub struct SharedSession {
+    tx: mpsc::Sender<pb::DecodeSessionRequest>,
+    routes: std::sync::Arc<std::sync::Mutex<Routes>>,
+    next_step: std::sync::atomic::AtomicU64,
+    model: String,
+    reader: tokio::task::JoinHandle<()>,
+}
+
+type Route = mpsc::UnboundedSender<Result<pb::DecodeSessionResponse>>;
+
+#[derive(Default)]
+struct Routes {
+    open: std::collections::HashMap<u64, Route>,
+    /// Why the stream ended, once it did.
+    broken: Option<ExecutorError>,
+}
+
+/// The replies of one step of a [`SharedSession`], in order; its route goes with it.
+pub struct StepReplies {
+    step_id: u64,
+    rx: mpsc::UnboundedReceiver<Result<pb::DecodeSessionResponse>>,
+    routes: std::sync::Arc<std::sync::Mutex<Routes>>,
+}
+
+impl StepReplies {
+    /// The step's id (what a stop message names).
+    pub fn step_id(&self) -> u64 {
+        self.step_id
+    }
+
+    /// The step's next reply; an `error` reply comes back as that error (the step
+    /// failed on its own), a lost stream as the stream's error.
+    pub async fn next(&mut self) -> Result<pb::DecodeSessionResponse> {
+        match self.rx.recv().await {
+            Some(Ok(reply)) => match &reply.error {
+                Some(err) => Err(ExecutorError::from_rpc_status(err)),
+                None => Ok(reply),
+            },
+            Some(Err(e)) => Err(e),
+            None => Err(lost("with replies outstanding")),
+        }
+    }
+}
+
+impl Drop for StepReplies {
+    fn drop(&mut self) {
+        self.routes.lock().unwrap().open.remove(&self.step_id);
+    }
+}
+
+impl Drop for SharedSession {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
+}
+
+impl SharedSession {
+    pub(crate) fn open(client: &ExecutorClient) -> Self {
+        let (tx, rx) = mpsc::channel(64);
+        let req = client.request(ReceiverStream::new(rx));
+        let mut stub = client.raw();
+        let routes = std::sync::Arc::new(std::sync::Mutex::new(Routes::default()));
+        let table = routes.clone();
+        // The call is awaited here, after the first request went out: a server may send
+        // its response headers only with its first reply.
+        let reader = tokio::spawn(async move {
+            let why = match stub.decode_session(req).await {
+                Err(status) => ExecutorError::from(status),
+                Ok(response) => {
+                    let mut stream = response.into_inner();
+                    loop {
+                        match stream.message().await {
+                            Ok(Some(reply)) => {
+                                let route = table.lock().unwrap().open.get(&reply.step_id).cloned();
+                                if let Some(route) = route {
+                                    let _ = route.send(Ok(reply));
+                                }
+                            }
+                            Ok(None) => break lost("with replies outstanding"),
+                            Err(status) => break ExecutorError::from(status),
+                        }
+                    }
+                }
+            };
+            let mut routes = table.lock().unwrap();
+            for (_, route) in routes.open.drain() {
+                let _ = route.send(Err(why.clone()));
+            }
+            routes.broken = Some(why);
+        });
+        SharedSession {
+            tx,
+            routes,
+            next_step: std::sync::atomic::AtomicU64::new(1),
+            model: client.model().to_string(),
+            reader,
+        }
+    }
+
+    /// True once the stream itself failed: every later step fails too.
+    pub fn is_broken(&self) -> bool {
+        self.routes.lock().unwrap().broken.is_some() || self.tx.is_closed()
+    }
+
+    /// Sends `request` as a new step (its step_id and model set here); its replies.
+    pub async fn send(&self, mut request: pb::DecodeSessionRequest) -> Result<StepReplies> {
+        let step_id = self.next_step.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        request.step_id = step_id;
+        request.model = self.model.clone();
+        let (route, rx) = mpsc::unbounded_channel();
+        {
+            let mut routes = self.routes.lock().unwrap();
+            if let Some(why) = &routes.broken {
+                return Err(why.clone());
+            }
+            routes.open.insert(step_id, route);
+        }
+        let replies = StepReplies { step_id, rx, routes: self.routes.clone() };
+        self.tx.send(request).await.map_err(|_| lost("before the request was sent"))?;
+        Ok(replies)
+    }
+
+    /// Asks the server to end decode-ahead step `step_id` after its current forward.
+    pub async fn stop(&self, step_id: u64) -> Result<()> {
+        let message = pb::DecodeSessionRequest { step_id, stop: true, ..Default::default() };
+        self.tx.send(message).await.map_err(|_| lost("before the request was sent"))
+    }
+
+    /// One plain decode step over `items`; one result per item, in order.
+    pub async fn step(
+        &self,
+        items: Vec<pb::DecodeItem>,
+        logits: Option<pb::LogitsPolicy>,
+        single_reply: bool,
+    ) -> Result<Vec<pb::DecodeSessionResponse>> {
+        let n = items.len();
+        let mut replies =
+            self.send(pb::DecodeSessionRequest { items, logits, single_reply, ..Default::default() }).await?;
+        let mut out = Vec::with_capacity(n);
+        while out.len() < n {
+            let reply = replies.next().await?;
+            if reply.results.is_empty() {
+                out.push(reply);
+            } else {
+                out.extend(reply.results);
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// A decode-ahead reply's results, one per item and forward, in order.
+pub fn ahead_results(reply: pb::DecodeSessionResponse) -> Vec<pb::DecodeSessionResponse> {
+    if reply.results.is_empty() {
+        vec![reply]
+    } else {
+        flatten(reply.results)
+    }
+}

@@ -3,12 +3,14 @@
 //!
 //! ferrum-engine-generate --addr HOST:PORT [--token T] [--max-tokens N]
 //!     [--concurrency K] [--temperature X] [--seed S] [--ids] [--timing]
-//!     [--tokenizer FILE] PROMPT...
+//!     [--decode-ahead N] [--tokenizer FILE] PROMPT...
 //!
 //! Greedy unless a temperature is given. Each prompt is tokenized by Ferrum's
 //! tokenizer over tokenizer.json (tokenizers' encode with its defaults). One line per
 //! prompt, in the order given: the generated text, or with --ids the generated ids
-//! separated by spaces. K requests are in flight at once. With --timing, a last line
+//! separated by spaces. K requests are in flight at once. --decode-ahead N: the
+//! executor's decode-ahead runs hold at most N tokens a sequence (0: no decoding ahead;
+//! default 64). With --timing, a last line
 //! `timing {json}` gives per-request time to first token and decode tokens/s.
 //! A failed request prints `error: <REASON: message>` on stderr and exits 1.
 
@@ -30,6 +32,7 @@ struct Args {
     seed: Option<u64>,
     ids: bool,
     timing: bool,
+    decode_ahead: Option<u32>,
     tokenizer: PathBuf,
     prompts: Vec<String>,
 }
@@ -42,7 +45,7 @@ fn default_tokenizer() -> PathBuf {
 }
 
 fn usage(msg: &str) -> ! {
-    eprintln!("{msg}\nusage: ferrum-engine-generate --addr HOST:PORT [--token T] [--max-tokens N] [--concurrency K] [--temperature X] [--seed S] [--ids] [--timing] [--tokenizer FILE] PROMPT...");
+    eprintln!("{msg}\nusage: ferrum-engine-generate --addr HOST:PORT [--token T] [--max-tokens N] [--concurrency K] [--temperature X] [--seed S] [--ids] [--timing] [--decode-ahead N] [--tokenizer FILE] PROMPT...");
     std::process::exit(2)
 }
 
@@ -56,6 +59,7 @@ fn parse() -> Args {
         seed: None,
         ids: false,
         timing: false,
+        decode_ahead: None,
         tokenizer: default_tokenizer(),
         prompts: vec![],
     };
@@ -70,6 +74,9 @@ fn parse() -> Args {
             "--temperature" => a.temperature = Some(val("--temperature").parse().unwrap_or_else(|_| usage("bad --temperature"))),
             "--seed" => a.seed = Some(val("--seed").parse().unwrap_or_else(|_| usage("bad --seed"))),
             "--tokenizer" => a.tokenizer = PathBuf::from(val("--tokenizer")),
+            "--decode-ahead" => {
+                a.decode_ahead = Some(val("--decode-ahead").parse().unwrap_or_else(|_| usage("bad --decode-ahead")))
+            }
             "--ids" => a.ids = true,
             "--timing" => a.timing = true,
             "--" => a.prompts.extend(it.by_ref()),
@@ -96,7 +103,10 @@ async fn main() {
         }
     };
     let executor = match RemoteExecutor::new(client).await {
-        Ok(e) => Arc::new(e),
+        Ok(e) => Arc::new(match args.decode_ahead {
+            Some(window) => e.with_decode_ahead(window),
+            None => e,
+        }),
         Err(e) => {
             eprintln!("error: {e}");
             std::process::exit(1);
@@ -109,12 +119,28 @@ async fn main() {
             eprintln!("error: tokenizer {}: {e}", args.tokenizer.display());
             std::process::exit(1)
         });
+    // Ferrum builds each request's token policy (the special and control tokens its
+    // greedy mask forbids) from a scan of the whole vocabulary, cached per tokenizer
+    // instance (ferrum-engine 0.8.9, src/continuous_engine.rs: cached_forbidden_generation_tokens,
+    // reached from SequenceState's constructor). A long-running engine pays that scan
+    // once; here it would land in the first request's time to first token, so it runs
+    // now, on the tokenizer instance the engine is given, as part of its startup.
+    let tokenizer: Arc<dyn ferrum_interfaces::Tokenizer + Send + Sync> = Arc::new(tokenizer);
+    let warm = Instant::now();
+    let _ = ferrum_engine::SequenceState::try_new_with_tokenizer_model_vocab_and_structured_factory(
+        InferenceRequest::new(String::new(), model_id.clone()),
+        Vec::new(),
+        Some(tokenizer.clone()),
+        Some(executor.info().vocab_size),
+        None,
+    );
+    let warm_s = warm.elapsed().as_secs_f64();
     let mut config = EngineConfig::default();
     config.model.model_id = model_id.clone();
     config.scheduler.max_running_requests = config.scheduler.max_running_requests.max(args.concurrency);
     let engine = EngineBuilder::new(config)
         .with_custom_executor(executor.clone())
-        .with_custom_tokenizer(Arc::new(tokenizer))
+        .with_custom_tokenizer(tokenizer)
         .build()
         .await
         .unwrap_or_else(|e| {
@@ -215,8 +241,12 @@ async fn main() {
     if args.timing {
         println!("timing [{}]", timings.join(", "));
         eprintln!("executor calls: {}", executor.call_counts());
+        eprintln!("token policy scan at startup: {:.1} ms", warm_s * 1e3);
     }
     let _ = engine.shutdown().await;
     drop(engine);
+    // Whatever the engine still held is released, and every release answered, before
+    // the process (and its DecodeSession stream) goes.
+    executor.release_all(std::time::Duration::from_secs(5)).await;
     std::process::exit(if failed { 1 } else { 0 });
 }

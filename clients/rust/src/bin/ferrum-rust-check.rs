@@ -10,9 +10,15 @@
 //!   errors  ADDR ROWS           each row: `row CODE REASON retryable outcome_unknown`
 //!   rpcs    ADDR                every RPC of the contract: `rpc NAME OK|REASON`
 //!   engine-release ADDR IDS     RemoteExecutor: prefill, decode, drop; then active sequences
+//!   engine-ahead ADDR N IDS     RemoteExecutor's decode-ahead through unified_decode
+//!                               (runs of 4 tokens): N greedy steps, a step on another
+//!                               token, a full-logits step; the counts, and the active
+//!                               sequences after release
 
-use ferrum_interfaces::model_executor::{DecodeInput, PrefillInput};
-use ferrum_interfaces::ModelExecutor;
+use ferrum_interfaces::kv_cache::{BlockTable, CacheHandleStats};
+use ferrum_interfaces::model_executor::{DecodeInput, LogitsReturnPolicy, PrefillInput, UnifiedBatch, UnifiedBatchItem};
+use ferrum_interfaces::{KvCacheHandle, ModelExecutor, TensorRef};
+use std::sync::Arc;
 use ferrum_rpc_client::client::policy;
 use ferrum_rpc_client::error::code_name;
 use ferrum_rpc_client::executor::token_tensor;
@@ -340,6 +346,120 @@ async fn engine_release(c: &ExecutorClient, prompt: &[u32]) -> R<()> {
     Ok(())
 }
 
+/// The engine's own handle of a sequence, as its KV manager mints one: only its id
+/// reaches the executor (a unified batch names sequences by it).
+#[derive(Debug, Clone)]
+struct EngineHandle(String, BlockTable);
+
+impl KvCacheHandle for EngineHandle {
+    fn block_table(&self) -> &BlockTable {
+        &self.1
+    }
+    fn block_table_mut(&mut self) -> &mut BlockTable {
+        &mut self.1
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+    fn device(&self) -> ferrum_types::Device {
+        ferrum_types::Device::CPU
+    }
+    fn num_layers(&self) -> usize {
+        0
+    }
+    fn num_heads(&self) -> usize {
+        0
+    }
+    fn head_dim(&self) -> usize {
+        0
+    }
+    fn key_cache(&self, _layer: usize) -> ferrum_types::Result<Option<TensorRef>> {
+        Ok(None)
+    }
+    fn value_cache(&self, _layer: usize) -> ferrum_types::Result<Option<TensorRef>> {
+        Ok(None)
+    }
+    fn clone_handle(&self) -> ferrum_types::Result<Arc<dyn KvCacheHandle>> {
+        Ok(Arc::new(self.clone()))
+    }
+    fn stats(&self) -> CacheHandleStats {
+        CacheHandleStats {
+            memory_bytes: 0,
+            blocks_allocated: 0,
+            tokens_stored: 0,
+            utilization: 0.0,
+            last_access: std::time::Instant::now(),
+        }
+    }
+    fn is_valid(&self) -> bool {
+        true
+    }
+    fn cache_id(&self) -> String {
+        self.0.clone()
+    }
+}
+
+/// RemoteExecutor's decode-ahead as Ferrum's engine drives it (unified batches naming
+/// the sequence by the engine's id), with runs of 4 tokens so they chain: a prompt,
+/// `n` greedy steps (`ahead_ids`), then a step on token 7 instead of the run's
+/// prediction (`diverted`: the run's lead is cut off first), then a full-logits step
+/// on that step's token (`full_argmax`: the diverted step's run is cut off first).
+async fn engine_ahead(c: &ExecutorClient, n: usize, prompt: &[u32]) -> R<()> {
+    let err = |e: ferrum_types::FerrumError| ExecutorError::local(tonic::Code::Internal, e.to_string());
+    let ex = RemoteExecutor::new(c.with_timeout(None)).await?.with_decode_ahead(4);
+    let before = c.status().await?.active_sequences;
+    let handle: Arc<dyn KvCacheHandle> = Arc::new(EngineHandle("engine-seq".into(), BlockTable::new(16)));
+    let greedy = LogitsReturnPolicy::GreedyArgmax { token_mask: None, repetition_penalty: None };
+    let item = |tokens: Vec<u32>, pos: usize, policy: LogitsReturnPolicy| UnifiedBatchItem {
+        seq_id: "engine-seq".into(),
+        q_tokens: tokens,
+        kv_cache: handle.clone(),
+        recurrent_state: None,
+        pos_offset: pos,
+        is_final_chunk: true,
+        metadata: Default::default(),
+        logits_policy: policy,
+    };
+    let step = |it: UnifiedBatchItem| {
+        let ex = &ex;
+        async move {
+            let rows = ex.unified_decode(&UnifiedBatch { items: vec![it] }).await.map_err(err)?;
+            let row = rows.into_iter().next().flatten().unwrap_or_default();
+            // A greedy item's row is its chosen id; a full row's argmax is the engine's.
+            Ok::<u32, ExecutorError>(if row.len() == 1 {
+                row[0] as u32
+            } else {
+                row.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0 as u32
+            })
+        }
+    };
+    let mut toks = vec![step(item(prompt.to_vec(), 0, greedy.clone())).await?];
+    for k in 0..n {
+        toks.push(step(item(vec![toks[k]], prompt.len() + k, greedy.clone())).await?);
+    }
+    println!("ahead_ids {}", join(&toks));
+    // The engine now holds prompt + n tokens; it steps token 7 where the run predicted
+    // toks[n].
+    let pos = prompt.len() + n;
+    let diverted = step(item(vec![7], pos, greedy.clone())).await?;
+    println!("diverted {diverted}");
+    let full = step(item(vec![diverted], pos + 1, LogitsReturnPolicy::FullLogits)).await?;
+    println!("full_argmax {full}");
+    println!("counts {}", ex.call_counts());
+    ex.release_cache("engine-seq");
+    let clean = ex.wait_released(Duration::from_secs(10)).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut after = c.status().await?.active_sequences;
+    while after != before && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        after = c.status().await?.active_sequences;
+    }
+    println!("released {}", u8::from(clean));
+    println!("before {before}");
+    println!("after {after}");
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -368,6 +488,7 @@ async fn main() {
         "errors" => errors(&addr, &c, &args[2].split(',').collect::<Vec<_>>()).await,
         "rpcs" => rpcs(&c).await,
         "engine-release" => engine_release(&c, &ids(&args[2])).await,
+        "engine-ahead" => engine_ahead(&c, args[2].parse().unwrap(), &ids(&args[3])).await,
         _ => {
             eprintln!("unknown command {cmd:?}");
             std::process::exit(2)
