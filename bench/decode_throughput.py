@@ -63,6 +63,7 @@ from bench.long_rows import (distinct_prompts, hf_context_steps, hf_prompt_s, kv
 from ferrum_rpc.client import ExecutorClient
 from ferrum_rpc.server.config import ExecutorConfig
 from ferrum_rpc.server.engine.executor import TorchExecutor
+from ferrum_rpc.server.kv.pool import KV_TORCH_DTYPES, KvPool
 from ferrum_rpc.server.models import TORCH_DTYPES
 from ferrum_rpc.server.prepare import find_gguf, prepare_default_model
 from ferrum_rpc.server.kernels.woq import QuantizedLinear
@@ -341,8 +342,9 @@ def main(argv: list[str] | None = None) -> None:
     for variant in args.dtypes:
         base, kv_dtype = kv_variant(variant)
         dtype, quantize = dtype_and_quantize(base)
-        element_bytes = TORCH_DTYPES[ExecutorConfig(dtype=dtype, quantize=quantize, kv_dtype=kv_dtype)
-                                     .kv_dtype_name].itemsize  # the KV's
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        kv_torch = KV_TORCH_DTYPES[ExecutorConfig(dtype=dtype, quantize=quantize, kv_dtype=kv_dtype).kv_dtype_name]
+        element_bytes = KvPool.bytes_per_token(1, 1, head_dim, kv_torch) / (2 * head_dim)  # an int8 pool's scales in
         runners, calls, weight_bytes, worker = {}, {}, {}, None
         remote = {"grpc", "grpc-ahead"} & set(args.systems)
         if "transformers" in args.systems and quantize == "none" and kv_dtype == "auto":

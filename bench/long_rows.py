@@ -42,7 +42,7 @@ def prompt_flops(cfg: dict, tokens: int) -> float:
 def kv_bytes(cfg: dict, tokens: int, element_bytes: int) -> int:
     """Bytes of K and V that ``tokens`` tokens of context hold (what a step reads of them)."""
     hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return tokens * cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * hd * element_bytes
+    return round(tokens * cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * hd * element_bytes)
 
 
 def distinct_prompts(batch: int, length: int, salt: int) -> list[list[int]]:
