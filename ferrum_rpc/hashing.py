@@ -84,7 +84,7 @@ def updated_weights_digest(before: str, update_checksum: bytes) -> str:
 
 def weights_digest(path: str | Path) -> str:
     """BLAKE2b-256 (hex) of a model folder's config.json and *.safetensors, in name order
-    (~1 GB/s: half a second for SmolLM2-135M in float32)."""
+    (it reads every byte: the server keeps it per folder, ``engine.weights.stored_weights_digest``)."""
     folder = Path(path)
     return files_digest([folder / "config.json", *sorted(folder.glob("*.safetensors"))])
 

@@ -127,8 +127,8 @@ def packed_float32_wins_at_one_row() -> tuple[bool, str]:
     """Whether the oneDNN packed float32 linear beats ``F.linear`` (MKL) for one
     activation row on this CPU, timed on a weight larger than the L2 cache.
 
-    Measured: 1.8-2.8x faster on an AVX-512 EPYC (MKL's one-row sgemv reached
-    10 GB/s on the LM head), slower on others; so it is timed, not assumed.
+    It wins on some CPUs and loses on others (docs/performance.md has the figures),
+    so it is timed, not assumed.
     The answer is kept on disk per CPU model, torch version and thread count
     (``$FERRUM_RPC_HOME/kernels``) and reused: servers of one configuration on one
     host must compute the same bits (a sequence moved between them decodes

@@ -4,9 +4,8 @@ the kernels that multiply them with float activations.
 Linear weights are stored quantized in groups of 32 along the input; the KV
 cache stays in the serving dtype.  Where ``csrc/qact.cpp`` builds and probes
 OK, int8 and int4 layers run there (``qact.TwoDigitLinear``: activations as two
-int8 digits per block, about 15 bits, multiplied in integers: 1.4-1.6x faster
-than this file's float kernels at 1-32 rows, 100% top-1 agreement with float32
-on the embedded model); this file's ``ferrum-woq`` kernels, on activations in
+int8 digits per block, about 15 bits, multiplied in integers; faster than this
+file's float kernels and as accurate, see docs/performance.md); this file's ``ferrum-woq`` kernels, on activations in
 the serving dtype, are their fallback there, and ``torch-dequant`` the last one.
 
 Every group has a scale and a minimum, ``w = code * scale + min``:

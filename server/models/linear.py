@@ -23,7 +23,7 @@ class FastLinear(nn.Module):
     working on this CPU and torch build.
 
     On CPU, bfloat16 GEMMs through oneDNN's packed path (AMX where present)
-    run about 2x faster than ``F.linear`` at every batch size.  For float32
+    beat ``F.linear`` at every batch size (docs/performance.md).  For float32
     the packed path always wins for M > 1 (MKL's small-M sgemm is slow), and
     for one row on some CPUs only (``kernels.packed_float32_wins_at_one_row``
     times it at load); the packed copy doubles float32 weight memory.  Where the
