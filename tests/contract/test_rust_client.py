@@ -4,7 +4,8 @@ code and reason, every RPC through the typed Rust API; and Ferrum's own engine
 (ContinuousEngine with RemoteExecutor, the ferrum-engine-generate program) on
 SmolLM2: its greedy ids equal generate_ids', alone and 8 at once, a cancelled request
 leaves no sequence, and a server killed mid-generation ends the engine's requests with
-an error naming the reason.
+an error naming the reason; and Ferrum's engine on its own in-process CPU executor
+(ferrum-own-generate) generates text from the same model folder.
 
 The crate is built once per session with `cargo build --release` into
 cache_root()/"cargo-target" (outside the clone, so CI and later runs reuse it; a warm
@@ -368,6 +369,15 @@ def test_ferrum_engine_text_is_generated(rust_bin, smol, default_model_dir):
     done = run(rust_bin, "ferrum-engine-generate", "--addr", smol.target, "--max-tokens", 8,
                "--tokenizer", Path(default_model_dir) / "tokenizer.json", PROMPTS[0], timeout=300)
     assert done.stdout.strip(), "no text"
+
+
+def test_ferrum_own_executor_generates_text(rust_bin, default_model_dir):
+    """ferrum-own-generate: Ferrum's engine on its own in-process CPU executor, loading
+    the model folder itself (no server), answers the prompt greedily as the model does."""
+    done = run(rust_bin, "ferrum-own-generate", "--model", default_model_dir, "--max-tokens", 8, PROMPTS[0],
+               timeout=300)
+    text = done.stdout.splitlines()[0]
+    assert text.startswith(" Paris"), text
 
 
 def test_a_request_cancelled_mid_generation_leaves_no_sequence(rust_bin, smol, default_model_dir):
