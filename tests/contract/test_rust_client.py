@@ -257,6 +257,44 @@ def test_remote_executors_decode_ahead_holds_the_engines_sequence(rust_bin, serv
     assert got["released"] == ["1"] and got["after"] == got["before"]
 
 
+def test_remote_executors_failed_decode_ahead_run_leaves_the_engines_sequences(rust_bin, tiny_llama_dir, py):
+    """A decode-ahead run of two sequences that fails part way on the server, after one
+    of them ended: A (29 tokens, sequences end at 32) ends with MAX_SEQUENCE_LENGTH after
+    3 forwards; B (one full block) goes on into the pool's last free block and fails
+    KV_CAPACITY_EXHAUSTED at its next one; the server undoes the run for both. A,
+    settled only after that (the engine truncates it by one), gets its taken tokens
+    appended again before the cut, and its next full-logits step is the greedy token
+    of its prefix; B, stepped on after A's release, replays its taken tokens and goes
+    on with generate_ids' greedy ids."""
+    a = [(5 + 7 * i) % 250 + 1 for i in range(29)]
+    b = [301, 302, 303, 304]
+
+    def argmax(tokens: list[int]) -> int:  # a fresh server's (the module's), with room
+        out = py.prefill(tokens, logits=ARGMAX)
+        py.release_cache(out.kv_cache)
+        return int(out.logits.token_ids[0][0])
+
+    # the pool: A's 8 blocks, B's 1 and one free
+    with running_server(tiny_llama_dir, max_seq_len=32, kv_tokens=40, block_size=4) as srv:
+        got = lines(run(rust_bin, "ferrum-rust-check", "engine-ahead-fail", srv.target, ids(a), ids(b)).stdout)
+        with ExecutorClient(srv.target, timeout=30) as c:
+            wait_for(lambda: c.status().active_sequences == 0, timeout=10, what="the sequences released")
+    want_a: list[int] = []
+    for _ in range(4):
+        want_a.append(argmax(a + want_a))
+    assert [int(t) for t in got["a_ids"]] == want_a
+    # the run was undone (B's spare block free again) before A was settled
+    assert got["free_before"] == ["1"] and got["free_undone"] == ["1"], got
+    assert got["a_truncated"] == [str(len(a) + 2)]
+    assert int(got["a_next"][0]) == want_a[3] and got["a_len"] == [str(len(a) + 3)]
+    want_b = list(generate_ids(py, b, 8, SamplingParams(greedy=True)))
+    assert [int(t) for t in got["b_ids"]] == want_b
+    counts = {k: int(v) for k, v in (pair.split("=") for pair in got["counts"])}
+    # runs: A and B's (failed), B's after its replay; both sequences replayed
+    assert counts["ahead_runs"] == 2 and counts["ahead_replayed"] == 2, counts
+    assert got["released"] == ["1"]
+
+
 def test_the_readmes_example_is_the_built_one(rust_bin):
     import re
 

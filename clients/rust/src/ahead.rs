@@ -12,12 +12,15 @@
 //!
 //! The server's sequence then runs ahead of the engine's. Whatever else happens to the
 //! sequence (a step the run did not predict, a non-greedy step, a prefill, a truncate,
-//! a verify, a release) first settles it ([`Book::detach`] and the executor's
-//! `settle`): the run is stopped if it still holds the sequence and read to the
-//! sequence's end, and the tokens the engine never took are cut off (TruncateKv), so
-//! the server holds exactly what the engine holds. A run that failed was undone by the
-//! server (the sequence is back where the run found it): the tokens the engine did take
-//! are appended again (ForwardVerify) before anything else.
+//! a verify) first settles it ([`Book::detach`] and the executor's `settle`): the run,
+//! if it still goes (for this sequence or for others), is stopped and read to its end,
+//! and the tokens the engine never took are cut off (TruncateKv), so the server holds
+//! exactly what the engine holds. A run that failed was undone by the server for every
+//! sequence it covered, those it had already ended included (each is back where the
+//! run found it): the tokens the engine did take are appended again (ForwardVerify)
+//! before anything else. Waiting for the whole run's outcome is what makes that safe:
+//! a sequence settled while its run could still fail would be undone after the
+//! settle. A release only waits for its own sequence's end ([`Book::forget`]).
 //!
 //! [`RemoteExecutor`]: crate::executor::RemoteExecutor
 
@@ -217,27 +220,53 @@ impl Book {
         self.seqs.get(key).and_then(|s| s.failed.clone())
     }
 
-    /// Takes `key` out of the book: its run, if it still decodes the sequence, is asked
-    /// to stop and read up to the sequence's end (or the run's failure). What the
+    /// Takes `key` out of the book once its run's outcome is known: a run still going
+    /// (this sequence open, or ended while others go on) is asked to stop and read to
+    /// its end, every sequence ended or the run failed. The server undoes a failed run
+    /// for every sequence it covered, those it had ended included, so a sequence must
+    /// not change before then: an undo after a settle would take back what the settle
+    /// did (or leave the handle at a length the server no longer holds). What the
     /// server holds beyond the engine is the caller's to settle.
     pub async fn detach(&mut self, key: &str) -> Option<SeqAhead> {
-        let (open, id) = {
-            let s = self.seqs.get(key)?;
-            (s.open(), s.run)
-        };
+        let id = self.seqs.get(key)?.run;
+        self.stop(id).await;
+        while self.runs.contains_key(&id) {
+            self.pump(id).await;
+        }
+        self.seqs.remove(key)
+    }
+
+    /// Takes `key` out of the book for a release: a run still decoding the sequence is
+    /// asked to stop and read up to the sequence's end (or the run's failure), so the
+    /// release follows the run's last forward on it. Other sequences' runs go on: a
+    /// released sequence has no state left to keep right.
+    pub async fn forget(&mut self, key: &str) {
+        let Some(s) = self.seqs.get(key) else { return };
+        let (open, id) = (s.open(), s.run);
         if open {
-            if let Some(run) = self.runs.get_mut(&id) {
-                if !run.stopping {
-                    run.stopping = true;
-                    // A stream that cannot take the message is broken: the next read says so.
-                    let _ = run.session.stop(run.replies.step_id()).await;
-                }
-            }
+            self.stop(id).await;
             while self.seqs.get(key).is_some_and(|s| s.open()) {
                 self.pump(id).await;
             }
         }
-        self.seqs.remove(key)
+        self.seqs.remove(key);
+    }
+
+    /// Puts back a sequence [`detach`](Self::detach) took out whose settle failed, so
+    /// the next call on it settles it again.
+    pub fn restore(&mut self, key: &str, s: SeqAhead) {
+        self.seqs.insert(key.to_string(), s);
+    }
+
+    /// Asks run `id`, if it still goes, to stop (once).
+    async fn stop(&mut self, id: u64) {
+        if let Some(run) = self.runs.get_mut(&id) {
+            if !run.stopping {
+                run.stopping = true;
+                // A stream that cannot take the message is broken: the next read says so.
+                let _ = run.session.stop(run.replies.step_id()).await;
+            }
+        }
     }
 
     /// Reads run `id`'s next reply and files its tokens; a failed run (an error reply,

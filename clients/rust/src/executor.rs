@@ -31,7 +31,7 @@
 //! refreshed in the background; see docs/contract.md for each mismatch between the
 //! trait and the contract.
 
-use crate::ahead::{Book, MAX_RUNS, WINDOW};
+use crate::ahead::{Book, SeqAhead, MAX_RUNS, WINDOW};
 use crate::client::{policy, ExecutorClient};
 use crate::error::ExecutorError;
 use crate::logits::LogitsView;
@@ -140,7 +140,7 @@ impl Lease {
             if let Some(book) = book {
                 // A run still decoding the sequence is stopped and read to the
                 // sequence's end first: the release follows the run's last forward on it.
-                book.lock().await.detach(&id).await;
+                book.lock().await.forget(&id).await;
             }
             let _ = client.release_cache(&id).await;
             pending.fetch_sub(1, Ordering::SeqCst);
@@ -445,6 +445,8 @@ struct Counters {
     ahead_runs: AtomicU64,
     ahead_served: AtomicU64,
     ahead_cut: AtomicU64,
+    /// Of those settles, the replays after a failed run.
+    ahead_replayed: AtomicU64,
 }
 
 /// Ferrum's `ModelExecutor` on a ferrum-rpc server.
@@ -607,6 +609,7 @@ impl RemoteExecutor {
         pairs.push(format!("ahead_runs={}", c.ahead_runs.load(Ordering::Relaxed)));
         pairs.push(format!("ahead_served={}", c.ahead_served.load(Ordering::Relaxed)));
         pairs.push(format!("ahead_cut={}", c.ahead_cut.load(Ordering::Relaxed)));
+        pairs.push(format!("ahead_replayed={}", c.ahead_replayed.load(Ordering::Relaxed)));
         pairs.join(" ")
     }
 
@@ -617,6 +620,12 @@ impl RemoteExecutor {
     /// The client this executor calls through.
     pub fn client(&self) -> &ExecutorClient {
         &self.client
+    }
+
+    /// The length the handle of the engine's sequence `key` names: the server's length
+    /// of it, the engine's too once no decode-ahead run holds the sequence.
+    pub fn sequence_len(&self, key: &str) -> Option<usize> {
+        self.lease_for_key(key).map(|l| l.len())
     }
 
     /// Remote sequences this executor made that are not yet released.
@@ -856,43 +865,52 @@ impl RemoteExecutor {
 
     /// Takes `key` out of the book and brings the server's sequence to the engine's
     /// length: a run's tokens the engine never took are cut off (TruncateKv); after a
-    /// failed run (undone by the server) the tokens it did take are appended again
-    /// (ForwardVerify).
+    /// failed run (undone by the server, for every sequence it covered) the tokens it
+    /// did take are appended again (ForwardVerify). When that call fails, the sequence
+    /// goes back in the book, so the next call on it settles it again.
     async fn settle(&self, book: &mut Book, key: &str) -> Result<()> {
         let Some(s) = book.detach(key).await else { return Ok(()) };
         let Some(lease) = s.lease.upgrade() else { return Ok(()) };
         if lease.released.load(Ordering::SeqCst) {
             return Ok(());
         }
-        let engine_len = s.engine_len();
-        if s.failed.is_some() {
-            if s.taken > 0 {
-                self.counters.ahead_cut.fetch_add(1, Ordering::Relaxed);
-                let mut tokens = Vec::with_capacity(s.taken);
-                tokens.push(s.start);
-                tokens.extend_from_slice(&s.tokens[..s.taken - 1]);
-                let reply = self
-                    .client
-                    .forward_verify(&tokens, &lease.handle(), Some(policy::argmax()))
-                    .await
-                    .map_err(|e| self.failed(e))?;
-                if let Some(h) = reply.kv_cache {
-                    lease.set(h);
-                }
-            }
-        } else if let Some(end) = s.end {
-            lease.set(end);
-            if lease.len() > engine_len {
-                self.counters.ahead_cut.fetch_add(1, Ordering::Relaxed);
-                let h = self.client.truncate_kv(&lease.handle(), engine_len as u32).await.map_err(|e| self.failed(e))?;
-                lease.set(h);
-            }
+        if let Err(e) = self.bring_level(&s, &lease).await {
+            book.restore(key, s);
+            return Err(self.failed(e));
         }
+        let engine_len = s.engine_len();
         if lease.len() != engine_len {
             return Err(FerrumError::backend(format!(
                 "sequence {key} holds {} tokens on the server after its decode-ahead run, the engine {engine_len}",
                 lease.len()
             )));
+        }
+        Ok(())
+    }
+
+    /// The server call `settle` makes for `s`, if any: the replay after a failed run,
+    /// or the cut after a run that went past the engine.
+    async fn bring_level(&self, s: &SeqAhead, lease: &Lease) -> std::result::Result<(), ExecutorError> {
+        let engine_len = s.engine_len();
+        if s.failed.is_some() {
+            if s.taken > 0 {
+                let mut tokens = Vec::with_capacity(s.taken);
+                tokens.push(s.start);
+                tokens.extend_from_slice(&s.tokens[..s.taken - 1]);
+                let reply = self.client.forward_verify(&tokens, &lease.handle(), Some(policy::argmax())).await?;
+                if let Some(h) = reply.kv_cache {
+                    lease.set(h);
+                }
+                self.counters.ahead_cut.fetch_add(1, Ordering::Relaxed);
+                self.counters.ahead_replayed.fetch_add(1, Ordering::Relaxed);
+            }
+        } else if let Some(end) = &s.end {
+            lease.set(end.clone());
+            if lease.len() > engine_len {
+                let h = self.client.truncate_kv(&lease.handle(), engine_len as u32).await?;
+                lease.set(h);
+                self.counters.ahead_cut.fetch_add(1, Ordering::Relaxed);
+            }
         }
         Ok(())
     }

@@ -14,6 +14,10 @@
 //!                               (runs of 4 tokens): N greedy steps, a step on another
 //!                               token, a full-logits step; the counts, and the active
 //!                               sequences after release
+//!   engine-ahead-fail ADDR A B  RemoteExecutor's decode-ahead when a run of two
+//!                               sequences fails part way, on a server whose KV pool
+//!                               holds A, B and one more block and whose sequences end at
+//!                               A's length + 3 (see engine_ahead_fail)
 
 use ferrum_interfaces::kv_cache::{BlockTable, CacheHandleStats};
 use ferrum_interfaces::model_executor::{DecodeInput, LogitsReturnPolicy, PrefillInput, UnifiedBatch, UnifiedBatchItem};
@@ -460,6 +464,107 @@ async fn engine_ahead(c: &ExecutorClient, n: usize, prompt: &[u32]) -> R<()> {
     Ok(())
 }
 
+/// A decode-ahead run of two sequences that fails after one of them ended, as Ferrum's
+/// engine meets it. The server (max_seq_len = len(A) + 3, a pool of A's blocks, B's and
+/// one more, block size 4, B one full block) runs A and B ahead together: A ends with
+/// MAX_SEQUENCE_LENGTH after 3 forwards, B goes on into its spare block and fails
+/// KV_CAPACITY_EXHAUSTED when it needs another; the server undoes the run for both.
+/// The engine takes 3 tokens of each, then (once the server shows the undo: the spare
+/// block free again, `free_before`/`free_undone`) truncates A by one (`a_truncated`: A
+/// settled, its taken tokens appended again, then cut) and steps it with full logits
+/// (`a_next`, `a_len`); releases A; then steps B on (`b_ids`: B's run's tokens, then
+/// those after its replay, in a new run) and prints the counts.
+async fn engine_ahead_fail(c: &ExecutorClient, a: &[u32], b: &[u32]) -> R<()> {
+    let err = |e: ferrum_types::FerrumError| ExecutorError::local(tonic::Code::Internal, e.to_string());
+    let ex = RemoteExecutor::new(c.with_timeout(None)).await?.with_decode_ahead(8);
+    let handles: Vec<Arc<dyn KvCacheHandle>> = ["seq-a", "seq-b"]
+        .iter()
+        .map(|k| Arc::new(EngineHandle(k.to_string(), BlockTable::new(4))) as Arc<dyn KvCacheHandle>)
+        .collect();
+    let greedy = LogitsReturnPolicy::GreedyArgmax { token_mask: None, repetition_penalty: None };
+    let item = |which: usize, tokens: Vec<u32>, pos: usize, policy: LogitsReturnPolicy| UnifiedBatchItem {
+        seq_id: ["seq-a", "seq-b"][which].into(),
+        q_tokens: tokens,
+        kv_cache: handles[which].clone(),
+        recurrent_state: None,
+        pos_offset: pos,
+        is_final_chunk: true,
+        metadata: Default::default(),
+        logits_policy: policy,
+    };
+    let step = |items: Vec<UnifiedBatchItem>| {
+        let ex = &ex;
+        async move {
+            let rows = ex.unified_decode(&UnifiedBatch { items }).await.map_err(err)?;
+            // A greedy item's row is its chosen id; a full row's argmax is the engine's.
+            Ok::<Vec<u32>, ExecutorError>(
+                rows.into_iter()
+                    .map(|row| {
+                        let row = row.unwrap_or_default();
+                        if row.len() == 1 {
+                            row[0] as u32
+                        } else {
+                            row.iter()
+                                .enumerate()
+                                .fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b })
+                                .0 as u32
+                        }
+                    })
+                    .collect(),
+            )
+        }
+    };
+    let free = || async { Ok::<u32, ExecutorError>(c.status().await?.kv_blocks_free) };
+    let first = step(vec![item(0, a.to_vec(), 0, greedy.clone()), item(1, b.to_vec(), 0, greedy.clone())]).await?;
+    let (mut at, mut bt) = (vec![first[0]], vec![first[1]]);
+    let free_before = free().await?;
+    // Three steps of both: the first starts the run, the next two take its tokens; the
+    // third is A's last (its run ended it at the maximum length).
+    for k in 0..3 {
+        let got = step(vec![
+            item(0, vec![at[k]], a.len() + k, greedy.clone()),
+            item(1, vec![bt[k]], b.len() + k, greedy.clone()),
+        ])
+        .await?;
+        at.push(got[0]);
+        bt.push(got[1]);
+    }
+    // The server fails B's forward that needs a third block and undoes the run: B's
+    // spare block comes free again. Waits for that, so A is settled only after it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut free_undone = free().await?;
+    while free_undone != free_before && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        free_undone = free().await?;
+    }
+    println!("free_before {free_before}");
+    println!("free_undone {free_undone}");
+    println!("a_ids {}", join(&at));
+    // The engine holds A's prompt and at[0..3]; it drops the last of them.
+    let cut = a.len() + 2;
+    ex.truncate_kv(&handles[0], cut).await.map_err(err)?;
+    println!("a_truncated {cut}");
+    let next = step(vec![item(0, vec![at[2]], cut, LogitsReturnPolicy::FullLogits)]).await?;
+    println!("a_next {}", next[0]);
+    println!("a_len {}", ex.sequence_len("seq-a").unwrap_or(0));
+    ex.release_cache("seq-a");
+    // A's blocks back in the pool, so B's next run has room.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while free().await? <= free_undone && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // B: its run's three tokens were taken; the engine steps it on (the replay first).
+    for k in 3..7 {
+        let got = step(vec![item(1, vec![bt[k]], b.len() + k, greedy.clone())]).await?;
+        bt.push(got[0]);
+    }
+    println!("b_ids {}", join(&bt));
+    println!("counts {}", ex.call_counts());
+    ex.release_cache("seq-b");
+    println!("released {}", u8::from(ex.wait_released(Duration::from_secs(10)).await));
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -489,6 +594,7 @@ async fn main() {
         "rpcs" => rpcs(&c).await,
         "engine-release" => engine_release(&c, &ids(&args[2])).await,
         "engine-ahead" => engine_ahead(&c, args[2].parse().unwrap(), &ids(&args[3])).await,
+        "engine-ahead-fail" => engine_ahead_fail(&c, &ids(&args[2]), &ids(&args[3])).await,
         _ => {
             eprintln!("unknown command {cmd:?}");
             std::process::exit(2)
