@@ -62,7 +62,10 @@ fn default_tokenizer() -> PathBuf {
 }
 
 fn usage(msg: &str) -> ! {
-    eprintln!("{msg}\nusage: ferrum-engine-load --addr HOST:PORT [--token T] [--workload FILE|-] [--tokenizer FILE] [--stop-at-eos]");
+    eprintln!(
+        "{msg}\nusage: ferrum-engine-load --addr HOST:PORT [--token T] [--workload FILE|-] [--tokenizer FILE] \
+         [--stop-at-eos]"
+    );
     std::process::exit(2)
 }
 
@@ -110,17 +113,21 @@ fn read_workload(path: Option<&PathBuf>) -> Vec<Item> {
         .enumerate()
         .map(|(i, r)| {
             let bad = |what: &str| -> ! { usage(&format!("workload request {i}: {what}")) };
-            let arrival_s = r["arrival_s"].as_f64().filter(|s| *s >= 0.0).unwrap_or_else(|| bad("arrival_s >= 0 expected"));
+            let arrival_s =
+                r["arrival_s"].as_f64().filter(|s| *s >= 0.0).unwrap_or_else(|| bad("arrival_s >= 0 expected"));
             let prompt_ids: Vec<u32> = r["prompt_ids"]
                 .as_array()
                 .unwrap_or_else(|| bad("prompt_ids: a list of token ids expected"))
                 .iter()
-                .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()).unwrap_or_else(|| bad("a prompt id is not a u32")))
+                .map(|t| {
+                    t.as_u64().and_then(|t| u32::try_from(t).ok()).unwrap_or_else(|| bad("a prompt id is not a u32"))
+                })
                 .collect();
             if prompt_ids.is_empty() {
                 bad("prompt_ids is empty");
             }
-            let max_tokens = r["max_tokens"].as_u64().filter(|n| *n > 0).unwrap_or_else(|| bad("max_tokens >= 1 expected"));
+            let max_tokens =
+                r["max_tokens"].as_u64().filter(|n| *n > 0).unwrap_or_else(|| bad("max_tokens >= 1 expected"));
             Item { arrival_s, prompt_ids, max_tokens: max_tokens as usize }
         })
         .collect()
@@ -138,7 +145,8 @@ impl IdsTokenizer {
     }
 
     fn as_ids(text: &str) -> Option<Vec<TokenId>> {
-        let ids: Option<Vec<TokenId>> = text.split_whitespace().map(|w| w.parse::<u32>().ok().map(TokenId::new)).collect();
+        let ids: Option<Vec<TokenId>> =
+            text.split_whitespace().map(|w| w.parse::<u32>().ok().map(TokenId::new)).collect();
         ids.filter(|v| !v.is_empty())
     }
 }
@@ -197,9 +205,10 @@ async fn main() {
     let client = ExecutorClient::connect(&args.addr, opts).await.unwrap_or_else(|e| fail(e.to_string()));
     let executor = Arc::new(RemoteExecutor::new(client).await.unwrap_or_else(|e| fail(e.to_string())));
     let model_id = executor.info().model_id.clone();
-    let tokenizer = ferrum_tokenizer::implementations::HuggingFaceTokenizer::from_file(&args.tokenizer.to_string_lossy())
-        .await
-        .unwrap_or_else(|e| fail(format!("tokenizer {}: {e}", args.tokenizer.display())));
+    let tokenizer =
+        ferrum_tokenizer::implementations::HuggingFaceTokenizer::from_file(&args.tokenizer.to_string_lossy())
+            .await
+            .unwrap_or_else(|e| fail(format!("tokenizer {}: {e}", args.tokenizer.display())));
     let tokenizer = IdsTokenizer { inner: Arc::new(tokenizer) };
     let mut config = EngineConfig::default();
     config.model.model_id = model_id.clone();
@@ -227,8 +236,8 @@ async fn main() {
                 let submitted_s = start.elapsed().as_secs_f64();
                 let mut params = SamplingParams::greedy();
                 params.max_tokens = item.max_tokens;
-                let mut request =
-                    InferenceRequest::new(IdsTokenizer::prompt(&item.prompt_ids), model_id).with_sampling_params(params);
+                let mut request = InferenceRequest::new(IdsTokenizer::prompt(&item.prompt_ids), model_id)
+                    .with_sampling_params(params);
                 if !stop_at_eos {
                     // Ferrum's request flag: EOS is not a stop (as llama-server's ignore_eos).
                     request.metadata.insert("ferrum_ignore_eos".to_string(), json!(true));
@@ -252,11 +261,13 @@ async fn main() {
                     // Ended on an error, or the stream closed without a finish: the
                     // executor's last error says why.
                     match finish {
-                        Some(ferrum_types::FinishReason::Error) | None => Err(ferrum_types::FerrumError::backend(format!(
-                            "the engine ended the request ({}): {}",
-                            finish.map(|f| format!("{f:?}")).unwrap_or_else(|| "stream closed".into()),
-                            executor.last_error().unwrap_or_else(|| "no executor error".into())
-                        ))),
+                        Some(ferrum_types::FinishReason::Error) | None => {
+                            Err(ferrum_types::FerrumError::backend(format!(
+                                "the engine ended the request ({}): {}",
+                                finish.map(|f| format!("{f:?}")).unwrap_or_else(|| "stream closed".into()),
+                                executor.last_error().unwrap_or_else(|| "no executor error".into())
+                            )))
+                        }
                         _ => Ok(()),
                     }
                 }
@@ -279,7 +290,10 @@ async fn main() {
     // those releases to reach the server before exiting. Any still held then (the engine
     // did not release them) are released here, and said so.
     if !executor.wait_released(Duration::from_secs(10)).await {
-        eprintln!("warning: {} sequence(s) still held after every request ended: released here", executor.live_sequences());
+        eprintln!(
+            "warning: {} sequence(s) still held after every request ended: released here",
+            executor.live_sequences()
+        );
         executor.release_all(Duration::from_secs(5)).await;
     }
     let _ = engine.shutdown().await;
