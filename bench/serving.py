@@ -307,6 +307,8 @@ def main() -> None:
                         default=["python", "ferrum", "llama"],
                         help="rows to run: our server through the Python client, through Ferrum's engine; "
                              "llama-server")
+    parser.add_argument("--engine-binary", type=Path,
+                        help="a ferrum-engine-load to run instead of building clients/rust's (recorded in the results)")
     args = parser.parse_args()
     if args.build_llama_server:
         print(build_llama_server())
@@ -318,7 +320,7 @@ def main() -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown")
     results: dict[str, list[dict]] = {}
-    binary = engine_binary() if "ferrum" in args.callers else None
+    binary = args.engine_binary or (engine_binary() if "ferrum" in args.callers else None)
     flags = ("--quantize", args.quantize, "--max-batch", str(args.requests), "--threads", str(args.threads))
     kv_tokens = args.requests * (PROMPT_TOKENS[1] + OUTPUT_TOKENS + 16)
     if "python" in args.callers:
@@ -347,7 +349,8 @@ def main() -> None:
     write_results(args.name, records, {"cpu": cpu, "requests": args.requests, "seed": args.seed,
                                        "output_tokens": OUTPUT_TOKENS, "prompt_tokens": PROMPT_TOKENS,
                                        "highest_held": {name: highest_held(rows) for name, rows in results.items()},
-                                       "criterion": {"itl_p99_s": ITL_P99_S, "ttft_p99_s": TTFT_P99_S}})
+                                       "criterion": {"itl_p99_s": ITL_P99_S, "ttft_p99_s": TTFT_P99_S},
+                                       **({"engine_binary": str(args.engine_binary)} if args.engine_binary else {})})
     plot(results, RESULTS / f"{args.name}.png")
 
 

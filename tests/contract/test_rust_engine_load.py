@@ -76,3 +76,18 @@ def test_engine_load_ids_and_times(rust_bin, smol, default_model_dir):  # noqa: 
     with ExecutorClient(smol.target, timeout=30) as c:
         wait_for(lambda: c.status().active_sequences, 10, f"no live sequence (program's stderr: {done.stderr[-2000:]})",
                  until=lambda n: n == 0)
+
+
+@pytest.mark.xfail(strict=True, reason="clients/rust/src/client.rs gives every Prefill and BatchPrefill item a "
+                   "request_id, continuations of a chunked prefill included, and the server refuses a request_id "
+                   "on a prefill that continues a sequence (ferrum_rpc/rules/requests.py check_prefill)")
+def test_engine_load_prompt_longer_than_a_step(rust_bin, smol, default_model_dir):  # noqa: F811
+    """A prompt longer than the engine's per-step token budget (Ferrum's default 2,048)
+    is prefilled in chunks, each continuing the sequence the first made."""
+    prompt = [100 + (i * 7919) % 40000 for i in range(2100)]
+    with ExecutorClient(smol.target, timeout=120) as c:
+        want = list(generate_ids(c, prompt, 2, SamplingParams(greedy=True)))
+    done, got = load(rust_bin, smol.target, Path(default_model_dir) / "tokenizer.json",
+                     [{"arrival_s": 0.0, "prompt_ids": prompt, "max_tokens": 2}])
+    assert got[0]["error"] is None, got[0]["error"]
+    assert got[0]["ids"] == want and done.returncode == 0
