@@ -1,13 +1,23 @@
 """Serving under load: many users at once against our server and against llama.cpp's own
-``llama-server`` on the same Q4_1 GGUF, same threads, in one run.
+``llama-server`` on the same Q4_1 GGUF, same threads, in one run; our server driven by
+two callers in turn, the Python client and Ferrum's engine.
 
 The workload is fixed by a seed: N requests a run, each a prompt of 100-1,500 token ids
 (drawn from the vocabulary, new in every run, so no prefix is shared or cached) and 128
 output tokens (greedy, no stop),
-arriving as a Poisson process at each rate given.  Each request runs in its own thread
-as a separate user would: on our side the Python client's ``generate_ids`` (the decode-
-ahead path it picks by itself), on llama.cpp's a streamed ``/completion``.  Times are
-taken as each token reaches the caller, from the request's scheduled arrival.
+arriving as a Poisson process at each rate given.  Each request runs as a separate user's
+would.  Three callers, each a row (``--callers``):
+
+- ``python``: our server, each request in its own thread through the Python client's
+  ``generate_ids`` (the decode-ahead path it picks by itself);
+- ``ferrum``: our server, the same config in a fresh process (so none of the python
+  row's prompts is in its prefix cache), every request submitted at its arrival to one
+  Ferrum ContinuousEngine over RemoteExecutor (clients/rust's ``ferrum-engine-load``,
+  built first into the tests' cargo target folder), each streamed, one chunk a token
+  as the engine step that chose it ends;
+- ``llama``: llama-server, a streamed ``/completion`` per request.
+
+Times are taken as each token reaches the caller, from the request's scheduled arrival.
 
 Reported per server and rate: output tokens/s (all requests' tokens over the time from
 the first arrival to the last token), time to first token p50/p99, inter-token latency
@@ -21,6 +31,7 @@ continuous batching and one ``--parallel`` slot per request a rate can have in f
 
     python -m bench.serving --build-llama-server     # once
     python -m bench.serving [--requests 16] [--rates 0.25 0.5 1 2 0]   # 0: all 16 at once
+        [--callers python ferrum llama] [--out serving]
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -147,7 +159,7 @@ def summarise(requests: list[Request], rate: float) -> dict:
     return out
 
 
-# -- the two servers ------------------------------------------------------------------------
+# -- the callers ------------------------------------------------------------------------------
 
 
 def ours(target: str):
@@ -159,6 +171,35 @@ def ours(target: str):
             for _ in generate_ids(client, prompt, OUTPUT_TOKENS, greedy):
                 times.append(time.perf_counter())
     return send
+
+
+def engine_binary() -> Path:
+    """clients/rust's ferrum-engine-load, built (a warm build only checks freshness) into
+    the tests' cargo target folder."""
+    from tests.contract.test_rust_client import CRATE, target_dir
+
+    subprocess.run(["cargo", "build", "--release", "--bin", "ferrum-engine-load"], cwd=CRATE, check=True,
+                   env={**os.environ, "CARGO_TARGET_DIR": str(target_dir()), "FERRUM_PYTHON": sys.executable})
+    return target_dir() / "release" / "ferrum-engine-load"
+
+
+def run_rate_engine(binary: Path, target: str, tokenizer: Path, prompts_: list[list[int]], rate: float,
+                    seed: int) -> dict:
+    """One rate's workload (the arrivals :func:`run_rate` uses) through Ferrum's engine:
+    ferrum-engine-load submits each request at its arrival and reports each token's time
+    on its own clock (seconds from its run's start, the arrivals' origin)."""
+    workload = [{"arrival_s": t, "prompt_ids": p, "max_tokens": OUTPUT_TOKENS}
+                for t, p in zip(arrivals(len(prompts_), rate, seed), prompts_)]
+    done = subprocess.run([str(binary), "--addr", target, "--tokenizer", str(tokenizer)], input=json.dumps(workload),
+                          capture_output=True, text=True, timeout=1800)
+    lines = {line["index"]: line for line in map(json.loads, done.stdout.splitlines())}
+    requests = []
+    for i, item in enumerate(workload):
+        line = lines.get(i, {"times": [], "error": f"no line (rc {done.returncode}): {done.stderr[-300:]}"})
+        requests.append(Request(item["arrival_s"], line["times"], line["error"] or ""))
+    if "released here" in done.stderr:
+        log.warning("ferrum-engine-load: %s", done.stderr.strip()[-300:])
+    return summarise(requests, rate)
 
 
 def llama(port: int):
@@ -260,8 +301,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--quantize", default="w4a8", help="our server's --quantize (llama.cpp runs the Q4_1 GGUF)")
-    parser.add_argument("--name", default="serving")
-    parser.add_argument("--servers", nargs="+", choices=("ours", "llama"), default=["ours", "llama"])
+    parser.add_argument("--out", "--name", dest="name", default="serving",
+                        help="results name: bench/results/<out>.json and .png")
+    parser.add_argument("--callers", nargs="+", choices=("python", "ferrum", "llama"),
+                        default=["python", "ferrum", "llama"],
+                        help="rows to run: our server through the Python client, through Ferrum's engine; "
+                             "llama-server")
+    parser.add_argument("--engine-binary", type=Path,
+                        help="a ferrum-engine-load to run instead of building clients/rust's (recorded in the results)")
     args = parser.parse_args()
     if args.build_llama_server:
         print(build_llama_server())
@@ -273,12 +320,19 @@ def main() -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown")
     results: dict[str, list[dict]] = {}
-    if "ours" in args.servers:
-        flags = ("--quantize", args.quantize, "--max-batch", str(args.requests), "--threads", str(args.threads))
-        with served(str(model), "float32", flags,
-                    kv_tokens=args.requests * (PROMPT_TOKENS[1] + OUTPUT_TOKENS + 16)) as target:
+    binary = args.engine_binary or (engine_binary() if "ferrum" in args.callers else None)
+    flags = ("--quantize", args.quantize, "--max-batch", str(args.requests), "--threads", str(args.threads))
+    kv_tokens = args.requests * (PROMPT_TOKENS[1] + OUTPUT_TOKENS + 16)
+    if "python" in args.callers:
+        with served(str(model), "float32", flags, kv_tokens=kv_tokens) as target:
             results[f"ferrum-rpc {args.quantize}"] = [run_rate(ours(target), work[r], r, args.seed) for r in args.rates]
-    if "llama" in args.servers:
+    if "ferrum" in args.callers:
+        # A fresh server of the same config: the same prompts, none in its prefix cache.
+        with served(str(model), "float32", flags, kv_tokens=kv_tokens) as target:
+            results[f"ferrum-engine {args.quantize}"] = [
+                run_rate_engine(binary, target, Path(model) / "tokenizer.json", work[r], r, args.seed)
+                for r in args.rates]
+    if "llama" in args.callers:
         with llama_server(find_gguf(), args.threads, args.requests) as port:
             results["llama-server Q4_1"] = [run_rate(llama(port), work[r], r, args.seed) for r in args.rates]
     print(f"\n{cpu}, {args.threads} threads, {args.requests} requests a rate, prompts {PROMPT_TOKENS[0]}-"
@@ -295,7 +349,8 @@ def main() -> None:
     write_results(args.name, records, {"cpu": cpu, "requests": args.requests, "seed": args.seed,
                                        "output_tokens": OUTPUT_TOKENS, "prompt_tokens": PROMPT_TOKENS,
                                        "highest_held": {name: highest_held(rows) for name, rows in results.items()},
-                                       "criterion": {"itl_p99_s": ITL_P99_S, "ttft_p99_s": TTFT_P99_S}})
+                                       "criterion": {"itl_p99_s": ITL_P99_S, "ttft_p99_s": TTFT_P99_S},
+                                       **({"engine_binary": str(args.engine_binary)} if args.engine_binary else {})})
     plot(results, RESULTS / f"{args.name}.png")
 
 
