@@ -17,7 +17,7 @@ from ferrum_rpc.v1 import executor_pb2 as pb
 from ferrum_rpc.v1 import executor_pb2_grpc as pb_grpc
 
 PROMPT = [1, 17, 42, 99, 5]
-GREEDY = TokenChoice()
+CHOICE = TokenChoice(temperature=0.7)
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +58,10 @@ def _cases(handle):
         ("fork into none", lambda c: c.fork_cache(handle, 0), "ForkCache",
          pb.ForkCacheRequest(kv_cache=h, num_children=0)),
         ("two acceptance rules",
-         lambda c: c.speculative_decode(5, [6, 7], handle, sampling=SpeculativeSampling(), token_choice=GREEDY),
+         lambda c: c.speculative_decode(5, [6, 7], handle, sampling=SpeculativeSampling(), token_choice=CHOICE),
          "SpeculativeDecode", pb.SpeculativeDecodeRequest(
              token_id=5, draft_token_ids=[6, 7], kv_cache=h, sampling=pb.SpeculativeSampling(temperature=1, top_p=1),
-             token_choice=convert.token_choice_to_proto(GREEDY))),
+             token_choice=convert.token_choice_to_proto(CHOICE))),
         ("sampling at temperature 0",
          lambda c: c.speculative_decode(5, [6], handle, sampling=SpeculativeSampling(temperature=0.0)),
          "SpeculativeDecode", pb.SpeculativeDecodeRequest(
@@ -103,9 +103,9 @@ def test_decode_ahead_rules_are_the_clients_too(client, stub, handle):
     """DecodeSession's decoding-ahead rules: the client's ``decode_ahead`` refuses an
     over-long run before the stream opens, with the reason a raw stream gets."""
     with pytest.raises(InvalidInput) as local:
-        client.decode_ahead(5, handle, GREEDY, max_new_tokens=5000)
+        client.decode_ahead(5, handle, CHOICE, max_new_tokens=5000)
     raw = pb.DecodeSessionRequest(step_id=1, items=[pb.DecodeItem(
-        token_id=5, kv_cache=convert.handle_to_proto(handle), token_choice=convert.token_choice_to_proto(GREEDY))],
+        token_id=5, kv_cache=convert.handle_to_proto(handle), token_choice=convert.token_choice_to_proto(CHOICE))],
         max_new_tokens=5000)
     replies = list(stub.DecodeSession(iter([raw]), timeout=30))
     assert replies and replies[0].HasField("error")

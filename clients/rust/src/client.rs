@@ -234,7 +234,7 @@ impl ExecutorClient {
 
     /// Prefill: `token_ids` as a new sequence, or continuing `kv_cache`. `logits` says
     /// what comes back per position; `choice` has the server choose the next token
-    /// (reply.chosen). The call carries a fresh request_id: when its outcome is unknown
+    /// (reply.chosen). A new sequence's call carries a fresh request_id: when its outcome is unknown
     /// (deadline, cancel, lost connection) the sequence it may have made is released by
     /// that id before the error returns.
     pub async fn prefill(
@@ -256,9 +256,10 @@ impl ExecutorClient {
     }
 
     /// Prefill with the whole request given (adapter, hidden states, request_id); a
-    /// request_id is filled in when empty.
+    /// prompt that makes a new sequence gets a request_id when it has none (a request_id
+    /// names the sequence a Prefill creates: a continuation carries none).
     pub async fn prefill_request(&self, mut message: pb::PrefillRequest) -> Result<pb::PrefillResponse> {
-        if message.request_id.is_empty() {
+        if message.request_id.is_empty() && message.kv_cache.is_none() {
             message.request_id = new_request_id();
         }
         let id = message.request_id.clone();
@@ -266,7 +267,7 @@ impl ExecutorClient {
             Ok(r) => Ok(r.into_inner()),
             Err(status) => {
                 let err = ExecutorError::from_status(&status);
-                if err.outcome_unknown() {
+                if err.outcome_unknown() && !id.is_empty() {
                     self.release_request_id(&id).await;
                 }
                 Err(err)
@@ -314,19 +315,19 @@ impl ExecutorClient {
         Ok(out)
     }
 
-    /// BatchPrefill: several prompts in shared forwards, all or nothing. Items without a
-    /// request_id get one, released when the outcome is unknown.
+    /// BatchPrefill: several prompts in shared forwards, all or nothing. Items making a
+    /// new sequence without a request_id get one, released when the outcome is unknown.
     pub async fn batch_prefill(
         &self,
         mut items: Vec<pb::PrefillItem>,
         logits: Option<pb::LogitsPolicy>,
     ) -> Result<Vec<pb::BatchPrefillResponse>> {
         for it in items.iter_mut() {
-            if it.request_id.is_empty() {
+            if it.request_id.is_empty() && it.kv_cache.is_none() {
                 it.request_id = new_request_id();
             }
         }
-        let ids: Vec<String> = items.iter().map(|i| i.request_id.clone()).collect();
+        let ids: Vec<String> = items.iter().filter(|i| !i.request_id.is_empty()).map(|i| i.request_id.clone()).collect();
         let req = self.request(pb::BatchPrefillRequest { model: self.opts.model.clone(), items, logits });
         match Self::collect(self.stub.clone().batch_prefill(req).await).await {
             Ok(v) => Ok(v),
