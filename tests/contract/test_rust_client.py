@@ -295,6 +295,27 @@ def test_remote_executors_failed_decode_ahead_run_leaves_the_engines_sequences(r
     assert got["released"] == ["1"]
 
 
+def test_remote_executor_redoes_what_a_lost_session_undid(rust_bin, server, py):
+    """The executor's DecodeSession stream ends (cancelled, as a lost connection ends it)
+    after a decode-ahead run whose tokens the engine all took (A), and after a plain step
+    (B), before a later request on the stream named the sequence: the server undoes the
+    run and the step (a block freed each time). The engine steps on: each sequence is
+    brought back to the engine's length first (`resynced`), its ids are generate_ids'
+    greedy ones, and the releases leave no sequence."""
+    a = [(5 + 7 * i) % 250 + 1 for i in range(8)]
+    b = [301, 302, 303, 304, 305, 306, 307, 308]
+    # the module's server: blocks of 4 tokens (each prompt fills two)
+    got = lines(run(rust_bin, "ferrum-rust-check", "engine-break", server.target, ids(a), ids(b)).stdout)
+    assert got["a_freed"] == ["1"] and got["b_freed"] == ["1"], got
+    assert [int(t) for t in got["a_ids"]] == list(generate_ids(py, a, 8, SamplingParams(greedy=True)))
+    assert [int(t) for t in got["b_ids"]] == list(generate_ids(py, b, 5, SamplingParams(greedy=True)))
+    for name, runs in (("a", 2), ("b", 0)):
+        counts = {k: int(v) for k, v in (pair.split("=") for pair in got[f"{name}_counts"])}
+        assert counts["resynced"] == 1 and counts["ahead_runs"] == runs, counts
+    assert got["a_released"] == ["1"] and got["b_released"] == ["1"]
+    assert got["after"] == got["before"]
+
+
 def test_the_readmes_example_is_the_built_one(rust_bin):
     import re
 

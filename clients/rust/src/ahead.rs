@@ -56,6 +56,10 @@ pub(crate) struct SeqAhead {
     /// every one of its tokens was made under.
     pub base_len: usize,
     pub start: u32,
+    /// Its handle when the run started, and the run's stream (its ledger holds the run
+    /// until a later request names the sequence).
+    pub base: pb::KvCacheHandle,
+    pub session: Weak<SharedSession>,
     choice: pb::TokenChoice,
     /// Every token the run chose for it, in order, and how many the engine took.
     pub tokens: Vec<u32>,
@@ -71,6 +75,17 @@ impl SeqAhead {
     /// The sequence's length as the engine knows it.
     pub fn engine_len(&self) -> usize {
         self.base_len + self.taken
+    }
+
+    /// The tokens the engine took, as inputs: appended to `base` they give the engine's
+    /// sequence (the run's first input, then each taken token but the last).
+    pub fn taken_inputs(&self) -> Vec<u32> {
+        let mut tokens = Vec::with_capacity(self.taken);
+        if self.taken > 0 {
+            tokens.push(self.start);
+            tokens.extend_from_slice(&self.tokens[..self.taken - 1]);
+        }
+        tokens
     }
 
     fn open(&self) -> bool {
@@ -177,6 +192,8 @@ impl Book {
                     run: id,
                     base_len: lease.len(),
                     start: token,
+                    base: lease.handle(),
+                    session: Arc::downgrade(session),
                     choice,
                     tokens: Vec::new(),
                     taken: 0,

@@ -87,6 +87,29 @@ pub struct Lease {
     /// The executor's decode-ahead runs: a sequence one of them decodes is settled
     /// (its run stopped and read to the sequence's end) before it is released.
     book: Option<Arc<tokio::sync::Mutex<Book>>>,
+    /// The last change a DecodeSession step or run made to the sequence, until a later
+    /// call moves it: the server undoes it if that stream ends before a later request on
+    /// it names the sequence (server/rpc/session.py), so after a break the executor
+    /// re-synchronises the sequence from it (`RemoteExecutor::resync`).
+    unconfirmed: Mutex<Option<Unconfirmed>>,
+}
+
+/// A sequence's change on a DecodeSession stream that the server may still undo.
+#[derive(Clone)]
+pub(crate) struct Unconfirmed {
+    /// The stream that made it: a change on a stream that is still up is confirmed by
+    /// the next request naming the sequence (or stands when the stream ends cleanly).
+    pub session: Weak<SharedSession>,
+    /// The handle before the change, and the tokens that redo it (ForwardVerify).
+    pub before: pb::KvCacheHandle,
+    pub tokens: Vec<u32>,
+}
+
+impl Unconfirmed {
+    /// True once its stream is gone: the server may have undone the change.
+    fn lost(&self) -> bool {
+        self.session.upgrade().map_or(true, |s| s.is_broken())
+    }
 }
 
 impl Lease {
@@ -103,6 +126,7 @@ impl Lease {
             released: AtomicBool::new(false),
             pending,
             book,
+            unconfirmed: Mutex::new(None),
         })
     }
 
@@ -111,8 +135,26 @@ impl Lease {
         self.handle.lock().unwrap().clone()
     }
 
+    /// The handle a call returned; a change made by a call other than a session's
+    /// moves the sequence off the length an undo would apply at, so none is pending.
     pub(crate) fn set(&self, handle: pb::KvCacheHandle) {
         *self.handle.lock().unwrap() = handle;
+        *self.unconfirmed.lock().unwrap() = None;
+    }
+
+    /// Records the handle a session step or run left (see [`Unconfirmed`]).
+    pub(crate) fn set_unconfirmed(&self, handle: pb::KvCacheHandle, change: Unconfirmed) {
+        *self.handle.lock().unwrap() = handle;
+        *self.unconfirmed.lock().unwrap() = Some(change);
+    }
+
+    /// Forgets the pending change: a later request on its stream named the sequence.
+    pub(crate) fn confirmed(&self) {
+        *self.unconfirmed.lock().unwrap() = None;
+    }
+
+    fn unconfirmed(&self) -> Option<Unconfirmed> {
+        self.unconfirmed.lock().unwrap().clone()
     }
 
     /// Tokens in the sequence.
@@ -447,6 +489,9 @@ struct Counters {
     ahead_cut: AtomicU64,
     /// Of those settles, the replays after a failed run.
     ahead_replayed: AtomicU64,
+    /// Sequences brought back in line after the DecodeSession stream that last changed
+    /// them broke (see `RemoteExecutor::resync`).
+    resynced: AtomicU64,
 }
 
 /// Ferrum's `ModelExecutor` on a ferrum-rpc server.
@@ -610,6 +655,7 @@ impl RemoteExecutor {
         pairs.push(format!("ahead_served={}", c.ahead_served.load(Ordering::Relaxed)));
         pairs.push(format!("ahead_cut={}", c.ahead_cut.load(Ordering::Relaxed)));
         pairs.push(format!("ahead_replayed={}", c.ahead_replayed.load(Ordering::Relaxed)));
+        pairs.push(format!("resynced={}", c.resynced.load(Ordering::Relaxed)));
         pairs.join(" ")
     }
 
@@ -794,26 +840,36 @@ impl RemoteExecutor {
         let t0 = std::time::Instant::now();
         let need_rows = inputs.iter().any(|i| i.2.is_none());
         let greedy: Vec<bool> = inputs.iter().map(|i| i.2.is_some()).collect();
+        let before: Vec<pb::KvCacheHandle> = inputs.iter().map(|i| i.1.handle()).collect();
         let items: Vec<pb::DecodeItem> = inputs
             .iter()
             .map(|(t, l, c)| pb::DecodeItem { token_id: *t, kv_cache: Some(l.handle()), token_choice: c.clone() })
             .collect();
         let logits = policy_for(need_rows, true);
+        let mut session = None;
         let replies: Vec<(Option<pb::Logits>, Option<pb::KvCacheHandle>, Option<pb::ChosenToken>)> =
             if self.client.options().timeout.is_some() {
                 let r = self.client.batch_decode(items, logits, true).await.map_err(|e| self.failed(e))?;
                 r.into_iter().map(|r| (r.logits, r.kv_cache, r.chosen)).collect()
             } else {
-                let r = self.session_step(items, logits).await?;
+                let (r, s) = self.session_step(items, logits).await?;
+                session = Some(s);
                 r.into_iter().map(|r| (r.logits, r.kv_cache, r.chosen)).collect()
             };
         if replies.len() != inputs.len() {
             return Err(FerrumError::backend(format!("a decode step answered {} of {} items", replies.len(), inputs.len())));
         }
         let mut out = Vec::with_capacity(inputs.len());
-        for ((logits, handle, chosen), ((_, lease, _), greedy)) in replies.into_iter().zip(inputs.iter().zip(greedy)) {
-            if let Some(h) = handle {
-                lease.set(h);
+        for (((logits, handle, chosen), ((token, lease, _), greedy)), before) in
+            replies.into_iter().zip(inputs.iter().zip(greedy)).zip(before)
+        {
+            match (handle, &session) {
+                (Some(h), Some(s)) => {
+                    let change = Unconfirmed { session: Arc::downgrade(s), before, tokens: vec![*token] };
+                    lease.set_unconfirmed(h, change)
+                }
+                (Some(h), None) => lease.set(h),
+                (None, _) => {}
             }
             out.push(item_result(logits.as_ref(), chosen.as_ref(), greedy)?);
             self.counters.chosen.fetch_add(greedy as u64, Ordering::Relaxed);
@@ -830,9 +886,64 @@ impl RemoteExecutor {
         &self,
         items: Vec<pb::DecodeItem>,
         logits: Option<pb::LogitsPolicy>,
-    ) -> Result<Vec<pb::DecodeSessionResponse>> {
+    ) -> Result<(Vec<pb::DecodeSessionResponse>, Arc<SharedSession>)> {
         self.counters.session_steps.fetch_add(1, Ordering::Relaxed);
-        self.session().step(items, logits, true).await.map_err(|e| self.failed(e))
+        let session = self.session();
+        let replies = session.step(items, logits, true).await.map_err(|e| self.failed(e))?;
+        Ok((replies, session))
+    }
+
+    /// Ends the executor's DecodeSession stream (a cancel: what a lost connection does
+    /// to it) once no run still reads it; the next step opens a new one. Sequences whose
+    /// last change the server may undo with it are re-synchronised before their next
+    /// call (see `resync`).
+    pub fn reset_session(&self) {
+        self.session.lock().unwrap().take();
+    }
+
+    /// Brings `lease`'s sequence in line when the stream that last changed it broke
+    /// before a later request on it named the sequence: the server undoes such a change
+    /// when the stream ends (server/rpc/session.py), sooner or later. See `redo`.
+    async fn resync(&self, lease: &Lease) -> std::result::Result<(), ExecutorError> {
+        match lease.unconfirmed() {
+            Some(u) if u.lost() => self.redo(lease, &u.before, &u.tokens).await,
+            _ => Ok(()),
+        }
+    }
+
+    /// Puts `lease`'s sequence at `before` plus `tokens`, whether the server undid the
+    /// change since `before` or not yet: a TruncateKv to `before`'s length from the
+    /// lease's handle (which moves the sequence off the length a later undo applies at,
+    /// so that undo is skipped), or `before` as it is when the server answers
+    /// LENGTH_MISMATCH (it undid the change already); then ForwardVerify appends `tokens`
+    /// again (the same tokens: the same KV). On failure the sequence stays pending, so
+    /// its next call tries again.
+    async fn redo(&self, lease: &Lease, before: &pb::KvCacheHandle, tokens: &[u32]) -> std::result::Result<(), ExecutorError> {
+        let done = async {
+            match self.client.truncate_kv(&lease.handle(), before.sequence_length).await {
+                Ok(h) => lease.set(h),
+                Err(e) if e.reason.as_deref() == Some("LENGTH_MISMATCH") => lease.set(before.clone()),
+                Err(e) => return Err(e),
+            }
+            if !tokens.is_empty() {
+                let reply = self.client.forward_verify(tokens, &lease.handle(), Some(policy::argmax())).await?;
+                if let Some(h) = reply.kv_cache {
+                    lease.set(h);
+                }
+            }
+            Ok(())
+        }
+        .await;
+        match &done {
+            Ok(()) => {
+                self.counters.resynced.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(_) => {
+                let change = Unconfirmed { session: Weak::new(), before: before.clone(), tokens: tokens.to_vec() };
+                lease.set_unconfirmed(lease.handle(), change);
+            }
+        }
+        done
     }
 
     /// The executor's DecodeSession (opened here when there is none, or the last one
@@ -892,11 +1003,17 @@ impl RemoteExecutor {
     /// or the cut after a run that went past the engine.
     async fn bring_level(&self, s: &SeqAhead, lease: &Lease) -> std::result::Result<(), ExecutorError> {
         let engine_len = s.engine_len();
+        if s.tokens.is_empty() {
+            // The run never answered: if its stream broke, the server may not have read
+            // its request, so the sequence's change before it may be undone as well.
+            self.resync(lease).await?;
+        } else {
+            lease.confirmed(); // the server read the run's request, which named the sequence
+        }
+        let lost = s.session.upgrade().map_or(true, |x| x.is_broken());
         if s.failed.is_some() {
             if s.taken > 0 {
-                let mut tokens = Vec::with_capacity(s.taken);
-                tokens.push(s.start);
-                tokens.extend_from_slice(&s.tokens[..s.taken - 1]);
+                let tokens = s.taken_inputs();
                 let reply = self.client.forward_verify(&tokens, &lease.handle(), Some(policy::argmax())).await?;
                 if let Some(h) = reply.kv_cache {
                     lease.set(h);
@@ -906,10 +1023,25 @@ impl RemoteExecutor {
             }
         } else if let Some(end) = &s.end {
             lease.set(end.clone());
-            if lease.len() > engine_len {
-                let h = self.client.truncate_kv(&lease.handle(), engine_len as u32).await?;
-                lease.set(h);
+            if lost {
+                // The run's stream broke before a later request named the sequence: the
+                // server undoes the run (now or later); the engine's tokens go back on.
+                self.redo(lease, &s.base, &s.taken_inputs()).await?;
+            } else if lease.len() > engine_len {
+                match self.client.truncate_kv(&lease.handle(), engine_len as u32).await {
+                    Ok(h) => lease.set(h),
+                    // the stream broke and the server undid the run before this reader saw it
+                    Err(e) if e.reason.as_deref() == Some("LENGTH_MISMATCH") => {
+                        self.redo(lease, &s.base, &s.taken_inputs()).await?
+                    }
+                    Err(e) => return Err(e),
+                }
                 self.counters.ahead_cut.fetch_add(1, Ordering::Relaxed);
+            } else {
+                // Every token taken, no call to make: the run stands once a later request
+                // on its stream names the sequence, or is redone if the stream breaks first.
+                let change = Unconfirmed { session: s.session.clone(), before: s.base.clone(), tokens: s.taken_inputs() };
+                lease.set_unconfirmed(end.clone(), change);
             }
         }
         Ok(())
@@ -922,7 +1054,7 @@ impl RemoteExecutor {
         if book.holds(&key) {
             self.settle(&mut book, &key).await?;
         }
-        Ok(())
+        self.resync(lease).await.map_err(|e| self.failed(e))
     }
 
     /// A unified batch's decode steps: `served` from their runs' tokens, `fresh` starting
@@ -1204,6 +1336,7 @@ impl ModelExecutor for RemoteExecutor {
                     // back to the engine's first.
                     self.settle(&mut book, &key).await?;
                 }
+                self.resync(l).await.map_err(|e| self.failed(e))?;
             }
             let lease = match lease {
                 Some(l) if item.pos_offset > 0 => {

@@ -18,6 +18,9 @@
 //!                               sequences fails part way, on a server whose KV pool
 //!                               holds A, B and one more block and whose sequences end at
 //!                               A's length + 3 (see engine_ahead_fail)
+//!   engine-break ADDR A B       RemoteExecutor when its DecodeSession stream ends after a
+//!                               run (A) or a plain step (B) the server then undoes, on a
+//!                               server with 4-token blocks (see engine_break)
 
 use ferrum_interfaces::kv_cache::{BlockTable, CacheHandleStats};
 use ferrum_interfaces::model_executor::{DecodeInput, LogitsReturnPolicy, PrefillInput, UnifiedBatch, UnifiedBatchItem};
@@ -565,6 +568,81 @@ async fn engine_ahead_fail(c: &ExecutorClient, a: &[u32], b: &[u32]) -> R<()> {
     Ok(())
 }
 
+/// The executor's DecodeSession stream lost after the server changed a sequence and
+/// before a later request on the stream named it, as Ferrum's engine meets it: the
+/// server undoes such a change when the stream ends. The server's block size is 4 and
+/// each prompt fills two blocks, so the undo shows as a block freed. `ahead`: a run of
+/// 4 over prompt `a` (the engine takes all 4 tokens, so settling it calls nothing), the
+/// stream ends (`reset_session`), the server frees the run's block (`a_freed`), and the
+/// engine steps on: `a_ids` (the prompt's token, the run's 4, then 3 more). `plain`: no
+/// decoding ahead; prompt `b`'s first step, the stream ends, the block is freed
+/// (`b_freed`), and the engine steps on (`b_ids`: 5 tokens). Then the counts and the
+/// releases (`before`/`after`: the server's active sequences).
+async fn engine_break(c: &ExecutorClient, a: &[u32], b: &[u32]) -> R<()> {
+    let err = |e: ferrum_types::FerrumError| ExecutorError::local(tonic::Code::Internal, e.to_string());
+    let before = c.status().await?.active_sequences;
+    let greedy = LogitsReturnPolicy::GreedyArgmax { token_mask: None, repetition_penalty: None };
+    let free = || async { Ok::<u32, ExecutorError>(c.status().await?.kv_blocks_free) };
+    // Waits (up to 20 s) until the server has more free blocks than `than`.
+    let freed = |than: u32| async move {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        let mut now = free().await?;
+        while now <= than && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            now = free().await?;
+        }
+        Ok::<bool, ExecutorError>(now > than)
+    };
+    for (name, prompt, window, steps) in [("a", a, 4u32, 8usize), ("b", b, 0, 5)] {
+        let ex = RemoteExecutor::new(c.with_timeout(None)).await?.with_decode_ahead(window);
+        let seq = format!("seq-{name}");
+        let handle: Arc<dyn KvCacheHandle> = Arc::new(EngineHandle(seq.clone(), BlockTable::new(4)));
+        let item = |tokens: Vec<u32>, pos: usize| UnifiedBatchItem {
+            seq_id: seq.clone(),
+            q_tokens: tokens,
+            kv_cache: handle.clone(),
+            recurrent_state: None,
+            pos_offset: pos,
+            is_final_chunk: true,
+            metadata: Default::default(),
+            logits_policy: greedy.clone(),
+        };
+        let step = |it: UnifiedBatchItem| {
+            let ex = &ex;
+            async move {
+                let rows = ex.unified_decode(&UnifiedBatch { items: vec![it] }).await.map_err(err)?;
+                Ok::<u32, ExecutorError>(rows.into_iter().next().flatten().unwrap_or_default()[0] as u32)
+            }
+        };
+        let mut toks = vec![step(item(prompt.to_vec(), 0)).await?];
+        // `ahead`: the run's 4 steps; `plain`: one step. Each leaves the sequence a block
+        // longer than the prompt's two.
+        let first = if window > 0 { window as usize } else { 1 };
+        for k in 0..first {
+            toks.push(step(item(vec![toks[k]], prompt.len() + k)).await?);
+        }
+        let held = free().await?;
+        ex.reset_session();
+        println!("{name}_freed {}", u8::from(freed(held).await?));
+        for k in first..steps - 1 {
+            toks.push(step(item(vec![toks[k]], prompt.len() + k)).await?);
+        }
+        println!("{name}_ids {}", join(&toks));
+        println!("{name}_counts {}", ex.call_counts());
+        ex.release_cache(&seq);
+        println!("{name}_released {}", u8::from(ex.wait_released(Duration::from_secs(10)).await));
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut after = c.status().await?.active_sequences;
+    while after != before && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        after = c.status().await?.active_sequences;
+    }
+    println!("before {before}");
+    println!("after {after}");
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -595,6 +673,7 @@ async fn main() {
         "engine-release" => engine_release(&c, &ids(&args[2])).await,
         "engine-ahead" => engine_ahead(&c, args[2].parse().unwrap(), &ids(&args[3])).await,
         "engine-ahead-fail" => engine_ahead_fail(&c, &ids(&args[2]), &ids(&args[3])).await,
+        "engine-break" => engine_break(&c, &ids(&args[2]), &ids(&args[3])).await,
         _ => {
             eprintln!("unknown command {cmd:?}");
             std::process::exit(2)
