@@ -43,8 +43,9 @@ _KIND_TO_PROTO = {
 _KIND_FROM_PROTO = {v: k for k, v in _KIND_TO_PROTO.items()}
 _KIND_FROM_PROTO[pb.LOGITS_KIND_UNSPECIFIED] = LogitsKind.FULL
 _ID_SLICE = 1 << 18
-# A handle's fields that the message carries as they are (all but the block table).
-_HANDLE_SCALARS = tuple(f.name for f in dataclass_fields(KvCacheHandle) if f.name != "block_table")
+# A handle's fields that the message carries as they are (all but the block table and
+# the server's own change count, which never leaves the server).
+_HANDLE_SCALARS = tuple(f.name for f in dataclass_fields(KvCacheHandle) if f.name not in ("block_table", "change"))
 
 
 def handle_to_proto(h: KvCacheHandle) -> pb.KvCacheHandle:

@@ -33,6 +33,9 @@ class KvCacheHandle:
     server_instance_id: str
     adapter: str = ""  # the LoRA adapter the sequence runs with ("" = the base model; information)
     weights_version: int = 0  # the model's weights version when the handle was issued (information)
+    # server side only, never on the wire: the sequence's change count when the handle
+    # was issued (what an undo record made from it checks; None on a caller's handle)
+    change: int | None = field(default=None, compare=False, repr=False)
 
 
 class LogitsKind(enum.Enum):

@@ -95,12 +95,15 @@ class Sequences:
         """THE undo: puts each record's sequence back as it was before its call (see
         :class:`Undo`): released if the call created it, else truncated back (idle
         clock too, where the record has it).  Records whose sequence is gone, or
-        is no longer at ``left_at``, are skipped; applying a record twice is harmless."""
+        is no longer as the call left it (``left_at``, ``left_change``), are skipped;
+        applying a record twice is harmless."""
         for undo in undos:
             if undo.cache_id not in self.kv:
                 continue
             seq = self.kv.get(undo.cache_id)
             if undo.left_at is not None and seq.length != undo.left_at:
+                continue
+            if undo.left_change is not None and seq.changes != undo.left_change:
                 continue
             if undo.back_to is None:
                 self.kv.release(undo.cache_id)
@@ -168,5 +171,5 @@ class Sequences:
             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, device=str(self.device),
             block_table=BlockTable(self.kv.block_size, tuple(seq.block_ids)),
             model=self.name, server_instance_id=self.instance_id, adapter=seq.adapter,
-            weights_version=self._version(),
+            weights_version=self._version(), change=seq.changes,
         )

@@ -22,9 +22,13 @@ class Undo:
     back_to: int | None  # the length to go back to; None: the call created the sequence, which is released
     left_at: int | None = None  # the length the call left it at: skipped if something moved it since (None: no check)
     clock: float | None = None  # its idle clock before the call, put back too (None: left as it is)
+    # the sequence's change count the call left it at: skipped if any later call changed
+    # it, even back to the same length (None: no check)
+    left_change: int | None = None
 
     @classmethod
     def of(cls, before: KvCacheHandle | None, after: KvCacheHandle) -> Undo:
         """Undoes a finished call given ``before`` (None: the call created the sequence)
         that returned ``after``."""
-        return cls(after.cache_id, None if before is None else before.sequence_length, after.sequence_length)
+        return cls(after.cache_id, None if before is None else before.sequence_length, after.sequence_length,
+                   left_change=after.change)

@@ -281,6 +281,7 @@ class BlockManager:
         seq.hashes[:] = hashes[:len(matched)]
         seq.tokens[:] = tokens[:n]
         seq.length = n
+        seq.changes += 1
         self.hit_tokens += n
         return n
 
@@ -342,9 +343,9 @@ class BlockManager:
 
     def commit(self, seq: SequenceState, start: int, tokens: list[int]) -> None:
         """Records that ``tokens`` now occupy positions [start, start + len)."""
-        del seq.tokens[start:]
-        seq.tokens.extend(tokens)
+        seq.tokens[start:] = tokens
         seq.length = start + len(tokens)
+        seq.changes += 1
         seq.last_used = time.monotonic()
         self._register(seq)
 
@@ -355,11 +356,9 @@ class BlockManager:
 
     def shrink(self, seq: SequenceState, new_length: int, touch: bool = True) -> int:
         """Sets the length to ``new_length`` and drops blocks past it; returns blocks freed.
-
-        ``touch=False`` (a rollback) leaves the idle clock as it was. Prefills that
-        started at or after ``new_length`` are forgotten (undoing a Prefill puts the
-        prompt/output split back where it was), one cut through is clipped.
-        """
+        ``touch=False`` (a rollback) leaves the idle clock as it was. Prefills that started
+        at or after ``new_length`` are forgotten (undoing a Prefill puts the prompt/output
+        split back where it was), one cut through is clipped."""
         while seq.prompt_spans and seq.prompt_spans[-1][0] >= new_length:
             seq.prompt_spans.pop()
         if seq.prompt_spans and seq.prompt_spans[-1][1] > new_length:
@@ -370,6 +369,7 @@ class BlockManager:
         del seq.tokens[new_length:]
         del seq.hashes[new_length // self.block_size:]
         seq.length = new_length
+        seq.changes += 1
         if new_length == 0:  # no KV of older weights is left in it
             seq.generation = self.generation
         if touch:

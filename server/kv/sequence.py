@@ -29,6 +29,10 @@ class SequenceState:
     # split. Everything up to the last Prefill's end is prompt, what came after
     # (decode steps, verified drafts) is output; shrink keeps it consistent.
     prompt_spans: list[tuple[int, int]] = field(default_factory=list)
+    # how many times its tokens changed (appended, matched from the prefix cache, cut):
+    # an undo record applies only while the sequence is as the recorded call left it,
+    # which its length alone cannot tell (cut back and grown to the same length again)
+    changes: int = 0
 
     @property
     def output_start(self) -> int:

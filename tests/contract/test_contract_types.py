@@ -40,8 +40,10 @@ PAIRS = {
     pb.TokenLogprob: (t.TokenLogprob, {}),
     pb.PushSequenceResponse: (t.SequencePush, {}),
 }
-# Python type -> {client-only field: why it is not on the wire}
+# Python type -> {field never on the wire (the client's or the server's own): why}
 CLIENT_ONLY = {
+    t.KvCacheHandle: {"change": "the server's own change count of the sequence, kept on the handles it makes for "
+                                "its undo records; never sent (ferrum_rpc/convert.py leaves it out)"},
     t.PrefillOutput: {"existing": "the client's mark of a retried Prefill answered REQUEST_ID_EXISTS (the handle "
                                   "came in the error's details, not in a PrefillResponse)"},
 }

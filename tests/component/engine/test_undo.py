@@ -47,3 +47,19 @@ def test_a_record_of_a_sequence_already_gone_is_skipped(ex):
     ex.release_cache(out.cache_id)
     ex.undo([Undo.of(None, out), Undo(out.cache_id, 1)])
     assert len(ex.kv) == 0
+
+
+def test_a_record_is_skipped_once_a_later_call_changed_the_sequence_back_to_its_length(ex):
+    """Cut back and grown again to the very length the recorded call left: the length
+    matches, but the tokens are another call's, so the record must not apply (a session
+    whose stream broke is abandoned after its caller already redid the step elsewhere)."""
+    first = ex.prefill([1, 2, 3, 4, 5], None, GREEDY).kv_cache
+    decoded = ex.decode(6, first).kv_cache
+    cut = ex.truncate_kv(decoded, 5)
+    redone = ex.decode(9, cut).kv_cache
+    assert redone.sequence_length == decoded.sequence_length
+    ex.undo([Undo.of(first, decoded)])
+    seq = ex.kv.get(first.cache_id)
+    assert (seq.length, seq.tokens[-1]) == (6, 9)
+    ex.undo([Undo.of(cut, redone)])  # the latest change's own record still applies
+    assert ex.kv.get(first.cache_id).length == 5
