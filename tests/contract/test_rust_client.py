@@ -301,7 +301,9 @@ def test_remote_executor_redoes_what_a_lost_session_undid(rust_bin, server, py):
     (B), before a later request on the stream named the sequence: the server undoes the
     run and the step (a block freed each time). The engine steps on: each sequence is
     brought back to the engine's length first (`resynced`), its ids are generate_ids'
-    greedy ones, and the releases leave no sequence."""
+    greedy ones, and the releases leave no sequence. C is B stepping on at once, without
+    waiting for the server to undo: the server may abandon the session only after the
+    executor redid the step, and that late undo must not take the redone step back."""
     a = [(5 + 7 * i) % 250 + 1 for i in range(8)]
     b = [301, 302, 303, 304, 305, 306, 307, 308]
     # the module's server: blocks of 4 tokens (each prompt fills two)
@@ -309,10 +311,11 @@ def test_remote_executor_redoes_what_a_lost_session_undid(rust_bin, server, py):
     assert got["a_freed"] == ["1"] and got["b_freed"] == ["1"], got
     assert [int(t) for t in got["a_ids"]] == list(generate_ids(py, a, 8, SamplingParams(greedy=True)))
     assert [int(t) for t in got["b_ids"]] == list(generate_ids(py, b, 5, SamplingParams(greedy=True)))
-    for name, runs in (("a", 2), ("b", 0)):
+    assert got["c_ids"] == got["b_ids"]
+    for name, runs in (("a", 2), ("b", 0), ("c", 0)):
         counts = {k: int(v) for k, v in (pair.split("=") for pair in got[f"{name}_counts"])}
         assert counts["resynced"] == 1 and counts["ahead_runs"] == runs, counts
-    assert got["a_released"] == ["1"] and got["b_released"] == ["1"]
+    assert got["a_released"] == got["b_released"] == got["c_released"] == ["1"]
     assert got["after"] == got["before"]
 
 
