@@ -93,6 +93,12 @@ impl SeqAhead {
     }
 }
 
+/// Forwards the server answers in one response by default: each response costs the
+/// server a write and this process a wake-up, on the cores the forwards need when both
+/// share a host. The engine takes a run's tokens one step at a time either way; up to
+/// this many arrive together (the Python client's unwatched runs ask for 16).
+pub const FORWARDS_PER_RESPONSE: u32 = 8;
+
 struct Run {
     session: Arc<SharedSession>,
     replies: StepReplies,
@@ -166,6 +172,7 @@ impl Book {
         items: Vec<(String, Arc<Lease>, u32, pb::TokenChoice)>,
         max_new: u32,
         stop_ids: Vec<u32>,
+        per_response: u32,
     ) -> Result<(), ExecutorError> {
         let request = pb::DecodeSessionRequest {
             items: items
@@ -178,6 +185,7 @@ impl Book {
                 .collect(),
             max_new_tokens: max_new,
             stop_token_ids: stop_ids,
+            forwards_per_response: per_response,
             ..Default::default()
         };
         let replies = session.send(request).await?;

@@ -518,6 +518,8 @@ pub struct RemoteExecutor {
     /// server and client allow (0: decoding ahead is not possible).
     ahead_window: u32,
     ahead_limit: u32,
+    /// Forwards of a run the server answers in one response.
+    ahead_batch: u32,
     /// The model's end-of-sequence ids: a run ends a sequence at one.
     stop_ids: Vec<u32>,
     /// The last token mask sent, by its fingerprint and length, as the contract's
@@ -619,6 +621,7 @@ impl RemoteExecutor {
             book: Arc::new(tokio::sync::Mutex::new(Book::default())),
             ahead_window,
             ahead_limit,
+            ahead_batch: crate::ahead::FORWARDS_PER_RESPONSE,
             stop_ids,
             mask_bits: Mutex::new(None),
         })
@@ -629,6 +632,14 @@ impl RemoteExecutor {
     /// never decodes ahead. The default is [`WINDOW`].
     pub fn with_decode_ahead(mut self, window: u32) -> Self {
         self.ahead_window = window.min(self.ahead_limit);
+        self
+    }
+
+    /// A run's forwards the server answers in one response (at least 1; the default is
+    /// [`crate::ahead::FORWARDS_PER_RESPONSE`]): 1 hands each token over as soon as it
+    /// is chosen, more cost both sides fewer messages.
+    pub fn with_ahead_batch(mut self, forwards: u32) -> Self {
+        self.ahead_batch = forwards.max(1);
         self
     }
 
@@ -1084,7 +1095,7 @@ impl RemoteExecutor {
         if !fresh.is_empty() {
             let len = fresh.iter().map(|f| f.5).min().unwrap();
             let group: Vec<_> = fresh.iter().map(|f| (f.1.clone(), f.2.clone(), f.3, f.4.clone())).collect();
-            book.start(&self.session(), group, len, self.stop_ids.clone()).await.map_err(|e| self.failed(e))?;
+            book.start(&self.session(), group, len, self.stop_ids.clone(), self.ahead_batch).await.map_err(|e| self.failed(e))?;
             self.counters.ahead_runs.fetch_add(1, Ordering::Relaxed);
         }
         if !decode_work.is_empty() {
