@@ -93,11 +93,12 @@ impl SeqAhead {
     }
 }
 
-/// Forwards the server answers in one response by default: each response costs the
-/// server a write and this process a wake-up, on the cores the forwards need when both
-/// share a host. The engine takes a run's tokens one step at a time either way; up to
-/// this many arrive together (the Python client's unwatched runs ask for 16).
-pub const FORWARDS_PER_RESPONSE: u32 = 8;
+/// Forwards the server answers in one response for a caller whose tokens nobody watches
+/// as they come (`RemoteExecutor::with_ahead_batch`; the Python client's unwatched runs
+/// ask for 16): each response costs the server a write and this process a wake-up, on
+/// the cores the forwards need when both share a host. The executor's default is 1, a
+/// response a forward: an engine streaming to users hands each token on as it is chosen.
+pub const UNWATCHED_FORWARDS_PER_RESPONSE: u32 = 8;
 
 struct Run {
     session: Arc<SharedSession>,

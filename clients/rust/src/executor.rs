@@ -621,7 +621,7 @@ impl RemoteExecutor {
             book: Arc::new(tokio::sync::Mutex::new(Book::default())),
             ahead_window,
             ahead_limit,
-            ahead_batch: crate::ahead::FORWARDS_PER_RESPONSE,
+            ahead_batch: 1,
             stop_ids,
             mask_bits: Mutex::new(None),
         })
@@ -635,9 +635,11 @@ impl RemoteExecutor {
         self
     }
 
-    /// A run's forwards the server answers in one response (at least 1; the default is
-    /// [`crate::ahead::FORWARDS_PER_RESPONSE`]): 1 hands each token over as soon as it
-    /// is chosen, more cost both sides fewer messages.
+    /// A run's forwards the server answers in one response (at least 1, the default):
+    /// 1 hands each token over as soon as it is chosen, for an engine streaming to users;
+    /// more (e.g. [`crate::ahead::UNWATCHED_FORWARDS_PER_RESPONSE`]) cost both sides
+    /// fewer messages where nobody watches the tokens come, and hold each up to that
+    /// many forwards.
     pub fn with_ahead_batch(mut self, forwards: u32) -> Self {
         self.ahead_batch = forwards.max(1);
         self

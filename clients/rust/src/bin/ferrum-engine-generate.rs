@@ -102,11 +102,13 @@ async fn main() {
             std::process::exit(1);
         }
     };
+    // The program prints each prompt's text when it ends, so nobody watches the tokens
+    // come: a run's tokens may come several forwards to a response.
     let executor = match RemoteExecutor::new(client).await {
         Ok(e) => Arc::new(match args.decode_ahead {
             Some(window) => e.with_decode_ahead(window),
             None => e,
-        }),
+        }.with_ahead_batch(ferrum_rpc_client::ahead::UNWATCHED_FORWARDS_PER_RESPONSE)),
         Err(e) => {
             eprintln!("error: {e}");
             std::process::exit(1);

@@ -479,8 +479,8 @@ async fn engine_ahead(c: &ExecutorClient, n: usize, prompt: &[u32]) -> R<()> {
 /// those after its replay, in a new run) and prints the counts.
 async fn engine_ahead_fail(c: &ExecutorClient, a: &[u32], b: &[u32]) -> R<()> {
     let err = |e: ferrum_types::FerrumError| ExecutorError::local(tonic::Code::Internal, e.to_string());
-    // one response a forward: the engine takes tokens of the run before it fails
-    let ex = RemoteExecutor::new(c.with_timeout(None)).await?.with_decode_ahead(8).with_ahead_batch(1);
+    // one response a forward (the default): the engine takes tokens of the run before it fails
+    let ex = RemoteExecutor::new(c.with_timeout(None)).await?.with_decode_ahead(8);
     let handles: Vec<Arc<dyn KvCacheHandle>> = ["seq-a", "seq-b"]
         .iter()
         .map(|k| Arc::new(EngineHandle(k.to_string(), BlockTable::new(4))) as Arc<dyn KvCacheHandle>)
