@@ -18,9 +18,9 @@ from __future__ import annotations
 import inspect
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any, BinaryIO, Callable, Iterable, Sequence, Union
+from typing import Any, Callable, Iterable, Sequence, Union
 
-from ferrum_rpc import convert, sequence_file, tensor_codec
+from ferrum_rpc import convert, tensor_codec
 from ferrum_rpc.errors import ExecutorError, RequestIdExists
 from ferrum_rpc.types import (  # the table's `returns` name some of these
     Capabilities,
@@ -40,7 +40,7 @@ from ferrum_rpc.types import (  # the table's `returns` name some of these
     VerifyOutput,
 )
 from ferrum_rpc.v1 import executor_pb2 as pb
-from . import admin
+from . import admin, transfer
 from ferrum_rpc.rules import (
     check_decode_batch,
     check_drafts,
@@ -49,10 +49,8 @@ from ferrum_rpc.rules import (
     check_id,
     check_logits_policy,
     check_prefill_batch,
-    check_push_target,
     check_sampling,
     check_shared_memory_offset,
-    check_ticket_ttl,
     check_prefill,
     checked_id,
     checked_ids,
@@ -376,56 +374,6 @@ def _fork_cache(c, kv_cache: KvCacheHandle, num_children: int) -> pb.ForkCacheRe
     return pb.ForkCacheRequest(kv_cache=convert.handle_to_proto(kv_cache), num_children=num_children)
 
 
-def _export_sequence(c, kv_cache: KvCacheHandle, file: BinaryIO | None = None,
-                     chunk_bytes: int = 0) -> pb.ExportSequenceRequest:
-    """Reads a sequence out (it is unchanged on the server): its tokens, KV and
-    compatibility fingerprint in the export byte format (``ferrum_rpc.sequence_file``).
-    Returns the bytes; with ``file`` (a binary file), writes them there as they
-    arrive and returns how many.  ``chunk_bytes``: KV per message (0: 4 MiB)."""
-    return pb.ExportSequenceRequest(model=c.model or kv_cache.model, kv_cache=convert.handle_to_proto(kv_cache),
-                                    chunk_bytes=chunk_bytes)
-
-
-def _export_each(c, message: pb.SequenceChunk, kv_cache, file=None, chunk_bytes: int = 0) -> None:
-    if file is not None:
-        file.write(sequence_file.frame(message))
-
-
-def _export_result(c, messages, kv_cache, file=None, chunk_bytes: int = 0) -> bytes | int:
-    if file is not None:
-        return sum(len(sequence_file.frame(m)) for m in messages)
-    return b"".join(sequence_file.frame(m) for m in messages)
-
-
-def _import_sequence(c, data: bytes | BinaryIO):
-    """Writes an export (bytes, or a binary file read as it goes) into the server: a new
-    sequence of the caller's tenant, as long as the exported one, whose next decode
-    gives what the exporter's would have.  Checked whole before anything is taken."""
-    return sequence_file.messages(data)
-
-
-def _create_import_ticket(c, fingerprint: str = "", ttl_s: float = 0.0) -> pb.CreateImportTicketRequest:
-    """A single-use ticket (``.ticket``) that lets another server push one sequence here
-    for this caller's tenant within ``ttl_s`` seconds (0: 30); ``fingerprint``: the
-    digest the pushed sequence must have (empty: this server's)."""
-    check_ticket_ttl(ttl_s)
-    return pb.CreateImportTicketRequest(model=c.model, fingerprint=fingerprint, ttl_s=ttl_s)
-
-
-def _push_sequence(c, kv_cache: KvCacheHandle, target: str, ticket: str, move: bool = False,
-                   chunk_bytes: int = 0) -> pb.PushSequenceRequest:
-    """Has the server stream ``kv_cache`` straight to the server at ``target`` (which
-    issued ``ticket``); with ``move``, released here once the receiver has it.
-    Returns the receiver's handle, the bytes sent and whether it was released."""
-    check_push_target(target)
-    return pb.PushSequenceRequest(model=c.model or kv_cache.model, kv_cache=convert.handle_to_proto(kv_cache),
-                                  target=target, ticket=ticket, move=move, chunk_bytes=chunk_bytes)
-
-
-def _pushed(c, reply: pb.PushSequenceResponse) -> SequencePush:
-    return SequencePush(convert.handle_from_proto(reply.kv_cache), reply.bytes_sent, reply.released)
-
-
 # -- the table ------------------------------------------------------------------------------
 
 
@@ -471,12 +419,12 @@ RPCS: tuple[Rpc, ...] = (
         replicas="any"),
     Rpc("update_weights", "UpdateWeights", admin.update_weights, lambda c, r: r, "pb.UpdateWeightsResponse",
         replicas="every"),
-    Rpc("export_sequence", "ExportSequence", _export_sequence, _export_result, "bytes | int", stream=True,
-        each=_export_each, with_args=True),
-    Rpc("import_sequence", "ImportSequence", _import_sequence, lambda c, r: convert.handle_from_proto(r.kv_cache),
+    Rpc("export_sequence", "ExportSequence", transfer.export_sequence, transfer.export_result, "bytes | int", stream=True,
+        each=transfer.export_each, with_args=True),
+    Rpc("import_sequence", "ImportSequence", transfer.import_sequence, lambda c, r: convert.handle_from_proto(r.kv_cache),
         "KvCacheHandle"),
-    Rpc("create_import_ticket", "CreateImportTicket", _create_import_ticket, lambda c, r: r, "pb.ImportTicket"),
-    Rpc("push_sequence", "PushSequence", _push_sequence, _pushed, "SequencePush"),
+    Rpc("create_import_ticket", "CreateImportTicket", transfer.create_import_ticket, lambda c, r: r, "pb.ImportTicket"),
+    Rpc("push_sequence", "PushSequence", transfer.push_sequence, transfer.pushed, "SequencePush"),
 )
 
 
