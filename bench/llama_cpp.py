@@ -13,6 +13,10 @@ the native build dies in ``ldtilecfg``), so if that child crashes, llama.cpp is 
 again with GGML_NATIVE=OFF and each instruction-set option set explicitly: ON for the
 sets whose test program (compiled with that set's flags, one of its instructions
 executed on a full vector) runs here, OFF for the rest and for AMX; ``--portable`` builds so at once.
+Under ``FERRUM_RPC_MAX_ISA=avx2`` (the cap our kernels take, see server/kernels/build.py)
+the anchor is another environment, ``llama-cpp-venv-avx2``, built that way with the
+AVX2-era sets alone: a ratio taken under the cap runs, on both sides, what an AVX2-only
+CPU would (on a newer CPU a proxy: its cores and memory are not that CPU's).
 Once a build's first forward runs, ``anchor.json`` in the environment records it;
 :func:`require` (the benchmarks that compare against llama.cpp) exits non-zero with
 one line when there is none.
@@ -40,9 +44,16 @@ from pathlib import Path
 VERSION = "0.3.36"
 
 
+def capped() -> bool:
+    """Whether ``FERRUM_RPC_MAX_ISA=avx2`` caps this run, as it caps our kernels: the
+    anchor is then llama.cpp built with the AVX2-era sets alone (:data:`AVX2_ERA`), so
+    both sides of a ratio run the code an AVX2-only CPU would."""
+    return os.environ.get("FERRUM_RPC_MAX_ISA", "").lower() == "avx2"
+
+
 def venv_dir() -> Path:
     home = Path(os.environ.get("FERRUM_RPC_HOME", Path.home() / ".cache" / "ferrum-rpc"))
-    return home / "llama-cpp-venv"
+    return home / ("llama-cpp-venv-avx2" if capped() else "llama-cpp-venv")
 
 
 def python() -> Path | None:
@@ -85,6 +96,8 @@ ISA_OPTIONS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 # Never on in the portable build: the tile instructions are what a VM may list and fault on.
 ALWAYS_OFF = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
+# What an AVX2-only CPU (AVX2 and FMA, no AVX-512, no AVX-VNNI) runs: the capped build's sets.
+AVX2_ERA = ("GGML_SSE42", "GGML_AVX", "GGML_AVX2", "GGML_FMA", "GGML_F16C", "GGML_BMI2")
 
 
 # The program around a body: ``in`` holds bytes read through a volatile pointer (and
@@ -188,6 +201,12 @@ def setup(gguf: Path, portable: bool = False) -> None:
     print(f"building llama-cpp-python {VERSION} into {target} (compiles llama.cpp; several minutes)", flush=True)
     subprocess.run([sys.executable, "-m", "venv", str(target)], check=True)
     exe = target / "bin" / "python"
+    if capped():  # the AVX2-era sets this CPU runs, the rest off: never a native build
+        isa = {o: ok for o, ok in probe_isa().items() if o in AVX2_ERA}
+        install(target, cmake_args := portable_cmake_args(isa))
+        if (failed := first_forward(exe, gguf)) is not None:
+            raise SystemExit(f"llama.cpp anchor broken: the AVX2 build's first forward failed ({failed})")
+        return _record(target, "avx2", cmake_args)
     if not portable:
         install(target, [])
         if (failed := first_forward(exe, gguf)) is None:

@@ -94,6 +94,20 @@ def test_the_portable_build_names_every_option():
     assert len(args) == len(named)
 
 
+def test_the_avx2_cap_picks_its_own_anchor(monkeypatch, tmp_path):
+    """Under FERRUM_RPC_MAX_ISA=avx2 the anchor lives apart and is built with no set an
+    AVX2-only CPU lacks, whatever this CPU runs."""
+    monkeypatch.setenv("FERRUM_RPC_HOME", str(tmp_path))
+    monkeypatch.delenv("FERRUM_RPC_MAX_ISA", raising=False)
+    assert llama_cpp.venv_dir() == tmp_path / "llama-cpp-venv"
+    monkeypatch.setenv("FERRUM_RPC_MAX_ISA", "avx2")
+    assert llama_cpp.venv_dir() == tmp_path / "llama-cpp-venv-avx2"
+    everything = {o: True for o in llama_cpp.ISA_OPTIONS}
+    args = llama_cpp.portable_cmake_args({o: ok for o, ok in everything.items() if o in llama_cpp.AVX2_ERA})
+    assert {a for a in args if a.endswith("=ON")} == {f"-D{o}=ON" for o in llama_cpp.AVX2_ERA}
+    assert "-DGGML_AVX512=OFF" in args and "-DGGML_AVX_VNNI=OFF" in args
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is not None, reason="llama_cpp importable here")
 def test_a_first_forward_that_fails_says_why():
     """The probe in an environment without llama-cpp-python: reported, not raised."""
