@@ -184,14 +184,15 @@ def engine_binary() -> Path:
 
 
 def run_rate_engine(binary: Path, target: str, tokenizer: Path, prompts_: list[list[int]], rate: float,
-                    seed: int) -> dict:
+                    seed: int, extra: tuple[str, ...] = ()) -> dict:
     """One rate's workload (the arrivals :func:`run_rate` uses) through Ferrum's engine:
     ferrum-engine-load submits each request at its arrival and reports each token's time
-    on its own clock (seconds from its run's start, the arrivals' origin)."""
+    on its own clock (seconds from its run's start, the arrivals' origin). ``extra``:
+    more of its options (the step token budget, a scheduler trace)."""
     workload = [{"arrival_s": t, "prompt_ids": p, "max_tokens": OUTPUT_TOKENS}
                 for t, p in zip(arrivals(len(prompts_), rate, seed), prompts_)]
-    done = subprocess.run([str(binary), "--addr", target, "--tokenizer", str(tokenizer)], input=json.dumps(workload),
-                          capture_output=True, text=True, timeout=1800)
+    done = subprocess.run([str(binary), "--addr", target, "--tokenizer", str(tokenizer), *extra],
+                          input=json.dumps(workload), capture_output=True, text=True, timeout=1800)
     lines = {line["index"]: line for line in map(json.loads, done.stdout.splitlines())}
     requests = []
     for i, item in enumerate(workload):
@@ -309,6 +310,12 @@ def main() -> None:
                              "llama-server")
     parser.add_argument("--engine-binary", type=Path,
                         help="a ferrum-engine-load to run instead of building clients/rust's (recorded in the results)")
+    parser.add_argument("--engine-step-tokens", type=int, nargs="+", default=[0],
+                        help="the ferrum row's engine step token budgets (ferrum-engine-load --step-tokens), a "
+                             "row each on a fresh server; 0: the program's default")
+    parser.add_argument("--engine-trace", type=Path,
+                        help="a folder for Ferrum's per-step scheduler traces of the ferrum rows "
+                             "(ferrum-engine-load --scheduler-trace), one JSON-lines file a row and rate")
     args = parser.parse_args()
     if args.build_llama_server:
         print(build_llama_server())
@@ -326,11 +333,21 @@ def main() -> None:
     if "python" in args.callers:
         with served(str(model), "float32", flags, kv_tokens=kv_tokens) as target:
             results[f"ferrum-rpc {args.quantize}"] = [run_rate(ours(target), work[r], r, args.seed) for r in args.rates]
-    if "ferrum" in args.callers:
+    for step in args.engine_step_tokens if "ferrum" in args.callers else ():
         # A fresh server of the same config: the same prompts, none in its prefix cache.
+        name = f"ferrum-engine {args.quantize}" + (f" step {step}" if step else "")
+
+        def extra(rate: float) -> tuple[str, ...]:
+            budget = ("--step-tokens", str(step)) if step else ()
+            if not args.engine_trace:
+                return budget
+            args.engine_trace.mkdir(parents=True, exist_ok=True)
+            trace = args.engine_trace / f"{args.name}_step{step or 'default'}_rate{rate:g}.jsonl"
+            return (*budget, "--scheduler-trace", str(trace))
+
         with served(str(model), "float32", flags, kv_tokens=kv_tokens) as target:
-            results[f"ferrum-engine {args.quantize}"] = [
-                run_rate_engine(binary, target, Path(model) / "tokenizer.json", work[r], r, args.seed)
+            results[name] = [
+                run_rate_engine(binary, target, Path(model) / "tokenizer.json", work[r], r, args.seed, extra(r))
                 for r in args.rates]
     if "llama" in args.callers:
         with llama_server(find_gguf(), args.threads, args.requests) as port:
@@ -350,7 +367,9 @@ def main() -> None:
                                        "output_tokens": OUTPUT_TOKENS, "prompt_tokens": PROMPT_TOKENS,
                                        "highest_held": {name: highest_held(rows) for name, rows in results.items()},
                                        "criterion": {"itl_p99_s": ITL_P99_S, "ttft_p99_s": TTFT_P99_S},
-                                       **({"engine_binary": str(args.engine_binary)} if args.engine_binary else {})})
+                                       **({"engine_binary": str(args.engine_binary)} if args.engine_binary else {}),
+                                       **({"engine_step_tokens": args.engine_step_tokens}
+                                          if "ferrum" in args.callers else {})})
     plot(results, RESULTS / f"{args.name}.png")
 
 
