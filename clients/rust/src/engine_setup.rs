@@ -31,13 +31,15 @@ pub type SharedTokenizer = Arc<dyn Tokenizer + Send + Sync>;
 /// prompt: Ferrum's scheduler caps a prompt's chunk below the step budget only once at
 /// least half of the batch slots decode (`active_decode_prefill_chunk_for_iteration`),
 /// so at a few running requests a 1,500-token prompt is one step, and every running
-/// sequence's next token waits for that prompt's forward (about a second on 2 CPU
-/// cores). 256 keeps the prompt work of a step to about a fifth of a second there
-/// (the server prefills w4a8 SmolLM2 at about 1,300 tokens/s), the size of the
-/// server's own prompt chunks (`prefill_chunk`), while a step's fixed cost (one
-/// BatchPrefill, a few ms) stays small against the chunk's forward. See
-/// docs/performance.md for the measured rates.
-pub const DEFAULT_STEP_TOKENS: usize = 256;
+/// sequence's next token waits for that prompt's forward (the engine streams a token
+/// when its step ends). 128 is the server's own budget for a forward while callers
+/// decode (`--step-token-budget`), the schedule under which the Python client's
+/// callers keep their inter-token p99 under 200 ms: a step then stalls the running
+/// sequences for about one such forward (about 0.1 s for 128 prompt tokens of w4a8
+/// SmolLM2 on 2 CPU cores), where 256 would take about the whole 200 ms. A long prompt
+/// costs a few more steps, each one BatchPrefill continuing its sequence (a few ms of
+/// fixed cost). Measured in docs/performance.md.
+pub const DEFAULT_STEP_TOKENS: usize = 128;
 
 /// Where the programs find tokenizer.json by default: the prepared SmolLM2 model under
 /// FERRUM_RPC_HOME, else ~/.cache/ferrum-rpc.
@@ -379,7 +381,7 @@ mod tests {
 
     #[test]
     fn step_tokens_and_trace_reach_the_engine_config() {
-        let mut c = cli(&["--step-tokens", "128", "--scheduler-trace", "/tmp/t.jsonl", "--other"]);
+        let mut c = cli(&["--step-tokens", "200", "--scheduler-trace", "/tmp/t.jsonl", "--other"]);
         let mut s = EngineSettings::new(DEFAULT_STEP_TOKENS);
         s.running = 40;
         while let Some(arg) = c.next() {
@@ -388,7 +390,7 @@ mod tests {
             }
         }
         let config = s.config(&ModelId::new("m"));
-        assert_eq!(config.batching.max_num_batched_tokens, 128);
+        assert_eq!(config.batching.max_num_batched_tokens, 200);
         assert_eq!(config.scheduler.max_running_requests, 40);
         assert_eq!(config.runtime.legacy_scheduler_trace_jsonl, Some(PathBuf::from("/tmp/t.jsonl")));
         assert_eq!(config.model.model_id, ModelId::new("m"));

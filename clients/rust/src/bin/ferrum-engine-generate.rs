@@ -12,7 +12,7 @@
 //! separated by spaces. K requests are in flight at once. --decode-ahead N: the
 //! executor's decode-ahead runs hold at most N tokens a sequence (0: no decoding ahead;
 //! default 64). --step-tokens N: the engine step's token budget (default
-//! engine_setup::DEFAULT_STEP_TOKENS, 256: a long prompt is prefilled in chunks that
+//! engine_setup::DEFAULT_STEP_TOKENS, 128: a long prompt is prefilled in chunks that
 //! fit it); --scheduler-trace FILE: Ferrum's per-step scheduler trace (JSON lines).
 //! With --timing, a last line `timing {json}` gives per-request time to first token
 //! and decode tokens/s.

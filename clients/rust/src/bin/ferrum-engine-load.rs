@@ -26,7 +26,7 @@
 //! The engine is built as ferrum-engine-generate builds it (crate::engine_setup: same
 //! connection, executor, tokenizer file and EngineConfig, with room for every request
 //! to run at once). --step-tokens N: the engine step's token budget, decodes and prompt
-//! chunks together (default engine_setup::DEFAULT_STEP_TOKENS, 256), so a long prompt
+//! chunks together (default engine_setup::DEFAULT_STEP_TOKENS, 128), so a long prompt
 //! is prefilled over several steps instead of stalling every running request's next
 //! token for its whole forward; --scheduler-trace FILE: Ferrum's per-step scheduler
 //! trace (JSON lines: each step's decode and prompt tokens and its time).
