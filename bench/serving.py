@@ -32,6 +32,7 @@ continuous batching and one ``--parallel`` slot per request a rate can have in f
     python -m bench.serving --build-llama-server     # once
     python -m bench.serving [--requests 16] [--rates 0.25 0.5 1 2 0]   # 0: all 16 at once
         [--callers python ferrum llama] [--out serving]
+        [--engine-step-tokens 128 2048] [--engine-trace DIR]   # a ferrum row per step budget
 """
 
 from __future__ import annotations
