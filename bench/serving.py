@@ -36,6 +36,7 @@ continuous batching and one ``--parallel`` slot per request a rate can have in f
     python -m bench.serving --build-llama-server     # once
     python -m bench.serving [--requests 16] [--rates 0.25 0.5 1 2 3 0]   # 0: all 16 at once
         [--no-alone] [--callers python ferrum llama] [--out serving]
+        [--engine-step-tokens 128 2048] [--engine-trace DIR]   # a ferrum row per step budget
 """
 
 from __future__ import annotations
@@ -205,27 +206,30 @@ def engine_binary() -> Path:
 
 
 def run_rate_engine(binary: Path, target: str, tokenizer: Path, prompts_: list[list[int]], rate: float,
-                    seed: int) -> dict:
-    """One rate's workload (the arrivals :func:`run_rate` uses) through Ferrum's engine."""
-    requests = engine_requests(binary, target, tokenizer, prompts_, arrivals(len(prompts_), rate, seed))
+                    seed: int, extra: tuple[str, ...] = ()) -> dict:
+    """One rate's workload (the arrivals :func:`run_rate` uses) through Ferrum's engine;
+    ``extra``: more of ferrum-engine-load's options (the step token budget, a scheduler
+    trace)."""
+    requests = engine_requests(binary, target, tokenizer, prompts_, arrivals(len(prompts_), rate, seed), extra)
     return summarise(requests, rate, "poisson" if rate else "burst")
 
 
-def run_alone_engine(binary: Path, target: str, tokenizer: Path, prompts_: list[list[int]]) -> dict:
+def run_alone_engine(binary: Path, target: str, tokenizer: Path, prompts_: list[list[int]],
+                     extra: tuple[str, ...] = ()) -> dict:
     """:func:`run_alone` through Ferrum's engine: one ferrum-engine-load run a request,
     each timed from its own run's start (after the engine is built)."""
-    requests = [r for p in prompts_ for r in engine_requests(binary, target, tokenizer, [p], [0.0])]
+    requests = [r for p in prompts_ for r in engine_requests(binary, target, tokenizer, [p], [0.0], extra)]
     return summarise(requests, 0.0, "alone")
 
 
 def engine_requests(binary: Path, target: str, tokenizer: Path, prompts_: list[list[int]],
-                    arrivals_s: list[float]) -> list[Request]:
+                    arrivals_s: list[float], extra: tuple[str, ...] = ()) -> list[Request]:
     """ferrum-engine-load submits each request at its arrival and reports each token's time
     on its own clock (seconds from its run's start, the arrivals' origin)."""
     workload = [{"arrival_s": t, "prompt_ids": p, "max_tokens": OUTPUT_TOKENS}
                 for t, p in zip(arrivals_s, prompts_)]
-    done = subprocess.run([str(binary), "--addr", target, "--tokenizer", str(tokenizer)], input=json.dumps(workload),
-                          capture_output=True, text=True, timeout=1800)
+    done = subprocess.run([str(binary), "--addr", target, "--tokenizer", str(tokenizer), *extra],
+                          input=json.dumps(workload), capture_output=True, text=True, timeout=1800)
     lines = {line["index"]: line for line in map(json.loads, done.stdout.splitlines())}
     requests = []
     for i, item in enumerate(workload):
@@ -348,6 +352,12 @@ def main() -> None:
                              "llama-server")
     parser.add_argument("--engine-binary", type=Path,
                         help="a ferrum-engine-load to run instead of building clients/rust's (recorded in the results)")
+    parser.add_argument("--engine-step-tokens", type=int, nargs="+", default=[0],
+                        help="the ferrum row's engine step token budgets (ferrum-engine-load --step-tokens), a "
+                             "row each on a fresh server; 0: the program's default")
+    parser.add_argument("--engine-trace", type=Path,
+                        help="a folder for Ferrum's per-step scheduler traces of the ferrum rows "
+                             "(ferrum-engine-load --scheduler-trace), one JSON-lines file a row and rate")
     args = parser.parse_args()
     if args.build_llama_server:
         print(build_llama_server())
@@ -368,13 +378,23 @@ def main() -> None:
             results[f"ferrum-rpc {args.quantize}"] = (
                 [run_alone(ours(target), lone)] if args.alone else []) + [
                 run_rate(ours(target), work[r], r, args.seed) for r in args.rates]
-    if "ferrum" in args.callers:
+    for step in args.engine_step_tokens if "ferrum" in args.callers else ():
         # A fresh server of the same config: the same prompts, none in its prefix cache.
+        name = f"ferrum-engine {args.quantize}" + (f" step {step}" if step else "")
+
+        def extra(run: str) -> tuple[str, ...]:
+            budget = ("--step-tokens", str(step)) if step else ()
+            if not args.engine_trace:
+                return budget
+            args.engine_trace.mkdir(parents=True, exist_ok=True)
+            trace = args.engine_trace / f"{args.name}_step{step or 'default'}_{run}.jsonl"
+            return (*budget, "--scheduler-trace", str(trace))
+
         with served(str(model), "float32", flags, kv_tokens=kv_tokens) as target:
             tokenizer = Path(model) / "tokenizer.json"
-            results[f"ferrum-engine {args.quantize}"] = (
-                [run_alone_engine(binary, target, tokenizer, lone)] if args.alone else []) + [
-                run_rate_engine(binary, target, tokenizer, work[r], r, args.seed) for r in args.rates]
+            results[name] = ([run_alone_engine(binary, target, tokenizer, lone, extra("alone"))] if args.alone else []) + [
+                run_rate_engine(binary, target, tokenizer, work[r], r, args.seed, extra(f"rate{r:g}"))
+                for r in args.rates]
     if "llama" in args.callers:
         with llama_server(find_gguf(), args.threads, args.requests) as port:
             results["llama-server Q4_1"] = ([run_alone(llama(port), lone)] if args.alone else []) + [
@@ -397,7 +417,9 @@ def main() -> None:
                                        "highest_held_itl_only": {name: highest_held(rows, "holds_itl")
                                                                  for name, rows in results.items()},
                                        "criterion": {"itl_p99_s": ITL_P99_S, "ttft_p99_s": TTFT_P99_S},
-                                       **({"engine_binary": str(args.engine_binary)} if args.engine_binary else {})})
+                                       **({"engine_binary": str(args.engine_binary)} if args.engine_binary else {}),
+                                       **({"engine_step_tokens": args.engine_step_tokens}
+                                          if "ferrum" in args.callers else {})})
     plot(results, RESULTS / f"{args.name}.png")
 
 

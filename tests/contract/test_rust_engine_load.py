@@ -38,9 +38,9 @@ def smol(default_model_dir):
         yield srv
 
 
-def load(rust_bin: Path, target: str, tokenizer: Path, workload: list[dict]):  # noqa: F811
-    done = subprocess.run([str(rust_bin / "ferrum-engine-load"), "--addr", target, "--tokenizer", str(tokenizer)],
-                          input=json.dumps(workload), capture_output=True, text=True, timeout=300)
+def load(rust_bin: Path, target: str, tokenizer: Path, workload: list[dict], *extra: str):  # noqa: F811
+    done = subprocess.run([str(rust_bin / "ferrum-engine-load"), "--addr", target, "--tokenizer", str(tokenizer),
+                           *extra], input=json.dumps(workload), capture_output=True, text=True, timeout=300)
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     return done, {line["index"]: line for line in lines}
 
@@ -79,19 +79,50 @@ def test_engine_load_ids_and_times(rust_bin, smol, default_model_dir):  # noqa: 
                  until=lambda n: n == 0)
 
 
-def test_engine_load_prompt_longer_than_a_step(rust_bin, smol, default_model_dir):  # noqa: F811
-    """A prompt longer than the engine's per-step token budget (Ferrum's default 2,048)
-    is prefilled in chunks, each continuing the sequence the first made (a continuation
-    carries no request_id: the server refuses one there)."""
-    # English text, not arbitrary ids: Ferrum's engine never generates a token that
-    # decodes to a lone byte fragment (its token policy), and greedy on arbitrary ids
-    # picks such tokens where generate_ids, which forbids nothing, takes them
+def english_ids(default_model_dir, n: int) -> list[int]:
+    """``n`` token ids of English text. Not arbitrary ids: Ferrum's engine never
+    generates a token that decodes to a lone byte fragment (its token policy), and
+    greedy on arbitrary ids picks such tokens where generate_ids, which forbids nothing,
+    takes them."""
     text = (Path(__file__).resolve().parents[1] / "data" / "english.txt").read_text()
     ids = Tokenizer.from_file(str(Path(default_model_dir) / "tokenizer.json")).encode(text).ids
-    prompt = (ids * (2100 // len(ids) + 1))[:2100]
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+def test_engine_load_prompt_longer_than_a_step(rust_bin, smol, default_model_dir):  # noqa: F811
+    """A prompt longer than Ferrum's own per-step token budget (2,048, asked for here) is
+    prefilled in chunks, each continuing the sequence the first made (a continuation
+    carries no request_id: the server refuses one there)."""
+    prompt = english_ids(default_model_dir, 2100)
     with ExecutorClient(smol.target, timeout=120) as c:
         want = list(generate_ids(c, prompt, 2, SamplingParams(greedy=True)))
     done, got = load(rust_bin, smol.target, Path(default_model_dir) / "tokenizer.json",
-                     [{"arrival_s": 0.0, "prompt_ids": prompt, "max_tokens": 2}])
+                     [{"arrival_s": 0.0, "prompt_ids": prompt, "max_tokens": 2}], "--step-tokens", "2048")
     assert got[0]["error"] is None, got[0]["error"]
     assert got[0]["ids"] == want and done.returncode == 0
+
+
+def test_engine_load_steps_keep_to_the_step_budget(rust_bin, smol, default_model_dir, tmp_path):  # noqa: F811
+    """--step-tokens bounds every engine step, decodes and prompt chunks together: a
+    700-token prompt arriving while another request decodes is prefilled over several
+    steps that keep decoding the first (Ferrum's scheduler trace says what each step
+    carried), and both requests' ids equal generate_ids'. (100, not the program's
+    default, so that the option is what bounds them.)"""
+    budget = 100
+    short, long_ = english_ids(default_model_dir, 20), english_ids(default_model_dir, 720)[20:]
+    with ExecutorClient(smol.target, timeout=120) as c:
+        want = [list(generate_ids(c, p, n, SamplingParams(greedy=True))) for p, n in ((short, 40), (long_, 3))]
+    trace = tmp_path / "trace.jsonl"
+    done, got = load(rust_bin, smol.target, Path(default_model_dir) / "tokenizer.json",
+                     [{"arrival_s": 0.0, "prompt_ids": short, "max_tokens": 40},
+                      {"arrival_s": 0.1, "prompt_ids": long_, "max_tokens": 3}],
+                     "--step-tokens", str(budget), "--scheduler-trace", str(trace))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [got[0]["ids"], got[1]["ids"]] == want
+    plans = [e["plan"] for e in map(json.loads, trace.read_text().splitlines())
+             if e.get("event") == "scheduler_iteration" and e.get("result") == "some_ok"]
+    assert sum(p["prefill_tokens"] for p in plans) == len(short) + len(long_), plans
+    assert max(p["prefill_tokens"] + p["decode_tokens"] for p in plans) <= budget, plans
+    # The long prompt went in at least ceil(700 / 100) steps, and some carried a decode.
+    assert sum(1 for p in plans if p["prefill_tokens"] > 0) >= -(-len(long_) // budget), plans
+    assert any(p["prefill_tokens"] > 0 and p["decode_items"] > 0 for p in plans), plans

@@ -12,6 +12,7 @@ pub mod pb {
 
 pub mod ahead;
 pub mod client;
+pub mod engine_setup;
 pub mod error;
 pub mod executor;
 pub mod logits;

@@ -2,7 +2,7 @@
 //! through RemoteExecutor, serving a timed workload of token-id prompts.
 //!
 //! ferrum-engine-load --addr HOST:PORT [--token T] [--workload FILE|-] [--tokenizer FILE]
-//!     [--stop-at-eos]
+//!     [--stop-at-eos] [--step-tokens N] [--scheduler-trace FILE]
 //!
 //! The workload is JSON: a list of `{"arrival_s": S, "prompt_ids": [..], "max_tokens": N}`
 //! (from FILE, or stdin when FILE is `-` or not given). The engine is built first; then
@@ -23,16 +23,18 @@
 //! change: a prompt that is all whitespace-separated integers encodes to those ids as
 //! they are (no special tokens added). Decoding (the stream's text) is tokenizer.json's.
 //!
-//! The engine is built as ferrum-engine-generate builds it (same connection, executor,
-//! tokenizer file and EngineConfig, with room for every request to run at once); that
-//! code lives in its bin, so the few lines are repeated here.
+//! The engine is built as ferrum-engine-generate builds it (crate::engine_setup: same
+//! connection, executor, tokenizer file and EngineConfig, with room for every request
+//! to run at once). --step-tokens N: the engine step's token budget, decodes and prompt
+//! chunks together (default engine_setup::DEFAULT_STEP_TOKENS, 128), so a long prompt
+//! is prefilled over several steps instead of stalling every running request's next
+//! token for its whole forward; --scheduler-trace FILE: Ferrum's per-step scheduler
+//! trace (JSON lines: each step's decode and prompt tokens and its time).
 
-use ferrum_engine::EngineBuilder;
 use ferrum_interfaces::tokenizer::{ChatMessage, Tokenizer, TokenizerInfo};
 use ferrum_interfaces::ModelExecutor;
-use ferrum_rpc_client::{ClientOptions, ExecutorClient, RemoteExecutor};
-use ferrum_types::{EngineConfig, InferenceRequest, SamplingParams, SpecialTokens, TokenId};
-use futures::StreamExt;
+use ferrum_rpc_client::engine_setup::{self as setup, fail, Cli, EngineSettings};
+use ferrum_types::{InferenceRequest, SamplingParams, SpecialTokens, TokenId};
 use serde_json::{json, Value};
 use std::io::{Read, Write};
 use std::path::PathBuf;
@@ -46,6 +48,7 @@ struct Args {
     workload: Option<PathBuf>,
     tokenizer: PathBuf,
     stop_at_eos: bool,
+    engine: EngineSettings,
 }
 
 struct Item {
@@ -54,19 +57,11 @@ struct Item {
     max_tokens: usize,
 }
 
-fn default_tokenizer() -> PathBuf {
-    let home = std::env::var_os("FERRUM_RPC_HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/ferrum-rpc"));
-    home.join("models/SmolLM2-135M-Instruct/tokenizer.json")
-}
+const USAGE: &str = "ferrum-engine-load --addr HOST:PORT [--token T] [--workload FILE|-] [--tokenizer FILE] \
+[--stop-at-eos] [--step-tokens N] [--scheduler-trace FILE]";
 
 fn usage(msg: &str) -> ! {
-    eprintln!(
-        "{msg}\nusage: ferrum-engine-load --addr HOST:PORT [--token T] [--workload FILE|-] [--tokenizer FILE] \
-         [--stop-at-eos]"
-    );
-    std::process::exit(2)
+    Cli::new(USAGE, vec![]).usage(msg)
 }
 
 fn parse() -> Args {
@@ -74,26 +69,27 @@ fn parse() -> Args {
         addr: String::new(),
         token: std::env::var("FERRUM_RPC_TOKEN").ok(),
         workload: None,
-        tokenizer: default_tokenizer(),
+        tokenizer: setup::default_tokenizer(),
         stop_at_eos: false,
+        engine: EngineSettings::new(setup::DEFAULT_STEP_TOKENS),
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut val = |name: &str| it.next().unwrap_or_else(|| usage(&format!("{name} needs a value")));
+    let mut cli = Cli::from_env(USAGE);
+    while let Some(arg) = cli.next() {
         match arg.as_str() {
-            "--addr" => a.addr = val("--addr"),
-            "--token" => a.token = Some(val("--token")),
+            "--addr" => a.addr = cli.value("--addr"),
+            "--token" => a.token = Some(cli.value("--token")),
             "--workload" => {
-                let v = val("--workload");
+                let v = cli.value("--workload");
                 a.workload = (v != "-").then(|| PathBuf::from(v));
             }
-            "--tokenizer" => a.tokenizer = PathBuf::from(val("--tokenizer")),
+            "--tokenizer" => a.tokenizer = PathBuf::from(cli.value("--tokenizer")),
             "--stop-at-eos" => a.stop_at_eos = true,
-            s => usage(&format!("unknown argument {s}")),
+            s if a.engine.take(s, &mut cli) => {}
+            s => cli.usage(&format!("unknown argument {s}")),
         }
     }
     if a.addr.is_empty() {
-        usage("--addr is required");
+        cli.usage("--addr is required");
     }
     a
 }
@@ -190,37 +186,22 @@ impl Tokenizer for IdsTokenizer {
     }
 }
 
-fn fail(msg: String) -> ! {
-    eprintln!("error: {msg}");
-    std::process::exit(1)
-}
-
 #[tokio::main]
 async fn main() {
     let args = parse();
     let work = read_workload(args.workload.as_ref());
 
-    // The engine, as ferrum-engine-generate builds it.
-    let opts = ClientOptions { token: args.token.clone(), ..Default::default() };
-    let client = ExecutorClient::connect(&args.addr, opts).await.unwrap_or_else(|e| fail(e.to_string()));
-    let executor = Arc::new(RemoteExecutor::new(client).await.unwrap_or_else(|e| fail(e.to_string())));
+    // The engine, as ferrum-engine-generate builds it, with a running slot for every
+    // request of the workload (a burst: none waits on a slot).
+    let executor = Arc::new(setup::connect(&args.addr, args.token.clone()).await.unwrap_or_else(|e| fail(e)));
     let model_id = executor.info().model_id.clone();
-    let tokenizer =
-        ferrum_tokenizer::implementations::HuggingFaceTokenizer::from_file(&args.tokenizer.to_string_lossy())
-            .await
-            .unwrap_or_else(|e| fail(format!("tokenizer {}: {e}", args.tokenizer.display())));
+    let tokenizer = setup::load_tokenizer(&args.tokenizer).await.unwrap_or_else(|e| fail(e));
     let tokenizer = IdsTokenizer { inner: Arc::new(tokenizer) };
-    let mut config = EngineConfig::default();
-    config.model.model_id = model_id.clone();
-    // Every request of the workload may be in flight at once (a burst): none waits on a slot.
-    config.scheduler.max_running_requests = config.scheduler.max_running_requests.max(work.len());
-    let engine = EngineBuilder::new(config)
-        .with_custom_executor(executor.clone())
-        .with_custom_tokenizer(Arc::new(tokenizer))
-        .build()
+    let mut settings = args.engine.clone();
+    settings.running = work.len();
+    let (engine, _) = setup::build_engine(settings.config(&model_id), executor.clone(), Arc::new(tokenizer))
         .await
-        .unwrap_or_else(|e| fail(format!("engine: {e}")));
-    let engine: Arc<dyn ferrum_interfaces::engine::LlmInferenceEngine + Send + Sync> = Arc::from(engine);
+        .unwrap_or_else(|e| fail(e));
 
     let start = Instant::now();
     let stop_at_eos = args.stop_at_eos;
@@ -244,34 +225,18 @@ async fn main() {
                 }
                 let mut ids: Vec<u32> = Vec::new();
                 let mut times: Vec<f64> = Vec::new();
-                let result: ferrum_types::Result<()> = async {
-                    let mut stream = engine.infer_stream(request).await?;
-                    let mut finish = None;
-                    while let Some(chunk) = stream.next().await {
-                        let chunk = chunk?;
-                        if let Some(t) = chunk.token {
-                            times.push(start.elapsed().as_secs_f64());
-                            ids.push(t.get());
-                        }
-                        if chunk.finish_reason.is_some() {
-                            finish = chunk.finish_reason;
-                            break;
-                        }
-                    }
-                    // Ended on an error, or the stream closed without a finish: the
-                    // executor's last error says why.
-                    match finish {
-                        Some(ferrum_types::FinishReason::Error) | None => {
-                            Err(ferrum_types::FerrumError::backend(format!(
-                                "the engine ended the request ({}): {}",
-                                finish.map(|f| format!("{f:?}")).unwrap_or_else(|| "stream closed".into()),
-                                executor.last_error().unwrap_or_else(|| "no executor error".into())
-                            )))
-                        }
-                        _ => Ok(()),
-                    }
-                }
+                let streamed = setup::stream_request(&engine, request, |t| {
+                    times.push(start.elapsed().as_secs_f64());
+                    ids.push(t);
+                })
                 .await;
+                // Ended on an error, or the stream closed without a finish: the
+                // executor's last error says why.
+                let result = streamed.and_then(|(_, finish)| {
+                    setup::finished(finish, || {
+                        Some(executor.last_error().unwrap_or_else(|| "no executor error".into()))
+                    })
+                });
                 let error = result.err().map(|e| e.to_string());
                 let line = json!({"index": index, "arrival_s": item.arrival_s, "submitted_s": submitted_s,
                                   "ids": ids, "times": times, "error": error});
