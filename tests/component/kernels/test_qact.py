@@ -284,9 +284,9 @@ def test_a_rows_bits_do_not_depend_on_the_row_count(cls, bits, isa):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("scales", [torch.float32, torch.float16])
-@pytest.mark.parametrize("cls,bits", [(qact.TwoDigitLinear, 8), (qact.TwoDigitLinear, 4), (qact.BlockQ8Linear, 8),
-                                      (qact.RotatedQ8Linear, 8)])
+@pytest.mark.parametrize("cls,bits,scales", [
+    (cls, bits, scales) for cls, bits in [(qact.TwoDigitLinear, 8), (qact.TwoDigitLinear, 4), (qact.BlockQ8Linear, 8)]
+    for scales in (torch.float32, torch.float16)] + [(qact.RotatedQ8Linear, 8, torch.float32)])  # Q4_1's grid rotates
 def test_avx2_wide_loops_give_the_vnni_loops_bits(cls, bits, scales, extension):
     """AVX2 runs two digits and 8-bit codes on int16 activations (vpmaddwd, qact_tile.inc
     tile_wide): the VNNI loops' integer sums and float steps, so their bits, at every
