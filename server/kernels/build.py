@@ -105,8 +105,18 @@ def build_extension() -> Path:
 @functools.lru_cache(maxsize=None)
 def load_library() -> None:
     """Builds (once, cached on disk) and loads the CPU kernels into this process.
-    Raises where they cannot be built or loaded.  ``FERRUM_RPC_MAX_ISA``
-    (avx512, avx2 or portable) caps their inner loops, as a weaker CPU would."""
+    Raises where they cannot be built or loaded.  ``FERRUM_RPC_MAX_ISA`` caps their
+    inner loops, as a weaker CPU would (``_CAPS``)."""
     torch.ops.load_library(str(build_extension()))
     if cap := os.environ.get("FERRUM_RPC_MAX_ISA"):
-        log.info("CPU kernels capped at %s inner loops: now %s", cap, torch.ops.ferrum_woq.set_max_isa(cap))
+        fused, integer = _CAPS.get(cap, (cap, cap))
+        log.info("CPU kernels capped at %s inner loops: now %s, integer loops %s", cap,
+                 torch.ops.ferrum_woq.set_max_isa(fused), torch.ops.ferrum_qact.set_max_isa(integer))
+
+
+# FERRUM_RPC_MAX_ISA: the cap of the float loops (woq.cpp's, which every fused op
+# follows) and of the integer loops (qact.cpp's) it stands for.  ``avx2`` is an AVX2
+# CPU without AVX-VNNI (Haswell to Skylake, Zen 2 and 3), so no vpdpbusd either;
+# ``avx-vnni`` one with it (Alder Lake, Zen 5 without AVX-512).
+_CAPS = {"avx512": ("avx512", "avx512-vnni"), "avx-vnni": ("avx2", "avx-vnni"), "avx2": ("avx2", "avx2"),
+         "portable": ("portable", "portable")}

@@ -9,7 +9,8 @@ kernels expand every weight code to float32 instead).
   the LM head stays 8-bit, Q8_0), activations to int8 with a step per half block of
   16.  ``csrc/qact.cpp`` runs both over weight rows packed 8 to a group and
   interleaved per block (``pack_rows``): AVX-512 VNNI or AVX-VNNI ``vpdpbusd``, AVX2
-  ``vpmaddubsw``/``vpmaddwd``, or portable C++, whichever the CPU has, probed at load.
+  ``vpmaddwd`` over int16 activations (two digits, 8-bit codes) or ``vpmaddubsw``
+  (4-bit codes, one digit), or portable C++, whichever the CPU has, probed at load.
   Fallback (``torch-q8``): activations fake-quantized per block in torch, then
   ``F.linear`` over the dequantized weights.
 * **w8a8's rotation** (``RotatedQ8Linear``): each 16 activation elements are rotated

@@ -50,7 +50,8 @@ CASES = [("llama", "float32", "none", ""), ("llama", "bfloat16", "none", ""), ("
          ("llama", "float32", "int8", ""), ("q4llama", "float32", "int4", ""), ("q4llama", "float32", "w8a8", ""),
          ("qwen3", "float32", "w4a8", ""), ("llama", "bfloat16", "w4a8", ""),
          ("q4llama", "float32", "w8a8", "avx-vnni"), ("q4llama", "float32", "w8a8", "avx2"),
-         ("llama", "float32", "int4", "avx2"), ("llama", "float32", "int8", "portable"),
+         ("llama", "float32", "int4", "avx2"), ("llama", "float32", "int8", "avx2"), ("llama", "float32", "w4a8", "avx2"),
+         ("llama", "float32", "int8", "portable"),
          ("llama", "float32", "none", "", "tp2"), ("llama", "float32", "none", "", "kv-bf16"),
          ("llama", "float32", "none", "", "kv-int8"), ("llama", "bfloat16", "w4a8", "", "kv-int8")]
 

@@ -30,9 +30,11 @@
 // once and capped by ferrum_qact::set_max_isa so tests run every one this CPU has:
 //   avx512-vnni  vpdpbusd on 512-bit registers, a unit of 16 rows at a time
 //   avx-vnni     the same instruction, VEX-encoded (AVX-VNNI, on AVX2 CPUs)
-//   avx2         vpmaddubsw + vpmaddwd: 4-bit sums stay in int16 over a whole
-//                block (<= 16 * 15 * 127); 8-bit codes go as |c| and sign(q, c)
-//                with c = code - 128 (pairs <= 2 * 128 * 127, no saturation)
+//   avx2         two digits and 8-bit codes: each activation as one int16 (128 q + q',
+//                or q) by vpmaddwd against codes widened to int16 once per block for
+//                all rows (tile_wide: the VNNI loops' sums and bits); 4-bit codes with
+//                one digit: vpmaddubsw + vpmaddwd, int16 sums over a whole block
+//                (<= 16 * 15 * 127)
 //   portable     C++ integer sums per block (the same numbers up to float
 //                summation order)
 // Activation rows are quantized by 256-bit vector loops on every x86 path (the
@@ -248,6 +250,10 @@ std::string set_max_isa(const std::string& name) {
   return isa();
 }
 
+// Whether `isa`'s loops take activations as int16 too (Q8Rows::v): AVX2's, for two
+// digits and 8-bit weights (qact_tile.inc tile_wide).
+bool wide(int isa) { return isa == kAvx2; }
+
 // Weight units [u0, u1) on the inner loops of `isa`.
 template <int BITS, bool HALF, int DIGITS>
 void run_groups(int isa, const Packed& W, int64_t u0, int64_t u1, const Q8Rows& X, int64_t M, float* y) {
@@ -341,9 +347,9 @@ void quantize_blocks(const float* x, int64_t b0, int64_t b1, int64_t K, int digi
   quantize_portable(x, b0, b1, G, digits, out);
 }
 
-Q8Rows rows_for(int64_t M, int64_t K, int digits) {
+Q8Rows rows_for(int64_t M, int64_t K, int digits, int isa) {
   return {std::vector<int8_t>(M * digits * K), std::vector<float>(2 * M * (K / kBlock)),
-          std::vector<float>(M * (K / kBlock))};
+          std::vector<float>(M * (K / kBlock)), std::vector<int16_t>(wide(isa) ? M * K : 0)};
 }
 
 void run_units(int isa, const Packed& W, int bits, int64_t u0, int64_t u1, const Q8Rows& X, int64_t M, int digits,
@@ -360,7 +366,7 @@ using ferrum_qact::quantize_blocks, ferrum_qact::rows_for, ferrum_qact::run_unit
 Q8Rows quantize_rows(const float* x, int64_t M, int64_t K, int digits, bool rotated, int isa) {
   const int64_t G = K / kBlock;
   std::vector<float> scratch(rotated ? M * K : 0);
-  Q8Rows out = rows_for(M, K, digits);
+  Q8Rows out = rows_for(M, K, digits, isa);
   at::parallel_for(0, M * G, 64, [&](int64_t begin, int64_t end) {
     quantize_blocks(x, begin, end, K, digits, rotated, isa, out, scratch.data());
   });

@@ -12,10 +12,12 @@
 namespace ferrum_qact {
 
 // Activation rows quantized per block (qact.cpp explains the grid): codes
-// (M * digits, K) int8, a step per half block (M, K/16), the value sum per block (M, K/32).
+// (M * digits, K) int8, a step per half block (M, K/16), the value sum per block (M, K/32),
+// and for two digits on the AVX2 loops each element's 128 q + q' as one int16 (M, K).
 struct Q8Rows {
   std::vector<int8_t> q;
   std::vector<float> d, sum;  // d: 2 a block (its halves), sum: 1 a block
+  std::vector<int16_t> v;     // empty unless rows_for's isa takes it (qact.cpp: wide activations)
 };
 
 struct Packed {
@@ -29,8 +31,8 @@ struct Packed {
 int isa_level();
 // Checked views of a packed linear's tensors (all N = 16 U outputs).
 Packed packed(const at::Tensor& codes, const at::Tensor& scales, int64_t bits);
-// Room for M rows of K.
-Q8Rows rows_for(int64_t M, int64_t K, int digits);
+// Room for M rows of K, quantized for the inner loops of `isa` (isa_level()).
+Q8Rows rows_for(int64_t M, int64_t K, int digits, int isa);
 // Blocks [b0, b1) of x (M, K; row m's block g is m K/32 + g) into out, after
 // rotate16 into `scratch` (M * K floats, the same blocks) where `rotated`.
 // The same codes as quantize_rows, whichever thread quantizes which blocks.

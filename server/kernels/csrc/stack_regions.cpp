@@ -207,11 +207,11 @@ at::Tensor DecodeStack::forward_one_region(const at::Tensor& x, const StackStep&
   const int threads = in.threads, copies = in.copies;
   std::vector<float> att(M * H * D), qkv(M * Wq), qf(M * H * D), gu(M * 2 * I), y(M * C);
   // the rows a linear reads (quantized), and the norm's or silu*up's output before that: a copy a thread, or one
-  std::vector<ferrum_qact::Q8Rows> Xs(copies, ferrum_qact::rows_for(M, maxK, 2));
+  const int isa = ferrum_qact::isa_level();
+  std::vector<ferrum_qact::Q8Rows> Xs(copies, ferrum_qact::rows_for(M, maxK, 2, isa));
   std::vector<std::vector<float>> xns(copies, std::vector<float>(M * maxK)), scratches(xns);
   float* hp = in.h.template data_ptr<float>();
   const bool avx2 = avx2_on();
-  const int isa = ferrum_qact::isa_level();
   AttnPlan plan = attention_plan(in.args, threads);  // the same positions in every layer
   SpinBarrier bar;
 #pragma omp parallel num_threads(threads)

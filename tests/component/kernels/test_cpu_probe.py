@@ -5,7 +5,10 @@ And the kernels' choice of inner loops follows what that one C++ probe found."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,3 +106,22 @@ def test_cpu_identity_names_the_model_and_sorted_flags():
     got = json.loads(select.cpu_identity())
     flags = got.get("flags") or got.get("Features")
     assert flags is not None and flags.split() == sorted(flags.split())
+
+
+@pytest.mark.parametrize("cap,want", [("avx2", ("avx2", "avx2")), ("avx-vnni", ("avx2", "avx-vnni")),
+                                      ("portable", ("portable", "portable"))])
+def test_the_isa_cap_stands_for_a_cpu_without_what_it_leaves_out(cap, want):
+    """FERRUM_RPC_MAX_ISA caps the float and the integer loops alike: ``avx2`` is an AVX2
+    CPU without AVX-VNNI, so no vpdpbusd either (the proxy for an AVX2-only host);
+    ``avx-vnni`` keeps it.  In a child: the cap is read once, at load."""
+    f = _flags()
+    if want[1] == "avx-vnni" and not {"avx_vnni", "avx2", "fma", "f16c"} <= f:
+        pytest.skip("this CPU has no AVX-VNNI")
+    if want[0] == "avx2" and not {"avx2", "fma", "f16c"} <= f:
+        pytest.skip("this CPU has no AVX2")
+    script = ("import torch; from ferrum_rpc.server.kernels.build import load_library; load_library(); "
+              "print(torch.ops.ferrum_woq.isa(), torch.ops.ferrum_qact.isa())")
+    done = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, FERRUM_RPC_MAX_ISA=cap),
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert tuple(done.stdout.split()) == want

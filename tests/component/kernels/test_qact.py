@@ -213,8 +213,8 @@ def test_packed_layout_round_trips(bits):
 
 def test_int8_codes_at_both_ends_do_not_saturate(extension):
     """Codes -128 and 127 against activations of +-127 in every lane: vpdpbusd
-    takes the unsigned codes; the AVX2 sign trick (vpmaddubsw of |c| and sign(q, c))
-    reaches 2 * 128 * 127 per int16 pair, just inside."""
+    takes the unsigned codes, and so does AVX2's vpmaddwd over int16 activations
+    (qact_tile.inc tile_wide: 2 * 255 * 127 per int32 pair, far inside)."""
     weight = torch.tensor([[-128.0] * 16 + [127.0] * 16, [127.0] * 32]).repeat(4, 3)  # (8, 96)
     layer = qact.BlockQ8Linear(weight, None, 8, qact.QACT)
     assert (layer.dequantized() == weight).all()  # the symmetric grid holds these exactly
@@ -282,6 +282,37 @@ def test_a_rows_bits_do_not_depend_on_the_row_count(cls, bits, isa):
         assert torch.equal(layer(x[3:16]), full[3:16]) and torch.equal(layer(x[5:]), full[5:])
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("cls,bits,scales", [
+    (cls, bits, scales) for cls, bits in [(qact.TwoDigitLinear, 8), (qact.TwoDigitLinear, 4), (qact.BlockQ8Linear, 8)]
+    for scales in (torch.float32, torch.float16)] + [(qact.RotatedQ8Linear, 8, torch.float32)])  # Q4_1's grid rotates
+def test_avx2_wide_loops_give_the_vnni_loops_bits(cls, bits, scales, extension):
+    """AVX2 runs two digits and 8-bit codes on int16 activations (vpmaddwd, qact_tile.inc
+    tile_wide): the VNNI loops' integer sums and float steps, so their bits, at every
+    row count: the few-row tiles widen the codes in registers, past 4 rows once per
+    group for all rows."""
+    if extension.set_max_isa("avx2") != "avx2":
+        pytest.skip("this CPU cannot run the avx2 path")
+    gen = torch.Generator().manual_seed(bits)
+    weight = _gguf_blocks("q4_1" if bits == 4 else "q8_0", 75, 160) if scales == torch.float16 else \
+        woq.QuantizedLinear(torch.randn(75, 160, generator=gen), None, 4, woq.DEQUANT).dequantized()
+    layer = cls(weight, None, bits, qact.QACT)
+    assert layer.packed_scales.dtype == scales and layer.rotated == (cls is qact.RotatedQ8Linear)
+    x = torch.randn(40, 160, generator=gen) * torch.logspace(-2, 1, 160)
+    vnni = [isa for isa in ("avx512-vnni", "avx-vnni") if extension.set_max_isa(isa) == isa]
+    if not vnni:
+        extension.set_max_isa(ISAS[0])
+        pytest.skip("this CPU has no VNNI loops to compare with")
+    try:
+        want = {isa: (extension.set_max_isa(isa), [layer(x[:r]) for r in (1, 3, 4, 5, 13, 40)])[1] for isa in vnni}
+        extension.set_max_isa("avx2")
+        got = [layer(x[:r]) for r in (1, 3, 4, 5, 13, 40)]
+    finally:
+        extension.set_max_isa(ISAS[0])
+    for isa in vnni:
+        for g, w in zip(got, want[isa]):
+            assert torch.equal(g, w), (isa, len(g))
 
 
 def test_choice_and_fallbacks(extension):
