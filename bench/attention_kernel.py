@@ -12,7 +12,9 @@ torch's scaled_dot_product_attention (what the default model runs for prompts).
         [--dtype bfloat16] [--rows prompt]
 
 ``--dtype``: the queries, keys, values and pool (float32, or bfloat16 as a bfloat16
-model's); ``--rows``: only the decode or only the prompt rows.
+model's; int8: float32 activations over an int8 pool, --kv-dtype int8, each row's
+blocks of 32 with their float16 scales); ``--rows``: only the decode or only the
+prompt rows.
 
 ``--cpu-time``: the one thread's CPU time instead of wall time (on a loaded host, what
 the kernel costs rather than how long it waited for a core); with one thread only.
@@ -44,18 +46,36 @@ def _load(library: str | None) -> None:
 
 
 _dtype = torch.float32  # of the queries, keys, values and pool (--dtype)
+_pool_int8 = False  # --dtype int8: float32 activations, an int8 pool with its scales
 
 
 def _randn(*shape, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(*shape, generator=gen).to(_dtype)
 
 
+def _pool(*shape, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A pool layer of ``shape`` (blocks, block_size, kv heads, D) holding random rows:
+    the activations' dtype, or int8 values and their scales (kv/pool.py's quantize_rows)."""
+    x = torch.randn(*shape, generator=gen)
+    if not _pool_int8:
+        return x.to(_dtype), None
+    from ferrum_rpc.server.kv.pool import quantize_rows
+    return quantize_rows(x)
+
+
+def _zeros_pool(*shape) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if not _pool_int8:
+        return torch.zeros(*shape, dtype=_dtype), None
+    from ferrum_rpc.server.kv.pool import SCALE_DTYPE, scale_blocks
+    return torch.zeros(*shape, dtype=torch.int8), torch.zeros(*shape[:-1], scale_blocks(shape[-1]), dtype=SCALE_DTYPE)
+
+
 def _case(batch: int, ctx: int, gen: torch.Generator):
-    per_layer = batch * ctx * HKV * D * 2 * _dtype.itemsize
+    per_layer = batch * ctx * HKV * D * 2 * (1 if _pool_int8 else _dtype.itemsize)
     pools = max(1, min(LAYERS, POOL_BYTES // per_layer))
     blocks = batch * ((ctx + BS - 1) // BS)
-    k = [_randn(blocks, BS, HKV, D, gen=gen) for _ in range(pools)]
-    v = [_randn(blocks, BS, HKV, D, gen=gen) for _ in range(pools)]
+    k = [_pool(blocks, BS, HKV, D, gen=gen) for _ in range(pools)]
+    v = [_pool(blocks, BS, HKV, D, gen=gen) for _ in range(pools)]
     tables = torch.randperm(blocks, generator=gen).view(batch, -1)
     return k, v, tables
 
@@ -72,14 +92,15 @@ def _decode_ms(batch: int, ctx: int, gen: torch.Generator, steps: int = 5) -> fl
         start = _clock()
         for layer in range(LAYERS):
             i = layer % len(k)
-            torch.ops.ferrum_fused.paged_attention(q, kn, vn, cos, sin, pos, k[i], v[i], slots, tables, 0.125)
+            torch.ops.ferrum_fused.paged_attention(q, kn, vn, cos, sin, pos, k[i][0], v[i][0], slots, tables, 0.125,
+                                                   k[i][1], v[i][1])
         times.append(_clock() - start)
     return 1e3 * statistics.median(times)
 
 
 def _prompt_ms(tokens: int, gen: torch.Generator, repeats: int = 3) -> tuple[float, float]:
     blocks = (tokens + BS - 1) // BS
-    k_cache, v_cache = torch.zeros(blocks, BS, HKV, D, dtype=_dtype), torch.zeros(blocks, BS, HKV, D, dtype=_dtype)
+    (k_cache, k_scale), (v_cache, v_scale) = _zeros_pool(blocks, BS, HKV, D), _zeros_pool(blocks, BS, HKV, D)
     table = torch.randperm(blocks, generator=gen)
     pos = torch.arange(tokens)
     slots = table[pos // BS] * BS + pos % BS
@@ -90,7 +111,7 @@ def _prompt_ms(tokens: int, gen: torch.Generator, repeats: int = 3) -> tuple[flo
     for _ in range(repeats):
         start = _clock()
         torch.ops.ferrum_fused.paged_attention(q, k, v, cos, sin, pos[None], k_cache, v_cache, slots, table[None],
-                                               0.125)
+                                               0.125, k_scale, v_scale)
         fused.append(_clock() - start)
         start = _clock()
         F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
@@ -103,9 +124,10 @@ def measure(library: str | None, threads: int, cpu_time: bool, dtype: str = "flo
             rows_of: tuple[str, ...] = ("decode", "prompt")) -> dict:
     _load(library)
     torch.set_num_threads(threads)
-    global _clock, _dtype
+    global _clock, _dtype, _pool_int8
     _clock = time.thread_time if cpu_time else time.perf_counter
-    _dtype = getattr(torch, dtype)
+    _pool_int8 = dtype == "int8"
+    _dtype = torch.float32 if _pool_int8 else getattr(torch, dtype)
     gen = torch.Generator().manual_seed(0)
     rows = {}
     for batch in (1, 8) if "decode" in rows_of else ():
@@ -123,7 +145,7 @@ def main() -> None:
     parser.add_argument("--gbps", type=float, default=30.0, help="read bandwidth for the decode floor")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--cpu-time", action="store_true")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "int8"], default="float32")
     parser.add_argument("--rows", nargs="+", choices=["decode", "prompt"], default=["decode", "prompt"])
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process: measure this library ("" ours)
     args = parser.parse_args()
@@ -143,7 +165,8 @@ def main() -> None:
     for batch in (1, 8) if "decode" in args.rows else ():
         for ctx in (2048, 8192):
             key = f"decode_b{batch}_{ctx}_ms"
-            floor = batch * ctx * LAYERS * HKV * D * 2 * getattr(torch, args.dtype).itemsize / (args.gbps * 1e9) * 1e3
+            row = D + 2 * 2 if args.dtype == "int8" else D * getattr(torch, args.dtype).itemsize  # int8: + 2 scales
+            floor = batch * ctx * LAYERS * HKV * row * 2 / (args.gbps * 1e9) * 1e3
             result.setdefault("floor", {})[key] = floor
     result["threads"], result["clock"] = args.threads, "thread cpu time" if args.cpu_time else "wall"
     result["dtype"] = args.dtype

@@ -22,7 +22,7 @@ from .build import load_library
 from .probe import TOLERANCE, Verdict, as_probe, built, check, relative_error, within
 from .rope import apply_rope, rope_tables
 from ..config import STEP_OPS
-from ..kv.pool import KvPool, dequantize_rows
+from ..kv.pool import KvPool, dequantize_rows, quantize_query
 
 AUTO, FUSED, EAGER = STEP_OPS
 
@@ -52,8 +52,10 @@ def eager_attention(q, k, v, cos_table, sin_table, positions, pool: KvPool, laye
     cos = cos_table[positions].unsqueeze(2).to(q.dtype)
     sin = sin_table[positions].unsqueeze(2).to(q.dtype)
     keys, values = kv.update(layer, apply_rope(k, cos, sin), v)
-    out = F.scaled_dot_product_attention(apply_rope(q, cos, sin).transpose(1, 2), keys, values, attn_mask=kv.mask,
-                                         enable_gqa=True)
+    q = apply_rope(q, cos, sin)
+    if pool.quantized:  # an int8 pool's scores take the query quantized
+        q = quantize_query(q)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=kv.mask, enable_gqa=True)
     return out.transpose(1, 2).reshape(B, T, H * D)
 
 

@@ -56,6 +56,24 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values.to(torch.int8).flatten(-2)[..., :D], scale
 
 
+def quantize_query(q: torch.Tensor) -> torch.Tensor:
+    """The query (..., D) as an int8 pool's scores take it: where D is a multiple of
+    SCALE_BLOCK, the fused attention scores integer dot products of the key rows and the
+    query quantized as a row is (blocks of SCALE_BLOCK, value = round(q / scale) to
+    nearest even clamped to +-127) but with a float32 scale, absmax / 127
+    (csrc/attention_loops.inc ``quantize_query``); returns those values times their
+    scale in q's dtype, for the eager paths to attend with.  Other head dims: q.  A
+    block with a NaN gives NaN."""
+    if q.shape[-1] % SCALE_BLOCK:
+        return q
+    blocks = q.float().unflatten(-1, (-1, SCALE_BLOCK))
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    ok = scale.isfinite() & (scale > 0)
+    values = torch.where(ok, blocks / torch.where(ok, scale, 1), 0).round_().clamp_(-127, 127)
+    nan = blocks.isnan().any(-1, keepdim=True)
+    return torch.where(nan, float("nan"), values * scale).flatten(-2).to(q.dtype)
+
+
 def dequantize_rows(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """int8 values (..., D) and their scales (..., scale_blocks(D)) -> each value times its
     block's scale in ``dtype`` (the product in float32)."""

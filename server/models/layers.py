@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.rope import apply_rope
+from ..kv.pool import quantize_query
 from .config import ModelConfig
 from .linear import fuse_linears
 
@@ -128,6 +129,9 @@ class Attention(nn.Module):
             q, k = self.qk_norm(q, k)
             q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
         keys, values = kv.update(self.layer, k, v)  # (B, Hkv, S, D) each
+        if getattr(getattr(kv, "pool", None), "quantized", False):  # an int8 pool's scores take the query
+            # quantized, as the fused op's do
+            q = quantize_query(q)
         if kv.attention is not None and self.layer in kv.attention:  # analysis: the weights, explicitly
             return self.attend_with_weights(q, keys, values, kv)
         out = F.scaled_dot_product_attention(

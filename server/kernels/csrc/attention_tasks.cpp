@@ -49,6 +49,20 @@ FERRUM_INLINE void prefetch_rows(const T* c, const int64_t* offs, int64_t j0, in
 #endif
 }
 
+// Asks L1 for the K and V scales of an int8 pool's blocks table[b0..b1) (a block's
+// rows' scales lie together, every kv head's): gathered a chunk at a time, key by key,
+// they waited on memory a line at a time.
+FERRUM_INLINE void prefetch_scales(const AttnArgs& a, const int64_t* table, int64_t b0, int64_t b1, int64_t nb) {
+#ifdef FERRUM_X86
+  const int64_t bytes = a.bs * a.Hkv * nb * int64_t(sizeof(c10::Half));
+  for (int64_t b = b0; b < b1; ++b)
+    for (const c10::Half* base : {a.k_scale.data, a.v_scale.data}) {
+      const char* p = reinterpret_cast<const char*>(base + table[b] * a.bs * a.Hkv * nb);
+      for (int64_t x = 0; x < bytes; x += 64) _mm_prefetch(p + x, _MM_HINT_T0);
+    }
+#endif
+}
+
 // The 8 lanes of a sum, in one tree: the same code for every path.
 FERRUM_INLINE float sum8(const float* l) {
   return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
@@ -128,6 +142,13 @@ struct Scratch {
   std::vector<float> key_scale, value_scale;  // an int8 pool's: the chunk's rows' scales (nb a row)
   std::vector<uint16_t> scale_bits;           // and their float16 bits, gathered
   std::vector<float> weights;                 // and each query head's p times its values' scales
+  std::vector<float> key_scale_t;             // the integer scores': the key scales block-major (kC a block)
+  std::vector<int8_t> qi;                     // and the query heads quantized (quantize_query)
+  std::vector<uint8_t> qa;
+  std::vector<float> qs;
+  std::vector<int32_t> qc;                    // and iscores8_vnni512's corrections and scales
+  std::vector<float> qw;
+  std::vector<QuantQuery> held_iq;            // the held query heads' quantized queries
   std::vector<int64_t> held;         // the held query heads' queries (their index in the task)
   std::vector<const float*> held_q;  // their query vectors
   std::vector<float*> held_s;        // and their scores
@@ -197,8 +218,10 @@ void finish_task(const AttnArgs& a, AttnPlan& plan, const AttnTask& k, Scratch& 
 
 // One task on the loops LEVEL picks: 0 the portable ones, 1 the vector ones (float or
 // bfloat16, D a multiple of 8), 2 those and the wider ones for 32 vector registers, 3
-// the dot product's (attention_dot.inc: T and P bfloat16, D a multiple of 16).
-template <typename T, typename P, int LEVEL>
+// the dot product's (attention_dot.inc: T and P bfloat16, D a multiple of 16).  An int8
+// pool's rows of whole blocks (D a multiple of 32) take the integer scores on every
+// level: AVX2's byte multiply-adds, or with VNNI its dot product (the same bits).
+template <typename T, typename P, int LEVEL, bool VNNI = false>
 FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& k, const float* qf, const P* kc,
                              const P* vc, Scratch& sc, T* op) {
   const int64_t D = a.D, H = a.H, G = a.H / a.Hkv, row = a.Hkv * D, W = 2 + D;
@@ -206,6 +229,7 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
   const int64_t *table = a.tables + k.b * a.nb, *pos = a.pos + bt0;
   constexpr bool VEC = LEVEL >= 1, DOT = LEVEL >= 3, INT8 = std::is_same_v<P, int8_t>;
   const int64_t nb = INT8 ? kv_scale_blocks(D) : 0;  // an int8 pool's scales a row
+  const bool iq = INT8 && D % kKvScaleBlock == 0;     // the integer scores (attention_loops.inc)
   int64_t nmax = 0;
   for (int64_t i = 0; i < nq; ++i) nmax = std::max(nmax, pos[i] + 1);
   // a decode step's task (a query or two) reads each K and V row once or twice: it asks
@@ -227,6 +251,33 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
   }
   int64_t* offs = sc.offs.data();
   auto query = [&](int64_t i, int64_t g) { return qf + ((bt0 + i) * H + k.kvh * G + k.g0 + g) * D; };
+  const bool wide_iq = VNNI && D % 64 == 0;  // iscores8_vnni512
+  auto quant = [&](int64_t i, int64_t g) {
+    const int64_t x = i * Gt + g;
+    return QuantQuery{sc.qi.data() + x * D, sc.qa.data() + x * D, sc.qs.data() + x * nb,
+                      wide_iq ? sc.qc.data() + x * 8 * nb : nullptr, wide_iq ? sc.qw.data() + x * 8 * nb : nullptr};
+  };
+  if constexpr (INT8)
+    if (iq) {  // the queries quantized once
+      sc.key_scale_t.resize(kC * nb);
+      sc.qi.resize(nq * Gt * D), sc.qa.resize(nq * Gt * D), sc.qs.resize(nq * Gt * nb);
+      sc.held_iq.resize(nq * Gt);
+      if (wide_iq) sc.qc.resize(nq * Gt * 8 * nb), sc.qw.resize(nq * Gt * 8 * nb);
+      for (int64_t i = 0; i < nq; ++i)
+        for (int64_t g = 0; g < Gt; ++g) {
+          const QuantQuery x = quant(i, g);
+          int8_t* q8 = const_cast<int8_t*>(x.q);
+          uint8_t* qa = const_cast<uint8_t*>(x.a);
+          float* qs = const_cast<float*>(x.s);
+#ifdef FERRUM_X86
+          if constexpr (VNNI) {
+            quantize_query_512(query(i, g), D, q8, qa, qs, const_cast<int32_t*>(x.c), const_cast<float*>(x.w));
+            continue;
+          }
+#endif
+          quantize_query(query(i, g), D, q8, qa, qs);
+        }
+    }
 #ifdef FERRUM_X86
   if constexpr (DOT) {  // the queries rounded once, their p per chunk
     sc.qb.resize(nq * Gt * D);
@@ -239,6 +290,13 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
   for (int64_t c = k.c0; c < k.c1; ++c) {
     const int64_t j0 = c * kC, j1 = std::min(j0 + kC, nmax);
     if (j1 <= j0) break;
+    if constexpr (INT8)
+      if (ask) {  // this chunk's and the next one's scales, every block's lines asked at once
+        const int64_t table_blocks = (nmax + a.bs - 1) / a.bs;
+        prefetch_scales(a, table, j0 / a.bs, std::min((j1 + a.bs - 1) / a.bs, table_blocks), nb);
+        prefetch_scales(a, table, std::min(j1, nmax) / a.bs, std::min((j1 + kC + a.bs - 1) / a.bs, table_blocks),
+                        nb);
+      }
     // the chunk's keys' row offsets, then to a multiple of 8 key j0's (those scores are masked)
     for (int64_t j = j0, blk = j0 / a.bs, off = j0 % a.bs; j < j1; ++j) {
       offs[j - j0] = (table[blk] * a.bs + off) * row + k.kvh * D;
@@ -253,6 +311,9 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
                             sc.key_scale.data());
         gather_scales_nb<N>(a.v_scale, sc.rows.data(), j1 - j0, nb, sc.scale_bits.data(), sc.value_scale.data());
       });
+      if (iq)  // the integer scores read the key scales block-major
+        for (int64_t j = 0; j < (j1 - j0 + 7) / 8 * 8; ++j)
+          for (int64_t b = 0; b < nb; ++b) sc.key_scale_t[b * kC + j] = sc.key_scale[j * nb + b];
     }
     const float* ks = sc.key_scale.data();
     if (ask) prefetch_rows(kc, offs, 0, std::min(kAhead, j1 - j0), D);
@@ -275,12 +336,45 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
             for (int64_t g = 0; g < Gt; ++g) {
               sc.held_q[held] = query(i, g), sc.held_s[held] = sc.s.data() + (i * Gt + g) * kC;
               if constexpr (DOT) sc.held_qb[held] = sc.qb.data() + (i * Gt + g) * D;
+              if constexpr (INT8)
+                if (iq) sc.held_iq[held] = quant(i, g);
               sc.held[held++] = i;
             }
             held_until = std::min(held_until, lens[i]);
           }
       }
       int64_t u = 0;
+      if constexpr (INT8)
+        if (iq) {  // the integer scores: 3 heads a K load (a kv head's query heads), then one
+          const int8_t* k8 = reinterpret_cast<const int8_t*>(kc);
+          const float* kst = sc.key_scale_t.data() + r;
+#ifdef FERRUM_X86
+          if constexpr (VNNI)
+            if (D % 64 == 0) {
+              for (; u + 3 <= held; u += 3) {
+                float* s[3] = {sc.held_s[u] + r, sc.held_s[u + 1] + r, sc.held_s[u + 2] + r};
+                iscores8_vnni512<3>(sc.held_iq.data() + u, k8, offs + r, D, a.scale, s, kst, kC);
+              }
+              for (; u < held; ++u) {
+                float* s[1] = {sc.held_s[u] + r};
+                iscores8_vnni512<1>(sc.held_iq.data() + u, k8, offs + r, D, a.scale, s, kst, kC);
+              }
+            }
+          if constexpr (VEC) {
+            for (; u + 3 <= held; u += 3) {
+              float* s[3] = {sc.held_s[u] + r, sc.held_s[u + 1] + r, sc.held_s[u + 2] + r};
+              if constexpr (VNNI) iscores8_vnni<3>(sc.held_iq.data() + u, k8, offs + r, D, a.scale, s, kst, kC);
+              else iscores8_avx2<3>(sc.held_iq.data() + u, k8, offs + r, D, a.scale, s, kst, kC);
+            }
+            for (; u < held; ++u) {
+              float* s[1] = {sc.held_s[u] + r};
+              if constexpr (VNNI) iscores8_vnni<1>(sc.held_iq.data() + u, k8, offs + r, D, a.scale, s, kst, kC);
+              else iscores8_avx2<1>(sc.held_iq.data() + u, k8, offs + r, D, a.scale, s, kst, kC);
+            }
+          }
+#endif
+          for (; u < held; ++u) iscores8_portable(sc.held_iq[u], k8, offs + r, D, a.scale, sc.held_s[u] + r, kst, kC);
+        }
 #ifdef FERRUM_X86
       // the held query heads' scores for these 8 keys: 4 heads at a time on AVX-512, then
       // 3 (a kv head's 3 query heads read each K vector once), then pairs
@@ -323,6 +417,13 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
 #endif
         if constexpr (INT8) {  // the value sums' weights: p times each block's scale
           float* w = sc.weights.data() + (i * Gt + g) * kC * nb;
+#ifdef FERRUM_X86
+          if constexpr (VNNI)
+            if (nb == 2) {
+              weigh2_512(s, sc.value_scale.data(), len, w);
+              continue;
+            }
+#endif
           with_nb(nb, [&](auto N) { weigh_nb<N>(s, sc.value_scale.data(), len, nb, w); });
         }
       }
@@ -357,6 +458,14 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
             dot_values_n<1>(ps, r, end, vb, offs, D, accs, ask);
           }
         }
+#ifdef FERRUM_X86
+        if constexpr (VNNI)  // an int8 pool's sums on 512-bit registers
+          for (; g + 3 <= Gt && len > r && D % 64 == 0; g += 3) {
+            const float* ps[3] = {p(g), p(g + 1), p(g + 2)};
+            float* accs[3] = {acc(g), acc(g + 1), acc(g + 2)};
+            ivalues_512<3>(ps, r, end, reinterpret_cast<const int8_t*>(vc), offs, D, accs, ask, nb);
+          }
+#endif
         if constexpr (VEC && !DOT)
           for (; g + 3 <= Gt && len > r && D % 32 == 0; g += 3) {
             const float* ps[3] = {p(g), p(g + 1), p(g + 2)};
@@ -405,6 +514,15 @@ __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512bf16"))) void ta
   task_body<T, P, 3>(a, plan, k, qf, kc, vc, sc, op);
 }
 
+// The AVX-512 task over an int8 pool on a CPU with VNNI: its integer scores by the dot product.
+template <typename T, typename P>
+__attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni"))) void task_vnni(const AttnArgs& a, AttnPlan& plan,
+                                                                              const AttnTask& k, const float* qf,
+                                                                              const P* kc, const P* vc, Scratch& sc,
+                                                                              T* op) {
+  task_body<T, P, 2, true>(a, plan, k, qf, kc, vc, sc, op);
+}
+
 template <typename T, typename P>
 __attribute__((target("avx2,fma,avx512f,avx512vl"))) void task_avx512(const AttnArgs& a, AttnPlan& plan,
                                                                        const AttnTask& k, const float* qf,
@@ -438,12 +556,20 @@ void attend_tasks(const AttnArgs& a, AttnPlan& plan, const float* qfp, const P* 
   constexpr bool bf16 = std::is_same_v<T, c10::BFloat16> && std::is_same_v<P, c10::BFloat16>;
   // the loops' 16-bit masks and shuffles take AVX512BW
   const bool dot = bf16 && wide && ferrum_cpu::cpu_features().avx512bw && a.D % 16 == 0 && panel_path(true).dot;
+  // an int8 pool's integer scores on VNNI's dot product where the AVX-512 loops run
+  constexpr bool int8 = std::is_same_v<P, int8_t>;
+  const bool vnni = int8 && wide && ferrum_cpu::cpu_features().avx512vnni && ferrum_cpu::cpu_features().avx512bw;
 #endif
   for (int64_t i = begin; i < end; ++i) {
 #ifdef FERRUM_X86
     if constexpr (bf16)
       if (dot) {
         task_dot(a, plan, plan.tasks[i], qfp, kc, vc, sc, op);
+        continue;
+      }
+    if constexpr (int8)
+      if (vnni) {
+        task_vnni(a, plan, plan.tasks[i], qfp, kc, vc, sc, op);
         continue;
       }
     if constexpr (!std::is_same_v<P, double>)

@@ -2,13 +2,14 @@
 keys in chunks of 256, so its bits are the same alone, in a block of prompt queries,
 as a decode step, in a batch, on 1 or 2 threads, and close to a float64 reference,
 at context lengths around the chunk boundaries; over an int8 pool, each row read as its
-values times its blocks' scales."""
+values times its blocks' scales, and where rows are whole blocks of 32, the scores taken
+as integer dot products of the query quantized the same way (q8_0)."""
 
 import pytest
 import torch
 
 from ferrum_rpc.server.kernels import fused
-from ferrum_rpc.server.kv.pool import SCALE_DTYPE, dequantize_rows, scale_blocks
+from ferrum_rpc.server.kv.pool import SCALE_DTYPE, dequantize_rows, quantize_query, scale_blocks
 
 H, HKV, BS, SCALE = 6, 2, 16, 0.3
 LENGTHS = (1, 8, 255, 256, 257, 512, 513, 520)
@@ -55,10 +56,13 @@ class Sequence:
             self.q[None, start:stop], self.k[None, start:stop], self.v[None, start:stop], self.cos, self.sin,
             pos[None], self.k_cache, self.v_cache, self.slots(pos), self.table[None], SCALE, *self.scales)[0]
 
-    def reference(self, p: int) -> torch.Tensor:
+    def reference(self, p: int, quantized_query: bool = True) -> torch.Tensor:
         """Query p in float64 (over an int8 pool: keys and values as the pool holds them,
-        dequantized): (H * D)."""
+        dequantized, and where the rows are whole blocks of 32 and ``quantized_query``,
+        the query as the integer scores quantize it): (H * D)."""
         q, k, v = self.q[p].double(), self.k[:p + 1].double(), self.v[:p + 1].double()
+        if self.scales and self.dim % 32 == 0 and quantized_query:
+            q = quantize_query(self.q[p]).double()  # kv/pool.py's, the eager paths' query
         if self.scales:
             slots = self.slots(torch.arange(p + 1))
             k, v = (dequantize_rows(c.flatten(0, 1)[slots], s.flatten(0, 1)[slots], torch.float64)
@@ -131,6 +135,49 @@ def test_an_int8_pool_is_read_as_its_values_times_their_blocks_scales(ops, isa, 
         assert torch.equal(seq.run(p - 1, p)[0], prompt[p - 1]), p
 
 
+@pytest.mark.parametrize("dim", [64, 32, 160])
+def test_an_int8_pools_integer_scores_stay_close_to_a_float_query(ops, isa, dim):
+    """The integer scores (rows of whole blocks of 32) quantize the query: against float64
+    attention of the unquantized query over the same int8 rows, each output within 3% of
+    the largest (the query's rounding, at most half a step of 1/127 of its block's
+    largest value an element, moves each score, and the softmax carries it; seen: up to
+    1.1% here); against the quantized query's, 2e-6 (the other test).
+    A decode step alone and in a batch keeps the prompt's bits."""
+    seq = Sequence(300, dim, torch.int8, seed=dim + 11)
+    prompt = seq.run(0, seq.n)
+    worst = 0.0
+    for p in (1, 8, 256, 257, 300):
+        want = seq.reference(p - 1, quantized_query=False)
+        err = (prompt[p - 1].double() - want).abs().max().item() / want.abs().max().item()
+        assert err <= 3e-2, (p, err)
+        worst = max(worst, err)
+        assert torch.equal(seq.run(p - 1, p)[0], prompt[p - 1]), p
+    assert worst > 1e-6  # the query was quantized: the float query's attention is not what ran
+    other = Sequence(41, dim, torch.int8, seed=7)
+    other.run(0, other.n)
+    both = Sequence(300, dim, torch.int8, seed=dim + 11)
+    both.run(0, 299)
+    step = batch_run_pools([other, both], [40, 299])
+    assert torch.equal(step[1], prompt[299])
+
+
+def batch_run_pools(seqs: list[Sequence], positions: list[int]) -> torch.Tensor:
+    """batch_run over int8 pools (their scales concatenated as the values are)."""
+    nb = max(len(s.table) for s in seqs)
+    base, tables, slots = 0, [], []
+    for s, p in zip(seqs, positions):
+        t = s.table + base
+        tables.append(torch.cat([t, t[:1].repeat(nb - len(t))]))
+        slots.append(s.slots(torch.tensor([p])) + base * BS)
+        base += s.k_cache.shape[0]
+    pick = lambda x: torch.stack([s.__dict__[x][p] for s, p in zip(seqs, positions)])[:, None]  # noqa: E731
+    cat = lambda x: torch.cat([getattr(s, x) for s in seqs])  # noqa: E731
+    scales = [torch.cat([s.scales[i] for s in seqs]) for i in range(2)]
+    return torch.ops.ferrum_fused.paged_attention(
+        pick("q"), pick("k"), pick("v"), seqs[0].cos, seqs[0].sin, torch.tensor(positions)[:, None], cat("k_cache"),
+        cat("v_cache"), torch.cat(slots), torch.stack(tables), SCALE, *scales)[:, 0]
+
+
 def test_bfloat16_pool_matches_float64(ops, isa):
     seq = Sequence(300, 16, torch.bfloat16, seed=3)
     prompt = seq.run(0, seq.n)
@@ -158,7 +205,7 @@ def test_the_avx512_loops_give_the_avx2_loops_bits(ops, dtype, dim):
         pytest.skip("this CPU cannot run the avx512 path")
     out = {}
     dot = ops.set_panel_dot(False)  # bfloat16's dot product path is its own (the tests below)
-    try:
+    try:  # an int8 pool's integer scores: VNNI's dot product and AVX2's byte multiply-adds
         for isa in ("avx512", "avx2"):
             torch.ops.ferrum_woq.set_max_isa(isa)
             seq = Sequence(300, dim, dtype, seed=dim)
