@@ -166,7 +166,10 @@ def summarise(requests: list[Request], rate: float, mode: str) -> dict:
     ttft = [r.times[0] - r.arrival for r in done]
     itl = [b - a for r in done for a, b in zip(r.times, r.times[1:])]
     tokens = sum(len(r.times) for r in done)
-    span = max(r.times[-1] for r in done) - min(r.arrival for r in requests) if done else float("nan")
+    if mode == "alone":  # one request at a time, each perhaps on its own clock: their spans add
+        span = sum(r.times[-1] - r.arrival for r in done)
+    else:
+        span = max(r.times[-1] for r in done) - min(r.arrival for r in requests) if done else float("nan")
 
     def pct(values, q):
         return float(np.percentile(values, q)) if values else float("nan")

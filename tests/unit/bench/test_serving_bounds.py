@@ -35,3 +35,13 @@ def test_a_server_whose_lone_requests_miss_holds_no_rate():
     rows = [run(0.0, "alone", 3.5, 0.03), run(0.25, "poisson", 1.5, 0.03)]
     assert highest_held(rows) == 0.0
     assert highest_held(rows, "holds_itl") == 0.25
+
+
+def test_alone_requests_on_their_own_clocks_add_their_spans():
+    """ferrum-engine-load times each lone request from its own run's start (arrival 0)."""
+    requests = []
+    for _ in range(3):
+        r = Request(arrival=0.0)
+        r.times = [0.5 + 0.1 * k for k in range(10)]  # 10 tokens in 1.4 s
+        requests.append(r)
+    assert abs(summarise(requests, 0.0, "alone")["output_tokens_per_s"] - 30 / 4.2) < 1e-9
