@@ -73,22 +73,21 @@ class Sequence:
 
 
 def batch_run(seqs: list[Sequence], positions: list[int]) -> torch.Tensor:
-    """A decode step of several sequences (one query each) in one forward: (B, H * D)."""
+    """A decode step of several sequences (one query each) in one forward: (B, H * D);
+    int8 pools' scales concatenated as their values are."""
     nb = max(len(s.table) for s in seqs)
-    blocks = sum(s.k_cache.shape[0] for s in seqs)
-    k_cache = torch.cat([s.k_cache for s in seqs])
-    v_cache = torch.cat([s.v_cache for s in seqs])
     base, tables, slots = 0, [], []
     for s, p in zip(seqs, positions):
         t = s.table + base
         tables.append(torch.cat([t, t[:1].repeat(nb - len(t))]))
         slots.append(s.slots(torch.tensor([p])) + base * BS)
         base += s.k_cache.shape[0]
-    assert base == blocks
     pick = lambda x: torch.stack([s.__dict__[x][p] for s, p in zip(seqs, positions)])[:, None]  # noqa: E731
+    cat = lambda x: torch.cat([getattr(s, x) for s in seqs])  # noqa: E731
+    scales = [torch.cat([s.scales[i] for s in seqs]) for i in range(2)] if seqs[0].scales else []
     return torch.ops.ferrum_fused.paged_attention(
-        pick("q"), pick("k"), pick("v"), seqs[0].cos, seqs[0].sin, torch.tensor(positions)[:, None], k_cache, v_cache,
-        torch.cat(slots), torch.stack(tables), SCALE)[:, 0]
+        pick("q"), pick("k"), pick("v"), seqs[0].cos, seqs[0].sin, torch.tensor(positions)[:, None], cat("k_cache"),
+        cat("v_cache"), torch.cat(slots), torch.stack(tables), SCALE, *scales)[:, 0]
 
 
 # 16: the vector loops where the ISA has them (64 and 32: the AVX-512 loops' two value
@@ -157,25 +156,8 @@ def test_an_int8_pools_integer_scores_stay_close_to_a_float_query(ops, isa, dim)
     other.run(0, other.n)
     both = Sequence(300, dim, torch.int8, seed=dim + 11)
     both.run(0, 299)
-    step = batch_run_pools([other, both], [40, 299])
+    step = batch_run([other, both], [40, 299])
     assert torch.equal(step[1], prompt[299])
-
-
-def batch_run_pools(seqs: list[Sequence], positions: list[int]) -> torch.Tensor:
-    """batch_run over int8 pools (their scales concatenated as the values are)."""
-    nb = max(len(s.table) for s in seqs)
-    base, tables, slots = 0, [], []
-    for s, p in zip(seqs, positions):
-        t = s.table + base
-        tables.append(torch.cat([t, t[:1].repeat(nb - len(t))]))
-        slots.append(s.slots(torch.tensor([p])) + base * BS)
-        base += s.k_cache.shape[0]
-    pick = lambda x: torch.stack([s.__dict__[x][p] for s, p in zip(seqs, positions)])[:, None]  # noqa: E731
-    cat = lambda x: torch.cat([getattr(s, x) for s in seqs])  # noqa: E731
-    scales = [torch.cat([s.scales[i] for s in seqs]) for i in range(2)]
-    return torch.ops.ferrum_fused.paged_attention(
-        pick("q"), pick("k"), pick("v"), seqs[0].cos, seqs[0].sin, torch.tensor(positions)[:, None], cat("k_cache"),
-        cat("v_cache"), torch.cat(slots), torch.stack(tables), SCALE, *scales)[:, 0]
 
 
 def test_bfloat16_pool_matches_float64(ops, isa):
