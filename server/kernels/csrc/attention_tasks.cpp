@@ -33,7 +33,11 @@ namespace {
 
 constexpr int64_t kC = kAttnChunk;
 constexpr int64_t kValueRows = 64;  // keys a pass over V takes for every query and head (16 KB in float32)
-constexpr int64_t kAhead = 16;      // rows a loop asks the cache for before it reaches them
+constexpr int64_t kAhead = 16;      // rows the value loops ask the cache for before they reach them
+// how far ahead of the scores the K rows are asked for, in bytes of rows: each row
+// once, 4 KB on (64 rows of an int8 pool's dim 64, 32 of bfloat16's, 16 of float32's),
+// far enough that a decode step's scores rarely wait on a line
+constexpr int64_t kAskBytes = 4096;
 constexpr int64_t kAskQueries = 2;  // tasks of at most this many queries ask ahead
 
 // Asks L2 for rows offs[j0..j1) of c (D elements each).  A kv head's row of a key is a
@@ -44,6 +48,10 @@ template <typename T>
 FERRUM_INLINE void prefetch_rows(const T* c, const int64_t* offs, int64_t j0, int64_t j1, int64_t D) {
 #ifdef FERRUM_X86
   const int64_t bytes = D * int64_t(sizeof(T));
+  if (bytes == 64) {  // a row of one line's bytes (an int8 pool's of dim 64): one ask, no inner loop
+    for (int64_t j = j0; j < j1; ++j) _mm_prefetch(reinterpret_cast<const char*>(c + offs[j]), _MM_HINT_T1);
+    return;
+  }
   for (int64_t j = j0; j < j1; ++j)
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(c + offs[j]) + b, _MM_HINT_T1);
 #endif
@@ -112,6 +120,24 @@ void gather_scales_nb(const KvScales& s, const int64_t* rows, int64_t n, int64_t
   }
 #endif
   for (int64_t i = 0; i < n * NB; ++i) out[i] = float(c10::Half(bits[i], c10::Half::from_bits()));
+}
+
+// gather_scales_nb's scales block-major: out[b kC + j] for block b of row rows[j].
+template <int N>
+void gather_scales_t(const KvScales& s, const int64_t* rows, int64_t n, int64_t nb, uint16_t* bits, float* out) {
+  const int64_t NB = N > 0 ? N : nb;
+  const uint16_t* h = reinterpret_cast<const uint16_t*>(s.data);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t b = 0; b < NB; ++b) bits[b * kC + j] = h[rows[j] * NB + b];
+  for (int64_t b = 0; b < NB; ++b) {
+#ifdef FERRUM_X86
+    if (ferrum_cpu::cpu_features().f16c) {
+      widen_f16c(bits + b * kC, n, out + b * kC);
+      continue;
+    }
+#endif
+    for (int64_t j = 0; j < n; ++j) out[b * kC + j] = float(c10::Half(bits[b * kC + j], c10::Half::from_bits()));
+  }
 }
 
 // Each query head's value weights w (len nb): its p[j] times key j's value scales.
@@ -236,6 +262,7 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
   // for them ahead; a prompt's block of queries reuses them from L1 and would only pay
   // for the asking
   const bool ask = VEC && nq <= kAskQueries;
+  const int64_t ask_k = std::max<int64_t>(8, kAskBytes / (D * int64_t(sizeof(P))));
   sc.state.resize(nq * Gt * W);
   sc.s.resize(nq * Gt * kC);
   sc.chunk.resize(nq * Gt * W);
@@ -297,36 +324,44 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
         prefetch_scales(a, table, std::min(j1, nmax) / a.bs, std::min((j1 + kC + a.bs - 1) / a.bs, table_blocks),
                         nb);
       }
-    // the chunk's keys' row offsets, then to a multiple of 8 key j0's (those scores are masked)
-    for (int64_t j = j0, blk = j0 / a.bs, off = j0 % a.bs; j < j1; ++j) {
-      offs[j - j0] = (table[blk] * a.bs + off) * row + k.kvh * D;
-      if constexpr (INT8) sc.rows[j - j0] = (table[blk] * a.bs + off) * a.Hkv + k.kvh;  // its scales' row
-      if (++off == a.bs) off = 0, ++blk;
+    // the chunk's keys' row offsets, then to a multiple of 8 key j0's (those scores are masked);
+    // a pool block at a time, its tokens' slots consecutive (the loop's bounds in locals:
+    // through the references the compiler reloaded them at every store)
+    {
+      const int64_t bs = a.bs, Hkv = a.Hkv, kvh = k.kvh, head = kvh * D;
+      int64_t* rows = INT8 ? sc.rows.data() : nullptr;
+      for (int64_t j = j0; j < j1;) {
+        const int64_t off = j % bs, n = std::min(bs - off, j1 - j), slot = table[j / bs] * bs + off;
+        for (int64_t t = 0; t < n; ++t) {
+          offs[j - j0 + t] = (slot + t) * row + head;
+          if constexpr (INT8) rows[j - j0 + t] = (slot + t) * Hkv + kvh;  // its scales' row
+        }
+        j += n;
+      }
     }
     for (int64_t j = j1 - j0; j % 8 != 0; ++j) offs[j] = offs[0];
     if constexpr (INT8) {  // each key's and value's row's scales
       for (int64_t j = j1 - j0; j % 8 != 0; ++j) sc.rows[j] = sc.rows[0];
       with_nb(nb, [&](auto N) {
-        gather_scales_nb<N>(a.k_scale, sc.rows.data(), (j1 - j0 + 7) / 8 * 8, nb, sc.scale_bits.data(),
-                            sc.key_scale.data());
+        const int64_t n8 = (j1 - j0 + 7) / 8 * 8;
+        if (iq)  // the integer scores read the key scales block-major
+          gather_scales_t<N>(a.k_scale, sc.rows.data(), n8, nb, sc.scale_bits.data(), sc.key_scale_t.data());
+        else
+          gather_scales_nb<N>(a.k_scale, sc.rows.data(), n8, nb, sc.scale_bits.data(), sc.key_scale.data());
         gather_scales_nb<N>(a.v_scale, sc.rows.data(), j1 - j0, nb, sc.scale_bits.data(), sc.value_scale.data());
       });
-      if (iq)  // the integer scores read the key scales block-major
-        for (int64_t j = 0; j < (j1 - j0 + 7) / 8 * 8; ++j)
-          for (int64_t b = 0; b < nb; ++b) sc.key_scale_t[b * kC + j] = sc.key_scale[j * nb + b];
     }
     const float* ks = sc.key_scale.data();
-    if (ask) prefetch_rows(kc, offs, 0, std::min(kAhead, j1 - j0), D);
+    if (ask) prefetch_rows(kc, offs, 0, std::min(ask_k, j1 - j0), D);
     int64_t* lens = sc.lens.data();  // each query's keys in this chunk (none where <= 0)
     for (int64_t i = 0; i < nq; ++i) lens[i] = std::min(pos[i] + 1, j0 + kC) - j0;
     // the query heads the keys from r on reach (the vector loops take them in pairs): the
     // same set until r reaches held_until, the fewest keys any of them has
     int64_t held = 0, held_until = -1;
     for (int64_t r = 0; r < j1 - j0; r += 8) {  // 8 keys' rows at a time, for every query and head
-      // the next kAhead rows, asked again each pass (a line already asked for costs little;
-      // a window that asked each row once waited longer)
+      // the K rows ask_k on, each asked once (the first ask_k at the chunk's start)
       if (ask) {  // and the same keys' V rows, in L2 by the time the sums take them
-        prefetch_rows(kc, offs, std::min(r + 8, j1 - j0), std::min(r + 8 + kAhead, j1 - j0), D);
+        prefetch_rows(kc, offs, std::min(r + ask_k, j1 - j0), std::min(r + 8 + ask_k, j1 - j0), D);
         prefetch_rows(vc, offs, r, std::min(r + 8, j1 - j0), D);
       }
       if (r >= held_until) {
@@ -407,7 +442,8 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
       for (int64_t g = 0; g < Gt && len > 0; ++g) {
         float* s = sc.s.data() + (i * Gt + g) * kC;
 #ifdef FERRUM_X86
-        if constexpr (VEC) exps_avx2(s, len, sc.chunk.data() + (i * Gt + g) * W);
+        if constexpr (LEVEL >= 2) exps_512(s, len, sc.chunk.data() + (i * Gt + g) * W);
+        else if constexpr (VEC) exps_avx2(s, len, sc.chunk.data() + (i * Gt + g) * W);
         else
 #endif
           exps_portable(s, len, sc.chunk.data() + (i * Gt + g) * W);

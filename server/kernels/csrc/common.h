@@ -79,6 +79,31 @@ __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
   return _mm256_blendv_ps(_mm256_andnot_ps(under, y), _mm256_set1_ps(INFINITY), over);
 }
 
+// exp8 on 16 lanes: the same operations lane by lane (the same bits), the masks in
+// mask registers.
+__attribute__((target("avx2,fma,avx512f"))) inline __m512 exp16(__m512 x) {
+  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365478515625f);
+  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), over = _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ);
+  x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_cvtps_epi32(n), e1 = _mm512_srai_epi32(e, 1);
+  const __m512 f1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(e1, _mm512_set1_epi32(127)), 23));
+  const __m512 f2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(e, e1),
+                                                                           _mm512_set1_epi32(127)), 23));
+  const __m512 y = _mm512_maskz_mov_ps(__mmask16(~under), _mm512_mul_ps(_mm512_mul_ps(p, f1), f2));
+  return _mm512_mask_blend_ps(over, y, _mm512_set1_ps(INFINITY));
+}
+
 // 8 floats, or 8 bfloat16 widened (the bits shifted into place, as load()).
 template <typename T>
 __attribute__((target("avx2,fma"))) inline __m256 load8(const T* p) {
