@@ -22,6 +22,7 @@ from typing import Any, Sequence
 from urllib.parse import urlsplit
 
 import grpc
+import grpc.experimental
 
 from . import admin
 from .ahead import (
@@ -148,6 +149,12 @@ def _channel(target: str, options: list, tls: ClientTls | None, token: str | Non
     A token travels only over TLS, or over plaintext to a loopback address
     (gRPC's local credentials check that the peer is local)."""
     grpc_mod = grpc.aio if aio else grpc
+    if not aio:
+        # A server-streaming call (BatchDecode, BatchPrefill, ExportSequence) is driven on the
+        # calling thread (grpc's own option): by default grpc starts a thread to drive the
+        # calls of a channel with none in flight, so a caller decoding one sequence paid a
+        # thread start on every step (tests/system/test_client_threads.py).
+        options = [(grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1), *options]
     if tls is None and token is None:
         return grpc_mod.insecure_channel(target, options=options)
     if tls is not None:
