@@ -96,8 +96,7 @@ __attribute__((noinline)) void finish(const float* state, int64_t D, T* out) {
 #include "attention_loops.inc"
 #include "attention_dot.inc"
 
-// The nb float16 scales a row (an int8 pool layer's, fused.h KvScales) of rows[0..n)
-// into out (n nb) through bits, widened (exactly) 8 at a time where the CPU has F16C.
+// n float16 bits widened (exactly) into out, 8 at a time where the CPU has F16C.
 #ifdef FERRUM_X86
 __attribute__((target("avx2,f16c"))) void widen_f16c(const uint16_t* bits, int64_t n, float* out) {
   int64_t i = 0;
@@ -107,37 +106,27 @@ __attribute__((target("avx2,f16c"))) void widen_f16c(const uint16_t* bits, int64
 }
 #endif
 
-template <int N>
-void gather_scales_nb(const KvScales& s, const int64_t* rows, int64_t n, int64_t nb, uint16_t* bits, float* out) {
-  const int64_t NB = N > 0 ? N : nb;
-  const uint16_t* h = reinterpret_cast<const uint16_t*>(s.data);
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t b = 0; b < NB; ++b) bits[j * NB + b] = h[rows[j] * NB + b];
+void widen(const uint16_t* bits, int64_t n, float* out) {
 #ifdef FERRUM_X86
   if (ferrum_cpu::cpu_features().f16c) {
-    widen_f16c(bits, n * NB, out);
+    widen_f16c(bits, n, out);
     return;
   }
 #endif
-  for (int64_t i = 0; i < n * NB; ++i) out[i] = float(c10::Half(bits[i], c10::Half::from_bits()));
+  for (int64_t i = 0; i < n; ++i) out[i] = float(c10::Half(bits[i], c10::Half::from_bits()));
 }
 
-// gather_scales_nb's scales block-major: out[b kC + j] for block b of row rows[j].
-template <int N>
-void gather_scales_t(const KvScales& s, const int64_t* rows, int64_t n, int64_t nb, uint16_t* bits, float* out) {
-  const int64_t NB = N > 0 ? N : nb;
+// The nb float16 scales a row (an int8 pool layer's, fused.h KvScales) of rows[0..n)
+// into out through bits: row-major (out[j nb + b]), or BlockMajor (out[b kC + j], as the
+// integer scores read the key scales).
+template <int N, bool BlockMajor>
+void gather_scales(const KvScales& s, const int64_t* rows, int64_t n, int64_t nb, uint16_t* bits, float* out) {
+  const int64_t NB = N > 0 ? N : nb, js = BlockMajor ? 1 : NB, bs = BlockMajor ? kC : 1;
   const uint16_t* h = reinterpret_cast<const uint16_t*>(s.data);
   for (int64_t j = 0; j < n; ++j)
-    for (int64_t b = 0; b < NB; ++b) bits[b * kC + j] = h[rows[j] * NB + b];
-  for (int64_t b = 0; b < NB; ++b) {
-#ifdef FERRUM_X86
-    if (ferrum_cpu::cpu_features().f16c) {
-      widen_f16c(bits + b * kC, n, out + b * kC);
-      continue;
-    }
-#endif
-    for (int64_t j = 0; j < n; ++j) out[b * kC + j] = float(c10::Half(bits[b * kC + j], c10::Half::from_bits()));
-  }
+    for (int64_t b = 0; b < NB; ++b) bits[j * js + b * bs] = h[rows[j] * NB + b];
+  if constexpr (!BlockMajor) return widen(bits, n * NB, out);
+  for (int64_t b = 0; b < NB; ++b) widen(bits + b * kC, n, out + b * kC);
 }
 
 // Each query head's value weights w (len nb): its p[j] times key j's value scales.
@@ -344,11 +333,9 @@ FERRUM_INLINE void task_body(const AttnArgs& a, AttnPlan& plan, const AttnTask& 
       for (int64_t j = j1 - j0; j % 8 != 0; ++j) sc.rows[j] = sc.rows[0];
       with_nb(nb, [&](auto N) {
         const int64_t n8 = (j1 - j0 + 7) / 8 * 8;
-        if (iq)  // the integer scores read the key scales block-major
-          gather_scales_t<N>(a.k_scale, sc.rows.data(), n8, nb, sc.scale_bits.data(), sc.key_scale_t.data());
-        else
-          gather_scales_nb<N>(a.k_scale, sc.rows.data(), n8, nb, sc.scale_bits.data(), sc.key_scale.data());
-        gather_scales_nb<N>(a.v_scale, sc.rows.data(), j1 - j0, nb, sc.scale_bits.data(), sc.value_scale.data());
+        if (iq) gather_scales<N, true>(a.k_scale, sc.rows.data(), n8, nb, sc.scale_bits.data(), sc.key_scale_t.data());
+        else gather_scales<N, false>(a.k_scale, sc.rows.data(), n8, nb, sc.scale_bits.data(), sc.key_scale.data());
+        gather_scales<N, false>(a.v_scale, sc.rows.data(), j1 - j0, nb, sc.scale_bits.data(), sc.value_scale.data());
       });
     }
     const float* ks = sc.key_scale.data();
